@@ -1,0 +1,29 @@
+# normlab: `make demo` and `make test` set themselves up on a fresh machine.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.normlab-installed
+
+.PHONY: setup test lint demo clean
+
+setup: $(STAMP)
+
+# torch goes in first, pinned, so that the permissive `torch>=2.4` of pyproject.toml
+# is already satisfied and pip does not pull a CUDA build.
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet "torch==2.13.0"
+	$(PY) -m pip install --quiet -e ".[dev]"
+	@touch $(STAMP)
+
+lint: setup
+	$(PY) -m ruff check src tests scripts
+
+test: lint
+	$(PY) -m pytest -q
+
+demo: setup
+	$(VENV)/bin/normlab demo
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,392 @@
+"""Thin ``nn.Module`` wrappers, one per function of :mod:`normlab.functional`.
+
+Every module reads ``Name(dim, *, ..., device=None, dtype=None)``: it owns its
+parameters, checks that the input's last dimension is ``dim``, and calls the
+functional form. There is no math here.
+
+Parameter names follow PyTorch so that a converted ``nn.LayerNorm`` can copy
+its affine: ``weight`` (gamma) and ``bias`` (beta of DyT). The papers' own
+parameters are ``alpha`` (DyT family) and ``beta`` (DyISRU/ELN). ``beta`` is kept
+positive by storing ``log_beta``; ``module.beta`` returns ``exp(log_beta)``.
+
+Initial values: DyT's ``alpha_init`` defaults to 0.5 (Zhu et al.). DyISRU's and
+ELN's ``beta_init`` defaults to 4.0 = 1 / 0.5**2, the slope-matching map
+beta0 = 1 / alpha0**2 of seed 000 (Fig. 2 caption): scaled DyT and DyISRU then
+have the same slope sqrt(C) * alpha0 = sqrt(C / beta0) at x = 0. To match
+RMSNorm's gain at an input std sigma0 instead, use beta_init = C * sigma0**2.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from normlab import functional as FN
+from normlab.registry import register
+
+__all__ = [
+    "LayerNorm",
+    "RMSNorm",
+    "L1Norm",
+    "LMaxNorm",
+    "GroupRMS",
+    "RMSDetached",
+    "RMSEMA",
+    "RMSPartialCoupling",
+    "DyT",
+    "DyTHardtanh",
+    "DyTSigmoid",
+    "DyTRMSDenominator",
+    "TanhFixed",
+    "LayerScale",
+    "SignSqrt",
+    "ScaledDyT",
+    "DyISRU",
+    "ELN",
+]
+
+
+def _positive_finite(value: float, name: str, owner: str) -> float:
+    if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{owner}: expected {name} to be a finite number > 0, got {value!r}")
+    return float(value)
+
+
+def _finite(value: float, name: str, owner: str) -> float:
+    if not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{owner}: expected {name} to be a finite number, got {value!r}")
+    return float(value)
+
+
+class _Norm(nn.Module):
+    """Shared plumbing: ``dim``, the input check, the optional channel affine."""
+
+    def __init__(self, dim: int, *, weight: bool, bias: bool, device=None, dtype=None) -> None:
+        super().__init__()
+        if not isinstance(dim, int) or isinstance(dim, bool) or dim < 1:
+            raise ValueError(f"{type(self).__name__}: expected dim (the number of channels) to be an int >= 1, got {dim!r}")
+        self.dim = dim
+        factory = {"device": device, "dtype": dtype}
+        self.weight = nn.Parameter(torch.empty(dim, **factory)) if weight else None
+        self.bias = nn.Parameter(torch.empty(dim, **factory)) if bias else None
+
+    def reset_parameters(self) -> None:
+        if self.weight is not None:
+            nn.init.ones_(self.weight)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+    def _check(self, x: Tensor) -> None:
+        if not isinstance(x, Tensor) or x.dim() == 0 or x.shape[-1] != self.dim:
+            got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+            raise ValueError(
+                f"{type(self).__name__}(dim={self.dim}): expected an input of shape (..., {self.dim}), got {got}; "
+                f"the normalized channel axis must be last (build the layer with dim=<size of the last axis>)"
+            )
+
+    def extra_repr(self) -> str:
+        return f"{self.dim}, weight={self.weight is not None}, bias={self.bias is not None}"
+
+
+# --------------------------------------------------------------------------
+# statistic norms
+# --------------------------------------------------------------------------
+@register("layer_norm", pointwise=False)
+class LayerNorm(_Norm):
+    def __init__(self, dim: int, *, eps: float = 1e-5, bias: bool = True, device=None, dtype=None) -> None:
+        super().__init__(dim, weight=True, bias=bias, device=device, dtype=dtype)
+        self.eps = _positive_finite(eps, "eps", "LayerNorm")
+        self.reset_parameters()
+
+    def forward(self, x: Tensor) -> Tensor:
+        self._check(x)
+        return FN.layer_norm(x, self.weight, self.bias, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, eps={self.eps}"
+
+
+class _ScaleNorm(_Norm):
+    """x divided by a per-token statistic, times weight: RMSNorm and its dissection variants."""
+
+    _fn = staticmethod(FN.rms_norm)
+
+    def __init__(self, dim: int, *, eps: float = 1e-6, device=None, dtype=None) -> None:
+        super().__init__(dim, weight=True, bias=False, device=device, dtype=dtype)
+        self.eps = _positive_finite(eps, "eps", type(self).__name__)
+        self.reset_parameters()
+
+    def forward(self, x: Tensor) -> Tensor:
+        self._check(x)
+        return self._fn(x, self.weight, eps=self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.dim}, eps={self.eps}"
+
+
+@register("rms_norm", pointwise=False)
+class RMSNorm(_ScaleNorm):
+    _fn = staticmethod(FN.rms_norm)
+
+
+@register("l1_norm", pointwise=False)
+class L1Norm(_ScaleNorm):
+    _fn = staticmethod(FN.l1_norm)
+
+
+@register("lmax_norm", pointwise=False)
+class LMaxNorm(_ScaleNorm):
+    _fn = staticmethod(FN.lmax_norm)
+
+
+@register("rms_detached", pointwise=False, exact_grad=False)
+class RMSDetached(_ScaleNorm):
+    _fn = staticmethod(FN.rms_detached)
+
+
+@register("group_rms", pointwise=False)
+class GroupRMS(_ScaleNorm):
+    def __init__(self, dim: int, *, group_size: int = 8, eps: float = 1e-6, device=None, dtype=None) -> None:
+        if not isinstance(group_size, int) or group_size < 1:
+            raise ValueError(f"GroupRMS: expected group_size to be an int >= 1, got {group_size!r}")
+        self.group_size = group_size
+        super().__init__(dim, eps=eps, device=device, dtype=dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        self._check(x)
+        return FN.group_rms(x, self.weight, self.group_size, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, group_size={self.group_size}"
+
+
+@register("rms_partial_coupling", pointwise=False, exact_grad=False)
+class RMSPartialCoupling(_ScaleNorm):
+    """RMSNorm whose backward keeps a fraction ``lam`` of the coupling term (``lam=1`` is exact)."""
+
+    def __init__(self, dim: int, *, lam: float = 1.0, eps: float = 1e-6, device=None, dtype=None) -> None:
+        self.lam = _finite(lam, "lam", "RMSPartialCoupling")
+        super().__init__(dim, eps=eps, device=device, dtype=dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        self._check(x)
+        return FN.rms_partial_coupling(x, self.weight, self.lam, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, lam={self.lam}"
+
+
+@register("rms_ema", pointwise=False, exact_grad=False)
+class RMSEMA(_ScaleNorm):
+    """RMSNorm whose denominator is a running mean of x^2 over training steps.
+
+    In training mode every call updates ``running_ms`` with
+    ``running_ms <- (1 - momentum) * running_ms + momentum * mean(x^2)`` (the mean
+    over the whole batch, all tokens and channels) and then normalizes with it;
+    the first call sets it. Eval mode only reads it. No gradient flows through it.
+    """
+
+    def __init__(self, dim: int, *, momentum: float = 0.01, eps: float = 1e-6, device=None, dtype=None) -> None:
+        if not isinstance(momentum, (int, float)) or not 0.0 < momentum <= 1.0:
+            raise ValueError(f"RMSEMA: expected momentum in (0, 1], got {momentum!r}")
+        self.momentum = float(momentum)
+        super().__init__(dim, eps=eps, device=device, dtype=dtype)
+        self.register_buffer("running_ms", torch.ones((), device=device, dtype=torch.float32))
+        self.register_buffer("initialized", torch.zeros((), device=device, dtype=torch.bool))
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        if hasattr(self, "running_ms"):
+            self.running_ms.fill_(1.0)
+            self.initialized.fill_(False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        self._check(x)
+        if self.training and x.numel() > 0:
+            with torch.no_grad():
+                ms = x.detach().float().pow(2).mean()
+                new = torch.where(self.initialized, torch.lerp(self.running_ms, ms, self.momentum), ms)
+                self.running_ms.copy_(new)
+                self.initialized.fill_(True)
+        return FN.rms_ema(x, self.running_ms, self.weight, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, momentum={self.momentum}"
+
+
+# --------------------------------------------------------------------------
+# point-wise functions
+# --------------------------------------------------------------------------
+class _DyTFamily(_Norm):
+    """gamma * f(alpha * x) + beta with a learnable alpha (scalar or per channel)."""
+
+    _fn = staticmethod(FN.dyt)
+
+    def __init__(
+        self,
+        dim: int,
+        *,
+        alpha_init: float = 0.5,
+        per_channel_alpha: bool = False,
+        bias: bool = True,
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__(dim, weight=True, bias=bias, device=device, dtype=dtype)
+        self.alpha_init = _finite(alpha_init, "alpha_init", type(self).__name__)
+        self.per_channel_alpha = bool(per_channel_alpha)
+        self.alpha = nn.Parameter(torch.empty(dim if per_channel_alpha else 1, device=device, dtype=dtype))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        nn.init.constant_(self.alpha, self.alpha_init)
+
+    def forward(self, x: Tensor) -> Tensor:
+        self._check(x)
+        return self._fn(x, self.alpha, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, alpha_init={self.alpha_init}, per_channel_alpha={self.per_channel_alpha}"
+
+
+@register("dyt", pointwise=True)
+class DyT(_DyTFamily):
+    _fn = staticmethod(FN.dyt)
+
+
+@register("dyt_hardtanh", pointwise=True)
+class DyTHardtanh(_DyTFamily):
+    _fn = staticmethod(FN.dyt_hardtanh)
+
+
+@register("dyt_sigmoid", pointwise=True)
+class DyTSigmoid(_DyTFamily):
+    _fn = staticmethod(FN.dyt_sigmoid)
+
+
+@register("dyt_rms_denominator", pointwise=False)
+class DyTRMSDenominator(_DyTFamily):
+    def __init__(self, dim: int, *, eps: float = 1e-6, **kwargs) -> None:
+        self.eps = _positive_finite(eps, "eps", "DyTRMSDenominator")
+        super().__init__(dim, **kwargs)
+
+    def forward(self, x: Tensor) -> Tensor:
+        self._check(x)
+        return FN.dyt_rms_denominator(x, self.alpha, self.weight, self.bias, self.eps)
+
+
+@register("scaled_dyt", pointwise=True)
+class ScaledDyT(_DyTFamily):
+    """sqrt(C) * tanh(alpha * x) (seed 000 eq. 12), or sqrt(C-1) with ``scale="C-1"``."""
+
+    def __init__(self, dim: int, *, scale: FN.Scale = "C", **kwargs) -> None:
+        FN.channel_scale(max(dim, 2), scale)  # validates the name
+        self.scale = scale
+        super().__init__(dim, **kwargs)
+
+    def forward(self, x: Tensor) -> Tensor:
+        self._check(x)
+        return FN.scaled_dyt(x, self.alpha, self.weight, self.bias, self.scale)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, scale={self.scale!r}"
+
+
+@register("tanh_fixed", pointwise=True)
+class TanhFixed(_Norm):
+    def __init__(self, dim: int, *, device=None, dtype=None) -> None:
+        super().__init__(dim, weight=True, bias=False, device=device, dtype=dtype)
+        self.reset_parameters()
+
+    def forward(self, x: Tensor) -> Tensor:
+        self._check(x)
+        return FN.tanh_fixed(x, self.weight)
+
+
+@register("layer_scale", pointwise=True)
+class LayerScale(_Norm):
+    def __init__(self, dim: int, *, bias: bool = True, device=None, dtype=None) -> None:
+        super().__init__(dim, weight=True, bias=bias, device=device, dtype=dtype)
+        self.reset_parameters()
+
+    def forward(self, x: Tensor) -> Tensor:
+        self._check(x)
+        return FN.layer_scale(x, self.weight, self.bias)
+
+
+@register("sign_sqrt", pointwise=True)
+class SignSqrt(_Norm):
+    def __init__(self, dim: int, *, eps: float = 1e-6, bias: bool = True, device=None, dtype=None) -> None:
+        super().__init__(dim, weight=True, bias=bias, device=device, dtype=dtype)
+        self.eps = _positive_finite(eps, "eps", "SignSqrt")
+        self.reset_parameters()
+
+    def forward(self, x: Tensor) -> Tensor:
+        self._check(x)
+        return FN.sign_sqrt(x, self.weight, self.bias, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, eps={self.eps}"
+
+
+class _ISRUFamily(_Norm):
+    """scale * z / sqrt(beta + z^2) with a learnable beta > 0, stored as log_beta."""
+
+    _fn = staticmethod(FN.dyisru)
+    _default_scale: FN.Scale = "C"
+
+    def __init__(
+        self,
+        dim: int,
+        *,
+        beta_init: float = 4.0,
+        per_channel_beta: bool = False,
+        scale: FN.Scale | None = None,
+        bias: bool = True,
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__(dim, weight=True, bias=bias, device=device, dtype=dtype)
+        self.beta_init = _positive_finite(beta_init, "beta_init", type(self).__name__)
+        self.scale = scale or self._default_scale
+        FN.channel_scale(max(dim, 2), self.scale)  # validates the name
+        self.per_channel_beta = bool(per_channel_beta)
+        self.log_beta = nn.Parameter(torch.empty(dim if per_channel_beta else 1, device=device, dtype=dtype))
+        self.reset_parameters()
+
+    @property
+    def beta(self) -> Tensor:
+        return self.log_beta.exp()
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        nn.init.constant_(self.log_beta, math.log(self.beta_init))
+
+    def forward(self, x: Tensor) -> Tensor:
+        self._check(x)
+        return self._fn(x, self.beta, self.weight, self.bias, self.scale)
+
+    def extra_repr(self) -> str:
+        return (
+            f"{super().extra_repr()}, beta_init={self.beta_init}, per_channel_beta={self.per_channel_beta}, "
+            f"scale={self.scale!r}"
+        )
+
+
+@register("dyisru", pointwise=True)
+class DyISRU(_ISRUFamily):
+    """sqrt(C) * x / sqrt(beta + x^2) (seed 000 eq. 16)."""
+
+    _fn = staticmethod(FN.dyisru)
+    _default_scale = "C"
+
+
+@register("eln", pointwise=False)
+class ELN(_ISRUFamily):
+    """sqrt(C-1) * (x - mu) / sqrt(beta + (x - mu)^2) (seed 002 eq. 13); not point-wise: mu couples channels."""
+
+    _fn = staticmethod(FN.eln)
+    _default_scale = "C-1"

@@ -1,0 +1,32 @@
+"""The NumPy reference ``dynamic_tanh`` of seed 004, with its exact output format."""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["dynamic_tanh"]
+
+
+def dynamic_tanh(x, alpha: float, gamma, beta) -> list:
+    """DyT(x) = gamma * tanh(alpha * x) + beta, rounded to 4 decimals, as a nested list.
+
+    ``x`` has shape (..., C); ``gamma`` and ``beta`` have shape (C,) and broadcast
+    over the last (channel) axis; ``alpha`` is a scalar. Rounding is NumPy's
+    (round half to even), applied once to the final value.
+
+    >>> dynamic_tanh([[[0.14115588, 0.00372817, 0.24126647, 0.22183601]]], 0.5, [1, 1, 1, 1], [0, 0, 0, 0])
+    [[[0.0705, 0.0019, 0.1201, 0.1105]]]
+    """
+    x = np.asarray(x, dtype=np.float64)
+    gamma = np.asarray(gamma, dtype=np.float64)
+    beta = np.asarray(beta, dtype=np.float64)
+    if x.ndim == 0:
+        raise ValueError("dynamic_tanh: expected x of shape (..., C), got a scalar")
+    c = x.shape[-1]
+    for name, p in (("gamma", gamma), ("beta", beta)):
+        if p.shape != (c,):
+            raise ValueError(f"dynamic_tanh: expected {name} of shape ({c},) to match x's last axis, got {p.shape}")
+    if np.ndim(alpha) != 0:
+        raise ValueError(f"dynamic_tanh: expected a scalar alpha, got shape {np.shape(alpha)}")
+    y = gamma * np.tanh(float(alpha) * x) + beta
+    return np.round(y, 4).tolist()

@@ -1,0 +1,108 @@
+"""Shared test helpers: independently written NumPy formulas for every registered norm.
+
+These formulas are written from the papers, not from normlab.functional, so a
+mistake in either shows up as a mismatch.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import normlab
+
+EPS = 1e-6
+
+
+def _rms(x, eps):
+    return np.sqrt((x**2).mean(-1, keepdims=True) + eps)
+
+
+def _np(t):
+    return None if t is None else t.detach().double().cpu().numpy()
+
+
+def numpy_reference(name: str, module, x: np.ndarray) -> np.ndarray:
+    """The output of ``module`` (a registered norm) on x, computed in float64 NumPy."""
+    w = _np(getattr(module, "weight", None))
+    b = _np(getattr(module, "bias", None))
+    w = 1.0 if w is None else w
+    b = 0.0 if b is None else b
+    c = x.shape[-1]
+    if name == "layer_norm":
+        m = x.mean(-1, keepdims=True)
+        v = ((x - m) ** 2).mean(-1, keepdims=True)
+        return (x - m) / np.sqrt(v + module.eps) * w + b
+    if name in ("rms_norm", "rms_detached", "rms_partial_coupling"):
+        return x / _rms(x, module.eps) * w
+    if name == "rms_ema":
+        return x / np.sqrt(float(module.running_ms) + module.eps) * w
+    if name == "l1_norm":
+        return x / (np.abs(x).mean(-1, keepdims=True) + module.eps) * w
+    if name == "lmax_norm":
+        return x / (np.abs(x).max(-1, keepdims=True) + module.eps) * w
+    if name == "group_rms":
+        out = np.empty_like(x)
+        g = module.group_size
+        for start in range(0, c, g):
+            sl = slice(start, min(start + g, c))
+            out[..., sl] = x[..., sl] / _rms(x[..., sl], module.eps)
+        return out * w
+    a = _np(getattr(module, "alpha", None))
+    if name == "dyt":
+        return w * np.tanh(a * x) + b
+    if name == "dyt_hardtanh":
+        return w * np.clip(a * x, -1.0, 1.0) + b
+    if name == "dyt_sigmoid":
+        return w * (2.0 / (1.0 + np.exp(-a * x)) - 1.0) + b
+    if name == "dyt_rms_denominator":
+        return w * np.tanh(a * x / _rms(x, module.eps)) + b
+    if name == "scaled_dyt":
+        s = math.sqrt(c) if module.scale == "C" else math.sqrt(c - 1)
+        return s * np.tanh(a * x) * w + b
+    if name == "tanh_fixed":
+        return w * np.tanh(x)
+    if name == "layer_scale":
+        return w * x + b
+    if name == "sign_sqrt":
+        return w * np.sign(x) * np.sqrt(np.abs(x) + module.eps) + b
+    if name == "dyisru":
+        beta = _np(module.beta)
+        return math.sqrt(c) * x / np.sqrt(beta + x**2) * w + b
+    if name == "eln":
+        beta = _np(module.beta)
+        xc = x - x.mean(-1, keepdims=True)
+        return math.sqrt(c - 1) * xc / np.sqrt(beta + xc**2) * w + b
+    raise KeyError(f"no NumPy reference for {name!r}: add one when registering a new norm")
+
+
+def make_norm(name: str, dim: int, *, dtype=torch.float64, randomize: bool = True, seed: int = 0, **kwargs):
+    """A registered norm with non-trivial parameters (so the affine is exercised), in eval mode."""
+    torch.manual_seed(seed)
+    m = normlab.create_norm(name, dim, **kwargs).to(dtype)
+    if randomize:
+        with torch.no_grad():
+            for pname, p in m.named_parameters():
+                if pname == "weight":
+                    p.copy_(1.0 + 0.3 * torch.randn_like(p))
+                elif pname == "bias":
+                    p.copy_(0.1 * torch.randn_like(p))
+                elif pname == "alpha":
+                    p.copy_(0.3 + 0.5 * torch.rand_like(p))
+                elif pname == "log_beta":
+                    p.copy_(torch.log(0.5 + 3.0 * torch.rand_like(p)))
+        if name == "rms_ema":
+            m.running_ms.fill_(0.7)
+            m.initialized.fill_(True)
+    return m.eval()
+
+
+ALL_NORMS = normlab.list_norms()
+
+
+@pytest.fixture(params=ALL_NORMS)
+def norm_name(request):
+    return request.param

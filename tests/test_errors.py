@@ -1,0 +1,78 @@
+"""Bad input gets a clear error at the boundary that says what was expected and what was given."""
+
+import math
+
+import pytest
+import torch
+
+import normlab
+import normlab.functional as FN
+
+
+def test_unknown_name_lists_valid_names():
+    with pytest.raises(ValueError, match="Did you mean 'dyt'") as e:
+        normlab.create_norm("dty", 8)
+    for name in ("rms_norm", "dyisru", "layer_norm"):
+        assert name in str(e.value)
+
+
+def test_unknown_kwarg_lists_valid_ones():
+    with pytest.raises(TypeError, match="does not take beta_init; it takes: .*alpha_init"):
+        normlab.create_norm("dyt", 8, beta_init=3.0)
+
+
+def test_wrong_last_dimension(norm_name):
+    m = normlab.create_norm(norm_name, 8)
+    with pytest.raises(ValueError, match=r"expected an input of shape \(\.\.\., 8\), got \(2, 3, 5\)"):
+        m(torch.randn(2, 3, 5))
+
+
+@pytest.mark.parametrize("fn,args", [(FN.rms_norm, ()), (FN.layer_norm, ()), (FN.dyt, (0.5,)), (FN.dyisru, (4.0,))])
+def test_wrong_weight_shape(fn, args):
+    with pytest.raises(ValueError, match=r"expected weight of shape \(8,\) .* got weight of shape \(7,\)"):
+        fn(torch.randn(3, 8), *args, weight=torch.ones(7))
+
+
+@pytest.mark.parametrize("fn", [FN.layer_norm, FN.dyt, FN.dyisru])
+def test_wrong_bias_shape(fn):
+    extra = {"alpha": 0.5} if fn is FN.dyt else {"beta": 4.0} if fn is FN.dyisru else {}
+    with pytest.raises(ValueError, match=r"expected bias of shape \(8,\)"):
+        fn(torch.randn(3, 8), bias=torch.zeros(2, 8), **extra)
+
+
+def test_wrong_alpha_shape():
+    with pytest.raises(ValueError, match=r"alpha of shape \(8,\) or \(\) or \(1,\)"):
+        FN.dyt(torch.randn(3, 8), torch.ones(3))
+
+
+def test_non_floating_input(norm_name):
+    m = normlab.create_norm(norm_name, 4)
+    with pytest.raises(TypeError, match="expected a floating-point input .* got dtype torch.int64"):
+        m(torch.arange(8).reshape(2, 4))
+
+
+@pytest.mark.parametrize("value", [0.0, -1.0, math.inf, math.nan])
+@pytest.mark.parametrize("name", ["dyisru", "eln"])
+def test_bad_beta_init(name, value):
+    with pytest.raises(ValueError, match=f"expected beta_init to be a finite number > 0, got {value}"):
+        normlab.create_norm(name, 8, beta_init=value)
+
+
+@pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan])
+def test_non_finite_alpha_init(value):
+    with pytest.raises(ValueError, match="expected alpha_init to be a finite number"):
+        normlab.create_norm("dyt", 8, alpha_init=value)
+
+
+def test_bad_dim():
+    with pytest.raises(ValueError, match="expected dim .* got 0"):
+        normlab.create_norm("rms_norm", 0)
+
+
+def test_empty_batch(norm_name):
+    m = normlab.create_norm(norm_name, 8)
+    x = torch.randn(0, 8, requires_grad=True)
+    y = m(x)
+    assert y.shape == (0, 8)
+    y.sum().backward()
+    assert x.grad.shape == (0, 8)
