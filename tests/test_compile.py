@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+
 from conftest import make_norm
 
 pytestmark = pytest.mark.slow

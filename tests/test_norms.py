@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import make_norm, numpy_reference
 
 import normlab
+from conftest import make_norm, numpy_reference
 
 # The x-gradient of rms_detached is, by design, not the derivative of its forward;
 # test_identities.py checks it against its own formula instead.

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Callable, Literal
+from collections.abc import Callable
+from typing import Literal
 
 import torch
 import torch.nn.functional as F

@@ -66,7 +66,8 @@ class _Norm(nn.Module):
     def __init__(self, dim: int, *, weight: bool, bias: bool, device=None, dtype=None) -> None:
         super().__init__()
         if not isinstance(dim, int) or isinstance(dim, bool) or dim < 1:
-            raise ValueError(f"{type(self).__name__}: expected dim (the number of channels) to be an int >= 1, got {dim!r}")
+            owner = type(self).__name__
+            raise ValueError(f"{owner}: expected dim (the number of channels) to be an int >= 1, got {dim!r}")
         self.dim = dim
         factory = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty(dim, **factory)) if weight else None

@@ -120,7 +120,9 @@ def dyt_jacobian(x: Tensor, alpha: Tensor | float, weight: Tensor | None = None)
     return torch.diag(_gamma(weight, x) * a / torch.cosh(a * x).pow(2))
 
 
-def scaled_dyt_jacobian(x: Tensor, alpha: Tensor | float, weight: Tensor | None = None, scale: FN.Scale = "C") -> Tensor:
+def scaled_dyt_jacobian(
+    x: Tensor, alpha: Tensor | float, weight: Tensor | None = None, scale: FN.Scale = "C"
+) -> Tensor:
     """Scaled DyT (seed 000 eq. 12): J = diag(gamma * s * alpha * sech^2(alpha x)), s = sqrt(C) or sqrt(C-1)."""
     return FN.channel_scale(x.shape[0], scale) * dyt_jacobian(x, alpha, weight)
 
