@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 
@@ -23,6 +24,117 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _parse_init(pairs: list[str]) -> dict:
+    out = {}
+    for pair in pairs or []:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--init expects KEY=VALUE (e.g. alpha_init=1.0), got {pair!r}")
+        try:
+            out[key] = int(value) if value.lstrip("-").isdigit() else float(value)
+        except ValueError:
+            out[key] = {"true": True, "false": False}.get(value.lower(), value)
+    return out
+
+
+def _write_json(obj, path: str | None) -> None:
+    if path:
+        from pathlib import Path
+
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(obj, indent=2) + "\n")
+        print(f"wrote {path}")
+
+
+def _cmd_jacobian(args: argparse.Namespace) -> int:
+    from normlab.theory.jacobian import jacobian_table
+
+    rows = jacobian_table(args.norm, args.width, std=args.std, init=_parse_init(args.init), tokens=args.tokens,
+                          seed=args.seed)  # fmt: skip
+    print(f"Per-token Jacobian norms at input std {args.std}, gamma = 1, mean over {args.tokens} token(s)\n")
+    table = [[r["width"], r["norm"], ", ".join(f"{k}={v}" for k, v in r["init"].items()) or "default",
+              r["diag"], r["coupling"], r["total"], r["split"]] for r in rows]  # fmt: skip
+    headers = ["width", "norm", "init", "|J_diag|_F", "|J_coupling|_F", "|J_total|_F", "split"]
+    print(format_table(headers, table, markdown=args.markdown))
+    _write_json(rows, args.json)
+    return 0
+
+
+def _cmd_gain(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from normlab.registry import create_norm, norm_spec
+    from normlab.theory.gain import gain_curve, pointwise_gain_limit, rms_norm_gain
+    from normlab.theory.plots import plot_gain
+
+    init = _parse_init(args.init)
+    sigmas = np.logspace(np.log10(args.sigma_min), np.log10(args.sigma_max), args.points)
+    curves, limits, rows = {}, {}, []
+    for name in args.norm:
+        from normlab.registry import init_kwargs
+
+        m = create_norm(name, args.width, **{k: v for k, v in init.items() if k in init_kwargs(name)}).double().eval()
+        curves[name] = gain_curve(m, sigmas, dim=args.width, samples=args.samples, seed=args.seed)
+        limits[name] = pointwise_gain_limit(m, args.width) if norm_spec(name).pointwise else None
+        for s, g in zip(sigmas, curves[name][0]):
+            rows.append({"norm": name, "sigma": float(s), "gain": float(g), "theorem1_limit": limits[name]})
+    eps = init.get("eps", 1e-6)
+    path = plot_gain(curves, sigmas, args.out, dim=args.width, limits=limits,
+                     rms_closed_form=rms_norm_gain(sigmas, eps) if "rms_norm" in args.norm else None)  # fmt: skip
+    picks = sorted({0, len(sigmas) // 2, len(sigmas) - 1})
+    headers = ["norm", *(f"G({sigmas[i]:.3g})" for i in picks), "Thm 1 limit |f'(0)|"]
+    table = [[n, *(float(curves[n][0][i]) for i in picks), "-" if limits[n] is None else limits[n]] for n in curves]
+    if "rms_norm" in curves:
+        table.append(["Thm 2: 1/sqrt(s^2+eps)", *(float(rms_norm_gain(sigmas[i], eps)) for i in picks), "-"])
+    print(format_table(headers, table, markdown=args.markdown))
+    print(f"wrote {path}")
+    _write_json(rows, args.json)
+    return 0
+
+
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    import numpy as np
+
+    from normlab.theory.plots import plot_outlier_fit, plot_outlier_steps
+    from normlab.theory.simulate import load_vector, simulate_many, simulate_outliers
+
+    x = load_vector(args.x) if args.x else None
+    common = dict(C=args.C if x is None else None, sigma=args.sigma, mu=args.mu, step=args.step, steps=args.steps,
+                  norm=args.norm, scale=args.scale)  # fmt: skip
+    sim = simulate_outliers(seed=args.seed, x=x, **common)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    src = f"sample from {args.x}" if x is not None else f"seed {args.seed}, sigma {args.sigma}, mu {args.mu}"
+    print(f"Outlier simulation ({sim.norm}, C={sim.C}, {src}, step {sim.step}, S=1..{sim.steps}), "
+          f"fitted amplitude sqrt({sim.scale})\n")  # fmt: skip
+    rows = []
+    for f in (sim.dyt, sim.dyisru):
+        status = "ok" if f.converged else f"FAILED: {f.message}"
+        rows.append([f.kind, f.param_name, f.param.item(), f.mean_abs_residual, status])
+    if sim.reference_beta is not None:
+        rows.append(["dyisru (Theorem 3)", "beta", sim.reference_beta, sim.reference_mean_abs_residual,
+                     "beta = ||x without outlier||^2"])  # fmt: skip
+    print(format_table(["fit", "param", "value", "mean |residual|", "status"], rows, markdown=args.markdown))
+    seed_doc = "seed 000, RMSNorm" if sim.norm == "rms_norm" else "seed 001, LayerNorm"
+    print(f"paper ({seed_doc}, one sample): alpha = 0.049, beta = 301.1, mean |residual| 0.33 (DyT), < 0.01 (DyISRU)")
+    result = sim.to_dict()
+    if args.seeds > 1 and x is None:
+        many = simulate_many(range(args.seeds), **common)
+        result["over_seeds"] = many
+        print(f"\nover {args.seeds} seeds (mean +- std, [min, max]):")
+        table = [[k, v["mean"], v["std"], v["min"], v["max"]] for k, v in many["stats"].items()]
+        print(format_table(["quantity", "mean", "std", "min", "max"], table, markdown=args.markdown))
+        if many["failed"]:
+            print(f"fits failed for seeds {many['failed']}")
+    np.save(out / "sample.npy", sim.x)
+    for p in (plot_outlier_steps(sim, out / "outlier_steps.png"), plot_outlier_fit(sim, out / "outlier_fit.png")):
+        print(f"wrote {p}")
+    _write_json(result, str(out / "simulate.json"))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="normlab", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -33,6 +145,51 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=0, help="random seed of the input")
     d.add_argument("--markdown", action="store_true", help="print a Markdown table")
     d.set_defaults(func=_cmd_demo)
+
+    j = sub.add_parser("jacobian", help="seed 003's table: Frobenius norms of the Jacobian's diagonal and coupling")
+    j.add_argument("--norm", nargs="+", default=["rms_norm", "dyt"], help="registered norm names")
+    j.add_argument("--width", nargs="+", type=int, default=[1024, 2048], help="channel counts")
+    j.add_argument("--std", type=float, default=0.02, help="input std (0.02: GPT-2 init)")
+    j.add_argument("--init", nargs="*", default=["alpha_init=1.0"], metavar="KEY=VALUE",
+                   help="init values, applied to each norm that takes them (default: alpha_init=1.0, as in seed 003)")
+    j.add_argument("--tokens", type=int, default=4, help="tokens to average over")
+    j.add_argument("--seed", type=int, default=0)
+    j.add_argument("--json", help="also write the rows to this JSON file")
+    j.add_argument("--markdown", action="store_true", help="print a Markdown table")
+    j.set_defaults(func=_cmd_jacobian)
+
+    g = sub.add_parser("gain", help="seed 003's forward gain G(sigma), Monte Carlo, as a log-log plot")
+    g.add_argument("--norm", nargs="+", default=["rms_norm", "l1_norm", "dyt", "dyt_hardtanh", "dyisru", "sign_sqrt"],
+                   help="registered norm names")
+    g.add_argument("--width", type=int, default=1024, help="channels d")
+    g.add_argument("--sigma-min", type=float, default=1e-3)
+    g.add_argument("--sigma-max", type=float, default=10.0)
+    g.add_argument("--points", type=int, default=17, help="sigmas on the log grid")
+    g.add_argument("--samples", type=int, default=64, help="Monte Carlo tokens per sigma")
+    g.add_argument("--init", nargs="*", default=["alpha_init=1.0"], metavar="KEY=VALUE",
+                   help="init values, applied to each norm that takes them (default alpha_init=1.0)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--out", default="out/gain.png", help="PNG to write")
+    g.add_argument("--json", help="also write the curves to this JSON file")
+    g.add_argument("--markdown", action="store_true")
+    g.set_defaults(func=_cmd_gain)
+
+    s = sub.add_parser("simulate", help="the outlier simulation of seeds 000/001 with DyT and DyISRU fits")
+    s.add_argument("--norm", choices=["rms_norm", "layer_norm"], default="rms_norm",
+                   help="normalization simulated: rms_norm (seed 000) or layer_norm (seed 001)")
+    s.add_argument("--C", type=int, default=100, help="channels (default 100, as in the papers)")
+    s.add_argument("--sigma", type=float, default=2.0, help="std of the sample (default 2)")
+    s.add_argument("--mu", type=float, default=0.0, help="mean of the sample (default 0)")
+    s.add_argument("--step", type=float, default=5.0, help="outlier step size (default 5)")
+    s.add_argument("--steps", type=int, default=9, help="number of steps S (default 9)")
+    s.add_argument("--scale", choices=["C", "C-1"], help="fitted amplitude sqrt(C) or sqrt(C-1) "
+                   "(default: C for rms_norm, C-1 for layer_norm, as in the papers)")
+    s.add_argument("--seed", type=int, default=0, help="seed of the sample")
+    s.add_argument("--x", help="use this sample instead (.npy, .json or text: C numbers); overrides C/sigma/mu/seed")
+    s.add_argument("--seeds", type=int, default=1, help="also report the spread of the fits over this many seeds")
+    s.add_argument("--out", default="out/simulate", help="folder for figures, sample.npy and simulate.json")
+    s.add_argument("--markdown", action="store_true")
+    s.set_defaults(func=_cmd_simulate)
     return p
 
 

@@ -34,6 +34,7 @@ __all__ = [
     "dyisru_jacobian",
     "JacobianNorms",
     "decompose",
+    "jacobian_table",
 ]
 
 
@@ -162,5 +163,53 @@ def decompose(jac: Tensor, *, terms: tuple[Tensor, Tensor] | None = None) -> Jac
         d = torch.diag(torch.diagonal(jac))
         k = jac - d
         split = "diagonal+off-diagonal"
-    fro = lambda m: float(torch.linalg.matrix_norm(m, "fro"))  # noqa: E731
+    fro = lambda m: float(torch.linalg.matrix_norm(m.detach(), "fro"))  # noqa: E731
     return JacobianNorms(fro(d), fro(k), fro(jac), split)
+
+
+def jacobian_table(
+    norms: list[str],
+    widths: list[int],
+    *,
+    std: float = 0.02,
+    init: dict | None = None,
+    tokens: int = 4,
+    seed: int = 0,
+) -> list[dict]:
+    """Seed 003's Jacobian table: Frobenius norms of J, its diagonal and coupling parts, averaged over tokens.
+
+    Each norm is built at default init (gamma = 1) plus the keys of ``init`` it
+    accepts, in float64, and evaluated at ``tokens`` tokens x ~ N(0, std^2 I).
+    RMSNorm uses the seed's gain/rank-1 split; other norms the diagonal/off-diagonal split.
+    """
+    from normlab.registry import create_norm, init_kwargs
+
+    if not math.isfinite(std) or std <= 0:
+        raise ValueError(f"expected an input std > 0, got {std}")
+    if tokens < 1:
+        raise ValueError(f"expected tokens >= 1, got {tokens}")
+    init = init or {}
+    unused = set(init) - {k for n in norms for k in init_kwargs(n)}
+    if unused:
+        raise ValueError(f"no selected norm takes {', '.join(sorted(unused))}")
+    rows = []
+    for width in widths:
+        if width < 1:
+            raise ValueError(f"expected widths >= 1, got {width}")
+        xs = torch.randn(tokens, width, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * std
+        for name in norms:
+            kwargs = {k: v for k, v in init.items() if k in init_kwargs(name)}
+            m = create_norm(name, width, **kwargs).double().eval()
+            parts = []
+            for x in xs:
+                jac = autograd_jacobian(m, x)
+                terms = rms_norm_terms(x, m.weight, m.eps) if name == "rms_norm" else None
+                parts.append(decompose(jac, terms=terms))
+            rows.append({
+                "width": width, "norm": name, "init": kwargs,
+                "diag": sum(p.diag for p in parts) / tokens,
+                "coupling": sum(p.coupling for p in parts) / tokens,
+                "total": sum(p.total for p in parts) / tokens,
+                "split": parts[0].split,
+            })  # fmt: skip
+    return rows

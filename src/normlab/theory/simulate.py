@@ -1,0 +1,174 @@
+"""The outlier simulation of seeds 000/001 (Sec. 4), with DyT and DyISRU fits.
+
+Procedure (seed 000 eqs. 17-18): draw x ~ N(mu, sigma^2) with C channels; for
+S = 0, 1, ..., steps set the largest entry to x_o + step * S and normalize
+(RMSNorm, seed 000, or LayerNorm, seed 001). The outlier points (x_o, y_o) for
+S >= 1, mirrored to (-x, -y) as the papers do, are fitted by scaled DyT
+(eq. 12) and DyISRU (eq. 16) with the amplitude sqrt(C) (RMSNorm) or
+sqrt(C-1) (LayerNorm, seed 001 eqs. 11 and 15).
+
+For RMSNorm, Theorem 3 predicts the exact DyISRU parameter: beta =
+||x without the outlier||^2, which does not change with S. For LayerNorm,
+Theorem 4 of seed 001/002 gives beta_i = (C-1) sigma_{!=i}^2 - sigma^2 for the
+centered form, and it changes with S, so no single beta is exact.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+
+import normlab.functional as FN
+from normlab.theory.fit import FitResult, fit_elementwise, predict
+
+__all__ = ["OutlierSimulation", "simulate_outliers", "simulate_many", "load_vector"]
+
+NormName = Literal["rms_norm", "layer_norm"]
+
+
+@dataclass
+class OutlierSimulation:
+    C: int
+    sigma: float | None
+    mu: float | None
+    step: float
+    steps: int
+    norm: str
+    scale: str
+    seed: int | None
+    x: np.ndarray  # (C,) the sample at S = 0
+    outlier_index: int
+    xs: np.ndarray  # (steps + 1, C) input at each S
+    ys: np.ndarray  # (steps + 1, C) normalized output at each S
+    dyt: FitResult
+    dyisru: FitResult
+    reference_beta: float | None  # Theorem 3 (RMSNorm only)
+    reference_mean_abs_residual: float | None  # DyISRU with reference_beta on the outliers
+
+    @property
+    def outlier_x(self) -> np.ndarray:
+        return self.xs[1:, self.outlier_index]
+
+    @property
+    def outlier_y(self) -> np.ndarray:
+        return self.ys[1:, self.outlier_index]
+
+    @property
+    def amplitude(self) -> float:
+        return FN.channel_scale(self.C, self.scale)
+
+    def to_dict(self) -> dict:
+        return {
+            "config": {"C": self.C, "sigma": self.sigma, "mu": self.mu, "step": self.step, "steps": self.steps,
+                       "norm": self.norm, "scale": self.scale, "seed": self.seed},
+            "outlier_index": self.outlier_index,
+            "outliers": {"x": self.outlier_x.tolist(), "y": self.outlier_y.tolist()},
+            "dyt": self.dyt.summary(),
+            "dyisru": self.dyisru.summary(),
+            "reference_beta": self.reference_beta,
+            "reference_mean_abs_residual": self.reference_mean_abs_residual,
+            "sample": self.x.tolist(),
+        }  # fmt: skip
+
+
+def load_vector(path: str | Path) -> np.ndarray:
+    """A 1-d sample from a .npy file or a text file of numbers (whitespace or comma separated)."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"sample file {str(p)!r} does not exist")
+    if p.suffix == ".npy":
+        v = np.load(p, allow_pickle=False)
+    elif p.suffix == ".json":
+        v = np.asarray(json.loads(p.read_text()), dtype=float)
+    else:
+        v = np.loadtxt(p, delimiter="," if "," in p.read_text() else None, dtype=float)
+    return np.asarray(v, dtype=np.float64)
+
+
+def _check(C, sigma, step, steps, x) -> None:
+    if x is not None:
+        if x.ndim != 1:
+            raise ValueError(f"expected the sample x to be a vector of shape (C,), got shape {x.shape}")
+        if x.shape[0] < 2:
+            raise ValueError(f"expected a sample of C >= 2 channels, got C = {x.shape[0]}")
+        if C is not None and C != x.shape[0]:
+            raise ValueError(f"C = {C} was given but the sample has {x.shape[0]} entries; drop C or fix the file")
+        if not np.all(np.isfinite(x)):
+            raise ValueError("the sample x contains non-finite values")
+    elif not isinstance(C, int) or C < 2:
+        raise ValueError(f"expected C (channels) to be an int >= 2, got {C!r}: with one channel there is no outlier")
+    if x is None and (not math.isfinite(sigma) or sigma <= 0):
+        raise ValueError(f"expected sigma > 0, got {sigma!r}")
+    if not math.isfinite(step) or step <= 0:
+        raise ValueError(f"expected step > 0, got {step!r}")
+    if not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"expected steps (S) to be an int >= 1, got {steps!r}")
+
+
+def simulate_outliers(
+    C: int | None = 100,
+    sigma: float = 2.0,
+    mu: float = 0.0,
+    step: float = 5.0,
+    steps: int = 9,
+    norm: NormName = "rms_norm",
+    scale: str | None = None,
+    seed: int | None = 0,
+    x: np.ndarray | None = None,
+) -> OutlierSimulation:
+    """Run the simulation on a seeded sample, or on a given vector ``x`` (then C, sigma, mu come from it)."""
+    if norm not in ("rms_norm", "layer_norm"):
+        raise ValueError(f"norm must be 'rms_norm' (seed 000) or 'layer_norm' (seed 001), got {norm!r}")
+    scale = scale or ("C" if norm == "rms_norm" else "C-1")
+    if scale not in ("C", "C-1"):
+        raise ValueError(f"scale must be 'C' (sqrt(C)) or 'C-1' (sqrt(C-1)), got {scale!r}")
+    if x is not None:
+        x = np.asarray(x, dtype=np.float64)
+    _check(C, sigma, step, steps, x)
+    if x is None:
+        x = np.random.default_rng(seed).normal(mu, sigma, size=C)
+    else:
+        C, sigma, mu, seed = x.shape[0], None, None, None
+    o = int(np.argmax(x))
+    xs = np.repeat(x[None], steps + 1, axis=0)
+    xs[:, o] += step * np.arange(steps + 1)  # eq. (18)
+    fn = FN.rms_norm if norm == "rms_norm" else FN.layer_norm
+    ys = fn(torch.from_numpy(xs), eps=0.0).numpy()
+
+    ox, oy = xs[1:, o], ys[1:, o]
+    fx, fy = np.concatenate([ox, -ox]), np.concatenate([oy, -oy])  # mirrored points, as in the papers
+    amp = FN.channel_scale(C, scale)
+    fits = {}
+    for kind in ("dyt", "dyisru"):
+        f = fit_elementwise(fx, fy, kind, scale=amp)
+        f.residuals = f.residuals[: len(ox)]  # report the positive outliers, as the papers' figures do
+        f.mean_abs_residual = float(np.mean(np.abs(f.residuals))) if f.converged else math.nan
+        fits[kind] = f
+
+    ref_beta = ref_mar = None
+    if norm == "rms_norm":
+        ref_beta = float(np.sum(np.delete(x, o) ** 2))  # Theorem 3: ||x without the outlier||^2
+        ref_mar = float(np.mean(np.abs(predict("dyisru", ox, ref_beta, amp) - oy)))
+    return OutlierSimulation(C, sigma, mu, step, steps, norm, scale, seed, x, o, xs, ys,
+                             fits["dyt"], fits["dyisru"], ref_beta, ref_mar)  # fmt: skip
+
+
+def simulate_many(seeds, **kwargs) -> dict:
+    """Run :func:`simulate_outliers` for each seed; the spread of alpha, beta and the residuals."""
+    sims = [simulate_outliers(seed=s, **kwargs) for s in seeds]
+    cols = {
+        "alpha": [s.dyt.param.item() for s in sims],
+        "beta": [s.dyisru.param.item() for s in sims],
+        "dyt_mean_abs_residual": [s.dyt.mean_abs_residual for s in sims],
+        "dyisru_mean_abs_residual": [s.dyisru.mean_abs_residual for s in sims],
+    }
+    stats = {k: {"mean": float(np.nanmean(v)), "std": float(np.nanstd(v)), "min": float(np.nanmin(v)),
+                 "max": float(np.nanmax(v))} for k, v in cols.items()}  # fmt: skip
+    return {"seeds": list(seeds), "per_seed": cols, "stats": stats,
+            "failed": [s.seed for s in sims if not (s.dyt.converged and s.dyisru.converged)]}  # fmt: skip
