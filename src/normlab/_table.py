@@ -18,8 +18,9 @@ def _cell(v) -> str:
 def format_table(headers: Sequence[str], rows: Sequence[Sequence], markdown: bool = False) -> str:
     cells = [[_cell(v) for v in row] for row in rows]
     if markdown:
-        lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
-        lines += ["| " + " | ".join(r) + " |" for r in cells]
+        esc = lambda s: s.replace("|", "\\|")  # noqa: E731
+        lines = ["| " + " | ".join(map(esc, headers)) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+        lines += ["| " + " | ".join(map(esc, r)) + " |" for r in cells]
         return "\n".join(lines)
     widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
     fmt = lambda r: "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
