@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 lint: setup
-	$(PY) -m ruff check src tests scripts
+	$(PY) -m ruff check .
 
 test: lint
 	$(PY) -m pytest -q
