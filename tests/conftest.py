@@ -14,8 +14,6 @@ import torch
 
 import normlab
 
-EPS = 1e-6
-
 
 def _rms(x, eps):
     return np.sqrt((x**2).mean(-1, keepdims=True) + eps)

@@ -28,10 +28,10 @@ def test_rms_detached_same_forward_grads_differ_by_coupling():
     assert torch.equal(FN.rms_norm(x, w), FN.rms_detached(x, w))
     gx_full, gw_full = _grads(FN.rms_norm, x, w, g)
     gx_det, gw_det = _grads(FN.rms_detached, x, w, g)
-    torch.testing.assert_close(gx_det - gx_full, _coupling(x, w, g, 1e-6), rtol=0, atol=1e-13)
+    torch.testing.assert_close(gx_det - gx_full, _coupling(x, w, g, FN.EPS), rtol=0, atol=1e-13)
     torch.testing.assert_close(gw_det, gw_full, rtol=1e-14, atol=1e-14)
     # the coupling is not negligible, so the identity is not trivially satisfied
-    assert _coupling(x, w, g, 1e-6).abs().max() > 1e-3
+    assert _coupling(x, w, g, FN.EPS).abs().max() > 1e-3
 
 
 def test_partial_coupling_endpoints():

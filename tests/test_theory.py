@@ -191,9 +191,9 @@ def test_rms_norm_gain_is_theorem_2():
     sigmas = np.array([1e-3, 1e-2, 0.1, 1.0, 10.0])
     mean, sem = gain_curve(m, sigmas, dim=512, samples=512)
     # Theorem 2 is the leading order; E[1/sqrt(chi2_d / d)] = 1 + O(1/d), so allow 4 standard errors + 1/d
-    theory = rms_norm_gain(sigmas, 1e-6)
+    theory = rms_norm_gain(sigmas, m.eps)
     assert np.all(np.abs(mean / theory - 1) < 4 * sem / theory + 1 / 512)
-    assert not np.allclose(mean, math.sqrt(512) * rms_norm_gain(sigmas, 1e-6), rtol=0.5)  # no sqrt(d) factor
+    assert not np.allclose(mean, math.sqrt(512) * rms_norm_gain(sigmas, m.eps), rtol=0.5)  # no sqrt(d) factor
 
 
 @pytest.mark.parametrize("name,limit", [("dyt", 1.0), ("dyt_hardtanh", 1.0), ("dyt_sigmoid", 0.5), ("tanh_fixed", 1.0)])

@@ -78,7 +78,9 @@ def _cmd_gain(args: argparse.Namespace) -> int:
         limits[name] = pointwise_gain_limit(m, args.width) if norm_spec(name).pointwise else None
         for s, g in zip(sigmas, curves[name][0]):
             rows.append({"norm": name, "sigma": float(s), "gain": float(g), "theorem1_limit": limits[name]})
-    eps = init.get("eps", 1e-6)
+    from normlab.functional import EPS
+
+    eps = init.get("eps", EPS)
     path = plot_gain(curves, sigmas, args.out, dim=args.width, limits=limits,
                      rms_closed_form=rms_norm_gain(sigmas, eps) if "rms_norm" in args.norm else None)  # fmt: skip
     picks = sorted({0, len(sigmas) // 2, len(sigmas) - 1})
@@ -133,6 +135,24 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         print(f"wrote {p}")
     _write_json(result, str(out / "simulate.json"))
     return 0
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from normlab.lab import resolve_config, train
+
+    out = args.out or f"runs/{args.preset}-{args.norm or 'rms_norm'}"
+    cfg = resolve_config(args.preset, args.set, norm=args.norm, out=out, data=args.data or None)
+    is_main = int(__import__("os").environ.get("RANK", "0")) == 0
+    if is_main:
+        print(f"normlab train: preset {args.preset}, norm {cfg.model.norm}, {cfg.model.depth} x {cfg.model.width}, "
+              f"{cfg.steps} steps -> {cfg.out}")  # fmt: skip
+        print(json.dumps(cfg.to_dict(), sort_keys=True))
+    summary = train(cfg, resume=args.resume, progress=not args.no_progress)
+    if is_main:
+        keys = ["status", "final_train_loss", "final_val_loss", "unigram_entropy", "gap_to_unigram_entropy",
+                "tokens_per_s"]  # fmt: skip
+        print(format_table(["field", "value"], [[k, summary.get(k)] for k in keys]))
+    return 0 if summary["status"] in ("completed", "diverged") else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -190,6 +210,20 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", default="out/simulate", help="folder for figures, sample.npy and simulate.json")
     s.add_argument("--markdown", action="store_true")
     s.set_defaults(func=_cmd_simulate)
+
+    from normlab.lab.config import PRESETS
+
+    t = sub.add_parser("train", help="train the lab's GPT with a registered norm (torchrun for several processes)")
+    t.add_argument("--norm", help="norm at every site (default rms_norm); per-site: --set model.norm_attn=...")
+    t.add_argument("--preset", default="cpu", choices=list(PRESETS),
+                   help="tiny: seconds; cpu: width 128 x 4 layers, minutes; gpu: 24 x 1024; gpu-wide: 5 x 2048")
+    t.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="override config fields, e.g. lr=1e-3 model.width=256 model.norm_kwargs.alpha_init=1.0")
+    t.add_argument("--data", nargs="+", help="your own text files (default: the Shakespeare plays, fetched once)")
+    t.add_argument("--out", help="run directory (default runs/<preset>-<norm>)")
+    t.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
+    t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    t.set_defaults(func=_cmd_train)
     return p
 
 
@@ -197,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, TypeError, FileNotFoundError) as e:  # bad input: one clear line, no traceback
+    except (ValueError, TypeError, FileNotFoundError, RuntimeError) as e:  # bad input: one clear line
         print(f"normlab {args.command}: error: {e}", file=sys.stderr)
         return 2
 

@@ -55,6 +55,11 @@ __all__ = [
 ]
 
 Scale = Literal["C", "C-1"]
+
+#: Default eps of the RMS family: float32's machine epsilon, torch.nn.RMSNorm's default (eps=None) in float32.
+#: It matters: eps breaks RMSNorm's gradient/activation orthogonality by a relative eps / r^2, which at
+#: GPT-2 init (r ~ 0.02) is 2.5e-3 for eps = 1e-6 and 3e-4 for this default.
+EPS = float(torch.finfo(torch.float32).eps)
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
@@ -159,7 +164,7 @@ def layer_norm(x: Tensor, weight: Tensor | None = None, bias: Tensor | None = No
 
 
 @_fp32_compute
-def rms_norm(x: Tensor, weight: Tensor | None = None, eps: float = 1e-6) -> Tensor:
+def rms_norm(x: Tensor, weight: Tensor | None = None, eps: float = EPS) -> Tensor:
     r"""RMSNorm: y_i = weight_i * x_i / r,  r = sqrt(mean_j x_j^2 + eps).
 
     Seed 000 eqs. (3)-(4) (there with eps = 0); seed 003 "A tale of two normalizers".
@@ -170,21 +175,21 @@ def rms_norm(x: Tensor, weight: Tensor | None = None, eps: float = 1e-6) -> Tens
 
 
 @_fp32_compute
-def l1_norm(x: Tensor, weight: Tensor | None = None, eps: float = 1e-6) -> Tensor:
+def l1_norm(x: Tensor, weight: Tensor | None = None, eps: float = EPS) -> Tensor:
     r"""L1Norm: y = weight * x / (mean_j |x_j| + eps).  Seed 003, "Denominator dissection"."""
     _check_param(weight, "weight", x, "l1_norm")
     return _affine(x / (x.abs().mean(-1, keepdim=True) + eps), weight, None)
 
 
 @_fp32_compute
-def lmax_norm(x: Tensor, weight: Tensor | None = None, eps: float = 1e-6) -> Tensor:
+def lmax_norm(x: Tensor, weight: Tensor | None = None, eps: float = EPS) -> Tensor:
     r"""LMaxNorm: y = weight * x / (max_j |x_j| + eps).  Seed 003, "Denominator dissection"."""
     _check_param(weight, "weight", x, "lmax_norm")
     return _affine(x / (x.abs().amax(-1, keepdim=True) + eps), weight, None)
 
 
 @_fp32_compute
-def group_rms(x: Tensor, weight: Tensor | None = None, group_size: int = 8, eps: float = 1e-6) -> Tensor:
+def group_rms(x: Tensor, weight: Tensor | None = None, group_size: int = 8, eps: float = EPS) -> Tensor:
     r"""GroupRMS: RMSNorm applied separately to consecutive groups of ``group_size`` channels.
 
     y_i = weight_i * x_i / sqrt(mean_{j in g(i)} x_j^2 + eps).  Seed 003 ("GroupRMS (8 channels)").
@@ -205,7 +210,7 @@ def group_rms(x: Tensor, weight: Tensor | None = None, group_size: int = 8, eps:
 
 
 @_fp32_compute
-def rms_detached(x: Tensor, weight: Tensor | None = None, eps: float = 1e-6) -> Tensor:
+def rms_detached(x: Tensor, weight: Tensor | None = None, eps: float = EPS) -> Tensor:
     r"""RMSNorm whose denominator is detached: same forward, no gradient through r.
 
     The input gradient is the diagonal term alone, weight_i / r * dL/dy_i;
@@ -217,7 +222,7 @@ def rms_detached(x: Tensor, weight: Tensor | None = None, eps: float = 1e-6) -> 
 
 
 @_fp32_compute
-def rms_ema(x: Tensor, running_ms: Tensor, weight: Tensor | None = None, eps: float = 1e-6) -> Tensor:
+def rms_ema(x: Tensor, running_ms: Tensor, weight: Tensor | None = None, eps: float = EPS) -> Tensor:
     r"""RMS EMA: y = weight * x / sqrt(m + eps) with m a running mean of x^2 over steps.
 
     ``running_ms`` (a scalar buffer kept by :class:`normlab.modules.RMSEMA`) replaces
@@ -253,7 +258,7 @@ class _RMSPartialCoupling(torch.autograd.Function):
 
 
 @_fp32_compute
-def rms_partial_coupling(x: Tensor, weight: Tensor | None = None, lam: float = 1.0, eps: float = 1e-6) -> Tensor:
+def rms_partial_coupling(x: Tensor, weight: Tensor | None = None, lam: float = 1.0, eps: float = EPS) -> Tensor:
     r"""RMSNorm with tunable backward coupling (seed 003, "Result 5").
 
     Forward: y_i = weight_i * x_i / r.  Input gradient:
@@ -344,7 +349,7 @@ def dyt_rms_denominator(
     alpha: Tensor | float,
     weight: Tensor | None = None,
     bias: Tensor | None = None,
-    eps: float = 1e-6,
+    eps: float = EPS,
 ) -> Tensor:
     r"""DyT given back the coupling: y = weight * tanh(alpha * x / r) + bias, r = sqrt(mean x^2 + eps).
 

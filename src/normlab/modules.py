@@ -114,7 +114,7 @@ class _ScaleNorm(_Norm):
 
     _fn = staticmethod(FN.rms_norm)
 
-    def __init__(self, dim: int, *, eps: float = 1e-6, device=None, dtype=None) -> None:
+    def __init__(self, dim: int, *, eps: float = FN.EPS, device=None, dtype=None) -> None:
         super().__init__(dim, weight=True, bias=False, device=device, dtype=dtype)
         self.eps = _positive_finite(eps, "eps", type(self).__name__)
         self.reset_parameters()
@@ -149,7 +149,7 @@ class RMSDetached(_ScaleNorm):
 
 @register("group_rms", pointwise=False)
 class GroupRMS(_ScaleNorm):
-    def __init__(self, dim: int, *, group_size: int = 8, eps: float = 1e-6, device=None, dtype=None) -> None:
+    def __init__(self, dim: int, *, group_size: int = 8, eps: float = FN.EPS, device=None, dtype=None) -> None:
         if not isinstance(group_size, int) or group_size < 1:
             raise ValueError(f"GroupRMS: expected group_size to be an int >= 1, got {group_size!r}")
         self.group_size = group_size
@@ -167,7 +167,7 @@ class GroupRMS(_ScaleNorm):
 class RMSPartialCoupling(_ScaleNorm):
     """RMSNorm whose backward keeps a fraction ``lam`` of the coupling term (``lam=1`` is exact)."""
 
-    def __init__(self, dim: int, *, lam: float = 1.0, eps: float = 1e-6, device=None, dtype=None) -> None:
+    def __init__(self, dim: int, *, lam: float = 1.0, eps: float = FN.EPS, device=None, dtype=None) -> None:
         self.lam = _finite(lam, "lam", "RMSPartialCoupling")
         super().__init__(dim, eps=eps, device=device, dtype=dtype)
 
@@ -189,7 +189,7 @@ class RMSEMA(_ScaleNorm):
     the first call sets it. Eval mode only reads it. No gradient flows through it.
     """
 
-    def __init__(self, dim: int, *, momentum: float = 0.01, eps: float = 1e-6, device=None, dtype=None) -> None:
+    def __init__(self, dim: int, *, momentum: float = 0.01, eps: float = FN.EPS, device=None, dtype=None) -> None:
         if not isinstance(momentum, (int, float)) or not 0.0 < momentum <= 1.0:
             raise ValueError(f"RMSEMA: expected momentum in (0, 1], got {momentum!r}")
         self.momentum = float(momentum)
@@ -270,7 +270,7 @@ class DyTSigmoid(_DyTFamily):
 
 @register("dyt_rms_denominator", pointwise=False)
 class DyTRMSDenominator(_DyTFamily):
-    def __init__(self, dim: int, *, eps: float = 1e-6, **kwargs) -> None:
+    def __init__(self, dim: int, *, eps: float = FN.EPS, **kwargs) -> None:
         self.eps = _positive_finite(eps, "eps", "DyTRMSDenominator")
         super().__init__(dim, **kwargs)
 

@@ -20,6 +20,8 @@ import numpy as np
 import torch
 from torch import nn
 
+import normlab.functional as FN
+
 __all__ = ["gain_curve", "pointwise_gain_limit", "rms_norm_gain"]
 
 
@@ -67,6 +69,6 @@ def pointwise_gain_limit(norm: nn.Module, dim: int) -> float:
     return float(grad.double().pow(2).mean().sqrt())
 
 
-def rms_norm_gain(sigma: np.ndarray | float, eps: float = 1e-6) -> np.ndarray:
+def rms_norm_gain(sigma: np.ndarray | float, eps: float = FN.EPS) -> np.ndarray:
     """Theorem 2: RMSNorm's gain 1 / sqrt(sigma^2 + eps), -> 1/sigma as eps -> 0."""
     return 1.0 / np.sqrt(np.asarray(sigma, dtype=float) ** 2 + eps)

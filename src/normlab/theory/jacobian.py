@@ -77,7 +77,7 @@ def _gamma(weight: Tensor | None, x: Tensor) -> Tensor:
     return torch.ones_like(x) if weight is None else weight.to(x)
 
 
-def rms_norm_terms(x: Tensor, weight: Tensor | None = None, eps: float = 1e-6) -> tuple[Tensor, Tensor]:
+def rms_norm_terms(x: Tensor, weight: Tensor | None = None, eps: float = FN.EPS) -> tuple[Tensor, Tensor]:
     """Seed 003's split of RMSNorm's Jacobian: (diagonal gain term, rank-1 coupling term), J = D + K.
 
     D = diag(gamma) / r,  K = -(gamma * x) x^T / (C r^3).
@@ -89,7 +89,7 @@ def rms_norm_terms(x: Tensor, weight: Tensor | None = None, eps: float = 1e-6) -
     return torch.diag(g / r), -torch.outer(g * x, x) / (c * r**3)
 
 
-def rms_norm_jacobian(x: Tensor, weight: Tensor | None = None, eps: float = 1e-6) -> Tensor:
+def rms_norm_jacobian(x: Tensor, weight: Tensor | None = None, eps: float = FN.EPS) -> Tensor:
     """RMSNorm's Jacobian, D + K of :func:`rms_norm_terms`."""
     d, k = rms_norm_terms(x, weight, eps)
     return d + k

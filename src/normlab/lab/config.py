@@ -1,0 +1,173 @@
+"""Run configuration: a dataclass, named presets, and ``key=value`` overrides.
+
+A run is a preset plus a few changed fields (``--set lr=1e-3 model.width=256``),
+never a new flag per field. The resolved config is written next to the results.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+from dataclasses import asdict, dataclass, field
+
+from normlab.lab.model import GPTConfig
+
+__all__ = ["TrainConfig", "PRESETS", "resolve_config", "apply_overrides"]
+
+
+@dataclass
+class TrainConfig:
+    model: GPTConfig = field(default_factory=GPTConfig)
+    data: list[str] = field(default_factory=list)  # text files; empty: the default Shakespeare corpus
+    val_fraction: float = 0.1
+    steps: int = 600
+    batch_size: int = 32
+    lr: float = 3e-4
+    min_lr: float = 3e-5
+    warmup: int = 50
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    seed: int = 0
+    eval_every: int = 100
+    eval_batches: int = 20
+    log_every: int = 10
+    metrics_every: int = 100  # alignment, ranks, residual std, Jacobian: one probed step every N
+    jacobian_site: str = "blocks.0.norm_attn"
+    checkpoint_every: int = 100
+    device: str = "auto"  # auto: cuda if available, else cpu
+    amp: str = "auto"  # auto: bf16 autocast on cuda, none on cpu; or "bf16", "none"
+    compile: bool = False
+    tensorboard: bool = False
+    out: str = "runs/default"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> TrainConfig:
+        d = dict(d)
+        model = GPTConfig(**d.pop("model", {}))
+        return cls(model=model, **d)
+
+    def validate(self) -> None:
+        self.model.validate()
+        positive = ("steps", "batch_size", "eval_every", "eval_batches", "log_every", "metrics_every",
+                    "checkpoint_every")  # fmt: skip
+        for f in positive:
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{f} must be an int >= 1, got {v!r}")
+        for f in ("lr", "min_lr", "weight_decay", "grad_clip"):
+            if not isinstance(getattr(self, f), (int, float)) or getattr(self, f) < 0:
+                raise ValueError(f"{f} must be a number >= 0, got {getattr(self, f)!r}")
+        if self.warmup < 0:
+            raise ValueError(f"warmup must be >= 0, got {self.warmup}")
+        if self.amp not in ("auto", "bf16", "none"):
+            raise ValueError(f"amp must be 'auto', 'bf16' or 'none', got {self.amp!r}")
+        if not isinstance(self.data, list):
+            raise ValueError(f"data must be a list of text files, got {self.data!r}")
+
+
+PRESETS: dict[str, dict] = {
+    # seconds: for tests
+    "tiny": {
+        "model": {"width": 32, "depth": 2, "heads": 2, "context": 32},
+        "steps": 40, "batch_size": 8, "warmup": 5, "eval_every": 20, "eval_batches": 2, "log_every": 5,
+        "metrics_every": 20, "checkpoint_every": 10,
+    },
+    # a few minutes on 2 CPU cores (seed 003's pathology is already visible here)
+    "cpu": {
+        "model": {"width": 128, "depth": 4, "heads": 4, "context": 128},
+        "steps": 600, "batch_size": 32, "warmup": 50, "eval_every": 100, "eval_batches": 20, "log_every": 10,
+        "metrics_every": 100, "checkpoint_every": 100,
+    },
+    # seed 003's narrow shape, 24 x 1024, sized for about 10 minutes on one H100
+    "gpu": {
+        "model": {"width": 1024, "depth": 24, "heads": 16, "context": 512},
+        "steps": 1500, "batch_size": 16, "warmup": 100, "eval_every": 250, "eval_batches": 20, "log_every": 25,
+        "metrics_every": 250, "checkpoint_every": 500, "compile": True,
+    },
+    # seed 003's wide shape at about the same parameter count, 5 x 2048
+    "gpu-wide": {
+        "model": {"width": 2048, "depth": 5, "heads": 16, "context": 512},
+        "steps": 1500, "batch_size": 16, "warmup": 100, "eval_every": 250, "eval_batches": 20, "log_every": 25,
+        "metrics_every": 250, "checkpoint_every": 500, "compile": True,
+    },
+}  # fmt: skip
+
+
+def _parse_value(text: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return {"true": True, "false": False, "none": None}.get(text.lower(), text)
+
+
+def apply_overrides(d: dict, overrides: dict | list[str]) -> dict:
+    """Set dotted keys (``model.width``, ``model.norm_kwargs.alpha_init``) in a config dict.
+
+    An unknown field raises an error that names it and lists the valid ones.
+    """
+    d = copy.deepcopy(d)
+    items = overrides.items() if isinstance(overrides, dict) else []
+    if isinstance(overrides, list):
+        parsed = []
+        for item in overrides:
+            key, sep, value = item.partition("=")
+            if not sep or not key:
+                raise ValueError(f"--set expects KEY=VALUE (e.g. lr=3e-4 or model.width=256), got {item!r}")
+            parsed.append((key, _parse_value(value)))
+        items = parsed
+    for key, value in items:
+        parts = key.split(".")
+        node, path = d, []
+        for i, part in enumerate(parts):
+            path.append(part)
+            is_last = i == len(parts) - 1
+            free_dict = path[-2:-1] and path[-2].endswith("kwargs")  # inside a kwargs dict any key is allowed
+            if part not in node and not free_dict:
+                where = ".".join(path[:-1]) or "the config"
+                raise ValueError(f"unknown config field {key!r}: {where} has no {part!r}; valid: {', '.join(node)}")
+            if is_last:
+                node[part] = value
+            else:
+                if not isinstance(node.get(part), dict):
+                    raise ValueError(f"config field {'.'.join(path)} is not a section; cannot set {key!r}")
+                node = node[part]
+    return d
+
+
+def resolve_config(preset: str = "cpu", overrides: dict | list[str] | None = None, **fields) -> TrainConfig:
+    """A preset, then ``fields`` (e.g. norm="dyt", out=...), then ``overrides``; validated."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; valid: {', '.join(PRESETS)}")
+    base = TrainConfig().to_dict()
+    base = _merge(base, PRESETS[preset])
+    shorthand = {"norm": "model.norm"}
+    flat = {shorthand.get(k, k): v for k, v in fields.items() if v is not None}
+    base = apply_overrides(base, flat)
+    if overrides:
+        base = apply_overrides(base, overrides)
+    try:
+        cfg = TrainConfig.from_dict(base)
+    except TypeError as e:  # a section set to something that is not a dict
+        raise ValueError(f"bad config: {e}") from None
+    cfg.validate()
+    return cfg
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = copy.deepcopy(base)
+    for k, v in extra.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def config_fields() -> list[str]:
+    return [f.name for f in dataclasses.fields(TrainConfig)]

