@@ -7,12 +7,18 @@ mistake in either shows up as a mismatch.
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 import pytest
 import torch
 
 import normlab
+
+# Without a GPU, the Triton kernels run in Triton's interpreter on CPU tensors. The flag is read when a
+# kernel is defined, so it must be set before normlab.kernels.* is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def _rms(x, eps):

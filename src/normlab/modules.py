@@ -127,9 +127,37 @@ class _ScaleNorm(_Norm):
         return f"{self.dim}, eps={self.eps}"
 
 
+def _kernel_choice(kernel: str, owner: str) -> str:
+    from normlab.kernels import KERNEL_CHOICES
+
+    if kernel not in KERNEL_CHOICES:
+        raise ValueError(f"{owner}: expected kernel in {KERNEL_CHOICES}, got {kernel!r}")
+    return kernel
+
+
+def _autocast_params(x: Tensor, *params: Tensor | None):
+    """Under torch.autocast the fused kernels take the parameters in the input's dtype, as autocast would."""
+    if torch.is_autocast_enabled(x.device.type):
+        return tuple(None if p is None else p.to(x.dtype) for p in params)
+    return params
+
+
 @register("rms_norm", pointwise=False)
 class RMSNorm(_ScaleNorm):
-    _fn = staticmethod(FN.rms_norm)
+    """RMSNorm; ``kernel="auto"`` runs the fused Triton kernel on CUDA tensors."""
+
+    def __init__(self, dim: int, *, eps: float = FN.EPS, kernel: str = "auto", device=None, dtype=None) -> None:
+        self.kernel = _kernel_choice(kernel, "RMSNorm")
+        super().__init__(dim, eps=eps, device=device, dtype=dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        self._check(x)
+        from normlab.kernels import rms_norm as fused
+        from normlab.kernels import use_kernel
+
+        if use_kernel(self.kernel, x, "RMSNorm"):
+            return fused(x, *_autocast_params(x, self.weight), self.eps)
+        return FN.rms_norm(x, self.weight, self.eps)
 
 
 @register("l1_norm", pointwise=False)
@@ -255,7 +283,22 @@ class _DyTFamily(_Norm):
 
 @register("dyt", pointwise=True)
 class DyT(_DyTFamily):
+    """DyT; ``kernel="auto"`` runs the fused Triton kernel on CUDA tensors."""
+
     _fn = staticmethod(FN.dyt)
+
+    def __init__(self, dim: int, *, kernel: str = "auto", **kwargs) -> None:
+        self.kernel = _kernel_choice(kernel, "DyT")
+        super().__init__(dim, **kwargs)
+
+    def forward(self, x: Tensor) -> Tensor:
+        self._check(x)
+        from normlab.kernels import dyt as fused
+        from normlab.kernels import use_kernel
+
+        if use_kernel(self.kernel, x, "DyT"):
+            return fused(x, *_autocast_params(x, self.alpha, self.weight, self.bias))
+        return FN.dyt(x, self.alpha, self.weight, self.bias)
 
 
 @register("dyt_hardtanh", pointwise=True)
@@ -379,10 +422,24 @@ class _ISRUFamily(_Norm):
 
 @register("dyisru", pointwise=True)
 class DyISRU(_ISRUFamily):
-    """sqrt(C) * x / sqrt(beta + x^2) (seed 000 eq. 16)."""
+    """sqrt(C) * x / sqrt(beta + x^2) (seed 000 eq. 16); ``kernel="auto"`` fuses it on CUDA tensors."""
 
     _fn = staticmethod(FN.dyisru)
     _default_scale = "C"
+
+    def __init__(self, dim: int, *, kernel: str = "auto", **kwargs) -> None:
+        self.kernel = _kernel_choice(kernel, "DyISRU")
+        super().__init__(dim, **kwargs)
+
+    def forward(self, x: Tensor) -> Tensor:
+        self._check(x)
+        from normlab.kernels import dyisru as fused
+        from normlab.kernels import use_kernel
+
+        if use_kernel(self.kernel, x, "DyISRU"):
+            beta, weight, bias = _autocast_params(x, self.beta, self.weight, self.bias)
+            return fused(x, beta, weight, bias, FN.channel_scale(self.dim, self.scale))
+        return FN.dyisru(x, self.beta, self.weight, self.bias, self.scale)
 
 
 @register("eln", pointwise=False)
