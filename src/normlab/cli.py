@@ -155,6 +155,37 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0 if summary["status"] in ("completed", "diverged") else 1
 
 
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    from normlab.sweep import builtin_experiments, expand, load_experiment, parse_shard, run_sweep, write_index
+
+    exps = [load_experiment(e) for e in (args.experiment or builtin_experiments())]
+    specs = [s for e in exps for s in expand(e, args.profile, args.root)]
+    write_index(exps, args.profile, args.root)
+    statuses = run_sweep(specs, shard=parse_shard(args.shard), jobs=args.jobs, progress=not args.no_progress)
+    rows = [[k, list(statuses.values()).count(k)] for k in sorted(set(statuses.values()))]
+    print(format_table(["status", "runs"], rows))
+    print(f"results in {args.root}; write the report with: normlab report --root {args.root}")
+    return 0
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from normlab.report import write_report
+
+    print(f"wrote {write_report(args.root)}")
+    return 0
+
+
+def _cmd_reproduce(args: argparse.Namespace) -> int:
+    from normlab.reproduce import reproduce
+    from normlab.sweep import parse_shard
+
+    profile = "gpu" if args.preset == "gpu" else "quick" if args.quick else "full" if args.full else "default"
+    root = args.root or f"runs/reproduce-{profile}"
+    reproduce(root, profile, experiments=args.experiment, shard=parse_shard(args.shard), jobs=args.jobs,
+              progress=not args.no_progress)  # fmt: skip
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="normlab", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -224,6 +255,33 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     t.set_defaults(func=_cmd_train)
+
+    from normlab.sweep import PROFILES, default_jobs
+
+    sw = sub.add_parser("sweep", help="run experiments (TOML tables of runs); finished runs are skipped")
+    sw.add_argument("experiment", nargs="*", help="built-in names or .toml paths (default: all built-in)")
+    sw.add_argument("--profile", default="default", choices=list(PROFILES), help="scale of every run")
+    sw.add_argument("--root", default="runs/sweep", help="folder for runs/, index.json and the report")
+    sw.add_argument("--shard", help="i/n: run only every n-th run starting at i (job arrays, several GPUs)")
+    sw.add_argument("--jobs", type=int, default=default_jobs(), help="runs at a time (default: CPU cores; 1 on GPU)")
+    sw.add_argument("--no-progress", action="store_true")
+    sw.set_defaults(func=_cmd_sweep)
+
+    rp = sub.add_parser("report", help="write REPORT.md with tables and figures from a sweep root")
+    rp.add_argument("--root", default="runs/reproduce-default")
+    rp.set_defaults(func=_cmd_report)
+
+    rr = sub.add_parser("reproduce", help="theory checks + every table of seed 003 at CPU scale + REPORT.md")
+    size = rr.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="a tiny model, one seed: about 3 minutes")
+    size.add_argument("--full", action="store_true", help="every run at the lab's cpu preset (hours on 2 cores)")
+    size.add_argument("--preset", choices=["gpu"], help="seed 003's shapes on a GPU")
+    rr.add_argument("--experiment", nargs="*", help="subset of experiments (default: all)")
+    rr.add_argument("--root", help="output folder (default runs/reproduce-<profile>)")
+    rr.add_argument("--shard", help="i/n, as for sweep")
+    rr.add_argument("--jobs", type=int, default=default_jobs(), help="runs at a time")
+    rr.add_argument("--no-progress", action="store_true")
+    rr.set_defaults(func=_cmd_reproduce)
     return p
 
 

@@ -1,0 +1,175 @@
+"""Kernel benchmark: normlab's fused kernels against torch eager, torch.compile and Liger-Kernel, in one run.
+
+    python scripts/bench_kernels.py                          # GPU: 4096 rows x {1024..8192}, bf16 and fp32
+    python scripts/bench_kernels.py --ops dyt --dtypes bf16 --channels 4096
+
+For each op, mode (forward, backward, full) and provider it reports milliseconds, GB/s and the
+fraction of the device's copy bandwidth, measured in the same run by a device-to-device copy.
+Bytes are the minimum traffic of each op (read x, write y; backward: read x and dy, write dx;
+parameters are negligible). Peak memory of a full pass is reported too. Rows are appended to a
+CSV with the device name, commit and date.
+
+On a CPU it compares the reference functions under eager and torch.compile against a memcpy
+of the same bytes (Triton kernels need a GPU; their correctness is tested under the interpreter).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import platform
+from pathlib import Path
+
+import torch
+
+import normlab.functional as FN
+from normlab.lab.train import code_version
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _ops(n: int, dev, dtype):
+    """(name, make_params, reference_fn, fused_fn | None, liger_fn | None) for each op."""
+    from normlab.kernels import dyisru as k_dyisru
+    from normlab.kernels import dyt as k_dyt
+    from normlab.kernels import rms_norm as k_rms
+    from normlab.kernels import triton_status
+
+    fused_ok = triton_status()[0] and dev.type == "cuda"
+    liger = {}
+    try:  # optional: Liger-Kernel's DyT and RMSNorm, when installed
+        from liger_kernel.ops.dyt import LigerDyTFunction
+        from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+
+        liger["dyt"] = lambda x, a, w, b: LigerDyTFunction.apply(x, a, w, b)
+        liger["rms_norm"] = lambda x, w: LigerRMSNormFunction.apply(x, w, 1e-6)
+    except ImportError:
+        pass
+
+    def p(*shape, fill=None):
+        if fill is not None:
+            return torch.full(shape, fill, device=dev, dtype=dtype, requires_grad=True)
+        return (torch.randn(*shape, device=dev, dtype=dtype) * 0.1 + 1).requires_grad_(True)
+
+    return [
+        ("dyt", lambda: (p(1, fill=0.5), p(n), p(n)), FN.dyt, k_dyt if fused_ok else None, liger.get("dyt")),
+        ("dyisru", lambda: (p(1, fill=4.0), p(n), p(n)), FN.dyisru, k_dyisru if fused_ok else None, None),
+        ("rms_norm", lambda: (p(n),), lambda x, w: FN.rms_norm(x, w, 1e-6),
+         (lambda x, w: k_rms(x, w, 1e-6)) if fused_ok else None, liger.get("rms_norm")),
+    ]  # fmt: skip
+
+
+def _time(fn, dev, reps: int) -> float:
+    """Median milliseconds of fn()."""
+    import statistics
+    import time
+
+    for _ in range(3):
+        fn()
+    if dev.type == "cuda":
+        times = []
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        return statistics.median(times)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def _modes(fn, x, params, dy, io: int) -> dict:
+    """The three timed calls and the minimum bytes each moves (io = bytes of one (M, N) tensor)."""
+    inputs = [x, *params]
+    y = fn(x, *params)
+    return {
+        "forward": (lambda: fn(x, *params), 2 * io),  # read x, write y
+        "backward": (lambda: torch.autograd.grad(y, inputs, dy, retain_graph=True), 3 * io),  # read x, dy; write dx
+        "full": (lambda: torch.autograd.grad(fn(x, *params), inputs, dy), 5 * io),
+    }
+
+
+def copy_bandwidth(nbytes: int, dev, reps: int) -> float:
+    """GB/s of a device copy of nbytes (read + write = 2 nbytes moved)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    ms = _time(lambda: dst.copy_(src), dev, reps)
+    return 2 * nbytes / ms / 1e6
+
+
+def run(args) -> list[dict]:
+    dev = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else (platform.processor() or platform.machine())
+    commit = code_version().get("git_commit", "unknown")[:12]
+    rows = []
+    for dtype_name in args.dtypes:
+        dtype = DTYPES[dtype_name]
+        for n in args.channels:
+            m = args.rows
+            elt = torch.finfo(dtype).bits // 8
+            io = m * n * elt  # one (M, N) tensor
+            peak_bw = copy_bandwidth(2 * io, dev, args.reps)  # a copy of the same bytes as a forward
+            for op, make, ref, fused, liger in _ops(n, dev, dtype):
+                if args.ops and op not in args.ops:
+                    continue
+                providers = {"torch_eager": ref, "torch_compile": torch.compile(ref)}
+                if fused is not None:
+                    providers["normlab"] = fused
+                if liger is not None:
+                    providers["liger"] = liger
+                for prov, fn in providers.items():
+                    x = torch.randn(m, n, device=dev, dtype=dtype, requires_grad=True)
+                    params = make()
+                    dy = torch.randn(m, n, device=dev, dtype=dtype)
+                    for mode, (call, nbytes) in _modes(fn, x, params, dy, io).items():
+                        if args.modes and mode not in args.modes:
+                            continue
+                        if dev.type == "cuda":
+                            torch.cuda.reset_peak_memory_stats(dev)
+                        ms = _time(call, dev, args.reps)
+                        peak = torch.cuda.max_memory_allocated(dev) / 2**20 if dev.type == "cuda" else float("nan")
+                        gbs = nbytes / ms / 1e6
+                        rows.append({"date": datetime.date.today().isoformat(), "commit": commit, "device": name,
+                                     "op": op, "mode": mode, "provider": prov, "dtype": dtype_name, "rows": m,
+                                     "channels": n, "ms": round(ms, 4), "GB/s": round(gbs, 1),
+                                     "copy_GB/s": round(peak_bw, 1), "frac_of_copy": round(gbs / peak_bw, 3),
+                                     "peak_MiB": round(peak, 1)})  # fmt: skip
+                        r = rows[-1]
+                        frac = 100 * r["frac_of_copy"]
+                        print(f"{op:9s} {mode:8s} {prov:13s} {dtype_name} {m}x{n}: {r['ms']:8.3f} ms "
+                              f"{r['GB/s']:7.1f} GB/s  {frac:5.1f}% of copy  peak {r['peak_MiB']} MiB")
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, default=4096)
+    ap.add_argument("--channels", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
+    ap.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"], choices=list(DTYPES))
+    ap.add_argument("--ops", nargs="*", help="subset of dyt, dyisru, rms_norm")
+    ap.add_argument("--modes", nargs="*", help="subset of forward, backward, full")
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--cpu", action="store_true", help="run on the CPU even if a GPU is present")
+    ap.add_argument("--csv", default="bench/kernels.csv")
+    args = ap.parse_args()
+    rows = run(args)
+    path = Path(args.csv)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    new = not path.exists()
+    with path.open("a", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        if new:
+            w.writeheader()
+        w.writerows(rows)
+    print(f"appended {len(rows)} rows to {path}")
+
+
+if __name__ == "__main__":
+    main()

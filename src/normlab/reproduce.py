@@ -1,0 +1,67 @@
+"""``normlab reproduce``: the theory checks, a sweep covering every table of seed 003, and the report."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from normlab.sweep import builtin_experiments, expand, load_experiment, run_sweep, write_index
+
+__all__ = ["run_theory", "reproduce"]
+
+
+def run_theory(root: str | Path, seeds: int = 20) -> Path:
+    """Seed 000/001's outlier fits over ``seeds`` samples, seed 003's Jacobian table and gain curves."""
+    import numpy as np
+
+    from normlab.registry import create_norm, norm_spec
+    from normlab.theory.gain import gain_curve, pointwise_gain_limit, rms_norm_gain
+    from normlab.theory.jacobian import jacobian_table
+    from normlab.theory.plots import plot_gain, plot_outlier_fit
+    from normlab.theory.simulate import simulate_many, simulate_outliers
+
+    out = Path(root) / "theory"
+    out.mkdir(parents=True, exist_ok=True)
+    result = {"simulate": {}, "jacobian": jacobian_table(["rms_norm", "dyt"], [1024, 2048], std=0.02,
+                                                         init={"alpha_init": 1.0})}  # fmt: skip
+    for norm in ("rms_norm", "layer_norm"):
+        many = simulate_many(range(seeds), norm=norm)
+        result["simulate"][norm] = {"n_seeds": seeds, "stats": many["stats"], "failed": many["failed"]}
+        plot_outlier_fit(simulate_outliers(norm=norm, seed=0), out / f"outlier_fit_{norm}.png")
+    names, width = ["rms_norm", "l1_norm", "dyt", "dyt_hardtanh", "dyisru", "sign_sqrt"], 1024
+    sigmas = np.logspace(-3, 1, 13)
+    curves, limits = {}, {}
+    for n in names:
+        m = create_norm(n, width, **({"alpha_init": 1.0} if n.startswith("dyt") else {})).double().eval()
+        curves[n] = gain_curve(m, sigmas, dim=width, samples=32)
+        limits[n] = pointwise_gain_limit(m, width) if norm_spec(n).pointwise else None
+    plot_gain(curves, sigmas, out / "gain.png", dim=width, limits=limits, rms_closed_form=rms_norm_gain(sigmas))
+    result["gain"] = {n: {"sigma": sigmas.tolist(), "gain": c[0].tolist()} for n, c in curves.items()}
+    path = out / "theory.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    return path
+
+
+def reproduce(root: str | Path, profile: str = "default", *, experiments: list[str] | None = None,
+              shard: tuple[int, int] = (0, 1), jobs: int = 1, progress: bool = True) -> Path:  # fmt: skip
+    """Theory, then every experiment at ``profile``, then REPORT.md. Returns the report's path."""
+    from normlab.report import write_report
+
+    t0 = time.perf_counter()
+    root = Path(root)
+    exps = [load_experiment(e) for e in (experiments or builtin_experiments())]
+    specs = [s for e in exps for s in expand(e, profile, root)]  # validates every config before any work
+    write_index(exps, profile, root)
+    print(f"[1/3] theory checks -> {root / 'theory'}", flush=True)
+    run_theory(root, seeds=20 if profile != "quick" else 5)
+    n_unique = len({s.run_id for s in specs})
+    print(f"[2/3] {len(exps)} experiments, {n_unique} distinct runs at profile '{profile}', {jobs} at a time",
+          flush=True)  # fmt: skip
+    statuses = run_sweep(specs, shard=shard, jobs=jobs, progress=progress)
+    counts = {s: list(statuses.values()).count(s) for s in sorted(set(statuses.values()))}
+    print(f"      runs: {counts}", flush=True)
+    elapsed = time.perf_counter() - t0
+    report = write_report(root, elapsed_s=elapsed)
+    print(f"[3/3] report -> {report}  (total {elapsed / 60:.1f} min)", flush=True)
+    return report

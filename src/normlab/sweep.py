@@ -1,0 +1,286 @@
+"""Experiments as data, and a sweep runner that survives failure.
+
+An experiment is a small TOML file listing runs (``normlab/experiments/*.toml``, one per
+table of seed 003, or a file of your own). A *profile* scales every experiment to a
+machine: ``quick`` (minutes), ``default`` (the CPU subset of ``normlab reproduce``),
+``full`` (the ``cpu`` preset) and ``gpu`` (seed 003's shapes).
+
+A run's directory is ``<root>/runs/<norm>-<hash>-s<seed>``, named by the hash of its
+resolved config, so identical runs in several tables are trained once. The runner
+skips runs that finished (completed or diverged), resumes a run killed midway from its
+checkpoint, records an exception as ``failed`` and goes on, and shards with ``shard=(i, n)``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import traceback
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from normlab.lab.config import TrainConfig, resolve_config
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+__all__ = ["PROFILES", "Experiment", "RunSpec", "builtin_experiments", "load_experiment", "expand", "run_sweep",
+           "parse_shard"]  # fmt: skip
+
+# The CPU profiles use lr 1e-3 (with min_lr 1e-4): usual for models this small, and it lets a 250-step run
+# separate the norms; the lab's cpu preset keeps the 3e-4 of the issue.
+_STEPS = {"warmup": 10, "eval_batches": 8, "log_every": 10, "lr": 1e-3, "min_lr": 1e-4}
+PROFILES: dict[str, dict] = {
+    # seconds: for tests and smoke runs
+    "tiny": {
+        "preset": "tiny", "seeds": 1, "set": {},
+        "shapes": {"narrow": {"model.width": 32, "model.depth": 4, "model.heads": 2},
+                   "wide": {"model.width": 64, "model.depth": 1, "model.heads": 2}},
+    },
+    # minutes on 2 CPU cores: every table, one seed, a tiny model
+    "quick": {
+        "preset": "cpu", "seeds": 1,
+        "set": {"model.width": 32, "model.depth": 2, "model.heads": 2, "model.context": 32, "batch_size": 16,
+                "steps": 150, "eval_every": 50, "metrics_every": 50, "checkpoint_every": 50, **_STEPS, "lr": 3e-3,
+                "min_lr": 3e-4},
+        "shapes": {"narrow": {"model.width": 32, "model.depth": 4, "model.heads": 2},
+                   "wide": {"model.width": 64, "model.depth": 1, "model.heads": 4}},
+    },
+    # normlab reproduce: every table at width 64 in about 15 minutes on 2 CPU cores
+    "default": {
+        "preset": "cpu", "seeds": None,
+        "set": {"model.width": 64, "model.depth": 4, "model.heads": 4, "model.context": 64, "batch_size": 16,
+                "steps": 250, "eval_every": 50, "metrics_every": 50, "checkpoint_every": 50, **_STEPS},
+        "shapes": {"narrow": {"model.width": 64, "model.depth": 8, "model.heads": 4},
+                   "wide": {"model.width": 128, "model.depth": 2, "model.heads": 4}},
+    },
+    # the lab's cpu preset, as specified: width 128, 4 layers, 600 steps
+    "full": {
+        "preset": "cpu", "seeds": None, "set": {},
+        "shapes": {"narrow": {"model.width": 64, "model.depth": 16, "model.heads": 4},
+                   "wide": {"model.width": 128, "model.depth": 4, "model.heads": 4}},
+    },
+    # seed 003's shapes on one GPU
+    "gpu": {
+        "preset": "gpu", "seeds": 1, "set": {},
+        "shapes": {"narrow": {"model.width": 1024, "model.depth": 24, "model.heads": 16},
+                   "wide": {"model.width": 2048, "model.depth": 5, "model.heads": 16}},
+    },
+}  # fmt: skip
+
+TERMINAL = ("completed", "diverged")
+
+
+@dataclass
+class Experiment:
+    name: str
+    title: str
+    source: str
+    claim: str
+    runs: list[dict]
+    seeds: list[int] = field(default_factory=lambda: [0])
+    metrics: list[str] = field(default_factory=lambda: ["final_val_loss"])
+    base: dict = field(default_factory=dict)  # overrides for every run (e.g. data = ["my.txt"])
+    path: str = ""
+
+
+@dataclass
+class RunSpec:
+    experiment: str
+    name: str
+    label: str
+    seed: int
+    config: TrainConfig
+    meta: dict
+
+    @property
+    def run_id(self) -> str:
+        d = self.config.to_dict()
+        d.pop("out")
+        digest = hashlib.sha1(json.dumps(d, sort_keys=True).encode()).hexdigest()[:10]
+        return f"{self.config.model.norm}-{digest}-s{self.seed}"
+
+
+def builtin_experiments() -> list[str]:
+    """Names of the experiments shipped with normlab, in report order."""
+    order = ["pointwise", "width", "denominator", "coupling", "coupling_sweep", "rank", "beyond"]
+    found = {p.name[:-5] for p in resources.files("normlab.experiments").iterdir() if p.name.endswith(".toml")}
+    return [n for n in order if n in found] + sorted(found - set(order))
+
+
+def load_experiment(name_or_path: str) -> Experiment:
+    """A built-in experiment by name, or a TOML file by path; a malformed file raises a clear error."""
+    p = Path(name_or_path)
+    if p.suffix == ".toml" or p.exists():
+        if not p.is_file():
+            raise FileNotFoundError(f"experiment file {name_or_path!r} does not exist")
+        text, where = p.read_text(), str(p)
+    else:
+        res = resources.files("normlab.experiments") / f"{name_or_path}.toml"
+        if not res.is_file():
+            raise ValueError(f"unknown experiment {name_or_path!r}; built-in: {', '.join(builtin_experiments())}, "
+                             "or pass a path to a .toml file")  # fmt: skip
+        text, where = res.read_text(), f"normlab/experiments/{name_or_path}.toml"
+    try:
+        d = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"{where}: not valid TOML ({e})") from None
+    missing = [k for k in ("name", "runs") if k not in d]
+    if missing:
+        raise ValueError(f"{where}: missing {', '.join(missing)}")
+    for i, r in enumerate(d["runs"]):
+        if "name" not in r or "set" not in r:
+            raise ValueError(f"{where}: run {i} needs 'name' and 'set'")
+    return Experiment(name=d["name"], title=d.get("title", d["name"]), source=d.get("source", ""),
+                      claim=d.get("claim", ""), runs=d["runs"], seeds=d.get("seeds", [0]),
+                      metrics=d.get("metrics", ["final_val_loss"]), base=d.get("base", {}).get("set", {}),
+                      path=where)  # fmt: skip
+
+
+def expand(exp: Experiment, profile: str, root: str | Path, extra: dict | None = None) -> list[RunSpec]:
+    """The runs of ``exp`` at ``profile``, each with a resolved, validated config.
+
+    Overrides apply in order: the profile, the run's shape, the experiment's [base], the run's set, ``extra``.
+    """
+    if profile not in PROFILES:
+        raise ValueError(f"unknown profile {profile!r}; valid: {', '.join(PROFILES)}")
+    prof = PROFILES[profile]
+    seeds = exp.seeds[: prof["seeds"]] if prof["seeds"] else exp.seeds
+    specs = []
+    for run in exp.runs:
+        overrides = dict(prof["set"])
+        if "shape" in run:
+            if run["shape"] not in prof["shapes"]:
+                raise ValueError(f"{exp.path}: run {run['name']!r} has unknown shape {run['shape']!r}")
+            overrides.update(prof["shapes"][run["shape"]])
+        overrides.update(exp.base)
+        overrides.update(run["set"])
+        overrides.update(extra or {})
+        for seed in seeds:
+            cfg = resolve_config(prof["preset"], {**overrides, "seed": seed})
+            if run.get("beta_rms_gain"):  # beta0 = C * sigma0^2 with sigma0 = 0.02: RMSNorm's gain at init
+                cfg.model.norm_kwargs = {**cfg.model.norm_kwargs, "beta_init": cfg.model.width * 0.02**2}
+            meta = {k: v for k, v in run.items() if k not in ("name", "label", "set")}
+            spec = RunSpec(exp.name, run["name"], run.get("label", run["name"]), seed, cfg, meta)
+            cfg.out = str(Path(root) / "runs" / spec.run_id)
+            specs.append(spec)
+    return specs
+
+
+def parse_shard(text: str | None) -> tuple[int, int]:
+    if not text:
+        return 0, 1
+    try:
+        i, n = (int(v) for v in text.split("/"))
+    except ValueError:
+        raise ValueError(f"--shard expects i/n (e.g. 0/4), got {text!r}") from None
+    if not (n >= 1 and 0 <= i < n):
+        raise ValueError(f"--shard i/n needs 0 <= i < n, got {text!r}")
+    return i, n
+
+
+def read_summary(run_dir: str | Path) -> dict | None:
+    p = Path(run_dir) / "summary.json"
+    try:
+        return json.loads(p.read_text()) if p.exists() else None
+    except json.JSONDecodeError:
+        return None
+
+
+def _run_one(spec: RunSpec) -> tuple[str, str, str]:
+    """Train one run (resuming it if it has a checkpoint); any exception becomes a 'failed' record."""
+    from normlab.lab.train import train
+
+    out = Path(spec.config.out)
+    resume = (out / "checkpoint.pt").exists()
+    if not resume and out.exists():
+        shutil.rmtree(out)  # killed before its first checkpoint, or failed before: start it over
+    try:
+        return spec.run_id, train(spec.config, resume=resume, progress=False)["status"], ""
+    except Exception as e:  # noqa: BLE001  (a failed run is recorded; the sweep goes on)
+        out.mkdir(parents=True, exist_ok=True)
+        record = {"status": "failed", "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+        (out / "summary.json").write_text(json.dumps(record, indent=2) + "\n")
+        return spec.run_id, "failed", f"{type(e).__name__}: {e}"
+
+
+def _worker_init(threads: int) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+    try:  # Linux: die with the sweep, so that a killed sweep leaves no run half-owned by an orphan
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def default_jobs() -> int:
+    """Parallel runs: one per core on a CPU (tiny models use one thread well), one on a GPU."""
+    import torch
+
+    return 1 if torch.cuda.is_available() else max(1, min(os.cpu_count() or 1, 8))
+
+
+def run_sweep(specs: list[RunSpec], *, shard: tuple[int, int] = (0, 1), jobs: int = 1,
+              progress: bool = True) -> dict[str, str]:  # fmt: skip
+    """Run every spec of this shard that has not finished, ``jobs`` at a time; returns {run_id: status}."""
+    unique = list({s.run_id: s for s in specs}.values())  # a run shared by several tables runs once
+    mine = unique[shard[0] :: shard[1]]
+    statuses, todo = {}, []
+    for spec in mine:
+        summary = read_summary(spec.config.out)
+        if summary and summary.get("status") in TERMINAL:
+            statuses[spec.run_id] = summary["status"]
+        else:
+            todo.append(spec)
+    names = {s.run_id: f"{s.experiment}/{s.name} (seed {s.seed})" for s in todo}
+    bar = tqdm(total=len(mine), initial=len(statuses), disable=not progress, desc="sweep", unit="run",
+               dynamic_ncols=True)  # fmt: skip
+
+    def done(run_id: str, status: str, error: str) -> None:
+        statuses[run_id] = status
+        if error:
+            tqdm.write(f"run {names[run_id]} failed: {error}")
+        bar.set_postfix_str(f"last: {names[run_id]} {status}")
+        bar.update(1)
+
+    if jobs <= 1:
+        for spec in todo:
+            bar.set_postfix_str(f"running {names[spec.run_id]}")
+            done(*_run_one(spec))
+    elif todo:
+        import multiprocessing as mp
+
+        threads = max(1, (os.cpu_count() or 1) // jobs)
+        with ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn"), initializer=_worker_init,
+                                 initargs=(threads,)) as pool:  # fmt: skip
+            for fut in as_completed([pool.submit(_run_one, spec) for spec in todo]):
+                done(*fut.result())
+    bar.close()
+    return statuses
+
+
+def write_index(experiments: list[Experiment], profile: str, root: str | Path) -> Path:
+    """<root>/index.json: for each experiment, its runs and their directories (the report reads this)."""
+    index = {"profile": profile, "experiments": []}
+    for exp in experiments:
+        runs = [{"name": s.name, "label": s.label, "seed": s.seed, "run_id": s.run_id, "meta": s.meta}
+                for s in expand(exp, profile, root)]  # fmt: skip
+        index["experiments"].append({"name": exp.name, "title": exp.title, "source": exp.source,
+                                     "claim": exp.claim, "metrics": exp.metrics, "runs": runs})  # fmt: skip
+    path = Path(root) / "index.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(index, indent=2) + "\n")
+    return path
