@@ -186,6 +186,32 @@ def _cmd_reproduce(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_convert(args: argparse.Namespace) -> int:
+    import copy
+
+    from normlab.convert import convert_norms, fidelity, load_hf_model, save_converted, text_batches
+
+    model, tokenizer = load_hf_model(args.model)
+    vocab = model.get_input_embeddings().num_embeddings
+    if tokenizer is None:
+        print(f"{args.model} has no tokenizer: using byte values mod {vocab} as token ids")
+    calib, held = text_batches(args.calibrate, tokenizer, vocab, args.seq_len, args.max_batches)
+    original = copy.deepcopy(model)
+    init = _parse_init(args.init)
+    record = convert_norms(model, args.to, calibrate=None if args.no_calibrate else calib, per=args.per, init=init)
+    print(f"converted {len(record.sites)} norms of {type(model).__name__} to {args.to} "
+          f"({'calibrated on ' + str(len(calib)) + ' sequences' if not args.no_calibrate else 'default init'})\n")
+    print(record.table(markdown=args.markdown))
+    fid = fidelity(original, model, held, record)
+    print(f"\nfidelity on {len(held)} held-out sequences: output cosine {fid['output_cosine']:.4f}, "
+          f"mean site error {fid['mean_site_error']:.4f}" + (f", KL {fid['kl']:.4g} nats/token" if "kl" in fid else ""))
+    if args.out:
+        save_converted(model, record, args.out)
+        _write_json(fid, str(__import__("pathlib").Path(args.out) / "fidelity.json"))
+        print(f"saved to {args.out} (load with normlab.load_converted)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="normlab", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -282,6 +308,20 @@ def build_parser() -> argparse.ArgumentParser:
     rr.add_argument("--jobs", type=int, default=default_jobs(), help="runs at a time")
     rr.add_argument("--no-progress", action="store_true")
     rr.set_defaults(func=_cmd_reproduce)
+
+    cv = sub.add_parser("convert", help="swap the norms of a local Hugging Face model, calibrated on a text file")
+    cv.add_argument("--model", required=True, help="a local Hugging Face model directory (config.json + weights)")
+    cv.add_argument("--to", default="dyisru", help="registered norm to convert to (default dyisru)")
+    cv.add_argument("--calibrate", required=True, help="text file: the first 80%% calibrates, the rest measures")
+    cv.add_argument("--no-calibrate", action="store_true", help="keep the default init (for comparison)")
+    cv.add_argument("--per", choices=["global", "channel"], default="global",
+                    help="one fitted parameter per site, or one per channel")
+    cv.add_argument("--init", nargs="*", default=[], metavar="KEY=VALUE", help="init values of every replacement")
+    cv.add_argument("--seq-len", type=int, default=128)
+    cv.add_argument("--max-batches", type=int, default=16, help="sequences for calibration (and for fidelity)")
+    cv.add_argument("--out", help="save the converted model here (save_pretrained + normlab_conversion.json)")
+    cv.add_argument("--markdown", action="store_true")
+    cv.set_defaults(func=_cmd_convert)
     return p
 
 

@@ -1,0 +1,558 @@
+"""Swap the norms of any PyTorch or Hugging Face model for a registered norm, fitted to the model's own activations.
+
+    import normlab
+    record = normlab.convert_norms(model, to="dyisru", calibrate=batches)   # in place; returns what it did
+    print(record.table())
+    report = normlab.fidelity(original, model, held_out)                     # how close the converted model is
+
+What it finds (``KNOWN_NORMS``): ``nn.LayerNorm``, ``nn.RMSNorm``, normlab's own LayerNorm/RMSNorm, and the
+RMSNorm classes of Hugging Face models (Llama, Qwen2/3, Mistral, Mixtral, Phi3, T5LayerNorm, and Gemma's, whose
+scale is 1 + weight). Add a class with ``extra_classes={MyNorm: "rms_norm"}`` or restrict sites with
+``include=lambda name, module: ...``. Any other module whose class name contains "Norm" is reported as skipped,
+with the reason; nothing is skipped silently.
+
+Calibration (``calibrate=`` sample inputs or a dataloader) runs the original model with hooks on each norm,
+takes its inputs x and its normalized output before the affine, x_hat, and fits the replacement's parameter so
+that it reproduces x_hat (:func:`normlab.theory.fit_elementwise`): DyISRU's beta (seed 000 eq. 16), ELN's beta
+on the centered input, or (scaled) DyT's alpha. Every target is fitted with the same two degrees of freedom,
+its parameter and an amplitude, and the amplitude is folded into the copied weight. ``per="channel"`` fits
+one parameter (and amplitude) per channel.
+
+Conversion is all-or-nothing: every replacement is built and fitted before the first module is swapped.
+"""
+
+from __future__ import annotations
+
+import copy
+import fnmatch
+import json
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import normlab.functional as FN
+from normlab.registry import create_norm, init_kwargs, list_norms, norm_spec
+
+__all__ = ["KNOWN_NORMS", "ConversionRecord", "convert_norms", "apply_record", "fidelity", "save_converted",
+           "load_converted", "CALIBRATABLE"]  # fmt: skip
+
+# class name -> how it normalizes ("layer_norm", "rms_norm", or "rms_norm_offset": scale is 1 + weight)
+KNOWN_NORMS: dict[str, str] = {
+    "LayerNorm": "layer_norm",  # torch.nn.LayerNorm (GPT-2, BERT, ...) and normlab's
+    "RMSNorm": "rms_norm",  # torch.nn.RMSNorm and normlab's
+    "LlamaRMSNorm": "rms_norm",
+    "Qwen2RMSNorm": "rms_norm",
+    "Qwen3RMSNorm": "rms_norm",
+    "MistralRMSNorm": "rms_norm",
+    "MixtralRMSNorm": "rms_norm",
+    "Phi3RMSNorm": "rms_norm",
+    "T5LayerNorm": "rms_norm",
+    "GemmaRMSNorm": "rms_norm_offset",
+    "Gemma2RMSNorm": "rms_norm_offset",
+    "Gemma3RMSNorm": "rms_norm_offset",
+}
+CALIBRATABLE = ("dyisru", "eln", "dyt", "scaled_dyt")
+
+
+@dataclass
+class Site:
+    name: str
+    source: str  # class name of the module replaced
+    kind: str  # layer_norm | rms_norm | rms_norm_offset
+    dim: int
+    eps: float
+    kwargs: dict  # what the replacement was built with
+    copied: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    fit: dict | None = None
+
+
+@dataclass
+class ConversionRecord:
+    target: str
+    per: str
+    sites: list[Site]
+    skipped: list[dict]
+
+    def to_dict(self) -> dict:
+        return {"format": "normlab-conversion-1", "target": self.target, "per": self.per,
+                "sites": [asdict(s) for s in self.sites], "skipped": self.skipped}  # fmt: skip
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ConversionRecord:
+        if d.get("format") != "normlab-conversion-1":
+            raise ValueError("not a normlab conversion record (format normlab-conversion-1)")
+        return cls(d["target"], d["per"], [Site(**s) for s in d["sites"]], d["skipped"])
+
+    def table(self, markdown: bool = False) -> str:
+        from normlab._table import format_table
+
+        rows = []
+        for s in self.sites:
+            f = s.fit or {}
+            param = f.get("param_name", "-")
+            value = f.get("value", "-")
+            rows.append([s.name, s.source, self.target, param, value, f.get("rel_error", "-"),
+                         "; ".join(s.notes) or ("ok" if f.get("converged", True) else "fit did not converge")])
+        out = format_table(["site", "replaced", "with", "param", "value", "fit rel. error", "notes"], rows, markdown)
+        if self.skipped:
+            out += "\nnot converted: " + "; ".join(f"{s['name']} ({s['class']}): {s['reason']}" for s in self.skipped)
+        return out
+
+
+# --------------------------------------------------------------------------
+# finding and building
+# --------------------------------------------------------------------------
+def _kind(module: nn.Module, extra: dict) -> str | None:
+    for cls, kind in extra.items():
+        if isinstance(module, cls):
+            return kind
+    name = type(module).__name__
+    if name in KNOWN_NORMS:
+        return KNOWN_NORMS[name]
+    if name.endswith("RMSNorm") and hasattr(module, "weight"):  # an RMSNorm of a model not in the table
+        return "rms_norm_offset" if name.startswith("Gemma") else "rms_norm"
+    return None
+
+
+def _source_eps(module: nn.Module) -> float:
+    for attr in ("eps", "variance_epsilon"):
+        v = getattr(module, attr, None)
+        if isinstance(v, (int, float)):
+            return float(v)
+    w = getattr(module, "weight", None)
+    return float(torch.finfo(w.dtype if w is not None else torch.float32).eps)  # nn.RMSNorm(eps=None)
+
+
+def _source_dim(module: nn.Module) -> int | None:
+    shape = getattr(module, "normalized_shape", None)
+    if shape is not None:
+        return int(shape[0]) if len(shape) == 1 else None
+    w = getattr(module, "weight", None)
+    return int(w.shape[-1]) if w is not None and w.dim() == 1 else None
+
+
+def _find(model: nn.Module, extra: dict, include) -> tuple[list[tuple[str, nn.Module, str]], list[dict]]:
+    found, skipped = [], []
+    for name, m in model.named_modules():
+        if not name:
+            continue
+        kind = _kind(m, extra)
+        if kind is None:
+            if "Norm" in type(m).__name__ and not any(name.startswith(f[0] + ".") for f in found):
+                skipped.append({"name": name, "class": type(m).__name__,
+                                "reason": "not a known per-token norm (add it with extra_classes=)"})  # fmt: skip
+            continue
+        if include is not None and not include(name, m):
+            skipped.append({"name": name, "class": type(m).__name__, "reason": "excluded by include="})
+            continue
+        if _source_dim(m) is None:
+            skipped.append({"name": name, "class": type(m).__name__,
+                            "reason": "normalizes over more than one dimension"})  # fmt: skip
+            continue
+        found.append((name, m, kind))
+    return found, skipped
+
+
+def _site_kwargs(name: str, init: dict, site_init: dict) -> dict:
+    kw = dict(init)
+    for pattern, extra in site_init.items():
+        if fnmatch.fnmatch(name, pattern):
+            kw.update(extra)
+    return kw
+
+
+def _build(name: str, m: nn.Module, kind: str, to: str, kwargs: dict) -> tuple[nn.Module, Site]:
+    dim, eps = _source_dim(m), _source_eps(m)
+    valid = init_kwargs(to)
+    bad = sorted(set(kwargs) - set(valid))
+    if bad:
+        raise ValueError(f"site {name}: norm {to!r} does not take {', '.join(bad)}; it takes: {', '.join(valid)}")
+    if "eps" in valid and "eps" not in kwargs:
+        kwargs = {**kwargs, "eps": eps}  # keep the source's eps where the target has one
+    new = create_norm(to, dim, **kwargs)
+    site = Site(name, type(m).__name__, kind, dim, eps, kwargs)
+    w = getattr(m, "weight", None)
+    b = getattr(m, "bias", None)
+    with torch.no_grad():
+        if getattr(new, "weight", None) is not None:
+            if w is not None:
+                new.weight.copy_(w.detach() + 1.0 if kind == "rms_norm_offset" else w.detach())
+                site.copied.append("weight (1 + weight)" if kind == "rms_norm_offset" else "weight")
+        elif w is not None:
+            site.notes.append("weight dropped: the target has none")
+        if isinstance(b, torch.Tensor):
+            if getattr(new, "bias", None) is not None:
+                new.bias.copy_(b.detach())
+                site.copied.append("bias")
+            else:
+                site.notes.append("bias dropped: the target has none")
+    ref = w if w is not None else next(iter(m.parameters()), None)
+    if ref is not None:
+        new = new.to(device=ref.device, dtype=ref.dtype)
+    new.train(m.training)
+    return new, site
+
+
+# --------------------------------------------------------------------------
+# calibration
+# --------------------------------------------------------------------------
+def _batches(calibrate) -> Iterable:
+    if isinstance(calibrate, (torch.Tensor, dict)):
+        return [calibrate]
+    if isinstance(calibrate, (str, bytes)) or not isinstance(calibrate, Iterable):
+        raise TypeError(f"calibrate: expected a tensor of inputs, a dict of model kwargs, a list of those, or a "
+                        f"dataloader yielding them; got {type(calibrate).__name__}")  # fmt: skip
+    return calibrate
+
+
+def _run(model: nn.Module, batch, i: int):
+    try:
+        if isinstance(batch, dict):
+            return model(**batch)
+        if isinstance(batch, torch.Tensor):
+            return model(batch)
+        if isinstance(batch, (list, tuple)) and batch and isinstance(batch[0], torch.Tensor):
+            return model(batch[0])  # (inputs, targets) from a dataloader
+    except Exception as e:  # noqa: BLE001
+        raise ValueError(f"calibration batch {i} could not be run through the model: {type(e).__name__}: {e}") from e
+    raise TypeError(f"calibrate: batch {i} is a {type(batch).__name__}; expected a tensor, a dict of model kwargs, "
+                    "or an (inputs, ...) tuple")  # fmt: skip
+
+
+@torch.no_grad()
+def _collect(model: nn.Module, modules: dict[str, nn.Module], calibrate, max_tokens: int) -> dict[str, torch.Tensor]:
+    """Inputs of each norm on the calibration data, (tokens, C) float32, at most max_tokens per site."""
+    store: dict[str, list[torch.Tensor]] = {n: [] for n in modules}
+    handles = [m.register_forward_pre_hook(lambda mod, args, n=n: store[n].append(args[0].detach().float()
+               .reshape(-1, args[0].shape[-1]).cpu())) for n, m in modules.items()]  # fmt: skip
+    was_training = model.training
+    model.eval()
+    try:
+        n_batches = 0
+        for i, batch in enumerate(_batches(calibrate)):
+            _run(model, batch, i)
+            n_batches += 1
+        if n_batches == 0:
+            raise ValueError("calibrate: the calibration data is empty")
+    finally:
+        for h in handles:
+            h.remove()
+        model.train(was_training)
+    g = torch.Generator().manual_seed(0)
+    out = {}
+    for n, parts in store.items():
+        x = torch.cat(parts) if parts else torch.empty(0)
+        if len(x) == 0:
+            raise ValueError(f"calibrate: the norm {n} never ran on the calibration data")
+        out[n] = x[torch.randperm(len(x), generator=g)[:max_tokens]] if len(x) > max_tokens else x
+    return out
+
+
+def _normalized(x: torch.Tensor, site: Site) -> torch.Tensor:
+    """The source norm's output before its affine: the target of the fit."""
+    if site.kind == "layer_norm":
+        return FN.layer_norm(x, eps=site.eps)
+    return FN.rms_norm(x, eps=site.eps)
+
+
+def _calibrate_site(new: nn.Module, site: Site, x: torch.Tensor, to: str, per: str, fit_amplitude: bool) -> None:
+    from normlab.theory.fit import fit_elementwise
+
+    target = _normalized(x.double(), site)
+    xd = x.double()
+    # Every target gets the same two degrees of freedom: its parameter and an amplitude, folded into the copied
+    # weight (relative to the amplitude the module already has: sqrt(C), sqrt(C-1), or 1 for DyT).
+    # With fit_amplitude=False the amplitude stays the module's own (the papers' sqrt(C) convention).
+    built_in = 1.0 if to == "dyt" else FN.channel_scale(site.dim, new.scale)
+    scale = None if fit_amplitude else built_in
+    if to == "dyisru":
+        fit = fit_elementwise(xd, target, "dyisru", scale=scale, per=per)
+    elif to == "eln":
+        fit = fit_elementwise(xd - xd.mean(-1, keepdim=True), target, "dyisru", scale=scale, per=per)
+    else:  # dyt, scaled_dyt
+        fit = fit_elementwise(xd, target, "dyt", scale=scale, per=per)
+    site.fit = {"param_name": fit.param_name, "per": per, "rel_error": fit.rel_error, "converged": fit.converged}
+    if not fit.converged:
+        site.notes.append(f"fit did not converge ({fit.message}); default init kept")
+        return
+    p = torch.as_tensor(fit.param, dtype=torch.float64).reshape(-1)
+    site.fit["value"] = float(p.mean()) if p.numel() > 1 else float(p)
+    with torch.no_grad():
+        if fit.kind == "dyisru":
+            new.log_beta.copy_(p.log().to(new.log_beta))
+        else:
+            new.alpha.copy_(p.to(new.alpha))
+        amp = torch.as_tensor(fit.amplitude, dtype=torch.float64).reshape(-1) / built_in
+        new.weight.mul_(amp.to(new.weight))
+        site.fit["amplitude"] = float(amp.mean())
+
+
+# --------------------------------------------------------------------------
+def convert_norms(
+    model: nn.Module,
+    to: str = "dyisru",
+    *,
+    calibrate=None,
+    per: str = "global",
+    init: dict | None = None,
+    site_init: dict[str, dict] | None = None,
+    extra_classes: dict[type, str] | None = None,
+    include: Callable[[str, nn.Module], bool] | None = None,
+    max_tokens: int = 4096,
+    fit_amplitude: bool = True,
+) -> ConversionRecord:
+    """Replace the model's norms with ``to`` in place; return the record of what was done.
+
+    init:       kwargs for every replacement (e.g. {"alpha_init": 0.5});
+    site_init:  {fnmatch pattern on the module name: kwargs}, e.g. DyT's LLaMA recipe
+                {"*input_layernorm": {"alpha_init": 0.8}, "*post_attention_layernorm": {"alpha_init": 0.2}};
+    calibrate:  sample inputs (tensor, dict of kwargs, list, or dataloader) to fit the new parameters;
+    per:        "global" or "channel" (one fitted parameter per channel);
+    fit_amplitude: also fit an amplitude, folded into the weight (default); False keeps the module's own
+                (sqrt(C) for DyISRU and scaled DyT, as in the papers; 1 for DyT).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"convert_norms: expected an nn.Module, got {type(model).__name__}")
+    norm_spec(to)  # an unknown target lists the valid names
+    if per not in ("global", "channel"):
+        raise ValueError(f"per must be 'global' or 'channel', got {per!r}")
+    if calibrate is not None and to not in CALIBRATABLE:
+        raise ValueError(f"calibration fits the parameter of {', '.join(CALIBRATABLE)}; {to!r} has none to fit "
+                         "(convert without calibrate=)")  # fmt: skip
+    extra = dict(extra_classes or {})
+    for cls, kind in extra.items():
+        if kind not in ("layer_norm", "rms_norm", "rms_norm_offset"):
+            raise ValueError(f"extra_classes[{cls.__name__}]: kind must be layer_norm, rms_norm or rms_norm_offset")
+    found, skipped = _find(model, extra, include)
+    if not found:
+        raise ValueError(f"convert_norms: found no normalization module to convert in {type(model).__name__} "
+                         f"(known: {', '.join(sorted(KNOWN_NORMS))}; add yours with extra_classes=)")  # fmt: skip
+
+    per_kw = {}
+    if per == "channel":
+        per_kw = {"per_channel_beta": True} if to in ("dyisru", "eln") else {"per_channel_alpha": True}
+    replacements, sites = {}, []
+    for name, m, kind in found:  # build everything first: an error here leaves the model untouched
+        new, site = _build(name, m, kind, to, {**per_kw, **_site_kwargs(name, init or {}, site_init or {})})
+        replacements[name] = new
+        sites.append(site)
+    if calibrate is not None:
+        xs = _collect(model, {n: m for n, m, _ in found}, calibrate, max_tokens)
+        for site in sites:
+            _calibrate_site(replacements[site.name], site, xs[site.name], to, per, fit_amplitude)
+    for name, new in replacements.items():  # the swap itself
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+    return ConversionRecord(to, per, sites, skipped)
+
+
+def apply_record(model: nn.Module, record: ConversionRecord) -> nn.Module:
+    """Rebuild a recorded conversion's structure on a fresh model (no calibration); load the weights after."""
+    names = {name for name, _ in model.named_modules()}
+    missing = [s.name for s in record.sites if s.name not in names]
+    if missing:
+        raise ValueError(f"the model has no module {missing[0]!r} from the conversion record; is it the same model?")
+    for s in record.sites:
+        new = create_norm(record.target, s.dim, **s.kwargs)
+        old = model.get_submodule(s.name)
+        ref = next(iter(old.parameters()), None)
+        if ref is not None:
+            new = new.to(device=ref.device, dtype=ref.dtype)
+        parent_name, _, child = s.name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+    return model
+
+
+# --------------------------------------------------------------------------
+# fidelity
+# --------------------------------------------------------------------------
+def _logits(out, lm: bool | None):
+    """The final output tensor, and whether it holds next-token logits (auto: a ModelOutput with .logits)."""
+    for attr in ("logits", "last_hidden_state"):
+        if hasattr(out, attr):
+            return getattr(out, attr), attr == "logits" if lm is None else lm
+    if isinstance(out, (tuple, list)):
+        out = out[0]
+    return out, bool(lm)
+
+
+@torch.no_grad()
+def fidelity(original: nn.Module, converted: nn.Module, inputs, record: ConversionRecord | None = None,
+             *, lm: bool | None = None) -> dict:  # fmt: skip
+    """How close ``converted`` is to ``original`` on held-out ``inputs``.
+
+    Per site: the relative error of the norm's output, ||y_conv - y_orig|| / ||y_orig||, both models fed the
+    same inputs. Final output: mean per-token cosine similarity, and for language models (outputs with
+    logits) the mean KL(original || converted) of the next-token distributions. ``lm=True`` says that a plain
+    tensor or tuple output (its first element) holds logits; by default only a ``.logits`` attribute does.
+    """
+    sites = [s.name for s in record.sites] if record else []
+    outs: dict[str, dict[str, list]] = {"orig": {n: [] for n in sites}, "conv": {n: [] for n in sites}}
+    handles = []
+    for tag, model in (("orig", original), ("conv", converted)):
+        for n in sites:
+            handles.append(model.get_submodule(n).register_forward_hook(
+                lambda mod, a, y, n=n, tag=tag: outs[tag][n].append(y.detach().float().cpu())))  # fmt: skip
+    cos, kl, n_tok = 0.0, 0.0, 0
+    has_logits = False
+    modes = (original.training, converted.training)
+    original.eval()
+    converted.eval()
+    try:
+        for i, batch in enumerate(_batches(inputs)):
+            a, is_lm = _logits(_run(original, batch, i), lm)
+            b, _ = _logits(_run(converted, batch, i), lm)
+            a, b = a.float().reshape(-1, a.shape[-1]), b.float().reshape(-1, b.shape[-1])
+            cos += float(torch.nn.functional.cosine_similarity(a, b, dim=-1).sum())
+            if is_lm:
+                has_logits = True
+                kl += float(torch.nn.functional.kl_div(b.log_softmax(-1), a.log_softmax(-1), log_target=True,
+                                                       reduction="sum"))  # fmt: skip
+            n_tok += a.shape[0]
+    finally:
+        for h in handles:
+            h.remove()
+        original.train(modes[0])
+        converted.train(modes[1])
+    if n_tok == 0:
+        raise ValueError("fidelity: the held-out inputs are empty")
+    per_site = {}
+    for n in sites:
+        ya = torch.cat([t.reshape(-1) for t in outs["orig"][n]])
+        yb = torch.cat([t.reshape(-1) for t in outs["conv"][n]])
+        per_site[n] = float((yb - ya).norm() / ya.norm().clamp_min(1e-30))
+    result = {"output_cosine": cos / n_tok, "sites": per_site,
+              "mean_site_error": sum(per_site.values()) / len(per_site) if per_site else math.nan}  # fmt: skip
+    if has_logits:
+        result["kl"] = kl / n_tok
+    return result
+
+
+# --------------------------------------------------------------------------
+# saving and loading
+# --------------------------------------------------------------------------
+RECORD_FILE = "normlab_conversion.json"
+
+
+def save_converted(model: nn.Module, record: ConversionRecord, path: str | Path) -> Path:
+    """Weights plus the conversion record. A Hugging Face model is saved with its own save_pretrained."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    if hasattr(model, "save_pretrained"):
+        model.save_pretrained(path)
+    else:
+        torch.save(model.state_dict(), path / "model.pt")
+    d = record.to_dict()
+    d["model_class"] = type(model).__name__
+    (path / RECORD_FILE).write_text(json.dumps(d, indent=2) + "\n")
+    return path
+
+
+def _load_state(path: Path) -> dict:
+    if (path / "model.pt").exists():
+        return torch.load(path / "model.pt", map_location="cpu", weights_only=True)
+    from safetensors.torch import load_file
+
+    if (path / "model.safetensors").exists():
+        return load_file(path / "model.safetensors")
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        state = {}
+        for shard in sorted(set(json.loads(index.read_text())["weight_map"].values())):
+            state.update(load_file(path / shard))
+        return state
+    raise FileNotFoundError(f"{path}: no model.pt, model.safetensors or sharded safetensors index")
+
+
+def load_converted(path: str | Path, model: nn.Module | None = None) -> tuple[nn.Module, ConversionRecord]:
+    """Load a model saved by :func:`save_converted`.
+
+    For a Hugging Face model, ``model`` may be omitted: it is rebuilt from the saved config. For a plain
+    PyTorch model pass a freshly constructed instance of the original architecture.
+    """
+    path = Path(path)
+    if not (path / RECORD_FILE).exists():
+        raise FileNotFoundError(f"{path} holds no {RECORD_FILE}: not a model saved by normlab.save_converted")
+    d = json.loads((path / RECORD_FILE).read_text())
+    record = ConversionRecord.from_dict(d)
+    if model is None:
+        if not (path / "config.json").exists():
+            raise ValueError(f"{path} has no config.json: pass the model to load into (load_converted(path, model))")
+        import transformers
+
+        config = transformers.AutoConfig.from_pretrained(path)
+        cls = getattr(transformers, d.get("model_class") or config.architectures[0])
+        model = cls(config)
+    apply_record(model, record)
+    state = _load_state(path)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = set(getattr(model, "_tied_weights_keys", None) or [])
+    missing = [k for k in missing if k not in tied and not any(fnmatch.fnmatch(k, t) for t in tied)]
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    if unexpected or missing:
+        raise ValueError(f"{path}: weights do not match the converted model (missing {missing[:3]}, "
+                         f"unexpected {unexpected[:3]})")  # fmt: skip
+    return model.eval(), record
+
+
+def converted_copy(model: nn.Module, to: str, **kwargs) -> tuple[nn.Module, ConversionRecord]:
+    """Convert a deep copy, leaving ``model`` as it is (handy for fidelity comparisons)."""
+    new = copy.deepcopy(model)
+    return new, convert_norms(new, to, **kwargs)
+
+
+def valid_targets() -> list[str]:
+    return list_norms()
+
+
+# --------------------------------------------------------------------------
+# command line: normlab convert --model DIR --to dyisru --calibrate FILE.txt --out DIR
+# --------------------------------------------------------------------------
+def load_hf_model(model_dir: str | Path):
+    """A local Hugging Face model directory: (model, tokenizer or None). A folder that is not one is a clear error."""
+    d = Path(model_dir)
+    if not d.is_dir():
+        raise FileNotFoundError(f"--model {model_dir!r} is not a directory")
+    if not (d / "config.json").exists():
+        raise ValueError(f"--model {model_dir!r} is not a Hugging Face model directory (no config.json); "
+                         "save one with model.save_pretrained(DIR)")  # fmt: skip
+    try:
+        import transformers
+    except ImportError:
+        raise ValueError("converting a Hugging Face model needs transformers: pip install 'normlab[hf]'") from None
+    config = transformers.AutoConfig.from_pretrained(d)
+    arch = (config.architectures or [None])[0]
+    cls = getattr(transformers, arch, None) if arch else None
+    if cls is None:
+        raise ValueError(f"{model_dir}: config.json names no architecture transformers knows ({arch!r})")
+    model = cls.from_pretrained(d).eval()
+    tokenizer = None
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(d)
+    except Exception:  # noqa: BLE001  (no tokenizer files in a model built from a config)
+        pass
+    return model, tokenizer
+
+
+def text_batches(path: str | Path, tokenizer, vocab_size: int, seq_len: int = 128, max_batches: int = 16,
+                 holdout: float = 0.2) -> tuple[list[torch.Tensor], list[torch.Tensor]]:  # fmt: skip
+    """Calibration and held-out batches of token ids (1, seq_len) from a text file."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"--calibrate {str(path)!r} does not exist")
+    text = p.read_text(errors="replace")
+    if tokenizer is not None:
+        ids = torch.tensor(tokenizer(text)["input_ids"], dtype=torch.long)
+    else:  # a model built from a config has no tokenizer: byte values, folded into the vocabulary
+        ids = torch.tensor(list(text.encode()), dtype=torch.long) % vocab_size
+    chunks = [ids[i : i + seq_len][None] for i in range(0, len(ids) - seq_len + 1, seq_len)]
+    if len(chunks) < 2:
+        raise ValueError(f"--calibrate {path}: {len(ids)} tokens is too short for two sequences of {seq_len}")
+    n_hold = max(1, int(len(chunks) * holdout))
+    return chunks[: len(chunks) - n_hold][:max_batches], chunks[len(chunks) - n_hold :][:max_batches]
