@@ -298,34 +298,48 @@ def _rank_bars(res: Results, path: Path) -> Path | None:
     return path
 
 
-def _init_sensitivity(res: Results, path: Path) -> Path | None:
-    fig, ax = plt.subplots(figsize=(7, 4))
-    drawn = False
-    for fam, marker in (("dyt", "o"), ("dyisru", "s")):
-        pts = []
-        for n, runs in res.groups.items():
-            if runs[0]["meta"].get("family") == fam:
-                vals = res.values(n)
-                if vals:
-                    sd = statistics.stdev(vals) if len(vals) > 1 else 0.0
-                    pts.append((runs[0]["label"], statistics.fmean(vals), sd))
-        if pts:
-            drawn = True
-            ax.errorbar(range(len(pts)), [p[1] for p in pts], yerr=[p[2] for p in pts], marker=marker, capsize=3,
-                        label=fam, ls="none")  # fmt: skip
-            for i, p in enumerate(pts):
-                ax.annotate(p[0].split(" (")[0], (i, p[1]), fontsize=6, xytext=(4, 4), textcoords="offset points")
-    if not drawn:
-        plt.close(fig)
+def _init_value(res: Results, run: dict) -> float | None:
+    path = res.run_dir(run) / "config.json"
+    if not path.exists():
         return None
-    for n, c in (("rms_norm", "k"), ("eln_b4", "tab:green")):
-        v = res.mean(n)
-        if v is not None:
-            ax.axhline(v, c=c, ls="--", lw=1, label=f"{n}: {v:.3f}")
-    ax.set_ylabel("validation loss (mean ± std over seeds)")
-    ax.set_xticks([])
-    ax.set_title("Init sensitivity: DyT alpha0 and DyISRU beta0 grids")
-    ax.legend(fontsize=8)
+    kw = json.loads(path.read_text())["model"]["norm_kwargs"]
+    return kw.get("alpha_init", kw.get("beta_init"))
+
+
+def _init_sensitivity(res: Results, path: Path) -> Path | None:
+    """Final loss against the initial value, one panel per family (DyT alpha0, DyISRU beta0), log x axis."""
+    fams = {"dyt": "DyT: alpha0", "dyisru": "DyISRU: beta0"}
+    pts = {f: [] for f in fams}
+    for n, runs in res.groups.items():
+        f = runs[0]["meta"].get("family")
+        vals = res.values(n)
+        if f in pts and vals and (x := _init_value(res, runs[0])) is not None:
+            sd = statistics.stdev(vals) if len(vals) > 1 else 0.0
+            pts[f].append((x, statistics.fmean(vals), sd, runs[0]["label"]))
+    if not any(pts.values()):
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
+    for ax, (f, title) in zip(axes, fams.items()):
+        rows = sorted(pts[f])
+        if rows:
+            ax.errorbar([r[0] for r in rows], [r[1] for r in rows], yerr=[r[2] for r in rows], marker="o", capsize=3)
+            for r in rows:
+                if "C *" in r[3]:
+                    ax.annotate("C sigma0^2\n(RMSNorm's gain)", (r[0], r[1]), fontsize=7, xytext=(6, 0),
+                                textcoords="offset points")  # fmt: skip
+        ax.set_xscale("log")
+        ax.set_xlabel(title)
+        for n, c in (("rms_norm", "k"), ("eln_b4", "tab:green")):
+            v = res.mean(n)
+            if v is not None:
+                ax.axhline(v, c=c, ls="--", lw=1, label=f"{n}: {v:.3f}")
+        h = res.entropy()
+        if h is not None:
+            ax.axhline(h, c="gray", ls=":", lw=1, label=f"unigram entropy {h:.2f}")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("validation loss (mean ± std over seeds)")
+    axes[1].legend(fontsize=7)
+    fig.suptitle("Init sensitivity")
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path
