@@ -23,7 +23,7 @@ test: lint
 	$(PY) -m pytest -q
 
 demo: setup
-	$(VENV)/bin/normlab demo
+	$(VENV)/bin/normlab reproduce
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .ruff_cache

@@ -16,14 +16,13 @@ of the same bytes (Triton kernels need a GPU; their correctness is tested under 
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime
 import platform
-from pathlib import Path
 
 import torch
 
 import normlab.functional as FN
+from normlab._table import append_csv
 from normlab.lab.train import code_version
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -160,15 +159,7 @@ def main() -> None:
     ap.add_argument("--csv", default="bench/kernels.csv")
     args = ap.parse_args()
     rows = run(args)
-    path = Path(args.csv)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    new = not path.exists()
-    with path.open("a", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        if new:
-            w.writeheader()
-        w.writerows(rows)
-    print(f"appended {len(rows)} rows to {path}")
+    print(f"appended {len(rows)} rows to {append_csv(args.csv, rows)}")
 
 
 if __name__ == "__main__":

@@ -14,15 +14,14 @@ hardware, commit and date. On CPU only the ratios mean something.
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime
 import platform
 import tempfile
 import time
-from pathlib import Path
 
 import torch
 
+from normlab._table import append_csv
 from normlab.lab import GPT, resolve_config, train
 from normlab.lab.data import get_batch, load_corpus
 from normlab.lab.metrics import Probe, norm_parameters, projection_ranks
@@ -115,15 +114,7 @@ def main() -> None:
     }
     for k, v in row.items():
         print(f"{k:28s} {v}")
-    path = Path(args.csv)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    new = not path.exists()
-    with path.open("a", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(row))
-        if new:
-            w.writeheader()
-        w.writerow(row)
-    print(f"appended to {path}")
+    print(f"appended to {append_csv(args.csv, [row])}")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import csv
 from collections.abc import Sequence
+from pathlib import Path
 
 
 def _cell(v) -> str:
@@ -25,3 +27,16 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence], markdown: boo
     widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
     fmt = lambda r: "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
     return "\n".join([fmt(headers), fmt(["-" * w for w in widths]), *(fmt(r) for r in cells)])
+
+
+def append_csv(path: str | Path, rows: list[dict]) -> Path:
+    """Append rows to a CSV (header written when the file is new): benchmarks keep one growing table."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    new = not path.exists()
+    with path.open("a", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        if new:
+            w.writeheader()
+        w.writerows(rows)
+    return path

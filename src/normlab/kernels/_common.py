@@ -36,6 +36,12 @@ def partial_rows(m: int, cfg: LaunchConfig) -> int:
     return max(1, triton.cdiv(m, cfg.rows))
 
 
+def as_rows(t: torch.Tensor, n: int) -> torch.Tensor:
+    """(..., N) -> (M, N) with unit column stride (a view when possible, else a contiguous copy)."""
+    t2 = t.reshape(-1, n)
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
 def check_operands(op: str, x: torch.Tensor, **params: torch.Tensor | None) -> None:
     """Same device and dtype for input and parameters, a floating input: else a clear error, never a bad launch."""
     if not x.is_floating_point() or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from normlab.kernels._common import grid_2d, launch_config, partial_rows
+from normlab.kernels._common import as_rows, grid_2d, launch_config, partial_rows
 
 
 @triton.jit
@@ -94,9 +94,7 @@ class DyTFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, alpha: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
         shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        if x2.stride(-1) != 1:
-            x2 = x2.contiguous()
+        x2 = as_rows(x, shape[-1])
         m, n = x2.shape
         y = torch.empty((m, n), dtype=x.dtype, device=x.device)
         cfg = launch_config(m, n, elementwise=True)
@@ -114,9 +112,7 @@ class DyTFunction(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         x2, alpha, weight = ctx.saved_tensors
         m, n = x2.shape
-        g2 = grad.reshape(-1, n)
-        if g2.stride(-1) != 1:
-            g2 = g2.contiguous()
+        g2 = as_rows(grad, n)
         dx = torch.empty_like(x2)
         cfg = launch_config(m, n, elementwise=True)
         pm = partial_rows(m, cfg)

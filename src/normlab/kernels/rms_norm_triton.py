@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from normlab.kernels._common import as_rows
+
 MAX_BLOCK = 8192
 
 
@@ -116,9 +118,7 @@ class RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps: float):
         shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        if x2.stride(-1) != 1:
-            x2 = x2.contiguous()
+        x2 = as_rows(x, shape[-1])
         m, n = x2.shape
         y = torch.empty((m, n), dtype=x.dtype, device=x.device)
         rstd = torch.empty(m, dtype=torch.float32, device=x.device)
@@ -136,9 +136,7 @@ class RMSNormFunction(torch.autograd.Function):
     def backward(ctx, grad):
         x2, weight, rstd = ctx.saved_tensors
         m, n = x2.shape
-        g2 = grad.reshape(-1, n)
-        if g2.stride(-1) != 1:
-            g2 = g2.contiguous()
+        g2 = as_rows(grad, n)
         dx = torch.empty_like(x2)
         rows, block, single, warps = _config(m, n)
         programs = max(1, triton.cdiv(m, rows))
