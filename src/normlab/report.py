@@ -26,6 +26,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from normlab._table import format_table  # noqa: E402
+from normlab.lab.train import read_jsonl  # noqa: E402
 from normlab.sweep import read_summary  # noqa: E402
 
 PAPER_RMS, PAPER_ATTRACTOR = 3.21, 7.54
@@ -36,8 +37,7 @@ __all__ = ["write_report"]
 # reading results
 # --------------------------------------------------------------------------
 def _metrics(run_dir: Path) -> list[dict]:
-    p = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()] if p.exists() else []
+    return read_jsonl(run_dir / "metrics.jsonl")
 
 
 def _value(run_dir: Path, metric: str) -> float | None:

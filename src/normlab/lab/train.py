@@ -121,12 +121,21 @@ def load_checkpoint(path: Path, cfg: TrainConfig) -> dict:
     return state
 
 
+def read_jsonl(path: Path) -> list[dict]:
+    """The records of a JSONL log; a line cut short by a kill mid-write is skipped, not fatal."""
+    rows = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
 def _truncate_metrics(path: Path, step: int) -> None:
     """Drop the log lines a killed run wrote after its last checkpoint; the resumed run rewrites them."""
-    if not path.exists():
-        return
-    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
-    path.write_text("".join(line + "\n" for line in keep))
+    if path.exists():
+        path.write_text("".join(json.dumps(r) + "\n" for r in read_jsonl(path) if r.get("step", 0) <= step))
 
 
 # --------------------------------------------------------------------------
@@ -286,7 +295,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> d
         summary.update(status="completed", final_val_loss=last_val, steps_done=step)
     summary["gap_to_unigram_entropy"] = (last_val - entropy) if last_val is not None else None
     if main and metrics_path.exists():
-        rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+        rows = read_jsonl(metrics_path)
         train_rows = [r for r in rows if r.get("train_loss") is not None]
         if train_rows:
             summary["final_train_loss"] = train_rows[-1]["train_loss"]
