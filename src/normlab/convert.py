@@ -23,7 +23,6 @@ Conversion is all-or-nothing: every replacement is built and fitted before the f
 
 from __future__ import annotations
 
-import copy
 import fnmatch
 import json
 import math
@@ -35,7 +34,7 @@ import torch
 from torch import nn
 
 import normlab.functional as FN
-from normlab.registry import create_norm, init_kwargs, list_norms, norm_spec
+from normlab.registry import create_norm, init_kwargs, norm_spec
 
 __all__ = ["KNOWN_NORMS", "ConversionRecord", "convert_norms", "apply_record", "fidelity", "save_converted",
            "load_converted", "CALIBRATABLE"]  # fmt: skip
@@ -500,15 +499,6 @@ def load_converted(path: str | Path, model: nn.Module | None = None) -> tuple[nn
                          f"unexpected {unexpected[:3]})")  # fmt: skip
     return model.eval(), record
 
-
-def converted_copy(model: nn.Module, to: str, **kwargs) -> tuple[nn.Module, ConversionRecord]:
-    """Convert a deep copy, leaving ``model`` as it is (handy for fidelity comparisons)."""
-    new = copy.deepcopy(model)
-    return new, convert_norms(new, to, **kwargs)
-
-
-def valid_targets() -> list[str]:
-    return list_norms()
 
 
 # --------------------------------------------------------------------------

@@ -7,7 +7,6 @@ never a new flag per field. The resolved config is written next to the results.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 from dataclasses import asdict, dataclass, field
 
@@ -169,6 +168,3 @@ def _merge(base: dict, extra: dict) -> dict:
             out[k] = v
     return out
 
-
-def config_fields() -> list[str]:
-    return [f.name for f in dataclasses.fields(TrainConfig)]

@@ -10,7 +10,6 @@ so a resumed run draws exactly the batches an uninterrupted one would have.
 
 from __future__ import annotations
 
-import math
 import os
 import subprocess
 import sys
@@ -118,6 +117,3 @@ def get_batch(data: torch.Tensor, batch_size: int, context: int, *, seed: int, s
     chunk = data[ix[:, None] + offsets].long()  # (B, T + 1)
     return chunk[:, :-1], chunk[:, 1:]
 
-
-def log_uniform_loss(vocab_size: int = 256) -> float:
-    return math.log(vocab_size)
