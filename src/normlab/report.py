@@ -357,7 +357,10 @@ def _theory_section(root: Path) -> list[str]:
     if not p.exists():
         return ["## Theory\n", "_Theory checks were not run for this root (`normlab reproduce` runs them)._\n"]
     t = json.loads(p.read_text())
-    out = ["## Theory (seeds 000-003)\n"]
+    source = ("Every number in this section comes from [theory/theory.json](theory/theory.json) "
+              "(`normlab.reproduce.run_theory`); `normlab simulate`, `normlab jacobian` and `normlab gain` "
+              "recompute each on its own.\n")  # fmt: skip
+    out = ["## Theory (seeds 000-003)\n", source]
     out.append("### Outlier simulation and fits (seed 000 Sec. 4, seed 001 Sec. 4)\n")
     rows = []
     for key, label in (("rms_norm", "RMSNorm data"), ("layer_norm", "LayerNorm data")):
