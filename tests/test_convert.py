@@ -49,7 +49,9 @@ def test_hf_models_convert_run_and_round_trip(name, tmp_path):
     record = normlab.convert_norms(model, "dyisru", calibrate=[batch])
     assert len(record.sites) == n_norms and not record.skipped
     assert not any(type(m).__name__ == norm_class for m in model.modules())  # every norm replaced
-    assert all(s.fit["converged"] for s in record.sites)
+    for s in record.sites:  # every fit is finite; a fit that is not "ok" says why (a random model's best fit
+        assert math.isfinite(s.fit["rel_error"])  # to a LayerNorm can be linear: flagged as degenerate)
+        assert s.fit["converged"] or any("degenerate" in n for n in s.notes)
     _out(model, batch).float().pow(2).mean().backward()  # forward and backward
     grads = [p.grad for n, p in model.named_parameters() if n.endswith("log_beta")]
     assert len(grads) == n_norms and all(g is not None and torch.isfinite(g).all() for g in grads)

