@@ -100,6 +100,11 @@ def test_max_tokens_is_checked_at_the_boundary(bad, match):
         normlab.convert_norms(_llama(), "dyisru", calibrate=_batches(1), max_tokens=bad)
 
 
+def test_a_site_init_pattern_that_matches_nothing_is_an_error():
+    with pytest.raises(ValueError, match="pattern '\\*attn_norm' matches no converted site"):
+        normlab.convert_norms(_llama(), "dyt", site_init={"*attn_norm": {"alpha_init": 0.8}})
+
+
 def test_a_failed_calibration_puts_every_norm_back():
     model = _llama()
     before = copy.deepcopy(model.state_dict())

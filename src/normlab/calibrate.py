@@ -33,13 +33,16 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
-__all__ = ["FirstToken", "FitOutcome", "fit_replacement", "first_token_ratio"]
+from normlab.registry import create_norm
+
+__all__ = ["FirstToken", "FitOutcome", "fit_replacement", "first_token_ratio", "calibrate_sites", "per_channel_kwargs"]
 
 
 class FirstToken(nn.Module):
@@ -193,3 +196,185 @@ def fit_replacement(new: nn.Module, x: Tensor, y: Tensor, *, per_channel: bool =
         new.weight.mul_(la.exp().to(new.weight))
     return FitOutcome(name.removeprefix("log_"), float(value.mean()), float(la.exp().mean()),
                       math.sqrt(final) / denom, math.sqrt(start_loss) / denom, ok, notes)  # fmt: skip
+
+
+# --------------------------------------------------------------------------
+# the sequential pass over a model's sites
+# --------------------------------------------------------------------------
+def _batches(calibrate) -> Iterable:
+    if isinstance(calibrate, (torch.Tensor, dict)):
+        return [calibrate]
+    if isinstance(calibrate, (str, bytes)) or not isinstance(calibrate, Iterable):
+        raise TypeError(f"calibrate: expected a tensor of inputs, a dict of model kwargs, a list of those, or a "
+                        f"dataloader yielding them; got {type(calibrate).__name__}")  # fmt: skip
+    return calibrate
+
+
+def _run(model: nn.Module, batch, i: int):
+    try:
+        if isinstance(batch, dict):
+            return model(**batch)
+        if isinstance(batch, torch.Tensor):
+            return model(batch)
+        if isinstance(batch, (list, tuple)) and batch and isinstance(batch[0], torch.Tensor):
+            return model(batch[0])  # (inputs, targets) from a dataloader
+    except _Stop:
+        raise
+    except Exception as e:  # noqa: BLE001
+        raise ValueError(f"calibration batch {i} could not be run through the model: {type(e).__name__}: {e}") from e
+    raise TypeError(f"calibrate: batch {i} is a {type(batch).__name__}; expected a tensor, a dict of model kwargs, "
+                    "or an (inputs, ...) tuple")  # fmt: skip
+
+
+class _Stop(Exception):
+    """Raised by a hook to end a forward pass once the site of interest has seen its input."""
+
+
+def per_channel_kwargs(to: str) -> dict:
+    return {"per_channel_beta": True} if "log_beta" in _param_names(to) else {"per_channel_alpha": True}
+
+
+def _param_names(to: str) -> set[str]:
+    return {n for n, _ in create_norm(to, 2).named_parameters()}
+
+
+def _first_copy(new: nn.Module, site, to: str) -> nn.Module:
+    """The first token's own replacement: per channel, with the shared replacement's copied affine."""
+    first = create_norm(to, site.dim, **{**site.kwargs, **per_channel_kwargs(to)})
+    first.load_state_dict({k: v.expand_as(first.state_dict()[k]) for k, v in new.state_dict().items()})
+    return first.to(device=new.weight.device, dtype=new.weight.dtype).train(new.training)
+
+
+class _Rows:
+    """The rows of one site's activations kept for its fit: every first token, and a fixed sample of the rest.
+
+    The sample depends only on the batch index and shape, so the original and the converted model keep the
+    same tokens, and the fit pairs each converted input with the original output of the same token.
+    """
+
+    def __init__(self, quota: int) -> None:
+        self.quota = quota
+        self.first: list[torch.Tensor] = []
+        self.rest: list[torch.Tensor] = []
+
+    def add(self, t: torch.Tensor, batch: int) -> None:
+        t = t.detach().float()
+        if t.dim() >= 3 and t.shape[-2] >= 2:  # (..., T, C): a sequence axis
+            self.first.append(t[..., 0, :].reshape(-1, t.shape[-1]).cpu())
+            t = t[..., 1:, :]
+        rows = t.reshape(-1, t.shape[-1])
+        g = torch.Generator().manual_seed(batch)
+        self.rest.append(rows[torch.randperm(len(rows), generator=g)[: self.quota].to(rows.device)].cpu())
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self.rest[0].shape[-1]
+        return (torch.cat(self.first) if self.first else torch.empty(0, c)), torch.cat(self.rest)
+
+
+def _pass(model: nn.Module, batch, i: int, hooks: dict[str, Callable], kind: str) -> None:
+    """Run batch i with hooks on the named modules ("out": forward hooks, "pre": pre-hooks); a hook may stop it."""
+    handles = [model.get_submodule(n).register_forward_hook(h) if kind == "out" else
+               model.get_submodule(n).register_forward_pre_hook(h) for n, h in hooks.items()]  # fmt: skip
+    try:
+        _run(model, batch, i)
+    except _Stop:
+        pass
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@torch.no_grad()
+def calibrate_sites(model: nn.Module, sites: list, replacements: dict[str, nn.Module], calibrate, *, to: str,
+               per: str, fit_amplitude: bool, first_token: str, massive: float, max_tokens: int,
+               target: str, progress: bool | None) -> str:  # fmt: skip
+    """Fit and swap every site in the order the model runs them (the module docstring); returns a note.
+
+    ``sites`` are normlab.convert's Site records (name, dim, kwargs; fit, notes and first_token are filled in);
+    ``replacements`` maps each site's name to its built replacement. On any failure every original is put back.
+    """
+    from tqdm.auto import tqdm
+
+    batches = list(_batches(calibrate))
+    if not batches:
+        raise ValueError("calibrate: the calibration data is empty")
+    quota = max(1, math.ceil(max_tokens / len(batches)))
+    by_name = {s.name: s for s in sites}
+    order: list[str] = []
+    targets = {n: _Rows(quota) for n in by_name}
+    ratios: dict[str, list[float]] = {n: [] for n in by_name}
+    seen = {"batch": 0}
+
+    def grab_out(n):
+        def hook(mod, args, y):
+            if n not in order:
+                order.append(n)
+            targets[n].add(y, seen["batch"])
+            ratios[n].append(first_token_ratio(args[0]))
+        return hook
+
+    was_training = model.training
+    model.eval()
+    swapped: dict[str, nn.Module] = {}  # name -> the original module, to restore on failure
+    try:
+        for i, batch in enumerate(batches):  # 1. the original model: order of the sites and their outputs
+            seen["batch"] = i
+            _pass(model, batch, i, {n: grab_out(n) for n in by_name}, "out")
+        missing = [n for n in by_name if n not in order]
+        if missing:
+            raise ValueError(f"calibrate: the norm {missing[0]} never ran on the calibration data")
+        worst = max(((max((r for r in ratios[n] if r == r), default=math.nan), n) for n in order),
+                    key=lambda t: -math.inf if t[0] != t[0] else t[0])  # fmt: skip
+        own = first_token == "own" or (first_token == "auto" and worst[0] == worst[0] and worst[0] > massive)
+        decision = "no sequence axis: one replacement per site"
+        if worst[0] == worst[0]:
+            decision = (f"first token {'own' if own else 'shared'}: its RMS is up to {worst[0]:.3g}x the median "
+                        f"token's ({worst[1]})")  # fmt: skip
+        bar = tqdm(order, desc=f"calibrating {to}", unit="site", disable={True: False, False: True}.get(progress))
+        for n in bar:  # 2. each site on the input of the model converted so far
+            site, new = by_name[n], replacements[n]
+            rows = _Rows(quota)
+
+            def grab_in(mod, args, rows=rows):
+                rows.add(args[0], grab_in.batch)
+                raise _Stop
+
+            for i, batch in enumerate(batches):
+                grab_in.batch = i
+                _pass(model, batch, i, {n: grab_in}, "pre")
+            (xf, xr), (yf, yr) = rows.tensors(), targets[n].tensors()
+            if target == "local":  # the original norm on the converted input: no correction of upstream drift
+                old = model.get_submodule(n)
+                ref = next(old.parameters(), xr)
+                yf, yr = (old(t.to(ref)).float().cpu() if len(t) else t for t in (xf, xr))
+            if own and len(xf):
+                first = _first_copy(new, site, to)
+                out_first = fit_replacement(first, xf, yf, per_channel=True, fit_amplitude=fit_amplitude)
+                site.first_token = True
+            else:
+                xr, yr = torch.cat([xf, xr]), torch.cat([yf, yr])
+            rms = xr.pow(2).mean(-1).sqrt()
+            keep = ~(rms > massive * rms.nanmedian())
+            if int((~keep).sum()) and int(keep.sum()) >= 2:
+                site.notes.append(f"{int((~keep).sum())} massive token(s) (RMS > {massive:g}x median) left out")
+                xr, yr = xr[keep], yr[keep]
+            out = fit_replacement(new, xr, yr, per_channel=per == "channel", fit_amplitude=fit_amplitude)
+            site.fit = {**out.to_dict(), "per": per}
+            site.notes += out.notes
+            if site.first_token:
+                site.fit["first_token"] = out_first.to_dict()
+                site.notes += [f"first token: {m}" for m in out_first.notes]
+                new = FirstToken(new, first)
+            parent_name, _, child = n.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            swapped[n] = getattr(parent, child)
+            setattr(parent, child, new)
+            bar.set_postfix_str(f"{n}: rel. error {out.rel_error:.3f}")
+    except BaseException:
+        for n, old in swapped.items():  # all or nothing: put the original norms back
+            parent_name, _, child = n.rpartition(".")
+            setattr(model.get_submodule(parent_name) if parent_name else model, child, old)
+        raise
+    finally:
+        model.train(was_training)
+    return decision

@@ -26,13 +26,14 @@ from __future__ import annotations
 import fnmatch
 import json
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from normlab.calibrate import _batches, _run, calibrate_sites, per_channel_kwargs
 from normlab.registry import create_norm, init_kwargs, norm_spec
 
 __all__ = ["KNOWN_NORMS", "ConversionRecord", "convert_norms", "apply_record", "fidelity", "save_converted",
@@ -202,182 +203,6 @@ def _build(name: str, m: nn.Module, kind: str, to: str, kwargs: dict) -> tuple[n
 
 
 # --------------------------------------------------------------------------
-# calibration
-# --------------------------------------------------------------------------
-def _batches(calibrate) -> Iterable:
-    if isinstance(calibrate, (torch.Tensor, dict)):
-        return [calibrate]
-    if isinstance(calibrate, (str, bytes)) or not isinstance(calibrate, Iterable):
-        raise TypeError(f"calibrate: expected a tensor of inputs, a dict of model kwargs, a list of those, or a "
-                        f"dataloader yielding them; got {type(calibrate).__name__}")  # fmt: skip
-    return calibrate
-
-
-def _run(model: nn.Module, batch, i: int):
-    try:
-        if isinstance(batch, dict):
-            return model(**batch)
-        if isinstance(batch, torch.Tensor):
-            return model(batch)
-        if isinstance(batch, (list, tuple)) and batch and isinstance(batch[0], torch.Tensor):
-            return model(batch[0])  # (inputs, targets) from a dataloader
-    except _Stop:
-        raise
-    except Exception as e:  # noqa: BLE001
-        raise ValueError(f"calibration batch {i} could not be run through the model: {type(e).__name__}: {e}") from e
-    raise TypeError(f"calibrate: batch {i} is a {type(batch).__name__}; expected a tensor, a dict of model kwargs, "
-                    "or an (inputs, ...) tuple")  # fmt: skip
-
-
-class _Stop(Exception):
-    """Raised by a hook to end a forward pass once the site of interest has seen its input."""
-
-
-def _per_channel_kw(to: str) -> dict:
-    return {"per_channel_beta": True} if "log_beta" in _param_names(to) else {"per_channel_alpha": True}
-
-
-def _param_names(to: str) -> set[str]:
-    return {n for n, _ in create_norm(to, 2).named_parameters()}
-
-
-def _first_copy(new: nn.Module, site: Site, to: str) -> nn.Module:
-    """The first token's own replacement: per channel, with the shared replacement's copied affine."""
-    first = create_norm(to, site.dim, **{**site.kwargs, **_per_channel_kw(to)})
-    first.load_state_dict({k: v.expand_as(first.state_dict()[k]) for k, v in new.state_dict().items()})
-    return first.to(device=new.weight.device, dtype=new.weight.dtype).train(new.training)
-
-
-class _Rows:
-    """The rows of one site's activations kept for its fit: every first token, and a fixed sample of the rest.
-
-    The sample depends only on the batch index and shape, so the original and the converted model keep the
-    same tokens, and the fit pairs each converted input with the original output of the same token.
-    """
-
-    def __init__(self, quota: int) -> None:
-        self.quota = quota
-        self.first: list[torch.Tensor] = []
-        self.rest: list[torch.Tensor] = []
-
-    def add(self, t: torch.Tensor, batch: int) -> None:
-        t = t.detach().float()
-        if t.dim() >= 3 and t.shape[-2] >= 2:  # (..., T, C): a sequence axis
-            self.first.append(t[..., 0, :].reshape(-1, t.shape[-1]).cpu())
-            t = t[..., 1:, :]
-        rows = t.reshape(-1, t.shape[-1])
-        g = torch.Generator().manual_seed(batch)
-        self.rest.append(rows[torch.randperm(len(rows), generator=g)[: self.quota].to(rows.device)].cpu())
-
-    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
-        c = self.rest[0].shape[-1]
-        return (torch.cat(self.first) if self.first else torch.empty(0, c)), torch.cat(self.rest)
-
-
-def _pass(model: nn.Module, batch, i: int, hooks: dict[str, Callable], kind: str) -> None:
-    """Run batch i with hooks on the named modules ("out": forward hooks, "pre": pre-hooks); a hook may stop it."""
-    handles = [model.get_submodule(n).register_forward_hook(h) if kind == "out" else
-               model.get_submodule(n).register_forward_pre_hook(h) for n, h in hooks.items()]  # fmt: skip
-    try:
-        _run(model, batch, i)
-    except _Stop:
-        pass
-    finally:
-        for h in handles:
-            h.remove()
-
-
-@torch.no_grad()
-def _calibrate(model: nn.Module, sites: list[Site], replacements: dict[str, nn.Module], calibrate, *, to: str,
-               per: str, fit_amplitude: bool, first_token: str, massive: float, max_tokens: int,
-               progress: bool | None) -> str:  # fmt: skip
-    """Fit and swap every site in the order the model runs them (module docstring of normlab.calibrate)."""
-    from tqdm.auto import tqdm
-
-    from normlab.calibrate import FirstToken, first_token_ratio, fit_replacement
-
-    batches = list(_batches(calibrate))
-    if not batches:
-        raise ValueError("calibrate: the calibration data is empty")
-    quota = max(1, math.ceil(max_tokens / len(batches)))
-    by_name = {s.name: s for s in sites}
-    order: list[str] = []
-    targets = {n: _Rows(quota) for n in by_name}
-    ratios: dict[str, list[float]] = {n: [] for n in by_name}
-    seen = {"batch": 0}
-
-    def grab_out(n):
-        def hook(mod, args, y):
-            if n not in order:
-                order.append(n)
-            targets[n].add(y, seen["batch"])
-            ratios[n].append(first_token_ratio(args[0]))
-        return hook
-
-    was_training = model.training
-    model.eval()
-    swapped: dict[str, nn.Module] = {}  # name -> the original module, to restore on failure
-    try:
-        for i, batch in enumerate(batches):  # 1. the original model: order of the sites and their outputs
-            seen["batch"] = i
-            _pass(model, batch, i, {n: grab_out(n) for n in by_name}, "out")
-        missing = [n for n in by_name if n not in order]
-        if missing:
-            raise ValueError(f"calibrate: the norm {missing[0]} never ran on the calibration data")
-        worst = max(((max((r for r in ratios[n] if r == r), default=math.nan), n) for n in order),
-                    key=lambda t: -math.inf if t[0] != t[0] else t[0])  # fmt: skip
-        own = first_token == "own" or (first_token == "auto" and worst[0] == worst[0] and worst[0] > massive)
-        decision = "no sequence axis: one replacement per site"
-        if worst[0] == worst[0]:
-            decision = (f"first token {'own' if own else 'shared'}: its RMS is up to {worst[0]:.3g}x the median "
-                        f"token's ({worst[1]})")  # fmt: skip
-        bar = tqdm(order, desc=f"calibrating {to}", unit="site", disable={True: False, False: True}.get(progress))
-        for n in bar:  # 2. each site on the input of the model converted so far
-            site, new = by_name[n], replacements[n]
-            rows = _Rows(quota)
-
-            def grab_in(mod, args, rows=rows):
-                rows.add(args[0], grab_in.batch)
-                raise _Stop
-
-            for i, batch in enumerate(batches):
-                grab_in.batch = i
-                _pass(model, batch, i, {n: grab_in}, "pre")
-            (xf, xr), (yf, yr) = rows.tensors(), targets[n].tensors()
-            if own and len(xf):
-                first = _first_copy(new, site, to)
-                out_first = fit_replacement(first, xf, yf, per_channel=True, fit_amplitude=fit_amplitude)
-                site.first_token = True
-            else:
-                xr, yr = torch.cat([xf, xr]), torch.cat([yf, yr])
-            rms = xr.pow(2).mean(-1).sqrt()
-            keep = ~(rms > massive * rms.nanmedian())
-            if int((~keep).sum()) and int(keep.sum()) >= 2:
-                site.notes.append(f"{int((~keep).sum())} massive token(s) (RMS > {massive:g}x median) left out")
-                xr, yr = xr[keep], yr[keep]
-            out = fit_replacement(new, xr, yr, per_channel=per == "channel", fit_amplitude=fit_amplitude)
-            site.fit = {**out.to_dict(), "per": per}
-            site.notes += out.notes
-            if site.first_token:
-                site.fit["first_token"] = out_first.to_dict()
-                site.notes += [f"first token: {m}" for m in out_first.notes]
-                new = FirstToken(new, first)
-            parent_name, _, child = n.rpartition(".")
-            parent = model.get_submodule(parent_name) if parent_name else model
-            swapped[n] = getattr(parent, child)
-            setattr(parent, child, new)
-            bar.set_postfix_str(f"{n}: rel. error {out.rel_error:.3f}")
-    except BaseException:
-        for n, old in swapped.items():  # all or nothing: put the original norms back
-            parent_name, _, child = n.rpartition(".")
-            setattr(model.get_submodule(parent_name) if parent_name else model, child, old)
-        raise
-    finally:
-        model.train(was_training)
-    return decision
-
-
-# --------------------------------------------------------------------------
 def convert_norms(
     model: nn.Module,
     to: str = "dyisru",
@@ -392,6 +217,7 @@ def convert_norms(
     fit_amplitude: bool = True,
     first_token: str = "auto",
     massive: float = 10.0,
+    target: str = "original",
     progress: bool | None = None,
 ) -> ConversionRecord:
     """Replace the model's norms with ``to`` in place; return the record of what was done.
@@ -408,6 +234,9 @@ def convert_norms(
                 "shared" does not, "auto" (default) does when its RMS is a massive outlier (> ``massive`` x the
                 median token's) at some site, as in real LLMs;
     massive:    tokens with an RMS above this multiple of the median are left out of the shared fit;
+    target:     what each site is fitted to reproduce: "original" (default), the original model's output at that
+                site, which also corrects the drift inherited from earlier sites; or "local", the original norm
+                applied to the site's input in the model converted so far;
     max_tokens: calibration tokens kept per site (besides every first token);
     progress:   a progress bar over the sites (None: only on a terminal).
     """
@@ -416,6 +245,8 @@ def convert_norms(
     norm_spec(to)  # an unknown target lists the valid names
     if per not in ("global", "channel"):
         raise ValueError(f"per must be 'global' or 'channel', got {per!r}")
+    if target not in ("original", "local"):
+        raise ValueError(f"target must be 'original' or 'local', got {target!r}")
     if first_token not in ("auto", "own", "shared"):
         raise ValueError(f"first_token must be 'auto', 'own' or 'shared', got {first_token!r}")
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 16:
@@ -433,8 +264,12 @@ def convert_norms(
     if not found:
         raise ValueError(f"convert_norms: found no normalization module to convert in {type(model).__name__} "
                          f"(known: {', '.join(sorted(KNOWN_NORMS))}; add yours with extra_classes=)")  # fmt: skip
+    unused = [pat for pat in (site_init or {}) if not any(fnmatch.fnmatch(name, pat) for name, _, _ in found)]
+    if unused:
+        names = ", ".join(name for name, _, _ in found[:4]) + (", ..." if len(found) > 4 else "")
+        raise ValueError(f"site_init: pattern {unused[0]!r} matches no converted site; the sites are {names}")
 
-    per_kw = _per_channel_kw(to) if per == "channel" else {}
+    per_kw = per_channel_kwargs(to) if per == "channel" else {}
     replacements, sites = {}, []
     for name, m, kind in found:  # build everything first: an error here leaves the model untouched
         new, site = _build(name, m, kind, to, {**per_kw, **_site_kwargs(name, init or {}, site_init or {})})
@@ -442,9 +277,9 @@ def convert_norms(
         sites.append(site)
     notes = []
     if calibrate is not None:  # fits and swaps site by site; puts every original back if anything fails
-        notes.append(_calibrate(model, sites, replacements, calibrate, to=to, per=per, fit_amplitude=fit_amplitude,
-                                first_token=first_token, massive=float(massive), max_tokens=max_tokens,
-                                progress=progress))  # fmt: skip
+        notes.append(calibrate_sites(model, sites, replacements, calibrate, to=to, per=per,
+                                     fit_amplitude=fit_amplitude, first_token=first_token, massive=float(massive),
+                                     max_tokens=max_tokens, target=target, progress=progress))  # fmt: skip
     else:
         for name, new in replacements.items():  # the swap itself
             parent_name, _, child = name.rpartition(".")
@@ -463,7 +298,8 @@ def apply_record(model: nn.Module, record: ConversionRecord) -> nn.Module:
     for s in record.sites:
         new = create_norm(record.target, s.dim, **s.kwargs)
         if s.first_token:
-            new = FirstToken(new, create_norm(record.target, s.dim, **{**s.kwargs, **_per_channel_kw(record.target)}))
+            first_kwargs = {**s.kwargs, **per_channel_kwargs(record.target)}
+            new = FirstToken(new, create_norm(record.target, s.dim, **first_kwargs))
         old = model.get_submodule(s.name)
         ref = next(iter(old.parameters()), None)
         if ref is not None:

@@ -1,0 +1,60 @@
+"""Conversion on a real pretrained model that nobody here trained: SmolLM2-135M-Instruct (61 RMSNorms).
+
+The fixture comes from PyPI (normlab.hf.smollm2, cached under $NORMLAB_CACHE). Its activations have what test
+models lack: first-token massive activations with an RMS two orders of magnitude above the median token's.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+import normlab
+
+pytest.importorskip("transformers")
+pytest.importorskip("gguf")
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from normlab.hf import load_model, smollm2, text_batches
+    from normlab.lab.data import fetch_shakespeare
+
+    model, tok = load_model(smollm2())
+    calib, held = text_batches(fetch_shakespeare(), tok, model.config.vocab_size, seq_len=64, n_calib=4, n_held=4,
+                               batch_size=4)  # fmt: skip
+    return model, calib, held
+
+
+def test_smollm2_has_massive_first_token_activations(smollm2):
+    from normlab.calibrate import first_token_ratio
+
+    model, calib, _ = smollm2
+    seen = {}
+    h = model.model.layers[20].input_layernorm.register_forward_pre_hook(lambda m, a: seen.setdefault("x", a[0]))
+    with torch.no_grad():
+        model(calib[0])
+    h.remove()
+    assert first_token_ratio(seen["x"]) > 50  # what the test models never had
+
+
+def test_calibrated_smollm2_beats_default_init(smollm2):
+    model, calib, held = smollm2
+    ce = {}
+    for how in ("default", "calibrated"):
+        conv = copy.deepcopy(model)
+        rec = normlab.convert_norms(conv, "dyisru", calibrate=calib if how == "calibrated" else None,
+                                    progress=False)  # fmt: skip
+        fid = normlab.fidelity(model, conv, held, rec)
+        ce[how], ce["original"] = fid["ce_converted"], fid["ce_original"]
+        if how == "calibrated":
+            assert len(rec.sites) == 61 and all(s.first_token for s in rec.sites)
+            assert all(math.isfinite(s.fit["rel_error"]) for s in rec.sites)
+    assert math.isfinite(ce["calibrated"])
+    assert ce["calibrated"] < ce["default"]
+    assert ce["original"] < ce["calibrated"]
