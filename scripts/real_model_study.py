@@ -51,6 +51,8 @@ def main() -> None:
     ap.add_argument("--csv", default=str(ROOT / "bench" / "real_model.csv"))
     args = ap.parse_args()
 
+    meta = {"commit": _commit(), "date": datetime.date.today().isoformat(),
+            "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, {platform.processor() or 'cpu'}"}
     torch.manual_seed(0)
     original, tok = load_model(smollm2())
     vocab = original.get_input_embeddings().num_embeddings
@@ -81,8 +83,6 @@ def main() -> None:
                                    distill=args.distill, progress=True)  # fmt: skip
                 measure(model, rec, target, sites, f"healed ({args.heal_train})", time.monotonic() - t, rep.tokens)
 
-    meta = {"commit": _commit(), "date": datetime.date.today().isoformat(),
-            "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, {platform.processor() or 'cpu'}"}
     path = Path(args.csv)
     new = not path.exists()
     path.parent.mkdir(parents=True, exist_ok=True)

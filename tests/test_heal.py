@@ -226,3 +226,23 @@ def test_convert_command_never_writes_over_its_source(tmp_path, capsys):
     assert rc == 0 and "healed: " in out and "cross-entropy" in out
     loaded, record = normlab.load_converted(tmp_path / "healed")
     assert "model.norm" not in [s.name for s in record.sites] and len(record.sites) == 4
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert"])
+def test_heal_runs_on_other_block_layouts(name):
+    """GPT-2 (blocks in transformer.h, LayerNorm) and BERT (an encoder, no logits): block-wise healing works."""
+    t = transformers
+    torch.manual_seed(0)
+    if name == "gpt2":
+        original = t.GPT2LMHeadModel(t.GPT2Config(vocab_size=100, n_embd=32, n_layer=2, n_head=4, n_positions=64))
+    else:
+        original = t.BertModel(t.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2,
+                                            num_attention_heads=4, intermediate_size=64))  # fmt: skip
+    original.eval()
+    model = copy.deepcopy(original)
+    calib = _batches(2)
+    rec = normlab.convert_norms(model, "dyt", calibrate=calib)
+    rep = normlab.heal(original, model, calib, rec, tokens=2 * 64 * 20, progress=False)
+    assert len(rep.blocks) == 2
+    assert all(b["loss_after"] <= b["loss_before"] for b in rep.blocks)
+    assert any(b["loss_after"] < b["loss_before"] for b in rep.blocks)

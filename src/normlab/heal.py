@@ -33,6 +33,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from normlab.calibrate import _Stop
+
 __all__ = ["heal", "HealReport", "find_blocks"]
 
 
@@ -61,10 +63,6 @@ def find_blocks(model: nn.Module, site_names: Iterable[str]) -> str:
         raise ValueError("heal: found no nn.ModuleList of blocks holding the converted norms; block-wise healing "
                          "needs a model built as a list of blocks (as every Hugging Face transformer is)")  # fmt: skip
     return best
-
-
-class _Stop(Exception):
-    pass
 
 
 def _hidden(out):
@@ -199,6 +197,8 @@ def heal(original: nn.Module, converted: nn.Module, batches, record=None, *, min
     converted.eval()
     for p in converted.parameters():
         p.requires_grad_(False)
+    alphas = {id(m.alpha) for m in converted.modules() if _is_ours(m) and isinstance(getattr(m, "alpha", None),
+                                                                                     nn.Parameter)}  # fmt: skip
     try:
         calls_o, ys = _capture(original, blocks_o, batches, outputs=True)
         if resume and ckpt is not None and ckpt.exists():
@@ -228,7 +228,7 @@ def heal(original: nn.Module, converted: nn.Module, batches, record=None, *, min
             end = (k + 1) * block_share
             steps, diverged = _train(lambda i, b=block, x=xs, c=calls, y=yk: _rel_loss(_call(b, x[i], c[i]), y[i]),
                                      _trainable(block, train), lr, len(xs), lambda e=end: used() < e,
-                                     report, [_n_tokens(x) for x in xs])  # fmt: skip
+                                     report, [_n_tokens(x) for x in xs], alphas)  # fmt: skip
             after = _block_loss(block, xs, calls, yk)
             kept = math.isfinite(after) and after <= before
             if not kept:
@@ -244,7 +244,7 @@ def heal(original: nn.Module, converted: nn.Module, batches, record=None, *, min
                 _save(ckpt, {"model": converted.state_dict(), "next_block": k + 1, "inputs": xs, "n_blocks": n_blocks,
                              "report": report.to_dict()})  # fmt: skip
         if distill > 0:
-            report.distill = _distill(original, converted, batches, train, lr, lambda: used() < 1.0, report)
+            report.distill = _distill(original, converted, batches, train, lr, lambda: used() < 1.0, report, alphas)
         report.seconds = elapsed0 + time.monotonic() - start
     finally:
         original.train(modes[0])
@@ -256,13 +256,14 @@ def _n_tokens(x: torch.Tensor) -> int:
     return int(x.numel() // x.shape[-1]) if x.is_floating_point() else int(x.numel())
 
 
-def _train(loss_of, params: list, lr: float, n_batches: int, go_on, report: HealReport, n_tok: list[int]):
+def _train(loss_of, params: list, lr: float, n_batches: int, go_on, report: HealReport, n_tok: list[int],
+           alphas: set[int]):  # fmt: skip
     """Adam over the batches in turn while ``go_on()`` (at least one step). Stops at a non-finite loss."""
     if not params:
         return 0, False
     for p in params:
         p.requires_grad_(True)
-    opt = torch.optim.Adam(params, lr=lr)
+    opt = torch.optim.Adam(_groups(params, lr, alphas))
     steps, diverged = 0, False
     try:
         while steps == 0 or go_on():
@@ -282,6 +283,15 @@ def _train(loss_of, params: list, lr: float, n_batches: int, go_on, report: Heal
     return steps, diverged
 
 
+def _groups(params: list, lr: float, alphas: set[int]) -> list[dict]:
+    """Adam groups. DyT's alpha is stored as is and can sit anywhere from 1e-4 to 10 after calibration; Adam's steps
+    are absolute, so each alpha gets a learning rate relative to its own size (log_beta is already a log)."""
+    groups = [{"params": [p for p in params if id(p) not in alphas], "lr": lr}]
+    groups += [{"params": [p], "lr": lr * float(p.detach().abs().mean().clamp_min(1e-12))}
+               for p in params if id(p) in alphas]  # fmt: skip
+    return [g for g in groups if g["params"]]
+
+
 def _kl(original: nn.Module, converted: nn.Module, batch) -> torch.Tensor:
     with torch.no_grad():
         target = _hidden(getattr(_forward(original, batch), "logits", None)).float().log_softmax(-1)
@@ -290,7 +300,7 @@ def _kl(original: nn.Module, converted: nn.Module, batch) -> torch.Tensor:
                                       log_target=True, reduction="batchmean")  # fmt: skip
 
 
-def _distill(original, converted, batches, train, lr, go_on, report: HealReport) -> dict:
+def _distill(original, converted, batches, train, lr, go_on, report: HealReport, alphas: set[int]) -> dict:
     """End-to-end: KL(original || converted) of the next-token distributions; keeps the best state."""
     params = (list(converted.parameters()) if train == "all" else
               [p for m in converted.modules() if _is_ours(m) for p in m.parameters(recurse=False)])  # fmt: skip
@@ -298,7 +308,7 @@ def _distill(original, converted, batches, train, lr, go_on, report: HealReport)
     before = evaluate()
     best = copy.deepcopy(converted.state_dict())
     steps, diverged = _train(lambda i: _kl(original, converted, batches[i]), params, lr, len(batches), go_on,
-                             report, [_n_tokens(_as_kwargs(b)["input_ids"]) for b in batches])  # fmt: skip
+                             report, [_n_tokens(_as_kwargs(b)["input_ids"]) for b in batches], alphas)  # fmt: skip
     after = evaluate()
     kept = math.isfinite(after) and after <= before
     if not kept:
