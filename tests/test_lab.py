@@ -229,3 +229,21 @@ def test_a_log_line_cut_by_a_kill_does_not_block_resume(tmp_path):
     assert [r["step"] for r in read_jsonl(log)] == [10, 20]
     _truncate_metrics(log, 10)
     assert [r["step"] for r in read_jsonl(log)] == [10]
+
+
+# ------------------------------------------------------------------ run folders (issue 12: defects 3 and 7)
+def test_resume_of_a_finished_run_keeps_its_results(corpus_file, tmp_path):
+    cfg = _cfg(corpus_file, tmp_path / "run", steps=6, eval_every=3, checkpoint_every=3)
+    train(cfg, progress=False)
+    before = (tmp_path / "run" / "summary.json").read_text()
+    with pytest.raises(ValueError, match="already completed at step 6; its results are kept"):
+        train(cfg, resume=True, progress=False)
+    assert (tmp_path / "run" / "summary.json").read_text() == before
+    longer = _cfg(corpus_file, tmp_path / "run", steps=9, eval_every=3, checkpoint_every=3)
+    assert train(longer, resume=True, progress=False)["steps_done"] == 9  # training longer is still a resume
+
+
+def test_an_unknown_device_is_refused_before_any_folder_exists(corpus_file, tmp_path):
+    with pytest.raises(ValueError, match="device must be 'auto', 'cpu' or 'cuda', got 'banana'"):
+        train(_cfg(corpus_file, tmp_path / "run", device="banana"), progress=False)
+    assert not (tmp_path / "run").exists()

@@ -66,6 +66,8 @@ class TrainConfig:
             raise ValueError(f"warmup must be >= 0, got {self.warmup}")
         if self.amp not in ("auto", "bf16", "none"):
             raise ValueError(f"amp must be 'auto', 'bf16' or 'none', got {self.amp!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if not isinstance(self.data, list):
             raise ValueError(f"data must be a list of text files, got {self.data!r}")
 

@@ -189,6 +189,13 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> d
                              "or choose another --out")  # fmt: skip
         if resume and not ckpt_path.exists() and summary_path.exists():
             raise ValueError(f"out: {out} has no checkpoint to resume from")
+        if resume and summary_path.exists():  # a finished run is never rewritten by a resume
+            done = json.loads(summary_path.read_text())
+            if done.get("status") == "diverged" or (done.get("status") == "completed" and
+                                                    cfg.steps <= (done.get("steps_done") or 0)):  # fmt: skip
+                raise ValueError(f"out: the run in {out} is already {done['status']} at step {done.get('steps_done')}"
+                                 "; its results are kept. To train a completed run longer, resume it with "
+                                 "--set steps=N for a larger N")  # fmt: skip
 
     corpus = load_corpus(cfg.data or None, cfg.val_fraction)
     entropy = corpus.unigram_entropy
