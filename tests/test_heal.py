@@ -246,3 +246,20 @@ def test_heal_runs_on_other_block_layouts(name):
     assert len(rep.blocks) == 2
     assert all(b["loss_after"] <= b["loss_before"] for b in rep.blocks)
     assert any(b["loss_after"] < b["loss_before"] for b in rep.blocks)
+
+
+def test_first_token_split_agrees_with_and_without_a_kv_cache():
+    """Greedy decoding of a converted model with FirstToken: the cached path (one token per call) and the
+    uncached path (the whole sequence every call) give the same tokens and logits."""
+    model = _with_sink(_llama())
+    calib = [torch.cat([torch.zeros(4, 1, dtype=torch.long), b[:, 1:]], 1) for b in _batches(2)]
+    normlab.convert_norms(model, "dyisru", calibrate=calib, first_token="own")
+    prompt = calib[0][:1, :5]
+    kw = {"max_new_tokens": 6, "do_sample": False, "output_scores": True, "return_dict_in_generate": True,
+          "pad_token_id": 0}  # fmt: skip
+    with torch.no_grad():
+        cached = model.generate(prompt, use_cache=True, **kw)
+        uncached = model.generate(prompt, use_cache=False, **kw)
+    assert torch.equal(cached.sequences, uncached.sequences)
+    for a, b in zip(cached.scores, uncached.scores):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
