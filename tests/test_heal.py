@@ -136,6 +136,7 @@ def test_heal_reduces_every_block_error_and_resumes(tmp_path):
         assert b["loss_after"] <= b["loss_before"]
     assert sum(b["loss_before"] - b["loss_after"] for b in rep.blocks) > 0  # it learned something
     assert ckpt.exists()
+    assert all(p.requires_grad for p in model.parameters())  # the heal froze nothing for good
 
     # resume: a fresh copy continues after the checkpoint's last block, with the same budget bookkeeping
     again = copy.deepcopy(original)
@@ -225,6 +226,7 @@ def test_convert_command_never_writes_over_its_source(tmp_path, capsys):
     out = capsys.readouterr().out
     assert rc == 0 and "healed: " in out and "cross-entropy" in out
     loaded, record = normlab.load_converted(tmp_path / "healed")
+    assert not (tmp_path / "healed.heal.pt").exists()  # the default heal checkpoint is removed once saved
     assert "model.norm" not in [s.name for s in record.sites] and len(record.sites) == 4
 
 

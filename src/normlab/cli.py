@@ -240,6 +240,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     print(record.table(markdown=args.markdown))
     fid = fidelity(original, model, held, record)
     print(_fidelity_line(fid, sum(len(b) for b in held)))
+    ckpt = None
     if args.heal_minutes is not None or args.heal_tokens is not None:
         ckpt = args.checkpoint or (f"{args.out}.heal.pt" if args.out else None)
         rep = heal(original, model, calib, record, minutes=args.heal_minutes, tokens=args.heal_tokens,
@@ -254,6 +255,8 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         save_converted(model, record, args.out)
         _write_json(fid, str(__import__("pathlib").Path(args.out) / "fidelity.json"))
         print(f"saved to {args.out} (load with normlab.load_converted)")
+        if ckpt is not None and args.checkpoint is None:  # the default heal checkpoint has served its purpose
+            __import__("pathlib").Path(ckpt).unlink(missing_ok=True)
     return 0
 
 

@@ -193,9 +193,10 @@ def heal(original: nn.Module, converted: nn.Module, batches, record=None, *, min
     ckpt = Path(checkpoint) if checkpoint is not None else None
     first = 0
     modes = (original.training, converted.training)
+    grads = [(p, p.requires_grad) for p in converted.parameters()]  # restored at the end
     original.eval()
     converted.eval()
-    for p in converted.parameters():
+    for p, _ in grads:
         p.requires_grad_(False)
     alphas = {id(m.alpha) for m in converted.modules() if _is_ours(m) and isinstance(getattr(m, "alpha", None),
                                                                                      nn.Parameter)}  # fmt: skip
@@ -203,7 +204,11 @@ def heal(original: nn.Module, converted: nn.Module, batches, record=None, *, min
         calls_o, ys = _capture(original, blocks_o, batches, outputs=True)
         if resume and ckpt is not None and ckpt.exists():
             state = torch.load(ckpt, map_location="cpu", weights_only=False)
-            converted.load_state_dict(state["model"])
+            try:
+                converted.load_state_dict(state["model"])
+            except RuntimeError as e:
+                raise ValueError(f"heal: checkpoint {ckpt} is not of this converted model ({str(e)[:200]}); "
+                                 "delete it or start without resume") from None  # fmt: skip
             first, xs = state["next_block"], state["inputs"]
             report = HealReport(**{**state["report"], "resumed_from": first})
             if state.get("n_blocks") not in (None, n_blocks):
@@ -249,6 +254,8 @@ def heal(original: nn.Module, converted: nn.Module, batches, record=None, *, min
     finally:
         original.train(modes[0])
         converted.train(modes[1])
+        for p, flag in grads:
+            p.requires_grad_(flag)
     return report
 
 
