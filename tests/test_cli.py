@@ -54,3 +54,14 @@ def test_bad_input_is_one_clear_line(tmp_path, capsys):
     assert "unknown norm 'rmsnorm'. Did you mean 'rms_norm'?" in capsys.readouterr().err
     assert main(["simulate", "--x", str(tmp_path / "missing.txt"), "--out", str(tmp_path)]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_train_names_its_folder_after_the_norm_it_trains(tmp_path, capsys, monkeypatch):
+    """`--set model.norm=dyt` trains DyT, so the default folder says dyt (issue 13's folder-name bug)."""
+    text = tmp_path / "t.txt"
+    text.write_text("To be, or not to be, that is the question.\n" * 200)
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--preset", "tiny", "--set", "model.norm=dyt", "steps=2", "--data", str(text),
+                 "--no-progress"]) == 0  # fmt: skip
+    assert (tmp_path / "runs" / "tiny-dyt" / "summary.json").exists()
+    assert not (tmp_path / "runs" / "tiny-rms_norm").exists()

@@ -78,7 +78,7 @@ class FitOutcome:
     value: float  # the fitted parameter (its mean when per channel)
     amplitude: float  # factor folded into the weight (mean when per channel)
     rel_error: float  # ||y_fit - y|| / ||y|| on the fitted tokens
-    start_error: float  # the same at the Theorem-3 start point
+    start_error: float  # the same at the start point (Theorem 3, then the scan)
     ok: bool
     notes: list[str]
 

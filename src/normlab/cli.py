@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
+from pathlib import Path
 
 from normlab._table import format_table
 
@@ -39,8 +41,6 @@ def _parse_init(pairs: list[str]) -> dict:
 
 def _write_json(obj, path: str | None) -> None:
     if path:
-        from pathlib import Path
-
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(obj, indent=2) + "\n")
         print(f"wrote {path}")
@@ -95,8 +95,6 @@ def _cmd_gain(args: argparse.Namespace) -> int:
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     import numpy as np
 
     from normlab.theory.plots import plot_outlier_fit, plot_outlier_steps
@@ -140,9 +138,10 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 def _cmd_train(args: argparse.Namespace) -> int:
     from normlab.lab import resolve_config, train
 
-    out = args.out or f"runs/{args.preset}-{args.norm or 'rms_norm'}"
-    cfg = resolve_config(args.preset, args.set, norm=args.norm, out=out, data=args.data or None)
-    is_main = int(__import__("os").environ.get("RANK", "0")) == 0
+    cfg = resolve_config(args.preset, args.set, norm=args.norm, out=args.out, data=args.data or None)
+    if args.out is None and "out" not in {item.partition("=")[0] for item in args.set or []}:
+        cfg.out = f"runs/{args.preset}-{cfg.model.norm}"  # the norm it trains, set by --norm or model.norm=
+    is_main = int(os.environ.get("RANK", "0")) == 0
     if is_main:
         print(f"normlab train: preset {args.preset}, norm {cfg.model.norm}, {cfg.model.depth} x {cfg.model.width}, "
               f"{cfg.steps} steps -> {cfg.out}")  # fmt: skip
@@ -188,8 +187,6 @@ def _cmd_reproduce(args: argparse.Namespace) -> int:
 
 def _check_out(out: str | None, model: str, overwrite: bool) -> None:
     """Refuse, before any work, an output that is the source model or an existing path."""
-    from pathlib import Path
-
     if out is None:
         return
     o, m = Path(out).resolve(), Path(model).resolve()
@@ -253,10 +250,10 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         print(_fidelity_line(fid, sum(len(b) for b in held)))
     if args.out:
         save_converted(model, record, args.out)
-        _write_json(fid, str(__import__("pathlib").Path(args.out) / "fidelity.json"))
+        _write_json(fid, str(Path(args.out) / "fidelity.json"))
         print(f"saved to {args.out} (load with normlab.load_converted)")
         if ckpt is not None and args.checkpoint is None:  # the default heal checkpoint has served its purpose
-            __import__("pathlib").Path(ckpt).unlink(missing_ok=True)
+            Path(ckpt).unlink(missing_ok=True)
     return 0
 
 

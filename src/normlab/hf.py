@@ -14,6 +14,7 @@ llama-cpp-python) and caches the GGUF beside the corpus, under ``$NORMLAB_CACHE`
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -83,10 +84,8 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32) -> tuple
         if p.suffix != ".gguf":
             raise ValueError(f"model {str(path)!r} is a file but not a .gguf; pass a model folder or a GGUF file")
         for mod in ("gguf", "accelerate"):
-            try:
-                __import__(mod)
-            except ImportError:
-                raise ValueError(f"loading a GGUF file needs {mod}: pip install 'normlab[hf]'") from None
+            if importlib.util.find_spec(mod) is None:
+                raise ValueError(f"loading a GGUF file needs {mod}: pip install 'normlab[hf]'")
         try:
             tokenizer = t.AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name)
         except Exception as e:  # noqa: BLE001

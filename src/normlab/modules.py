@@ -2,7 +2,8 @@
 
 Every module reads ``Name(dim, *, ..., device=None, dtype=None)``: it owns its
 parameters, checks that the input's last dimension is ``dim``, and calls the
-functional form. There is no math here.
+functional form. The math lives there; the one exception is RMSEMA, whose forward updates its
+running mean of x^2 (a buffer) in training mode before it calls :func:`normlab.functional.rms_ema`.
 
 Parameter names follow PyTorch so that a converted ``nn.LayerNorm`` can copy
 its affine: ``weight`` (gamma) and ``bias`` (beta of DyT). The papers' own

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import platform
 import statistics
 from pathlib import Path
@@ -407,7 +408,7 @@ def write_report(root: str | Path, *, elapsed_s: float | None = None) -> Path:
     lines = [
         "# normlab reproduction report\n",
         f"Profile `{index['profile']}`; machine: {platform.platform()}, {platform.processor() or platform.machine()}, "
-        f"{__import__('os').cpu_count()} CPU cores, {device}; torch {torch.__version__}."
+        f"{os.cpu_count()} CPU cores, {device}; torch {torch.__version__}."
         + (f" Total time: {elapsed_s / 60:.1f} min." if elapsed_s else ""),
         "",
         "Every number links to its run directory (config.json, version.json, metrics.jsonl, summary.json). "
