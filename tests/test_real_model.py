@@ -43,7 +43,7 @@ def test_smollm2_has_massive_first_token_activations(smollm2):
     assert first_token_ratio(seen["x"]) > 50  # what the test models never had
 
 
-def test_calibrated_smollm2_beats_default_init(smollm2):
+def test_calibrated_smollm2_beats_default_init_and_round_trips(smollm2, tmp_path):
     model, calib, held = smollm2
     ce = {}
     for how in ("default", "calibrated"):
@@ -55,6 +55,10 @@ def test_calibrated_smollm2_beats_default_init(smollm2):
         if how == "calibrated":
             assert len(rec.sites) == 61 and all(s.first_token for s in rec.sites)
             assert all(math.isfinite(s.fit["rel_error"]) for s in rec.sites)
+            normlab.save_converted(conv, rec, tmp_path / "m")  # a model loaded from GGUF saves and loads back
+            loaded, _ = normlab.load_converted(tmp_path / "m")
+            with torch.no_grad():
+                torch.testing.assert_close(loaded(held[0]).logits, conv(held[0]).logits)
     assert math.isfinite(ce["calibrated"])
     assert ce["calibrated"] < ce["default"]
     assert ce["original"] < ce["calibrated"]

@@ -92,6 +92,11 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32) -> tuple
             raise ValueError(f"{p.name}: no usable tokenizer in the GGUF file ({type(e).__name__}: {e}); "
                              "normlab needs the tokenizer to turn text into tokens") from None  # fmt: skip
         model = t.AutoModelForCausalLM.from_pretrained(p.parent, gguf_file=p.name, dtype=dtype)
+        # The weights are dequantized to `dtype`: a plain model now. Without this, save_pretrained refuses it
+        # ("quantized with gguf and is not serializable"), after all the conversion work.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
         return model.eval(), tokenizer
     if not (p / "config.json").exists():
         raise ValueError(f"model {str(path)!r} is not a Hugging Face model folder (no config.json); "
