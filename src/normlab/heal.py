@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from normlab.calibrate import _Stop
+from normlab.calibrate import _batches, _Stop
 
 __all__ = ["heal", "HealReport", "find_blocks"]
 
@@ -175,7 +175,7 @@ def heal(original: nn.Module, converted: nn.Module, batches, record=None, *, min
         raise ValueError(f"heal: train must be 'norms' or 'all', got {train!r}")
     if not 0.0 <= distill < 1.0:
         raise ValueError(f"heal: distill is the fraction of the budget for distillation, in [0, 1), got {distill!r}")
-    batches = list(batches)
+    batches = list(_batches(batches))  # the same accepted forms, and errors, as calibration
     if not batches:
         raise ValueError("heal: no calibration batches")
     if resume and checkpoint is None:
