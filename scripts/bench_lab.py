@@ -25,7 +25,8 @@ from normlab._table import append_csv
 from normlab.lab import GPT, resolve_config, train
 from normlab.lab.data import get_batch, load_corpus
 from normlab.lab.metrics import Probe, norm_parameters, projection_ranks
-from normlab.lab.train import _optimizer, code_version, lr_at
+from normlab.lab.runs import code_version
+from normlab.lab.train import _optimizer, lr_at
 
 
 def bare_loop(cfg, steps: int) -> float:

@@ -215,20 +215,20 @@ def test_torchrun_ddp_two_processes(corpus_file, tmp_path):
     assert summary["world_size"] == 2 and summary["status"] == "completed"
     steps = [r["step"] for r in _rows(out)]
     assert len(steps) == len(set(steps))  # rank 0 alone writes: no line twice
-    assert sorted(p.name for p in out.iterdir()) == ["checkpoint.pt", "config.json", "metrics.jsonl", "summary.json",
-                                                     "version.json"]  # fmt: skip
+    assert sorted(p.name for p in out.iterdir()) == [".lock", "checkpoint.pt", "config.json", "metrics.jsonl",
+                                                     "summary.json", "version.json"]  # fmt: skip
     assert proc.stdout.count("normlab train: preset tiny") == 1
     assert summary["final_val_loss"] < 5.5  # it trains: log(256) = 5.55 at init
 
 
 def test_a_log_line_cut_by_a_kill_does_not_block_resume(tmp_path):
-    from normlab.lab.train import _truncate_metrics, read_jsonl
+    from normlab.lab.runs import RunFolder
 
     log = tmp_path / "metrics.jsonl"
     log.write_text('{"step": 10, "train_loss": 2.0}\n{"step": 20, "train_loss": 1.9}\n{"step": 30, "tra')
-    assert [r["step"] for r in read_jsonl(log)] == [10, 20]
-    _truncate_metrics(log, 10)
-    assert [r["step"] for r in read_jsonl(log)] == [10]
+    assert [r["step"] for r in RunFolder(tmp_path).metrics()] == [10, 20]
+    RunFolder(tmp_path).truncate_metrics(10)
+    assert [r["step"] for r in RunFolder(tmp_path).metrics()] == [10]
 
 
 # ------------------------------------------------------------------ run folders (issue 12: defects 3 and 7)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -47,10 +48,14 @@ def _write_json(obj, path: str | None) -> None:
 
 
 def _cmd_jacobian(args: argparse.Namespace) -> int:
+    from normlab.registry import init_kwargs
     from normlab.theory.jacobian import jacobian_table
 
-    rows = jacobian_table(args.norm, args.width, std=args.std, init=_parse_init(args.init), tokens=args.tokens,
-                          seed=args.seed)  # fmt: skip
+    if args.init is None:  # the default (seed 003: alpha = 1) goes to the norms that take it; --init is strict
+        init = {"alpha_init": 1.0} if any("alpha_init" in init_kwargs(n) for n in args.norm) else {}
+    else:
+        init = _parse_init(args.init)
+    rows = jacobian_table(args.norm, args.width, std=args.std, init=init, tokens=args.tokens, seed=args.seed)
     print(f"Per-token Jacobian norms at input std {args.std}, gamma = 1, mean over {args.tokens} token(s)\n")
     table = [[r["width"], r["norm"], ", ".join(f"{k}={v}" for k, v in r["init"].items()) or "default",
               r["diag"], r["coupling"], r["total"], r["split"]] for r in rows]  # fmt: skip
@@ -146,7 +151,15 @@ def _cmd_train(args: argparse.Namespace) -> int:
         print(f"normlab train: preset {args.preset}, norm {cfg.model.norm}, {cfg.model.depth} x {cfg.model.width}, "
               f"{cfg.steps} steps -> {cfg.out}")  # fmt: skip
         print(json.dumps(cfg.to_dict(), sort_keys=True))
-    summary = train(cfg, resume=args.resume, progress=not args.no_progress)
+    again = [a for a in args.argv if a != "--overwrite"]
+    again = " ".join(shlex.quote(a) for a in ["normlab", *again, *([] if args.resume else ["--resume"])])
+    summary = train(cfg, resume=args.resume, overwrite=args.overwrite, progress=not args.no_progress,
+                    resume_command=again)  # fmt: skip
+    if summary["status"] == "interrupted":
+        if is_main:
+            print(f"interrupted ({summary['signal']}) at step {summary['interrupted_at']}; the checkpoint is saved. "
+                  f"Resume with:\n  {again}", file=sys.stderr)  # fmt: skip
+        return 130 if summary["signal"] == "SIGINT" else 143  # the shell's convention: 128 + signal number
     if is_main:
         keys = ["status", "final_train_loss", "final_val_loss", "unigram_entropy", "gap_to_unigram_entropy",
                 "tokens_per_s"]  # fmt: skip
@@ -282,7 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
     j.add_argument("--norm", nargs="+", default=["rms_norm", "dyt"], help="registered norm names")
     j.add_argument("--width", nargs="+", type=int, default=[1024, 2048], help="channel counts")
     j.add_argument("--std", type=float, default=0.02, help="input std (0.02: GPT-2 init)")
-    j.add_argument("--init", nargs="*", default=["alpha_init=1.0"], metavar="KEY=VALUE",
+    j.add_argument("--init", nargs="*", default=None, metavar="KEY=VALUE",
                    help="init values, applied to each norm that takes them (default: alpha_init=1.0, as in seed 003)")
     j.add_argument("--tokens", type=int, default=4, help="tokens to average over")
     j.add_argument("--seed", type=int, default=0)
@@ -334,6 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--data", nargs="+", help="your own text files (default: the Shakespeare plays, fetched once)")
     t.add_argument("--out", help="run directory (default runs/<preset>-<norm>)")
     t.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
+    t.add_argument("--overwrite", action="store_true", help="start over in an --out that already holds a run")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     t.set_defaults(func=_cmd_train)
 
@@ -399,12 +413,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
+    args.argv = argv
     try:
         return args.func(args)
     except (ValueError, TypeError, FileNotFoundError, RuntimeError) as e:  # bad input: one clear line
         print(f"normlab {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # a second Ctrl-C, or one outside a training loop
+        print(f"normlab {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -216,6 +216,8 @@ class RMSEMA(_ScaleNorm):
     ``running_ms <- (1 - momentum) * running_ms + momentum * mean(x^2)`` (the mean
     over the whole batch, all tokens and channels) and then normalizes with it;
     the first call sets it. Eval mode only reads it. No gradient flows through it.
+    The update is computed in float32 whatever the module's dtype, and a batch whose mean is not
+    finite (a NaN or Inf token) leaves the running mean as it was.
     """
 
     def __init__(self, dim: int, *, momentum: float = 0.01, eps: float = FN.EPS, device=None, dtype=None) -> None:
@@ -237,9 +239,11 @@ class RMSEMA(_ScaleNorm):
         if self.training and x.numel() > 0:
             with torch.no_grad():
                 ms = x.detach().float().pow(2).mean()
-                new = torch.where(self.initialized, torch.lerp(self.running_ms, ms, self.momentum), ms)
-                self.running_ms.copy_(new)
-                self.initialized.fill_(True)
+                old = self.running_ms.float()
+                new = torch.where(self.initialized, torch.lerp(old, ms, self.momentum), ms)
+                ok = torch.isfinite(ms)
+                self.running_ms.copy_(torch.where(ok, new, old))  # no host sync: torch.where, not an if
+                self.initialized.copy_(self.initialized | ok)
         return FN.rms_ema(x, self.running_ms, self.weight, self.eps)
 
     def extra_repr(self) -> str:

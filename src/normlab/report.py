@@ -27,8 +27,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from normlab._table import format_table  # noqa: E402
-from normlab.lab.train import read_jsonl  # noqa: E402
-from normlab.sweep import read_summary  # noqa: E402
+from normlab.lab.runs import RunFolder, read_summary  # noqa: E402
 
 PAPER_RMS, PAPER_ATTRACTOR = 3.21, 7.54
 __all__ = ["write_report"]
@@ -38,7 +37,7 @@ __all__ = ["write_report"]
 # reading results
 # --------------------------------------------------------------------------
 def _metrics(run_dir: Path) -> list[dict]:
-    return read_jsonl(run_dir / "metrics.jsonl")
+    return RunFolder(run_dir).metrics()
 
 
 def _value(run_dir: Path, metric: str) -> float | None:
@@ -300,10 +299,10 @@ def _rank_bars(res: Results, path: Path) -> Path | None:
 
 
 def _init_value(res: Results, run: dict) -> float | None:
-    path = res.run_dir(run) / "config.json"
-    if not path.exists():
+    cfg = RunFolder(res.run_dir(run)).config()
+    if cfg is None:
         return None
-    kw = json.loads(path.read_text())["model"]["norm_kwargs"]
+    kw = cfg["model"]["norm_kwargs"]
     return kw.get("alpha_init", kw.get("beta_init"))
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import sys
 import traceback
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -27,6 +26,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from normlab.lab.config import TrainConfig, resolve_config
+from normlab.lab.runs import SUMMARY, TERMINAL, RunFolder, RunLocked, read_summary
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -77,7 +77,6 @@ PROFILES: dict[str, dict] = {
     },
 }  # fmt: skip
 
-TERMINAL = ("completed", "diverged")
 
 
 @dataclass
@@ -188,28 +187,20 @@ def parse_shard(text: str | None) -> tuple[int, int]:
     return i, n
 
 
-def read_summary(run_dir: str | Path) -> dict | None:
-    p = Path(run_dir) / "summary.json"
-    try:
-        return json.loads(p.read_text()) if p.exists() else None
-    except json.JSONDecodeError:
-        return None
-
-
 def _run_one(spec: RunSpec) -> tuple[str, str, str]:
     """Train one run (resuming it if it has a checkpoint); any exception becomes a 'failed' record."""
     from normlab.lab.train import train
 
-    out = Path(spec.config.out)
-    resume = (out / "checkpoint.pt").exists()
-    if not resume and out.exists():
-        shutil.rmtree(out)  # killed before its first checkpoint, or failed before: start it over
+    folder = RunFolder(spec.config.out)
+    resume = folder.checkpoint.exists()  # else: killed before its first checkpoint, or failed before: start over
     try:
-        return spec.run_id, train(spec.config, resume=resume, progress=False)["status"], ""
+        return spec.run_id, train(spec.config, resume=resume, overwrite=not resume, progress=False)["status"], ""
+    except RunLocked as e:  # another sweep process is training it: leave it alone
+        return spec.run_id, "running elsewhere", str(e)
     except Exception as e:  # noqa: BLE001  (a failed run is recorded; the sweep goes on)
-        out.mkdir(parents=True, exist_ok=True)
+        folder.path.mkdir(parents=True, exist_ok=True)
         record = {"status": "failed", "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
-        (out / "summary.json").write_text(json.dumps(record, indent=2) + "\n")
+        folder.write_json(SUMMARY, record)
         return spec.run_id, "failed", f"{type(e).__name__}: {e}"
 
 

@@ -10,7 +10,7 @@ import copy
 import json
 from dataclasses import asdict, dataclass, field
 
-from normlab.lab.model import GPTConfig
+from normlab.lab.model import GPTConfig, check_types
 
 __all__ = ["TrainConfig", "PRESETS", "resolve_config", "apply_overrides"]
 
@@ -52,6 +52,8 @@ class TrainConfig:
         return cls(model=model, **d)
 
     def validate(self) -> None:
+        """Every check that can be made without data, so that a bad config fails before any work."""
+        check_types(self)
         self.model.validate()
         positive = ("steps", "batch_size", "eval_every", "eval_batches", "log_every", "metrics_every",
                     "checkpoint_every")  # fmt: skip
@@ -70,6 +72,15 @@ class TrainConfig:
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if not isinstance(self.data, list):
             raise ValueError(f"data must be a list of text files, got {self.data!r}")
+        for f in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, f) < 1.0:
+                raise ValueError(f"{f} must be in [0, 1) (AdamW's moment decay), got {getattr(self, f)!r}")
+        if not 0.0 < self.val_fraction < 1.0:
+            raise ValueError(f"val_fraction must be in (0, 1), got {self.val_fraction!r}")
+        sites = self.model.site_names()
+        if self.jacobian_site not in sites:
+            raise ValueError(f"jacobian_site {self.jacobian_site!r} is not a norm site of this model; "
+                             f"sites: {', '.join(sites)}")  # fmt: skip
 
 
 PRESETS: dict[str, dict] = {
@@ -105,7 +116,7 @@ def _parse_value(text: str):
     try:
         return json.loads(text)
     except json.JSONDecodeError:
-        return {"true": True, "false": False, "none": None}.get(text.lower(), text)
+        return {"true": True, "false": False}.get(text.lower(), text)  # null (JSON) is None; "none" stays a word
 
 
 def apply_overrides(d: dict, overrides: dict | list[str]) -> dict:

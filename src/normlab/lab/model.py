@@ -7,6 +7,7 @@ normal(0, 0.02 / sqrt(2 L)) for the two residual projections of each block.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import asdict, dataclass, field
 
@@ -19,6 +20,23 @@ from normlab.registry import create_norm, init_kwargs, norm_spec
 __all__ = ["GPTConfig", "GPT"]
 
 SITES = ("attn", "mlp", "final")
+
+_TYPES = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,), "dict": (dict,), "list[str]": (list,)}
+
+
+def check_types(cfg) -> None:
+    """Each field of a config dataclass has its declared type (an int is a float; a bool is not a number)."""
+    prefix = "model." if type(cfg).__name__ == "GPTConfig" else ""
+    for f in dataclasses.fields(cfg):
+        value, declared = getattr(cfg, f.name), str(f.type)
+        optional = declared.endswith(" | None")
+        kinds = _TYPES.get(declared.removesuffix(" | None"))
+        if kinds is None or (optional and value is None):
+            continue
+        is_number = bool not in kinds
+        if not isinstance(value, kinds) or (is_number and isinstance(value, bool)):
+            raise ValueError(f"{prefix}{f.name} must be {declared.removesuffix(' | None')}"
+                             f"{' or null' if optional else ''}, got {value!r}")  # fmt: skip
 
 
 @dataclass
@@ -46,7 +64,12 @@ class GPTConfig:
         valid = init_kwargs(name)
         return name, {k: v for k, v in kwargs.items() if k in valid}
 
+    def site_names(self) -> list[str]:
+        """Every norm site by name, as GPT.norm_modules() names them."""
+        return [f"blocks.{i}.norm_{s}" for i in range(self.depth) for s in SITES[:2]] + ["norm_final"]
+
     def validate(self) -> None:
+        check_types(self)
         for f in ("vocab_size", "width", "depth", "heads", "context"):
             v = getattr(self, f)
             if not isinstance(v, int) or v < 1:

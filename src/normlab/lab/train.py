@@ -1,11 +1,8 @@
 """The trainer: AdamW, warmup + cosine, clipping, evaluation, metrics, checkpoints, resume, DDP.
 
-A run directory holds:
-    config.json      the resolved config
-    version.json     normlab / torch versions and the git commit of the code
-    metrics.jsonl    one JSON object per logged step (train/val loss, tokens/s, probes)
-    summary.json     status (running, completed, diverged), final losses, unigram entropy
-    checkpoint.pt    model, optimizer, step and RNG state, written atomically
+The run folder, its files and its rules (one live run, no silent restart, no rewritten results) are
+``normlab.lab.runs``. SIGINT (Ctrl-C) and SIGTERM end a run cleanly: a checkpoint at the step reached,
+``status: interrupted`` and the command that resumes it.
 
 Scale-out: launched by ``torchrun --nproc_per_node N``, the model is wrapped in DDP
 (gloo on CPU, NCCL on GPU); each rank draws its own batches; rank 0 alone writes.
@@ -14,10 +11,13 @@ Scale-out: launched by ``torchrun --nproc_per_node N``, the model is wrapped in 
 from __future__ import annotations
 
 import contextlib
-import json
+import functools
 import math
 import os
+import signal
 import subprocess
+import sys
+import threading
 import time
 from pathlib import Path
 
@@ -29,8 +29,9 @@ from normlab.lab.config import TrainConfig
 from normlab.lab.data import get_batch, load_corpus
 from normlab.lab.metrics import Probe, norm_parameters, projection_ranks
 from normlab.lab.model import GPT
+from normlab.lab.runs import CONFIG, METRICS, SUMMARY, VERSION, RunFolder, code_version, read_jsonl
 
-__all__ = ["train", "lr_at", "CheckpointError", "code_version"]
+__all__ = ["train", "lr_at", "CheckpointError", "check_cpu_bf16"]
 
 # config fields that may change when a run is resumed; every other field must match the checkpoint
 RESUMABLE = {"steps", "eval_every", "log_every", "metrics_every", "checkpoint_every", "out", "tensorboard", "device",
@@ -49,43 +50,9 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
 
 
-def code_version() -> dict:
-    import normlab
-
-    here = Path(__file__).resolve().parent
-    info = {"normlab": normlab.__version__, "torch": torch.__version__}
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", str(here.parent)], cwd=here,
-                               capture_output=True, text=True, timeout=5)  # fmt: skip
-        if commit.returncode == 0:
-            info["git_commit"] = commit.stdout.strip()
-            info["git_dirty"] = bool(dirty.stdout.strip())
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return info
-
-
 # --------------------------------------------------------------------------
-# files
+# checkpoints
 # --------------------------------------------------------------------------
-def _write_json(path: Path, obj) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
-    os.replace(tmp, path)
-
-
-def _prepare_dir(out: Path) -> None:
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / ".write-test"
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as e:
-        reason = e.strerror or str(e)
-        raise ValueError(f"out: run directory {str(out)!r} is not writable ({reason}); choose another --out") from None
-
-
 def save_checkpoint(path: Path, model, opt, step: int, cfg: TrainConfig) -> None:
     """torch.save to a temporary file, then an atomic rename: a kill never leaves a half checkpoint."""
     state = {
@@ -109,7 +76,7 @@ def load_checkpoint(path: Path, cfg: TrainConfig) -> dict:
     except Exception as e:  # noqa: BLE001  (any unpickling error means the file is unusable)
         raise CheckpointError(
             f"checkpoint {path} is corrupt or truncated ({type(e).__name__}: {e}); "
-            "delete it to start over, or point --out at another run"
+            "pass --overwrite to start the run over, or point --out at another run"
         ) from None
     if not isinstance(state, dict) or state.get("format") != "normlab-checkpoint-1":
         raise CheckpointError(f"{path} is not a normlab checkpoint")
@@ -119,23 +86,6 @@ def load_checkpoint(path: Path, cfg: TrainConfig) -> dict:
         detail = "; ".join(f"{k}: checkpoint {saved.get(k)!r} vs now {now[k]!r}" for k in diffs)
         raise CheckpointError(f"checkpoint {path} was written by a different run configuration ({detail})")
     return state
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    """The records of a JSONL log; a line cut short by a kill mid-write is skipped, not fatal."""
-    rows = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return rows
-
-
-def _truncate_metrics(path: Path, step: int) -> None:
-    """Drop the log lines a killed run wrote after its last checkpoint; the resumed run rewrites them."""
-    if path.exists():
-        path.write_text("".join(json.dumps(r) + "\n" for r in read_jsonl(path) if r.get("step", 0) <= step))
 
 
 # --------------------------------------------------------------------------
@@ -175,36 +125,97 @@ def evaluate(model, data: torch.Tensor, cfg: TrainConfig, device, autocast) -> f
     return sum(losses) / len(losses)
 
 
-def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> dict:
-    """Train one run; returns its summary. A diverged run returns status 'diverged', it does not raise."""
-    cfg.validate()
-    rank, world, device = _setup_distributed(cfg)
-    main = rank == 0
-    out = Path(cfg.out)
-    ckpt_path, metrics_path, summary_path = out / "checkpoint.pt", out / "metrics.jsonl", out / "summary.json"
-    if main:
-        _prepare_dir(out)
-        if ckpt_path.exists() and not resume:
-            raise ValueError(f"out: {out} already holds a run (checkpoint.pt); pass --resume to continue it, "
-                             "or choose another --out")  # fmt: skip
-        if resume and not ckpt_path.exists() and summary_path.exists():
-            raise ValueError(f"out: {out} has no checkpoint to resume from")
-        if resume and summary_path.exists():  # a finished run is never rewritten by a resume
-            done = json.loads(summary_path.read_text())
-            if done.get("status") == "diverged" or (done.get("status") == "completed" and
-                                                    cfg.steps <= (done.get("steps_done") or 0)):  # fmt: skip
-                raise ValueError(f"out: the run in {out} is already {done['status']} at step {done.get('steps_done')}"
-                                 "; its results are kept. To train a completed run longer, resume it with "
-                                 "--set steps=N for a larger N")  # fmt: skip
+_BF16_PROBE = """
+import torch
+a = torch.randn(64, 64)
+with torch.autocast("cpu", dtype=torch.bfloat16):
+    (a @ a).sum().item()
+"""
 
+
+@functools.cache
+def check_cpu_bf16(code: str = _BF16_PROBE) -> None:
+    """Run a bf16 matmul under CPU autocast in a child process, and raise a clear error if it dies.
+
+    Some virtual machines advertise AMX but do not enable it: oneDNN then picks AMX kernels and the
+    process dies with SIGILL (Illegal instruction), with no Python error. Capping oneDNN's instruction
+    set with ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 avoids it. The child inherits this environment.
+    """
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    if proc.returncode == -signal.SIGILL:
+        raise RuntimeError("amp=bf16 on this CPU dies with SIGILL (Illegal instruction): the CPU advertises "
+                           "instructions (AMX) the machine does not enable, as some virtual machines do. Set "
+                           "ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 in the environment and rerun, or use amp=none")
+    if proc.returncode != 0:
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RuntimeError(f"amp=bf16: a bf16 matmul under CPU autocast fails on this machine "
+                           f"(exit {proc.returncode}: {tail}); use amp=none")  # fmt: skip
+
+
+class _Interrupt:
+    """SIGINT / SIGTERM set a flag that the loop reads after each step; a second Ctrl-C stops at once."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._old: dict = {}
+
+    def _handle(self, signum, frame) -> None:
+        if self.signum == signal.SIGINT and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C: the user means it
+        self.signum = signum
+        tqdm.write(f"\n{signal.Signals(signum).name}: stopping after this step with a checkpoint "
+                   "(Ctrl-C again to stop at once)")  # fmt: skip
+
+    def __enter__(self) -> _Interrupt:
+        if threading.current_thread() is threading.main_thread():  # handlers can only be set there
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, progress: bool = True,
+          resume_command: str | None = None) -> dict:  # fmt: skip
+    """Train one run; returns its summary.
+
+    A diverged run returns status 'diverged', it does not raise. SIGINT / SIGTERM return status
+    'interrupted' after a checkpoint; ``resume_command`` is the command recorded to continue it.
+    Everything that can be checked (config, device, data splits, the run folder's rules) is checked
+    before the first step; a config that fails creates no folder.
+    """
+    cfg.validate()
     corpus = load_corpus(cfg.data or None, cfg.val_fraction)
+    for split, data in (("train", corpus.train), ("validation", corpus.val)):
+        if len(data) <= cfg.model.context + 1:
+            raise ValueError(f"data: the {split} split of {corpus.name} has {len(data)} bytes, not more than "
+                             f"model.context + 1 = {cfg.model.context + 1}; use more text, a smaller context, "
+                             "or another val_fraction")  # fmt: skip
+    rank, world, device = _setup_distributed(cfg)
+    if device.type == "cpu" and cfg.amp == "bf16":
+        check_cpu_bf16()
+    main = rank == 0
+    folder = RunFolder(cfg.out)
+    if not main:
+        return _train(cfg, folder, corpus, rank, world, device, resume, progress, resume_command)
+    folder.create()
+    with folder:  # the lock: one live run per folder
+        resume = folder.begin(resume=resume, overwrite=overwrite, steps=cfg.steps)
+        return _train(cfg, folder, corpus, rank, world, device, resume, progress, resume_command)
+
+
+def _train(cfg, folder: RunFolder, corpus, rank, world, device, resume, progress, resume_command) -> dict:
+    main = rank == 0
+    out = folder.path
     entropy = corpus.unigram_entropy
     torch.manual_seed(cfg.seed)
     model = GPT(cfg.model).to(device)
     opt = _optimizer(model, cfg, device)
     start = 0
-    if resume and ckpt_path.exists():
-        state = load_checkpoint(ckpt_path, cfg)
+    if resume and folder.checkpoint.exists():
+        state = load_checkpoint(folder.checkpoint, cfg)
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["rng"])
@@ -212,7 +223,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> d
             torch.cuda.set_rng_state_all(state["cuda_rng"])
         start = state["step"]
         if main:
-            _truncate_metrics(metrics_path, start)
+            folder.truncate_metrics(start)
     raw_model = model
     if world > 1:
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda"
@@ -226,9 +237,9 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> d
                "steps": cfg.steps}  # fmt: skip
     writer = None
     if main:
-        _write_json(out / "config.json", cfg.to_dict())
-        _write_json(out / "version.json", code_version())
-        _write_json(summary_path, summary)
+        folder.write_json(CONFIG, cfg.to_dict())
+        folder.write_json(VERSION, code_version())
+        folder.write_json(SUMMARY, summary)
         if cfg.tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -238,8 +249,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> d
 
     def log(record: dict) -> None:
         if main:
-            with metrics_path.open("a") as f:
-                f.write(json.dumps(record) + "\n")
+            folder.append_metrics(record)
             if writer:
                 for k, v in record.items():
                     if k != "step" and isinstance(v, (int, float)):
@@ -251,65 +261,72 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> d
     train_time, loss_sum, n_loss, last_val = 0.0, 0.0, 0, None
     step = start
     model.train()
-    while step < cfg.steps:
-        t0 = time.perf_counter()
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, cfg)
-        x, y = get_batch(corpus.train, cfg.batch_size, cfg.model.context, seed=cfg.seed, step=step, rank=rank)
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        probing = main and (step + 1) % cfg.metrics_every == 0
-        probe = Probe(raw_model, cfg.jacobian_site) if probing else contextlib.nullcontext()
-        with probe:
-            with autocast():
-                _, loss = fwd(x, y)
-            loss.backward()
-        if cfg.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        step += 1
-        loss_sum += float(loss.detach())  # the one sync per step; the divergence check needs it
-        n_loss += 1
-        train_time += time.perf_counter() - t0  # tokens/s counts training work, not evaluation or checkpoints
-        if not math.isfinite(loss_sum):
-            summary.update(status="diverged", diverged_at=step, final_train_loss=float("nan"))
-            log({"step": step, "train_loss": None, "diverged": True})
-            if main:
-                tqdm.write(f"{out.name}: loss is not finite at step {step}; run marked 'diverged'")
-            break
-        record = {}
-        if step % cfg.log_every == 0 or step == cfg.steps:
-            tok_s = tokens_per_step * n_loss / train_time
-            record.update(train_loss=loss_sum / n_loss, lr=lr_at(step - 1, cfg), tokens_per_s=tok_s)
-            bar.set_postfix(loss=f"{loss_sum / n_loss:.3f}", tok_s=f"{tok_s:.0f}")
-            loss_sum, n_loss, train_time = 0.0, 0, 0.0
-        if probing:
-            record.update(probe.results(), **projection_ranks(raw_model), **norm_parameters(raw_model))
-        if step % cfg.eval_every == 0 or step == cfg.steps:
-            last_val = evaluate(fwd, corpus.val, cfg, device, autocast)
-            record["val_loss"] = last_val
-        if record:
-            log({"step": step, **record})
-        if step % cfg.checkpoint_every == 0 or step == cfg.steps:
-            if main:
-                save_checkpoint(ckpt_path, raw_model, opt, step, cfg)
-            if world > 1:
-                dist.barrier()
-        bar.update(1)
+    with _Interrupt() as interrupt:
+        while step < cfg.steps:
+            t0 = time.perf_counter()
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step, cfg)
+            x, y = get_batch(corpus.train, cfg.batch_size, cfg.model.context, seed=cfg.seed, step=step, rank=rank)
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            probing = main and (step + 1) % cfg.metrics_every == 0
+            probe = Probe(raw_model, cfg.jacobian_site) if probing else contextlib.nullcontext()
+            with probe:
+                with autocast():
+                    _, loss = fwd(x, y)
+                loss.backward()
+            if cfg.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            step += 1
+            loss_sum += float(loss.detach())  # the one sync per step; the divergence check needs it
+            n_loss += 1
+            train_time += time.perf_counter() - t0  # tokens/s counts training work, not evaluation or checkpoints
+            if not math.isfinite(loss_sum):
+                summary.update(status="diverged", diverged_at=step, final_train_loss=float("nan"))
+                log({"step": step, "train_loss": None, "diverged": True})
+                if main:
+                    tqdm.write(f"{out.name}: loss is not finite at step {step}; run marked 'diverged'")
+                break
+            record = {}
+            if step % cfg.log_every == 0 or step == cfg.steps:
+                tok_s = tokens_per_step * n_loss / train_time
+                record.update(train_loss=loss_sum / n_loss, lr=lr_at(step - 1, cfg), tokens_per_s=tok_s)
+                bar.set_postfix(loss=f"{loss_sum / n_loss:.3f}", tok_s=f"{tok_s:.0f}")
+                loss_sum, n_loss, train_time = 0.0, 0, 0.0
+            if probing:
+                record.update(probe.results(), **projection_ranks(raw_model), **norm_parameters(raw_model))
+            if step % cfg.eval_every == 0 or step == cfg.steps:
+                last_val = evaluate(fwd, corpus.val, cfg, device, autocast)
+                record["val_loss"] = last_val
+            if record:
+                log({"step": step, **record})
+            stopping = interrupt.signum is not None
+            if step % cfg.checkpoint_every == 0 or step == cfg.steps or stopping:
+                if main:
+                    save_checkpoint(folder.checkpoint, raw_model, opt, step, cfg)
+                if world > 1:
+                    dist.barrier()
+            bar.update(1)
+            if stopping and step < cfg.steps:
+                summary.update(status="interrupted", interrupted_at=step, signal=signal.Signals(interrupt.signum).name,
+                               resume=resume_command or f"train(cfg, resume=True) with cfg.out = {str(out)!r}")
+                break
     bar.close()
 
     if summary["status"] == "running":
         summary.update(status="completed", final_val_loss=last_val, steps_done=step)
     summary["gap_to_unigram_entropy"] = (last_val - entropy) if last_val is not None else None
-    if main and metrics_path.exists():
-        rows = read_jsonl(metrics_path)
+    if main and folder.file(METRICS).exists():
+        rows = read_jsonl(folder.file(METRICS))
         train_rows = [r for r in rows if r.get("train_loss") is not None]
         if train_rows:
             summary["final_train_loss"] = train_rows[-1]["train_loss"]
             speeds = [r["tokens_per_s"] for r in train_rows if "tokens_per_s" in r]
             summary["tokens_per_s"] = sorted(speeds)[len(speeds) // 2] if speeds else None
         summary.update({k: v for k, v in (rows[-1] if rows else {}).items() if k.startswith("erank")})
-        _write_json(summary_path, summary)
+    if main:
+        folder.write_json(SUMMARY, summary)
     if writer:
         writer.close()
     if world > 1:

@@ -167,6 +167,9 @@ def decompose(jac: Tensor, *, terms: tuple[Tensor, Tensor] | None = None) -> Jac
     return JacobianNorms(fro(d), fro(k), fro(jac), split)
 
 
+MAX_JACOBIAN_BYTES = 4 * 2**30
+
+
 def jacobian_table(
     norms: list[str],
     widths: list[int],
@@ -192,10 +195,16 @@ def jacobian_table(
     unused = set(init) - {k for n in norms for k in init_kwargs(n)}
     if unused:
         raise ValueError(f"no selected norm takes {', '.join(sorted(unused))}")
+    for width in widths:
+        if not isinstance(width, int) or isinstance(width, bool) or width < 1:
+            raise ValueError(f"expected widths >= 1, got {width!r}")
+        need = 4 * 8 * width**2  # the C x C float64 Jacobian and its parts, a few at a time
+        if need > MAX_JACOBIAN_BYTES:
+            raise ValueError(f"width {width}: the Jacobian needs about {need / 2**30:.0f} GiB "
+                             f"(limit {MAX_JACOBIAN_BYTES / 2**30:.0f} GiB); use a width <= "
+                             f"{int((MAX_JACOBIAN_BYTES / 32) ** 0.5)}")  # fmt: skip
     rows = []
     for width in widths:
-        if width < 1:
-            raise ValueError(f"expected widths >= 1, got {width}")
         xs = torch.randn(tokens, width, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * std
         for name in norms:
             kwargs = {k: v for k, v in init.items() if k in init_kwargs(name)}

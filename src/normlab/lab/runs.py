@@ -1,0 +1,223 @@
+"""The run folder: its files, how they are written and read, and the rules that keep one run whole.
+
+A run folder holds:
+    config.json      the resolved config
+    version.json     normlab / torch versions and the git commit of the code
+    metrics.jsonl    one JSON object per logged step (train/val loss, tokens/s, probes)
+    summary.json     status (running, completed, diverged, interrupted), final losses, unigram entropy
+    checkpoint.pt    model, optimizer, step and RNG state, written atomically (by the trainer)
+    .lock            held by the live run: its pid and command
+
+The rules (``RunFolder.begin``):
+* one live run per folder: a second process is refused with the pid and command of the first;
+* a fresh start in a folder that already holds a run is refused unless ``overwrite=True``;
+* a resume continues at the checkpoint and drops the metrics written after it;
+* a finished run is never rewritten by a resume (a completed one may be trained longer: more steps).
+
+The trainer, the sweep, the report and the benchmarks read runs through this module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+__all__ = ["RunFolder", "RunLocked", "TERMINAL", "code_version", "read_jsonl", "read_summary", "write_json"]
+
+CONFIG, VERSION, METRICS, SUMMARY, CHECKPOINT, LOCK = (
+    "config.json", "version.json", "metrics.jsonl", "summary.json", "checkpoint.pt", ".lock")  # fmt: skip
+RUN_FILES = (CONFIG, VERSION, METRICS, SUMMARY, CHECKPOINT)
+TERMINAL = ("completed", "diverged")  # a run in one of these states is finished
+
+
+class RunLocked(RuntimeError):
+    """Another live process owns the run folder."""
+
+
+def write_json(path: Path, obj) -> None:
+    """Write to a temporary file, then rename: a kill never leaves half a JSON file."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The records of a JSONL log; a line cut short by a kill mid-write is skipped, not fatal."""
+    rows = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def read_summary(run_dir: str | Path) -> dict | None:
+    """summary.json of a run, or None when it has none (or only a half-written one)."""
+    p = Path(run_dir) / SUMMARY
+    try:
+        return json.loads(p.read_text()) if p.exists() else None
+    except json.JSONDecodeError:
+        return None
+
+
+def code_version() -> dict:
+    import normlab
+
+    here = Path(__file__).resolve().parent
+    info = {"normlab": normlab.__version__, "torch": torch.__version__}
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", str(here.parent)], cwd=here,
+                               capture_output=True, text=True, timeout=5)  # fmt: skip
+        if commit.returncode == 0:
+            info["git_commit"] = commit.stdout.strip()
+            info["git_dirty"] = bool(dirty.stdout.strip())
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return info
+
+
+class RunFolder:
+    """One run's folder. ``begin`` applies the rules; ``lock`` makes this process its only writer."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._lock_fd: int | None = None
+
+    def file(self, name: str) -> Path:
+        return self.path / name
+
+    @property
+    def checkpoint(self) -> Path:
+        return self.path / CHECKPOINT
+
+    # ---- reading -----------------------------------------------------------------------------------------
+    def summary(self) -> dict | None:
+        return read_summary(self.path)
+
+    def metrics(self) -> list[dict]:
+        return read_jsonl(self.path / METRICS)
+
+    def config(self) -> dict | None:
+        p = self.path / CONFIG
+        return json.loads(p.read_text()) if p.exists() else None
+
+    def used(self) -> bool:
+        """True when the folder already holds (part of) a run."""
+        return any((self.path / f).exists() for f in RUN_FILES)
+
+    def describe(self) -> str:
+        s = self.summary() or {}
+        status = s.get("status", "unfinished")
+        steps = [r["step"] for r in self.metrics() if "step" in r]
+        return f"{status}, metrics up to step {max(steps)}" if steps else status
+
+    # ---- writing -----------------------------------------------------------------------------------------
+    def create(self) -> None:
+        """Make the folder, and check that it is writable, before any work is done."""
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            probe = self.path / ".write-test"
+            probe.write_text("ok")
+            probe.unlink()
+        except OSError as e:
+            reason = e.strerror or str(e)
+            raise ValueError(f"out: run directory {str(self.path)!r} is not writable ({reason}); "
+                             "choose another --out") from None  # fmt: skip
+
+    def write_json(self, name: str, obj) -> None:
+        write_json(self.path / name, obj)
+
+    def append_metrics(self, record: dict) -> None:
+        with (self.path / METRICS).open("a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def truncate_metrics(self, step: int) -> None:
+        """Drop the log lines written after ``step`` (the checkpoint a resume starts from)."""
+        path = self.path / METRICS
+        if path.exists():
+            kept = "".join(json.dumps(r) + "\n" for r in read_jsonl(path) if r.get("step", 0) <= step)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(kept)
+            os.replace(tmp, path)
+
+    def clear(self) -> None:
+        """Remove the run's files (and nothing else the user keeps in the folder)."""
+        for name in (*RUN_FILES, CHECKPOINT.replace(".pt", ".tmp")):
+            (self.path / name).unlink(missing_ok=True)
+        tb = self.path / "tb"
+        if tb.is_dir():
+            import shutil
+
+            shutil.rmtree(tb)
+
+    # ---- the rules ---------------------------------------------------------------------------------------
+    def begin(self, *, resume: bool, overwrite: bool, steps: int) -> bool:
+        """Apply the rules for a run about to start; True when it continues from the checkpoint.
+
+        Must be called with the lock held. Raises ValueError, before any work, when the rules refuse.
+        """
+        if resume and overwrite:
+            raise ValueError("--resume and --overwrite contradict each other: pick one")
+        where = str(self.path)
+        if not resume:
+            if self.used():
+                if not overwrite:
+                    raise ValueError(f"out: {where} already holds a run ({self.describe()}); pass --resume to "
+                                     "continue it, --overwrite to start it over, or choose another --out")  # fmt: skip
+                self.clear()
+            return False
+        if not self.used():
+            raise ValueError(f"out: nothing to resume in {where} (no run there); drop --resume to start one")
+        done = self.summary() or {}
+        status, steps_done = done.get("status"), done.get("steps_done") or 0
+        if status == "diverged" or (status == "completed" and steps <= steps_done):
+            raise ValueError(f"out: the run in {where} is already {status} at step {steps_done}; its results are "
+                             "kept. To train a completed run longer, resume it with --set steps=N for a larger N")
+        if not self.checkpoint.exists():  # killed before its first checkpoint: resume means from step 0
+            self.truncate_metrics(0)
+            return False
+        return True  # the caller reads the step from the checkpoint, then calls truncate_metrics(step)
+
+    # ---- one live run per folder -------------------------------------------------------------------------
+    def lock(self) -> RunFolder:
+        """Take the folder's lock, or raise RunLocked naming the process that holds it.
+
+        An OS advisory lock (flock): it dies with its process, so a killed run never leaves a stale lock.
+        """
+        try:
+            import fcntl
+        except ImportError:  # not on POSIX: no lock, the other rules still hold
+            return self
+        path = self.path / LOCK
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.read(fd, 4096).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            raise RunLocked(f"out: {self.path} is in use by a live run ({holder}); wait for it to end, or choose "
+                            "another --out") from None  # fmt: skip
+        os.ftruncate(fd, 0)
+        command = " ".join(sys.argv) or "python"
+        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}: {command}".encode())
+        self._lock_fd = fd
+        return self
+
+    def unlock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # closing the descriptor releases the flock
+            self._lock_fd = None
+
+    def __enter__(self) -> RunFolder:
+        return self.lock()
+
+    def __exit__(self, *exc) -> None:
+        self.unlock()
