@@ -215,12 +215,15 @@ def test_convert_command_never_writes_over_its_source(tmp_path, capsys):
     args = ["convert", "--model", str(tmp_path / "llama"), "--calibrate", str(text), "--seq-len", "16"]
     assert main([*args, "--out", str(tmp_path / "llama")]) == 2
     assert "write over or inside the source model" in capsys.readouterr().err
+    assert main([*args, "--out", str(tmp_path / "llama" / "converted")]) == 2
+    assert "write over or inside the source model" in capsys.readouterr().err
     (tmp_path / "taken").mkdir()
     assert main([*args, "--out", str(tmp_path / "taken")]) == 2
     assert "already exists" in capsys.readouterr().err
-    assert main([*args, "--heal-tokens", "0"]) == 2
-    assert "--heal-tokens must be > 0" in capsys.readouterr().err
-    assert main([*args, "--seq-len", "0"]) == 2
+    for flag in ("--heal-tokens", "--seq-len"):  # refused by the parser, exit code 2
+        with pytest.raises(SystemExit, match="2"):
+            main([*args, flag, "0"])
+        assert f"{flag}: expected an int >= 1, got 0" in capsys.readouterr().err
     rc = main([*args, "--out", str(tmp_path / "healed"), "--heal-tokens", "2000", "--no-progress",
                "--exclude", "model.norm"])  # fmt: skip
     out = capsys.readouterr().out

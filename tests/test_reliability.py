@@ -215,3 +215,66 @@ def test_a_bf16_probe_that_dies_with_sigill_becomes_a_clear_error():
         check_cpu_bf16()  # this machine, with its environment: passes, or names the fix
     except RuntimeError as e:
         assert "ONEDNN_MAX_CPU_ISA" in str(e)
+
+
+# ------------------------------------------------------------------ poor messages, now clear errors at the boundary
+@pytest.mark.parametrize("name, dim, kwargs, match", [
+    ("dyt", 8, {"alpha_init": 1e40}, "alpha_init at most 3.4e\\+38 in magnitude"),
+    ("dyt", 8, {"alpha_init": True}, "alpha_init to be a finite number"),
+    ("dyisru", 8, {"beta_init": True}, "beta_init to be a finite number > 0"),
+    ("group_rms", 8, {"group_size": True}, "group_size to be an int >= 1"),
+    ("scaled_dyt", "8", {}, "ScaledDyT: expected dim .* got '8'"),
+    ("dyt", 8, {"per_channel_alpha": "yes"}, "per_channel_alpha to be True or False"),
+    ("layer_norm", 8, {"bias": "no"}, "bias to be True or False"),
+])  # fmt: skip
+def test_bad_norm_arguments_are_clear_value_errors(name, dim, kwargs, match):
+    from normlab.registry import create_norm
+
+    with pytest.raises(ValueError, match=match):
+        create_norm(name, dim, **kwargs)
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["simulate", "--seeds", "0"], "--seeds: expected an int >= 1, got 0"),
+    (["sweep", "--jobs", "0"], "--jobs: expected an int >= 1, got 0"),
+    (["gain", "--points", "0"], "--points: expected an int >= 1"),
+])  # fmt: skip
+def test_counts_below_one_are_refused_by_the_parser(argv, match, capsys):
+    from normlab.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and match in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("suffix, content", [(".json", '{"a": 1}'), (".txt", b"\x00\xff\xfe binary"),
+                                             (".npy", b"not numpy")])  # fmt: skip
+def test_simulate_on_a_file_that_is_not_numbers_is_a_clear_error(tmp_path, capsys, suffix, content):
+    from normlab.cli import main
+
+    p = tmp_path / f"x{suffix}"
+    p.write_bytes(content if isinstance(content, bytes) else content.encode())
+    assert main(["simulate", "--x", str(p), "--out", str(tmp_path / "o")]) == 2
+    assert "is not a list of numbers" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("x, alpha", [([[1.0, 2.0]], "0.5"), ([[1 + 2j, 2.0]], 0.5), ([[1.0, 2.0]], True)])
+def test_reference_dynamic_tanh_refuses_a_string_alpha_and_complex_x(x, alpha):
+    from normlab.reference import dynamic_tanh
+
+    with pytest.raises(ValueError, match="dynamic_tanh: expected"):
+        dynamic_tanh(x, alpha, [1.0, 1.0], [0.0, 0.0])
+
+
+def test_an_extra_class_without_a_channel_count_is_an_error_not_a_wrong_skip():
+    from torch import nn
+
+    from normlab.convert import convert_norms
+
+    class MyNorm(nn.Module):
+        def forward(self, x):
+            return x / x.pow(2).mean(-1, keepdim=True).add(1e-6).sqrt()
+
+    model = nn.Sequential(nn.Linear(4, 4), MyNorm())
+    with pytest.raises(ValueError, match=r"extra_classes\[MyNorm\]: cannot convert 1: its channel count is unknown"):
+        convert_norms(model, to="dyt", extra_classes={MyNorm: "rms_norm"})

@@ -27,6 +27,17 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _count(text: str) -> int:
+    """argparse type: an int >= 1 (counts of seeds, jobs, tokens, points...)."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {v}")
+    return v
+
+
 def _parse_init(pairs: list[str]) -> dict:
     out = {}
     for pair in pairs or []:
@@ -285,7 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     d = sub.add_parser("demo", help="print the table of every registered norm on one input")
-    d.add_argument("--dim", type=int, default=256, help="channels C of the token (default 256)")
+    d.add_argument("--dim", type=_count, default=256, help="channels C of the token (default 256)")
     d.add_argument("--std", type=float, default=0.02, help="input std; 0.02 is GPT-2 init's residual stream")
     d.add_argument("--seed", type=int, default=0, help="random seed of the input")
     d.add_argument("--markdown", action="store_true", help="print a Markdown table")
@@ -293,11 +304,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     j = sub.add_parser("jacobian", help="seed 003's table: Frobenius norms of the Jacobian's diagonal and coupling")
     j.add_argument("--norm", nargs="+", default=["rms_norm", "dyt"], help="registered norm names")
-    j.add_argument("--width", nargs="+", type=int, default=[1024, 2048], help="channel counts")
+    j.add_argument("--width", nargs="+", type=_count, default=[1024, 2048], help="channel counts")
     j.add_argument("--std", type=float, default=0.02, help="input std (0.02: GPT-2 init)")
     j.add_argument("--init", nargs="*", default=None, metavar="KEY=VALUE",
                    help="init values, applied to each norm that takes them (default: alpha_init=1.0, as in seed 003)")
-    j.add_argument("--tokens", type=int, default=4, help="tokens to average over")
+    j.add_argument("--tokens", type=_count, default=4, help="tokens to average over")
     j.add_argument("--seed", type=int, default=0)
     j.add_argument("--json", help="also write the rows to this JSON file")
     j.add_argument("--markdown", action="store_true", help="print a Markdown table")
@@ -306,11 +317,11 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("gain", help="seed 003's forward gain G(sigma), Monte Carlo, as a log-log plot")
     g.add_argument("--norm", nargs="+", default=["rms_norm", "l1_norm", "dyt", "dyt_hardtanh", "dyisru", "sign_sqrt"],
                    help="registered norm names")
-    g.add_argument("--width", type=int, default=1024, help="channels d")
+    g.add_argument("--width", type=_count, default=1024, help="channels d")
     g.add_argument("--sigma-min", type=float, default=1e-3)
     g.add_argument("--sigma-max", type=float, default=10.0)
-    g.add_argument("--points", type=int, default=17, help="sigmas on the log grid")
-    g.add_argument("--samples", type=int, default=64, help="Monte Carlo tokens per sigma")
+    g.add_argument("--points", type=_count, default=17, help="sigmas on the log grid")
+    g.add_argument("--samples", type=_count, default=64, help="Monte Carlo tokens per sigma")
     g.add_argument("--init", nargs="*", default=["alpha_init=1.0"], metavar="KEY=VALUE",
                    help="init values, applied to each norm that takes them (default alpha_init=1.0)")
     g.add_argument("--seed", type=int, default=0)
@@ -326,12 +337,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--sigma", type=float, default=2.0, help="std of the sample (default 2)")
     s.add_argument("--mu", type=float, default=0.0, help="mean of the sample (default 0)")
     s.add_argument("--step", type=float, default=5.0, help="outlier step size (default 5)")
-    s.add_argument("--steps", type=int, default=9, help="number of steps S (default 9)")
+    s.add_argument("--steps", type=_count, default=9, help="number of steps S (default 9)")
     s.add_argument("--scale", choices=["C", "C-1"], help="fitted amplitude sqrt(C) or sqrt(C-1) "
                    "(default: C for rms_norm, C-1 for layer_norm, as in the papers)")
     s.add_argument("--seed", type=int, default=0, help="seed of the sample")
     s.add_argument("--x", help="use this sample instead (.npy, .json or text: C numbers); overrides C/sigma/mu/seed")
-    s.add_argument("--seeds", type=int, default=1, help="also report the spread of the fits over this many seeds")
+    s.add_argument("--seeds", type=_count, default=1, help="also report the spread of the fits over this many seeds")
     s.add_argument("--out", default="out/simulate", help="folder for figures, sample.npy and simulate.json")
     s.add_argument("--markdown", action="store_true")
     s.set_defaults(func=_cmd_simulate)
@@ -358,7 +369,7 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--profile", default="default", choices=list(PROFILES), help="scale of every run")
     sw.add_argument("--root", default="runs/sweep", help="folder for runs/, index.json and the report")
     sw.add_argument("--shard", help="i/n: run only every n-th run starting at i (job arrays, several GPUs)")
-    sw.add_argument("--jobs", type=int, default=default_jobs(), help="runs at a time (default: CPU cores; 1 on GPU)")
+    sw.add_argument("--jobs", type=_count, default=default_jobs(), help="runs at a time (default: CPU cores; 1 on GPU)")
     sw.add_argument("--no-progress", action="store_true")
     sw.set_defaults(func=_cmd_sweep)
 
@@ -374,7 +385,7 @@ def build_parser() -> argparse.ArgumentParser:
     rr.add_argument("--experiment", nargs="*", help="subset of experiments (default: all)")
     rr.add_argument("--root", help="output folder (default runs/reproduce-<profile>)")
     rr.add_argument("--shard", help="i/n, as for sweep")
-    rr.add_argument("--jobs", type=int, default=default_jobs(), help="runs at a time")
+    rr.add_argument("--jobs", type=_count, default=default_jobs(), help="runs at a time")
     rr.add_argument("--no-progress", action="store_true")
     rr.set_defaults(func=_cmd_reproduce)
 
@@ -393,11 +404,11 @@ def build_parser() -> argparse.ArgumentParser:
     cv.add_argument("--exclude", nargs="*", default=[], metavar="PATTERN",
                     help="keep the norms whose names match (fnmatch), e.g. 'model.norm' for the final norm")
     cv.add_argument("--init", nargs="*", default=[], metavar="KEY=VALUE", help="init values of every replacement")
-    cv.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default 128)")
-    cv.add_argument("--max-batches", type=int, default=32,
+    cv.add_argument("--seq-len", type=_count, default=128, help="tokens per sequence (default 128)")
+    cv.add_argument("--max-batches", type=_count, default=32,
                     help="sequences to calibrate on, and as many held out to measure (default 32)")
     cv.add_argument("--heal-minutes", type=float, help="heal for this many minutes (block-wise reconstruction)")
-    cv.add_argument("--heal-tokens", type=int, help="heal on this many tokens instead")
+    cv.add_argument("--heal-tokens", type=_count, help="heal on this many tokens instead")
     cv.add_argument("--heal-train", choices=["norms", "all"], default="norms",
                     help="what healing trains: the replacements' parameters (default) or every block weight")
     cv.add_argument("--distill", type=float, default=0.0,

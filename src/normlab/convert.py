@@ -155,8 +155,12 @@ def _find(model: nn.Module, extra: dict, include) -> tuple[list[tuple[str, nn.Mo
             skipped.append({"name": name, "class": type(m).__name__, "reason": "excluded by include="})
             continue
         if _source_dim(m) is None:
-            skipped.append({"name": name, "class": type(m).__name__,
-                            "reason": "normalizes over more than one dimension"})  # fmt: skip
+            shape = getattr(m, "normalized_shape", None)
+            why = ("normalizes over more than one dimension" if shape is not None else
+                   "its channel count is unknown: no normalized_shape and no 1-d weight")  # fmt: skip
+            if type(m) in extra:  # the user asked for this class: say so, do not skip it quietly
+                raise ValueError(f"extra_classes[{type(m).__name__}]: cannot convert {name}: {why}")
+            skipped.append({"name": name, "class": type(m).__name__, "reason": why})
             continue
         found.append((name, m, kind))
     return found, skipped

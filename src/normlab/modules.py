@@ -49,16 +49,43 @@ __all__ = [
 ]
 
 
-def _positive_finite(value: float, name: str, owner: str) -> float:
-    if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{owner}: expected {name} to be a finite number > 0, got {value!r}")
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+def _real(value, name: str, owner: str) -> float | None:
+    """A finite real number a float32 parameter can hold (True is not a number here)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    if abs(value) > _FLOAT32_MAX:
+        raise ValueError(f"{owner}: expected {name} at most {_FLOAT32_MAX:.3g} in magnitude (float32's largest), "
+                         f"got {value!r}")  # fmt: skip
     return float(value)
+
+
+def _positive_finite(value: float, name: str, owner: str) -> float:
+    v = _real(value, name, owner)
+    if v is None or v <= 0:
+        raise ValueError(f"{owner}: expected {name} to be a finite number > 0, got {value!r}")
+    return v
 
 
 def _finite(value: float, name: str, owner: str) -> float:
-    if not isinstance(value, (int, float)) or not math.isfinite(value):
+    v = _real(value, name, owner)
+    if v is None:
         raise ValueError(f"{owner}: expected {name} to be a finite number, got {value!r}")
-    return float(value)
+    return v
+
+
+def _flag(value, name: str, owner: str) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{owner}: expected {name} to be True or False, got {value!r}")
+    return value
+
+
+def _check_dim(dim, owner: str) -> int:
+    if not isinstance(dim, int) or isinstance(dim, bool) or dim < 1:
+        raise ValueError(f"{owner}: expected dim (the number of channels) to be an int >= 1, got {dim!r}")
+    return dim
 
 
 class _Norm(nn.Module):
@@ -66,10 +93,8 @@ class _Norm(nn.Module):
 
     def __init__(self, dim: int, *, weight: bool, bias: bool, device=None, dtype=None) -> None:
         super().__init__()
-        if not isinstance(dim, int) or isinstance(dim, bool) or dim < 1:
-            owner = type(self).__name__
-            raise ValueError(f"{owner}: expected dim (the number of channels) to be an int >= 1, got {dim!r}")
-        self.dim = dim
+        self.dim = _check_dim(dim, type(self).__name__)
+        _flag(bias, "bias", type(self).__name__)
         factory = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty(dim, **factory)) if weight else None
         self.bias = nn.Parameter(torch.empty(dim, **factory)) if bias else None
@@ -179,7 +204,7 @@ class RMSDetached(_ScaleNorm):
 @register("group_rms", pointwise=False)
 class GroupRMS(_ScaleNorm):
     def __init__(self, dim: int, *, group_size: int = 8, eps: float = FN.EPS, device=None, dtype=None) -> None:
-        if not isinstance(group_size, int) or group_size < 1:
+        if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 1:
             raise ValueError(f"GroupRMS: expected group_size to be an int >= 1, got {group_size!r}")
         self.group_size = group_size
         super().__init__(dim, eps=eps, device=device, dtype=dtype)
@@ -270,7 +295,7 @@ class _DyTFamily(_Norm):
     ) -> None:
         super().__init__(dim, weight=True, bias=bias, device=device, dtype=dtype)
         self.alpha_init = _finite(alpha_init, "alpha_init", type(self).__name__)
-        self.per_channel_alpha = bool(per_channel_alpha)
+        self.per_channel_alpha = _flag(per_channel_alpha, "per_channel_alpha", type(self).__name__)
         self.alpha = nn.Parameter(torch.empty(dim if per_channel_alpha else 1, device=device, dtype=dtype))
         self.reset_parameters()
 
@@ -332,7 +357,7 @@ class ScaledDyT(_DyTFamily):
     """sqrt(C) * tanh(alpha * x) (seed 000 eq. 12), or sqrt(C-1) with ``scale="C-1"``."""
 
     def __init__(self, dim: int, *, scale: FN.Scale = "C", **kwargs) -> None:
-        FN.channel_scale(max(dim, 2), scale)  # validates the name
+        FN.channel_scale(max(_check_dim(dim, "ScaledDyT"), 2), scale)  # validates the name
         self.scale = scale
         super().__init__(dim, **kwargs)
 
@@ -402,7 +427,7 @@ class _ISRUFamily(_Norm):
         self.beta_init = _positive_finite(beta_init, "beta_init", type(self).__name__)
         self.scale = scale or self._default_scale
         FN.channel_scale(max(dim, 2), self.scale)  # validates the name
-        self.per_channel_beta = bool(per_channel_beta)
+        self.per_channel_beta = _flag(per_channel_beta, "per_channel_beta", type(self).__name__)
         self.log_beta = nn.Parameter(torch.empty(dim if per_channel_beta else 1, device=device, dtype=dtype))
         self.reset_parameters()
 

@@ -17,6 +17,11 @@ def dynamic_tanh(x, alpha: float, gamma, beta) -> list:
     >>> dynamic_tanh([[[0.14115588, 0.00372817, 0.24126647, 0.22183601]]], 0.5, [1, 1, 1, 1], [0, 0, 0, 0])
     [[[0.0705, 0.0019, 0.1201, 0.1105]]]
     """
+    if not isinstance(alpha, (int, float, np.integer, np.floating)) or isinstance(alpha, bool):
+        raise ValueError(f"dynamic_tanh: expected alpha to be a real number, got {alpha!r}")
+    for name, v in (("x", x), ("gamma", gamma), ("beta", beta)):
+        if np.iscomplexobj(np.asarray(v)):
+            raise ValueError(f"dynamic_tanh: expected real numbers in {name}, got complex values")
     x = np.asarray(x, dtype=np.float64)
     gamma = np.asarray(gamma, dtype=np.float64)
     beta = np.asarray(beta, dtype=np.float64)

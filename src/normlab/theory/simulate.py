@@ -82,13 +82,18 @@ def load_vector(path: str | Path) -> np.ndarray:
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"sample file {str(p)!r} does not exist")
-    if p.suffix == ".npy":
-        v = np.load(p, allow_pickle=False)
-    elif p.suffix == ".json":
-        v = np.asarray(json.loads(p.read_text()), dtype=float)
-    else:
-        v = np.loadtxt(p, delimiter="," if "," in p.read_text() else None, dtype=float)
-    return np.asarray(v, dtype=np.float64)
+    try:
+        if p.suffix == ".npy":
+            v = np.load(p, allow_pickle=False)
+        elif p.suffix == ".json":
+            v = np.asarray(json.loads(p.read_text()), dtype=float)
+        else:
+            text = p.read_text()
+            v = np.loadtxt(p, delimiter="," if "," in text else None, dtype=float)
+        return np.asarray(v, dtype=np.float64)
+    except (ValueError, TypeError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"sample file {str(p)!r} is not a list of numbers ({type(e).__name__}: {str(e)[:120]}); "
+                         "give a .npy array, a JSON list, or text with one number per entry") from None
 
 
 def _check(C, sigma, step, steps, x) -> None:
