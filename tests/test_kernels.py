@@ -1,13 +1,7 @@
 """Fused kernels against the reference functions: output and every gradient, over shapes and dtypes.
 
 Without a GPU the kernels run under TRITON_INTERPRET=1 (set in conftest.py) on CPU tensors; on a
-GPU the same tests run natively. Tolerances, relative to the largest magnitude of each tensor:
-
-| dtype    | output | gradients |
-|----------|--------|-----------|
-| float32  | 1e-5   | 1e-4      |
-| float16  | 2e-3   | 4e-3      |
-| bfloat16 | 1.6e-2 | 2e-2      |
+GPU the same tests run natively. The comparison and its tolerance table are in kernel_checks.py.
 """
 
 from __future__ import annotations
@@ -15,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import kernel_checks as KC
 import normlab
 import normlab.functional as FN
 from normlab.kernels import triton_status
@@ -23,45 +18,12 @@ ok, why = triton_status()
 pytestmark = pytest.mark.skipif(not ok, reason=why or "triton unavailable")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-TOL = {torch.float32: (1e-5, 1e-4), torch.float16: (2e-3, 4e-3), torch.bfloat16: (1.6e-2, 2e-2)}
-ROWS, CHANNELS = [1, 3, 37], [1, 7, 128, 1023]
-VARIANTS, VARIANT_IDS = [(False, True), (True, True), (False, False)], ["scalar", "per_channel", "no_bias"]
-
-
-def _close(got, ref, tol, what, floor=1e-6):
-    got, ref = got.detach().double(), ref.detach().double()
-    scale = max(float(ref.abs().max()), floor)
-    err = float((got - ref).abs().max()) / scale
-    assert err <= tol, f"{what}: max error {err:.2e} (relative to {scale:.3g}) > {tol}"
+ROWS, CHANNELS, VARIANTS, VARIANT_IDS = KC.ROWS, KC.CHANNELS, KC.VARIANTS, KC.VARIANT_IDS
+TOL, _close, _check = KC.TOL, KC.close, KC.check
 
 
 def _inputs(m, n, dtype, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = (torch.randn(m, n, generator=g) * 2).to(DEVICE, dtype)
-    dy = torch.randn(m, n, generator=g).to(DEVICE, dtype)
-    w = (1 + 0.3 * torch.randn(n, generator=g)).to(DEVICE, dtype)
-    b = (0.1 * torch.randn(n, generator=g)).to(DEVICE, dtype)
-    return x, dy, w, b, g
-
-
-def _check(fused, reference, tensors, dy, dtype, name, grad_floor=1e-6):
-    """Run both on leaf copies; compare outputs and the gradient of every tensor.
-
-    ``grad_floor`` is the smallest scale an error is measured against: RMSNorm's dx is a difference of
-    two terms of size |dy * w| / r, which cancel at C = 1, so its error is relative to that size.
-    """
-    out_tol, grad_tol = TOL[dtype]
-    ours = [t.detach().clone().requires_grad_(True) for t in tensors]
-    ref = [t.detach().double().clone().requires_grad_(True) for t in tensors]  # the same rounded values, in float64
-    y = fused(*ours)
-    y_ref = reference(*ref)
-    assert y.dtype == dtype and y.shape == y_ref.shape
-    _close(y, y_ref, out_tol, f"{name} output")
-    y.backward(dy)
-    y_ref.backward(dy.double())
-    for i, (a, b) in enumerate(zip(ours, ref)):
-        assert a.grad is not None and a.grad.dtype == a.dtype, f"{name}: gradient {i} missing or of the wrong dtype"
-        _close(a.grad, b.grad, grad_tol, f"{name} gradient {i}", grad_floor)
+    return KC.inputs(m, n, dtype, DEVICE, seed)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)

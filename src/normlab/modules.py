@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from normlab import functional as FN
@@ -122,13 +123,21 @@ class _Norm(nn.Module):
 # --------------------------------------------------------------------------
 @register("layer_norm", pointwise=False)
 class LayerNorm(_Norm):
-    def __init__(self, dim: int, *, eps: float = 1e-5, bias: bool = True, device=None, dtype=None) -> None:
+    """LayerNorm; ``kernel="auto"`` runs PyTorch's fused op (``F.layer_norm``) on every device."""
+
+    def __init__(self, dim: int, *, eps: float = 1e-5, bias: bool = True, kernel: str = "auto", device=None,
+                 dtype=None) -> None:  # fmt: skip
+        self.kernel = _kernel_choice(kernel, "LayerNorm", ("auto", "reference"))
         super().__init__(dim, weight=True, bias=bias, device=device, dtype=dtype)
         self.eps = _positive_finite(eps, "eps", "LayerNorm")
         self.reset_parameters()
 
     def forward(self, x: Tensor) -> Tensor:
         self._check(x)
+        weight, bias = _autocast_params(x, self.weight, self.bias)
+        same = x.is_floating_point() and all(p is None or p.dtype == x.dtype for p in (weight, bias))
+        if self.kernel == "auto" and same and not torch.compiler.is_compiling():
+            return F.layer_norm(x, (self.dim,), weight, bias, self.eps)
         return FN.layer_norm(x, self.weight, self.bias, self.eps)
 
     def extra_repr(self) -> str:
@@ -153,12 +162,20 @@ class _ScaleNorm(_Norm):
         return f"{self.dim}, eps={self.eps}"
 
 
-def _kernel_choice(kernel: str, owner: str) -> str:
+def _kernel_choice(kernel: str, owner: str, choices: tuple[str, ...] | None = None) -> str:
     from normlab.kernels import KERNEL_CHOICES
 
-    if kernel not in KERNEL_CHOICES:
-        raise ValueError(f"{owner}: expected kernel in {KERNEL_CHOICES}, got {kernel!r}")
+    choices = choices or KERNEL_CHOICES
+    if kernel not in choices:
+        raise ValueError(f"{owner}: expected kernel in {choices}, got {kernel!r}")
     return kernel
+
+
+def _path(module: nn.Module, x: Tensor, *params: Tensor | None) -> str:
+    """'triton', 'cpu' or 'reference' for this module's ``kernel`` setting and this input."""
+    from normlab.kernels import select
+
+    return select(module.kernel, x, type(module).__name__, *params)
 
 
 def _autocast_params(x: Tensor, *params: Tensor | None):
@@ -170,7 +187,7 @@ def _autocast_params(x: Tensor, *params: Tensor | None):
 
 @register("rms_norm", pointwise=False)
 class RMSNorm(_ScaleNorm):
-    """RMSNorm; ``kernel="auto"`` runs the fused Triton kernel on CUDA tensors."""
+    """RMSNorm; ``kernel="auto"`` runs the Triton kernel on CUDA tensors and the fused CPU path on CPU tensors."""
 
     def __init__(self, dim: int, *, eps: float = FN.EPS, kernel: str = "auto", device=None, dtype=None) -> None:
         self.kernel = _kernel_choice(kernel, "RMSNorm")
@@ -178,11 +195,16 @@ class RMSNorm(_ScaleNorm):
 
     def forward(self, x: Tensor) -> Tensor:
         self._check(x)
-        from normlab.kernels import rms_norm as fused
-        from normlab.kernels import use_kernel
+        (weight,) = _autocast_params(x, self.weight)
+        path = _path(self, x, weight)
+        if path == "triton":
+            from normlab.kernels import rms_norm as fused
 
-        if use_kernel(self.kernel, x, "RMSNorm"):
-            return fused(x, *_autocast_params(x, self.weight), self.eps)
+            return fused(x, weight, self.eps)
+        if path == "cpu":
+            from normlab.kernels import cpu
+
+            return cpu.rms_norm(x, weight, self.eps)
         return FN.rms_norm(x, self.weight, self.eps)
 
 
@@ -313,7 +335,7 @@ class _DyTFamily(_Norm):
 
 @register("dyt", pointwise=True)
 class DyT(_DyTFamily):
-    """DyT; ``kernel="auto"`` runs the fused Triton kernel on CUDA tensors."""
+    """DyT; ``kernel="auto"`` runs the Triton kernel on CUDA tensors and the fused CPU path on CPU tensors."""
 
     _fn = staticmethod(FN.dyt)
 
@@ -323,11 +345,16 @@ class DyT(_DyTFamily):
 
     def forward(self, x: Tensor) -> Tensor:
         self._check(x)
-        from normlab.kernels import dyt as fused
-        from normlab.kernels import use_kernel
+        params = _autocast_params(x, self.alpha, self.weight, self.bias)
+        path = _path(self, x, *params)
+        if path == "triton":
+            from normlab.kernels import dyt as fused
 
-        if use_kernel(self.kernel, x, "DyT"):
-            return fused(x, *_autocast_params(x, self.alpha, self.weight, self.bias))
+            return fused(x, *params)
+        if path == "cpu":
+            from normlab.kernels import cpu
+
+            return cpu.dyt(x, *params)
         return FN.dyt(x, self.alpha, self.weight, self.bias)
 
 
@@ -356,13 +383,25 @@ class DyTRMSDenominator(_DyTFamily):
 class ScaledDyT(_DyTFamily):
     """sqrt(C) * tanh(alpha * x) (seed 000 eq. 12), or sqrt(C-1) with ``scale="C-1"``."""
 
-    def __init__(self, dim: int, *, scale: FN.Scale = "C", **kwargs) -> None:
+    def __init__(self, dim: int, *, scale: FN.Scale = "C", kernel: str = "auto", **kwargs) -> None:
         FN.channel_scale(max(_check_dim(dim, "ScaledDyT"), 2), scale)  # validates the name
         self.scale = scale
+        self.kernel = _kernel_choice(kernel, "ScaledDyT")
         super().__init__(dim, **kwargs)
 
     def forward(self, x: Tensor) -> Tensor:
         self._check(x)
+        alpha, weight, bias = _autocast_params(x, self.alpha, self.weight, self.bias)
+        path = _path(self, x, alpha, weight, bias)
+        s = FN.channel_scale(self.dim, self.scale)
+        if path == "triton":  # DyT's kernel with the scale folded into the weight
+            from normlab.kernels import dyt as fused
+
+            return fused(x, alpha, weight * s, bias)
+        if path == "cpu":
+            from normlab.kernels import cpu
+
+            return cpu.dyt(x, alpha, weight, bias, scale=s)
         return FN.scaled_dyt(x, self.alpha, self.weight, self.bias, self.scale)
 
     def extra_repr(self) -> str:
@@ -452,7 +491,7 @@ class _ISRUFamily(_Norm):
 
 @register("dyisru", pointwise=True)
 class DyISRU(_ISRUFamily):
-    """sqrt(C) * x / sqrt(beta + x^2) (seed 000 eq. 16); ``kernel="auto"`` fuses it on CUDA tensors."""
+    """sqrt(C) * x / sqrt(beta + x^2) (seed 000 eq. 16); ``kernel="auto"`` fuses it on CUDA and CPU tensors."""
 
     _fn = staticmethod(FN.dyisru)
     _default_scale = "C"
@@ -463,18 +502,38 @@ class DyISRU(_ISRUFamily):
 
     def forward(self, x: Tensor) -> Tensor:
         self._check(x)
-        from normlab.kernels import dyisru as fused
-        from normlab.kernels import use_kernel
+        beta, weight, bias = _autocast_params(x, self.beta, self.weight, self.bias)
+        path = _path(self, x, beta, weight, bias)
+        if path == "triton":
+            from normlab.kernels import dyisru as fused
 
-        if use_kernel(self.kernel, x, "DyISRU"):
-            beta, weight, bias = _autocast_params(x, self.beta, self.weight, self.bias)
             return fused(x, beta, weight, bias, FN.channel_scale(self.dim, self.scale))
+        if path == "cpu":
+            from normlab.kernels import cpu
+
+            return cpu.dyisru(x, beta, weight, bias, scale=FN.channel_scale(self.dim, self.scale))
         return FN.dyisru(x, self.beta, self.weight, self.bias, self.scale)
 
 
 @register("eln", pointwise=False)
 class ELN(_ISRUFamily):
-    """sqrt(C-1) * (x - mu) / sqrt(beta + (x - mu)^2) (seed 002 eq. 13); not point-wise: mu couples channels."""
+    """sqrt(C-1) * (x - mu) / sqrt(beta + (x - mu)^2) (seed 002 eq. 13); not point-wise: mu couples channels.
+
+    ``kernel="auto"`` runs the fused CPU path on CPU tensors (there is no Triton kernel for ELN).
+    """
 
     _fn = staticmethod(FN.eln)
     _default_scale = "C-1"
+
+    def __init__(self, dim: int, *, kernel: str = "auto", **kwargs) -> None:
+        self.kernel = _kernel_choice(kernel, "ELN", ("auto", "cpu", "reference"))
+        super().__init__(dim, **kwargs)
+
+    def forward(self, x: Tensor) -> Tensor:
+        self._check(x)
+        beta, weight, bias = _autocast_params(x, self.beta, self.weight, self.bias)
+        if _path(self, x, beta, weight, bias) == "cpu":
+            from normlab.kernels import cpu
+
+            return cpu.eln(x, beta, weight, bias, scale=FN.channel_scale(self.dim, self.scale))
+        return FN.eln(x, self.beta, self.weight, self.bias, self.scale)

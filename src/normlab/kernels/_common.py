@@ -40,20 +40,3 @@ def as_rows(t: torch.Tensor, n: int) -> torch.Tensor:
     """(..., N) -> (M, N) with unit column stride (a view when possible, else a contiguous copy)."""
     t2 = t.reshape(-1, n)
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
-
-
-def check_operands(op: str, x: torch.Tensor, **params: torch.Tensor | None) -> None:
-    """Same device and dtype for input and parameters, a floating input: else a clear error, never a bad launch."""
-    if not x.is_floating_point() or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise TypeError(f"{op} (fused): expected a float16, bfloat16 or float32 input, got {x.dtype}")
-    for name, p in params.items():
-        if p is None:
-            continue
-        if p.device != x.device:
-            where = f"{name} is on {p.device} but the input is on {x.device}"
-            raise ValueError(f"{op} (fused): {where}; move the module and the input to one device")
-        if p.dtype != x.dtype:
-            raise ValueError(
-                f"{op} (fused): {name} has dtype {p.dtype} but the input has {x.dtype}; cast the module "
-                f"(module.to({x.dtype})) or use torch.autocast, which casts the input"
-            )

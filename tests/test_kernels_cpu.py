@@ -1,0 +1,160 @@
+"""The fused CPU paths (normlab.kernels.cpu) against the reference: output and every gradient.
+
+The same table of shapes, dtypes and variants as the Triton kernels, and the same tolerances
+(kernel_checks.py). Runs on every machine: the CPU path is TorchInductor, which needs only a C++ compiler.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+
+import kernel_checks as KC
+import normlab
+import normlab.functional as FN
+from normlab.kernels import cpu
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _inputs(m, n, dtype, seed=0):
+    return KC.inputs(m, n, dtype, "cpu", seed)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n", KC.CHANNELS)
+@pytest.mark.parametrize("m", KC.ROWS)
+@pytest.mark.parametrize("per_channel,bias", KC.VARIANTS, ids=KC.VARIANT_IDS)
+@pytest.mark.parametrize("op", ["dyt", "scaled_dyt", "dyisru", "eln"])
+def test_pointwise_family(op, m, n, dtype, per_channel, bias):
+    if op == "eln" and n == 1:
+        pytest.skip("ELN needs C >= 2 (sqrt(C - 1) = 0 at C = 1)")
+    x, dy, w, b, g = _inputs(m, n, dtype)
+    k = n if per_channel else 1
+    p = (0.3 + torch.rand(k, generator=g)) if op in ("dyt", "scaled_dyt") else (0.5 + 3 * torch.rand(k, generator=g))
+    p = p.to(dtype)
+    fast = {
+        "dyt": lambda x, p, w, b=None: cpu.dyt(x, p, w, b),
+        "scaled_dyt": lambda x, p, w, b=None: cpu.dyt(x, p, w, b, scale=math.sqrt(n)),
+        "dyisru": lambda x, p, w, b=None: cpu.dyisru(x, p, w, b, scale=math.sqrt(n)),
+        "eln": lambda x, p, w, b=None: cpu.eln(x, p, w, b, scale=math.sqrt(n - 1)),
+    }[op]
+    ref = {"dyt": FN.dyt, "scaled_dyt": FN.scaled_dyt, "dyisru": FN.dyisru, "eln": FN.eln}[op]
+    tensors = [x, p, w, b] if bias else [x, p, w]
+    # ELN's dx is a centred difference (q - mean q): at C = 2 it cancels, so measure against |dy w| beta h^3
+    floor = float((dy.double() * w.double()).abs().max()) * (1 / math.sqrt(float(p.min()))) if op == "eln" else 1e-6
+    KC.check(fast, ref, tensors, dy, dtype, op, grad_floor=floor)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n", KC.CHANNELS)
+@pytest.mark.parametrize("m", KC.ROWS)
+def test_rms_norm(m, n, dtype):
+    x, dy, w, _, _ = _inputs(m, n, dtype)
+    eps = 1e-6
+    term = float((dy.double() * w.double()).abs().max() / x.double().pow(2).mean(-1).sqrt().min())  # |dy w| / r
+    KC.check(lambda x, w: cpu.rms_norm(x, w, eps), lambda x, w: FN.rms_norm(x, w, eps), [x, w], dy, dtype,
+             "rms_norm", grad_floor=term)  # fmt: skip
+
+
+def test_tanh_is_accurate_over_the_whole_range():
+    """The expm1-based tanh, against float64, from denormals to saturation (and signed zeros, infinities)."""
+    z = torch.cat([torch.logspace(-40, 2, 20000), -torch.logspace(-40, 2, 20000), torch.randn(100000) * 3,
+                   torch.tensor([0.0, -0.0, math.inf, -math.inf])])  # fmt: skip
+    got = cpu._compiled(cpu._tanh)(z)
+    want = torch.tanh(z.double())
+    ulp = torch.finfo(torch.float32).eps * want.abs().clamp_min(torch.finfo(torch.float32).tiny)
+    assert float(((got.double() - want).abs() / ulp).max()) <= 4  # within 4 ulp everywhere
+    assert torch.equal(torch.signbit(got), torch.signbit(want.float()))
+
+
+def test_huge_inputs_saturate_dyisru_and_eln():
+    """|x| beyond float32's square root of its largest value: sign(x), never NaN (the reference uses hypot)."""
+    one, w = torch.ones(1) * 4, torch.ones(8)
+    x = torch.tensor([[-1e30, -3e19, 0.0, 3e19, 1e30, 1.0, -1.0, 2.0]])
+    KC.close(cpu.dyisru(x, one, w, None, scale=1.0), FN.dyisru(x.double(), 4.0) / math.sqrt(8), 1e-5, "dyisru")
+    x = torch.tensor([[1e30, 0.0, 1.0, -1.0, 2.0, 0.5, -2.0, 3.0]])  # one huge channel: u is huge everywhere
+    KC.close(cpu.eln(x, one, w, None, scale=1.0), FN.eln(x.double(), 4.0) / math.sqrt(7), 1e-5, "eln")
+
+
+def test_non_contiguous_batched_and_empty_inputs():
+    base = torch.randn(16, 5, 3)
+    x = base.transpose(0, 2).requires_grad_(True)  # (3, 5, 16), last axis strided
+    alpha, w = torch.full((1,), 0.7, requires_grad=True), torch.ones(16, requires_grad=True)
+    y = cpu.dyt(x, alpha, w)
+    KC.close(y, FN.dyt(x.double(), 0.7), 1e-5, "non-contiguous dyt")
+    y.sum().backward()
+    assert x.grad.shape == x.shape
+    m = normlab.create_norm("dyt", 16)
+    assert m(torch.empty(0, 16)).shape == (0, 16)
+
+
+def test_parameter_gradients_are_deterministic():
+    x, dy, w, b, _ = _inputs(37, 1023, torch.float32)
+    grads = []
+    for _ in range(2):
+        a = torch.full((1,), 0.6, requires_grad=True)
+        w1, b1 = w.clone().requires_grad_(True), b.clone().requires_grad_(True)
+        cpu.dyt(x, a, w1, b1).backward(dy)
+        grads.append((a.grad, w1.grad, b1.grad))
+    for g1, g2 in zip(*grads):
+        assert torch.equal(g1, g2)
+
+
+def test_saves_only_its_input():
+    """Activation memory: the CPU DyT keeps x (and its parameters) for the backward, nothing else."""
+    x = torch.randn(64, 256, requires_grad=True)
+    params = [torch.full((1,), 0.5, requires_grad=True), torch.ones(256, requires_grad=True),
+              torch.zeros(256, requires_grad=True)]  # fmt: skip
+    sizes = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: sizes.append(t.numel()) or t, lambda t: t):
+        cpu.dyt(x, *params)
+    assert sum(sizes) == x.numel() + 1 + 256  # x, alpha, weight
+
+
+@pytest.mark.parametrize("name", ["layer_norm", "rms_norm", "dyt", "scaled_dyt", "dyisru", "eln"])
+def test_modules_take_the_cpu_path_under_auto_and_match_the_reference(name, monkeypatch):
+    calls = []
+    for fn in ("dyt", "dyisru", "eln", "rms_norm"):
+        real = getattr(cpu, fn)
+        monkeypatch.setattr(cpu, fn, lambda *a, _real=real, **k: calls.append(1) or _real(*a, **k))
+    torch.manual_seed(0)
+    auto, ref = normlab.create_norm(name, 64), normlab.create_norm(name, 64, kernel="reference")
+    x = torch.randn(5, 64, requires_grad=True)
+    KC.close(auto(x), ref(x), 1e-5, f"{name} module")
+    assert len(calls) == (0 if name == "layer_norm" else 1)  # LayerNorm: PyTorch's own fused op
+    assert len(calls) == (0 if name == "layer_norm" else 1)
+    calls.clear()
+    auto.double()(x.double())  # float64 (the theory tools): the reference, exactly
+    assert calls == []
+
+
+def test_kernel_cpu_on_an_unsupported_dtype_is_a_clear_error():
+    m = normlab.create_norm("dyt", 8, kernel="cpu").double()
+    with pytest.raises(RuntimeError, match="kernel='cpu'.* float32, bfloat16 or float16; got torch.float64"):
+        m(torch.randn(2, 8, dtype=torch.float64))
+    with pytest.raises(ValueError, match="expected kernel in"):
+        normlab.create_norm("layer_norm", 8, kernel="triton")
+
+
+def test_a_machine_that_cannot_build_falls_back_with_one_warning(monkeypatch):
+    """A real build failure: Inductor pointed at a C++ compiler that does not exist."""
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.setattr(cpu, "_COMPILED", {})
+    monkeypatch.setattr(cpu, "_BROKEN", [])
+    torch._dynamo.reset()
+    x = torch.randn(3, 16)
+    m = normlab.create_norm("dyisru", 16)
+    with inductor_config.patch({"cpp.cxx": ("/nonexistent/c++",), "fx_graph_cache": False}):
+        with pytest.warns(RuntimeWarning, match="cannot be built on this machine .*(nonexistent|compiler)"):
+            y = m(x)
+    KC.close(y, normlab.create_norm("dyisru", 16, kernel="reference")(x), 1e-5, "fallback")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # one warning, not one per call
+        m(x)
+    assert not cpu.available()
+    torch._dynamo.reset()
