@@ -9,8 +9,15 @@ Bytes are the minimum traffic of each op (read x, write y; backward: read x and 
 parameters are negligible). Peak memory of a full pass is reported too. Rows are appended to a
 CSV with the device name, commit and date.
 
-On a CPU it compares the reference functions under eager and torch.compile against a memcpy
-of the same bytes (Triton kernels need a GPU; their correctness is tested under the interpreter).
+On a CPU (no GPU, or --cpu) it answers "which norm is fastest here": every norm at its best
+(``kernel="auto"``: PyTorch's fused LayerNorm, normlab's fused CPU paths for the rest) against the
+reference math, nn.LayerNorm / nn.RMSNorm, torch.compile of the reference, and the copy floor, all
+timed in one run, alternating providers round by round. The floor of a forward + backward is five
+tensor passes (read x, write y; read x and dy, write dx), 2.5 times one copy of x measured in the same
+run. It also times the first call of each fused path in a fresh process with empty Inductor caches
+(the one-off compile). Rows go to bench/kernels_cpu.csv:
+
+    python scripts/bench_kernels.py --cpu --channels 1024 --dtypes fp32 bf16
 """
 
 from __future__ import annotations
@@ -147,18 +154,130 @@ def run(args) -> list[dict]:
     return rows
 
 
+CPU_NORMS = ["layer_norm", "rms_norm", "dyt", "scaled_dyt", "dyisru", "eln"]
+NATIVE = {"layer_norm": lambda n: torch.nn.LayerNorm(n), "rms_norm": lambda n: torch.nn.RMSNorm(n)}
+
+
+def cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def first_call_seconds(name: str, n: int, dtype_name: str) -> float:
+    """Seconds of the first forward + backward of ``name`` in a fresh process with empty Inductor caches."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    dtype = str(DTYPES[dtype_name])  # "torch.float32"
+    code = (f"import time, torch, normlab\nm = normlab.create_norm({name!r}, {n}).to({dtype})\n"
+            f"x = torch.randn(64, {n}, dtype={dtype}, requires_grad=True)\n"
+            "t0 = time.perf_counter(); m(x).sum().backward(); print(time.perf_counter() - t0)")  # fmt: skip
+    with tempfile.TemporaryDirectory() as cache:
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def run_cpu(args) -> list[dict]:
+    import statistics
+    import time
+
+    import normlab
+
+    threads = torch.get_num_threads()
+    cpu, commit = cpu_name(), code_version().get("git_commit", "unknown")[:12]
+    print(f"{cpu}, {threads} threads, torch {torch.__version__}")
+    rows = []
+    for dtype_name in args.dtypes:
+        dtype = DTYPES[dtype_name]
+        for n in args.channels:
+            m = args.rows
+            x0 = torch.randn(m, n, dtype=dtype)
+            dy = torch.randn(m, n, dtype=dtype)
+            calls = {"copy": lambda x0=x0: x0.clone()}
+            for name in CPU_NORMS:
+                if args.ops and name not in args.ops:
+                    continue
+                torch.manual_seed(0)
+                mods = {"normlab": normlab.create_norm(name, n),
+                        "reference": normlab.create_norm(name, n, kernel="reference")}  # fmt: skip
+                if name in NATIVE:
+                    mods["native"] = NATIVE[name](n)
+                mods["torch_compile"] = torch.compile(normlab.create_norm(name, n, kernel="reference"))
+                for prov, mod in mods.items():
+                    mod = mod.to(dtype)
+
+                    def full(mod=mod, x0=x0, dy=dy):
+                        x = x0.detach().requires_grad_(True)
+                        mod.zero_grad(set_to_none=True)
+                        mod(x).backward(dy)
+
+                    def forward(mod=mod, x0=x0):
+                        with torch.no_grad():
+                            mod(x0)
+
+                    calls[(name, prov, "full")] = full
+                    calls[(name, prov, "forward")] = forward
+            times = {k: [] for k in calls}
+            for fn in calls.values():  # warm-up, and the compiles
+                for _ in range(3):
+                    fn()
+            for _ in range(args.rounds):  # alternate: slow drifts of a shared machine hit every provider alike
+                for k, fn in calls.items():
+                    for _ in range(max(1, args.reps // args.rounds)):
+                        t0 = time.perf_counter()
+                        fn()
+                        times[k].append((time.perf_counter() - t0) * 1e3)
+            ms = {k: statistics.median(v) for k, v in times.items()}
+            floor = {"full": 2.5 * ms["copy"], "forward": ms["copy"]}  # passes over x: 5 and 2; a copy is 2
+            print(f"\n{dtype_name} {m} x {n}: one copy of x {ms['copy']:.3f} ms; floor fwd {floor['forward']:.3f}, "
+                  f"fwd+bwd {floor['full']:.3f} ms")  # fmt: skip
+            for key, v in ms.items():
+                if key == "copy":
+                    continue
+                name, prov, mode = key
+                native = [ms[(name, p, mode)] for p in ("native",) if (name, p, mode) in ms]
+                row = {"date": datetime.date.today().isoformat(), "commit": commit, "device": cpu, "threads": threads,
+                       "torch": torch.__version__, "op": name, "provider": prov, "mode": mode, "dtype": dtype_name,
+                       "rows": m, "channels": n, "ms": round(v, 4), "copy_ms": round(ms["copy"], 4),
+                       "x_floor": round(v / floor[mode], 2),
+                       "x_native": round(v / native[0], 3) if native else None,
+                       "x_compile": round(v / ms[(name, "torch_compile", mode)], 3), "first_call_s": None}  # fmt: skip
+                if prov == "normlab" and mode == "full" and not args.no_first_call:
+                    row["first_call_s"] = round(first_call_seconds(name, n, dtype_name), 2)
+                rows.append(row)
+                extra = f" first call {row['first_call_s']} s" if row["first_call_s"] is not None else ""
+                print(f"{name:10s} {prov:13s} {mode:8s} {v:8.3f} ms  {row['x_floor']:6.2f}x floor  "
+                      f"{row['x_compile']:5.2f}x compile" + (f"  {row['x_native']:5.2f}x native" if native else "")
+                      + extra)  # fmt: skip
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=4096)
     ap.add_argument("--channels", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
     ap.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"], choices=list(DTYPES))
-    ap.add_argument("--ops", nargs="*", help="subset of dyt, dyisru, rms_norm")
+    ap.add_argument("--ops", nargs="*", help="subset of dyt, dyisru, rms_norm (CPU: also layer_norm, scaled_dyt, eln)")
     ap.add_argument("--modes", nargs="*", help="subset of forward, backward, full")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--cpu", action="store_true", help="run on the CPU even if a GPU is present")
-    ap.add_argument("--csv", default="bench/kernels.csv")
+    ap.add_argument("--rounds", type=int, default=5, help="CPU: providers alternate in this many rounds")
+    ap.add_argument("--no-first-call", action="store_true", help="CPU: skip the fresh-process compile timing")
+    ap.add_argument("--csv", help="default bench/kernels.csv (GPU) or bench/kernels_cpu.csv (CPU)")
     args = ap.parse_args()
-    rows = run(args)
+    on_cpu = args.cpu or not torch.cuda.is_available()
+    if on_cpu and args.channels == ap.get_default("channels"):
+        args.channels = [1024]
+    rows = run_cpu(args) if on_cpu else run(args)
+    args.csv = args.csv or ("bench/kernels_cpu.csv" if on_cpu else "bench/kernels.csv")
     print(f"appended {len(rows)} rows to {append_csv(args.csv, rows)}")
 
 

@@ -6,6 +6,11 @@
 2. normlab train(): the same model, data, optimizer and steps, with its logging, progress bar,
    checkpoints and metric probes at their default intervals (evaluation cut to 1 batch at the end).
 3. the metric probe alone: a probed step vs a plain step, amortized over ``metrics_every``.
+4. the lab's GPT with LayerNorm at every site against a nanoGPT-style model written here at the same
+   shapes (pre-norm, LayerNorm through ``F.layer_norm``, bias-free linears, GELU MLP, tied embeddings,
+   causal SDPA, AdamW): training steps timed alternating in one process, median step time of each.
+
+    python scripts/bench_lab.py --preset cpu --steps 100 --nanogpt-steps 30
 
 Both loops are timed end to end, setup included. A row is appended to bench/lab.csv with the
 hardware, commit and date. On CPU only the ratios mean something.
@@ -20,6 +25,8 @@ import tempfile
 import time
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from normlab._table import append_csv
 from normlab.lab import GPT, resolve_config, train
@@ -82,12 +89,93 @@ def probe_cost(cfg, reps: int = 5) -> tuple[float, float]:
     return times["plain"], times["probed"]
 
 
+class _LayerNorm(nn.Module):
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.weight, self.bias = nn.Parameter(torch.ones(c)), nn.Parameter(torch.zeros(c))
+
+    def forward(self, x):
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, 1e-5)
+
+
+class _Block(nn.Module):
+    def __init__(self, c: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln_1, self.ln_2 = _LayerNorm(c), _LayerNorm(c)
+        self.c_attn, self.c_proj = nn.Linear(c, 3 * c, bias=False), nn.Linear(c, c, bias=False)
+        self.c_fc, self.mlp_proj = nn.Linear(c, 4 * c, bias=False), nn.Linear(4 * c, c, bias=False)
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = self.c_attn(self.ln_1(x)).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, c)
+        x = x + self.c_proj(y)
+        return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x))))
+
+
+class NanoGPTStyle(nn.Module):
+    """A GPT as nanoGPT writes it, at the lab's shapes: the speed reference for the lab's own model."""
+
+    def __init__(self, vocab: int, width: int, depth: int, heads: int, context: int) -> None:
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, width), nn.Embedding(context, width)
+        self.h = nn.ModuleList(_Block(width, heads) for _ in range(depth))
+        self.ln_f = _LayerNorm(width)
+        self.lm_head = nn.Linear(width, vocab, bias=False)
+        self.lm_head.weight = self.wte.weight
+        for name, p in self.named_parameters():
+            if p.dim() == 2:
+                nn.init.normal_(p, 0.0, 0.02 / (2 * depth) ** 0.5 if name.endswith("proj.weight") else 0.02)
+
+    def forward(self, idx, targets):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        for block in self.h:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        return logits, F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def versus_nanogpt(preset: str, steps: int, rounds: int = 5) -> dict:
+    """Median training-step seconds of the lab GPT (LayerNorm) and the nanoGPT-style model, alternating."""
+    import statistics
+
+    cfg = resolve_config(preset, {"model.norm": "layer_norm"})
+    m = cfg.model
+    corpus = load_corpus(cfg.data or None, cfg.val_fraction)
+    torch.manual_seed(0)
+    models = {"lab": GPT(m), "nanogpt_style": NanoGPTStyle(m.vocab_size, m.width, m.depth, m.heads, m.context)}
+    opts = {k: _optimizer(v, cfg, torch.device("cpu")) for k, v in models.items()}
+    n_params = {k: sum(p.numel() for p in v.parameters()) for k, v in models.items()}
+    assert n_params["lab"] == n_params["nanogpt_style"], n_params  # the same model, written two ways
+    times = {k: [] for k in models}
+    step = 0
+    for _ in range(rounds):
+        for name, model in models.items():
+            for _ in range(max(1, steps // rounds)):
+                x, y = get_batch(corpus.train, cfg.batch_size, m.context, seed=0, step=step)
+                step += 1
+                t0 = time.perf_counter()
+                _, loss = model(x, y)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+                opts[name].step()
+                opts[name].zero_grad(set_to_none=True)
+                float(loss.detach())
+                times[name].append(time.perf_counter() - t0)
+    med = {k: statistics.median(v[1:]) for k, v in times.items()}
+    return {"lab_step_ms": round(1e3 * med["lab"], 2), "nanogpt_step_ms": round(1e3 * med["nanogpt_style"], 2),
+            "lab_over_nanogpt": round(med["lab"] / med["nanogpt_style"], 3)}  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="cpu")
     ap.add_argument("--norm", default="rms_norm")
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--repeats", type=int, default=2, help="alternate bare/lab this many times; best of each")
+    ap.add_argument("--nanogpt-steps", type=int, default=30, help="steps of each model in the nanoGPT comparison")
     ap.add_argument("--csv", default="bench/lab.csv")
     args = ap.parse_args()
 
@@ -99,6 +187,7 @@ def main() -> None:
         bare.append(bare_loop(cfg, args.steps))
         lab.append(lab_loop(cfg, args.steps))
     plain, probed = probe_cost(cfg)
+    nano = versus_nanogpt(args.preset, args.nanogpt_steps)
     tokens = cfg.batch_size * cfg.model.context * args.steps
     row = {
         "date": datetime.date.today().isoformat(),
@@ -112,6 +201,7 @@ def main() -> None:
         "lab_over_bare_time": round(min(lab) / min(bare), 4),
         "probe_step_ratio": round(probed / plain, 3),
         "probe_overhead_amortized": round((probed - plain) / (plain * cfg.metrics_every), 4),
+        **nano,
     }
     for k, v in row.items():
         print(f"{k:28s} {v}")

@@ -34,37 +34,32 @@ from torch.autograd.function import once_differentiable
 __all__ = ["available", "dyt", "dyisru", "eln", "rms_norm", "layer_norm"]
 
 FAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_HUGE = 1e18  # above this |x|, x^2 overflows float32: x / sqrt(beta + x^2) is sign(x)
 
 
 # --------------------------------------------------------------------------
 # the math, in float32, written for Inductor
 # --------------------------------------------------------------------------
-# Taylor coefficients of tanh(z) = sum_k c_k z^(2k+1): 2^(2n)(2^(2n)-1) B_(2n) / (2n)!, with n = k + 1.
-_TANH_TAYLOR = (1.0, -1 / 3, 2 / 15, -17 / 315, 62 / 2835, -1382 / 155925, 21844 / 6081075, -929569 / 638512875,
-                6404582 / 10854718875)  # fmt: skip
-_TANH_SPLIT = 0.55  # below: the series (its last term < 2.5e-8 there); above: from exp, away from cancellation
-
-
 def _tanh(z: Tensor) -> Tensor:
-    """tanh to a few float32 ulp, about 4x faster than ATen's on a CPU once fused.
+    """tanh to a few float32 ulp, several times faster than ATen's on a CPU once fused.
 
-    |z| < 0.55: the odd Taylor series through z^17. Else sign(z) (1 - e) / (1 + e) with e = exp(-2|z|),
-    which has no cancellation there (e <= 0.33) and saturates to +-1 without overflow.
+    |z| < 0.55: the odd Taylor series through z^17, c_k = 2^(2n) (2^(2n) - 1) B_(2n) / (2n)! with n = k + 1
+    (its last term is below 2.5e-8 there). Else sign(z) (1 - e) / (1 + e) with e = exp(-2|z|), free of
+    cancellation there (e <= 0.33), and saturating to +-1 without overflow.
+    The constants are literals on purpose: Dynamo makes a global float a graph input, read per element.
     """
     a = z.abs()
     z2 = z * z
-    poly = torch.full_like(z, _TANH_TAYLOR[-1])
-    for c in reversed(_TANH_TAYLOR[:-1]):
+    poly = 6404582 / 10854718875
+    for c in (-929569 / 638512875, 21844 / 6081075, -1382 / 155925, 62 / 2835, -17 / 315, 2 / 15, -1 / 3, 1.0):
         poly = poly * z2 + c
     e = torch.exp(-2.0 * a)
-    return torch.where(a < _TANH_SPLIT, z * poly, torch.copysign((1.0 - e) / (1.0 + e), z))
+    return torch.where(a < 0.55, z * poly, torch.copysign((1.0 - e) / (1.0 + e), z))
 
 
 def _isru(u: Tensor, beta: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """(u h, h, beta h^3) with h = (beta + u^2)^(-1/2); |u| beyond float32's square gives sign(u) and 0."""
     h = torch.rsqrt(beta + u * u)
-    big = u.abs() > _HUGE
+    big = u.abs() > 1e18  # beyond float32's sqrt(max): u^2 overflows, u h -> sign(u) (a literal: see _tanh)
     f = torch.where(big, torch.sign(u), u * h)
     slope = torch.where(big, 0.0, beta * h * h * h)
     return f, h, slope
