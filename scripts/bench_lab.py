@@ -51,7 +51,7 @@ def bare_loop(cfg, steps: int) -> float:
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        float(loss)
+        float(loss.detach())
     return time.perf_counter() - t0
 
 

@@ -40,7 +40,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from normlab.registry import create_norm
+from normlab.registry import create_norm, norm_spec
 
 __all__ = ["FirstToken", "FitOutcome", "fit_replacement", "first_token_ratio", "calibrate_sites", "per_channel_kwargs"]
 
@@ -88,16 +88,15 @@ class FitOutcome:
 
 
 def _param_name(new: nn.Module) -> str:
-    if isinstance(getattr(new, "log_beta", None), Tensor):
-        return "log_beta"
-    if isinstance(getattr(new, "alpha", None), Tensor):
-        return "alpha"
-    raise ValueError(f"{type(new).__name__} has no alpha or log_beta to calibrate")
+    fits = norm_spec(getattr(new, "registry_name", "")).fits if hasattr(new, "registry_name") else None
+    if fits is None:
+        raise ValueError(f"{type(new).__name__} has no parameter a calibration fits (the registry's `fits`)")
+    return fits
 
 
 def _start(new: nn.Module, x: Tensor, per_channel: bool, name: str) -> Tensor:
     """Theorem 3 start: beta_i = median over tokens of ||x without i||^2; DyT: the slope that matches it."""
-    z = x - x.mean(-1, keepdim=True) if getattr(new, "registry_name", "") == "eln" else x
+    z = x - x.mean(-1, keepdim=True) if norm_spec(new.registry_name).centred else x
     rest = (z.pow(2).sum(-1, keepdim=True) - z.pow(2)).clamp_min(1e-30)  # (N, C)
     beta = rest.median(0).values if per_channel else rest.median().reshape(1)
     if name == "log_beta":
@@ -231,11 +230,7 @@ class _Stop(Exception):
 
 
 def per_channel_kwargs(to: str) -> dict:
-    return {"per_channel_beta": True} if "log_beta" in _param_names(to) else {"per_channel_alpha": True}
-
-
-def _param_names(to: str) -> set[str]:
-    return {n for n, _ in create_norm(to, 2).named_parameters()}
+    return {"per_channel_beta": True} if norm_spec(to).fits == "log_beta" else {"per_channel_alpha": True}
 
 
 def _first_copy(new: nn.Module, site, to: str) -> nn.Module:

@@ -39,16 +39,9 @@ def _count(text: str) -> int:
 
 
 def _parse_init(pairs: list[str]) -> dict:
-    out = {}
-    for pair in pairs or []:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise ValueError(f"--init expects KEY=VALUE (e.g. alpha_init=1.0), got {pair!r}")
-        try:
-            out[key] = int(value) if value.lstrip("-").isdigit() else float(value)
-        except ValueError:
-            out[key] = {"true": True, "false": False}.get(value.lower(), value)
-    return out
+    from normlab.lab.config import parse_pairs
+
+    return dict(parse_pairs(pairs, "--init", "alpha_init=1.0"))
 
 
 def _write_json(obj, path: str | None) -> None:
@@ -59,14 +52,11 @@ def _write_json(obj, path: str | None) -> None:
 
 
 def _cmd_jacobian(args: argparse.Namespace) -> int:
-    from normlab.registry import init_kwargs
     from normlab.theory.jacobian import jacobian_table
 
-    if args.init is None:  # the default (seed 003: alpha = 1) goes to the norms that take it; --init is strict
-        init = {"alpha_init": 1.0} if any("alpha_init" in init_kwargs(n) for n in args.norm) else {}
-    else:
-        init = _parse_init(args.init)
-    rows = jacobian_table(args.norm, args.width, std=args.std, init=init, tokens=args.tokens, seed=args.seed)
+    init = _parse_init(args.init) if args.init is not None else {"alpha_init": 1.0}  # seed 003's alpha = 1
+    rows = jacobian_table(args.norm, args.width, std=args.std, init=init, tokens=args.tokens, seed=args.seed,
+                          strict=args.init is not None)  # the default goes to the norms that take it
     print(f"Per-token Jacobian norms at input std {args.std}, gamma = 1, mean over {args.tokens} token(s)\n")
     table = [[r["width"], r["norm"], ", ".join(f"{k}={v}" for k, v in r["init"].items()) or "default",
               r["diag"], r["coupling"], r["total"], r["split"]] for r in rows]  # fmt: skip
@@ -79,21 +69,14 @@ def _cmd_jacobian(args: argparse.Namespace) -> int:
 def _cmd_gain(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from normlab.registry import create_norm, norm_spec
-    from normlab.theory.gain import gain_curve, pointwise_gain_limit, rms_norm_gain
+    from normlab.theory.gain import gain_curves, rms_norm_gain
     from normlab.theory.plots import plot_gain
 
     init = _parse_init(args.init)
     sigmas = np.logspace(np.log10(args.sigma_min), np.log10(args.sigma_max), args.points)
-    curves, limits, rows = {}, {}, []
-    for name in args.norm:
-        from normlab.registry import init_kwargs
-
-        m = create_norm(name, args.width, **{k: v for k, v in init.items() if k in init_kwargs(name)}).double().eval()
-        curves[name] = gain_curve(m, sigmas, dim=args.width, samples=args.samples, seed=args.seed)
-        limits[name] = pointwise_gain_limit(m, args.width) if norm_spec(name).pointwise else None
-        for s, g in zip(sigmas, curves[name][0]):
-            rows.append({"norm": name, "sigma": float(s), "gain": float(g), "theorem1_limit": limits[name]})
+    curves, limits = gain_curves(args.norm, sigmas, dim=args.width, init=init, samples=args.samples, seed=args.seed)
+    rows = [{"norm": name, "sigma": float(s), "gain": float(g), "theorem1_limit": limits[name]}
+            for name in curves for s, g in zip(sigmas, curves[name][0])]  # fmt: skip
     from normlab.functional import EPS
 
     eps = init.get("eps", EPS)

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from normlab.calibrate import _batches, _run, calibrate_sites, per_channel_kwargs
-from normlab.registry import create_norm, init_kwargs, norm_spec
+from normlab.registry import create_norm, init_kwargs, list_norms, norm_spec
 
 __all__ = ["KNOWN_NORMS", "ConversionRecord", "convert_norms", "apply_record", "fidelity", "save_converted",
            "load_converted", "CALIBRATABLE"]  # fmt: skip
@@ -54,7 +54,7 @@ KNOWN_NORMS: dict[str, str] = {
     "Gemma2RMSNorm": "rms_norm_offset",
     "Gemma3RMSNorm": "rms_norm_offset",
 }
-CALIBRATABLE = ("dyisru", "eln", "dyt", "scaled_dyt")
+CALIBRATABLE = tuple(n for n in list_norms() if norm_spec(n).fits)  # the registry says what a fit sets
 
 
 @dataclass
@@ -176,13 +176,12 @@ def _site_kwargs(name: str, init: dict, site_init: dict) -> dict:
 
 def _build(name: str, m: nn.Module, kind: str, to: str, kwargs: dict) -> tuple[nn.Module, Site]:
     dim, eps = _source_dim(m), _source_eps(m)
-    valid = init_kwargs(to)
-    bad = sorted(set(kwargs) - set(valid))
-    if bad:
-        raise ValueError(f"site {name}: norm {to!r} does not take {', '.join(bad)}; it takes: {', '.join(valid)}")
-    if "eps" in valid and "eps" not in kwargs:
+    if "eps" in init_kwargs(to) and "eps" not in kwargs:
         kwargs = {**kwargs, "eps": eps}  # keep the source's eps where the target has one
-    new = create_norm(to, dim, **kwargs)
+    try:
+        new = create_norm(to, dim, **kwargs)
+    except TypeError as e:  # an init argument the target does not take: say which site asked for it
+        raise ValueError(f"site {name}: {e}") from None
     site = Site(name, type(m).__name__, kind, dim, eps, kwargs)
     w = getattr(m, "weight", None)
     b = getattr(m, "bias", None)

@@ -26,7 +26,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from normlab import functional as FN
-from normlab.registry import register
 
 __all__ = [
     "LayerNorm",
@@ -121,7 +120,6 @@ class _Norm(nn.Module):
 # --------------------------------------------------------------------------
 # statistic norms
 # --------------------------------------------------------------------------
-@register("layer_norm", pointwise=False)
 class LayerNorm(_Norm):
     """LayerNorm; ``kernel="auto"`` runs PyTorch's fused op (``F.layer_norm``) on every device."""
 
@@ -185,7 +183,6 @@ def _autocast_params(x: Tensor, *params: Tensor | None):
     return params
 
 
-@register("rms_norm", pointwise=False)
 class RMSNorm(_ScaleNorm):
     """RMSNorm; ``kernel="auto"`` runs the Triton kernel on CUDA tensors and the fused CPU path on CPU tensors."""
 
@@ -208,22 +205,18 @@ class RMSNorm(_ScaleNorm):
         return FN.rms_norm(x, self.weight, self.eps)
 
 
-@register("l1_norm", pointwise=False)
 class L1Norm(_ScaleNorm):
     _fn = staticmethod(FN.l1_norm)
 
 
-@register("lmax_norm", pointwise=False)
 class LMaxNorm(_ScaleNorm):
     _fn = staticmethod(FN.lmax_norm)
 
 
-@register("rms_detached", pointwise=False, exact_grad=False)
 class RMSDetached(_ScaleNorm):
     _fn = staticmethod(FN.rms_detached)
 
 
-@register("group_rms", pointwise=False)
 class GroupRMS(_ScaleNorm):
     def __init__(self, dim: int, *, group_size: int = 8, eps: float = FN.EPS, device=None, dtype=None) -> None:
         if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 1:
@@ -239,7 +232,6 @@ class GroupRMS(_ScaleNorm):
         return f"{super().extra_repr()}, group_size={self.group_size}"
 
 
-@register("rms_partial_coupling", pointwise=False, exact_grad=False)
 class RMSPartialCoupling(_ScaleNorm):
     """RMSNorm whose backward keeps a fraction ``lam`` of the coupling term (``lam=1`` is exact)."""
 
@@ -255,7 +247,6 @@ class RMSPartialCoupling(_ScaleNorm):
         return f"{super().extra_repr()}, lam={self.lam}"
 
 
-@register("rms_ema", pointwise=False, exact_grad=False)
 class RMSEMA(_ScaleNorm):
     """RMSNorm whose denominator is a running mean of x^2 over training steps.
 
@@ -333,7 +324,6 @@ class _DyTFamily(_Norm):
         return f"{super().extra_repr()}, alpha_init={self.alpha_init}, per_channel_alpha={self.per_channel_alpha}"
 
 
-@register("dyt", pointwise=True)
 class DyT(_DyTFamily):
     """DyT; ``kernel="auto"`` runs the Triton kernel on CUDA tensors and the fused CPU path on CPU tensors."""
 
@@ -358,17 +348,14 @@ class DyT(_DyTFamily):
         return FN.dyt(x, self.alpha, self.weight, self.bias)
 
 
-@register("dyt_hardtanh", pointwise=True)
 class DyTHardtanh(_DyTFamily):
     _fn = staticmethod(FN.dyt_hardtanh)
 
 
-@register("dyt_sigmoid", pointwise=True)
 class DyTSigmoid(_DyTFamily):
     _fn = staticmethod(FN.dyt_sigmoid)
 
 
-@register("dyt_rms_denominator", pointwise=False)
 class DyTRMSDenominator(_DyTFamily):
     def __init__(self, dim: int, *, eps: float = FN.EPS, **kwargs) -> None:
         self.eps = _positive_finite(eps, "eps", "DyTRMSDenominator")
@@ -379,7 +366,6 @@ class DyTRMSDenominator(_DyTFamily):
         return FN.dyt_rms_denominator(x, self.alpha, self.weight, self.bias, self.eps)
 
 
-@register("scaled_dyt", pointwise=True)
 class ScaledDyT(_DyTFamily):
     """sqrt(C) * tanh(alpha * x) (seed 000 eq. 12), or sqrt(C-1) with ``scale="C-1"``."""
 
@@ -408,7 +394,6 @@ class ScaledDyT(_DyTFamily):
         return f"{super().extra_repr()}, scale={self.scale!r}"
 
 
-@register("tanh_fixed", pointwise=True)
 class TanhFixed(_Norm):
     def __init__(self, dim: int, *, device=None, dtype=None) -> None:
         super().__init__(dim, weight=True, bias=False, device=device, dtype=dtype)
@@ -419,7 +404,6 @@ class TanhFixed(_Norm):
         return FN.tanh_fixed(x, self.weight)
 
 
-@register("layer_scale", pointwise=True)
 class LayerScale(_Norm):
     def __init__(self, dim: int, *, bias: bool = True, device=None, dtype=None) -> None:
         super().__init__(dim, weight=True, bias=bias, device=device, dtype=dtype)
@@ -430,7 +414,6 @@ class LayerScale(_Norm):
         return FN.layer_scale(x, self.weight, self.bias)
 
 
-@register("sign_sqrt", pointwise=True)
 class SignSqrt(_Norm):
     def __init__(self, dim: int, *, eps: float = 1e-6, bias: bool = True, device=None, dtype=None) -> None:
         super().__init__(dim, weight=True, bias=bias, device=device, dtype=dtype)
@@ -489,7 +472,6 @@ class _ISRUFamily(_Norm):
         )
 
 
-@register("dyisru", pointwise=True)
 class DyISRU(_ISRUFamily):
     """sqrt(C) * x / sqrt(beta + x^2) (seed 000 eq. 16); ``kernel="auto"`` fuses it on CUDA and CPU tensors."""
 
@@ -515,7 +497,6 @@ class DyISRU(_ISRUFamily):
         return FN.dyisru(x, self.beta, self.weight, self.bias, self.scale)
 
 
-@register("eln", pointwise=False)
 class ELN(_ISRUFamily):
     """sqrt(C-1) * (x - mu) / sqrt(beta + (x - mu)^2) (seed 002 eq. 13); not point-wise: mu couples channels.
 

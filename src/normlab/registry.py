@@ -14,7 +14,9 @@ from dataclasses import dataclass
 
 from torch import nn
 
-__all__ = ["NormSpec", "register", "create_norm", "list_norms", "norm_spec"]
+from normlab import modules as M
+
+__all__ = ["NormSpec", "register", "create_norm", "list_norms", "norm_spec", "init_kwargs", "accepted_kwargs"]
 
 
 @dataclass(frozen=True)
@@ -25,43 +27,67 @@ class NormSpec:
     exact_grad: the backward is the derivative of the forward. False for the
                 dissection variants that change the backward on purpose
                 (rms_detached, rms_partial_coupling with lam != 1, rms_ema).
+    fits:       the parameter a conversion calibrates ("alpha", or "log_beta": beta stored as its log),
+                None when there is nothing to fit.
+    centred:    the formula acts on x - mean(x) (ELN), so a calibration fits on centred tokens.
     """
 
     name: str
     cls: type[nn.Module]
     pointwise: bool
     exact_grad: bool = True
+    fits: str | None = None
+    centred: bool = False
 
 
 _REGISTRY: dict[str, NormSpec] = {}
 
 
-def register(name: str, *, pointwise: bool, exact_grad: bool = True):
-    """Class decorator: add a layer to the registry under a lower-case ``name``."""
+def register(name: str, *, pointwise: bool, exact_grad: bool = True, fits: str | None = None,
+             centred: bool = False):  # fmt: skip
+    """Class decorator (or a call): add a layer to the registry under a lower-case ``name``."""
 
     def deco(cls: type[nn.Module]) -> type[nn.Module]:
         if name != name.lower() or name in _REGISTRY:
             raise ValueError(f"register: name {name!r} must be lower-case and unique")
-        _REGISTRY[name] = NormSpec(name, cls, pointwise, exact_grad)
+        _REGISTRY[name] = NormSpec(name, cls, pointwise, exact_grad, fits, centred)
         cls.registry_name = name
         return cls
 
     return deco
 
 
-def _ensure_loaded() -> None:
-    from normlab import modules  # noqa: F401  (registers the built-in layers)
+# The built-in table: every norm with its facts, in one place.
+for _name, _cls, _facts in [
+    ("layer_norm", M.LayerNorm, {"pointwise": False}),
+    ("rms_norm", M.RMSNorm, {"pointwise": False}),
+    ("l1_norm", M.L1Norm, {"pointwise": False}),
+    ("lmax_norm", M.LMaxNorm, {"pointwise": False}),
+    ("group_rms", M.GroupRMS, {"pointwise": False}),
+    ("rms_detached", M.RMSDetached, {"pointwise": False, "exact_grad": False}),
+    ("rms_partial_coupling", M.RMSPartialCoupling, {"pointwise": False, "exact_grad": False}),
+    ("rms_ema", M.RMSEMA, {"pointwise": False, "exact_grad": False}),
+    ("dyt", M.DyT, {"pointwise": True, "fits": "alpha"}),
+    ("dyt_hardtanh", M.DyTHardtanh, {"pointwise": True}),
+    ("dyt_sigmoid", M.DyTSigmoid, {"pointwise": True}),
+    ("dyt_rms_denominator", M.DyTRMSDenominator, {"pointwise": False}),
+    ("scaled_dyt", M.ScaledDyT, {"pointwise": True, "fits": "alpha"}),
+    ("tanh_fixed", M.TanhFixed, {"pointwise": True}),
+    ("layer_scale", M.LayerScale, {"pointwise": True}),
+    ("sign_sqrt", M.SignSqrt, {"pointwise": True}),
+    ("dyisru", M.DyISRU, {"pointwise": True, "fits": "log_beta"}),
+    ("eln", M.ELN, {"pointwise": False, "fits": "log_beta", "centred": True}),
+]:  # fmt: skip
+    register(_name, **_facts)(_cls)
 
 
 def list_norms() -> list[str]:
     """The registered names, sorted."""
-    _ensure_loaded()
     return sorted(_REGISTRY)
 
 
 def norm_spec(name: str) -> NormSpec:
     """The :class:`NormSpec` of ``name``; an unknown name raises a ValueError listing the valid ones."""
-    _ensure_loaded()
     if not isinstance(name, str) or name not in _REGISTRY:
         close = difflib.get_close_matches(str(name), _REGISTRY, n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
@@ -79,15 +105,22 @@ def init_kwargs(name: str) -> list[str]:
     return sorted(set(names) - {"weight"})
 
 
-def create_norm(name: str, dim: int, **kwargs) -> nn.Module:
+def accepted_kwargs(name: str, kwargs: dict) -> dict:
+    """The items of ``kwargs`` that ``create_norm(name, ...)`` accepts (one init shared by several norms)."""
+    valid = init_kwargs(name)
+    return {k: v for k, v in kwargs.items() if k in valid}
+
+
+def create_norm(name: str, dim: int, *, strict: bool = True, **kwargs) -> nn.Module:
     """Build the layer registered as ``name`` over ``dim`` channels.
 
     ``kwargs`` go to the layer (``eps``, ``alpha_init``, ``beta_init``, ...). An
-    unknown name or keyword raises an error that lists the valid ones.
+    unknown name, or with ``strict`` an unknown keyword, raises an error that lists the valid ones;
+    ``strict=False`` drops the keywords this norm does not take (e.g. ``alpha_init`` for RMSNorm).
     """
     spec = norm_spec(name)
     valid = init_kwargs(name)
     unknown = sorted(set(kwargs) - set(valid))
-    if unknown:
+    if unknown and strict:
         raise TypeError(f"norm {name!r} does not take {', '.join(unknown)}; it takes: {', '.join(valid)}")
-    return spec.cls(dim, **kwargs)
+    return spec.cls(dim, **accepted_kwargs(name, kwargs))

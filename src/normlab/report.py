@@ -73,6 +73,21 @@ class Results:
         sts = [(read_summary(self.run_dir(r)) or {}).get("status", "missing") for r in self.groups[name]]
         return sts[0] if len(set(sts)) == 1 else ", ".join(sts)
 
+    def baseline(self, metric: str = "final_val_loss") -> float | None:
+        """The mean of the experiment's baseline run (its TOML's ``baseline``), the reference of *frac*."""
+        name = self.exp.get("baseline")
+        return self.mean(name, metric) if name in self.groups else None
+
+    def label(self, name: str) -> str:
+        return self.groups[name][0]["label"]
+
+    def meta(self, name: str) -> dict:
+        return self.groups[name][0]["meta"]
+
+    def flagged(self, flag: str) -> list[str]:
+        """The runs whose TOML entry sets ``flag`` (e.g. pointwise = true)."""
+        return [n for n in self.groups if self.meta(n).get(flag)]
+
     def entropy(self) -> float | None:
         for runs in self.groups.values():
             for r in runs:
@@ -105,12 +120,11 @@ def _frac(loss, rms, top):
 
 
 def _untrained(res: Results) -> str | None:
-    """Why the claims cannot be judged, when RMSNorm itself has not learned past the attractor."""
-    h = res.entropy()
-    rms = res.mean("rms_norm") or res.mean("narrow_rms_norm") or res.mean("lam1")
-    if h is not None and rms is not None and rms > h - 0.1:
-        return (f"RMSNorm's loss {rms:.3f} is not below the unigram entropy {h:.3f}: at this scale nothing has trained "
-                "past the attractor, so the claims cannot be judged (use the default or full profile)")  # fmt: skip
+    """Why the claims cannot be judged, when the baseline itself has not learned past the attractor."""
+    h, base = res.entropy(), res.baseline()
+    if h is not None and base is not None and base > h - 0.1:
+        return (f"RMSNorm's loss {base:.3f} is not below the unigram entropy {h:.3f}: at this scale nothing has "
+                "trained past the attractor, so the claims cannot be judged (use the default or full profile)")
     return None
 
 
@@ -125,82 +139,116 @@ def _verdict(ok: bool | None, text: str) -> str:
     return {True: "**agrees**", False: "**disagrees**", None: "**inconclusive**"}[ok] + f": {text}"
 
 
+def _check_band(res: Results, c: dict) -> list[str]:
+    vals = [v for n in res.flagged(c["where"]) if (v := res.mean(n)) is not None]
+    h = res.entropy()
+    if not vals or h is None:
+        return [_verdict(None, f"{c['what']}: runs missing")]
+    spread, dist = max(vals) - min(vals), max(abs(v - h) for v in vals)
+    return [_verdict(spread < c["spread"] and dist < c["near_entropy"], f"{c['what']} span {spread:.3f} nats and "
+                     f"sit at most {dist:.3f} from the unigram entropy {h:.3f}")]  # fmt: skip
+
+
+def _check_below(res: Results, c: dict) -> list[str]:
+    vals = [v for n in res.flagged(c["where"]) if (v := res.mean(n)) is not None]
+    base = res.baseline()
+    if not vals or base is None:
+        return [_verdict(None, f"{c['what']}: runs missing")]
+    return [_verdict(base < min(vals) - c["margin"], f"{res.label(res.exp['baseline'])} reaches {base:.3f}, "
+                     f"{min(vals) - base:.2f} below {c['what']}")]  # fmt: skip
+
+
+def _check_status(res: Results, c: dict) -> list[str]:
+    got = res.status(c["run"])
+    return [_verdict(got == c["status"], f"{res.label(c['run'])}: status {got} (the seed: {c['status']}), "
+                     f"loss {_fmt(res.mean(c['run']), '{:.3f}')}")]  # fmt: skip
+
+
+def _check_gap_shrinks(res: Results, c: dict) -> list[str]:
+    (a1, b1), (a2, b2) = c["pairs"]
+    g1, g2 = _diff(res.mean(a1), res.mean(b1)), _diff(res.mean(a2), res.mean(b2))
+    if g1 is None or g2 is None:
+        return [_verdict(None, f"{c['what']}: runs missing")]
+    p1, p2 = (res.meta(a)["paper"] - res.meta(b)["paper"] for a, b in c["pairs"])
+    n1, n2 = c["names"]
+    return [_verdict(g2 < c["ratio"] * g1, f"{c['what']} is {g1:.3f} {n1} vs {g2:.3f} {n2} "
+                     f"(seed 003: {p1:.2f} vs {p2:.2f})")]  # fmt: skip
+
+
+def _check_fraction(res: Results, c: dict) -> list[str]:
+    """Each run's place between the baseline (0) and the attractor (1): below ``works_below`` if it works in
+    the seed, above ``fails_above`` if it fails there."""
+    out, base, h = [], res.baseline(), res.entropy()
+    for n in res.groups:
+        f = _frac(res.mean(n), base, h)
+        if n == res.exp["baseline"] or f is None:
+            continue
+        works = res.meta(n).get("works", False)
+        ok = f < c["works_below"] if works else f > c["fails_above"]
+        out.append(_verdict(ok, f"{res.label(n)}: {'works' if works else 'fails'} in the seed; here it is at "
+                            f"{f:.2f} of the way from RMSNorm to the attractor"))  # fmt: skip
+    return out
+
+
+def _check_monotone(res: Results, c: dict) -> list[str]:
+    by = {res.meta(n)[c["by"]]: res.mean(n) for n in res.groups}
+    if any(v is None for v in by.values()):
+        return [_verdict(None, "runs missing")]
+    path = [by[k] for k in c["order"]]
+    ok = path[0] == min(by.values()) and all(a < b for a, b in zip(path, path[1:]))
+    text = ", ".join(f"{c.get('symbol', c['by'])}={k:g}: {by[k]:.3f}" for k in sorted(by))
+    return [_verdict(ok, f"{text}; the seed: {c['seed']}")]
+
+
+def _check_greater(res: Results, c: dict) -> list[str]:
+    m, a, b = c["metric"], res.mean(c["a"], c["metric"]), res.mean(c["b"], c["metric"])
+    if a is None or b is None:
+        return []
+    pa, pb = res.meta(c["a"])["paper"][m], res.meta(c["b"])["paper"][m]
+    return [_verdict(a > b, f"{m}: {res.label(c['a'])} {a:.1f} vs {res.label(c['b'])} {b:.1f} "
+                     f"(seed 003 at width 1024: {pa:g} vs {pb:g})")]  # fmt: skip
+
+
+def _check_orthogonal(res: Results, c: dict) -> list[str]:
+    """|a| below ``below`` and |b| more than ``factor`` times |a|: a gradient orthogonal to its input in a only."""
+    m, a, b = c["metric"], res.mean(c["a"], c["metric"]), res.mean(c["b"], c["metric"])
+    if a is None or b is None:
+        return []
+    pa, pb = res.meta(c["a"])["paper"][m], res.meta(c["b"])["paper"][m]
+    return [_verdict(abs(a) < c["below"] and abs(b) > c["factor"] * abs(a), f"{c['what']}: {res.label(c['a'])} "
+                     f"{a:.2e} vs {res.label(c['b'])} {b:.2e} (seed: {pa:.4f} vs {pb:.4f})")]  # fmt: skip
+
+
+def _check_families(res: Results, c: dict) -> list[str]:
+    """Findings with no published number: each family's best and worst init, and the best of two families."""
+    fam = {}
+    for n in res.groups:
+        if (f := res.meta(n).get("family")) and res.mean(n) is not None:
+            fam.setdefault(f, []).append((res.mean(n), res.label(n)))
+    out = [f"{f}: best {min(rows)[0]:.3f} ({min(rows)[1]}), worst {max(rows)[0]:.3f} ({max(rows)[1]}); "
+           f"init sensitivity (range over inits) {max(rows)[0] - min(rows)[0]:.3f} nats" for f, rows in fam.items()]
+    a, b = c["compare"]
+    if a in fam and b in fam:
+        va, vb = min(fam[a])[0], min(fam[b])[0]
+        out.append(f"best {c['names'][0]} vs best {c['names'][1]}: {va:.3f} vs {vb:.3f} "
+                   f"({c['names'][0] if va < vb else c['names'][1]} ahead by {abs(va - vb):.3f}); "
+                   f"RMSNorm {_fmt(res.baseline(), '{:.3f}')}")  # fmt: skip
+    return ["finding (no published number to compare): " + line for line in out]
+
+
+CHECKS = {"band": _check_band, "below": _check_below, "status": _check_status, "gap_shrinks": _check_gap_shrinks,
+          "fraction": _check_fraction, "monotone": _check_monotone, "greater": _check_greater,
+          "orthogonal": _check_orthogonal, "families": _check_families}  # fmt: skip
+
+
 def _claims(res: Results) -> list[str]:
-    if res.exp["name"] not in ("beyond", "rank") and (why := _untrained(res)):
+    """The verdicts of the experiment's TOML ``[[checks]]``, each applied by its kind."""
+    if res.exp.get("guard", True) and (why := _untrained(res)):
         return [_verdict(None, why)]
-    name, h = res.exp["name"], res.entropy()
-    rms = res.mean("rms_norm") or res.mean("narrow_rms_norm") or res.mean("lam1")
-    if name == "pointwise":
-        pw = {n: res.mean(n) for n, runs in res.groups.items() if runs[0]["meta"].get("pointwise")}
-        vals = [v for v in pw.values() if v is not None]
-        out = []
-        if vals and h is not None:
-            spread, dist = max(vals) - min(vals), max(abs(v - h) for v in vals)
-            out.append(_verdict(spread < 0.1 and dist < 0.15, f"the point-wise variants span {spread:.3f} nats and sit "
-                                f"at most {dist:.3f} from the unigram entropy {h:.3f}"))  # fmt: skip
-        if rms is not None and vals:
-            out.append(_verdict(rms < min(vals) - 0.3, f"RMSNorm reaches {rms:.3f}, {min(vals) - rms:.2f} below the "
-                                "best point-wise variant"))  # fmt: skip
-        ls = res.status("layer_scale")
-        what = "diverged" if ls == "diverged" else "did not diverge"
-        loss = _fmt(res.mean("layer_scale"), "{:.3f}")
-        out.append(_verdict(ls == "diverged", f"LayerScale {what} at this scale (status: {ls}, loss {loss})"))
-        return out
-    if name == "width":
-        gn = _diff(res.mean("narrow_dyt"), res.mean("narrow_rms_norm"))
-        gw = _diff(res.mean("wide_dyt"), res.mean("wide_rms_norm"))
-        if gn is None or gw is None:
-            return [_verdict(None, "runs missing")]
-        return [_verdict(gw < 0.5 * gn, f"DyT's gap to RMSNorm is {gn:.3f} narrow vs {gw:.3f} wide "
-                         f"(seed 003: 4.33 vs 0.61)")]  # fmt: skip
-    if name in ("denominator", "coupling"):
-        out = []
-        for n, runs in res.groups.items():
-            works = runs[0]["meta"].get("works", n == "rms_norm")
-            f = _frac(res.mean(n), rms, h)
-            if n == "rms_norm" or f is None:
-                continue
-            ok = f < 0.3 if works else f > 0.5
-            out.append(_verdict(ok, f"{runs[0]['label']}: {'works' if works else 'fails'} in the seed; here it is at "
-                                f"{f:.2f} of the way from RMSNorm to the attractor"))  # fmt: skip
-        return out
-    if name == "coupling_sweep":
-        lam = {r[0]["meta"]["lam"]: res.mean(n) for n, r in res.groups.items()}
-        if any(v is None for v in lam.values()):
-            return [_verdict(None, "runs missing")]
-        order = [lam[k] for k in sorted(lam)]
-        ok = lam[1.0] == min(order) and lam[0.5] < lam[0.0] and lam[1.0] < lam[0.5]
-        text = ", ".join(f"lambda={k:g}: {lam[k]:.3f}" for k in sorted(lam))
-        return [_verdict(ok, f"{text}; the seed: monotone degradation from lambda = 1 to 0")]
-    if name == "rank":
-        out = []
-        for m in ("erank_attn_proj", "erank_mlp_proj"):
-            a, b = res.mean("rms_norm", m), res.mean("rms_detached", m)
-            if a is not None and b is not None:
-                out.append(_verdict(a > b, f"{m}: RMSNorm {a:.1f} vs detached {b:.1f} "
-                                    f"(seed 003 at width 1024: {'727 vs 158' if 'attn' in m else '936 vs 195'})"))
-        a, b = res.mean("rms_norm", "align_cos"), res.mean("rms_detached", "align_cos")
-        if a is not None and b is not None:
-            out.append(_verdict(abs(a) < 1e-3 and abs(b) > 10 * abs(a),
-                                f"cos(grad, activation): RMSNorm {a:.2e} vs detached {b:.2e} (seed: 0.0000 vs 0.0084)"))
-        return out
-    if name == "beyond":
-        fam = {}
-        for n, runs in res.groups.items():
-            f = runs[0]["meta"].get("family")
-            if f and res.mean(n) is not None:
-                fam.setdefault(f, []).append((res.mean(n), runs[0]["label"]))
-        out = []
-        for f, rows in fam.items():
-            best, worst = min(rows), max(rows)
-            out.append(f"{f}: best {best[0]:.3f} ({best[1]}), worst {worst[0]:.3f} ({worst[1]}); "
-                       f"init sensitivity (range over inits) {worst[0] - best[0]:.3f} nats")  # fmt: skip
-        if "dyt" in fam and "dyisru" in fam:
-            d, i = min(fam["dyt"])[0], min(fam["dyisru"])[0]
-            out.append(f"best DyISRU vs best DyT: {i:.3f} vs {d:.3f} ({'DyISRU' if i < d else 'DyT'} ahead by "
-                       f"{abs(i - d):.3f}); RMSNorm {_fmt(rms, '{:.3f}')}")  # fmt: skip
-        return ["finding (no published number to compare): " + line for line in out]
-    return []
+    unknown = [c["kind"] for c in res.exp.get("checks", []) if c["kind"] not in CHECKS]
+    if unknown:
+        raise ValueError(f"experiment {res.exp['name']}: unknown check kind {unknown[0]!r}; known: {', '.join(CHECKS)}")
+    return [line for c in res.exp.get("checks", []) for line in CHECKS[c["kind"]](res, c)]
 
 
 def _diff(a, b):
@@ -212,7 +260,7 @@ def _diff(a, b):
 # --------------------------------------------------------------------------
 def _table(res: Results) -> str:
     exp, h = res.exp, res.entropy()
-    rms = res.mean("rms_norm") or res.mean("narrow_rms_norm") or res.mean("lam1")
+    rms = res.baseline()
     metrics = exp.get("metrics", ["final_val_loss"])
     if metrics != ["final_val_loss"]:
         headers = ["run"] + [h for m in metrics for h in (f"{m} (seed 003)", f"{m} (ours)")] + ["status"]
@@ -286,7 +334,7 @@ def _rank_bars(res: Results, path: Path) -> Path | None:
     if any(v is None for vs in ours.values() for v in vs):
         return None
     fig, axes = plt.subplots(1, 2, figsize=(8, 3.5))
-    paper = {"erank_attn_proj": [727, 158], "erank_mlp_proj": [936, 195]}
+    paper = {m: [res.meta(n)["paper"][m] for n in names] for m in ours}
     for ax, (m, vals) in zip(axes, ours.items()):
         ax.bar([0, 1], vals, color=["tab:blue", "tab:orange"])
         ax.set_xticks([0, 1], ["RMSNorm", "detached"])
@@ -391,6 +439,9 @@ def _theory_section(root: Path) -> list[str]:
 
 
 # --------------------------------------------------------------------------
+FIGURES = {"loss": _loss_curves, "dose": _dose_response, "rank": _rank_bars, "init": _init_sensitivity}
+
+
 def write_report(root: str | Path, *, elapsed_s: float | None = None) -> Path:
     """Write <root>/REPORT.md (and <root>/figures/*.png); returns the path."""
     import torch
@@ -425,15 +476,8 @@ def write_report(root: str | Path, *, elapsed_s: float | None = None) -> Path:
         lines.append("")
         lines += [f"- {c}" for c in _claims(res)]
         lines.append("")
-        for fig_name, fn in (("loss", _loss_curves), ("dose", _dose_response), ("rank", _rank_bars),
-                             ("init", _init_sensitivity)):  # fmt: skip
-            if fig_name == "dose" and exp["name"] != "coupling_sweep":
-                continue
-            if fig_name == "rank" and exp["name"] != "rank":
-                continue
-            if fig_name == "init" and exp["name"] != "beyond":
-                continue
-            p = fn(res, figs / f"{exp['name']}_{fig_name}.png")
+        for fig_name in exp.get("figures", ["loss"]):  # the TOML names its figures
+            p = FIGURES[fig_name](res, figs / f"{exp['name']}_{fig_name}.png")
             if p:
                 lines.append(f"![{exp['name']} {fig_name}](figures/{p.name})\n")
     out = root / "REPORT.md"

@@ -15,8 +15,7 @@ def run_theory(root: str | Path, seeds: int = 20) -> Path:
     """Seed 000/001's outlier fits over ``seeds`` samples, seed 003's Jacobian table and gain curves."""
     import numpy as np
 
-    from normlab.registry import create_norm, norm_spec
-    from normlab.theory.gain import gain_curve, pointwise_gain_limit, rms_norm_gain
+    from normlab.theory.gain import gain_curves, rms_norm_gain
     from normlab.theory.jacobian import jacobian_table
     from normlab.theory.plots import plot_gain, plot_outlier_fit
     from normlab.theory.simulate import simulate_many, simulate_outliers
@@ -31,11 +30,7 @@ def run_theory(root: str | Path, seeds: int = 20) -> Path:
         plot_outlier_fit(simulate_outliers(norm=norm, seed=0), out / f"outlier_fit_{norm}.png")
     names, width = ["rms_norm", "l1_norm", "dyt", "dyt_hardtanh", "dyisru", "sign_sqrt"], 1024
     sigmas = np.logspace(-3, 1, 13)
-    curves, limits = {}, {}
-    for n in names:
-        m = create_norm(n, width, **({"alpha_init": 1.0} if n.startswith("dyt") else {})).double().eval()
-        curves[n] = gain_curve(m, sigmas, dim=width, samples=32)
-        limits[n] = pointwise_gain_limit(m, width) if norm_spec(n).pointwise else None
+    curves, limits = gain_curves(names, sigmas, dim=width, init={"alpha_init": 1.0}, samples=32)
     plot_gain(curves, sigmas, out / "gain.png", dim=width, limits=limits, rms_closed_form=rms_norm_gain(sigmas))
     result["gain"] = {n: {"sigma": sigmas.tolist(), "gain": c[0].tolist()} for n, c in curves.items()}
     path = out / "theory.json"

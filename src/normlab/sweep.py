@@ -90,6 +90,10 @@ class Experiment:
     metrics: list[str] = field(default_factory=lambda: ["final_val_loss"])
     base: dict = field(default_factory=dict)  # overrides for every run (e.g. data = ["my.txt"])
     path: str = ""
+    baseline: str | None = None  # the run *frac* and the checks measure from
+    checks: list[dict] = field(default_factory=list)  # the verdicts, applied by normlab.report
+    figures: list[str] = field(default_factory=lambda: ["loss"])
+    guard: bool = True  # judge the checks only once the baseline has trained past the attractor
 
 
 @dataclass
@@ -139,10 +143,20 @@ def load_experiment(name_or_path: str) -> Experiment:
     for i, r in enumerate(d["runs"]):
         if "name" not in r or "set" not in r:
             raise ValueError(f"{where}: run {i} needs 'name' and 'set'")
+    names = {r["name"] for r in d["runs"]}
+    if d.get("baseline") is not None and d["baseline"] not in names:
+        raise ValueError(f"{where}: baseline {d['baseline']!r} is not one of its runs ({', '.join(sorted(names))})")
+    for i, c in enumerate(d.get("checks", [])):
+        if "kind" not in c:
+            raise ValueError(f"{where}: check {i} needs a 'kind'")
+        unknown = [c[k] for k in ("run", "a", "b") if k in c and c[k] not in names]
+        if unknown:
+            raise ValueError(f"{where}: check {i} ({c['kind']}) names a run that does not exist: {unknown[0]!r}")
     return Experiment(name=d["name"], title=d.get("title", d["name"]), source=d.get("source", ""),
                       claim=d.get("claim", ""), runs=d["runs"], seeds=d.get("seeds", [0]),
                       metrics=d.get("metrics", ["final_val_loss"]), base=d.get("base", {}).get("set", {}),
-                      path=where)  # fmt: skip
+                      path=where, baseline=d.get("baseline"), checks=d.get("checks", []),
+                      figures=d.get("figures", ["loss"]), guard=d.get("guard", True))  # fmt: skip
 
 
 def expand(exp: Experiment, profile: str, root: str | Path, extra: dict | None = None) -> list[RunSpec]:
@@ -270,7 +284,9 @@ def write_index(experiments: list[Experiment], profile: str, root: str | Path) -
         runs = [{"name": s.name, "label": s.label, "seed": s.seed, "run_id": s.run_id, "meta": s.meta}
                 for s in expand(exp, profile, root)]  # fmt: skip
         index["experiments"].append({"name": exp.name, "title": exp.title, "source": exp.source,
-                                     "claim": exp.claim, "metrics": exp.metrics, "runs": runs})  # fmt: skip
+                                     "claim": exp.claim, "metrics": exp.metrics, "baseline": exp.baseline,
+                                     "checks": exp.checks, "figures": exp.figures, "guard": exp.guard,
+                                     "runs": runs})  # fmt: skip
     path = Path(root) / "index.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(index, indent=2) + "\n")

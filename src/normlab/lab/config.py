@@ -112,11 +112,27 @@ PRESETS: dict[str, dict] = {
 }  # fmt: skip
 
 
-def _parse_value(text: str):
+def parse_value(text: str):
+    """A command-line value: JSON (numbers, true/false, null, lists), else a float ('.5', 'inf'), else the word."""
     try:
         return json.loads(text)
     except json.JSONDecodeError:
-        return {"true": True, "false": False}.get(text.lower(), text)  # null (JSON) is None; "none" stays a word
+        pass
+    try:
+        return float(text)
+    except ValueError:
+        return {"true": True, "false": False}.get(text.lower(), text)  # "none" stays a word (amp=none)
+
+
+def parse_pairs(items: list[str], flag: str, example: str) -> list[tuple[str, object]]:
+    """KEY=VALUE strings as (key, parsed value) pairs; the one parser of --set, --init and their kin."""
+    pairs = []
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"{flag} expects KEY=VALUE (e.g. {example}), got {item!r}")
+        pairs.append((key, parse_value(value)))
+    return pairs
 
 
 def apply_overrides(d: dict, overrides: dict | list[str]) -> dict:
@@ -127,13 +143,7 @@ def apply_overrides(d: dict, overrides: dict | list[str]) -> dict:
     d = copy.deepcopy(d)
     items = overrides.items() if isinstance(overrides, dict) else []
     if isinstance(overrides, list):
-        parsed = []
-        for item in overrides:
-            key, sep, value = item.partition("=")
-            if not sep or not key:
-                raise ValueError(f"--set expects KEY=VALUE (e.g. lr=3e-4 or model.width=256), got {item!r}")
-            parsed.append((key, _parse_value(value)))
-        items = parsed
+        items = parse_pairs(overrides, "--set", "lr=3e-4 or model.width=256")
     for key, value in items:
         parts = key.split(".")
         node, path = d, []

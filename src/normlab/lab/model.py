@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from normlab.registry import create_norm, init_kwargs, norm_spec
+from normlab.registry import accepted_kwargs, create_norm, init_kwargs, norm_spec
 
 __all__ = ["GPTConfig", "GPT"]
 
@@ -60,9 +60,7 @@ class GPTConfig:
     def site(self, site: str) -> tuple[str, dict]:
         """The norm name and init kwargs at ``site`` ('attn', 'mlp' or 'final')."""
         name = getattr(self, f"norm_{site}") or self.norm
-        kwargs = {**self.norm_kwargs, **getattr(self, f"norm_{site}_kwargs")}
-        valid = init_kwargs(name)
-        return name, {k: v for k, v in kwargs.items() if k in valid}
+        return name, accepted_kwargs(name, {**self.norm_kwargs, **getattr(self, f"norm_{site}_kwargs")})
 
     def site_names(self) -> list[str]:
         """Every norm site by name, as GPT.norm_modules() names them."""

@@ -22,7 +22,7 @@ from torch import nn
 
 import normlab.functional as FN
 
-__all__ = ["gain_curve", "pointwise_gain_limit", "rms_norm_gain"]
+__all__ = ["gain_curve", "gain_curves", "pointwise_gain_limit", "rms_norm_gain"]
 
 
 @torch.no_grad()
@@ -67,6 +67,20 @@ def pointwise_gain_limit(norm: nn.Module, dim: int) -> float:
     x = torch.full((1, dim), 1e-20, dtype=p.dtype if p is not None else torch.float64, requires_grad=True)
     (grad,) = torch.autograd.grad(norm(x).sum(), x)  # the diagonal Jacobian of a point-wise map
     return float(grad.double().pow(2).mean().sqrt())
+
+
+def gain_curves(names: Sequence[str], sigmas: Sequence[float], *, dim: int, init: dict | None = None,
+                samples: int = 256, seed: int = 0) -> tuple[dict, dict]:  # fmt: skip
+    """G(sigma) of each registered norm (float64, default init plus the keys of ``init`` it takes), and
+    Theorem 1's limit for the point-wise ones (None for the others): ({name: (mean, sem)}, {name: limit})."""
+    from normlab.registry import create_norm, norm_spec
+
+    curves, limits = {}, {}
+    for name in names:
+        m = create_norm(name, dim, strict=False, **(init or {})).double().eval()
+        curves[name] = gain_curve(m, sigmas, dim=dim, samples=samples, seed=seed)
+        limits[name] = pointwise_gain_limit(m, dim) if norm_spec(name).pointwise else None
+    return curves, limits
 
 
 def rms_norm_gain(sigma: np.ndarray | float, eps: float = FN.EPS) -> np.ndarray:

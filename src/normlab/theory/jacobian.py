@@ -178,14 +178,16 @@ def jacobian_table(
     init: dict | None = None,
     tokens: int = 4,
     seed: int = 0,
+    strict: bool = True,
 ) -> list[dict]:
     """Seed 003's Jacobian table: Frobenius norms of J, its diagonal and coupling parts, averaged over tokens.
 
     Each norm is built at default init (gamma = 1) plus the keys of ``init`` it
-    accepts, in float64, and evaluated at ``tokens`` tokens x ~ N(0, std^2 I).
+    accepts, in float64, and evaluated at ``tokens`` tokens x ~ N(0, std^2 I). With ``strict``, a key
+    that no selected norm takes is an error.
     RMSNorm uses the seed's gain/rank-1 split; other norms the diagonal/off-diagonal split.
     """
-    from normlab.registry import create_norm, init_kwargs
+    from normlab.registry import accepted_kwargs, create_norm, init_kwargs
 
     if not math.isfinite(std) or std <= 0:
         raise ValueError(f"expected an input std > 0, got {std}")
@@ -193,7 +195,7 @@ def jacobian_table(
         raise ValueError(f"expected tokens >= 1, got {tokens}")
     init = init or {}
     unused = set(init) - {k for n in norms for k in init_kwargs(n)}
-    if unused:
+    if unused and strict:
         raise ValueError(f"no selected norm takes {', '.join(sorted(unused))}")
     for width in widths:
         if not isinstance(width, int) or isinstance(width, bool) or width < 1:
@@ -207,7 +209,7 @@ def jacobian_table(
     for width in widths:
         xs = torch.randn(tokens, width, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * std
         for name in norms:
-            kwargs = {k: v for k, v in init.items() if k in init_kwargs(name)}
+            kwargs = accepted_kwargs(name, init)
             m = create_norm(name, width, **kwargs).double().eval()
             parts = []
             for x in xs:
