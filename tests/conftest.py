@@ -58,6 +58,9 @@ def numpy_reference(name: str, module, x: np.ndarray) -> np.ndarray:
     a = _np(getattr(module, "alpha", None))
     if name == "dyt":
         return w * np.tanh(a * x) + b
+    if name == "derf":
+        s = _np(module.shift)
+        return w * np.vectorize(math.erf)(a * x + s) + b
     if name == "dyt_hardtanh":
         return w * np.clip(a * x, -1.0, 1.0) + b
     if name == "dyt_sigmoid":
@@ -96,6 +99,8 @@ def make_norm(name: str, dim: int, *, dtype=torch.float64, randomize: bool = Tru
                     p.copy_(0.1 * torch.randn_like(p))
                 elif pname == "alpha":
                     p.copy_(0.3 + 0.5 * torch.rand_like(p))
+                elif pname == "shift":
+                    p.copy_(0.2 * torch.randn_like(p))
                 elif pname == "log_beta":
                     p.copy_(torch.log(0.5 + 3.0 * torch.rand_like(p)))
         if name == "rms_ema":

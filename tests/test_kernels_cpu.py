@@ -52,6 +52,19 @@ def test_pointwise_family(op, m, n, dtype, per_channel, bias):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("n", KC.CHANNELS)
 @pytest.mark.parametrize("m", KC.ROWS)
+@pytest.mark.parametrize("per_channel,bias", KC.VARIANTS, ids=KC.VARIANT_IDS)
+def test_derf(m, n, dtype, per_channel, bias):
+    x, dy, w, b, g = _inputs(m, n, dtype)
+    k = n if per_channel else 1
+    alpha = (0.3 + torch.rand(k, generator=g)).to(dtype)
+    shift = (0.3 * torch.randn(k, generator=g)).to(dtype)
+    tensors = [x, alpha, shift, w, b] if bias else [x, alpha, shift, w]
+    KC.check(cpu.derf, FN.derf, tensors, dy, dtype, "derf")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n", KC.CHANNELS)
+@pytest.mark.parametrize("m", KC.ROWS)
 def test_rms_norm(m, n, dtype):
     x, dy, w, _, _ = _inputs(m, n, dtype)
     eps = 1e-6
@@ -120,10 +133,10 @@ def test_saves_only_its_input(op):
     assert sorted(sizes)[-1] == n * c and all(s <= max(n, c) for s in sorted(sizes)[:-1]), sizes
 
 
-@pytest.mark.parametrize("name", ["layer_norm", "rms_norm", "dyt", "scaled_dyt", "dyisru", "eln"])
+@pytest.mark.parametrize("name", ["layer_norm", "rms_norm", "dyt", "scaled_dyt", "derf", "dyisru", "eln"])
 def test_modules_take_the_cpu_path_under_auto_and_match_the_reference(name, monkeypatch):
     calls = []
-    for fn in ("dyt", "dyisru", "eln", "rms_norm"):
+    for fn in ("dyt", "derf", "dyisru", "eln", "rms_norm"):
         real = getattr(cpu, fn)
         monkeypatch.setattr(cpu, fn, lambda *a, _real=real, **k: calls.append(1) or _real(*a, **k))
     torch.manual_seed(0)

@@ -33,14 +33,14 @@ def _results(tmp_path, name: str, values: dict, statuses: dict | None = None) ->
     return Results(d, tmp_path)
 
 
-POINTWISE = ["dyt", "dyt_hardtanh", "dyt_sigmoid", "dyt_per_channel", "tanh_fixed"]
+POINTWISE = ["dyt", "dyt_hardtanh", "dyt_sigmoid", "derf", "dyt_per_channel", "tanh_fixed"]
 
 
 def test_pointwise_agrees(tmp_path):
     values = {**{n: H + 0.01 * i for i, n in enumerate(POINTWISE)}, "rms_norm": 2.5, "layer_scale": None}
     lines = _claims(_results(tmp_path, "pointwise", values, {"layer_scale": "diverged"}))
     assert lines == [
-        "**agrees**: the point-wise variants span 0.040 nats and sit at most 0.040 from the unigram entropy 3.330",
+        "**agrees**: the point-wise variants span 0.050 nats and sit at most 0.050 from the unigram entropy 3.330",
         "**agrees**: RMSNorm reaches 2.500, 0.83 below the best point-wise variant",
         "**agrees**: LayerScale (linear): status diverged (the seed: diverged), loss -",
     ]
@@ -50,7 +50,7 @@ def test_pointwise_disagrees(tmp_path):
     values = {**{n: 2.6 + 0.2 * i for i, n in enumerate(POINTWISE)}, "rms_norm": 2.5, "layer_scale": 2.7}
     lines = _claims(_results(tmp_path, "pointwise", values))
     assert lines == [
-        "**disagrees**: the point-wise variants span 0.800 nats and sit at most 0.730 from the unigram entropy 3.330",
+        "**disagrees**: the point-wise variants span 1.000 nats and sit at most 0.730 from the unigram entropy 3.330",
         "**disagrees**: RMSNorm reaches 2.500, 0.10 below the best point-wise variant",
         "**disagrees**: LayerScale (linear): status completed (the seed: diverged), loss 2.700",
     ]
@@ -128,3 +128,16 @@ def test_a_toml_check_naming_a_missing_run_is_refused(tmp_path):
                    '[[checks]]\nkind = "status"\nrun = "nope"\nstatus = "diverged"\n')  # fmt: skip
     with pytest.raises(ValueError, match="names a run that does not exist: 'nope'"):
         load_experiment(str(bad))
+
+
+def test_escape_step_is_the_first_evaluation_below_the_attractor(tmp_path):
+    from normlab.lab.runs import escape_step
+
+    rows = [{"step": 10, "train_loss": 3.0}, {"step": 50, "val_loss": 3.3}, {"step": 100, "val_loss": 3.2},
+            {"step": 150, "val_loss": 3.1}]  # fmt: skip
+    assert escape_step(rows, H) == 100  # 3.2 <= 3.33 - 0.1; 3.3 at step 50 is not
+    assert escape_step(rows, 3.5) == 50
+    assert escape_step(rows, 3.0) is None
+    res = _results(tmp_path, "width", {"narrow_rms_norm": {"final_val_loss": 2.0, "escape_step": 100},
+                                       "narrow_dyt": {"final_val_loss": 3.3, "escape_step": None}})  # fmt: skip
+    assert res.escape("narrow_rms_norm") == "100" and res.escape("narrow_dyt") == "never"

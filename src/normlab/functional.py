@@ -36,6 +36,7 @@ __all__ = [
     "layer_norm",
     "rms_norm",
     "dyt",
+    "derf",
     "dyt_hardtanh",
     "dyt_sigmoid",
     "tanh_fixed",
@@ -289,6 +290,22 @@ def dyt(x: Tensor, alpha: Tensor | float, weight: Tensor | None = None, bias: Te
     _check_param(weight, "weight", x, "dyt")
     _check_param(bias, "bias", x, "dyt")
     return _affine(torch.tanh(alpha * x), weight, bias)
+
+
+@_fp32_compute
+def derf(x: Tensor, alpha: Tensor | float, shift: Tensor | float = 0.0, weight: Tensor | None = None,
+         bias: Tensor | None = None) -> Tensor:  # fmt: skip
+    r"""Dynamic erf, Derf (Chen, Lu, Zhu, Sun, Liu, arXiv 2512.10938): y = weight * erf(alpha * x + shift) + bias.
+
+    ``alpha`` and ``shift`` are scalars or per channel (C,); published defaults alpha0 = 0.5, shift0 = 0.
+    Point-wise; its slope at 0 is 2 alpha / sqrt(pi) exp(-shift^2).
+    """
+    alpha, shift = _as_tensor(alpha, x), _as_tensor(shift, x)
+    _check_param(alpha, "alpha", x, "derf", scalar_ok=True)
+    _check_param(shift, "shift", x, "derf", scalar_ok=True)
+    _check_param(weight, "weight", x, "derf")
+    _check_param(bias, "bias", x, "derf")
+    return _affine(torch.erf(alpha * x + shift), weight, bias)
 
 
 @_fp32_compute

@@ -37,6 +37,7 @@ __all__ = [
     "RMSEMA",
     "RMSPartialCoupling",
     "DyT",
+    "Derf",
     "DyTHardtanh",
     "DyTSigmoid",
     "DyTRMSDenominator",
@@ -346,6 +347,35 @@ class DyT(_DyTFamily):
 
             return cpu.dyt(x, *params)
         return FN.dyt(x, self.alpha, self.weight, self.bias)
+
+
+class Derf(_DyTFamily):
+    """Derf: weight * erf(alpha * x + shift) + bias (arXiv 2512.10938), a learnable scalar shift (per channel
+    with ``per_channel_alpha``); alpha0 = 0.5 and shift0 = 0 as published. ``kernel="auto"`` fuses it on CPU
+    tensors (there is no Triton kernel for Derf yet)."""
+
+    def __init__(self, dim: int, *, shift_init: float = 0.0, kernel: str = "auto", **kwargs) -> None:
+        self.shift_init = _finite(shift_init, "shift_init", "Derf")
+        self.kernel = _kernel_choice(kernel, "Derf", ("auto", "cpu", "reference"))
+        super().__init__(dim, **kwargs)
+        self.shift = nn.Parameter(torch.full_like(self.alpha, self.shift_init))
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        if hasattr(self, "shift"):
+            nn.init.constant_(self.shift, self.shift_init)
+
+    def forward(self, x: Tensor) -> Tensor:
+        self._check(x)
+        alpha, shift, weight, bias = _autocast_params(x, self.alpha, self.shift, self.weight, self.bias)
+        if _path(self, x, alpha, shift, weight, bias) == "cpu":
+            from normlab.kernels import cpu
+
+            return cpu.derf(x, alpha, shift, weight, bias)
+        return FN.derf(x, self.alpha, self.shift, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, shift_init={self.shift_init}"
 
 
 class DyTHardtanh(_DyTFamily):

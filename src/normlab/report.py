@@ -27,7 +27,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from normlab._table import format_table  # noqa: E402
-from normlab.lab.runs import RunFolder, read_summary  # noqa: E402
+from normlab.lab.runs import RunFolder, escape_step, read_summary  # noqa: E402
 
 PAPER_RMS, PAPER_ATTRACTOR = 3.21, 7.54
 __all__ = ["write_report"]
@@ -95,6 +95,18 @@ class Results:
                 if "unigram_entropy" in s:
                     return s["unigram_entropy"]
         return None
+
+    def escape(self, name: str) -> str:
+        """Each seed's escape step (the first evaluation 0.1 nats below the unigram entropy), or 'never'."""
+        h, steps = self.entropy(), []
+        for r in self.groups[name]:
+            s = read_summary(self.run_dir(r)) or {}
+            if s.get("status") != "completed":
+                steps.append("-")
+                continue
+            step = s["escape_step"] if "escape_step" in s else escape_step(_metrics(self.run_dir(r)), h)
+            steps.append("never" if step is None else str(step))
+        return ", ".join(steps)
 
     def cell(self, name: str, metric: str = "final_val_loss", fmt: str = "{:.3f}") -> str:
         """'2.451 ± 0.012' linked to the run directories (one link per seed)."""
@@ -263,22 +275,23 @@ def _table(res: Results) -> str:
     rms = res.baseline()
     metrics = exp.get("metrics", ["final_val_loss"])
     if metrics != ["final_val_loss"]:
-        headers = ["run"] + [h for m in metrics for h in (f"{m} (seed 003)", f"{m} (ours)")] + ["status"]
+        headers = ["run"] + [h for m in metrics for h in (f"{m} (seed 003)", f"{m} (ours)")] + ["escape step",
+                                                                                                  "status"]
         rows = []
         for n, runs in res.groups.items():
             paper = runs[0]["meta"].get("paper", {})
             cells = []
             for m in metrics:
                 cells += [_fmt(paper.get(m), "{:g}"), res.cell(n, m, "{:.4g}")]
-            rows.append([runs[0]["label"], *cells, res.status(n)])
+            rows.append([runs[0]["label"], *cells, res.escape(n), res.status(n)])
         return format_table(headers, rows, markdown=True)
-    headers = ["run", "seed 003 loss", "seed 003 frac", "ours: val loss", "ours: frac", "status"]
+    headers = ["run", "seed 003 loss", "seed 003 frac", "ours: val loss", "ours: frac", "escape step", "status"]
     rows = []
     for n, runs in res.groups.items():
         paper = runs[0]["meta"].get("paper")
         pf = _frac(paper, PAPER_RMS, PAPER_ATTRACTOR) if isinstance(paper, (int, float)) else None
         rows.append([runs[0]["label"], _fmt(paper, "{:g}") if not isinstance(paper, str) else paper, _fmt(pf),
-                     res.cell(n), _fmt(_frac(res.mean(n), rms, h)), res.status(n)])  # fmt: skip
+                     res.cell(n), _fmt(_frac(res.mean(n), rms, h)), res.escape(n), res.status(n)])  # fmt: skip
     return format_table(headers, rows, markdown=True)
 
 
@@ -355,8 +368,8 @@ def _init_value(res: Results, run: dict) -> float | None:
 
 
 def _init_sensitivity(res: Results, path: Path) -> Path | None:
-    """Final loss against the initial value, one panel per family (DyT alpha0, DyISRU beta0), log x axis."""
-    fams = {"dyt": "DyT: alpha0", "dyisru": "DyISRU: beta0"}
+    """Final loss against the initial value, one panel per family (DyT, Derf alpha0; DyISRU beta0), log x axis."""
+    fams = {"dyt": "DyT: alpha0", "derf": "Derf: alpha0", "dyisru": "DyISRU: beta0"}
     pts = {f: [] for f in fams}
     for n, runs in res.groups.items():
         f = runs[0]["meta"].get("family")
@@ -366,7 +379,7 @@ def _init_sensitivity(res: Results, path: Path) -> Path | None:
             pts[f].append((x, statistics.fmean(vals), sd, runs[0]["label"]))
     if not any(pts.values()):
         return None
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
+    fig, axes = plt.subplots(1, len(fams), figsize=(5 * len(fams), 3.8), sharey=True)
     for ax, (f, title) in zip(axes, fams.items()):
         rows = sorted(pts[f])
         if rows:
@@ -386,7 +399,7 @@ def _init_sensitivity(res: Results, path: Path) -> Path | None:
             ax.axhline(h, c="gray", ls=":", lw=1, label=f"unigram entropy {h:.2f}")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("validation loss (mean ± std over seeds)")
-    axes[1].legend(fontsize=7)
+    axes[-1].legend(fontsize=7)
     fig.suptitle("Init sensitivity")
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
@@ -465,7 +478,9 @@ def write_report(root: str | Path, *, elapsed_s: float | None = None) -> Path:
         "Seed 003 trained 360M-parameter GPTs on FineWeb-Edu (attractor 7.54 nats); ours are small byte-level "
         "models on Shakespeare (attractor = unigram entropy, ~3.33 nats). *frac* places a loss between "
         "RMSNorm (0) and the attractor (1), for the seed and for us, so the structure of the tables can be "
-        "compared. A disagreement at this scale is a finding, not a failure.\n",
+        "compared. *escape step* is the first evaluation at which a run's validation loss is 0.1 nats below "
+        "the unigram entropy (it has left the attractor), or never. A disagreement at this scale is a finding, "
+        "not a failure.\n",
     ]  # fmt: skip
     lines += _theory_section(root)
     for exp in index["experiments"]:

@@ -28,7 +28,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["RunFolder", "RunLocked", "TERMINAL", "code_version", "read_jsonl", "read_summary", "write_json"]
+__all__ = ["RunFolder", "RunLocked", "TERMINAL", "code_version", "escape_step", "read_jsonl", "read_summary",
+           "write_json"]  # fmt: skip
 
 CONFIG, VERSION, METRICS, SUMMARY, CHECKPOINT, LOCK = (
     "config.json", "version.json", "metrics.jsonl", "summary.json", "checkpoint.pt", ".lock")  # fmt: skip
@@ -65,6 +66,20 @@ def read_summary(run_dir: str | Path) -> dict | None:
         return json.loads(p.read_text()) if p.exists() else None
     except json.JSONDecodeError:
         return None
+
+
+ESCAPE_MARGIN = 0.1  # nats below the unigram entropy that count as having left the attractor
+
+
+def escape_step(rows: list[dict], entropy: float | None) -> int | None:
+    """The first evaluation step whose validation loss is ESCAPE_MARGIN below the unigram entropy (the
+    embedding-only attractor of seed 003), or None if the run never got there."""
+    if entropy is None:
+        return None
+    for r in rows:
+        if r.get("val_loss") is not None and r["val_loss"] <= entropy - ESCAPE_MARGIN:
+            return r["step"]
+    return None
 
 
 def code_version() -> dict:

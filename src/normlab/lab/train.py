@@ -29,7 +29,7 @@ from normlab.lab.config import TrainConfig
 from normlab.lab.data import get_batch, load_corpus
 from normlab.lab.metrics import Probe, norm_parameters, projection_ranks
 from normlab.lab.model import GPT
-from normlab.lab.runs import CONFIG, METRICS, SUMMARY, VERSION, RunFolder, code_version, read_jsonl
+from normlab.lab.runs import CONFIG, METRICS, SUMMARY, VERSION, RunFolder, code_version, escape_step, read_jsonl
 
 __all__ = ["train", "lr_at", "CheckpointError", "check_cpu_bf16"]
 
@@ -325,6 +325,7 @@ def _train(cfg, folder: RunFolder, corpus, rank, world, device, resume, progress
             speeds = [r["tokens_per_s"] for r in train_rows if "tokens_per_s" in r]
             summary["tokens_per_s"] = sorted(speeds)[len(speeds) // 2] if speeds else None
         summary.update({k: v for k, v in (rows[-1] if rows else {}).items() if k.startswith("erank")})
+        summary["escape_step"] = escape_step(rows, entropy)
     if main:
         folder.write_json(SUMMARY, summary)
     if writer:
