@@ -150,12 +150,12 @@ def test_calibration_beats_default_init_on_outlier_heavy_activations(tmp_path):
     z = (x["x"] - x["x"].mean(-1, keepdim=True)) / x["x"].std(-1, keepdim=True)
     assert float((z**4).mean() - 3) > 5  # heavy-tailed: excess kurtosis over channels
     err = {}
-    for to in ("dyisru", "dyt"):
+    for to in ("dyisru", "dyt", "derf"):
         for cal in (True, False):
             conv = copy.deepcopy(model)
             rec = normlab.convert_norms(conv, to, calibrate=calib if cal else None)
             err[to, cal] = normlab.fidelity(model, conv, held, rec, lm=True)
-    for to in ("dyisru", "dyt"):
+    for to in ("dyisru", "dyt", "derf"):
         assert err[to, True]["mean_site_error"] < err[to, False]["mean_site_error"]
         assert err[to, True]["kl"] < err[to, False]["kl"]
 

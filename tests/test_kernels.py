@@ -55,6 +55,21 @@ def test_dyisru(m, n, dtype, per_channel, bias):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("n", CHANNELS)
 @pytest.mark.parametrize("m", ROWS)
+@pytest.mark.parametrize("per_channel,bias", VARIANTS, ids=VARIANT_IDS)
+def test_derf(m, n, dtype, per_channel, bias):
+    from normlab.kernels import derf
+
+    x, dy, w, b, g = _inputs(m, n, dtype)
+    k = n if per_channel else 1
+    alpha = (0.3 + torch.rand(k, generator=g)).to(DEVICE, dtype)
+    shift = (0.3 * torch.randn(k, generator=g)).to(DEVICE, dtype)
+    tensors = [x, alpha, shift, w, b] if bias else [x, alpha, shift, w]
+    _check(derf, FN.derf, tensors, dy, dtype, "derf")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("n", CHANNELS)
+@pytest.mark.parametrize("m", ROWS)
 def test_rms_norm(m, n, dtype):
     from normlab.kernels import rms_norm
 
@@ -135,7 +150,7 @@ def test_modules_dispatch(monkeypatch):
     auto = normlab.create_norm("dyt", 16).to(DEVICE)  # auto: fused on CUDA only
     auto(x)
     assert len(calls) == (2 if DEVICE == "cuda" else 1)
-    for name in ("rms_norm", "dyisru"):
+    for name in ("rms_norm", "dyisru", "derf"):
         a = normlab.create_norm(name, 16, kernel="triton").to(DEVICE)
         b = normlab.create_norm(name, 16, kernel="reference").to(DEVICE)
         _close(a(x), b(x), 1e-5, f"{name} module")

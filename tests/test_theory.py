@@ -13,6 +13,7 @@ import normlab.functional as FN
 from normlab.theory import (
     autograd_jacobian,
     decompose,
+    derf_jacobian,
     dyisru_jacobian,
     dyt_jacobian,
     fit_elementwise,
@@ -53,6 +54,7 @@ def test_closed_form_jacobians_equal_autograd(c):
         (layer_norm_jacobian(x, w, 1e-5), lambda t: FN.layer_norm(t, w, None, 1e-5), None),
         (dyt_jacobian(x, alpha, w), lambda t: FN.dyt(t, alpha, w), None),
         (scaled_dyt_jacobian(x, alpha, w), lambda t: FN.scaled_dyt(t, alpha, w), None),
+        (derf_jacobian(x, alpha, 0.3, w), lambda t: FN.derf(t, alpha, 0.3, w), None),
         (dyisru_jacobian(x, beta, w), lambda t: FN.dyisru(t, beta, w), None),
     ]
     if c > 1:  # eq. (6) is for eps = 0; at C = 1 both sides are 0

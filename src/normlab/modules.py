@@ -351,12 +351,12 @@ class DyT(_DyTFamily):
 
 class Derf(_DyTFamily):
     """Derf: weight * erf(alpha * x + shift) + bias (arXiv 2512.10938), a learnable scalar shift (per channel
-    with ``per_channel_alpha``); alpha0 = 0.5 and shift0 = 0 as published. ``kernel="auto"`` fuses it on CPU
-    tensors (there is no Triton kernel for Derf yet)."""
+    with ``per_channel_alpha``); alpha0 = 0.5 and shift0 = 0 as published. ``kernel="auto"`` runs the Triton
+    kernel on CUDA tensors and the fused CPU path on CPU tensors."""
 
     def __init__(self, dim: int, *, shift_init: float = 0.0, kernel: str = "auto", **kwargs) -> None:
         self.shift_init = _finite(shift_init, "shift_init", "Derf")
-        self.kernel = _kernel_choice(kernel, "Derf", ("auto", "cpu", "reference"))
+        self.kernel = _kernel_choice(kernel, "Derf")
         super().__init__(dim, **kwargs)
         self.shift = nn.Parameter(torch.full_like(self.alpha, self.shift_init))
 
@@ -368,7 +368,12 @@ class Derf(_DyTFamily):
     def forward(self, x: Tensor) -> Tensor:
         self._check(x)
         alpha, shift, weight, bias = _autocast_params(x, self.alpha, self.shift, self.weight, self.bias)
-        if _path(self, x, alpha, shift, weight, bias) == "cpu":
+        path = _path(self, x, alpha, shift, weight, bias)
+        if path == "triton":
+            from normlab.kernels import derf as fused
+
+            return fused(x, alpha, shift, weight, bias)
+        if path == "cpu":
             from normlab.kernels import cpu
 
             return cpu.derf(x, alpha, shift, weight, bias)

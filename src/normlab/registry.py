@@ -68,7 +68,7 @@ for _name, _cls, _facts in [
     ("rms_partial_coupling", M.RMSPartialCoupling, {"pointwise": False, "exact_grad": False}),
     ("rms_ema", M.RMSEMA, {"pointwise": False, "exact_grad": False}),
     ("dyt", M.DyT, {"pointwise": True, "fits": "alpha"}),
-    ("derf", M.Derf, {"pointwise": True}),
+    ("derf", M.Derf, {"pointwise": True, "fits": "alpha"}),  # the shift keeps its init (0)
     ("dyt_hardtanh", M.DyTHardtanh, {"pointwise": True}),
     ("dyt_sigmoid", M.DyTSigmoid, {"pointwise": True}),
     ("dyt_rms_denominator", M.DyTRMSDenominator, {"pointwise": False}),

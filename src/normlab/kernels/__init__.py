@@ -1,4 +1,5 @@
-"""Fused kernels, each checked against :mod:`normlab.functional`: Triton on GPUs, TorchInductor on CPUs.
+"""Fused kernels (DyT, Derf, DyISRU, RMSNorm in Triton; more on the CPU), each checked against
+:mod:`normlab.functional`: Triton on GPUs, TorchInductor on CPUs.
 
 Modules choose their path with ``kernel=``:
     "auto"       CUDA tensors: the Triton kernel when Triton is installed. CPU tensors (float32, bfloat16,
@@ -20,7 +21,7 @@ import os
 
 import torch
 
-__all__ = ["triton_status", "select", "check_operands", "dyt", "dyisru", "rms_norm", "KERNEL_CHOICES"]
+__all__ = ["triton_status", "select", "check_operands", "dyt", "derf", "dyisru", "rms_norm", "KERNEL_CHOICES"]
 
 KERNEL_CHOICES = ("auto", "triton", "cpu", "reference")
 
@@ -86,6 +87,14 @@ def dyt(x, alpha, weight, bias=None):
     from normlab.kernels.dyt_triton import dyt as fused
 
     return fused(x, alpha, weight, bias)
+
+
+def derf(x, alpha, shift, weight, bias=None):
+    """Fused weight * erf(alpha x + shift) + bias; alpha and shift of shape (1,) or (C,)."""
+    check_operands("derf", x, alpha=alpha, shift=shift, weight=weight, bias=bias)
+    from normlab.kernels.derf_triton import derf as fused
+
+    return fused(x, alpha, shift, weight, bias)
 
 
 def dyisru(x, beta, weight, bias=None, scale: float | None = None):

@@ -31,6 +31,7 @@ __all__ = [
     "layer_norm_jacobian",
     "dyt_jacobian",
     "scaled_dyt_jacobian",
+    "derf_jacobian",
     "dyisru_jacobian",
     "JacobianNorms",
     "decompose",
@@ -126,6 +127,15 @@ def scaled_dyt_jacobian(
 ) -> Tensor:
     """Scaled DyT (seed 000 eq. 12): J = diag(gamma * s * alpha * sech^2(alpha x)), s = sqrt(C) or sqrt(C-1)."""
     return FN.channel_scale(x.shape[0], scale) * dyt_jacobian(x, alpha, weight)
+
+
+def derf_jacobian(x: Tensor, alpha: Tensor | float, shift: Tensor | float = 0.0,
+                  weight: Tensor | None = None) -> Tensor:  # fmt: skip
+    """Derf is point-wise: J = diag(gamma * alpha * 2 / sqrt(pi) * exp(-(alpha x + s)^2))."""
+    _check_token(x)
+    a = torch.as_tensor(alpha, dtype=x.dtype, device=x.device)
+    z = a * x + torch.as_tensor(shift, dtype=x.dtype, device=x.device)
+    return torch.diag(_gamma(weight, x) * a * (2 / math.sqrt(math.pi)) * torch.exp(-z * z))
 
 
 def dyisru_jacobian(x: Tensor, beta: Tensor | float, weight: Tensor | None = None, scale: FN.Scale = "C") -> Tensor:
