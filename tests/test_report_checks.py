@@ -21,14 +21,16 @@ def _results(tmp_path, name: str, values: dict, statuses: dict | None = None) ->
     exp = load_experiment(name)
     runs = []
     for r in exp.runs:
-        run_id = f"{name}-{r['name']}"
         meta = {k: v for k, v in r.items() if k not in ("name", "label", "set")}
-        runs.append({"name": r["name"], "label": r.get("label", r["name"]), "seed": 0, "run_id": run_id, "meta": meta})
         v = values.get(r["name"])
-        summary = {"status": (statuses or {}).get(r["name"], "completed"), "unigram_entropy": H}
-        summary.update(v if isinstance(v, dict) else {"final_val_loss": v})
-        (tmp_path / "runs" / run_id).mkdir(parents=True)
-        (tmp_path / "runs" / run_id / "summary.json").write_text(json.dumps(summary))
+        for seed, one in enumerate(v if isinstance(v, list) else [v]):  # a list: one value per seed
+            run_id = f"{name}-{r['name']}-s{seed}"
+            runs.append({"name": r["name"], "label": r.get("label", r["name"]), "seed": seed, "run_id": run_id,
+                         "meta": meta})  # fmt: skip
+            summary = {"status": (statuses or {}).get(r["name"], "completed"), "unigram_entropy": H}
+            summary.update(one if isinstance(one, dict) else {"final_val_loss": one})
+            (tmp_path / "runs" / run_id).mkdir(parents=True)
+            (tmp_path / "runs" / run_id / "summary.json").write_text(json.dumps(summary))
     d = {"name": exp.name, "runs": runs, "baseline": exp.baseline, "checks": exp.checks, "guard": exp.guard}
     return Results(d, tmp_path)
 
@@ -141,3 +143,37 @@ def test_escape_step_is_the_first_evaluation_below_the_attractor(tmp_path):
     res = _results(tmp_path, "width", {"narrow_rms_norm": {"final_val_loss": 2.0, "escape_step": 100},
                                        "narrow_dyt": {"final_val_loss": 3.3, "escape_step": None}})  # fmt: skip
     assert res.escape("narrow_rms_norm") == "100" and res.escape("narrow_dyt") == "never"
+
+
+def test_a_difference_within_the_spread_over_seeds_is_inconclusive(tmp_path):
+    noisy = {"narrow_rms_norm": [2.0, 2.0], "narrow_dyt": [2.5, 3.5], "wide_rms_norm": [2.0, 2.0],
+             "wide_dyt": [2.8, 3.0]}  # gaps 1.0 and 0.9, but narrow DyT's seeds differ by 1.0 (std 0.71)
+    (line,) = _claims(_results(tmp_path / "noisy", "width", noisy))
+    assert line == ("**inconclusive**: DyT's gap to RMSNorm is 1.000 narrow vs 0.900 wide (seed 003: 4.33 vs 0.61); "
+                    "the difference 0.1 is within the spread over seeds 0.707")
+    clear = {**noisy, "narrow_dyt": [2.99, 3.01], "wide_dyt": [2.19, 2.21]}  # gaps 1.0 and 0.2, std 0.014
+    (line,) = _claims(_results(tmp_path / "clear", "width", clear))
+    assert line.startswith("**agrees**: DyT's gap to RMSNorm is 1.000 narrow vs 0.200 wide")
+
+
+def test_the_report_states_each_verdict_at_both_budgets(tmp_path):
+    from normlab.report import write_report
+
+    def root(profile, values):
+        res = _results(tmp_path / profile, "width", values)
+        for runs in res.groups.values():  # a loss curve per run
+            for r in runs:
+                (res.run_dir(r) / "metrics.jsonl").write_text('{"step": 50, "val_loss": 3.0}\n')
+        exp = {**res.exp, "title": "Width", "source": "seed 003", "claim": "c", "metrics": ["final_val_loss"],
+               "figures": ["loss"]}  # fmt: skip
+        (tmp_path / profile / "index.json").write_text(json.dumps({"profile": profile, "experiments": [exp]}))
+        return tmp_path / profile
+
+    short = root("default", {"narrow_rms_norm": 2.0, "narrow_dyt": 3.0, "wide_rms_norm": 2.0, "wide_dyt": 2.9})
+    long = root("long", {"narrow_rms_norm": 1.8, "narrow_dyt": 3.0, "wide_rms_norm": 1.8, "wide_dyt": 1.9})
+    text = write_report(long, compare=short).read_text()
+    assert "- **agrees**: DyT's gap to RMSNorm is 1.200 narrow vs 0.100 wide (seed 003: 4.33 vs 0.61) " \
+           "[at `default`: disagrees]" in text  # fmt: skip
+    assert (long / "figures" / "width_loss.png").stat().st_size > 0
+    with pytest.raises(FileNotFoundError, match="no index.json"):
+        write_report(long, compare=tmp_path / "nowhere")

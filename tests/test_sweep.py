@@ -67,11 +67,12 @@ def _final(root: Path) -> dict:
 def test_builtin_experiments_cover_every_table_and_resolve():
     names = builtin_experiments()
     assert names == ["pointwise", "width", "denominator", "coupling", "coupling_sweep", "rank", "beyond"]
-    for profile in ("quick", "default", "full", "gpu"):
+    for profile in ("quick", "default", "long", "full", "gpu"):
         for n in names:
             assert expand(load_experiment(n), profile, "/tmp/x")  # every config validates at every profile
     beyond = expand(load_experiment("beyond"), "default", "/tmp/x")
-    assert {s.seed for s in beyond} == {0, 1, 2}  # at least 3 seeds beyond the papers
+    assert {s.seed for s in beyond} == {0, 1}  # two seeds at the default budget, three at the long one
+    assert {s.seed for s in expand(load_experiment("width"), "long", "/tmp/x")} == {0, 1, 2}
     rms_gain = [s for s in beyond if s.name == "dyisru_rmsgain"][0]
     assert rms_gain.config.model.norm_kwargs["beta_init"] == pytest.approx(64 * 0.02**2)
 

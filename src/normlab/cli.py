@@ -177,7 +177,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 def _cmd_report(args: argparse.Namespace) -> int:
     from normlab.report import write_report
 
-    print(f"wrote {write_report(args.root)}")
+    print(f"wrote {write_report(args.root, compare=args.compare)}")
     return 0
 
 
@@ -185,10 +185,14 @@ def _cmd_reproduce(args: argparse.Namespace) -> int:
     from normlab.reproduce import reproduce
     from normlab.sweep import parse_shard
 
-    profile = "gpu" if args.preset == "gpu" else "quick" if args.quick else "full" if args.full else "default"
+    profile = ("gpu" if args.preset == "gpu" else "quick" if args.quick else "long" if args.long else
+               "full" if args.full else "default")  # fmt: skip
     root = args.root or f"runs/reproduce-{profile}"
+    compare = args.compare
+    if compare is None and profile == "long" and (Path(root).parent / "reproduce-default" / "index.json").exists():
+        compare = Path(root).parent / "reproduce-default"  # the long budget is read against the default one
     reproduce(root, profile, experiments=args.experiment, shard=parse_shard(args.shard), jobs=args.jobs,
-              progress=not args.no_progress)  # fmt: skip
+              progress=not args.no_progress, compare=compare)  # fmt: skip
     return 0
 
 
@@ -358,15 +362,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     rp = sub.add_parser("report", help="write REPORT.md with tables and figures from a sweep root")
     rp.add_argument("--root", default="runs/reproduce-default")
+    rp.add_argument("--compare", help="root of the same experiments at another budget: state each verdict at both")
     rp.set_defaults(func=_cmd_report)
 
     rr = sub.add_parser("reproduce", help="theory checks + every table of seed 003 at CPU scale + REPORT.md")
     size = rr.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="a tiny model, one seed: about 3 minutes")
+    size.add_argument("--long", action="store_true", help="the default's shapes at 4x its tokens, three seeds")
     size.add_argument("--full", action="store_true", help="every run at the lab's cpu preset (hours on 2 cores)")
     size.add_argument("--preset", choices=["gpu"], help="seed 003's shapes on a GPU")
     rr.add_argument("--experiment", nargs="*", help="subset of experiments (default: all)")
     rr.add_argument("--root", help="output folder (default runs/reproduce-<profile>)")
+    rr.add_argument("--compare", help="root of another budget's runs (--long: runs/reproduce-default if present)")
     rr.add_argument("--shard", help="i/n, as for sweep")
     rr.add_argument("--jobs", type=_count, default=default_jobs(), help="runs at a time")
     rr.add_argument("--no-progress", action="store_true")

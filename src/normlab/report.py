@@ -53,8 +53,8 @@ def _value(run_dir: Path, metric: str) -> float | None:
 class Results:
     """Runs of one experiment grouped by name: status, values per seed, links."""
 
-    def __init__(self, exp: dict, root: Path) -> None:
-        self.exp, self.root = exp, root
+    def __init__(self, exp: dict, root: Path, profile: str = "") -> None:
+        self.exp, self.root, self.profile = exp, root, profile
         self.groups: dict[str, list[dict]] = {}
         for r in exp["runs"]:
             self.groups.setdefault(r["name"], []).append(r)
@@ -68,6 +68,11 @@ class Results:
     def mean(self, name: str, metric: str = "final_val_loss") -> float | None:
         v = self.values(name, metric)
         return statistics.fmean(v) if v else None
+
+    def spread(self, *names: str, metric: str = "final_val_loss") -> float:
+        """The largest standard deviation over seeds among ``names`` (0 with one seed each)."""
+        sds = [statistics.stdev(v) for n in names if len(v := self.values(n, metric)) > 1]
+        return max(sds, default=0.0)
 
     def status(self, name: str) -> str:
         sts = [(read_summary(self.run_dir(r)) or {}).get("status", "missing") for r in self.groups[name]]
@@ -151,6 +156,14 @@ def _verdict(ok: bool | None, text: str) -> str:
     return {True: "**agrees**", False: "**disagrees**", None: "**inconclusive**"}[ok] + f": {text}"
 
 
+def _seeded(res: Results, ok: bool, diff: float, names, text: str, metric: str = "final_val_loss") -> str:
+    """A verdict only when the difference it rests on exceeds the spread over seeds; else inconclusive."""
+    spread = res.spread(*names, metric=metric)
+    if spread > 0 and abs(diff) <= spread:
+        return _verdict(None, f"{text}; the difference {abs(diff):.3g} is within the spread over seeds {spread:.3g}")
+    return _verdict(ok, text)
+
+
 def _check_band(res: Results, c: dict) -> list[str]:
     vals = [v for n in res.flagged(c["where"]) if (v := res.mean(n)) is not None]
     h = res.entropy()
@@ -166,8 +179,9 @@ def _check_below(res: Results, c: dict) -> list[str]:
     base = res.baseline()
     if not vals or base is None:
         return [_verdict(None, f"{c['what']}: runs missing")]
-    return [_verdict(base < min(vals) - c["margin"], f"{res.label(res.exp['baseline'])} reaches {base:.3f}, "
-                     f"{min(vals) - base:.2f} below {c['what']}")]  # fmt: skip
+    names = [res.exp["baseline"], *res.flagged(c["where"])]
+    return [_seeded(res, base < min(vals) - c["margin"], min(vals) - base, names,
+                    f"{res.label(res.exp['baseline'])} reaches {base:.3f}, {min(vals) - base:.2f} below {c['what']}")]
 
 
 def _check_status(res: Results, c: dict) -> list[str]:
@@ -183,8 +197,8 @@ def _check_gap_shrinks(res: Results, c: dict) -> list[str]:
         return [_verdict(None, f"{c['what']}: runs missing")]
     p1, p2 = (res.meta(a)["paper"] - res.meta(b)["paper"] for a, b in c["pairs"])
     n1, n2 = c["names"]
-    return [_verdict(g2 < c["ratio"] * g1, f"{c['what']} is {g1:.3f} {n1} vs {g2:.3f} {n2} "
-                     f"(seed 003: {p1:.2f} vs {p2:.2f})")]  # fmt: skip
+    return [_seeded(res, g2 < c["ratio"] * g1, g1 - g2, [a1, b1, a2, b2], f"{c['what']} is {g1:.3f} {n1} vs "
+                    f"{g2:.3f} {n2} (seed 003: {p1:.2f} vs {p2:.2f})")]  # fmt: skip
 
 
 def _check_fraction(res: Results, c: dict) -> list[str]:
@@ -197,8 +211,9 @@ def _check_fraction(res: Results, c: dict) -> list[str]:
             continue
         works = res.meta(n).get("works", False)
         ok = f < c["works_below"] if works else f > c["fails_above"]
-        out.append(_verdict(ok, f"{res.label(n)}: {'works' if works else 'fails'} in the seed; here it is at "
-                            f"{f:.2f} of the way from RMSNorm to the attractor"))  # fmt: skip
+        out.append(_seeded(res, ok, res.mean(n) - base, [n, res.exp["baseline"]], f"{res.label(n)}: "
+                           f"{'works' if works else 'fails'} in the seed; here it is at {f:.2f} of the way from "
+                           "RMSNorm to the attractor"))  # fmt: skip
     return out
 
 
@@ -209,7 +224,8 @@ def _check_monotone(res: Results, c: dict) -> list[str]:
     path = [by[k] for k in c["order"]]
     ok = path[0] == min(by.values()) and all(a < b for a, b in zip(path, path[1:]))
     text = ", ".join(f"{c.get('symbol', c['by'])}={k:g}: {by[k]:.3f}" for k in sorted(by))
-    return [_verdict(ok, f"{text}; the seed: {c['seed']}")]
+    step = min(abs(b - a) for a, b in zip(path, path[1:]))  # the smallest step the ordering rests on
+    return [_seeded(res, ok, step, list(res.groups), f"{text}; the seed: {c['seed']}")]
 
 
 def _check_greater(res: Results, c: dict) -> list[str]:
@@ -217,8 +233,8 @@ def _check_greater(res: Results, c: dict) -> list[str]:
     if a is None or b is None:
         return []
     pa, pb = res.meta(c["a"])["paper"][m], res.meta(c["b"])["paper"][m]
-    return [_verdict(a > b, f"{m}: {res.label(c['a'])} {a:.1f} vs {res.label(c['b'])} {b:.1f} "
-                     f"(seed 003 at width 1024: {pa:g} vs {pb:g})")]  # fmt: skip
+    return [_seeded(res, a > b, a - b, [c["a"], c["b"]], f"{m}: {res.label(c['a'])} {a:.1f} vs {res.label(c['b'])} "
+                    f"{b:.1f} (seed 003 at width 1024: {pa:g} vs {pb:g})", metric=m)]  # fmt: skip
 
 
 def _check_orthogonal(res: Results, c: dict) -> list[str]:
@@ -295,21 +311,36 @@ def _table(res: Results) -> str:
     return format_table(headers, rows, markdown=True)
 
 
-def _loss_curves(res: Results, path: Path) -> Path | None:
+def _tokens_per_step(res: Results, run: dict) -> int:
+    cfg = RunFolder(res.run_dir(run)).config() or {}
+    return cfg.get("batch_size", 1) * cfg.get("model", {}).get("context", 1)
+
+
+def _loss_curves(res: Results, path: Path, other: Results | None = None) -> Path | None:
+    """Validation loss against tokens seen, seed 0 of each run; with ``other`` (another budget), its curves
+    dashed in the same colours."""
     fig, ax = plt.subplots(figsize=(7, 4.2))
     drawn = False
-    for runs in res.groups.values():
-        rows = [r for r in _metrics(res.run_dir(runs[0])) if "val_loss" in r]
-        if rows:
-            ax.plot([r["step"] for r in rows], [r["val_loss"] for r in rows], marker="o", ms=3, label=runs[0]["label"])
-            drawn = True
+    for i, (name, runs) in enumerate(res.groups.items()):
+        for r2, style in ((res, "-"), (other, "--")):
+            if r2 is None or name not in r2.groups:
+                continue
+            run = r2.groups[name][0]
+            rows = [r for r in _metrics(r2.run_dir(run)) if "val_loss" in r]
+            if rows:
+                per = _tokens_per_step(r2, run)
+                label = runs[0]["label"] + (f" ({r2.profile})" if other is not None else "")
+                ax.plot([r["step"] * per for r in rows], [r["val_loss"] for r in rows], style, marker="o", ms=2,
+                        color=f"C{i % 10}", label=label)  # fmt: skip
+                drawn = True
     if not drawn:
         plt.close(fig)
         return None
     h = res.entropy()
     if h is not None:
         ax.axhline(h, c="k", ls="--", lw=1, label=f"unigram entropy {h:.2f} (attractor)")
-    ax.set_xlabel("step")
+    ax.set_xscale("log" if other is not None else "linear")
+    ax.set_xlabel("tokens seen")
     ax.set_ylabel("validation loss (nats/byte)")
     ax.set_title(res.exp["title"] + " (seed 0)")
     ax.legend(fontsize=7, ncol=2)
@@ -455,8 +486,23 @@ def _theory_section(root: Path) -> list[str]:
 FIGURES = {"loss": _loss_curves, "dose": _dose_response, "rank": _rank_bars, "init": _init_sensitivity}
 
 
-def write_report(root: str | Path, *, elapsed_s: float | None = None) -> Path:
-    """Write <root>/REPORT.md (and <root>/figures/*.png); returns the path."""
+def _compare_index(compare: str | Path | None) -> dict:
+    if compare is None:
+        return {}
+    path = Path(compare) / "index.json"
+    if not path.exists():
+        raise FileNotFoundError(f"--compare {compare}: no index.json there (run `normlab reproduce` for it first)")
+    return json.loads(path.read_text())
+
+
+def write_report(root: str | Path, *, elapsed_s: float | None = None, compare: str | Path | None = None) -> Path:
+    """Write <root>/REPORT.md (and <root>/figures/*.png); returns the path.
+
+    With ``compare`` (the root of the same experiments at another budget), each verdict also states the
+    verdict there, and the loss curves of both budgets share one figure against tokens seen.
+    """
+    other_index = _compare_index(compare)
+    others = {e["name"]: e for e in other_index.get("experiments", [])}
     import torch
 
     root = Path(root)
@@ -484,15 +530,23 @@ def write_report(root: str | Path, *, elapsed_s: float | None = None) -> Path:
     ]  # fmt: skip
     lines += _theory_section(root)
     for exp in index["experiments"]:
-        res = Results(exp, root)
+        res = Results(exp, root, index["profile"])
+        other = Results(others[exp["name"]], Path(compare), other_index["profile"]) if exp["name"] in others else None
         lines.append(f"## {exp['title']}\n")
         lines.append(f"Source: {exp['source']}. Claim: *{exp['claim']}*.\n")
         lines.append(_table(res))
         lines.append("")
-        lines += [f"- {c}" for c in _claims(res)]
+        claims = _claims(res)
+        there = _claims(other) if other is not None else []
+        if len(there) == len(claims):  # the same checks at the other budget, line by line
+            claims = [f"{c} [at `{other.profile}`: {t.split(':')[0].strip('*')}]" if c.startswith("**") else c
+                      for c, t in zip(claims, there)]  # fmt: skip
+        lines += [f"- {c}" for c in claims]
         lines.append("")
         for fig_name in exp.get("figures", ["loss"]):  # the TOML names its figures
-            p = FIGURES[fig_name](res, figs / f"{exp['name']}_{fig_name}.png")
+            fn = FIGURES[fig_name]
+            p = fn(res, figs / f"{exp['name']}_{fig_name}.png", other) if fn is _loss_curves else \
+                fn(res, figs / f"{exp['name']}_{fig_name}.png")  # fmt: skip
             if p:
                 lines.append(f"![{exp['name']} {fig_name}](figures/{p.name})\n")
     out = root / "REPORT.md"

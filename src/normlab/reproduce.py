@@ -39,8 +39,13 @@ def run_theory(root: str | Path, seeds: int = 20) -> Path:
 
 
 def reproduce(root: str | Path, profile: str = "default", *, experiments: list[str] | None = None,
-              shard: tuple[int, int] = (0, 1), jobs: int = 1, progress: bool = True) -> Path:  # fmt: skip
-    """Theory, then every experiment at ``profile``, then REPORT.md. Returns the report's path."""
+              shard: tuple[int, int] = (0, 1), jobs: int = 1, progress: bool = True,
+              compare: str | Path | None = None) -> Path:  # fmt: skip
+    """Theory, then every experiment at ``profile``, then REPORT.md. Returns the report's path.
+
+    ``compare``: the root of the same experiments at another budget; the report then states each verdict
+    at both (see :func:`normlab.report.write_report`).
+    """
     from normlab.report import write_report
 
     t0 = time.perf_counter()
@@ -57,6 +62,6 @@ def reproduce(root: str | Path, profile: str = "default", *, experiments: list[s
     counts = {s: list(statuses.values()).count(s) for s in sorted(set(statuses.values()))}
     print(f"      runs: {counts}", flush=True)
     elapsed = time.perf_counter() - t0
-    report = write_report(root, elapsed_s=elapsed)
+    report = write_report(root, elapsed_s=elapsed, compare=compare)
     print(f"[3/3] report -> {report}  (total {elapsed / 60:.1f} min)", flush=True)
     return report

@@ -55,11 +55,19 @@ PROFILES: dict[str, dict] = {
         "shapes": {"narrow": {"model.width": 32, "model.depth": 4, "model.heads": 2},
                    "wide": {"model.width": 64, "model.depth": 1, "model.heads": 4}},
     },
-    # normlab reproduce: every table at width 64 in about 15 minutes on 2 CPU cores
+    # normlab reproduce: every table at width 64, two seeds, in a few minutes on 2 CPU cores
     "default": {
-        "preset": "cpu", "seeds": None,
+        "preset": "cpu", "seeds": 2,
         "set": {"model.width": 64, "model.depth": 4, "model.heads": 4, "model.context": 64, "batch_size": 16,
                 "steps": 250, "eval_every": 50, "metrics_every": 50, "checkpoint_every": 50, **_STEPS},
+        "shapes": {"narrow": {"model.width": 64, "model.depth": 8, "model.heads": 4},
+                   "wide": {"model.width": 128, "model.depth": 2, "model.heads": 4}},
+    },
+    # the default's shapes at 4x its tokens (1000 steps), three seeds: are the verdicts a short budget's?
+    "long": {
+        "preset": "cpu", "seeds": 3,
+        "set": {"model.width": 64, "model.depth": 4, "model.heads": 4, "model.context": 64, "batch_size": 16,
+                "steps": 1000, "eval_every": 100, "metrics_every": 100, "checkpoint_every": 250, **_STEPS},
         "shapes": {"narrow": {"model.width": 64, "model.depth": 8, "model.heads": 4},
                    "wide": {"model.width": 128, "model.depth": 2, "model.heads": 4}},
     },
@@ -153,7 +161,7 @@ def load_experiment(name_or_path: str) -> Experiment:
         if unknown:
             raise ValueError(f"{where}: check {i} ({c['kind']}) names a run that does not exist: {unknown[0]!r}")
     return Experiment(name=d["name"], title=d.get("title", d["name"]), source=d.get("source", ""),
-                      claim=d.get("claim", ""), runs=d["runs"], seeds=d.get("seeds", [0]),
+                      claim=d.get("claim", ""), runs=d["runs"], seeds=d.get("seeds", [0, 1, 2]),
                       metrics=d.get("metrics", ["final_val_loss"]), base=d.get("base", {}).get("set", {}),
                       path=where, baseline=d.get("baseline"), checks=d.get("checks", []),
                       figures=d.get("figures", ["loss"]), guard=d.get("guard", True))  # fmt: skip
