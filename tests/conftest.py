@@ -21,6 +21,16 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+TEXT = "To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer\n" * 300
+
+
+@pytest.fixture()
+def corpus_file(tmp_path):
+    p = tmp_path / "text.txt"
+    p.write_text(TEXT)
+    return str(p)
+
+
 def _rms(x, eps):
     return np.sqrt((x**2).mean(-1, keepdims=True) + eps)
 

@@ -14,19 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import TEXT  # the small corpus of the corpus_file fixture
 from normlab.lab import GPT, GPTConfig, resolve_config, train
 from normlab.lab.data import get_batch, load_corpus, unigram_entropy
 from normlab.lab.metrics import effective_rank
 from normlab.lab.train import CheckpointError, lr_at
-
-TEXT = "To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer\n" * 300
-
-
-@pytest.fixture()
-def corpus_file(tmp_path):
-    p = tmp_path / "text.txt"
-    p.write_text(TEXT)
-    return str(p)
 
 
 def _cfg(corpus_file, out, **overrides):

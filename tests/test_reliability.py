@@ -21,15 +21,7 @@ from normlab.lab import resolve_config, train
 from normlab.lab.runs import RunFolder, RunLocked
 from normlab.lab.train import check_cpu_bf16
 
-TEXT = "To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer\n" * 300
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
-
-
-@pytest.fixture()
-def corpus_file(tmp_path):
-    p = tmp_path / "text.txt"
-    p.write_text(TEXT)
-    return str(p)
 
 
 def _cfg(corpus_file, out, **overrides):

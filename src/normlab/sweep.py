@@ -63,14 +63,6 @@ PROFILES: dict[str, dict] = {
         "shapes": {"narrow": {"model.width": 64, "model.depth": 8, "model.heads": 4},
                    "wide": {"model.width": 128, "model.depth": 2, "model.heads": 4}},
     },
-    # the default's shapes at 4x its tokens (1000 steps), three seeds: are the verdicts a short budget's?
-    "long": {
-        "preset": "cpu", "seeds": 3,
-        "set": {"model.width": 64, "model.depth": 4, "model.heads": 4, "model.context": 64, "batch_size": 16,
-                "steps": 1000, "eval_every": 100, "metrics_every": 100, "checkpoint_every": 250, **_STEPS},
-        "shapes": {"narrow": {"model.width": 64, "model.depth": 8, "model.heads": 4},
-                   "wide": {"model.width": 128, "model.depth": 2, "model.heads": 4}},
-    },
     # the lab's cpu preset, as specified: width 128, 4 layers, 600 steps
     "full": {
         "preset": "cpu", "seeds": None, "set": {},
@@ -84,6 +76,9 @@ PROFILES: dict[str, dict] = {
                    "wide": {"model.width": 2048, "model.depth": 5, "model.heads": 16}},
     },
 }  # fmt: skip
+# the default's shapes at 4x its tokens (1000 steps), three seeds: are the verdicts a short budget's?
+PROFILES["long"] = {**PROFILES["default"], "seeds": 3, "set": {**PROFILES["default"]["set"], "steps": 1000,
+                    "eval_every": 100, "metrics_every": 100, "checkpoint_every": 250}}  # fmt: skip
 
 
 

@@ -25,6 +25,18 @@ from normlab.kernels._common import as_rows, grid_2d, launch_config, partial_row
 
 
 @triton.jit
+def _alpha_shift(A, S, cols, cmask, PER_CHANNEL: tl.constexpr):
+    """alpha and shift as fp32, per channel or broadcast scalars."""
+    if PER_CHANNEL:
+        a = tl.load(A + cols, mask=cmask, other=0.0).to(tl.float32)
+        s = tl.load(S + cols, mask=cmask, other=0.0).to(tl.float32)
+    else:
+        a = tl.load(A).to(tl.float32)
+        s = tl.load(S).to(tl.float32)
+    return a, s
+
+
+@triton.jit
 def _derf_fwd(
     X, Y,  # (M, N) input and output, row stride stride_x / stride_y, unit column stride
     A, S, W, B,  # alpha and shift: (1,) or (N,); weight (N,); bias (N,) or unused when HAS_BIAS is False
@@ -35,12 +47,7 @@ def _derf_fwd(
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < N
-    if PER_CHANNEL:
-        a = tl.load(A + cols, mask=cmask, other=0.0).to(tl.float32)
-        s = tl.load(S + cols, mask=cmask, other=0.0).to(tl.float32)
-    else:
-        a = tl.load(A).to(tl.float32)
-        s = tl.load(S).to(tl.float32)
+    a, s = _alpha_shift(A, S, cols, cmask, PER_CHANNEL)
     w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
     b = tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32) if HAS_BIAS else 0.0
     for i in range(ROWS):
@@ -63,12 +70,7 @@ def _derf_bwd(
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < N
-    if PER_CHANNEL:
-        a = tl.load(A + cols, mask=cmask, other=0.0).to(tl.float32)
-        s = tl.load(S + cols, mask=cmask, other=0.0).to(tl.float32)
-    else:
-        a = tl.load(A).to(tl.float32)
-        s = tl.load(S).to(tl.float32)
+    a, s = _alpha_shift(A, S, cols, cmask, PER_CHANNEL)
     w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
     da = tl.zeros((BLOCK_N,), tl.float32)
     ds = tl.zeros((BLOCK_N,), tl.float32)
