@@ -215,3 +215,18 @@ def test_convert_command(tmp_path, capsys):
     assert "converted 5 norms of LlamaForCausalLM to dyisru" in out and "fidelity on" in out
     loaded, record = normlab.load_converted(tmp_path / "out")
     assert record.target == "dyisru" and (tmp_path / "out" / "fidelity.json").exists()
+
+
+def test_derf_calibration_fits_alpha_and_its_shift():
+    """A known Derf (alpha 0.7, shift 0.4) is recovered from its input and output by fit_replacement."""
+    from normlab.calibrate import fit_replacement
+
+    torch.manual_seed(0)
+    truth = normlab.create_norm("derf", 16, alpha_init=0.7, shift_init=0.4).double()
+    x = torch.randn(512, 16, dtype=torch.float64) * 2
+    with torch.no_grad():
+        y = truth(x)
+    new = normlab.create_norm("derf", 16)  # alpha 0.5, shift 0
+    out = fit_replacement(new, x, y)
+    assert out.ok and out.rel_error < 1e-6
+    assert float(new.alpha) == pytest.approx(0.7, rel=1e-4) and float(new.shift) == pytest.approx(0.4, abs=1e-4)

@@ -125,17 +125,19 @@ def fit_replacement(new: nn.Module, x: Tensor, y: Tensor, *, per_channel: bool =
                           notes + ["no finite calibration tokens: default init kept"])  # fmt: skip
     x, y = x.double(), y.double()
     w0 = new.weight.detach().double()
-    others = {k: v.detach().double() for k, v in new.named_parameters() if k not in (name, "weight")}
+    linear = norm_spec(new.registry_name).also_fits  # fitted as they are, from their init (Derf's shift)
+    others = {k: v.detach().double() for k, v in new.named_parameters() if k not in (name, "weight", *linear)}
+    q0 = [getattr(new, k).detach().double().clone() for k in linear]
     shape = getattr(new, name).shape
     module = copy.deepcopy(new).double()
 
-    def out(p: Tensor, log_amp: Tensor, inputs: Tensor = x) -> Tensor:
+    def out(p: Tensor, log_amp: Tensor, inputs: Tensor = x, qs: list[Tensor] = q0) -> Tensor:
         theta = p if name == "log_beta" else p.exp()  # both fitted in log space: they stay > 0
-        return functional_call(module, {name: theta.expand(shape), "weight": w0 * log_amp.exp(), **others},
-                               (inputs,))  # fmt: skip
+        params = {name: theta.expand(shape), "weight": w0 * log_amp.exp(), **others, **dict(zip(linear, qs))}
+        return functional_call(module, params, (inputs,))
 
-    def loss(p: Tensor, log_amp: Tensor) -> Tensor:
-        return (out(p, log_amp) - y).pow(2).mean()
+    def loss(p: Tensor, log_amp: Tensor, qs: list[Tensor] = q0) -> Tensor:
+        return (out(p, log_amp, qs=qs) - y).pow(2).mean()
 
     start = _start(new, x, per_channel and shape[0] > 1, name)
     p0 = start if name == "log_beta" else start.log()
@@ -159,25 +161,26 @@ def fit_replacement(new: nn.Module, x: Tensor, y: Tensor, *, per_channel: bool =
     denom = float(y.pow(2).mean().sqrt()) or 1.0
     p = p0.clone().requires_grad_(True)
     la = la0.clone().requires_grad_(fit_amplitude)
-    opt = torch.optim.LBFGS([p, la] if fit_amplitude else [p], max_iter=max_iter, line_search_fn="strong_wolfe",
-                            tolerance_grad=1e-12, tolerance_change=1e-15)
+    qs = [q.clone().requires_grad_(True) for q in q0]
+    opt = torch.optim.LBFGS([p, la, *qs] if fit_amplitude else [p, *qs], max_iter=max_iter,
+                            line_search_fn="strong_wolfe", tolerance_grad=1e-12, tolerance_change=1e-15)  # fmt: skip
 
     def closure():
         opt.zero_grad()
-        value = loss(p, la)
+        value = loss(p, la, qs)
         value.backward()
         return value
 
     try:
         opt.step(closure)
-        final = float(loss(p, la).detach())
+        final = float(loss(p, la, qs).detach())
     except (RuntimeError, ValueError) as e:  # noqa: PERF203
         final = math.nan
         notes.append(f"L-BFGS failed ({e})")
     ok = True
     if not math.isfinite(final) or final > start_loss:
         notes.append("fit did not improve on its start (non-finite or worse): start point kept")
-        p, la, final, ok = p0, la0, start_loss, False
+        p, la, qs, final, ok = p0, la0, q0, start_loss, False
     if not math.isfinite(final):
         notes.append("fit is NaN: default init kept")
         return FitOutcome(name, math.nan, math.nan, math.nan, math.nan, False, notes)
@@ -193,6 +196,8 @@ def fit_replacement(new: nn.Module, x: Tensor, y: Tensor, *, per_channel: bool =
     with torch.no_grad():
         getattr(new, name).copy_((p if name == "log_beta" else value).to(getattr(new, name)).expand(shape))
         new.weight.mul_(la.exp().to(new.weight))
+        for k, q in zip(linear, qs):
+            getattr(new, k).copy_(q.detach().to(getattr(new, k)))
     return FitOutcome(name.removeprefix("log_"), float(value.mean()), float(la.exp().mean()),
                       math.sqrt(final) / denom, math.sqrt(start_loss) / denom, ok, notes)  # fmt: skip
 

@@ -30,6 +30,7 @@ class NormSpec:
     fits:       the parameter a conversion calibrates ("alpha", or "log_beta": beta stored as its log),
                 None when there is nothing to fit.
     centred:    the formula acts on x - mean(x) (ELN), so a calibration fits on centred tokens.
+    also_fits:  parameters a calibration fits as they are, from their init (Derf's shift).
     """
 
     name: str
@@ -38,19 +39,20 @@ class NormSpec:
     exact_grad: bool = True
     fits: str | None = None
     centred: bool = False
+    also_fits: tuple[str, ...] = ()
 
 
 _REGISTRY: dict[str, NormSpec] = {}
 
 
 def register(name: str, *, pointwise: bool, exact_grad: bool = True, fits: str | None = None,
-             centred: bool = False):  # fmt: skip
+             centred: bool = False, also_fits: tuple[str, ...] = ()):  # fmt: skip
     """Class decorator (or a call): add a layer to the registry under a lower-case ``name``."""
 
     def deco(cls: type[nn.Module]) -> type[nn.Module]:
         if name != name.lower() or name in _REGISTRY:
             raise ValueError(f"register: name {name!r} must be lower-case and unique")
-        _REGISTRY[name] = NormSpec(name, cls, pointwise, exact_grad, fits, centred)
+        _REGISTRY[name] = NormSpec(name, cls, pointwise, exact_grad, fits, centred, tuple(also_fits))
         cls.registry_name = name
         return cls
 
@@ -68,7 +70,7 @@ for _name, _cls, _facts in [
     ("rms_partial_coupling", M.RMSPartialCoupling, {"pointwise": False, "exact_grad": False}),
     ("rms_ema", M.RMSEMA, {"pointwise": False, "exact_grad": False}),
     ("dyt", M.DyT, {"pointwise": True, "fits": "alpha"}),
-    ("derf", M.Derf, {"pointwise": True, "fits": "alpha"}),  # the shift keeps its init (0)
+    ("derf", M.Derf, {"pointwise": True, "fits": "alpha", "also_fits": ("shift",)}),
     ("dyt_hardtanh", M.DyTHardtanh, {"pointwise": True}),
     ("dyt_sigmoid", M.DyTSigmoid, {"pointwise": True}),
     ("dyt_rms_denominator", M.DyTRMSDenominator, {"pointwise": False}),
