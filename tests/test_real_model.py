@@ -62,3 +62,17 @@ def test_calibrated_smollm2_beats_default_init_and_round_trips(smollm2, tmp_path
     assert math.isfinite(ce["calibrated"])
     assert ce["calibrated"] < ce["default"]
     assert ce["original"] < ce["calibrated"]
+
+
+def test_derf_converts_smollm2_with_its_shift_fitted(smollm2):
+    """Derf (newer than the seeds) as a conversion target on the real model: alpha and shift fitted per site."""
+    model, calib, held = smollm2
+    ce = {}
+    for how in ("default", "calibrated"):
+        conv = copy.deepcopy(model)
+        rec = normlab.convert_norms(conv, "derf", calibrate=calib if how == "calibrated" else None, progress=False)
+        ce[how] = normlab.fidelity(model, conv, held, rec)["ce_converted"]
+        if how == "calibrated":
+            shifts = [float(m.shift.abs().max()) for m in conv.modules() if type(m).__name__ == "Derf"]
+            assert len(shifts) >= 61 and max(shifts) > 0  # the shift moved from its init somewhere
+    assert math.isfinite(ce["calibrated"]) and ce["calibrated"] < ce["default"]
