@@ -331,7 +331,7 @@ def _loss_curves(res: Results, path: Path, other: Results | None = None) -> Path
                 per = _tokens_per_step(r2, run)
                 label = runs[0]["label"] + (f" ({r2.profile})" if other is not None else "")
                 ax.plot([r["step"] * per for r in rows], [r["val_loss"] for r in rows], style, marker="o", ms=2,
-                        color=f"C{i % 10}", label=label)  # fmt: skip
+                        color=plt.cm.tab20(i % 20), label=label)  # fmt: skip
                 drawn = True
     if not drawn:
         plt.close(fig)
@@ -343,7 +343,10 @@ def _loss_curves(res: Results, path: Path, other: Results | None = None) -> Path
     ax.set_xlabel("tokens seen")
     ax.set_ylabel("validation loss (nats/byte)")
     ax.set_title(res.exp["title"] + " (seed 0)")
-    ax.legend(fontsize=7, ncol=2)
+    if other is not None:  # twice the curves: the legend goes beside the plot
+        ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    else:
+        ax.legend(fontsize=7, ncol=2)
     ax.grid(alpha=0.3)
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
