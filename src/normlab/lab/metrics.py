@@ -6,7 +6,11 @@
   the norm (not the skip path): exactly 0 for RMSNorm with eps = 0;
 * residual-stream std after each block;
 * each norm site's learned alpha / beta;
-* the Jacobian's diagonal and coupling norms at one site (seed 003's Jacobian table).
+* the Jacobian's diagonal and coupling norms at one site (seed 003's Jacobian table);
+* the mechanism of seed 003's attractor argument, per site: the RMS of the norm's input and output,
+  alpha * RMS(input) (with alpha the slope that sets where f saturates: alpha for the tanh/erf family,
+  1/sqrt(beta) for DyISRU/ELN), the fraction of inputs out of the linear region (|alpha x| > 1), and
+  block 0's attention entropy relative to uniform (1 when attention is uniform, as when the model is stuck).
 
 ``Probe`` attaches hooks only for the step it measures, so training steps in
 between pay nothing.
@@ -15,13 +19,15 @@ between pay nothing.
 from __future__ import annotations
 
 import copy
+import math
 
 import torch
 from torch import nn
 
 from normlab.theory.jacobian import autograd_jacobian, decompose, rms_norm_terms
 
-__all__ = ["effective_rank", "norm_parameters", "projection_ranks", "Probe"]
+__all__ = ["effective_rank", "norm_parameters", "projection_ranks", "Probe", "saturation_slope", "site_telemetry",
+           "attention_entropy", "init_telemetry"]  # fmt: skip
 
 
 @torch.no_grad()
@@ -52,6 +58,56 @@ def norm_parameters(model: nn.Module) -> dict[str, float]:
     return out
 
 
+def saturation_slope(m: nn.Module) -> float | None:
+    """The slope alpha whose |alpha x| = 1 marks where a point-wise f leaves its linear region: alpha for the
+    tanh / erf family (mean |alpha| when per channel), 1/sqrt(beta) for DyISRU and ELN; None otherwise."""
+    if hasattr(m, "alpha"):
+        return float(m.alpha.detach().float().abs().mean())
+    if hasattr(m, "log_beta"):
+        return float(m.beta.detach().float().rsqrt().mean())
+    return None
+
+
+@torch.no_grad()
+def site_telemetry(m: nn.Module, x: torch.Tensor, y: torch.Tensor, name: str) -> dict[str, float]:
+    """At one norm site with input x and output y (..., C): rms_in, rms_out, and where the norm has a
+    saturation slope, alpha_rms = alpha * rms_in and sat_frac = the fraction of entries with |alpha x| > 1."""
+    x, y = x.detach().float(), y.detach().float()
+    out = {f"rms_in/{name}": float(x.pow(2).mean().sqrt()), f"rms_out/{name}": float(y.pow(2).mean().sqrt())}
+    alpha = saturation_slope(m)
+    if alpha is not None:
+        out[f"alpha_rms/{name}"] = alpha * out[f"rms_in/{name}"]
+        out[f"sat_frac/{name}"] = float((x.abs() * alpha > 1).float().mean())
+    return out
+
+
+@torch.no_grad()
+def attention_entropy(attn: nn.Module, h: torch.Tensor) -> float:
+    """Mean entropy of causal attention weights relative to uniform, over heads and query positions t >= 1:
+    H(p_t) / log(t + 1), in [0, 1]; 1 means every query attends uniformly to its past. ``h``: (B, T, C)."""
+    h = h.detach().float()
+    b, t, c = h.shape
+    q, k, _ = torch.nn.functional.linear(h, attn.qkv.weight.float()).split(c, dim=-1)
+    q, k = (z.view(b, t, attn.heads, c // attn.heads).transpose(1, 2) for z in (q, k))  # (B, nh, T, hs)
+    logits = q @ k.transpose(-1, -2) / math.sqrt(c // attn.heads)  # (B, nh, T, T)
+    causal = torch.ones(t, t, dtype=torch.bool, device=h.device).tril()
+    p = logits.masked_fill(~causal, float("-inf")).softmax(-1)
+    ent = -(p * p.clamp_min(1e-30).log()).sum(-1)  # (B, nh, T)
+    uniform = torch.arange(1, t + 1, device=h.device, dtype=torch.float32).log()  # log(t + 1) for row t
+    return float((ent[..., 1:] / uniform[1:]).mean()) if t > 1 else 1.0
+
+
+@torch.no_grad()
+def init_telemetry(model: nn.Module, idx: torch.Tensor) -> dict[str, float]:
+    """The mechanism's numbers on a forward pass of ``idx`` (no training step): what a run logs at step 0."""
+    was_training = model.training
+    model.eval()
+    with Probe(model) as probe:
+        model(idx)
+    model.train(was_training)
+    return probe.mechanism()
+
+
 class Probe:
     """Hooks for one measured step: norm inputs and their gradients, block outputs."""
 
@@ -63,15 +119,35 @@ class Probe:
         self.jacobian_site = jacobian_site
         self.inputs: dict[str, torch.Tensor] = {}
         self.grads: dict[str, torch.Tensor] = {}
+        self.outputs: dict[str, torch.Tensor] = {}
         self.block_std: list[float] = []
+        self.attn_input: torch.Tensor | None = None  # block 0's attention input, for its entropy
         self._handles: list = []
 
     def __enter__(self) -> Probe:
         for name, m in self.sites.items():
             self._handles.append(m.register_forward_pre_hook(self._norm_hook(name)))
+            self._handles.append(m.register_forward_hook(self._output_hook(name)))
         for block in self.model.blocks:
             self._handles.append(block.register_forward_hook(self._block_hook))
+        self._handles.append(self.model.blocks[0].attn.register_forward_pre_hook(self._attn_hook))
         return self
+
+    def _output_hook(self, name: str):
+        return lambda module, args, y: self.outputs.__setitem__(name, y.detach())
+
+    def _attn_hook(self, module, args) -> None:
+        self.attn_input = args[0].detach()
+
+    def mechanism(self) -> dict[str, float]:
+        """Per site: rms_in, rms_out, alpha_rms, sat_frac (see ``site_telemetry``); block 0's attention
+        entropy relative to uniform."""
+        out: dict[str, float] = {}
+        for name, x in self.inputs.items():
+            out.update(site_telemetry(self.sites[name], x, self.outputs[name], name))
+        if self.attn_input is not None:
+            out["attn_entropy/0"] = attention_entropy(self.model.blocks[0].attn, self.attn_input)
+        return out
 
     def __exit__(self, *exc) -> None:
         for h in self._handles:
@@ -111,6 +187,7 @@ class Probe:
             out["align_abs_cos"] = sum(abs_all) / len(abs_all)
         for i, s in enumerate(self.block_std):
             out[f"resid_std/{i}"] = s
+        out.update(self.mechanism())
         if self.jacobian_site is not None and self.jacobian_site in self.inputs:
             out.update(self._jacobian(self.jacobian_site))
         return out

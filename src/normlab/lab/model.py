@@ -3,6 +3,12 @@
 Pre-norm blocks, x <- x + attn(norm_attn(x)); x <- x + mlp(norm_mlp(x)), and a final norm
 before the head. GPT-2 initialisation as in seed 003: normal(0, 0.02) weights and
 normal(0, 0.02 / sqrt(2 L)) for the two residual projections of each block.
+
+The recipe knobs of the DyT and Derf papers (``normlab.lab.recipes``), each off by default so that a
+default model is seed 003's: ``embed_scale`` (a learnable scalar on the embedding, e.g. sqrt(d)),
+``init_std`` (the 0.02 above), ``alpha_table`` (alpha0 per site from the DyT paper's table) and
+``norm_init = "match_rms"`` (each point-wise site's gamma set from a batch so that its output RMS is
+RMSNorm's, 1).
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from normlab.lab.recipes import parse_alpha_table
 from normlab.registry import accepted_kwargs, create_norm, init_kwargs, norm_spec
 
 __all__ = ["GPTConfig", "GPT"]
@@ -56,11 +63,22 @@ class GPTConfig:
     norm_attn_kwargs: dict = field(default_factory=dict)  # DyT's LLaMA recipe: a different alpha per site
     norm_mlp_kwargs: dict = field(default_factory=dict)
     norm_final_kwargs: dict = field(default_factory=dict)
+    embed_scale: float | str | None = None  # None; a number; or "sqrt_d": a learnable scalar on the embedding
+    init_std: float = 0.02  # std of the N(0, std) init; the residual projections get std / sqrt(2 L)
+    alpha_table: str | None = None  # "dyt_paper" or "dyt_paper@W": alpha_init per site from the DyT paper
+    norm_init: str = "default"  # or "match_rms": point-wise gammas set so each site's output RMS is 1
 
     def site(self, site: str) -> tuple[str, dict]:
-        """The norm name and init kwargs at ``site`` ('attn', 'mlp' or 'final')."""
+        """The norm name and init kwargs at ``site`` ('attn', 'mlp' or 'final').
+
+        Precedence: the site's own kwargs, then ``alpha_table``, then ``norm_kwargs``."""
         name = getattr(self, f"norm_{site}") or self.norm
-        return name, accepted_kwargs(name, {**self.norm_kwargs, **getattr(self, f"norm_{site}_kwargs")})
+        table = {"alpha_init": parse_alpha_table(self.alpha_table, self.width)[site]} if self.alpha_table else {}
+        return name, accepted_kwargs(name, {**self.norm_kwargs, **table, **getattr(self, f"norm_{site}_kwargs")})
+
+    def embed_scale_init(self) -> float | None:
+        """The initial value of the embedding scalar, or None when the model has none."""
+        return math.sqrt(self.width) if self.embed_scale == "sqrt_d" else self.embed_scale
 
     def site_names(self) -> list[str]:
         """Every norm site by name, as GPT.norm_modules() names them."""
@@ -74,8 +92,18 @@ class GPTConfig:
                 raise ValueError(f"model.{f} must be an int >= 1, got {v!r}")
         if self.width % self.heads:
             raise ValueError(f"model.heads = {self.heads} does not divide model.width = {self.width}")
-        if self.mlp_ratio <= 0:
-            raise ValueError(f"model.mlp_ratio must be > 0, got {self.mlp_ratio}")
+        if not (math.isfinite(self.mlp_ratio) and self.mlp_ratio > 0):
+            raise ValueError(f"model.mlp_ratio must be a finite number > 0, got {self.mlp_ratio}")
+        scale = self.embed_scale
+        number = isinstance(scale, (int, float)) and not isinstance(scale, bool)
+        if not (scale is None or scale == "sqrt_d" or (number and math.isfinite(scale) and scale > 0)):
+            raise ValueError(f"model.embed_scale must be null (none), 'sqrt_d' or a finite number > 0, got {scale!r}")
+        if not (math.isfinite(self.init_std) and self.init_std > 0):
+            raise ValueError(f"model.init_std must be a finite number > 0, got {self.init_std!r}")
+        if self.alpha_table is not None:
+            parse_alpha_table(self.alpha_table, self.width)
+        if self.norm_init not in ("default", "match_rms"):
+            raise ValueError(f"model.norm_init must be 'default' or 'match_rms', got {self.norm_init!r}")
         for site in SITES:
             field_name = "norm" if getattr(self, f"norm_{site}") is None else f"norm_{site}"
             try:
@@ -150,17 +178,43 @@ class GPT(nn.Module):
         self.head = nn.Linear(cfg.width, cfg.vocab_size, bias=False)
         if cfg.tied_embeddings:
             self.head.weight = self.wte.weight
+        # the DyT / Derf recipe's scalar after the embedding (no weight decay: it is not a matrix)
+        self.embed_scale = None if cfg.embed_scale is None else nn.Parameter(torch.empty(1))
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """GPT-2 init (seed 003): N(0, 0.02), residual projections N(0, 0.02 / sqrt(2 L)); norms their own."""
+        """GPT-2 init (seed 003): N(0, s), residual projections N(0, s / sqrt(2 L)), s = init_std (0.02);
+        norms their own; the embedding scalar its value."""
+        std = self.cfg.init_std
         for name, p in self.named_parameters():
             if name.endswith("proj.weight"):
-                nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * self.cfg.depth))
+                nn.init.normal_(p, 0.0, std / math.sqrt(2 * self.cfg.depth))
             elif p.dim() == 2:  # embeddings, qkv, fc, untied head
-                nn.init.normal_(p, 0.0, 0.02)
+                nn.init.normal_(p, 0.0, std)
         for m in self.norm_modules().values():
             m.reset_parameters()
+        if self.embed_scale is not None:
+            nn.init.constant_(self.embed_scale, self.cfg.embed_scale_init())
+
+    @torch.no_grad()
+    def match_rms_(self, idx: torch.Tensor) -> dict[str, float]:
+        """``norm_init = "match_rms"``: scale each point-wise site's gamma, in forward order, so that its
+        output on ``idx`` has RMS 1, RMSNorm's at init. Returns the factor applied at each site."""
+        factors = {}
+        for name, m in self.norm_modules().items():
+            if not norm_spec(m.registry_name).pointwise or getattr(m, "weight", None) is None:
+                continue
+            out = {}
+            handle = m.register_forward_hook(lambda mod, args, y: out.setdefault("y", y))
+            try:
+                self(idx)
+            finally:
+                handle.remove()
+            rms = float(out["y"].float().pow(2).mean().sqrt())
+            if rms > 0 and math.isfinite(rms):
+                m.weight.mul_(1.0 / rms)
+                factors[name] = 1.0 / rms
+        return factors
 
     def norm_modules(self) -> dict[str, nn.Module]:
         """Every norm site by name: 'blocks.0.norm_attn', ..., 'norm_final'."""
@@ -171,6 +225,8 @@ class GPT(nn.Module):
         if t > self.cfg.context:
             raise ValueError(f"sequence length {t} exceeds model.context = {self.cfg.context}")
         x = self.wte(idx) + self.wpe(torch.arange(t, device=idx.device))  # (B, T, C)
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
         for block in self.blocks:
             x = block(x)
         logits = self.head(self.norm_final(x))  # (B, T, V)

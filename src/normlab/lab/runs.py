@@ -155,10 +155,11 @@ class RunFolder:
             f.write(json.dumps(record) + "\n")
 
     def truncate_metrics(self, step: int) -> None:
-        """Drop the log lines written after ``step`` (the checkpoint a resume starts from)."""
+        """Drop the log lines written after ``step`` (the checkpoint a resume starts from); at step 0 all
+        of them, the init's row included (a run that starts over logs it again)."""
         path = self.path / METRICS
         if path.exists():
-            kept = "".join(json.dumps(r) + "\n" for r in read_jsonl(path) if r.get("step", 0) <= step)
+            kept = "".join(json.dumps(r) + "\n" for r in read_jsonl(path) if step and r.get("step", 0) <= step)
             tmp = path.with_suffix(".tmp")
             tmp.write_text(kept)
             os.replace(tmp, path)

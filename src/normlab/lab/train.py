@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 
 from normlab.lab.config import TrainConfig
 from normlab.lab.data import get_batch, load_corpus
-from normlab.lab.metrics import Probe, norm_parameters, projection_ranks
+from normlab.lab.metrics import Probe, init_telemetry, norm_parameters, projection_ranks
 from normlab.lab.model import GPT
 from normlab.lab.runs import CONFIG, METRICS, SUMMARY, VERSION, RunFolder, code_version, escape_step, read_jsonl
 
@@ -258,6 +258,15 @@ def _train(cfg, folder: RunFolder, corpus, rank, world, device, resume, progress
     tokens_per_step = cfg.batch_size * cfg.model.context * world
     bar = tqdm(total=cfg.steps, initial=start, disable=not (main and progress), desc=out.name, unit="step",
                dynamic_ncols=True)  # fmt: skip
+    if start == 0:  # a fresh run: the data-dependent init, then the mechanism's numbers at init (step 0)
+        x0, _ = get_batch(corpus.train, cfg.batch_size, cfg.model.context, seed=cfg.seed, step=0, rank=rank)
+        if cfg.model.norm_init == "match_rms":
+            raw_model.match_rms_(x0.to(device))
+            if world > 1:  # every rank starts from rank 0's gammas
+                for p in raw_model.parameters():
+                    dist.broadcast(p.data, 0)
+        if main:
+            log({"step": 0, **init_telemetry(raw_model, x0.to(device))})
     train_time, loss_sum, n_loss, last_val = 0.0, 0.0, 0, None
     step = start
     model.train()
