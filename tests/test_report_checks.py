@@ -10,7 +10,8 @@ import json
 
 import pytest
 
-from normlab.report import Results, _claims
+from normlab.report import Results
+from normlab.report import claims as _verdicts
 from normlab.sweep import load_experiment
 
 H = 3.33  # the unigram entropy of the fake runs
@@ -33,6 +34,10 @@ def _results(tmp_path, name: str, values: dict, statuses: dict | None = None) ->
             (tmp_path / "runs" / run_id / "summary.json").write_text(json.dumps(summary))
     d = {"name": exp.name, "runs": runs, "baseline": exp.baseline, "checks": exp.checks, "guard": exp.guard}
     return Results(d, tmp_path)
+
+
+def _claims(res: Results) -> list[str]:
+    return [str(v) for v in _verdicts(res)]
 
 
 POINTWISE = ["dyt", "dyt_hardtanh", "dyt_sigmoid", "derf", "dyt_per_channel", "tanh_fixed"]

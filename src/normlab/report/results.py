@@ -1,0 +1,135 @@
+"""Reading a sweep root: the runs of one experiment grouped by name, with their values over seeds.
+
+Losses at different scales and vocabularies are not comparable in absolute terms (seed 003's attractor is
+7.54 nats over GPT-2 tokens; ours is the byte-level unigram entropy, ~3.33), so each loss is also placed on
+the scale from RMSNorm (0) to the attractor (1):
+
+    frac = (loss - loss_RMSNorm) / (unigram_entropy - loss_RMSNorm)
+
+and the paper's numbers are placed on the same scale with its own RMSNorm (3.21) and attractor (7.54).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from pathlib import Path
+
+from normlab.lab.runs import RunFolder, escape_step, read_summary
+
+PAPER_RMS, PAPER_ATTRACTOR = 3.21, 7.54
+__all__ = ["Results", "PAPER_RMS", "PAPER_ATTRACTOR", "frac", "untrained", "fmt", "metrics", "value"]
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return RunFolder(run_dir).metrics()
+
+
+def value(run_dir: Path, metric: str) -> float | None:
+    s = read_summary(run_dir) or {}
+    if s.get("status") != "completed":
+        return None
+    if metric in s and s[metric] is not None:
+        return float(s[metric])
+    rows = [r for r in metrics(run_dir) if metric in r]
+    return float(rows[-1][metric]) if rows else None
+
+
+class Results:
+    """Runs of one experiment grouped by name: status, values per seed, links."""
+
+    def __init__(self, exp: dict, root: Path, profile: str = "") -> None:
+        self.exp, self.root, self.profile = exp, root, profile
+        self.groups: dict[str, list[dict]] = {}
+        for r in exp["runs"]:
+            self.groups.setdefault(r["name"], []).append(r)
+
+    def run_dir(self, run: dict) -> Path:
+        return self.root / "runs" / run["run_id"]
+
+    def values(self, name: str, metric: str = "final_val_loss") -> list[float]:
+        return [v for r in self.groups.get(name, []) if (v := value(self.run_dir(r), metric)) is not None]
+
+    def mean(self, name: str, metric: str = "final_val_loss") -> float | None:
+        v = self.values(name, metric)
+        return statistics.fmean(v) if v else None
+
+    def spread(self, *names: str, metric: str = "final_val_loss") -> float:
+        """The largest standard deviation over seeds among ``names`` (0 with one seed each)."""
+        sds = [statistics.stdev(v) for n in names if len(v := self.values(n, metric)) > 1]
+        return max(sds, default=0.0)
+
+    def status(self, name: str) -> str:
+        sts = [(read_summary(self.run_dir(r)) or {}).get("status", "missing") for r in self.groups[name]]
+        return sts[0] if len(set(sts)) == 1 else ", ".join(sts)
+
+    def baseline(self, metric: str = "final_val_loss") -> float | None:
+        """The mean of the experiment's baseline run (its TOML's ``baseline``), the reference of *frac*."""
+        name = self.exp.get("baseline")
+        return self.mean(name, metric) if name in self.groups else None
+
+    def label(self, name: str) -> str:
+        return self.groups[name][0]["label"]
+
+    def meta(self, name: str) -> dict:
+        return self.groups[name][0]["meta"]
+
+    def flagged(self, flag: str) -> list[str]:
+        """The runs whose TOML entry sets ``flag`` (e.g. pointwise = true)."""
+        return [n for n in self.groups if self.meta(n).get(flag)]
+
+    def entropy(self) -> float | None:
+        for runs in self.groups.values():
+            for r in runs:
+                s = read_summary(self.run_dir(r)) or {}
+                if "unigram_entropy" in s:
+                    return s["unigram_entropy"]
+        return None
+
+    def escape(self, name: str) -> str:
+        """Each seed's escape step (the first evaluation 0.1 nats below the unigram entropy), or 'never'."""
+        h, steps = self.entropy(), []
+        for r in self.groups[name]:
+            s = read_summary(self.run_dir(r)) or {}
+            if s.get("status") != "completed":
+                steps.append("-")
+                continue
+            step = s["escape_step"] if "escape_step" in s else escape_step(metrics(self.run_dir(r)), h)
+            steps.append("never" if step is None else str(step))
+        return ", ".join(steps)
+
+    def cell(self, name: str, metric: str = "final_val_loss", fmt: str = "{:.3f}") -> str:
+        """'2.451 ± 0.012' linked to the run directories (one link per seed)."""
+        runs = self.groups[name]
+        vals = self.values(name, metric)
+        status = self.status(name)
+        links = [f"[s{r['seed']}](runs/{r['run_id']}/)" for r in runs]
+        if not vals:
+            return f"**{status}** ({', '.join(links)})"
+        text = fmt.format(statistics.fmean(vals))
+        if len(vals) > 1:
+            text += " ± " + fmt.format(statistics.stdev(vals))
+        if len(runs) == 1:
+            return f"[{text}](runs/{runs[0]['run_id']}/)"
+        return f"{text} ({', '.join(links)})"
+
+
+def frac(loss, rms, top):
+    """Position of ``loss`` from RMSNorm (0) to the attractor (1); None when RMSNorm is not below the attractor."""
+    if loss is None or rms is None or top is None or top - rms < 0.1:
+        return None
+    return (loss - rms) / (top - rms)
+
+
+def untrained(res: Results) -> str | None:
+    """Why the claims cannot be judged, when the baseline itself has not learned past the attractor."""
+    h, base = res.entropy(), res.baseline()
+    if h is not None and base is not None and base > h - 0.1:
+        return (f"RMSNorm's loss {base:.3f} is not below the unigram entropy {h:.3f}: at this scale nothing has "
+                "trained past the attractor, so the claims cannot be judged (use the default or full profile)")
+    return None
+
+
+def fmt(v, spec="{:.2f}"):
+    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else spec.format(v)
+

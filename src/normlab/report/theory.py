@@ -1,0 +1,55 @@
+"""The report's theory section, read from <root>/theory/theory.json (``normlab.reproduce.run_theory``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from normlab._table import format_table
+from normlab.report.checks import verdict
+
+__all__ = ["theory_section"]
+
+
+def _pm(stats: dict, q: str, f: str = "{:.3g}") -> str:
+    return f"{f.format(stats[q]['mean'])} ± {f.format(stats[q]['std'])}"
+
+
+def theory_section(root: Path) -> list[str]:
+    p = root / "theory" / "theory.json"
+    if not p.exists():
+        return ["## Theory\n", "_Theory checks were not run for this root (`normlab reproduce` runs them)._\n"]
+    t = json.loads(p.read_text())
+    source = ("Every number in this section comes from [theory/theory.json](theory/theory.json) "
+              "(`normlab.reproduce.run_theory`); `normlab simulate`, `normlab jacobian` and `normlab gain` "
+              "recompute each on its own.\n")  # fmt: skip
+    out = ["## Theory (seeds 000-003)\n", source]
+    out.append("### Outlier simulation and fits (seed 000 Sec. 4, seed 001 Sec. 4)\n")
+    rows = []
+    for key, label in (("rms_norm", "RMSNorm data"), ("layer_norm", "LayerNorm data")):
+        st = t["simulate"][key]["stats"]
+        rows.append([label, _pm(st, "alpha", "{:.4f}"), _pm(st, "beta", "{:.1f}"), _pm(st, "dyt_mean_abs_residual"),
+                     _pm(st, "dyisru_mean_abs_residual")])  # fmt: skip
+    rows.append(["seed 000/001 (one sample)", "0.049", "301.1", "0.33", "< 0.01"])
+    n = t["simulate"]["rms_norm"]["n_seeds"]
+    out.append(format_table([f"data (mean ± std over {n} seeds)", "DyT alpha", "DyISRU beta", "DyT mean |res|",
+                             "DyISRU mean |res|"], rows, markdown=True))  # fmt: skip
+    ln_max = t["simulate"]["layer_norm"]["stats"]["dyisru_mean_abs_residual"]["max"]
+    out.append("")
+    out.append(str(verdict(t["simulate"]["rms_norm"]["stats"]["dyisru_mean_abs_residual"]["max"] < 0.01,
+                           "on RMSNorm data DyISRU is exact (Theorem 3), DyT is off by ~0.33")))  # fmt: skip
+    out.append("")
+    out.append(str(verdict(ln_max < 0.01, f"on LayerNorm data DyISRU's mean |residual| stays < 0.01 on every "
+                           f"seed (worst seed: {ln_max:.4f})")))  # fmt: skip
+    out.append("\n![outlier fit](theory/outlier_fit_rms_norm.png)\n")
+    out.append("![outlier fit, LayerNorm](theory/outlier_fit_layer_norm.png)\n")
+    out.append("### Jacobian norms at init (seed 003, std 0.02, gamma = 1)\n")
+    seed = {(1024, "rms_norm"): "1602 / 50 / 1601", (2048, "rms_norm"): "2259 / 50 / 2258",
+            (1024, "dyt"): "32 / 0 / 32", (2048, "dyt"): "45 / 0 / 45"}  # fmt: skip
+    rows = [[r["width"], r["norm"], f"{r['diag']:.1f} / {r['coupling']:.1f} / {r['total']:.1f}",
+             seed.get((r["width"], r["norm"]), "-")] for r in t["jacobian"]]  # fmt: skip
+    out.append(format_table(["width", "norm", "ours: diag / coupling / total", "seed 003"], rows, markdown=True))
+    out.append("\n### Forward gain (seed 003 Theorems 1-2)\n\n![gain](theory/gain.png)\n")
+    return out
+
+
