@@ -97,6 +97,7 @@ class Experiment:
     checks: list[dict] = field(default_factory=list)  # the verdicts, applied by normlab.report
     figures: list[str] = field(default_factory=lambda: ["loss"])
     guard: bool = True  # judge the checks only once the baseline has trained past the attractor
+    mechanism: list[str] = field(default_factory=list)  # runs whose telemetry the "mechanism" figure draws
 
 
 @dataclass
@@ -118,7 +119,7 @@ class RunSpec:
 
 def builtin_experiments() -> list[str]:
     """Names of the experiments shipped with normlab, in report order."""
-    order = ["pointwise", "width", "denominator", "coupling", "coupling_sweep", "rank", "beyond"]
+    order = ["phase", "pointwise", "width", "denominator", "coupling", "coupling_sweep", "rank", "beyond"]
     found = {p.name[:-5] for p in resources.files("normlab.experiments").iterdir() if p.name.endswith(".toml")}
     return [n for n in order if n in found] + sorted(found - set(order))
 
@@ -146,6 +147,13 @@ def load_experiment(name_or_path: str) -> Experiment:
     for i, r in enumerate(d["runs"]):
         if "name" not in r or "set" not in r:
             raise ValueError(f"{where}: run {i} needs 'name' and 'set'")
+        budget = r.get("budget", 1)
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+            raise ValueError(f"{where}: run {r['name']!r}: budget (a multiple of the profile's steps) must be an "
+                             f"int >= 1, got {budget!r}")  # fmt: skip
+    missing_runs = [n for n in d.get("mechanism", []) if n not in {r["name"] for r in d["runs"]}]
+    if missing_runs:
+        raise ValueError(f"{where}: mechanism names a run that does not exist: {missing_runs[0]!r}")
     names = {r["name"] for r in d["runs"]}
     if d.get("baseline") is not None and d["baseline"] not in names:
         raise ValueError(f"{where}: baseline {d['baseline']!r} is not one of its runs ({', '.join(sorted(names))})")
@@ -159,13 +167,15 @@ def load_experiment(name_or_path: str) -> Experiment:
                       claim=d.get("claim", ""), runs=d["runs"], seeds=d.get("seeds", [0, 1, 2]),
                       metrics=d.get("metrics", ["final_val_loss"]), base=d.get("base", {}).get("set", {}),
                       path=where, baseline=d.get("baseline"), checks=d.get("checks", []),
-                      figures=d.get("figures", ["loss"]), guard=d.get("guard", True))  # fmt: skip
+                      figures=d.get("figures", ["loss"]), guard=d.get("guard", True),
+                      mechanism=d.get("mechanism", []))  # fmt: skip
 
 
 def expand(exp: Experiment, profile: str, root: str | Path, extra: dict | None = None) -> list[RunSpec]:
     """The runs of ``exp`` at ``profile``, each with a resolved, validated config.
 
     Overrides apply in order: the profile, the run's shape, the experiment's [base], the run's set, ``extra``.
+    A run's ``budget = k`` multiplies the profile's steps by k (16x the default's tokens at ``long``'s 4x).
     """
     if profile not in PROFILES:
         raise ValueError(f"unknown profile {profile!r}; valid: {', '.join(PROFILES)}")
@@ -181,6 +191,8 @@ def expand(exp: Experiment, profile: str, root: str | Path, extra: dict | None =
         overrides.update(exp.base)
         overrides.update(run["set"])
         overrides.update(extra or {})
+        if run.get("budget", 1) != 1:
+            overrides["steps"] = run["budget"] * resolve_config(prof["preset"], dict(prof["set"])).steps
         for seed in seeds:
             cfg = resolve_config(prof["preset"], {**overrides, "seed": seed})
             if run.get("beta_rms_gain"):  # beta0 = C * sigma0^2 with sigma0 = 0.02: RMSNorm's gain at init
@@ -289,7 +301,7 @@ def write_index(experiments: list[Experiment], profile: str, root: str | Path) -
         index["experiments"].append({"name": exp.name, "title": exp.title, "source": exp.source,
                                      "claim": exp.claim, "metrics": exp.metrics, "baseline": exp.baseline,
                                      "checks": exp.checks, "figures": exp.figures, "guard": exp.guard,
-                                     "runs": runs})  # fmt: skip
+                                     "mechanism": exp.mechanism, "runs": runs})  # fmt: skip
     path = Path(root) / "index.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(index, indent=2) + "\n")

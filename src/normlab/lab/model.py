@@ -204,13 +204,13 @@ class GPT(nn.Module):
         for name, m in self.norm_modules().items():
             if not norm_spec(m.registry_name).pointwise or getattr(m, "weight", None) is None:
                 continue
-            out = {}
-            handle = m.register_forward_hook(lambda mod, args, y: out.setdefault("y", y))
+            outputs: list[torch.Tensor] = []
+            handle = m.register_forward_hook(lambda mod, args, y, seen=outputs: seen.append(y))
             try:
                 self(idx)
             finally:
                 handle.remove()
-            rms = float(out["y"].float().pow(2).mean().sqrt())
+            rms = float(outputs[0].float().pow(2).mean().sqrt())
             if rms > 0 and math.isfinite(rms):
                 m.weight.mul_(1.0 / rms)
                 factors[name] = 1.0 / rms

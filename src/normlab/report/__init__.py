@@ -13,6 +13,7 @@ import os
 import platform
 from pathlib import Path
 
+from normlab.report import phase  # noqa: F401  (registers the phase experiment's checks and figures)
 from normlab.report.checks import CHECKS, Verdict, claims
 from normlab.report.figures import FIGURES, table
 from normlab.report.results import Results

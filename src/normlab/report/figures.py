@@ -14,7 +14,7 @@ from normlab._table import format_table  # noqa: E402
 from normlab.lab.runs import RunFolder  # noqa: E402
 from normlab.report.results import PAPER_ATTRACTOR, PAPER_RMS, Results, fmt, frac, metrics  # noqa: E402
 
-__all__ = ["FIGURES", "table"]
+__all__ = ["FIGURES", "table", "register_figure"]
 
 
 def table(res: Results) -> str:
@@ -173,3 +173,13 @@ def _init_sensitivity(res: Results, path: Path, other: Results | None = None) ->
 
 
 FIGURES = {"loss": _loss_curves, "dose": _dose_response, "rank": _rank_bars, "init": _init_sensitivity}
+
+
+def register_figure(name: str):
+    """Decorator: a figure that experiments' TOMLs may name (``figures = [...]``)."""
+
+    def deco(fn):
+        FIGURES[name] = fn
+        return fn
+
+    return deco

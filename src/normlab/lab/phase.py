@@ -1,0 +1,58 @@
+"""When does a point-wise norm train? The prediction from a config at init, before any step.
+
+Seed 003 explains the unigram attractor by signal scale: with GPT-2 init the residual stream has std ~0.02,
+so alpha * x stays in tanh's linear region, the point-wise norm passes a signal ~alpha * 0.02 where RMSNorm
+passes 1, and the model falls back on the unigram. Two quantities follow from that argument, and both are
+measured here on the model at init (random bytes, no data, no training):
+
+* ``alpha_rms``: alpha0 times the RMS of block 0's input, seed 003's own quantity (how far into f's
+  non-linear region the first block's norm works);
+* ``logit_gain``: the std of the logits at init relative to RMSNorm's at GPT-2 init, 0.02 * sqrt(C)
+  (RMSNorm's output has RMS 1 and the head is N(0, 0.02)). It is the same scale argument applied at the
+  output, where the head reads the final norm: the point-wise model's logits are alpha * sigma * gamma
+  times quieter, unless an embedding scale, a larger init, a gamma matched to RMSNorm (``match_rms``) or
+  an RMSNorm at the final site makes up for it.
+
+The prediction: a run escapes the attractor within the default budget when ``logit_gain`` reaches
+``ESCAPE_THRESHOLD``. The threshold was set at half of RMSNorm's scale before the phase grid was run, from
+a pilot of 18 single-seed runs (README, "When does a point-wise norm train?"); the report states how many
+runs of the grid fall on the predicted side, for this quantity and for ``alpha_rms``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from normlab.lab.metrics import init_telemetry
+from normlab.lab.model import GPT, GPTConfig
+
+__all__ = ["ESCAPE_THRESHOLD", "GPT2_STD", "predict", "predicted_escape"]
+
+GPT2_STD = 0.02  # seed 003's init std; RMSNorm's logits at init then have std 0.02 * sqrt(C)
+ESCAPE_THRESHOLD = 0.5  # logit_gain at which a run is predicted to leave the attractor
+
+
+def predicted_escape(logit_gain: float) -> bool:
+    return logit_gain >= ESCAPE_THRESHOLD
+
+
+@torch.no_grad()
+def predict(cfg: GPTConfig, *, seed: int = 0, batch: int = 8) -> dict[str, float | bool]:
+    """The model of ``cfg`` at init, on random bytes: alpha_rms and rms_out at block 0's attention norm,
+    the logits' std, logit_gain (relative to RMSNorm at GPT-2 init), and the predicted escape."""
+    torch.manual_seed(seed)
+    model = GPT(cfg).eval()
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(cfg.vocab_size, (batch, cfg.context), generator=g)
+    if cfg.norm_init == "match_rms":
+        model.match_rms_(idx)
+    tele = init_telemetry(model, idx)
+    logits, _ = model(idx)
+    logit_std = float(logits.float().std())
+    gain = logit_std / (GPT2_STD * math.sqrt(cfg.width))
+    site = "blocks.0.norm_attn"
+    return {"alpha_rms": tele.get(f"alpha_rms/{site}", math.nan), "rms_out": tele[f"rms_out/{site}"],
+            "rms_in": tele[f"rms_in/{site}"], "logit_std": logit_std, "logit_gain": gain,
+            "predicted_escape": predicted_escape(gain)}  # fmt: skip
