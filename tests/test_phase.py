@@ -205,8 +205,9 @@ def _phase_results(tmp_path, losses: dict, with_configs: bool = False) -> Result
         d.mkdir(parents=True, exist_ok=True)
         loss = losses.get(spec.name, H)
         loss = loss(spec) if callable(loss) else loss
-        (d / "summary.json").write_text(json.dumps({"status": "completed", "unigram_entropy": H,
-                                                   "final_val_loss": loss + 0.001 * spec.seed}))  # fmt: skip
+        summary = {"status": "completed", "unigram_entropy": H, "final_val_loss": loss + 0.001 * spec.seed,
+                   "escape_step": 100 if loss < H - 0.1 else None}  # fmt: skip
+        (d / "summary.json").write_text(json.dumps(summary))
         if with_configs:
             (d / "config.json").write_text(json.dumps(spec.config.to_dict()))
     return Results({"name": exp.name, "runs": runs, "baseline": exp.baseline, "checks": exp.checks,
@@ -215,21 +216,21 @@ def _phase_results(tmp_path, losses: dict, with_configs: bool = False) -> Result
 
 def test_phase_checks_agree(tmp_path):
     good = {"rms_norm": 2.6, "dyt_sqrtd": 2.8, "derf_sqrtd": 2.8, "dyt_llama": 2.7, "derf_llama": 2.7,
-            "scaled_dyt_sqrtd": 2.9, "dyt_match": 2.5, "derf_match": 2.52, "hardtanh_match": 2.55}
+            "scaled_dyt_sqrtd": 2.65, "dyt_match": 2.5, "derf_match": 2.52, "hardtanh_match": 2.55}
     lines = [str(v) for v in claims(_phase_results(tmp_path, good))]
     assert lines[0].startswith("**agrees**: the point-wise norms in seed 003's setting")
     escapes = [line for line in lines if "the papers' recipe" in line]
     assert len(escapes) == 4 and all(line.startswith("**agrees**") for line in escapes)
-    assert "DyT + sqrt(d) scalar: 2.800 (escapes on every seed; escape step" in escapes[0]
+    assert "DyT + sqrt(d) scalar: 2.800 (escapes on every seed; escape step 100, 100)" in escapes[0]
     assert "+0.200 from RMSNorm's 2.601" in escapes[0]
     shape = next(line for line in lines if line.startswith("**agrees**: tanh, erf and hardtanh"))
     assert "all escape, span 0.050 nats" in shape
     assert any(line.startswith("**agrees**: scaled DyT (output up to sqrt(C)) against DyT") for line in lines)
     # in seed 003's setting both stay at the attractor: the sqrt(C) hypothesis is not borne out there
-    assert any(line.startswith("**disagrees**: scaled DyT against DyT in seed 003's setting") for line in lines)
+    assert any(line.startswith("**inconclusive**: scaled DyT against DyT in seed 003's setting") for line in lines)
     lines = [str(v) for v in claims(_phase_results(tmp_path / "b", {"rms_norm": 2.6, "scaled_dyt": 2.9}))]
-    assert any(line.startswith("**agrees**: scaled DyT against DyT in seed 003's setting: scaled DyT 2.900 vs "
-                               "DyT 3.330") for line in lines)  # fmt: skip
+    assert any(line.startswith("**agrees**: scaled DyT against DyT in seed 003's setting: scaled DyT 2.901 vs "
+                               "DyT 3.33") for line in lines), lines  # fmt: skip
 
 
 def test_phase_checks_disagree(tmp_path):
@@ -246,15 +247,15 @@ def test_phase_sorts_both_ways(tmp_path):
     def as_predicted(spec):
         return 2.6 if predict(spec.config.model, seed=spec.seed)["predicted_escape"] else H
 
-    def against(spec):
-        return H if as_predicted(spec) < H else 2.6
+    def against(spec):  # the baseline still trains (else every check is inconclusive); the rest against
+        return 2.6 if spec.name == "rms_norm" else H if as_predicted(spec) < H else 2.6
 
     (good,) = [v for v in claims(_phase_results(tmp_path / "a", {n: as_predicted for n in _names()}, True))
                if "predicted boundary" in v.text]  # fmt: skip
     assert good.ok is True and good.numbers["fraction"] == 1.0 and "100% of 56 runs" in good.text
     (bad,) = [v for v in claims(_phase_results(tmp_path / "b", {n: against for n in _names()}, True))
               if "predicted boundary" in v.text]  # fmt: skip
-    assert bad.ok is False and bad.numbers["fraction"] == 0.0 and "on the wrong side: " in bad.text
+    assert bad.ok is False and bad.numbers["fraction"] == pytest.approx(2 / 56) and "on the wrong side: " in bad.text
 
 
 def _names():
