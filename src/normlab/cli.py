@@ -161,6 +161,25 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0 if summary["status"] in ("completed", "diverged") else 1
 
 
+def _cmd_predict(args: argparse.Namespace) -> int:
+    """Each config's prediction at init: seed 003's alpha * RMS, the logits' scale, and the predicted side."""
+    from normlab.lab import resolve_config
+    from normlab.lab.phase import ESCAPE_THRESHOLD, predict
+
+    rows = []
+    for norm in args.norm:
+        cfg = resolve_config(args.preset, args.set, norm=norm)
+        p = predict(cfg.model, seed=cfg.seed)
+        rows.append([norm, f"{p['rms_in']:.4g}", f"{p['alpha_rms']:.4g}", f"{p['rms_out']:.4g}", f"{p['logit_gain']:.3g}",
+                     "escapes" if p["predicted_escape"] else "stays at the attractor"])  # fmt: skip
+    print(format_table(["norm", "RMS(block 0 input)", "alpha x RMS", "RMS(norm output)", "logit scale / RMSNorm's",
+                        "predicted"], rows))  # fmt: skip
+    print(f"predicted boundary, for a short budget (the default profile's 250 steps): the logits' std at init at "
+          f"least {ESCAPE_THRESHOLD:g} x RMSNorm's at GPT-2 init (0.02 sqrt(C)). A run below it sits on the attractor "
+          "longer, not forever: see the phase experiment of `normlab reproduce` and the README")  # fmt: skip
+    return 0
+
+
 def _cmd_sweep(args: argparse.Namespace) -> int:
     from normlab.sweep import builtin_experiments, expand, load_experiment, parse_shard, run_sweep, write_index
 
@@ -348,6 +367,13 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--overwrite", action="store_true", help="start over in an --out that already holds a run")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     t.set_defaults(func=_cmd_train)
+
+    pr = sub.add_parser("predict", help="will a point-wise norm leave the unigram attractor? its signal scale at init")
+    pr.add_argument("--norm", nargs="+", default=["rms_norm", "dyt", "derf", "scaled_dyt", "dyisru"])
+    pr.add_argument("--preset", default="cpu", choices=list(PRESETS))
+    pr.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="config fields, as for train, e.g. model.embed_scale=sqrt_d model.init_std=0.16")
+    pr.set_defaults(func=_cmd_predict)
 
     from normlab.sweep import PROFILES, default_jobs
 
