@@ -98,7 +98,8 @@ def test_alpha_table_gives_the_dyt_papers_alpha0_per_site():
     cfg = GPTConfig(width=64, depth=1, heads=4, context=16, norm="dyt", norm_final="rms_norm",
                     alpha_table="dyt_paper@8192", norm_attn_kwargs={"alpha_init": 3.0})  # fmt: skip
     model = GPT(cfg)
-    assert float(model.blocks[0].norm_attn.alpha) == 3.0 and float(model.blocks[0].norm_mlp.alpha) == pytest.approx(0.05)
+    assert float(model.blocks[0].norm_attn.alpha) == 3.0
+    assert float(model.blocks[0].norm_mlp.alpha) == pytest.approx(0.05)
 
 
 def test_match_rms_gives_every_pointwise_site_the_output_rms_of_rmsnorm():

@@ -170,8 +170,8 @@ def _cmd_predict(args: argparse.Namespace) -> int:
     for norm in args.norm:
         cfg = resolve_config(args.preset, args.set, norm=norm)
         p = predict(cfg.model, seed=cfg.seed)
-        rows.append([norm, f"{p['rms_in']:.4g}", f"{p['alpha_rms']:.4g}", f"{p['rms_out']:.4g}", f"{p['logit_gain']:.3g}",
-                     "escapes" if p["predicted_escape"] else "stays at the attractor"])  # fmt: skip
+        cells = [f"{p[k]:.4g}" for k in ("rms_in", "alpha_rms", "rms_out", "logit_gain")]
+        rows.append([norm, *cells, "escapes" if p["predicted_escape"] else "stays at the attractor"])
     print(format_table(["norm", "RMS(block 0 input)", "alpha x RMS", "RMS(norm output)", "logit scale / RMSNorm's",
                         "predicted"], rows))  # fmt: skip
     print(f"predicted boundary, for a short budget (the default profile's 250 steps): the logits' std at init at "
