@@ -107,15 +107,18 @@ def _dose_response(res: Results, path: Path, other: Results | None = None) -> Pa
 
 
 def _rank_bars(res: Results, path: Path, other: Results | None = None) -> Path | None:
-    names = ["rms_norm", "rms_detached"]
-    ours = {m: [res.mean(n, m) for n in names] for m in ("erank_attn_proj", "erank_mlp_proj")}
+    greater = [c for c in res.exp.get("checks", []) if c["kind"] == "greater"]  # the TOML names the pair
+    if not greater:
+        return None
+    names = [greater[0]["a"], greater[0]["b"]]
+    ours = {c["metric"]: [res.mean(n, c["metric"]) for n in names] for c in greater}
     if any(v is None for vs in ours.values() for v in vs):
         return None
     fig, axes = plt.subplots(1, 2, figsize=(8, 3.5))
     paper = {m: [res.meta(n)["paper"][m] for n in names] for m in ours}
     for ax, (m, vals) in zip(axes, ours.items()):
         ax.bar([0, 1], vals, color=["tab:blue", "tab:orange"])
-        ax.set_xticks([0, 1], ["RMSNorm", "detached"])
+        ax.set_xticks([0, 1], [res.label(n) for n in names])
         ax.set_title(f"{m}\n(seed 003 at width 1024: {paper[m][0]} vs {paper[m][1]})", fontsize=9)
         ax.set_ylabel("effective rank (ours)")
     fig.tight_layout()
@@ -141,7 +144,7 @@ def _init_sensitivity(res: Results, path: Path, other: Results | None = None) ->
         vals = res.values(n)
         if f in pts and vals and (x := _init_value(res, runs[0])) is not None:
             sd = statistics.stdev(vals) if len(vals) > 1 else 0.0
-            pts[f].append((x, statistics.fmean(vals), sd, runs[0]["label"]))
+            pts[f].append((x, statistics.fmean(vals), sd, bool(runs[0]["meta"].get("beta_rms_gain"))))
     if not any(pts.values()):
         return None
     fig, axes = plt.subplots(1, len(fams), figsize=(5 * len(fams), 3.8), sharey=True)
@@ -150,13 +153,14 @@ def _init_sensitivity(res: Results, path: Path, other: Results | None = None) ->
         if rows:
             ax.errorbar([r[0] for r in rows], [r[1] for r in rows], yerr=[r[2] for r in rows], marker="o", capsize=3)
             for r in rows:
-                if "C *" in r[3]:
+                if r[3]:  # the run whose beta0 gives RMSNorm's gain (its TOML sets beta_rms_gain)
                     ax.annotate("C sigma0^2\n(RMSNorm's gain)", (r[0], r[1]), fontsize=7, xytext=(6, 0),
                                 textcoords="offset points")  # fmt: skip
         ax.set_xscale("log")
         ax.set_xlabel(title)
-        for n, c in (("rms_norm", "k"), ("eln_b4", "tab:green")):
-            v = res.mean(n)
+        refs = [res.exp.get("baseline"), *res.flagged("reference")]  # the TOML's baseline and reference runs
+        for n, c in zip(refs, ("k", "tab:green", "tab:purple")):
+            v = res.mean(n) if n in res.groups else None
             if v is not None:
                 ax.axhline(v, c=c, ls="--", lw=1, label=f"{n}: {v:.3f}")
         h = res.entropy()
