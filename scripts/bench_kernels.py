@@ -37,10 +37,10 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 def _ops(n: int, dev, dtype):
     """(name, make_params, reference_fn, fused_fn | None, liger_fn | None) for each op."""
-    from normlab.kernels import dyisru as k_dyisru
-    from normlab.kernels import dyt as k_dyt
-    from normlab.kernels import rms_norm as k_rms
     from normlab.kernels import triton_status
+    from normlab.kernels.fused import dyisru as k_dyisru
+    from normlab.kernels.fused import dyt as k_dyt
+    from normlab.kernels.fused import rms_norm as k_rms
 
     fused_ok = triton_status()[0] and dev.type == "cuda"
     liger = {}

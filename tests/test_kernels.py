@@ -31,7 +31,7 @@ def _inputs(m, n, dtype, seed=0):
 @pytest.mark.parametrize("m", ROWS)
 @pytest.mark.parametrize("per_channel,bias", VARIANTS, ids=VARIANT_IDS)
 def test_dyt(m, n, dtype, per_channel, bias):
-    from normlab.kernels import dyt
+    from normlab.kernels.fused import dyt
 
     x, dy, w, b, g = _inputs(m, n, dtype)
     alpha = (0.3 + torch.rand(n if per_channel else 1, generator=g)).to(DEVICE, dtype)
@@ -44,7 +44,7 @@ def test_dyt(m, n, dtype, per_channel, bias):
 @pytest.mark.parametrize("m", ROWS)
 @pytest.mark.parametrize("per_channel,bias", VARIANTS, ids=VARIANT_IDS)
 def test_dyisru(m, n, dtype, per_channel, bias):
-    from normlab.kernels import dyisru
+    from normlab.kernels.fused import dyisru
 
     x, dy, w, b, g = _inputs(m, n, dtype)
     beta = (0.5 + 3 * torch.rand(n if per_channel else 1, generator=g)).to(DEVICE, dtype)
@@ -57,7 +57,7 @@ def test_dyisru(m, n, dtype, per_channel, bias):
 @pytest.mark.parametrize("m", ROWS)
 @pytest.mark.parametrize("per_channel,bias", VARIANTS, ids=VARIANT_IDS)
 def test_derf(m, n, dtype, per_channel, bias):
-    from normlab.kernels import derf
+    from normlab.kernels.fused import derf
 
     x, dy, w, b, g = _inputs(m, n, dtype)
     k = n if per_channel else 1
@@ -71,7 +71,7 @@ def test_derf(m, n, dtype, per_channel, bias):
 @pytest.mark.parametrize("n", CHANNELS)
 @pytest.mark.parametrize("m", ROWS)
 def test_rms_norm(m, n, dtype):
-    from normlab.kernels import rms_norm
+    from normlab.kernels.fused import rms_norm
 
     x, dy, w, _, _ = _inputs(m, n, dtype)
     eps = 1e-6
@@ -82,14 +82,14 @@ def test_rms_norm(m, n, dtype):
 
 def test_rms_norm_long_rows_stream_in_chunks():
     """Rows longer than one block (8192) take the chunked two-pass path."""
-    from normlab.kernels import rms_norm
+    from normlab.kernels.fused import rms_norm
 
     x, dy, w, _, _ = _inputs(2, 8193, torch.float32)
     _check(lambda x, w: rms_norm(x, w, 1e-6), lambda x, w: FN.rms_norm(x, w, 1e-6), [x, w], dy, torch.float32, "rms")
 
 
 def test_large_fp16_inputs_do_not_overflow_dyisru():
-    from normlab.kernels import dyisru
+    from normlab.kernels.fused import dyisru
 
     x = torch.linspace(-6e4, 6e4, 64).to(DEVICE, torch.float16)[None]
     one = torch.ones(1, device=DEVICE, dtype=torch.float16)
@@ -99,7 +99,7 @@ def test_large_fp16_inputs_do_not_overflow_dyisru():
 
 
 def test_non_contiguous_input_and_batch_shapes():
-    from normlab.kernels import dyt
+    from normlab.kernels.fused import dyt
 
     base = torch.randn(16, 5, 3, device=DEVICE)
     x = base.transpose(0, 2)  # (3, 5, 16), last axis strided
@@ -110,7 +110,7 @@ def test_non_contiguous_input_and_batch_shapes():
 
 
 def test_parameter_gradients_are_deterministic():
-    from normlab.kernels import dyt
+    from normlab.kernels.fused import dyt
 
     x, dy, w, b, _ = _inputs(37, 1023, torch.float32)
     grads = []
@@ -124,7 +124,7 @@ def test_parameter_gradients_are_deterministic():
 
 
 def test_mismatched_dtype_or_device_is_a_clear_error():
-    from normlab.kernels import dyisru, dyt, rms_norm
+    from normlab.kernels.fused import dyisru, dyt, rms_norm
 
     x = torch.randn(4, 8, device=DEVICE, dtype=torch.bfloat16)
     w = torch.ones(8, device=DEVICE)  # float32
@@ -137,11 +137,11 @@ def test_mismatched_dtype_or_device_is_a_clear_error():
 
 
 def test_modules_dispatch(monkeypatch):
-    import normlab.kernels as K
+    import normlab.kernels.fused as F
 
     calls = []
-    real = K.dyt
-    monkeypatch.setattr(K, "dyt", lambda *a: calls.append(1) or real(*a))
+    real = F.dyt
+    monkeypatch.setattr(F, "dyt", lambda *a: calls.append(1) or real(*a))
     x = torch.randn(3, 16, device=DEVICE)
     ref = normlab.create_norm("dyt", 16, kernel="reference").to(DEVICE)
     fused = normlab.create_norm("dyt", 16, kernel="triton").to(DEVICE)
@@ -164,7 +164,7 @@ def test_modules_dispatch(monkeypatch):
 
 def test_fused_dyt_saves_only_its_input():
     """Activation memory: the fused DyT keeps x (and its parameters) for the backward, nothing else."""
-    from normlab.kernels import dyt
+    from normlab.kernels.fused import dyt
 
     x = torch.randn(64, 256, device=DEVICE, requires_grad=True)
     alpha = torch.full((1,), 0.5, device=DEVICE, requires_grad=True)

@@ -30,13 +30,26 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence], markdown: boo
 
 
 def append_csv(path: str | Path, rows: list[dict]) -> Path:
-    """Append rows to a CSV (header written when the file is new): benchmarks keep one growing table."""
+    """Append rows to a CSV: benchmarks keep one growing table. When the rows bring columns the file lacks,
+    the file is rewritten under the union of the columns (older rows leave the new cells empty), so that
+    every row has as many cells as the header."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    new = not path.exists()
-    with path.open("a", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        if new:
+    old_rows, columns = [], []
+    if path.exists() and path.stat().st_size:
+        with path.open(newline="") as f:
+            reader = csv.DictReader(f)
+            columns, old_rows = list(reader.fieldnames or []), list(reader)
+    new_columns = [k for r in rows for k in r if k not in columns]
+    columns += list(dict.fromkeys(new_columns))
+    if new_columns or not old_rows:
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        with tmp.open("w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=columns, restval="")
             w.writeheader()
-        w.writerows(rows)
+            w.writerows([*old_rows, *rows])
+        tmp.replace(path)
+    else:
+        with path.open("a", newline="") as f:
+            csv.DictWriter(f, fieldnames=columns, restval="").writerows(rows)
     return path

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from normlab._table import format_table
+from normlab.errors import NormlabError
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -238,7 +239,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     from normlab.registry import norm_spec
 
     norm_spec(args.to)  # bad input fails before the model is loaded
-    for name in ("seq_len", "max_batches"):
+    for name in ("seq_len", "sequences"):
         if getattr(args, name) < (2 if name == "seq_len" else 1):
             raise ValueError(f"--{name.replace('_', '-')} must be >= {2 if name == 'seq_len' else 1}, "
                              f"got {getattr(args, name)}")  # fmt: skip
@@ -255,7 +256,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     if tokenizer is None:
         print(f"{args.model} has no tokenizer: using byte values mod {vocab} as token ids")
     text = args.calibrate or fetch_shakespeare()
-    calib, held = text_batches(text, tokenizer, vocab, args.seq_len, args.max_batches, args.max_batches)
+    calib, held = text_batches(text, tokenizer, vocab, args.seq_len, args.sequences, args.sequences)
     original = copy.deepcopy(model)
     include = (lambda name, m: not any(fnmatch.fnmatch(name, pat) for pat in args.exclude)) if args.exclude else None
     record = convert_norms(model, args.to, calibrate=None if args.no_calibrate else calib, per=args.per,
@@ -421,8 +422,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="keep the norms whose names match (fnmatch), e.g. 'model.norm' for the final norm")
     cv.add_argument("--init", nargs="*", default=[], metavar="KEY=VALUE", help="init values of every replacement")
     cv.add_argument("--seq-len", type=_count, default=128, help="tokens per sequence (default 128)")
-    cv.add_argument("--max-batches", type=_count, default=32,
-                    help="sequences to calibrate on, and as many held out to measure (default 32)")
+    cv.add_argument("--sequences", type=_count, default=32,
+                    help="sequences of --seq-len tokens to calibrate on, and as many held out to measure (default 32)")
     cv.add_argument("--heal-minutes", type=float, help="heal for this many minutes (block-wise reconstruction)")
     cv.add_argument("--heal-tokens", type=_count, help="heal on this many tokens instead")
     cv.add_argument("--heal-train", choices=["norms", "all"], default="norms",
@@ -445,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
     args.argv = argv
     try:
         return args.func(args)
-    except (ValueError, TypeError, FileNotFoundError, RuntimeError) as e:  # bad input: one clear line
+    except (ValueError, TypeError, FileNotFoundError, NormlabError) as e:  # bad input: one clear line
         print(f"normlab {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # a second Ctrl-C, or one outside a training loop

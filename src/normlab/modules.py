@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from normlab import functional as FN
+from normlab import kernels as K
 
 __all__ = [
     "LayerNorm",
@@ -133,7 +134,7 @@ class LayerNorm(_Norm):
 
     def forward(self, x: Tensor) -> Tensor:
         self._check(x)
-        weight, bias = _autocast_params(x, self.weight, self.bias)
+        weight, bias = K.autocast_params(x, self.weight, self.bias)
         same = x.is_floating_point() and all(p is None or p.dtype == x.dtype for p in (weight, bias))
         if self.kernel == "auto" and same and not torch.compiler.is_compiling():
             return F.layer_norm(x, (self.dim,), weight, bias, self.eps)
@@ -162,26 +163,10 @@ class _ScaleNorm(_Norm):
 
 
 def _kernel_choice(kernel: str, owner: str, choices: tuple[str, ...] | None = None) -> str:
-    from normlab.kernels import KERNEL_CHOICES
-
-    choices = choices or KERNEL_CHOICES
+    choices = choices or K.KERNEL_CHOICES
     if kernel not in choices:
         raise ValueError(f"{owner}: expected kernel in {choices}, got {kernel!r}")
     return kernel
-
-
-def _path(module: nn.Module, x: Tensor, *params: Tensor | None) -> str:
-    """'triton', 'cpu' or 'reference' for this module's ``kernel`` setting and this input."""
-    from normlab.kernels import select
-
-    return select(module.kernel, x, type(module).__name__, *params)
-
-
-def _autocast_params(x: Tensor, *params: Tensor | None):
-    """Under torch.autocast the fused kernels take the parameters in the input's dtype, as autocast would."""
-    if torch.is_autocast_enabled(x.device.type):
-        return tuple(None if p is None else p.to(x.dtype) for p in params)
-    return params
 
 
 class RMSNorm(_ScaleNorm):
@@ -193,17 +178,7 @@ class RMSNorm(_ScaleNorm):
 
     def forward(self, x: Tensor) -> Tensor:
         self._check(x)
-        (weight,) = _autocast_params(x, self.weight)
-        path = _path(self, x, weight)
-        if path == "triton":
-            from normlab.kernels import rms_norm as fused
-
-            return fused(x, weight, self.eps)
-        if path == "cpu":
-            from normlab.kernels import cpu
-
-            return cpu.rms_norm(x, weight, self.eps)
-        return FN.rms_norm(x, self.weight, self.eps)
+        return K.rms_norm(x, self.weight, self.eps, kernel=self.kernel)
 
 
 class L1Norm(_ScaleNorm):
@@ -328,25 +303,13 @@ class _DyTFamily(_Norm):
 class DyT(_DyTFamily):
     """DyT; ``kernel="auto"`` runs the Triton kernel on CUDA tensors and the fused CPU path on CPU tensors."""
 
-    _fn = staticmethod(FN.dyt)
-
     def __init__(self, dim: int, *, kernel: str = "auto", **kwargs) -> None:
         self.kernel = _kernel_choice(kernel, "DyT")
         super().__init__(dim, **kwargs)
 
     def forward(self, x: Tensor) -> Tensor:
         self._check(x)
-        params = _autocast_params(x, self.alpha, self.weight, self.bias)
-        path = _path(self, x, *params)
-        if path == "triton":
-            from normlab.kernels import dyt as fused
-
-            return fused(x, *params)
-        if path == "cpu":
-            from normlab.kernels import cpu
-
-            return cpu.dyt(x, *params)
-        return FN.dyt(x, self.alpha, self.weight, self.bias)
+        return K.dyt(x, self.alpha, self.weight, self.bias, kernel=self.kernel)
 
 
 class Derf(_DyTFamily):
@@ -367,17 +330,7 @@ class Derf(_DyTFamily):
 
     def forward(self, x: Tensor) -> Tensor:
         self._check(x)
-        alpha, shift, weight, bias = _autocast_params(x, self.alpha, self.shift, self.weight, self.bias)
-        path = _path(self, x, alpha, shift, weight, bias)
-        if path == "triton":
-            from normlab.kernels import derf as fused
-
-            return fused(x, alpha, shift, weight, bias)
-        if path == "cpu":
-            from normlab.kernels import cpu
-
-            return cpu.derf(x, alpha, shift, weight, bias)
-        return FN.derf(x, self.alpha, self.shift, self.weight, self.bias)
+        return K.derf(x, self.alpha, self.shift, self.weight, self.bias, kernel=self.kernel)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, shift_init={self.shift_init}"
@@ -412,18 +365,7 @@ class ScaledDyT(_DyTFamily):
 
     def forward(self, x: Tensor) -> Tensor:
         self._check(x)
-        alpha, weight, bias = _autocast_params(x, self.alpha, self.weight, self.bias)
-        path = _path(self, x, alpha, weight, bias)
-        s = FN.channel_scale(self.dim, self.scale)
-        if path == "triton":  # DyT's kernel with the scale folded into the weight
-            from normlab.kernels import dyt as fused
-
-            return fused(x, alpha, weight * s, bias)
-        if path == "cpu":
-            from normlab.kernels import cpu
-
-            return cpu.dyt(x, alpha, weight, bias, scale=s)
-        return FN.scaled_dyt(x, self.alpha, self.weight, self.bias, self.scale)
+        return K.scaled_dyt(x, self.alpha, self.weight, self.bias, scale=self.scale, kernel=self.kernel)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, scale={self.scale!r}"
@@ -466,7 +408,6 @@ class SignSqrt(_Norm):
 class _ISRUFamily(_Norm):
     """scale * z / sqrt(beta + z^2) with a learnable beta > 0, stored as log_beta."""
 
-    _fn = staticmethod(FN.dyisru)
     _default_scale: FN.Scale = "C"
 
     def __init__(
@@ -496,10 +437,6 @@ class _ISRUFamily(_Norm):
         super().reset_parameters()
         nn.init.constant_(self.log_beta, math.log(self.beta_init))
 
-    def forward(self, x: Tensor) -> Tensor:
-        self._check(x)
-        return self._fn(x, self.beta, self.weight, self.bias, self.scale)
-
     def extra_repr(self) -> str:
         return (
             f"{super().extra_repr()}, beta_init={self.beta_init}, per_channel_beta={self.per_channel_beta}, "
@@ -510,7 +447,6 @@ class _ISRUFamily(_Norm):
 class DyISRU(_ISRUFamily):
     """sqrt(C) * x / sqrt(beta + x^2) (seed 000 eq. 16); ``kernel="auto"`` fuses it on CUDA and CPU tensors."""
 
-    _fn = staticmethod(FN.dyisru)
     _default_scale = "C"
 
     def __init__(self, dim: int, *, kernel: str = "auto", **kwargs) -> None:
@@ -519,17 +455,7 @@ class DyISRU(_ISRUFamily):
 
     def forward(self, x: Tensor) -> Tensor:
         self._check(x)
-        beta, weight, bias = _autocast_params(x, self.beta, self.weight, self.bias)
-        path = _path(self, x, beta, weight, bias)
-        if path == "triton":
-            from normlab.kernels import dyisru as fused
-
-            return fused(x, beta, weight, bias, FN.channel_scale(self.dim, self.scale))
-        if path == "cpu":
-            from normlab.kernels import cpu
-
-            return cpu.dyisru(x, beta, weight, bias, scale=FN.channel_scale(self.dim, self.scale))
-        return FN.dyisru(x, self.beta, self.weight, self.bias, self.scale)
+        return K.dyisru(x, self.beta, self.weight, self.bias, scale=self.scale, kernel=self.kernel)
 
 
 class ELN(_ISRUFamily):
@@ -538,7 +464,6 @@ class ELN(_ISRUFamily):
     ``kernel="auto"`` runs the fused CPU path on CPU tensors (there is no Triton kernel for ELN).
     """
 
-    _fn = staticmethod(FN.eln)
     _default_scale = "C-1"
 
     def __init__(self, dim: int, *, kernel: str = "auto", **kwargs) -> None:
@@ -547,9 +472,4 @@ class ELN(_ISRUFamily):
 
     def forward(self, x: Tensor) -> Tensor:
         self._check(x)
-        beta, weight, bias = _autocast_params(x, self.beta, self.weight, self.bias)
-        if _path(self, x, beta, weight, bias) == "cpu":
-            from normlab.kernels import cpu
-
-            return cpu.eln(x, beta, weight, bias, scale=FN.channel_scale(self.dim, self.scale))
-        return FN.eln(x, self.beta, self.weight, self.bias, self.scale)
+        return K.eln(x, self.beta, self.weight, self.bias, scale=self.scale, kernel=self.kernel)

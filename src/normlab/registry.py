@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import difflib
+import functools
 import inspect
 from dataclasses import dataclass
 
@@ -100,12 +101,21 @@ def norm_spec(name: str) -> NormSpec:
 
 def init_kwargs(name: str) -> list[str]:
     """The keyword arguments that ``create_norm(name, dim, ...)`` accepts."""
-    sig = inspect.signature(norm_spec(name).cls.__init__)
-    names = [p for p, v in sig.parameters.items() if v.kind == v.KEYWORD_ONLY]
-    for base in norm_spec(name).cls.__mro__[1:]:  # **kwargs forwarded to a base class
-        if "__init__" in base.__dict__ and base is not nn.Module:
-            names += [p for p, v in inspect.signature(base.__init__).parameters.items() if v.kind == v.KEYWORD_ONLY]
-    return sorted(set(names) - {"weight"})
+    return list(_class_kwargs(norm_spec(name).cls))
+
+
+@functools.cache
+def _class_kwargs(cls: type[nn.Module]) -> tuple[str, ...]:
+    """Keyword-only arguments of ``cls`` and of the base classes its ``**kwargs`` reach (read once per class)."""
+    names = []
+    for base in cls.__mro__:  # a base class's keywords count only if **kwargs reaches it
+        if "__init__" not in base.__dict__ or base is nn.Module:
+            continue
+        params = inspect.signature(base.__init__).parameters.values()
+        names += [p.name for p in params if p.kind == p.KEYWORD_ONLY]
+        if not any(p.kind == p.VAR_KEYWORD for p in params):
+            break
+    return tuple(sorted(set(names) - {"weight"}))
 
 
 def accepted_kwargs(name: str, kwargs: dict) -> dict:
@@ -121,9 +131,9 @@ def create_norm(name: str, dim: int, *, strict: bool = True, **kwargs) -> nn.Mod
     unknown name, or with ``strict`` an unknown keyword, raises an error that lists the valid ones;
     ``strict=False`` drops the keywords this norm does not take (e.g. ``alpha_init`` for RMSNorm).
     """
-    spec = norm_spec(name)
-    valid = init_kwargs(name)
+    spec = norm_spec(name)  # the name is resolved once; the class's keywords are read once per class
+    valid = _class_kwargs(spec.cls)
     unknown = sorted(set(kwargs) - set(valid))
     if unknown and strict:
         raise TypeError(f"norm {name!r} does not take {', '.join(unknown)}; it takes: {', '.join(valid)}")
-    return spec.cls(dim, **accepted_kwargs(name, kwargs))
+    return spec.cls(dim, **{k: v for k, v in kwargs.items() if k in valid})

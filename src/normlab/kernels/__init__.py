@@ -1,7 +1,12 @@
 """Fused kernels (DyT, Derf, DyISRU, RMSNorm in Triton; more on the CPU), each checked against
 :mod:`normlab.functional`: Triton on GPUs, TorchInductor on CPUs.
 
-Modules choose their path with ``kernel=``:
+The one place that picks a path: one function per fused norm (``dyt``, ``derf``, ``scaled_dyt``, ``dyisru``,
+``eln``, ``rms_norm``), each taking the tensors and ``kernel=``. A module's forward checks its input and
+calls one of them. The Triton entry points themselves are :mod:`normlab.kernels.fused`, the CPU paths
+:mod:`normlab.kernels.cpu`.
+
+``kernel=`` chooses:
     "auto"       CUDA tensors: the Triton kernel when Triton is installed. CPU tensors (float32, bfloat16,
                  float16): the fused CPU path of :mod:`normlab.kernels.cpu` (PyTorch's own fused op for
                  LayerNorm). Otherwise, and inside torch.compile (which fuses the reference itself),
@@ -21,7 +26,11 @@ import os
 
 import torch
 
-__all__ = ["triton_status", "select", "check_operands", "dyt", "derf", "dyisru", "rms_norm", "KERNEL_CHOICES"]
+from normlab import functional as FN
+from normlab.errors import NormlabError
+
+__all__ = ["triton_status", "select", "autocast_params", "dyt", "derf", "scaled_dyt", "dyisru", "eln", "rms_norm",
+           "KERNEL_CHOICES", "TRITON_DTYPES"]  # fmt: skip
 
 KERNEL_CHOICES = ("auto", "triton", "cpu", "reference")
 
@@ -36,6 +45,14 @@ def triton_status() -> tuple[bool, str]:
     return True, ""
 
 
+TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def on_cuda(x: torch.Tensor) -> bool:
+    """Whether ``x`` is a CUDA tensor (one function, so that tests can take the CUDA branch on a CPU)."""
+    return x.is_cuda
+
+
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -48,66 +65,112 @@ def select(choice: str, x: torch.Tensor, owner: str, *params: torch.Tensor | Non
         return "reference"
     if choice == "cpu":
         if x.device.type != "cpu" or x.dtype not in cpu.FAST_DTYPES:
-            raise RuntimeError(f"{owner}(kernel='cpu'): the fused CPU path takes a CPU tensor of float32, bfloat16 "
+            raise NormlabError(f"{owner}(kernel='cpu'): the fused CPU path takes a CPU tensor of float32, bfloat16 "
                                f"or float16; got {x.dtype} on {x.device}. Use kernel='auto'")  # fmt: skip
         return "cpu" if cpu.usable(x, *params) else "reference"
     ok, why = triton_status()
     if choice == "auto":
-        if x.is_cuda:
-            return "triton" if ok else "reference"
+        if on_cuda(x):  # the Triton kernels take float32, bfloat16 and float16; float64 takes the reference
+            return "triton" if ok and x.dtype in TRITON_DTYPES else "reference"
         return "cpu" if cpu.usable(x, *params) else "reference"
     if not ok:
-        raise RuntimeError(f"{owner}(kernel='triton'): {why}")
+        raise NormlabError(f"{owner}(kernel='triton'): {why}")
     if not x.is_cuda and not interpreting():
-        raise RuntimeError(f"{owner}(kernel='triton'): the input is on {x.device}; the fused kernel needs a CUDA "
+        raise NormlabError(f"{owner}(kernel='triton'): the input is on {x.device}; the fused kernel needs a CUDA "
                            "tensor, or TRITON_INTERPRET=1 to run it on the CPU for testing")  # fmt: skip
     return "triton"
 
 
-def check_operands(op: str, x: torch.Tensor, **params: torch.Tensor | None) -> None:
-    """Same device and dtype for input and parameters, a floating input: else a clear error, never a bad launch."""
-    if not x.is_floating_point() or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise TypeError(f"{op} (fused): expected a float16, bfloat16 or float32 input, got {x.dtype}")
-    for name, p in params.items():
-        if p is None:
-            continue
-        if p.device != x.device:
-            where = f"{name} is on {p.device} but the input is on {x.device}"
-            raise ValueError(f"{op} (fused): {where}; move the module and the input to one device")
-        if p.dtype != x.dtype:
-            raise ValueError(
-                f"{op} (fused): {name} has dtype {p.dtype} but the input has {x.dtype}; cast the module "
-                f"(module.to({x.dtype})) or use torch.autocast, which casts the input"
-            )
+def autocast_params(x: torch.Tensor, *params: torch.Tensor | None) -> tuple:
+    """Under torch.autocast the fused kernels take the parameters in the input's dtype, as autocast would."""
+    if torch.is_autocast_enabled(x.device.type):
+        return tuple(None if p is None else p.to(x.dtype) for p in params)
+    return params
 
 
-def dyt(x, alpha, weight, bias=None):
-    """Fused gamma * tanh(alpha x) + beta; alpha of shape (1,) or (C,)."""
-    check_operands("dyt", x, alpha=alpha, weight=weight, bias=bias)
-    from normlab.kernels.dyt_triton import dyt as fused
-
-    return fused(x, alpha, weight, bias)
+def _route(kernel: str, owner: str, x: torch.Tensor, *params: torch.Tensor | None) -> tuple[str, tuple]:
+    cast = autocast_params(x, *params)
+    return select(kernel, x, owner, *cast), cast
 
 
-def derf(x, alpha, shift, weight, bias=None):
-    """Fused weight * erf(alpha x + shift) + bias; alpha and shift of shape (1,) or (C,)."""
-    check_operands("derf", x, alpha=alpha, shift=shift, weight=weight, bias=bias)
-    from normlab.kernels.derf_triton import derf as fused
+def dyt(x, alpha, weight, bias=None, *, kernel: str = "auto", owner: str = "DyT"):
+    """weight * tanh(alpha x) + bias on the path ``kernel`` picks; alpha of shape (1,) or (C,)."""
+    path, p = _route(kernel, owner, x, alpha, weight, bias)
+    if path == "triton":
+        from normlab.kernels import fused
 
-    return fused(x, alpha, shift, weight, bias)
+        return fused.dyt(x, *p)
+    if path == "cpu":
+        from normlab.kernels import cpu
 
-
-def dyisru(x, beta, weight, bias=None, scale: float | None = None):
-    """Fused weight * scale * x / sqrt(beta + x^2) + bias; beta of shape (1,) or (C,)."""
-    check_operands("dyisru", x, beta=beta, weight=weight, bias=bias)
-    from normlab.kernels.dyisru_triton import dyisru as fused
-
-    return fused(x, beta, weight, bias, scale)
+        return cpu.dyt(x, *p)
+    return FN.dyt(x, alpha, weight, bias)
 
 
-def rms_norm(x, weight, eps: float):
-    """Fused RMSNorm with a weight; saves fp32 rstd for the backward."""
-    check_operands("rms_norm", x, weight=weight)
-    from normlab.kernels.rms_norm_triton import rms_norm as fused
+def scaled_dyt(x, alpha, weight, bias=None, *, scale: FN.Scale = "C", kernel: str = "auto", owner: str = "ScaledDyT"):
+    """sqrt(C) weight * tanh(alpha x) + bias (``scale`` 'C' or 'C-1'): DyT's kernels with the scale folded in."""
+    path, (a, w, b) = _route(kernel, owner, x, alpha, weight, bias)
+    s = FN.channel_scale(x.shape[-1], scale)
+    if path == "triton":
+        from normlab.kernels import fused
 
-    return fused(x, weight, eps)
+        return fused.dyt(x, a, w * s, b)
+    if path == "cpu":
+        from normlab.kernels import cpu
+
+        return cpu.dyt(x, a, w, b, scale=s)
+    return FN.scaled_dyt(x, alpha, weight, bias, scale)
+
+
+def derf(x, alpha, shift, weight, bias=None, *, kernel: str = "auto", owner: str = "Derf"):
+    """weight * erf(alpha x + shift) + bias on the path ``kernel`` picks."""
+    path, p = _route(kernel, owner, x, alpha, shift, weight, bias)
+    if path == "triton":
+        from normlab.kernels import fused
+
+        return fused.derf(x, *p)
+    if path == "cpu":
+        from normlab.kernels import cpu
+
+        return cpu.derf(x, *p)
+    return FN.derf(x, alpha, shift, weight, bias)
+
+
+def dyisru(x, beta, weight, bias=None, *, scale: FN.Scale = "C", kernel: str = "auto", owner: str = "DyISRU"):
+    """sqrt(C) weight * x / sqrt(beta + x^2) + bias on the path ``kernel`` picks."""
+    path, (be, w, b) = _route(kernel, owner, x, beta, weight, bias)
+    s = FN.channel_scale(x.shape[-1], scale)
+    if path == "triton":
+        from normlab.kernels import fused
+
+        return fused.dyisru(x, be, w, b, s)
+    if path == "cpu":
+        from normlab.kernels import cpu
+
+        return cpu.dyisru(x, be, w, b, scale=s)
+    return FN.dyisru(x, beta, weight, bias, scale)
+
+
+def eln(x, beta, weight, bias=None, *, scale: FN.Scale = "C-1", kernel: str = "auto", owner: str = "ELN"):
+    """ELN on the CPU path or the reference (there is no Triton kernel for ELN: on CUDA, the reference)."""
+    kernel = "reference" if kernel == "auto" and on_cuda(x) else kernel
+    path, (be, w, b) = _route(kernel, owner, x, beta, weight, bias)
+    if path == "cpu":
+        from normlab.kernels import cpu
+
+        return cpu.eln(x, be, w, b, scale=FN.channel_scale(x.shape[-1], scale))
+    return FN.eln(x, beta, weight, bias, scale)
+
+
+def rms_norm(x, weight, eps: float, *, kernel: str = "auto", owner: str = "RMSNorm"):
+    """RMSNorm with a weight on the path ``kernel`` picks."""
+    path, (w,) = _route(kernel, owner, x, weight)
+    if path == "triton":
+        from normlab.kernels import fused
+
+        return fused.rms_norm(x, w, eps)
+    if path == "cpu":
+        from normlab.kernels import cpu
+
+        return cpu.rms_norm(x, w, eps)
+    return FN.rms_norm(x, weight, eps)

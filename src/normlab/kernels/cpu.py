@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-__all__ = ["available", "dyt", "derf", "dyisru", "eln", "rms_norm", "layer_norm"]
+__all__ = ["available", "dyt", "derf", "dyisru", "eln", "rms_norm"]
 
 FAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -283,8 +283,3 @@ def eln(x: Tensor, beta: Tensor, weight: Tensor, bias: Tensor | None = None, sca
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """weight * x / sqrt(mean(x^2) + eps), fp32 statistics."""
     return _RMSNormFn.apply(x, weight, float(eps))
-
-
-def layer_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float) -> Tensor:
-    """PyTorch's own fused LayerNorm (ATen's CPU kernel already reads x once per pass)."""
-    return torch.nn.functional.layer_norm(x, (x.shape[-1],), weight, bias, eps)

