@@ -172,17 +172,21 @@ def test_prediction_of_rmsnorm_and_dyt_at_gpt2_init():
     assert matched["rms_out"] == pytest.approx(1.0, rel=1e-4) and matched["predicted_escape"]
 
 
-def test_a_run_budget_multiplies_the_profiles_steps():
+def test_a_run_budget_multiplies_the_profiles_steps_and_profiles_limit_where_it_runs():
     exp = load_experiment("phase")
-    steps = {s.name: s.config.steps for s in expand(exp, "default", "/tmp/unused")}
-    assert steps["dyt_x4"] == 4 * steps["dyt"] == 1000
-    assert {s.name: s.config.steps for s in expand(exp, "long", "/tmp/unused")}["dyt_x4"] == 4000  # 16x default
+    steps = {s.name: s.config.steps for s in expand(exp, "long", "/tmp/unused")}
+    assert steps["dyt_x4"] == 4 * steps["dyt"] == 4000  # 16x the default's 250 steps
+    default = {s.name for s in expand(exp, "default", "/tmp/unused")}
+    assert "dyt_x4" not in default and "dyt_match" in default  # the long cells are not the demo's
 
 
 def test_a_bad_budget_or_mechanism_run_is_refused(tmp_path):
     p = tmp_path / "e.toml"
     p.write_text('name = "e"\n[[runs]]\nname = "a"\nset = {}\nbudget = 0\n')
     with pytest.raises(ValueError, match="budget .* must be an int >= 1, got 0"):
+        load_experiment(str(p))
+    p.write_text('name = "e"\n[[runs]]\nname = "a"\nset = {}\nprofiles = ["lng"]\n')
+    with pytest.raises(ValueError, match="run 'a': unknown profile 'lng'"):
         load_experiment(str(p))
     p.write_text('name = "e"\nmechanism = ["b"]\n[[runs]]\nname = "a"\nset = {}\n')
     with pytest.raises(ValueError, match="mechanism names a run that does not exist: 'b'"):
@@ -253,10 +257,10 @@ def test_phase_sorts_both_ways(tmp_path):
 
     (good,) = [v for v in claims(_phase_results(tmp_path / "a", {n: as_predicted for n in _names()}, True))
                if "predicted boundary" in v.text]  # fmt: skip
-    assert good.ok is True and good.numbers["fraction"] == 1.0 and "100% of 56 runs" in good.text
+    assert good.ok is True and good.numbers["fraction"] == 1.0 and "100% of 40 runs" in good.text
     (bad,) = [v for v in claims(_phase_results(tmp_path / "b", {n: against for n in _names()}, True))
               if "predicted boundary" in v.text]  # fmt: skip
-    assert bad.ok is False and bad.numbers["fraction"] == pytest.approx(2 / 56) and "on the wrong side: " in bad.text
+    assert bad.ok is False and bad.numbers["fraction"] == pytest.approx(2 / 40) and "on the wrong side: " in bad.text
 
 
 def _names():

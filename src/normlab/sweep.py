@@ -147,6 +147,10 @@ def load_experiment(name_or_path: str) -> Experiment:
     for i, r in enumerate(d["runs"]):
         if "name" not in r or "set" not in r:
             raise ValueError(f"{where}: run {i} needs 'name' and 'set'")
+        unknown = [p for p in r.get("profiles", []) if p not in PROFILES]
+        if unknown:
+            raise ValueError(f"{where}: run {r['name']!r}: unknown profile {unknown[0]!r}; "
+                             f"valid: {', '.join(PROFILES)}")  # fmt: skip
         budget = r.get("budget", 1)
         if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
             raise ValueError(f"{where}: run {r['name']!r}: budget (a multiple of the profile's steps) must be an "
@@ -175,7 +179,8 @@ def expand(exp: Experiment, profile: str, root: str | Path, extra: dict | None =
     """The runs of ``exp`` at ``profile``, each with a resolved, validated config.
 
     Overrides apply in order: the profile, the run's shape, the experiment's [base], the run's set, ``extra``.
-    A run's ``budget = k`` multiplies the profile's steps by k (16x the default's tokens at ``long``'s 4x).
+    A run's ``budget = k`` multiplies the profile's steps by k (16x the default's tokens at ``long``'s 4x);
+    a run's ``profiles = [...]`` names the only profiles it runs at (a long cell the demo cannot afford).
     """
     if profile not in PROFILES:
         raise ValueError(f"unknown profile {profile!r}; valid: {', '.join(PROFILES)}")
@@ -183,6 +188,8 @@ def expand(exp: Experiment, profile: str, root: str | Path, extra: dict | None =
     seeds = exp.seeds[: prof["seeds"]] if prof["seeds"] else exp.seeds
     specs = []
     for run in exp.runs:
+        if profile not in run.get("profiles", PROFILES):
+            continue
         overrides = dict(prof["set"])
         if "shape" in run:
             if run["shape"] not in prof["shapes"]:
