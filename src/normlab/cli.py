@@ -157,7 +157,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         return 130 if summary["signal"] == "SIGINT" else 143  # the shell's convention: 128 + signal number
     if is_main:
         keys = ["status", "final_train_loss", "final_val_loss", "unigram_entropy", "gap_to_unigram_entropy",
-                "tokens_per_s"]  # fmt: skip
+                "escape_step", "tokens_per_s"]  # fmt: skip
         print(format_table(["field", "value"], [[k, summary.get(k)] for k in keys]))
     return 0 if summary["status"] in ("completed", "diverged") else 1
 
@@ -359,7 +359,8 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train the lab's GPT with a registered norm (torchrun for several processes)")
     t.add_argument("--norm", help="norm at every site (default rms_norm); per-site: --set model.norm_attn=...")
     t.add_argument("--preset", default="cpu", choices=list(PRESETS),
-                   help="tiny: seconds; cpu: width 128 x 4 layers, minutes; gpu: 24 x 1024; gpu-wide: 5 x 2048")
+                   help="tiny: seconds; small: 4 x 64, 250 steps (reproduce's default); cpu: 4 x 128, minutes; "
+                        "gpu: 24 x 1024; gpu-wide: 5 x 2048")
     t.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                    help="override config fields, e.g. lr=1e-3 model.width=256 model.norm_kwargs.alpha_init=1.0")
     t.add_argument("--data", nargs="+", help="your own text files (default: the Shakespeare plays, fetched once)")

@@ -97,6 +97,12 @@ PRESETS: dict[str, dict] = {
         "steps": 600, "batch_size": 32, "lr": 1e-3, "min_lr": 1e-4, "warmup": 50, "eval_every": 100,
         "eval_batches": 20, "log_every": 10, "metrics_every": 100, "checkpoint_every": 100,
     },
+    # `normlab reproduce`'s default profile: 4 x 64, 250 steps, ~15 s a run on one core (the phase experiment's scale)
+    "small": {
+        "model": {"width": 64, "depth": 4, "heads": 4, "context": 64},
+        "steps": 250, "batch_size": 16, "lr": 1e-3, "min_lr": 1e-4, "warmup": 10, "eval_every": 50,
+        "eval_batches": 8, "log_every": 10, "metrics_every": 50, "checkpoint_every": 50,
+    },
     # seed 003's narrow shape, 24 x 1024, sized for about 10 minutes on one H100
     "gpu": {
         "model": {"width": 1024, "depth": 24, "heads": 16, "context": 512},
