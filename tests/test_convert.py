@@ -219,7 +219,7 @@ def test_convert_command(tmp_path, capsys):
 
 def test_derf_calibration_fits_alpha_and_its_shift():
     """A known Derf (alpha 0.7, shift 0.4) is recovered from its input and output by fit_replacement."""
-    from normlab.calibrate import fit_replacement
+    from normlab.conversion.calibrate import fit_replacement
 
     torch.manual_seed(0)
     truth = normlab.create_norm("derf", 16, alpha_init=0.7, shift_init=0.4).double()

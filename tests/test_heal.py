@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import normlab
-from normlab.calibrate import FirstToken, fit_replacement
 from normlab.cli import main
+from normlab.conversion.calibrate import FirstToken, fit_replacement
 
 transformers = pytest.importorskip("transformers")
 
@@ -191,7 +191,7 @@ def test_heal_bad_input_is_clear(kw, match):
 
 # ------------------------------------------------------------------ real-model loading: bad input
 def test_model_folder_without_weights_gguf_without_tokenizer_and_short_text(tmp_path):
-    from normlab.hf import load_model, text_batches
+    from normlab.conversion.hf import load_model, text_batches
 
     _llama().config.save_pretrained(tmp_path / "noweights")
     with pytest.raises(ValueError, match="no weights"):

@@ -71,3 +71,11 @@ def test_the_import_graph_has_no_cycle():
 def test_the_cycle_finder_finds_a_cycle():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_conversion_and_the_lab_do_not_import_each_other():
+    """Conversion sits beside the training lab: both read normlab.corpus and normlab.pairs, neither reads the other."""
+    graph = import_graph()
+    for a, b in (("normlab.conversion", "normlab.lab"), ("normlab.lab", "normlab.conversion")):
+        arrows = [(n, m) for n, deps in graph.items() if n.startswith(a) for m in deps if m.startswith(b)]
+        assert not arrows, f"{a} imports {b}: {arrows}"

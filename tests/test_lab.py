@@ -108,11 +108,12 @@ def test_lr_schedule():
 
 
 def test_corpus_fetch_failure_is_clear(monkeypatch, tmp_path):
+    from normlab import corpus
     from normlab.lab import data
 
     monkeypatch.setenv("NORMLAB_CACHE", str(tmp_path))
     fail = subprocess.CompletedProcess([], 1, stdout="", stderr="ERROR: No matching distribution found")
-    monkeypatch.setattr(data.subprocess, "run", lambda *a, **k: fail)
+    monkeypatch.setattr(corpus.subprocess, "run", lambda *a, **k: fail)
     with pytest.raises(RuntimeError, match=r"could not fetch the default corpus.*--data FILE.txt"):
         data.load_corpus(None)
 

@@ -1,6 +1,6 @@
 """Conversion on a real pretrained model that nobody here trained: SmolLM2-135M-Instruct (61 RMSNorms).
 
-The fixture comes from PyPI (normlab.hf.smollm2, cached under $NORMLAB_CACHE). Its activations have what test
+The fixture comes from PyPI (normlab.conversion.hf.smollm2, cached under $NORMLAB_CACHE). Its activations have what test
 models lack: first-token massive activations with an RMS two orders of magnitude above the median token's.
 """
 
@@ -22,8 +22,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from normlab.hf import load_model, smollm2, text_batches
-    from normlab.lab.data import fetch_shakespeare
+    from normlab.conversion.hf import load_model, smollm2, text_batches
+    from normlab.corpus import fetch_shakespeare
 
     model, tok = load_model(smollm2())
     calib, held = text_batches(fetch_shakespeare(), tok, model.config.vocab_size, seq_len=64, n_calib=4, n_held=4,
@@ -32,7 +32,7 @@ def smollm2():
 
 
 def test_smollm2_has_massive_first_token_activations(smollm2):
-    from normlab.calibrate import first_token_ratio
+    from normlab.conversion.calibrate import first_token_ratio
 
     model, calib, _ = smollm2
     seen = {}

@@ -261,7 +261,7 @@ def test_reference_dynamic_tanh_refuses_a_string_alpha_and_complex_x(x, alpha):
 def test_an_extra_class_without_a_channel_count_is_an_error_not_a_wrong_skip():
     from torch import nn
 
-    from normlab.convert import convert_norms
+    from normlab.conversion.convert import convert_norms
 
     class MyNorm(nn.Module):
         def forward(self, x):

@@ -40,7 +40,7 @@ def _count(text: str) -> int:
 
 
 def _parse_init(pairs: list[str]) -> dict:
-    from normlab.lab.config import parse_pairs
+    from normlab.pairs import parse_pairs
 
     return dict(parse_pairs(pairs, "--init", "alpha_init=1.0"))
 
@@ -216,86 +216,16 @@ def _cmd_reproduce(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_out(out: str | None, model: str, overwrite: bool) -> None:
-    """Refuse, before any work, an output that is the source model or an existing path."""
-    if out is None:
-        return
-    o, m = Path(out).resolve(), Path(model).resolve()
-    src = m.parent if m.is_file() else m
-    if o == src or o == m or src.is_relative_to(o) or (m.is_dir() and o.is_relative_to(m)):
-        raise ValueError(f"--out {out} would write over or inside the source model {model}; choose another folder")
-    if o.exists() and not overwrite:
-        raise ValueError(f"--out {out} already exists; choose a new folder, or pass --overwrite to replace it")
-
-
 def _cmd_convert(args: argparse.Namespace) -> int:
-    import copy
-    import fnmatch
+    from normlab.conversion.workflow import convert_model
 
-    from normlab.convert import convert_norms, fidelity, save_converted
-    from normlab.heal import heal
-    from normlab.hf import load_model, smollm2, text_batches
-    from normlab.lab.data import fetch_shakespeare
-    from normlab.registry import norm_spec
-
-    norm_spec(args.to)  # bad input fails before the model is loaded
-    for name in ("seq_len", "sequences"):
-        if getattr(args, name) < (2 if name == "seq_len" else 1):
-            raise ValueError(f"--{name.replace('_', '-')} must be >= {2 if name == 'seq_len' else 1}, "
-                             f"got {getattr(args, name)}")  # fmt: skip
-    if args.heal_minutes is not None and args.heal_tokens is not None:
-        raise ValueError("give one heal budget: --heal-minutes or --heal-tokens")
-    for name in ("heal_minutes", "heal_tokens"):
-        v = getattr(args, name)
-        if v is not None and not v > 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {v}")
-    model_path = str(smollm2()) if args.model == "smollm2" else args.model
-    _check_out(args.out, model_path, args.overwrite)
-    model, tokenizer = load_model(model_path)
-    vocab = model.get_input_embeddings().num_embeddings
-    if tokenizer is None:
-        print(f"{args.model} has no tokenizer: using byte values mod {vocab} as token ids")
-    text = args.calibrate or fetch_shakespeare()
-    calib, held = text_batches(text, tokenizer, vocab, args.seq_len, args.sequences, args.sequences)
-    original = copy.deepcopy(model)
-    include = (lambda name, m: not any(fnmatch.fnmatch(name, pat) for pat in args.exclude)) if args.exclude else None
-    record = convert_norms(model, args.to, calibrate=None if args.no_calibrate else calib, per=args.per,
-                           init=_parse_init(args.init), include=include, first_token=args.first_token,
-                           progress=not args.no_progress)  # fmt: skip
-    n_calib = sum(len(b) for b in calib)
-    print(f"converted {len(record.sites)} norms of {type(model).__name__} to {args.to} "
-          f"({'calibrated on ' + str(n_calib) + ' sequences' if not args.no_calibrate else 'default init'})\n")
-    print(record.table(markdown=args.markdown))
-    fid = fidelity(original, model, held, record)
-    print(_fidelity_line(fid, sum(len(b) for b in held)))
-    ckpt = None
-    if args.heal_minutes is not None or args.heal_tokens is not None:
-        ckpt = args.checkpoint or (f"{args.out}.heal.pt" if args.out else None)
-        rep = heal(original, model, calib, record, minutes=args.heal_minutes, tokens=args.heal_tokens,
-                   train=args.heal_train, distill=args.distill, checkpoint=ckpt, resume=args.resume,
-                   progress=not args.no_progress)  # fmt: skip
-        print(f"\nhealed: {rep.tokens:,} tokens in {rep.seconds / 60:.1f} min "
-              f"({sum(b['kept'] for b in rep.blocks)} of {len(rep.blocks)} blocks improved)")
-        fid = fidelity(original, model, held, record)
-        fid["heal"] = rep.to_dict()
-        print(_fidelity_line(fid, sum(len(b) for b in held)))
-    if args.out:
-        save_converted(model, record, args.out)
-        _write_json(fid, str(Path(args.out) / "fidelity.json"))
-        print(f"saved to {args.out} (load with normlab.load_converted)")
-        if ckpt is not None and args.checkpoint is None:  # the default heal checkpoint has served its purpose
-            Path(ckpt).unlink(missing_ok=True)
+    convert_model(args.model, args.to, calibrate=args.calibrate, no_calibrate=args.no_calibrate, per=args.per,
+                  first_token=args.first_token, exclude=args.exclude, init=_parse_init(args.init),
+                  seq_len=args.seq_len, sequences=args.sequences, heal_minutes=args.heal_minutes,
+                  heal_tokens=args.heal_tokens, heal_train=args.heal_train, distill=args.distill,
+                  checkpoint=args.checkpoint, resume=args.resume, out=args.out, overwrite=args.overwrite,
+                  progress=not args.no_progress, markdown=args.markdown)  # fmt: skip
     return 0
-
-
-def _fidelity_line(fid: dict, n: int) -> str:
-    line = (f"\nfidelity on {n} held-out sequences: output cosine {fid['output_cosine']:.4f}, "
-            f"mean site error {fid['mean_site_error']:.4f}")  # fmt: skip
-    if "kl" in fid:
-        line += f", KL {fid['kl']:.4g} nats/token"
-    if "ce_original" in fid:
-        line += f"; cross-entropy {fid['ce_original']:.3f} (original) -> {fid['ce_converted']:.3f} nats/token"
-    return line
 
 
 def build_parser() -> argparse.ArgumentParser:

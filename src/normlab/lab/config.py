@@ -7,10 +7,10 @@ never a new flag per field. The resolved config is written next to the results.
 from __future__ import annotations
 
 import copy
-import json
 from dataclasses import asdict, dataclass, field
 
 from normlab.lab.model import GPTConfig, check_types
+from normlab.pairs import parse_pairs
 
 __all__ = ["TrainConfig", "PRESETS", "resolve_config", "apply_overrides"]
 
@@ -116,29 +116,6 @@ PRESETS: dict[str, dict] = {
         "metrics_every": 250, "checkpoint_every": 500, "compile": True,
     },
 }  # fmt: skip
-
-
-def parse_value(text: str):
-    """A command-line value: JSON (numbers, true/false, null, lists), else a float ('.5', 'inf'), else the word."""
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        pass
-    try:
-        return float(text)
-    except ValueError:
-        return {"true": True, "false": False}.get(text.lower(), text)  # "none" stays a word (amp=none)
-
-
-def parse_pairs(items: list[str], flag: str, example: str) -> list[tuple[str, object]]:
-    """KEY=VALUE strings as (key, parsed value) pairs; the one parser of --set, --init and their kin."""
-    pairs = []
-    for item in items or []:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ValueError(f"{flag} expects KEY=VALUE (e.g. {example}), got {item!r}")
-        pairs.append((key, parse_value(value)))
-    return pairs
 
 
 def apply_overrides(d: dict, overrides: dict | list[str]) -> dict:

@@ -13,7 +13,7 @@ with the reason; nothing is skipped silently.
 
 Calibration (``calibrate=`` sample inputs or a dataloader) fits each replacement, site by site in the order the
 model runs them, on the activations of the model as converted so far, so that its output after the affine
-matches the original norm's; the first token can get its own replacement (:mod:`normlab.calibrate`). Every
+matches the original norm's; the first token can get its own replacement (:mod:`normlab.conversion.calibrate`). Every
 target is fitted with the same two degrees of freedom, its parameter (DyISRU/ELN beta, DyT alpha) and an
 amplitude folded into the copied weight. ``per="channel"`` fits one of each per channel.
 
@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from normlab.calibrate import _batches, _run, calibrate_sites, per_channel_kwargs
+from normlab.conversion.calibrate import _batches, _run, calibrate_sites, per_channel_kwargs
 from normlab.registry import create_norm, init_kwargs, list_norms, norm_spec
 
 __all__ = ["KNOWN_NORMS", "ConversionRecord", "convert_norms", "apply_record", "fidelity", "save_converted",
@@ -68,7 +68,7 @@ class Site:
     copied: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     fit: dict | None = None
-    first_token: bool = False  # the first token has its own replacement (normlab.calibrate.FirstToken)
+    first_token: bool = False  # the first token has its own replacement (normlab.conversion.calibrate.FirstToken)
 
 
 @dataclass
@@ -229,7 +229,7 @@ def convert_norms(
     site_init:  {fnmatch pattern on the module name: kwargs}, e.g. DyT's LLaMA recipe
                 {"*input_layernorm": {"alpha_init": 0.8}, "*post_attention_layernorm": {"alpha_init": 0.2}};
     calibrate:  sample inputs (tensor, dict of kwargs, list, or dataloader) to fit the new parameters, site by
-                site in the order the model runs them (:mod:`normlab.calibrate`);
+                site in the order the model runs them (:mod:`normlab.conversion.calibrate`);
     per:        "global" or "channel" (one fitted parameter per channel);
     fit_amplitude: also fit an amplitude, folded into the weight (default); False keeps the module's own
                 (sqrt(C) for DyISRU and scaled DyT, as in the papers; 1 for DyT);
@@ -296,7 +296,7 @@ def apply_record(model: nn.Module, record: ConversionRecord) -> nn.Module:
     missing = [s.name for s in record.sites if s.name not in names]
     if missing:
         raise ValueError(f"the model has no module {missing[0]!r} from the conversion record; is it the same model?")
-    from normlab.calibrate import FirstToken
+    from normlab.conversion.calibrate import FirstToken
 
     for s in record.sites:
         new = create_norm(record.target, s.dim, **s.kwargs)

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from normlab.calibrate import _batches, _Stop
+from normlab.conversion.calibrate import _batches, _Stop
 
 __all__ = ["heal", "HealReport", "find_blocks"]
 

@@ -290,7 +290,8 @@ def calibrate_sites(model: nn.Module, sites: list, replacements: dict[str, nn.Mo
                target: str, progress: bool | None) -> str:  # fmt: skip
     """Fit and swap every site in the order the model runs them (the module docstring); returns a note.
 
-    ``sites`` are normlab.convert's Site records (name, dim, kwargs; fit, notes and first_token are filled in);
+    ``sites`` are normlab.conversion.convert's Site records (name, dim, kwargs; fit, notes and first_token are
+    filled in);
     ``replacements`` maps each site's name to its built replacement. On any failure every original is put back.
     """
     from tqdm.auto import tqdm

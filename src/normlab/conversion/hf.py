@@ -1,8 +1,8 @@
 """Real models where users have them: a local Hugging Face folder or a GGUF file, text as token batches.
 
-    model, tokenizer = normlab.hf.load_model("path/to/model")            # folder with config.json + weights
-    model, tokenizer = normlab.hf.load_model("path/to/model.Q4_1.gguf")  # GGUF, dequantized to float32
-    path = normlab.hf.smollm2()                                           # the real-model fixture (below)
+    model, tokenizer = normlab.conversion.hf.load_model("path/to/model")            # folder with config.json + weights
+    model, tokenizer = normlab.conversion.hf.load_model("path/to/model.Q4_1.gguf")  # GGUF, dequantized to float32
+    path = normlab.conversion.hf.smollm2()                                           # the real-model fixture (below)
 
 Loading needs the ``[hf]`` extra (transformers, plus gguf and accelerate for GGUF files).
 
@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from normlab.corpus import cache_dir
 from normlab.errors import NormlabError
-from normlab.lab.data import cache_dir
 
 __all__ = ["SMOLLM2", "smollm2", "load_model", "token_chunks", "text_batches"]
 
