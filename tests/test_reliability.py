@@ -29,7 +29,8 @@ def _cfg(corpus_file, out, **overrides):
 
 
 def _steps(out) -> list[int]:
-    return [r["step"] for r in RunFolder(out).metrics()]
+    """The training steps logged (the row of step 0, the telemetry at init, is not a training step)."""
+    return [r["step"] for r in RunFolder(out).metrics() if r["step"] > 0]
 
 
 def _cmd(corpus_file, out, *extra, steps=3000, norm="rms_norm"):
@@ -110,6 +111,7 @@ def test_sigkill_before_the_first_checkpoint_then_resume_logs_each_step_once(cor
                              capture_output=True, text=True, env=ENV)  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert _steps(out) == list(range(1, 41))
+    assert [r["step"] for r in RunFolder(out).metrics()].count(0) == 1  # the init's row once, not twice
 
 
 # ------------------------------------------------------------------ defect 9: SIGINT and SIGTERM
