@@ -178,6 +178,80 @@ class _Interrupt:
             signal.signal(sig, old)
 
 
+class _Log:
+    """Rows of metrics.jsonl (rank 0 writes), mirrored to TensorBoard with ``tensorboard=true``."""
+
+    def __init__(self, folder: RunFolder, tensorboard: bool, main: bool) -> None:
+        self.folder, self.main, self.writer = folder, main, None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise ValueError("tensorboard=true needs the tensorboard package: pip install tensorboard") from None
+            self.writer = SummaryWriter(str(folder.path / "tb"))
+
+    def __call__(self, record: dict) -> None:
+        if not self.main:
+            return
+        self.folder.append_metrics(record)
+        if self.writer:
+            for k, v in record.items():
+                if k != "step" and isinstance(v, (int, float)):
+                    self.writer.add_scalar(k, v, record["step"])
+
+    def close(self) -> None:
+        if self.writer:
+            self.writer.close()
+
+
+def _model_and_optimizer(cfg: TrainConfig, folder: RunFolder, device, resume: bool, main: bool):
+    """The model and its AdamW, fresh or from the run's checkpoint (with the RNG state and the metrics cut back to
+    the checkpoint's step); returns them and the step to start from."""
+    torch.manual_seed(cfg.seed)
+    model = GPT(cfg.model).to(device)
+    opt = _optimizer(model, cfg, device)
+    if not (resume and folder.checkpoint.exists()):
+        return model, opt, 0
+    state = load_checkpoint(folder.checkpoint, cfg)
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+    torch.set_rng_state(state["rng"])
+    if state["cuda_rng"] is not None and device.type == "cuda":
+        torch.cuda.set_rng_state_all(state["cuda_rng"])
+    if main:
+        folder.truncate_metrics(state["step"])
+    return model, opt, state["step"]
+
+
+def _begin_fresh_run(model, cfg: TrainConfig, corpus, device, rank: int, world: int, log) -> None:
+    """A run from step 0: the data-dependent init (``model.norm_init``), then the mechanism's numbers at init,
+    logged as the row of step 0 (``normlab.lab.metrics.init_telemetry``)."""
+    x0, _ = get_batch(corpus.train, cfg.batch_size, cfg.model.context, seed=cfg.seed, step=0, rank=rank)
+    x0 = x0.to(device)
+    if cfg.model.norm_init == "match_rms":
+        model.match_rms_(x0)
+        if world > 1:  # every rank starts from rank 0's gammas
+            for p in model.parameters():
+                dist.broadcast(p.data, 0)
+    if rank == 0:
+        log({"step": 0, **init_telemetry(model, x0)})
+
+
+def _summarize(summary: dict, folder: RunFolder, entropy: float) -> None:
+    """The summary's fields read from the metrics on disk: the last train loss (a diverged run's stays NaN),
+    the median tokens/s, the last effective ranks, and the escape step."""
+    if not folder.file(METRICS).exists():
+        return
+    rows = read_jsonl(folder.file(METRICS))
+    train_rows = [r for r in rows if r.get("train_loss") is not None]
+    if train_rows and summary["status"] != "diverged":
+        summary["final_train_loss"] = train_rows[-1]["train_loss"]
+    speeds = [r["tokens_per_s"] for r in train_rows if "tokens_per_s" in r]
+    summary["tokens_per_s"] = sorted(speeds)[len(speeds) // 2] if speeds else None
+    summary.update({k: v for k, v in (rows[-1] if rows else {}).items() if k.startswith("erank")})
+    summary["escape_step"] = escape_step(rows, entropy)
+
+
 def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, progress: bool = True,
           resume_command: str | None = None) -> dict:  # fmt: skip
     """Train one run; returns its summary.
@@ -211,20 +285,7 @@ def _train(cfg, folder: RunFolder, corpus, rank, world, device, resume, progress
     main = rank == 0
     out = folder.path
     entropy = corpus.unigram_entropy
-    torch.manual_seed(cfg.seed)
-    model = GPT(cfg.model).to(device)
-    opt = _optimizer(model, cfg, device)
-    start = 0
-    if resume and folder.checkpoint.exists():
-        state = load_checkpoint(folder.checkpoint, cfg)
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
-        torch.set_rng_state(state["rng"])
-        if state["cuda_rng"] is not None and device.type == "cuda":
-            torch.cuda.set_rng_state_all(state["cuda_rng"])
-        start = state["step"]
-        if main:
-            folder.truncate_metrics(start)
+    model, opt, start = _model_and_optimizer(cfg, folder, device, resume, main)
     raw_model = model
     if world > 1:
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda"
@@ -236,38 +297,17 @@ def _train(cfg, folder: RunFolder, corpus, rank, world, device, resume, progress
     summary = {"status": "running", "name": out.name, "norm": cfg.model.norm, "unigram_entropy": entropy,
                "corpus": corpus.name, "train_bytes": len(corpus.train), "world_size": world, "device": str(device),
                "steps": cfg.steps}  # fmt: skip
-    writer = None
     if main:
         folder.write_json(CONFIG, cfg.to_dict())
         folder.write_json(VERSION, code_version())
         folder.write_json(SUMMARY, summary)
-        if cfg.tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
-                raise ValueError("tensorboard=true needs the tensorboard package: pip install tensorboard") from None
-            writer = SummaryWriter(str(out / "tb"))
-
-    def log(record: dict) -> None:
-        if main:
-            folder.append_metrics(record)
-            if writer:
-                for k, v in record.items():
-                    if k != "step" and isinstance(v, (int, float)):
-                        writer.add_scalar(k, v, record["step"])
+    log = _Log(folder, cfg.tensorboard and main, main)
 
     tokens_per_step = cfg.batch_size * cfg.model.context * world
     bar = tqdm(total=cfg.steps, initial=start, disable=not (main and progress), desc=out.name, unit="step",
                dynamic_ncols=True)  # fmt: skip
-    if start == 0:  # a fresh run: the data-dependent init, then the mechanism's numbers at init (step 0)
-        x0, _ = get_batch(corpus.train, cfg.batch_size, cfg.model.context, seed=cfg.seed, step=0, rank=rank)
-        if cfg.model.norm_init == "match_rms":
-            raw_model.match_rms_(x0.to(device))
-            if world > 1:  # every rank starts from rank 0's gammas
-                for p in raw_model.parameters():
-                    dist.broadcast(p.data, 0)
-        if main:
-            log({"step": 0, **init_telemetry(raw_model, x0.to(device))})
+    if start == 0:
+        _begin_fresh_run(raw_model, cfg, corpus, device, rank, world, log)
     train_time, loss_sum, n_loss, last_val = 0.0, 0.0, 0, None
     step = start
     model.train()
@@ -327,19 +367,10 @@ def _train(cfg, folder: RunFolder, corpus, rank, world, device, resume, progress
     if summary["status"] == "running":
         summary.update(status="completed", final_val_loss=last_val, steps_done=step)
     summary["gap_to_unigram_entropy"] = (last_val - entropy) if last_val is not None else None
-    if main and folder.file(METRICS).exists():
-        rows = read_jsonl(folder.file(METRICS))
-        train_rows = [r for r in rows if r.get("train_loss") is not None]
-        if train_rows and summary["status"] != "diverged":  # a diverged run's final train loss stays NaN
-            summary["final_train_loss"] = train_rows[-1]["train_loss"]
-            speeds = [r["tokens_per_s"] for r in train_rows if "tokens_per_s" in r]
-            summary["tokens_per_s"] = sorted(speeds)[len(speeds) // 2] if speeds else None
-        summary.update({k: v for k, v in (rows[-1] if rows else {}).items() if k.startswith("erank")})
-        summary["escape_step"] = escape_step(rows, entropy)
     if main:
+        _summarize(summary, folder, entropy)
         folder.write_json(SUMMARY, summary)
-    if writer:
-        writer.close()
+    log.close()
     if world > 1:
         dist.barrier()
     return summary
