@@ -33,13 +33,15 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from normlab.conversion.batches import Stop, as_batches, run_batch, swap
+from normlab.conversion.record import Site
 from normlab.registry import create_norm, norm_spec
 
 __all__ = ["FirstToken", "FitOutcome", "fit_replacement", "first_token_ratio", "calibrate_sites", "per_channel_kwargs"]
@@ -205,35 +207,6 @@ def fit_replacement(new: nn.Module, x: Tensor, y: Tensor, *, per_channel: bool =
 # --------------------------------------------------------------------------
 # the sequential pass over a model's sites
 # --------------------------------------------------------------------------
-def _batches(calibrate) -> Iterable:
-    if isinstance(calibrate, (torch.Tensor, dict)):
-        return [calibrate]
-    if isinstance(calibrate, (str, bytes)) or not isinstance(calibrate, Iterable):
-        raise TypeError(f"calibrate: expected a tensor of inputs, a dict of model kwargs, a list of those, or a "
-                        f"dataloader yielding them; got {type(calibrate).__name__}")  # fmt: skip
-    return calibrate
-
-
-def _run(model: nn.Module, batch, i: int):
-    try:
-        if isinstance(batch, dict):
-            return model(**batch)
-        if isinstance(batch, torch.Tensor):
-            return model(batch)
-        if isinstance(batch, (list, tuple)) and batch and isinstance(batch[0], torch.Tensor):
-            return model(batch[0])  # (inputs, targets) from a dataloader
-    except _Stop:
-        raise
-    except Exception as e:  # noqa: BLE001
-        raise ValueError(f"calibration batch {i} could not be run through the model: {type(e).__name__}: {e}") from e
-    raise TypeError(f"calibrate: batch {i} is a {type(batch).__name__}; expected a tensor, a dict of model kwargs, "
-                    "or an (inputs, ...) tuple")  # fmt: skip
-
-
-class _Stop(Exception):
-    """Raised by a hook to end a forward pass once the site of interest has seen its input."""
-
-
 def per_channel_kwargs(to: str) -> dict:
     return {"per_channel_beta": True} if norm_spec(to).fits == "log_beta" else {"per_channel_alpha": True}
 
@@ -276,8 +249,8 @@ def _pass(model: nn.Module, batch, i: int, hooks: dict[str, Callable], kind: str
     handles = [model.get_submodule(n).register_forward_hook(h) if kind == "out" else
                model.get_submodule(n).register_forward_pre_hook(h) for n, h in hooks.items()]  # fmt: skip
     try:
-        _run(model, batch, i)
-    except _Stop:
+        run_batch(model, batch, i)
+    except Stop:
         pass
     finally:
         for h in handles:
@@ -285,18 +258,17 @@ def _pass(model: nn.Module, batch, i: int, hooks: dict[str, Callable], kind: str
 
 
 @torch.no_grad()
-def calibrate_sites(model: nn.Module, sites: list, replacements: dict[str, nn.Module], calibrate, *, to: str,
+def calibrate_sites(model: nn.Module, sites: list[Site], replacements: dict[str, nn.Module], calibrate, *, to: str,
                per: str, fit_amplitude: bool, first_token: str, massive: float, max_tokens: int,
                target: str, progress: bool | None) -> str:  # fmt: skip
     """Fit and swap every site in the order the model runs them (the module docstring); returns a note.
 
-    ``sites`` are normlab.conversion.convert's Site records (name, dim, kwargs; fit, notes and first_token are
-    filled in);
+    ``sites`` are the conversion's Site records (name, dim, kwargs; this fills in fit, notes and first_token);
     ``replacements`` maps each site's name to its built replacement. On any failure every original is put back.
     """
     from tqdm.auto import tqdm
 
-    batches = list(_batches(calibrate))
+    batches = list(as_batches(calibrate))
     if not batches:
         raise ValueError("calibrate: the calibration data is empty")
     quota = max(1, math.ceil(max_tokens / len(batches)))
@@ -338,7 +310,7 @@ def calibrate_sites(model: nn.Module, sites: list, replacements: dict[str, nn.Mo
 
             def grab_in(mod, args, rows=rows):
                 rows.add(args[0], grab_in.batch)
-                raise _Stop
+                raise Stop
 
             for i, batch in enumerate(batches):
                 grab_in.batch = i
@@ -366,15 +338,11 @@ def calibrate_sites(model: nn.Module, sites: list, replacements: dict[str, nn.Mo
                 site.fit["first_token"] = out_first.to_dict()
                 site.notes += [f"first token: {m}" for m in out_first.notes]
                 new = FirstToken(new, first)
-            parent_name, _, child = n.rpartition(".")
-            parent = model.get_submodule(parent_name) if parent_name else model
-            swapped[n] = getattr(parent, child)
-            setattr(parent, child, new)
+            swapped[n] = swap(model, n, new)
             bar.set_postfix_str(f"{n}: rel. error {out.rel_error:.3f}")
     except BaseException:
         for n, old in swapped.items():  # all or nothing: put the original norms back
-            parent_name, _, child = n.rpartition(".")
-            setattr(model.get_submodule(parent_name) if parent_name else model, child, old)
+            swap(model, n, old)
         raise
     finally:
         model.train(was_training)

@@ -24,16 +24,16 @@ that fails part-way puts every original norm back.
 from __future__ import annotations
 
 import fnmatch
-import json
-import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
 from torch import nn
 
-from normlab.conversion.calibrate import _batches, _run, calibrate_sites, per_channel_kwargs
+from normlab.conversion.batches import swap
+from normlab.conversion.calibrate import calibrate_sites, per_channel_kwargs
+from normlab.conversion.fidelity import fidelity
+from normlab.conversion.record import ConversionRecord, Site
+from normlab.conversion.saving import apply_record, load_converted, save_converted
 from normlab.registry import create_norm, init_kwargs, list_norms, norm_spec
 
 __all__ = ["KNOWN_NORMS", "ConversionRecord", "convert_norms", "apply_record", "fidelity", "save_converted",
@@ -55,57 +55,6 @@ KNOWN_NORMS: dict[str, str] = {
     "Gemma3RMSNorm": "rms_norm_offset",
 }
 CALIBRATABLE = tuple(n for n in list_norms() if norm_spec(n).fits)  # the registry says what a fit sets
-
-
-@dataclass
-class Site:
-    name: str
-    source: str  # class name of the module replaced
-    kind: str  # layer_norm | rms_norm | rms_norm_offset
-    dim: int
-    eps: float
-    kwargs: dict  # what the replacement was built with
-    copied: list[str] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-    fit: dict | None = None
-    first_token: bool = False  # the first token has its own replacement (normlab.conversion.calibrate.FirstToken)
-
-
-@dataclass
-class ConversionRecord:
-    target: str
-    per: str
-    sites: list[Site]
-    skipped: list[dict]
-    notes: list[str] = field(default_factory=list)
-
-    def to_dict(self) -> dict:
-        return {"format": "normlab-conversion-1", "target": self.target, "per": self.per,
-                "sites": [asdict(s) for s in self.sites], "skipped": self.skipped, "notes": self.notes}  # fmt: skip
-
-    @classmethod
-    def from_dict(cls, d: dict) -> ConversionRecord:
-        if d.get("format") != "normlab-conversion-1":
-            raise ValueError("not a normlab conversion record (format normlab-conversion-1)")
-        return cls(d["target"], d["per"], [Site(**s) for s in d["sites"]], d["skipped"], d.get("notes", []))
-
-    def table(self, markdown: bool = False) -> str:
-        from normlab._table import format_table
-
-        rows = []
-        for s in self.sites:
-            f = s.fit or {}
-            param = f.get("param_name", "-")
-            value = f.get("value", "-")
-            status = "ok" if f.get("converged", True) else "FLAGGED"
-            rows.append([s.name, s.source, self.target, param, value, f.get("rel_error", "-"),
-                         "; ".join([status] + s.notes)])
-        out = format_table(["site", "replaced", "with", "param", "value", "fit rel. error", "notes"], rows, markdown)
-        if self.notes:
-            out += "\n" + "\n".join(self.notes)
-        if self.skipped:
-            out += "\nnot converted: " + "; ".join(f"{s['name']} ({s['class']}): {s['reason']}" for s in self.skipped)
-        return out
 
 
 # --------------------------------------------------------------------------
@@ -285,180 +234,5 @@ def convert_norms(
                                      max_tokens=max_tokens, target=target, progress=progress))  # fmt: skip
     else:
         for name, new in replacements.items():  # the swap itself
-            parent_name, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+            swap(model, name, new)
     return ConversionRecord(to, per, sites, skipped, notes)
-
-
-def apply_record(model: nn.Module, record: ConversionRecord) -> nn.Module:
-    """Rebuild a recorded conversion's structure on a fresh model (no calibration); load the weights after."""
-    names = {name for name, _ in model.named_modules()}
-    missing = [s.name for s in record.sites if s.name not in names]
-    if missing:
-        raise ValueError(f"the model has no module {missing[0]!r} from the conversion record; is it the same model?")
-    from normlab.conversion.calibrate import FirstToken
-
-    for s in record.sites:
-        new = create_norm(record.target, s.dim, **s.kwargs)
-        if s.first_token:
-            first_kwargs = {**s.kwargs, **per_channel_kwargs(record.target)}
-            new = FirstToken(new, create_norm(record.target, s.dim, **first_kwargs))
-        old = model.get_submodule(s.name)
-        ref = next(iter(old.parameters()), None)
-        if ref is not None:
-            new = new.to(device=ref.device, dtype=ref.dtype)
-        parent_name, _, child = s.name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
-    return model
-
-
-# --------------------------------------------------------------------------
-# fidelity
-# --------------------------------------------------------------------------
-def _logits(out, lm: bool | None):
-    """The final output tensor, and whether it holds next-token logits (auto: a ModelOutput with .logits)."""
-    for attr in ("logits", "last_hidden_state"):
-        if hasattr(out, attr):
-            return getattr(out, attr), attr == "logits" if lm is None else lm
-    if isinstance(out, (tuple, list)):
-        out = out[0]
-    return out, bool(lm)
-
-
-@torch.no_grad()
-def fidelity(original: nn.Module, converted: nn.Module, inputs, record: ConversionRecord | None = None,
-             *, lm: bool | None = None) -> dict:  # fmt: skip
-    """How close ``converted`` is to ``original`` on held-out ``inputs``.
-
-    Per site: the relative error of the norm's output, ||y_conv - y_orig|| / ||y_orig||, both models fed the
-    same inputs. Final output: mean per-token cosine similarity, and for language models (outputs with
-    logits) the mean KL(original || converted) of the next-token distributions and, when the inputs are token
-    ids, the next-token cross-entropy of both models (``ce_original``, ``ce_converted``, nats/token).
-    ``lm=True`` says that a plain tensor or tuple output (its first element) holds logits; by default only a
-    ``.logits`` attribute does.
-    """
-    sites = [s.name for s in record.sites] if record else []
-    outs: dict[str, dict[str, list]] = {"orig": {n: [] for n in sites}, "conv": {n: [] for n in sites}}
-    handles = []
-    for tag, model in (("orig", original), ("conv", converted)):
-        for n in sites:
-            handles.append(model.get_submodule(n).register_forward_hook(
-                lambda mod, a, y, n=n, tag=tag: outs[tag][n].append(y.detach().float().cpu())))  # fmt: skip
-    cos, kl, n_tok = 0.0, 0.0, 0
-    ce, n_ce = [0.0, 0.0], 0
-    has_logits = False
-    modes = (original.training, converted.training)
-    original.eval()
-    converted.eval()
-    try:
-        for i, batch in enumerate(_batches(inputs)):
-            a, is_lm = _logits(_run(original, batch, i), lm)
-            b, _ = _logits(_run(converted, batch, i), lm)
-            a, b = a.float().reshape(-1, a.shape[-1]), b.float().reshape(-1, b.shape[-1])
-            cos += float(torch.nn.functional.cosine_similarity(a, b, dim=-1).sum())
-            if is_lm:
-                has_logits = True
-                kl += float(torch.nn.functional.kl_div(b.log_softmax(-1), a.log_softmax(-1), log_target=True,
-                                                       reduction="sum"))  # fmt: skip
-                ids = _token_ids(batch)
-                if ids is not None and ids.shape[-1] > 1 and ids.numel() == a.shape[0]:  # next-token cross-entropy
-                    nxt = ids.reshape(-1, ids.shape[-1])[:, 1:].reshape(-1).to(a.device)
-                    keep = torch.ones(ids.shape, dtype=torch.bool).reshape(-1, ids.shape[-1])
-                    keep[:, -1] = False
-                    keep = keep.reshape(-1).to(a.device)
-                    for j, logits in enumerate((a, b)):
-                        ce[j] += float(torch.nn.functional.cross_entropy(logits[keep], nxt, reduction="sum"))
-                    n_ce += nxt.numel()
-            n_tok += a.shape[0]
-    finally:
-        for h in handles:
-            h.remove()
-        original.train(modes[0])
-        converted.train(modes[1])
-    if n_tok == 0:
-        raise ValueError("fidelity: the held-out inputs are empty")
-    per_site = {}
-    for n in sites:
-        ya = torch.cat([t.reshape(-1) for t in outs["orig"][n]])
-        yb = torch.cat([t.reshape(-1) for t in outs["conv"][n]])
-        per_site[n] = float((yb - ya).norm() / ya.norm().clamp_min(1e-30))
-    result = {"output_cosine": cos / n_tok, "sites": per_site,
-              "mean_site_error": sum(per_site.values()) / len(per_site) if per_site else math.nan}  # fmt: skip
-    if has_logits:
-        result["kl"] = kl / n_tok
-    if n_ce:
-        result["ce_original"], result["ce_converted"] = ce[0] / n_ce, ce[1] / n_ce
-    return result
-
-
-def _token_ids(batch) -> torch.Tensor | None:
-    ids = batch.get("input_ids") if isinstance(batch, dict) else batch
-    return ids if isinstance(ids, torch.Tensor) and not ids.is_floating_point() else None
-
-
-# --------------------------------------------------------------------------
-# saving and loading
-# --------------------------------------------------------------------------
-RECORD_FILE = "normlab_conversion.json"
-
-
-def save_converted(model: nn.Module, record: ConversionRecord, path: str | Path) -> Path:
-    """Weights plus the conversion record. A Hugging Face model is saved with its own save_pretrained."""
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    if hasattr(model, "save_pretrained"):
-        model.save_pretrained(path)
-    else:
-        torch.save(model.state_dict(), path / "model.pt")
-    d = record.to_dict()
-    d["model_class"] = type(model).__name__
-    (path / RECORD_FILE).write_text(json.dumps(d, indent=2) + "\n")
-    return path
-
-
-def _load_state(path: Path) -> dict:
-    if (path / "model.pt").exists():
-        return torch.load(path / "model.pt", map_location="cpu", weights_only=True)
-    from safetensors.torch import load_file
-
-    if (path / "model.safetensors").exists():
-        return load_file(path / "model.safetensors")
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        state = {}
-        for shard in sorted(set(json.loads(index.read_text())["weight_map"].values())):
-            state.update(load_file(path / shard))
-        return state
-    raise FileNotFoundError(f"{path}: no model.pt, model.safetensors or sharded safetensors index")
-
-
-def load_converted(path: str | Path, model: nn.Module | None = None) -> tuple[nn.Module, ConversionRecord]:
-    """Load a model saved by :func:`save_converted`.
-
-    For a Hugging Face model, ``model`` may be omitted: it is rebuilt from the saved config. For a plain
-    PyTorch model pass a freshly constructed instance of the original architecture.
-    """
-    path = Path(path)
-    if not (path / RECORD_FILE).exists():
-        raise FileNotFoundError(f"{path} holds no {RECORD_FILE}: not a model saved by normlab.save_converted")
-    d = json.loads((path / RECORD_FILE).read_text())
-    record = ConversionRecord.from_dict(d)
-    if model is None:
-        if not (path / "config.json").exists():
-            raise ValueError(f"{path} has no config.json: pass the model to load into (load_converted(path, model))")
-        import transformers
-
-        config = transformers.AutoConfig.from_pretrained(path)
-        cls = getattr(transformers, d.get("model_class") or config.architectures[0])
-        model = cls(config)
-    apply_record(model, record)
-    state = _load_state(path)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    tied = set(getattr(model, "_tied_weights_keys", None) or [])
-    missing = [k for k in missing if k not in tied and not any(fnmatch.fnmatch(k, t) for t in tied)]
-    if hasattr(model, "tie_weights"):
-        model.tie_weights()
-    if unexpected or missing:
-        raise ValueError(f"{path}: weights do not match the converted model (missing {missing[:3]}, "
-                         f"unexpected {unexpected[:3]})")  # fmt: skip
-    return model.eval(), record

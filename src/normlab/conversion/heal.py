@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from normlab.conversion.calibrate import _batches, _Stop
+from normlab.conversion.batches import Stop, as_batches, input_ids, run_batch
 
 __all__ = ["heal", "HealReport", "find_blocks"]
 
@@ -69,22 +69,6 @@ def _hidden(out):
     return out[0] if isinstance(out, (tuple, list)) else out
 
 
-def _as_kwargs(batch) -> dict:
-    if isinstance(batch, dict):
-        return dict(batch)
-    if isinstance(batch, (list, tuple)):
-        batch = batch[0]
-    return {"input_ids": batch}
-
-
-def _forward(model: nn.Module, batch):
-    kw = _as_kwargs(batch)
-    try:
-        return model(**kw, use_cache=False)
-    except TypeError:  # a model without a KV cache
-        return model(**kw)
-
-
 def _capture(model: nn.Module, blocks: nn.ModuleList, batches: list, *, outputs: bool, stop_at: int | None = None):
     """Per batch: the (args, kwargs) each block was called with, and its output (when ``outputs``)."""
     calls: list[list] = [[None] * len(batches) for _ in blocks]
@@ -98,7 +82,7 @@ def _capture(model: nn.Module, blocks: nn.ModuleList, batches: list, *, outputs:
                 kwargs["use_cache"] = False
             calls[k][cur["b"]] = (tuple(a.detach() if torch.is_tensor(a) else a for a in args), kwargs)
             if stop_at == k:
-                raise _Stop
+                raise Stop
 
         return hook
 
@@ -116,8 +100,8 @@ def _capture(model: nn.Module, blocks: nn.ModuleList, batches: list, *, outputs:
             for i, batch in enumerate(batches):
                 cur["b"] = i
                 try:
-                    _forward(model, batch)
-                except _Stop:
+                    run_batch(model, batch, i, no_cache=True)
+                except Stop:
                     pass
     finally:
         for h in handles:
@@ -175,7 +159,7 @@ def heal(original: nn.Module, converted: nn.Module, batches, record=None, *, min
         raise ValueError(f"heal: train must be 'norms' or 'all', got {train!r}")
     if not 0.0 <= distill < 1.0:
         raise ValueError(f"heal: distill is the fraction of the budget for distillation, in [0, 1), got {distill!r}")
-    batches = list(_batches(batches))  # the same accepted forms, and errors, as calibration
+    batches = list(as_batches(batches))  # the same accepted forms, and errors, as calibration
     if not batches:
         raise ValueError("heal: no calibration batches")
     if resume and checkpoint is None:
@@ -301,8 +285,8 @@ def _groups(params: list, lr: float, alphas: set[int]) -> list[dict]:
 
 def _kl(original: nn.Module, converted: nn.Module, batch) -> torch.Tensor:
     with torch.no_grad():
-        target = _hidden(getattr(_forward(original, batch), "logits", None)).float().log_softmax(-1)
-    logits = _forward(converted, batch).logits.float()
+        target = _hidden(getattr(run_batch(original, batch, no_cache=True), "logits", None)).float().log_softmax(-1)
+    logits = run_batch(converted, batch, no_cache=True).logits.float()
     return torch.nn.functional.kl_div(logits.log_softmax(-1).flatten(0, -2), target.flatten(0, -2),
                                       log_target=True, reduction="batchmean")  # fmt: skip
 
@@ -315,7 +299,7 @@ def _distill(original, converted, batches, train, lr, go_on, report: HealReport,
     before = evaluate()
     best = copy.deepcopy(converted.state_dict())
     steps, diverged = _train(lambda i: _kl(original, converted, batches[i]), params, lr, len(batches), go_on,
-                             report, [_n_tokens(_as_kwargs(b)["input_ids"]) for b in batches], alphas)  # fmt: skip
+                             report, [_n_tokens(input_ids(b)) for b in batches], alphas)  # fmt: skip
     after = evaluate()
     kept = math.isfinite(after) and after <= before
     if not kept:

@@ -1,0 +1,71 @@
+"""Batches, for every part of conversion: what a batch may be, the one way a batch is run through a model, the one
+signal that ends a forward pass early, and the one way a submodule is swapped."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+__all__ = ["Stop", "as_batches", "input_ids", "run_batch", "swap"]
+
+
+class Stop(Exception):
+    """Raised by a hook to end a forward pass once the module of interest has seen its input."""
+
+
+def as_batches(calibrate) -> Iterable:
+    """A tensor of inputs, a dict of model kwargs, a list of those, or a dataloader yielding them, as an iterable
+    of batches; anything else (a string of text, a number) is a clear TypeError."""
+    if isinstance(calibrate, (torch.Tensor, dict)):
+        return [calibrate]
+    if isinstance(calibrate, (str, bytes)) or not isinstance(calibrate, Iterable):
+        raise TypeError(f"calibrate: expected a tensor of inputs, a dict of model kwargs, a list of those, or a "
+                        f"dataloader yielding them; got {type(calibrate).__name__}")  # fmt: skip
+    return calibrate
+
+
+def run_batch(model: nn.Module, batch, i: int = 0, *, no_cache: bool = False):
+    """Run batch ``i``: a dict of model kwargs, an input tensor, or an (inputs, ...) tuple from a dataloader.
+
+    ``no_cache`` asks a Hugging Face model not to build a KV cache (``use_cache=False``); a model without that
+    argument is called without it. ``Stop`` passes through; any other failure is a ValueError naming the batch.
+    """
+    if isinstance(batch, (list, tuple)) and batch and isinstance(batch[0], torch.Tensor):
+        batch = batch[0]
+    if isinstance(batch, dict):
+        args, kwargs = (), dict(batch)
+    elif isinstance(batch, torch.Tensor):
+        args, kwargs = (batch,), {}
+    else:
+        raise TypeError(f"calibrate: batch {i} is a {type(batch).__name__}; expected a tensor, a dict of model "
+                        "kwargs, or an (inputs, ...) tuple")  # fmt: skip
+    try:
+        if no_cache:
+            try:
+                return model(*args, **kwargs, use_cache=False)
+            except TypeError as e:
+                if "use_cache" not in str(e):
+                    raise
+        return model(*args, **kwargs)
+    except Stop:
+        raise
+    except Exception as e:  # noqa: BLE001
+        raise ValueError(f"calibration batch {i} could not be run through the model: {type(e).__name__}: {e}") from e
+
+
+def input_ids(batch) -> torch.Tensor:
+    """The token ids of a batch: its ``input_ids``, the tensor itself, or the first element of a tuple."""
+    if isinstance(batch, dict):
+        return batch["input_ids"]
+    return batch[0] if isinstance(batch, (list, tuple)) else batch
+
+
+def swap(model: nn.Module, name: str, new: nn.Module) -> nn.Module:
+    """Put ``new`` at the submodule ``name`` of ``model``; returns the module it replaces."""
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    old = getattr(parent, child)
+    setattr(parent, child, new)
+    return old

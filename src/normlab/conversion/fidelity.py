@@ -1,0 +1,94 @@
+"""How close a converted model is to its original: output cosine, mean site error, KL and cross-entropy."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from normlab.conversion.batches import as_batches, run_batch
+from normlab.conversion.record import ConversionRecord
+
+__all__ = ["fidelity"]
+
+
+def _logits(out, lm: bool | None):
+    """The final output tensor, and whether it holds next-token logits (auto: a ModelOutput with .logits)."""
+    for attr in ("logits", "last_hidden_state"):
+        if hasattr(out, attr):
+            return getattr(out, attr), attr == "logits" if lm is None else lm
+    if isinstance(out, (tuple, list)):
+        out = out[0]
+    return out, bool(lm)
+
+
+@torch.no_grad()
+def fidelity(original: nn.Module, converted: nn.Module, inputs, record: ConversionRecord | None = None,
+             *, lm: bool | None = None) -> dict:  # fmt: skip
+    """How close ``converted`` is to ``original`` on held-out ``inputs``.
+
+    Per site: the relative error of the norm's output, ||y_conv - y_orig|| / ||y_orig||, both models fed the
+    same inputs. Final output: mean per-token cosine similarity, and for language models (outputs with
+    logits) the mean KL(original || converted) of the next-token distributions and, when the inputs are token
+    ids, the next-token cross-entropy of both models (``ce_original``, ``ce_converted``, nats/token).
+    ``lm=True`` says that a plain tensor or tuple output (its first element) holds logits; by default only a
+    ``.logits`` attribute does.
+    """
+    sites = [s.name for s in record.sites] if record else []
+    outs: dict[str, dict[str, list]] = {"orig": {n: [] for n in sites}, "conv": {n: [] for n in sites}}
+    handles = []
+    for tag, model in (("orig", original), ("conv", converted)):
+        for n in sites:
+            handles.append(model.get_submodule(n).register_forward_hook(
+                lambda mod, a, y, n=n, tag=tag: outs[tag][n].append(y.detach().float().cpu())))  # fmt: skip
+    cos, kl, n_tok = 0.0, 0.0, 0
+    ce, n_ce = [0.0, 0.0], 0
+    has_logits = False
+    modes = (original.training, converted.training)
+    original.eval()
+    converted.eval()
+    try:
+        for i, batch in enumerate(as_batches(inputs)):
+            a, is_lm = _logits(run_batch(original, batch, i), lm)
+            b, _ = _logits(run_batch(converted, batch, i), lm)
+            a, b = a.float().reshape(-1, a.shape[-1]), b.float().reshape(-1, b.shape[-1])
+            cos += float(torch.nn.functional.cosine_similarity(a, b, dim=-1).sum())
+            if is_lm:
+                has_logits = True
+                kl += float(torch.nn.functional.kl_div(b.log_softmax(-1), a.log_softmax(-1), log_target=True,
+                                                       reduction="sum"))  # fmt: skip
+                ids = _token_ids(batch)
+                if ids is not None and ids.shape[-1] > 1 and ids.numel() == a.shape[0]:  # next-token cross-entropy
+                    nxt = ids.reshape(-1, ids.shape[-1])[:, 1:].reshape(-1).to(a.device)
+                    keep = torch.ones(ids.shape, dtype=torch.bool).reshape(-1, ids.shape[-1])
+                    keep[:, -1] = False
+                    keep = keep.reshape(-1).to(a.device)
+                    for j, logits in enumerate((a, b)):
+                        ce[j] += float(torch.nn.functional.cross_entropy(logits[keep], nxt, reduction="sum"))
+                    n_ce += nxt.numel()
+            n_tok += a.shape[0]
+    finally:
+        for h in handles:
+            h.remove()
+        original.train(modes[0])
+        converted.train(modes[1])
+    if n_tok == 0:
+        raise ValueError("fidelity: the held-out inputs are empty")
+    per_site = {}
+    for n in sites:
+        ya = torch.cat([t.reshape(-1) for t in outs["orig"][n]])
+        yb = torch.cat([t.reshape(-1) for t in outs["conv"][n]])
+        per_site[n] = float((yb - ya).norm() / ya.norm().clamp_min(1e-30))
+    result = {"output_cosine": cos / n_tok, "sites": per_site,
+              "mean_site_error": sum(per_site.values()) / len(per_site) if per_site else math.nan}  # fmt: skip
+    if has_logits:
+        result["kl"] = kl / n_tok
+    if n_ce:
+        result["ce_original"], result["ce_converted"] = ce[0] / n_ce, ce[1] / n_ce
+    return result
+
+
+def _token_ids(batch) -> torch.Tensor | None:
+    ids = batch.get("input_ids") if isinstance(batch, dict) else batch
+    return ids if isinstance(ids, torch.Tensor) and not ids.is_floating_point() else None

@@ -1,0 +1,101 @@
+"""Saving and loading a converted model: its weights, and the record that rebuilds its structure."""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from normlab.conversion.batches import swap
+from normlab.conversion.calibrate import FirstToken, per_channel_kwargs
+from normlab.conversion.record import ConversionRecord
+from normlab.registry import create_norm
+
+__all__ = ["RECORD_FILE", "save_converted", "load_converted", "apply_record"]
+
+
+def apply_record(model: nn.Module, record: ConversionRecord) -> nn.Module:
+    """Rebuild a recorded conversion's structure on a fresh model (no calibration); load the weights after."""
+    names = {name for name, _ in model.named_modules()}
+    missing = [s.name for s in record.sites if s.name not in names]
+    if missing:
+        raise ValueError(f"the model has no module {missing[0]!r} from the conversion record; is it the same model?")
+    for s in record.sites:
+        new = create_norm(record.target, s.dim, **s.kwargs)
+        if s.first_token:
+            first_kwargs = {**s.kwargs, **per_channel_kwargs(record.target)}
+            new = FirstToken(new, create_norm(record.target, s.dim, **first_kwargs))
+        old = model.get_submodule(s.name)
+        ref = next(iter(old.parameters()), None)
+        if ref is not None:
+            new = new.to(device=ref.device, dtype=ref.dtype)
+        swap(model, s.name, new)
+    return model
+
+
+RECORD_FILE = "normlab_conversion.json"
+
+
+def save_converted(model: nn.Module, record: ConversionRecord, path: str | Path) -> Path:
+    """Weights plus the conversion record. A Hugging Face model is saved with its own save_pretrained."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    if hasattr(model, "save_pretrained"):
+        model.save_pretrained(path)
+    else:
+        torch.save(model.state_dict(), path / "model.pt")
+    d = record.to_dict()
+    d["model_class"] = type(model).__name__
+    (path / RECORD_FILE).write_text(json.dumps(d, indent=2) + "\n")
+    return path
+
+
+def _load_state(path: Path) -> dict:
+    if (path / "model.pt").exists():
+        return torch.load(path / "model.pt", map_location="cpu", weights_only=True)
+    from safetensors.torch import load_file
+
+    if (path / "model.safetensors").exists():
+        return load_file(path / "model.safetensors")
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        state = {}
+        for shard in sorted(set(json.loads(index.read_text())["weight_map"].values())):
+            state.update(load_file(path / shard))
+        return state
+    raise FileNotFoundError(f"{path}: no model.pt, model.safetensors or sharded safetensors index")
+
+
+def load_converted(path: str | Path, model: nn.Module | None = None) -> tuple[nn.Module, ConversionRecord]:
+    """Load a model saved by :func:`save_converted`.
+
+    For a Hugging Face model, ``model`` may be omitted: it is rebuilt from the saved config. For a plain
+    PyTorch model pass a freshly constructed instance of the original architecture.
+    """
+    path = Path(path)
+    if not (path / RECORD_FILE).exists():
+        raise FileNotFoundError(f"{path} holds no {RECORD_FILE}: not a model saved by normlab.save_converted")
+    d = json.loads((path / RECORD_FILE).read_text())
+    record = ConversionRecord.from_dict(d)
+    if model is None:
+        if not (path / "config.json").exists():
+            raise ValueError(f"{path} has no config.json: pass the model to load into (load_converted(path, model))")
+        import transformers
+
+        config = transformers.AutoConfig.from_pretrained(path)
+        cls = getattr(transformers, d.get("model_class") or config.architectures[0])
+        model = cls(config)
+    apply_record(model, record)
+    state = _load_state(path)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = set(getattr(model, "_tied_weights_keys", None) or [])
+    missing = [k for k in missing if k not in tied and not any(fnmatch.fnmatch(k, t) for t in tied)]
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    if unexpected or missing:
+        raise ValueError(f"{path}: weights do not match the converted model (missing {missing[:3]}, "
+                         f"unexpected {unexpected[:3]})")  # fmt: skip
+    return model.eval(), record
