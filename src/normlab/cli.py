@@ -228,10 +228,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="normlab", description=__doc__)
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
+def _add_demo(sub) -> None:
     d = sub.add_parser("demo", help="print the table of every registered norm on one input")
     d.add_argument("--dim", type=_count, default=256, help="channels C of the token (default 256)")
     d.add_argument("--std", type=float, default=0.02, help="input std; 0.02 is GPT-2 init's residual stream")
@@ -239,6 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--markdown", action="store_true", help="print a Markdown table")
     d.set_defaults(func=_cmd_demo)
 
+
+def _add_jacobian(sub) -> None:
     j = sub.add_parser("jacobian", help="seed 003's table: Frobenius norms of the Jacobian's diagonal and coupling")
     j.add_argument("--norm", nargs="+", default=["rms_norm", "dyt"], help="registered norm names")
     j.add_argument("--width", nargs="+", type=_count, default=[1024, 2048], help="channel counts")
@@ -251,6 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
     j.add_argument("--markdown", action="store_true", help="print a Markdown table")
     j.set_defaults(func=_cmd_jacobian)
 
+
+def _add_gain(sub) -> None:
     g = sub.add_parser("gain", help="seed 003's forward gain G(sigma), Monte Carlo, as a log-log plot")
     g.add_argument("--norm", nargs="+", default=["rms_norm", "l1_norm", "dyt", "dyt_hardtanh", "dyisru", "sign_sqrt"],
                    help="registered norm names")
@@ -267,6 +268,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--markdown", action="store_true")
     g.set_defaults(func=_cmd_gain)
 
+
+def _add_simulate(sub) -> None:
     s = sub.add_parser("simulate", help="the outlier simulation of seeds 000/001 with DyT and DyISRU fits")
     s.add_argument("--norm", choices=["rms_norm", "layer_norm"], default="rms_norm",
                    help="normalization simulated: rms_norm (seed 000) or layer_norm (seed 001)")
@@ -284,6 +287,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--markdown", action="store_true")
     s.set_defaults(func=_cmd_simulate)
 
+
+def _add_train(sub) -> None:
     from normlab.lab.config import PRESETS
 
     t = sub.add_parser("train", help="train the lab's GPT with a registered norm (torchrun for several processes)")
@@ -300,6 +305,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     t.set_defaults(func=_cmd_train)
 
+
+def _add_predict(sub) -> None:
+    from normlab.lab.config import PRESETS
+
     pr = sub.add_parser("predict", help="will a point-wise norm leave the unigram attractor? its signal scale at init")
     pr.add_argument("--norm", nargs="+", default=["rms_norm", "dyt", "derf", "scaled_dyt", "dyisru"])
     pr.add_argument("--preset", default="cpu", choices=list(PRESETS))
@@ -307,6 +316,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="config fields, as for train, e.g. model.embed_scale=sqrt_d model.init_std=0.16")
     pr.set_defaults(func=_cmd_predict)
 
+
+def _add_sweep(sub) -> None:
     from normlab.sweep import PROFILES, default_jobs
 
     sw = sub.add_parser("sweep", help="run experiments (TOML tables of runs); finished runs are skipped")
@@ -318,10 +329,16 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--no-progress", action="store_true")
     sw.set_defaults(func=_cmd_sweep)
 
+
+def _add_report(sub) -> None:
     rp = sub.add_parser("report", help="write REPORT.md with tables and figures from a sweep root")
     rp.add_argument("--root", default="runs/reproduce-default")
     rp.add_argument("--compare", help="root of the same experiments at another budget: state each verdict at both")
     rp.set_defaults(func=_cmd_report)
+
+
+def _add_reproduce(sub) -> None:
+    from normlab.sweep import default_jobs
 
     rr = sub.add_parser("reproduce", help="theory checks + every table of seed 003 at CPU scale + REPORT.md")
     size = rr.add_mutually_exclusive_group()
@@ -337,6 +354,8 @@ def build_parser() -> argparse.ArgumentParser:
     rr.add_argument("--no-progress", action="store_true")
     rr.set_defaults(func=_cmd_reproduce)
 
+
+def _add_convert(sub) -> None:
     cv = sub.add_parser("convert", help="swap the norms of a real model (HF folder or GGUF), calibrate, heal")
     cv.add_argument("--model", required=True,
                     help="a local Hugging Face model folder, a .gguf file, or 'smollm2' (SmolLM2-135M-Instruct, "
@@ -368,6 +387,15 @@ def build_parser() -> argparse.ArgumentParser:
     cv.add_argument("--no-progress", action="store_true", help="no progress bars")
     cv.add_argument("--markdown", action="store_true")
     cv.set_defaults(func=_cmd_convert)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="normlab", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    commands = (_add_demo, _add_jacobian, _add_gain, _add_simulate, _add_train, _add_predict, _add_sweep, _add_report,
+                _add_reproduce, _add_convert)
+    for add in commands:  # one function per command, in the order `normlab --help` lists them
+        add(sub)
     return p
 
 
