@@ -109,6 +109,36 @@ def _start(new: nn.Module, x: Tensor, per_channel: bool, name: str) -> Tensor:
     return (c / beta).sqrt() / amp  # alpha: amp * alpha = sqrt(C / beta), DyISRU's slope at 0
 
 
+def _coarse_scan(out, x: Tensor, y: Tensor, p0: Tensor, la0: Tensor, fit_amplitude: bool) -> tuple[Tensor, Tensor]:
+    """A coarse scan over the parameter's scale (and the amplitude) in log steps, per channel when the parameter is
+    per channel, on at most 512 tokens: the start point of L-BFGS."""
+    sub = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))[:512]
+    col = lambda p, la: (out(p, la, x[sub]) - y[sub]).pow(2).mean(0)  # noqa: E731  (C,) loss per channel
+    steps = torch.arange(-8.0, 8.5, 1.0, dtype=torch.float64)
+    amps = torch.arange(-4.0, 4.5, 1.0, dtype=torch.float64) if fit_amplitude else torch.zeros(1).double()
+    grid = [(d, e) for d in steps for e in amps]
+    losses = torch.stack([col(p0 + d, la0 + e) for d, e in grid])  # (trials, C)
+    losses = torch.where(torch.isfinite(losses), losses, torch.inf)
+    if p0.numel() > 1:  # channels are independent: the best trial for each
+        pick = losses.argmin(0)
+    else:
+        pick = losses.sum(1).argmin().expand(1)
+    if bool(torch.isfinite(losses.gather(0, pick[None].expand(1, losses.shape[1]))).all()):
+        p0 = p0 + torch.stack([grid[int(i)][0] for i in pick])
+        la0 = la0 + torch.stack([grid[int(i)][1] for i in pick])
+    return p0, la0
+
+
+def _degenerate(name: str, value: Tensor, x: Tensor) -> list[str]:
+    """Notes on a fit that makes the replacement linear over the data (beta >> x^2, or alpha max|x| < 0.01)."""
+    xmax2 = float(x.pow(2).max())
+    if name == "log_beta" and float(value.min()) > 1e4 * xmax2:
+        return [f"degenerate: beta {float(value.min()):.3g} >> every x^2 (max {xmax2:.3g}); linear over the data"]
+    if name == "alpha" and float(value.max()) * math.sqrt(xmax2) < 1e-2:
+        return ["degenerate: alpha * max|x| < 0.01; linear over the data"]
+    return []
+
+
 def fit_replacement(new: nn.Module, x: Tensor, y: Tensor, *, per_channel: bool = False, fit_amplitude: bool = True,
                     max_iter: int = 60) -> FitOutcome:  # fmt: skip
     """Fit ``new``'s parameter and an amplitude (folded into its weight) so that new(x) reproduces y.
@@ -144,21 +174,8 @@ def fit_replacement(new: nn.Module, x: Tensor, y: Tensor, *, per_channel: bool =
     start = _start(new, x, per_channel and shape[0] > 1, name)
     p0 = start if name == "log_beta" else start.log()
     la0 = torch.zeros_like(p0)
-    with torch.no_grad():  # coarse scan over the parameter's scale (and the amplitude), per channel if per channel
-        sub = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))[:512]
-        col = lambda p, la: (out(p, la, x[sub]) - y[sub]).pow(2).mean(0)  # noqa: E731  (C,) loss per channel
-        steps = torch.arange(-8.0, 8.5, 1.0, dtype=torch.float64)
-        amps = torch.arange(-4.0, 4.5, 1.0, dtype=torch.float64) if fit_amplitude else torch.zeros(1).double()
-        grid = [(d, e) for d in steps for e in amps]
-        losses = torch.stack([col(p0 + d, la0 + e) for d, e in grid])  # (trials, C)
-        losses = torch.where(torch.isfinite(losses), losses, torch.inf)
-        if p0.numel() > 1:  # channels are independent: the best trial for each
-            pick = losses.argmin(0)
-        else:
-            pick = losses.sum(1).argmin().expand(1)
-        if bool(torch.isfinite(losses.gather(0, pick[None].expand(1, losses.shape[1]))).all()):
-            p0 = p0 + torch.stack([grid[int(i)][0] for i in pick])
-            la0 = la0 + torch.stack([grid[int(i)][1] for i in pick])
+    with torch.no_grad():
+        p0, la0 = _coarse_scan(out, x, y, p0, la0, fit_amplitude)
         start_loss = float(loss(p0, la0))
     denom = float(y.pow(2).mean().sqrt()) or 1.0
     p = p0.clone().requires_grad_(True)
@@ -188,13 +205,9 @@ def fit_replacement(new: nn.Module, x: Tensor, y: Tensor, *, per_channel: bool =
         return FitOutcome(name, math.nan, math.nan, math.nan, math.nan, False, notes)
     p, la = p.detach(), la.detach()
     value = p.exp()  # beta, or alpha
-    xmax2 = float(x.pow(2).max())
-    if name == "log_beta" and float(value.min()) > 1e4 * xmax2:
-        notes.append(f"degenerate: beta {float(value.min()):.3g} >> every x^2 (max {xmax2:.3g}); linear over the data")
-        ok = False
-    if name == "alpha" and float(value.max()) * math.sqrt(xmax2) < 1e-2:
-        notes.append("degenerate: alpha * max|x| < 0.01; linear over the data")
-        ok = False
+    degenerate = _degenerate(name, value, x)
+    notes += degenerate
+    ok = ok and not degenerate
     with torch.no_grad():
         getattr(new, name).copy_((p if name == "log_beta" else value).to(getattr(new, name)).expand(shape))
         new.weight.mul_(la.exp().to(new.weight))
@@ -258,6 +271,33 @@ def _pass(model: nn.Module, batch, i: int, hooks: dict[str, Callable], kind: str
 
 
 @torch.no_grad()
+def _first_token_decision(ratios: dict[str, list[float]], order: list[str], first_token: str,
+                          massive: float) -> tuple[bool, str]:  # fmt: skip
+    """Whether the first token gets its own replacement, and the sentence that says why: the largest ratio of the
+    first token's RMS to the median token's over the sites (NaN when there is no sequence axis)."""
+    worst = max(((max((r for r in ratios[n] if r == r), default=math.nan), n) for n in order),
+                key=lambda t: -math.inf if t[0] != t[0] else t[0])  # fmt: skip
+    own = first_token == "own" or (first_token == "auto" and worst[0] == worst[0] and worst[0] > massive)
+    if worst[0] != worst[0]:
+        return own, "no sequence axis: one replacement per site"
+    return own, f"first token {'own' if own else 'shared'}: its RMS is up to {worst[0]:.3g}x the median token's " \
+                f"({worst[1]})"  # fmt: skip
+
+
+def _site_inputs(model: nn.Module, batches: list, name: str, quota: int) -> _Rows:
+    """The input of site ``name`` on every batch, in the model as converted so far; each pass stops there."""
+    rows = _Rows(quota)
+
+    def grab_in(mod, args):
+        rows.add(args[0], grab_in.batch)
+        raise Stop
+
+    for i, batch in enumerate(batches):
+        grab_in.batch = i
+        _pass(model, batch, i, {name: grab_in}, "pre")
+    return rows
+
+
 def calibrate_sites(model: nn.Module, sites: list[Site], replacements: dict[str, nn.Module], calibrate, *, to: str,
                per: str, fit_amplitude: bool, first_token: str, massive: float, max_tokens: int,
                target: str, progress: bool | None) -> str:  # fmt: skip
@@ -296,26 +336,11 @@ def calibrate_sites(model: nn.Module, sites: list[Site], replacements: dict[str,
         missing = [n for n in by_name if n not in order]
         if missing:
             raise ValueError(f"calibrate: the norm {missing[0]} never ran on the calibration data")
-        worst = max(((max((r for r in ratios[n] if r == r), default=math.nan), n) for n in order),
-                    key=lambda t: -math.inf if t[0] != t[0] else t[0])  # fmt: skip
-        own = first_token == "own" or (first_token == "auto" and worst[0] == worst[0] and worst[0] > massive)
-        decision = "no sequence axis: one replacement per site"
-        if worst[0] == worst[0]:
-            decision = (f"first token {'own' if own else 'shared'}: its RMS is up to {worst[0]:.3g}x the median "
-                        f"token's ({worst[1]})")  # fmt: skip
+        own, decision = _first_token_decision(ratios, order, first_token, massive)
         bar = tqdm(order, desc=f"calibrating {to}", unit="site", disable={True: False, False: True}.get(progress))
         for n in bar:  # 2. each site on the input of the model converted so far
             site, new = by_name[n], replacements[n]
-            rows = _Rows(quota)
-
-            def grab_in(mod, args, rows=rows):
-                rows.add(args[0], grab_in.batch)
-                raise Stop
-
-            for i, batch in enumerate(batches):
-                grab_in.batch = i
-                _pass(model, batch, i, {n: grab_in}, "pre")
-            (xf, xr), (yf, yr) = rows.tensors(), targets[n].tensors()
+            (xf, xr), (yf, yr) = _site_inputs(model, batches, n, quota).tensors(), targets[n].tensors()
             if target == "local":  # the original norm on the converted input: no correction of upstream drift
                 old = model.get_submodule(n)
                 ref = next(old.parameters(), xr)

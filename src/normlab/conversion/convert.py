@@ -155,6 +155,28 @@ def _build(name: str, m: nn.Module, kind: str, to: str, kwargs: dict) -> tuple[n
 
 
 # --------------------------------------------------------------------------
+def _check_options(model, to, calibrate, per, target, first_token, max_tokens, massive, extra_classes) -> None:
+    """Every argument of convert_norms checked before the model is touched; a bad one is a clear error."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"convert_norms: expected an nn.Module, got {type(model).__name__}")
+    norm_spec(to)  # an unknown target lists the valid names
+    for arg, value, valid in (("per", per, ("global", "channel")), ("target", target, ("original", "local")),
+                              ("first_token", first_token, ("auto", "own", "shared"))):  # fmt: skip
+        if value not in valid:
+            choices = ", ".join(repr(v) for v in valid[:-1]) + f" or {valid[-1]!r}"
+            raise ValueError(f"{arg} must be {choices}, got {value!r}")
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 16:
+        raise ValueError(f"max_tokens: expected an int >= 16 (calibration tokens per site), got {max_tokens!r}")
+    if isinstance(massive, bool) or not isinstance(massive, (int, float)) or not massive > 1:
+        raise ValueError(f"massive: expected a number > 1 (a multiple of the median token RMS), got {massive!r}")
+    if calibrate is not None and to not in CALIBRATABLE:
+        raise ValueError(f"calibration fits the parameter of {', '.join(CALIBRATABLE)}; {to!r} has none to fit "
+                         "(convert without calibrate=)")  # fmt: skip
+    for cls, kind in (extra_classes or {}).items():
+        if kind not in ("layer_norm", "rms_norm", "rms_norm_offset"):
+            raise ValueError(f"extra_classes[{cls.__name__}]: kind must be layer_norm, rms_norm or rms_norm_offset")
+
+
 def convert_norms(
     model: nn.Module,
     to: str = "dyisru",
@@ -192,26 +214,8 @@ def convert_norms(
     max_tokens: calibration tokens kept per site (besides every first token);
     progress:   a progress bar over the sites (None: only on a terminal).
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"convert_norms: expected an nn.Module, got {type(model).__name__}")
-    norm_spec(to)  # an unknown target lists the valid names
-    if per not in ("global", "channel"):
-        raise ValueError(f"per must be 'global' or 'channel', got {per!r}")
-    if target not in ("original", "local"):
-        raise ValueError(f"target must be 'original' or 'local', got {target!r}")
-    if first_token not in ("auto", "own", "shared"):
-        raise ValueError(f"first_token must be 'auto', 'own' or 'shared', got {first_token!r}")
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 16:
-        raise ValueError(f"max_tokens: expected an int >= 16 (calibration tokens per site), got {max_tokens!r}")
-    if isinstance(massive, bool) or not isinstance(massive, (int, float)) or not massive > 1:
-        raise ValueError(f"massive: expected a number > 1 (a multiple of the median token RMS), got {massive!r}")
-    if calibrate is not None and to not in CALIBRATABLE:
-        raise ValueError(f"calibration fits the parameter of {', '.join(CALIBRATABLE)}; {to!r} has none to fit "
-                         "(convert without calibrate=)")  # fmt: skip
+    _check_options(model, to, calibrate, per, target, first_token, max_tokens, massive, extra_classes)
     extra = dict(extra_classes or {})
-    for cls, kind in extra.items():
-        if kind not in ("layer_norm", "rms_norm", "rms_norm_offset"):
-            raise ValueError(f"extra_classes[{cls.__name__}]: kind must be layer_norm, rms_norm or rms_norm_offset")
     found, skipped = _find(model, extra, include)
     if not found:
         raise ValueError(f"convert_norms: found no normalization module to convert in {type(model).__name__} "

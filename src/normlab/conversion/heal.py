@@ -22,6 +22,7 @@ heal goes on. ``checkpoint=`` saves the state after every block (atomically); ``
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import os
@@ -139,6 +140,54 @@ def _save(path: Path, state: dict) -> None:
     os.replace(tmp, path)
 
 
+@contextlib.contextmanager
+def _frozen(original: nn.Module, converted: nn.Module):
+    """Both models in eval mode and every parameter of ``converted`` frozen (the trainer unfreezes what it trains);
+    modes and flags are restored on the way out."""
+    modes = (original.training, converted.training)
+    grads = [(p, p.requires_grad) for p in converted.parameters()]
+    original.eval()
+    converted.eval()
+    for p, _ in grads:
+        p.requires_grad_(False)
+    try:
+        yield
+    finally:
+        original.train(modes[0])
+        converted.train(modes[1])
+        for p, flag in grads:
+            p.requires_grad_(flag)
+
+
+def _check_budget(minutes, tokens, train: str, distill: float, resume: bool, checkpoint) -> None:
+    """heal's options, checked before any work."""
+    if (minutes is None) == (tokens is None):
+        raise ValueError("heal: give exactly one budget, minutes= or tokens=")
+    budget = minutes if minutes is not None else tokens
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0 or not math.isfinite(budget):
+        raise ValueError(f"heal: the budget must be a number > 0, got {budget!r}")
+    if train not in ("norms", "all"):
+        raise ValueError(f"heal: train must be 'norms' or 'all', got {train!r}")
+    if not 0.0 <= distill < 1.0:
+        raise ValueError(f"heal: distill is the fraction of the budget for distillation, in [0, 1), got {distill!r}")
+    if resume and checkpoint is None:
+        raise ValueError("heal: resume=True needs checkpoint=PATH")
+
+
+def _load_resume(ckpt: Path, converted: nn.Module, n_blocks: int) -> tuple[int, list, HealReport]:
+    """The next block, its inputs and the report so far, from a heal checkpoint of this converted model."""
+    state = torch.load(ckpt, map_location="cpu", weights_only=False)
+    try:
+        converted.load_state_dict(state["model"])
+    except RuntimeError as e:
+        raise ValueError(f"heal: checkpoint {ckpt} is not of this converted model ({str(e)[:200]}); "
+                         "delete it or start without resume") from None  # fmt: skip
+    if state.get("n_blocks") not in (None, n_blocks):
+        raise ValueError(f"heal: checkpoint {ckpt} is for a model with {state['n_blocks']} blocks")
+    first = state["next_block"]
+    return first, state["inputs"], HealReport(**{**state["report"], "resumed_from": first})
+
+
 def heal(original: nn.Module, converted: nn.Module, batches, record=None, *, minutes: float | None = None,
          tokens: int | None = None, train: str = "norms", lr: float | None = None, distill: float = 0.0,
          checkpoint: str | Path | None = None, resume: bool = False,
@@ -150,20 +199,10 @@ def heal(original: nn.Module, converted: nn.Module, batches, record=None, *, min
     """
     from tqdm.auto import tqdm
 
-    if (minutes is None) == (tokens is None):
-        raise ValueError("heal: give exactly one budget, minutes= or tokens=")
-    budget = minutes if minutes is not None else tokens
-    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0 or not math.isfinite(budget):
-        raise ValueError(f"heal: the budget must be a number > 0, got {budget!r}")
-    if train not in ("norms", "all"):
-        raise ValueError(f"heal: train must be 'norms' or 'all', got {train!r}")
-    if not 0.0 <= distill < 1.0:
-        raise ValueError(f"heal: distill is the fraction of the budget for distillation, in [0, 1), got {distill!r}")
+    _check_budget(minutes, tokens, train, distill, resume, checkpoint)
     batches = list(as_batches(batches))  # the same accepted forms, and errors, as calibration
     if not batches:
         raise ValueError("heal: no calibration batches")
-    if resume and checkpoint is None:
-        raise ValueError("heal: resume=True needs checkpoint=PATH")
     lr = lr if lr is not None else (1e-3 if train == "norms" else 2e-5)
     sites = [s.name for s in record.sites] if record is not None else [
         n for n, m in converted.named_modules() if _is_ours(m)]  # fmt: skip
@@ -176,27 +215,12 @@ def heal(original: nn.Module, converted: nn.Module, batches, record=None, *, min
     report = HealReport()
     ckpt = Path(checkpoint) if checkpoint is not None else None
     first = 0
-    modes = (original.training, converted.training)
-    grads = [(p, p.requires_grad) for p in converted.parameters()]  # restored at the end
-    original.eval()
-    converted.eval()
-    for p, _ in grads:
-        p.requires_grad_(False)
     alphas = {id(m.alpha) for m in converted.modules() if _is_ours(m) and isinstance(getattr(m, "alpha", None),
                                                                                      nn.Parameter)}  # fmt: skip
-    try:
+    with _frozen(original, converted):
         calls_o, ys = _capture(original, blocks_o, batches, outputs=True)
         if resume and ckpt is not None and ckpt.exists():
-            state = torch.load(ckpt, map_location="cpu", weights_only=False)
-            try:
-                converted.load_state_dict(state["model"])
-            except RuntimeError as e:
-                raise ValueError(f"heal: checkpoint {ckpt} is not of this converted model ({str(e)[:200]}); "
-                                 "delete it or start without resume") from None  # fmt: skip
-            first, xs = state["next_block"], state["inputs"]
-            report = HealReport(**{**state["report"], "resumed_from": first})
-            if state.get("n_blocks") not in (None, n_blocks):
-                raise ValueError(f"heal: checkpoint {ckpt} is for a model with {state['n_blocks']} blocks")
+            first, xs, report = _load_resume(ckpt, converted, n_blocks)
         else:
             calls_c, _ = _capture(converted, blocks_c, batches, outputs=False, stop_at=0)
             xs = [c[0][0] for c in calls_c[0]]
@@ -235,11 +259,6 @@ def heal(original: nn.Module, converted: nn.Module, batches, record=None, *, min
         if distill > 0:
             report.distill = _distill(original, converted, batches, train, lr, lambda: used() < 1.0, report, alphas)
         report.seconds = elapsed0 + time.monotonic() - start
-    finally:
-        original.train(modes[0])
-        converted.train(modes[1])
-        for p, flag in grads:
-            p.requires_grad_(flag)
     return report
 
 

@@ -204,6 +204,26 @@ class _Log:
             self.writer.close()
 
 
+def _step(model, fwd, raw_model, opt, cfg: TrainConfig, corpus, step: int, rank: int, device, autocast,
+          probing: bool):  # fmt: skip
+    """One optimizer step at ``step`` on that step's batch; returns the loss and, when probing, the Probe that
+    measured it."""
+    for group in opt.param_groups:
+        group["lr"] = lr_at(step, cfg)
+    x, y = get_batch(corpus.train, cfg.batch_size, cfg.model.context, seed=cfg.seed, step=step, rank=rank)
+    x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+    probe = Probe(raw_model, cfg.jacobian_site) if probing else None
+    with probe or contextlib.nullcontext():
+        with autocast():
+            _, loss = fwd(x, y)
+        loss.backward()
+    if cfg.grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss, probe
+
+
 def _model_and_optimizer(cfg: TrainConfig, folder: RunFolder, device, resume: bool, main: bool):
     """The model and its AdamW, fresh or from the run's checkpoint (with the RNG state and the metrics cut back to
     the checkpoint's step); returns them and the step to start from."""
@@ -308,26 +328,13 @@ def _train(cfg, folder: RunFolder, corpus, rank, world, device, resume, progress
                dynamic_ncols=True)  # fmt: skip
     if start == 0:
         _begin_fresh_run(raw_model, cfg, corpus, device, rank, world, log)
-    train_time, loss_sum, n_loss, last_val = 0.0, 0.0, 0, None
-    step = start
+    train_time, loss_sum, n_loss, last_val, step = 0.0, 0.0, 0, None, start
     model.train()
     with _Interrupt() as interrupt:
         while step < cfg.steps:
             t0 = time.perf_counter()
-            for group in opt.param_groups:
-                group["lr"] = lr_at(step, cfg)
-            x, y = get_batch(corpus.train, cfg.batch_size, cfg.model.context, seed=cfg.seed, step=step, rank=rank)
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             probing = main and (step + 1) % cfg.metrics_every == 0
-            probe = Probe(raw_model, cfg.jacobian_site) if probing else contextlib.nullcontext()
-            with probe:
-                with autocast():
-                    _, loss = fwd(x, y)
-                loss.backward()
-            if cfg.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            loss, probe = _step(model, fwd, raw_model, opt, cfg, corpus, step, rank, device, autocast, probing)
             step += 1
             loss_sum += float(loss.detach())  # the one sync per step; the divergence check needs it
             n_loss += 1
