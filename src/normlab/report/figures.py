@@ -11,8 +11,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from normlab._table import format_table  # noqa: E402
-from normlab.lab.runs import RunFolder  # noqa: E402
-from normlab.report.results import PAPER_ATTRACTOR, PAPER_RMS, Results, fmt, frac, metrics  # noqa: E402
+from normlab.report.results import PAPER_ATTRACTOR, PAPER_RMS, Results, fmt, frac  # noqa: E402
 
 __all__ = ["FIGURES", "table", "register_figure"]
 
@@ -43,7 +42,7 @@ def table(res: Results) -> str:
 
 
 def _tokens_per_step(res: Results, run: dict) -> int:
-    cfg = RunFolder(res.run_dir(run)).config() or {}
+    cfg = res.config(run) or {}
     return cfg.get("batch_size", 1) * cfg.get("model", {}).get("context", 1)
 
 
@@ -57,7 +56,7 @@ def _loss_curves(res: Results, path: Path, other: Results | None = None) -> Path
             if r2 is None or name not in r2.groups:
                 continue
             run = r2.groups[name][0]
-            rows = [r for r in metrics(r2.run_dir(run)) if "val_loss" in r]
+            rows = [r for r in r2.rows(run) if "val_loss" in r]
             if rows:
                 per = _tokens_per_step(r2, run)
                 label = runs[0]["label"] + (f" ({r2.profile})" if other is not None else "")
@@ -128,7 +127,7 @@ def _rank_bars(res: Results, path: Path, other: Results | None = None) -> Path |
 
 
 def _init_value(res: Results, run: dict) -> float | None:
-    cfg = RunFolder(res.run_dir(run)).config()
+    cfg = res.config(run)
     if cfg is None:
         return None
     kw = cfg["model"]["norm_kwargs"]

@@ -16,10 +16,10 @@ import matplotlib.ticker  # noqa: E402
 
 from normlab.lab.config import TrainConfig  # noqa: E402
 from normlab.lab.phase import ESCAPE_THRESHOLD, predict  # noqa: E402
-from normlab.lab.runs import ESCAPE_MARGIN, RunFolder, read_summary  # noqa: E402
+from normlab.lab.runs import ESCAPE_MARGIN  # noqa: E402
 from normlab.report.checks import Verdict, register_check, seeded, verdict  # noqa: E402
 from normlab.report.figures import register_figure  # noqa: E402
-from normlab.report.results import Results, metrics  # noqa: E402
+from normlab.report.results import Results  # noqa: E402
 
 __all__ = ["phase_points", "sorted_fraction", "best_split"]
 
@@ -42,8 +42,7 @@ def phase_points(res: Results) -> list[dict]:
     h, pts = res.entropy(), []
     for name, runs in res.groups.items():
         for r in runs:
-            d = res.run_dir(r)
-            s, cfg = read_summary(d) or {}, RunFolder(d).config()
+            s, cfg = res.summary(r), res.config(r)
             if s.get("status") != "completed" or s.get("final_val_loss") is None or cfg is None or h is None:
                 continue
             pred = _predict(json.dumps(cfg, sort_keys=True))
@@ -181,7 +180,7 @@ def _mechanism(res: Results, path: Path, other: Results | None = None) -> Path |
     panels = (("val_loss", "validation loss"), (f"rms_out/{site}", "RMS of the norm's output, block 0"),
               (f"alpha_rms/{site}", "alpha x RMS(input), block 0"),
               ("attn_entropy/0", "attention entropy / uniform, block 0"))  # fmt: skip
-    rows = {n: metrics(res.run_dir(res.groups[n][0])) for n in names}
+    rows = {n: res.rows(res.groups[n][0]) for n in names}
     if not any(rows.values()):
         return None
     fig, axes = plt.subplots(1, len(panels), figsize=(16, 3.6))

@@ -18,37 +18,50 @@ from pathlib import Path
 from normlab.lab.runs import RunFolder, escape_step, read_summary
 
 PAPER_RMS, PAPER_ATTRACTOR = 3.21, 7.54
-__all__ = ["Results", "PAPER_RMS", "PAPER_ATTRACTOR", "frac", "untrained", "fmt", "metrics", "value"]
-
-
-def metrics(run_dir: Path) -> list[dict]:
-    return RunFolder(run_dir).metrics()
-
-
-def value(run_dir: Path, metric: str) -> float | None:
-    s = read_summary(run_dir) or {}
-    if s.get("status") != "completed":
-        return None
-    if metric in s and s[metric] is not None:
-        return float(s[metric])
-    rows = [r for r in metrics(run_dir) if metric in r]
-    return float(rows[-1][metric]) if rows else None
+__all__ = ["Results", "PAPER_RMS", "PAPER_ATTRACTOR", "frac", "untrained", "fmt"]
 
 
 class Results:
-    """Runs of one experiment grouped by name: status, values per seed, links."""
+    """Runs of one experiment grouped by name: status, values per seed, links. Each run's summary, metrics and
+    config are read from disk once, on first use, and kept."""
 
     def __init__(self, exp: dict, root: Path, profile: str = "") -> None:
         self.exp, self.root, self.profile = exp, root, profile
         self.groups: dict[str, list[dict]] = {}
         for r in exp["runs"]:
             self.groups.setdefault(r["name"], []).append(r)
+        self._read: dict[tuple[str, str], object] = {}
 
     def run_dir(self, run: dict) -> Path:
         return self.root / "runs" / run["run_id"]
 
+    def _once(self, run: dict, what: str, read):
+        key = (run["run_id"], what)
+        if key not in self._read:
+            self._read[key] = read(self.run_dir(run))
+        return self._read[key]
+
+    def summary(self, run: dict) -> dict:
+        return self._once(run, "summary", lambda d: read_summary(d) or {})
+
+    def rows(self, run: dict) -> list[dict]:
+        return self._once(run, "metrics", lambda d: RunFolder(d).metrics())
+
+    def config(self, run: dict) -> dict | None:
+        return self._once(run, "config", lambda d: RunFolder(d).config())
+
+    def value(self, run: dict, metric: str = "final_val_loss") -> float | None:
+        """A completed run's ``metric``: from its summary, else the last logged value."""
+        s = self.summary(run)
+        if s.get("status") != "completed":
+            return None
+        if s.get(metric) is not None:
+            return float(s[metric])
+        rows = [r for r in self.rows(run) if metric in r]
+        return float(rows[-1][metric]) if rows else None
+
     def values(self, name: str, metric: str = "final_val_loss") -> list[float]:
-        return [v for r in self.groups.get(name, []) if (v := value(self.run_dir(r), metric)) is not None]
+        return [v for r in self.groups.get(name, []) if (v := self.value(r, metric)) is not None]
 
     def mean(self, name: str, metric: str = "final_val_loss") -> float | None:
         v = self.values(name, metric)
@@ -60,7 +73,7 @@ class Results:
         return max(sds, default=0.0)
 
     def status(self, name: str) -> str:
-        sts = [(read_summary(self.run_dir(r)) or {}).get("status", "missing") for r in self.groups[name]]
+        sts = [self.summary(r).get("status", "missing") for r in self.groups[name]]
         return sts[0] if len(set(sts)) == 1 else ", ".join(sts)
 
     def baseline(self, metric: str = "final_val_loss") -> float | None:
@@ -81,7 +94,7 @@ class Results:
     def entropy(self) -> float | None:
         for runs in self.groups.values():
             for r in runs:
-                s = read_summary(self.run_dir(r)) or {}
+                s = self.summary(r)
                 if "unigram_entropy" in s:
                     return s["unigram_entropy"]
         return None
@@ -90,11 +103,11 @@ class Results:
         """Each seed's escape step (the first evaluation 0.1 nats below the unigram entropy), or 'never'."""
         h, steps = self.entropy(), []
         for r in self.groups[name]:
-            s = read_summary(self.run_dir(r)) or {}
+            s = self.summary(r)
             if s.get("status") != "completed":
                 steps.append("-")
                 continue
-            step = s["escape_step"] if "escape_step" in s else escape_step(metrics(self.run_dir(r)), h)
+            step = s["escape_step"] if "escape_step" in s else escape_step(self.rows(r), h)
             steps.append("never" if step is None else str(step))
         return ", ".join(steps)
 
