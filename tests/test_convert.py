@@ -230,3 +230,28 @@ def test_derf_calibration_fits_alpha_and_its_shift():
     out = fit_replacement(new, x, y)
     assert out.ok and out.rel_error < 1e-6
     assert float(new.alpha) == pytest.approx(0.7, rel=1e-4) and float(new.shift) == pytest.approx(0.4, abs=1e-4)
+
+
+def test_fit_status_says_how_much_of_the_target_a_fit_explains():
+    from normlab.conversion.record import POOR_FIT, fit_status
+
+    assert fit_status({"converged": True, "explained": 0.93}) == "ok"
+    assert fit_status({"converged": True, "explained": POOR_FIT / 2}) == "poor fit (explains 10%)"
+    assert fit_status({"converged": True, "explained": -0.4}) == "poor fit (explains 0%)"
+    assert fit_status({"converged": False, "explained": 0.9}) == "FLAGGED"
+    assert fit_status(None) == "ok" and fit_status({"converged": True}) == "ok"  # records from before the field
+
+
+def test_a_calibrated_fit_reports_the_variance_it_explains():
+    """A DyISRU fitted to data made by a known DyISRU explains ~all of it; fitted to noise, next to none."""
+    from normlab.conversion.calibrate import fit_replacement
+
+    torch.manual_seed(0)
+    x = torch.randn(512, 16) * 3
+    truth = normlab.create_norm("dyisru", 16, beta_init=9.0, kernel="reference").double()
+    with torch.no_grad():
+        y = truth(x.double())
+    good = fit_replacement(normlab.create_norm("dyisru", 16, kernel="reference"), x, y)
+    assert good.explained > 0.999
+    noise = fit_replacement(normlab.create_norm("dyisru", 16, kernel="reference"), x, torch.randn(512, 16).double())
+    assert noise.explained < 0.05

@@ -28,13 +28,13 @@ def smollm2():
     model, tok = load_model(smollm2())
     calib, held = text_batches(fetch_shakespeare(), tok, model.config.vocab_size, seq_len=64, n_calib=4, n_held=4,
                                batch_size=4)  # fmt: skip
-    return model, calib, held
+    return model, calib, held, tok
 
 
 def test_smollm2_has_massive_first_token_activations(smollm2):
     from normlab.conversion.calibrate import first_token_ratio
 
-    model, calib, _ = smollm2
+    model, calib, _, _ = smollm2
     seen = {}
     h = model.model.layers[20].input_layernorm.register_forward_pre_hook(lambda m, a: seen.setdefault("x", a[0]))
     with torch.no_grad():
@@ -44,7 +44,7 @@ def test_smollm2_has_massive_first_token_activations(smollm2):
 
 
 def test_calibrated_smollm2_beats_default_init_and_round_trips(smollm2, tmp_path):
-    model, calib, held = smollm2
+    model, calib, held, tokenizer = smollm2
     ce = {}
     for how in ("default", "calibrated"):
         conv = copy.deepcopy(model)
@@ -55,10 +55,27 @@ def test_calibrated_smollm2_beats_default_init_and_round_trips(smollm2, tmp_path
         if how == "calibrated":
             assert len(rec.sites) == 61 and all(s.first_token for s in rec.sites)
             assert all(math.isfinite(s.fit["rel_error"]) for s in rec.sites)
-            normlab.save_converted(conv, rec, tmp_path / "m")  # a model loaded from GGUF saves and loads back
+            # a model loaded from GGUF saves, with its tokenizer, into a folder both Hugging Face and normlab read
+            normlab.save_converted(conv, rec, tmp_path / "m", tokenizer=tokenizer)
             loaded, _ = normlab.load_converted(tmp_path / "m")
             with torch.no_grad():
                 torch.testing.assert_close(loaded(held[0]).logits, conv(held[0]).logits)
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(tmp_path / "m")
+            text = "To be, or not to be"
+            assert tok(text)["input_ids"] == tokenizer(text)["input_ids"]
+            # the status says how much of each site's target its fit explains; a poor fit never reads plain "ok"
+            from normlab.conversion.record import POOR_FIT, fit_status
+
+            explained = [s.fit["explained"] for s in rec.sites]
+            assert all(math.isfinite(e) and e <= 1.0 for e in explained)
+            for s in rec.sites:
+                assert fit_status(s.fit) == "ok" or not s.fit["converged"] or s.fit["explained"] < POOR_FIT
+                if s.fit["converged"] and s.fit["explained"] < POOR_FIT:
+                    assert fit_status(s.fit).startswith("poor fit (explains")
+            table = rec.table()
+            assert "explains" in table
     assert math.isfinite(ce["calibrated"])
     assert ce["calibrated"] < ce["default"]
     assert ce["original"] < ce["calibrated"]
@@ -66,7 +83,7 @@ def test_calibrated_smollm2_beats_default_init_and_round_trips(smollm2, tmp_path
 
 def test_derf_converts_smollm2_with_its_shift_fitted(smollm2):
     """Derf (newer than the seeds) as a conversion target on the real model: alpha and shift fitted per site."""
-    model, calib, held = smollm2
+    model, calib, held, _ = smollm2
     ce = {}
     for how in ("default", "calibrated"):
         conv = copy.deepcopy(model)

@@ -83,10 +83,12 @@ class FitOutcome:
     start_error: float  # the same at the start point (Theorem 3, then the scan)
     ok: bool
     notes: list[str]
+    explained: float = math.nan  # the fraction of the target's variance (about each channel's mean) the fit explains
 
     def to_dict(self) -> dict:
         return {"param_name": self.param_name, "value": self.value, "amplitude": self.amplitude,
-                "rel_error": self.rel_error, "start_error": self.start_error, "converged": self.ok}  # fmt: skip
+                "rel_error": self.rel_error, "start_error": self.start_error, "converged": self.ok,
+                "explained": self.explained}  # fmt: skip
 
 
 def _param_name(new: nn.Module) -> str:
@@ -213,8 +215,10 @@ def fit_replacement(new: nn.Module, x: Tensor, y: Tensor, *, per_channel: bool =
         new.weight.mul_(la.exp().to(new.weight))
         for k, q in zip(linear, qs):
             getattr(new, k).copy_(q.detach().to(getattr(new, k)))
+    variance = float((y - y.mean(0)).pow(2).mean())
+    explained = 1.0 - final / variance if variance > 0 else math.nan
     return FitOutcome(name.removeprefix("log_"), float(value.mean()), float(la.exp().mean()),
-                      math.sqrt(final) / denom, math.sqrt(start_loss) / denom, ok, notes)  # fmt: skip
+                      math.sqrt(final) / denom, math.sqrt(start_loss) / denom, ok, notes, explained)  # fmt: skip
 
 
 # --------------------------------------------------------------------------

@@ -5,7 +5,20 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-__all__ = ["Site", "ConversionRecord"]
+__all__ = ["Site", "ConversionRecord", "POOR_FIT", "fit_status"]
+
+POOR_FIT = 0.2  # a calibrated site whose fit explains less than this fraction of its target's variance is "poor"
+
+
+def fit_status(fit: dict | None) -> str:
+    """'ok', 'poor fit (explains N%)' or 'FLAGGED' (the fit did not converge, or is degenerate)."""
+    f = fit or {}
+    if not f.get("converged", True):
+        return "FLAGGED"
+    explained = f.get("explained")
+    if explained is not None and explained == explained and explained < POOR_FIT:
+        return f"poor fit (explains {max(explained, 0.0):.0%})"
+    return "ok"
 
 
 @dataclass
@@ -48,10 +61,12 @@ class ConversionRecord:
             f = s.fit or {}
             param = f.get("param_name", "-")
             value = f.get("value", "-")
-            status = "ok" if f.get("converged", True) else "FLAGGED"
-            rows.append([s.name, s.source, self.target, param, value, f.get("rel_error", "-"),
-                         "; ".join([status] + s.notes)])
-        out = format_table(["site", "replaced", "with", "param", "value", "fit rel. error", "notes"], rows, markdown)
+            explained = f.get("explained")
+            explains = f"{explained:.0%}" if explained is not None and explained == explained else "-"
+            rows.append([s.name, s.source, self.target, param, value, f.get("rel_error", "-"), explains,
+                         "; ".join([fit_status(s.fit)] + s.notes)])
+        headers = ["site", "replaced", "with", "param", "value", "fit rel. error", "explains", "status and notes"]
+        out = format_table(headers, rows, markdown)
         if self.notes:
             out += "\n" + "\n".join(self.notes)
         if self.skipped:

@@ -39,10 +39,14 @@ def apply_record(model: nn.Module, record: ConversionRecord) -> nn.Module:
 RECORD_FILE = "normlab_conversion.json"
 
 
-def save_converted(model: nn.Module, record: ConversionRecord, path: str | Path) -> Path:
-    """Weights plus the conversion record. A Hugging Face model is saved with its own save_pretrained."""
+def save_converted(model: nn.Module, record: ConversionRecord, path: str | Path, tokenizer=None) -> Path:
+    """Weights plus the conversion record. A Hugging Face model is saved with its own save_pretrained (config,
+    generation config, weights) and, given its ``tokenizer``, the tokenizer too: a complete folder that
+    ``AutoTokenizer.from_pretrained`` and :func:`load_converted` both read."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
     if hasattr(model, "save_pretrained"):
         model.save_pretrained(path)
     else:

@@ -91,7 +91,7 @@ def convert_model(model: str, to: str = "dyisru", *, calibrate: str | None = Non
         fid["heal"] = rep.to_dict()
         print(fidelity_line(fid, n_held))
     if out:
-        save_converted(net, record, out)
+        save_converted(net, record, out, tokenizer=tokenizer)
         (Path(out) / "fidelity.json").write_text(json.dumps(fid, indent=2) + "\n")
         print(f"saved to {out} (load with normlab.load_converted)")
         if ckpt is not None and checkpoint is None:  # the default heal checkpoint has served its purpose
