@@ -69,7 +69,7 @@ def test_calibrated_smollm2_beats_default_init_and_round_trips(smollm2, tmp_path
             from normlab.conversion.record import POOR_FIT, fit_status
 
             explained = [s.fit["explained"] for s in rec.sites]
-            assert all(math.isfinite(e) and e <= 1.0 for e in explained)
+            assert all(e is not None and math.isfinite(e) and e <= 1.0 for e in explained)
             for s in rec.sites:
                 assert fit_status(s.fit) == "ok" or not s.fit["converged"] or s.fit["explained"] < POOR_FIT
                 if s.fit["converged"] and s.fit["explained"] < POOR_FIT:

@@ -66,7 +66,7 @@ def _final(root: Path) -> dict:
 
 def test_builtin_experiments_cover_every_table_and_resolve():
     names = builtin_experiments()
-    assert names == ["pointwise", "width", "denominator", "coupling", "coupling_sweep", "rank", "beyond"]
+    assert names == ["phase", "pointwise", "width", "denominator", "coupling", "coupling_sweep", "rank", "beyond"]
     for profile in ("quick", "default", "long", "full", "gpu"):
         for n in names:
             assert expand(load_experiment(n), profile, "/tmp/x")  # every config validates at every profile
@@ -78,7 +78,7 @@ def test_builtin_experiments_cover_every_table_and_resolve():
 
 
 def test_bad_experiment_and_shard_are_clear_errors(tmp_path):
-    with pytest.raises(ValueError, match="unknown experiment 'nope'; built-in: pointwise"):
+    with pytest.raises(ValueError, match="unknown experiment 'nope'; built-in: phase, pointwise"):
         load_experiment("nope")
     bad = tmp_path / "bad.toml"
     bad.write_text('name = "x"\n[[runs]]\nname = "a"\n')

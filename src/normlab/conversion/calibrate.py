@@ -83,7 +83,8 @@ class FitOutcome:
     start_error: float  # the same at the start point (Theorem 3, then the scan)
     ok: bool
     notes: list[str]
-    explained: float = math.nan  # the fraction of the target's variance (about each channel's mean) the fit explains
+    explained: float | None = None  # the share of the target's variance (about each channel's mean) the fit
+    # explains; None when the target does not vary (e.g. one repeated first token)
 
     def to_dict(self) -> dict:
         return {"param_name": self.param_name, "value": self.value, "amplitude": self.amplitude,
@@ -216,7 +217,7 @@ def fit_replacement(new: nn.Module, x: Tensor, y: Tensor, *, per_channel: bool =
         for k, q in zip(linear, qs):
             getattr(new, k).copy_(q.detach().to(getattr(new, k)))
     variance = float((y - y.mean(0)).pow(2).mean())
-    explained = 1.0 - final / variance if variance > 0 else math.nan
+    explained = 1.0 - final / variance if variance > 0 else None
     return FitOutcome(name.removeprefix("log_"), float(value.mean()), float(la.exp().mean()),
                       math.sqrt(final) / denom, math.sqrt(start_loss) / denom, ok, notes, explained)  # fmt: skip
 

@@ -16,7 +16,7 @@ def fit_status(fit: dict | None) -> str:
     if not f.get("converged", True):
         return "FLAGGED"
     explained = f.get("explained")
-    if explained is not None and explained == explained and explained < POOR_FIT:
+    if explained is not None and explained < POOR_FIT:
         return f"poor fit (explains {max(explained, 0.0):.0%})"
     return "ok"
 
@@ -62,7 +62,7 @@ class ConversionRecord:
             param = f.get("param_name", "-")
             value = f.get("value", "-")
             explained = f.get("explained")
-            explains = f"{explained:.0%}" if explained is not None and explained == explained else "-"
+            explains = f"{explained:.0%}" if explained is not None else "-"
             rows.append([s.name, s.source, self.target, param, value, f.get("rel_error", "-"), explains,
                          "; ".join([fit_status(s.fit)] + s.notes)])
         headers = ["site", "replaced", "with", "param", "value", "fit rel. error", "explains", "status and notes"]
