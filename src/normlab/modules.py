@@ -93,9 +93,13 @@ def _check_dim(dim, owner: str) -> int:
 class _Norm(nn.Module):
     """Shared plumbing: ``dim``, the input check, the optional channel affine."""
 
-    def __init__(self, dim: int, *, weight: bool, bias: bool, device=None, dtype=None) -> None:
+    def __init__(self, dim: int, *, weight: bool, bias: bool, channel_dim: int = -1, device=None, dtype=None) -> None:
         super().__init__()
         self.dim = _check_dim(dim, type(self).__name__)
+        if isinstance(channel_dim, bool) or not isinstance(channel_dim, int):
+            raise ValueError(f"{type(self).__name__}: expected channel_dim to be an int (the axis of the channels, "
+                             f"-1 for the last, 1 for NCHW), got {channel_dim!r}")  # fmt: skip
+        self.channel_dim = channel_dim
         _flag(bias, "bias", type(self).__name__)
         factory = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty(dim, **factory)) if weight else None
@@ -106,6 +110,17 @@ class _Norm(nn.Module):
             nn.init.ones_(self.weight)
         if self.bias is not None:
             nn.init.zeros_(self.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """The norm over ``channel_dim`` (default the last axis): another axis is moved last and back, so every
+        path (reference, CPU, Triton) computes on channels-last data."""
+        if self.channel_dim == -1 or (isinstance(x, Tensor) and self.channel_dim == x.dim() - 1):
+            return self._forward(x)
+        if not isinstance(x, Tensor) or not -x.dim() <= self.channel_dim < x.dim():
+            got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+            raise ValueError(f"{type(self).__name__}(dim={self.dim}, channel_dim={self.channel_dim}): the input "
+                             f"{got} has no axis {self.channel_dim}")  # fmt: skip
+        return self._forward(x.movedim(self.channel_dim, -1)).movedim(-1, self.channel_dim)
 
     def _check(self, x: Tensor) -> None:
         if not isinstance(x, Tensor) or x.dim() == 0 or x.shape[-1] != self.dim:
@@ -125,14 +140,14 @@ class _Norm(nn.Module):
 class LayerNorm(_Norm):
     """LayerNorm; ``kernel="auto"`` runs PyTorch's fused op (``F.layer_norm``) on every device."""
 
-    def __init__(self, dim: int, *, eps: float = 1e-5, bias: bool = True, kernel: str = "auto", device=None,
-                 dtype=None) -> None:  # fmt: skip
+    def __init__(self, dim: int, *, eps: float = 1e-5, bias: bool = True, kernel: str = "auto",
+                 channel_dim: int = -1, device=None, dtype=None) -> None:  # fmt: skip
         self.kernel = _kernel_choice(kernel, "LayerNorm", ("auto", "reference"))
-        super().__init__(dim, weight=True, bias=bias, device=device, dtype=dtype)
+        super().__init__(dim, weight=True, bias=bias, channel_dim=channel_dim, device=device, dtype=dtype)
         self.eps = _positive_finite(eps, "eps", "LayerNorm")
         self.reset_parameters()
 
-    def forward(self, x: Tensor) -> Tensor:
+    def _forward(self, x: Tensor) -> Tensor:
         self._check(x)
         weight, bias = K.autocast_params(x, self.weight, self.bias)
         same = x.is_floating_point() and all(p is None or p.dtype == x.dtype for p in (weight, bias))
@@ -149,12 +164,12 @@ class _ScaleNorm(_Norm):
 
     _fn = staticmethod(FN.rms_norm)
 
-    def __init__(self, dim: int, *, eps: float = FN.EPS, device=None, dtype=None) -> None:
-        super().__init__(dim, weight=True, bias=False, device=device, dtype=dtype)
+    def __init__(self, dim: int, *, eps: float = FN.EPS, channel_dim: int = -1, device=None, dtype=None) -> None:
+        super().__init__(dim, weight=True, bias=False, channel_dim=channel_dim, device=device, dtype=dtype)
         self.eps = _positive_finite(eps, "eps", type(self).__name__)
         self.reset_parameters()
 
-    def forward(self, x: Tensor) -> Tensor:
+    def _forward(self, x: Tensor) -> Tensor:
         self._check(x)
         return self._fn(x, self.weight, eps=self.eps)
 
@@ -172,11 +187,12 @@ def _kernel_choice(kernel: str, owner: str, choices: tuple[str, ...] | None = No
 class RMSNorm(_ScaleNorm):
     """RMSNorm; ``kernel="auto"`` runs the Triton kernel on CUDA tensors and the fused CPU path on CPU tensors."""
 
-    def __init__(self, dim: int, *, eps: float = FN.EPS, kernel: str = "auto", device=None, dtype=None) -> None:
+    def __init__(self, dim: int, *, eps: float = FN.EPS, kernel: str = "auto",
+                 channel_dim: int = -1, device=None, dtype=None) -> None:  # fmt: skip
         self.kernel = _kernel_choice(kernel, "RMSNorm")
-        super().__init__(dim, eps=eps, device=device, dtype=dtype)
+        super().__init__(dim, eps=eps, channel_dim=channel_dim, device=device, dtype=dtype)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def _forward(self, x: Tensor) -> Tensor:
         self._check(x)
         return K.rms_norm(x, self.weight, self.eps, kernel=self.kernel)
 
@@ -194,13 +210,14 @@ class RMSDetached(_ScaleNorm):
 
 
 class GroupRMS(_ScaleNorm):
-    def __init__(self, dim: int, *, group_size: int = 8, eps: float = FN.EPS, device=None, dtype=None) -> None:
+    def __init__(self, dim: int, *, group_size: int = 8, eps: float = FN.EPS,
+                 channel_dim: int = -1, device=None, dtype=None) -> None:  # fmt: skip
         if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 1:
             raise ValueError(f"GroupRMS: expected group_size to be an int >= 1, got {group_size!r}")
         self.group_size = group_size
-        super().__init__(dim, eps=eps, device=device, dtype=dtype)
+        super().__init__(dim, eps=eps, channel_dim=channel_dim, device=device, dtype=dtype)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def _forward(self, x: Tensor) -> Tensor:
         self._check(x)
         return FN.group_rms(x, self.weight, self.group_size, self.eps)
 
@@ -211,11 +228,12 @@ class GroupRMS(_ScaleNorm):
 class RMSPartialCoupling(_ScaleNorm):
     """RMSNorm whose backward keeps a fraction ``lam`` of the coupling term (``lam=1`` is exact)."""
 
-    def __init__(self, dim: int, *, lam: float = 1.0, eps: float = FN.EPS, device=None, dtype=None) -> None:
+    def __init__(self, dim: int, *, lam: float = 1.0, eps: float = FN.EPS,
+                 channel_dim: int = -1, device=None, dtype=None) -> None:  # fmt: skip
         self.lam = _finite(lam, "lam", "RMSPartialCoupling")
-        super().__init__(dim, eps=eps, device=device, dtype=dtype)
+        super().__init__(dim, eps=eps, channel_dim=channel_dim, device=device, dtype=dtype)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def _forward(self, x: Tensor) -> Tensor:
         self._check(x)
         return FN.rms_partial_coupling(x, self.weight, self.lam, self.eps)
 
@@ -234,11 +252,12 @@ class RMSEMA(_ScaleNorm):
     finite (a NaN or Inf token) leaves the running mean as it was.
     """
 
-    def __init__(self, dim: int, *, momentum: float = 0.01, eps: float = FN.EPS, device=None, dtype=None) -> None:
+    def __init__(self, dim: int, *, momentum: float = 0.01, eps: float = FN.EPS,
+                 channel_dim: int = -1, device=None, dtype=None) -> None:  # fmt: skip
         if not isinstance(momentum, (int, float)) or not 0.0 < momentum <= 1.0:
             raise ValueError(f"RMSEMA: expected momentum in (0, 1], got {momentum!r}")
         self.momentum = float(momentum)
-        super().__init__(dim, eps=eps, device=device, dtype=dtype)
+        super().__init__(dim, eps=eps, channel_dim=channel_dim, device=device, dtype=dtype)
         self.register_buffer("running_ms", torch.ones((), device=device, dtype=torch.float32))
         self.register_buffer("initialized", torch.zeros((), device=device, dtype=torch.bool))
 
@@ -248,7 +267,7 @@ class RMSEMA(_ScaleNorm):
             self.running_ms.fill_(1.0)
             self.initialized.fill_(False)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def _forward(self, x: Tensor) -> Tensor:
         self._check(x)
         if self.training and x.numel() > 0:
             with torch.no_grad():
@@ -279,10 +298,11 @@ class _DyTFamily(_Norm):
         alpha_init: float = 0.5,
         per_channel_alpha: bool = False,
         bias: bool = True,
+        channel_dim: int = -1,
         device=None,
         dtype=None,
     ) -> None:
-        super().__init__(dim, weight=True, bias=bias, device=device, dtype=dtype)
+        super().__init__(dim, weight=True, bias=bias, channel_dim=channel_dim, device=device, dtype=dtype)
         self.alpha_init = _finite(alpha_init, "alpha_init", type(self).__name__)
         self.per_channel_alpha = _flag(per_channel_alpha, "per_channel_alpha", type(self).__name__)
         self.alpha = nn.Parameter(torch.empty(dim if per_channel_alpha else 1, device=device, dtype=dtype))
@@ -292,7 +312,7 @@ class _DyTFamily(_Norm):
         super().reset_parameters()
         nn.init.constant_(self.alpha, self.alpha_init)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def _forward(self, x: Tensor) -> Tensor:
         self._check(x)
         return self._fn(x, self.alpha, self.weight, self.bias)
 
@@ -307,7 +327,7 @@ class DyT(_DyTFamily):
         self.kernel = _kernel_choice(kernel, "DyT")
         super().__init__(dim, **kwargs)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def _forward(self, x: Tensor) -> Tensor:
         self._check(x)
         return K.dyt(x, self.alpha, self.weight, self.bias, kernel=self.kernel)
 
@@ -328,7 +348,7 @@ class Derf(_DyTFamily):
         if hasattr(self, "shift"):
             nn.init.constant_(self.shift, self.shift_init)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def _forward(self, x: Tensor) -> Tensor:
         self._check(x)
         return K.derf(x, self.alpha, self.shift, self.weight, self.bias, kernel=self.kernel)
 
@@ -349,7 +369,7 @@ class DyTRMSDenominator(_DyTFamily):
         self.eps = _positive_finite(eps, "eps", "DyTRMSDenominator")
         super().__init__(dim, **kwargs)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def _forward(self, x: Tensor) -> Tensor:
         self._check(x)
         return FN.dyt_rms_denominator(x, self.alpha, self.weight, self.bias, self.eps)
 
@@ -363,7 +383,7 @@ class ScaledDyT(_DyTFamily):
         self.kernel = _kernel_choice(kernel, "ScaledDyT")
         super().__init__(dim, **kwargs)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def _forward(self, x: Tensor) -> Tensor:
         self._check(x)
         return K.scaled_dyt(x, self.alpha, self.weight, self.bias, scale=self.scale, kernel=self.kernel)
 
@@ -372,32 +392,33 @@ class ScaledDyT(_DyTFamily):
 
 
 class TanhFixed(_Norm):
-    def __init__(self, dim: int, *, device=None, dtype=None) -> None:
-        super().__init__(dim, weight=True, bias=False, device=device, dtype=dtype)
+    def __init__(self, dim: int, *, channel_dim: int = -1, device=None, dtype=None) -> None:
+        super().__init__(dim, weight=True, bias=False, channel_dim=channel_dim, device=device, dtype=dtype)
         self.reset_parameters()
 
-    def forward(self, x: Tensor) -> Tensor:
+    def _forward(self, x: Tensor) -> Tensor:
         self._check(x)
         return FN.tanh_fixed(x, self.weight)
 
 
 class LayerScale(_Norm):
-    def __init__(self, dim: int, *, bias: bool = True, device=None, dtype=None) -> None:
-        super().__init__(dim, weight=True, bias=bias, device=device, dtype=dtype)
+    def __init__(self, dim: int, *, bias: bool = True, channel_dim: int = -1, device=None, dtype=None) -> None:
+        super().__init__(dim, weight=True, bias=bias, channel_dim=channel_dim, device=device, dtype=dtype)
         self.reset_parameters()
 
-    def forward(self, x: Tensor) -> Tensor:
+    def _forward(self, x: Tensor) -> Tensor:
         self._check(x)
         return FN.layer_scale(x, self.weight, self.bias)
 
 
 class SignSqrt(_Norm):
-    def __init__(self, dim: int, *, eps: float = 1e-6, bias: bool = True, device=None, dtype=None) -> None:
-        super().__init__(dim, weight=True, bias=bias, device=device, dtype=dtype)
+    def __init__(self, dim: int, *, eps: float = 1e-6, bias: bool = True,
+                 channel_dim: int = -1, device=None, dtype=None) -> None:  # fmt: skip
+        super().__init__(dim, weight=True, bias=bias, channel_dim=channel_dim, device=device, dtype=dtype)
         self.eps = _positive_finite(eps, "eps", "SignSqrt")
         self.reset_parameters()
 
-    def forward(self, x: Tensor) -> Tensor:
+    def _forward(self, x: Tensor) -> Tensor:
         self._check(x)
         return FN.sign_sqrt(x, self.weight, self.bias, self.eps)
 
@@ -418,10 +439,11 @@ class _ISRUFamily(_Norm):
         per_channel_beta: bool = False,
         scale: FN.Scale | None = None,
         bias: bool = True,
+        channel_dim: int = -1,
         device=None,
         dtype=None,
     ) -> None:
-        super().__init__(dim, weight=True, bias=bias, device=device, dtype=dtype)
+        super().__init__(dim, weight=True, bias=bias, channel_dim=channel_dim, device=device, dtype=dtype)
         self.beta_init = _positive_finite(beta_init, "beta_init", type(self).__name__)
         self.scale = scale or self._default_scale
         FN.channel_scale(max(dim, 2), self.scale)  # validates the name
@@ -453,7 +475,7 @@ class DyISRU(_ISRUFamily):
         self.kernel = _kernel_choice(kernel, "DyISRU")
         super().__init__(dim, **kwargs)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def _forward(self, x: Tensor) -> Tensor:
         self._check(x)
         return K.dyisru(x, self.beta, self.weight, self.bias, scale=self.scale, kernel=self.kernel)
 
@@ -470,6 +492,6 @@ class ELN(_ISRUFamily):
         self.kernel = _kernel_choice(kernel, "ELN", ("auto", "cpu", "reference"))
         super().__init__(dim, **kwargs)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def _forward(self, x: Tensor) -> Tensor:
         self._check(x)
         return K.eln(x, self.beta, self.weight, self.bias, scale=self.scale, kernel=self.kernel)

@@ -67,8 +67,9 @@ class FirstToken(nn.Module):
 
 
 def first_token_ratio(x: Tensor) -> float:
-    """RMS of the first token over the median token RMS, for inputs (B, T, C); nan when T < 2."""
-    if x.dim() < 3 or x.shape[-2] < 2:
+    """RMS of the first token over the median token RMS, for inputs (B, T, C); nan when T < 2 or when the input is
+    not a sequence (an image's (N, H, W, C) has no first token)."""
+    if x.dim() != 3 or x.shape[-2] < 2:
         return math.nan
     rms = x.float().pow(2).mean(-1).sqrt()  # (B, T)
     return float(rms[..., 0].median() / rms.median().clamp_min(1e-30))
@@ -289,12 +290,13 @@ def _first_token_decision(ratios: dict[str, list[float]], order: list[str], firs
                 f"({worst[1]})"  # fmt: skip
 
 
-def _site_inputs(model: nn.Module, batches: list, name: str, quota: int) -> _Rows:
-    """The input of site ``name`` on every batch, in the model as converted so far; each pass stops there."""
+def _site_inputs(model: nn.Module, batches: list, name: str, quota: int, channel_dim: int = -1) -> _Rows:
+    """The input of site ``name`` on every batch, in the model as converted so far, channels last; each pass stops
+    there."""
     rows = _Rows(quota)
 
     def grab_in(mod, args):
-        rows.add(args[0], grab_in.batch)
+        rows.add(args[0].movedim(channel_dim, -1), grab_in.batch)
         raise Stop
 
     for i, batch in enumerate(batches):
@@ -324,11 +326,13 @@ def calibrate_sites(model: nn.Module, sites: list[Site], replacements: dict[str,
     seen = {"batch": 0}
 
     def grab_out(n):
+        cd = by_name[n].kwargs.get("channel_dim", -1)
+
         def hook(mod, args, y):
             if n not in order:
                 order.append(n)
-            targets[n].add(y, seen["batch"])
-            ratios[n].append(first_token_ratio(args[0]))
+            targets[n].add(y.movedim(cd, -1), seen["batch"])
+            ratios[n].append(first_token_ratio(args[0].movedim(cd, -1)))
         return hook
 
     was_training = model.training
@@ -345,7 +349,8 @@ def calibrate_sites(model: nn.Module, sites: list[Site], replacements: dict[str,
         bar = tqdm(order, desc=f"calibrating {to}", unit="site", disable={True: False, False: True}.get(progress))
         for n in bar:  # 2. each site on the input of the model converted so far
             site, new = by_name[n], replacements[n]
-            (xf, xr), (yf, yr) = _site_inputs(model, batches, n, quota).tensors(), targets[n].tensors()
+            cd = site.kwargs.get("channel_dim", -1)
+            (xf, xr), (yf, yr) = _site_inputs(model, batches, n, quota, cd).tensors(), targets[n].tensors()
             if target == "local":  # the original norm on the converted input: no correction of upstream drift
                 old = model.get_submodule(n)
                 ref = next(old.parameters(), xr)

@@ -50,6 +50,7 @@ KNOWN_NORMS: dict[str, str] = {
     "MixtralRMSNorm": "rms_norm",
     "Phi3RMSNorm": "rms_norm",
     "T5LayerNorm": "rms_norm",
+    "ConvNextLayerNorm": "layer_norm",  # channels_last or channels_first (data_format): the replacement follows
     "GemmaRMSNorm": "rms_norm_offset",
     "Gemma2RMSNorm": "rms_norm_offset",
     "Gemma3RMSNorm": "rms_norm_offset",
@@ -125,6 +126,8 @@ def _site_kwargs(name: str, init: dict, site_init: dict) -> dict:
 
 def _build(name: str, m: nn.Module, kind: str, to: str, kwargs: dict) -> tuple[nn.Module, Site]:
     dim, eps = _source_dim(m), _source_eps(m)
+    if getattr(m, "data_format", None) == "channels_first":  # ConvNeXt's (N, C, H, W) norms
+        kwargs = {**kwargs, "channel_dim": 1}
     if "eps" in init_kwargs(to) and "eps" not in kwargs:
         kwargs = {**kwargs, "eps": eps}  # keep the source's eps where the target has one
     try:
