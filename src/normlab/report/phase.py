@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import math
 import statistics
 from pathlib import Path
@@ -28,8 +29,6 @@ _MARKERS = {"dyt": "o", "derf": "s", "scaled_dyt": "^", "dyisru": "D", "dyt_hard
 
 @functools.lru_cache(maxsize=4096)
 def _predict(config_json: str) -> dict:
-    import json
-
     cfg = TrainConfig.from_dict(json.loads(config_json))
     return predict(cfg.model, seed=cfg.seed)
 
@@ -37,8 +36,6 @@ def _predict(config_json: str) -> dict:
 def phase_points(res: Results) -> list[dict]:
     """One point per completed run: name, norm, seed, its prediction at init, final loss minus the attractor,
     and whether it escaped (ended ESCAPE_MARGIN below the unigram entropy)."""
-    import json
-
     h, pts = res.entropy(), []
     for name, runs in res.groups.items():
         for r in runs:
