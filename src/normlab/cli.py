@@ -228,6 +228,27 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_build_kernels(args: argparse.Namespace) -> int:
+    from normlab.kernels import cpu_build
+
+    t0 = time.perf_counter()
+    if not cpu_build.load(wait=True):
+        print(f"normlab build-kernels: the CPU kernels cannot be built here ({cpu_build.failure()}); every norm "
+              "uses the reference math", file=sys.stderr)  # fmt: skip
+        return 1
+    st = cpu_build.status()
+    rec = st["record"] or {}
+    print(f"normlab CPU kernels ready in {time.perf_counter() - t0:.2f} s: {st['folder']}\n"
+          f"  built {rec.get('built')} in {rec.get('seconds')} s by {rec.get('compiler_version')} for torch "
+          f"{rec.get('torch')}; flags {' '.join(f for f in rec.get('flags', []) if f.startswith(('-m', '-DCPU')))}")
+    return 0
+
+
+def _add_build_kernels(sub) -> None:
+    b = sub.add_parser("build-kernels", help="build the fused CPU kernels for this machine now (else on first use)")
+    b.set_defaults(func=_cmd_build_kernels)
+
+
 def _add_demo(sub) -> None:
     d = sub.add_parser("demo", help="print the table of every registered norm on one input")
     d.add_argument("--dim", type=_count, default=256, help="channels C of the token (default 256)")
@@ -393,7 +414,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="normlab", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     commands = (_add_demo, _add_jacobian, _add_gain, _add_simulate, _add_train, _add_predict, _add_sweep, _add_report,
-                _add_reproduce, _add_convert)
+                _add_reproduce, _add_convert, _add_build_kernels)
     for add in commands:  # one function per command, in the order `normlab --help` lists them
         add(sub)
     return p

@@ -64,6 +64,9 @@ def convert_model(model: str, to: str = "dyisru", *, calibrate: str | None = Non
     _check_numbers(seq_len, sequences, heal_minutes, heal_tokens)
     model_path = str(smollm2()) if model == "smollm2" else model
     check_out(out, model_path, overwrite)
+    from normlab.kernels import cpu
+
+    cpu.ready(wait=True)  # the one-time build of the CPU kernels (if any) now, so every pass takes one path
     net, tokenizer = load_model(model_path)
     vocab = net.get_input_embeddings().num_embeddings
     if tokenizer is None:

@@ -1,5 +1,5 @@
 """Fused kernels (DyT, Derf, DyISRU, RMSNorm in Triton; more on the CPU), each checked against
-:mod:`normlab.functional`: Triton on GPUs, TorchInductor on CPUs.
+:mod:`normlab.functional`: Triton on GPUs, C++ kernels built once per machine on CPUs.
 
 The one place that picks a path: one function per fused norm (``dyt``, ``derf``, ``scaled_dyt``, ``dyisru``,
 ``eln``, ``rms_norm``), each taking the tensors and ``kernel=``. A module's forward checks its input and
@@ -9,10 +9,12 @@ calls one of them. The Triton entry points themselves are :mod:`normlab.kernels.
 ``kernel=`` chooses:
     "auto"       CUDA tensors: the Triton kernel when Triton is installed. CPU tensors (float32, bfloat16,
                  float16): the fused CPU path of :mod:`normlab.kernels.cpu` (PyTorch's own fused op for
-                 LayerNorm). Otherwise, and inside torch.compile (which fuses the reference itself),
-                 the reference;
+                 LayerNorm) once its library is loaded; until then the reference, while a background
+                 thread builds it (once per machine), so no call waits. Otherwise, inside torch.compile
+                 (which fuses the reference itself) and under torch.func transforms, the reference;
     "triton"     always the Triton kernel (on CPU only under TRITON_INTERPRET=1, for testing);
-    "cpu"        always the fused CPU path (a CPU tensor of a supported dtype, else a clear error);
+    "cpu"        always the fused CPU path (a CPU tensor of a supported dtype, else a clear error),
+                 waiting for the one-time build if needed;
     "reference"  always :mod:`normlab.functional`.
 
 The functions here take tensors of any shape (..., C); non-contiguous inputs are copied
@@ -67,7 +69,7 @@ def select(choice: str, x: torch.Tensor, owner: str, *params: torch.Tensor | Non
         if x.device.type != "cpu" or x.dtype not in cpu.FAST_DTYPES:
             raise NormlabError(f"{owner}(kernel='cpu'): the fused CPU path takes a CPU tensor of float32, bfloat16 "
                                f"or float16; got {x.dtype} on {x.device}. Use kernel='auto'")  # fmt: skip
-        return "cpu" if cpu.usable(x, *params) else "reference"
+        return "cpu" if cpu.usable(x, *params, wait=True) else "reference"
     ok, why = triton_status()
     if choice == "auto":
         if on_cuda(x):  # the Triton kernels take float32, bfloat16 and float16; float64 takes the reference

@@ -1,0 +1,225 @@
+"""Build the CPU kernels (``csrc/cpu_norms.cpp``) once per machine and load them in milliseconds.
+
+The build is one call of the C++ compiler (``$CXX``, else ``c++``) against PyTorch's headers and
+libraries, with the vector instruction set PyTorch picks for this CPU. Its product lives in the cache
+folder (``$NORMLAB_CACHE``, else ``~/.cache/normlab``) under ``kernels/cpu-<key>/``, where the key hashes
+the source, the torch version, the compiler's version and the flags: a new torch, compiler or source
+builds afresh; nothing stale is ever loaded. Beside the library, ``build.json`` records what made it and
+the library's size and SHA-256, checked before every load (a corrupt or truncated file is rebuilt, with
+a message). Builds take a file lock, so that parallel workers build once and the others wait.
+
+``load(wait=False)`` never blocks: with no build yet it starts one in a background thread and returns
+False (the caller uses the reference math meanwhile). ``load(wait=True)`` builds in the foreground if
+needed (``normlab build-kernels``, ``kernel="cpu"``, and long jobs such as ``train``, which should use
+one path from their first step). A machine without a working compiler gets one warning and False.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import importlib.resources
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+from normlab.corpus import cache_dir
+
+__all__ = ["load", "loaded", "failure", "build_dir", "status"]
+
+_LOCK = threading.Lock()
+_STATE: dict = {"loaded": False, "failure": None, "thread": None}
+
+
+def _source() -> bytes:
+    return importlib.resources.files("normlab.kernels").joinpath("csrc/cpu_norms.cpp").read_bytes()
+
+
+def _compiler() -> str:
+    return os.environ.get("CXX") or "c++"
+
+
+def _isa() -> tuple[list[str], list[str]]:
+    """(compiler flags, macros) of the vector instruction set PyTorch's own CPU code generator picks here
+    (about 2.5 s to import and probe, so only at build time)."""
+    try:
+        from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+        isa = pick_vec_isa()
+        if isa:
+            return isa.build_arch_flags().split(), list(isa.build_macro())
+    except Exception:  # noqa: BLE001  (a private module: without it, ATen's portable vectors)
+        pass
+    return [], []
+
+
+def _torch_paths() -> tuple[Path, Path]:
+    """(include folder, library folder) of the installed torch."""
+    root = Path(torch.__file__).parent
+    return root / "include", root / "lib"
+
+
+def _flags() -> list[str]:
+    arch, macros = _isa()
+    include, lib = _torch_paths()
+    return ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-w", *arch, *(f"-D{m}" for m in macros),
+            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", f"-I{include}",
+            f"-I{include / 'torch/csrc/api/include'}", f"-L{lib}", "-lc10", "-ltorch_cpu",
+            f"-Wl,-rpath,{lib}"]  # fmt: skip
+
+
+def _compiler_version(cxx: str) -> str:
+    """The compiler's first line of ``--version``; raises OSError when there is no such compiler."""
+    proc = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60)
+    if proc.returncode != 0:
+        raise OSError(f"`{cxx} --version` failed: {(proc.stderr or proc.stdout).strip()[:200]}")
+    return proc.stdout.splitlines()[0] if proc.stdout else ""
+
+
+def _cpu_flags() -> str:
+    """A hash of the CPU's feature flags: a cache folder shared by two kinds of machine keeps one build each."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        flags = next((line for line in text.splitlines() if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        flags = ""
+    import platform
+
+    return hashlib.sha256(f"{platform.machine()} {flags}".encode()).hexdigest()[:16]
+
+
+def _identity(cxx: str) -> dict:
+    """What a build depends on, cheap to compute (milliseconds): the key of its cache folder."""
+    ident = {"source_sha256": hashlib.sha256(_source()).hexdigest(), "torch": torch.__version__, "compiler": cxx,
+             "compiler_version": _compiler_version(cxx), "cpu": _cpu_flags()}  # fmt: skip
+    ident["key"] = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+    return ident
+
+
+def build_dir(ident: dict) -> Path:
+    return cache_dir() / "kernels" / f"cpu-{ident['key']}"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _intact(folder: Path, ident: dict) -> str | None:
+    """None if folder holds the library ``ident`` describes, size and SHA-256 as recorded; else why not."""
+    so, manifest = folder / "normlab_cpu.so", folder / "build.json"
+    if not manifest.is_file() and not so.exists():
+        return "absent"
+    try:
+        rec = json.loads(manifest.read_text())
+        if {k: rec.get(k) for k in ident} != ident:
+            return "built from other inputs"
+        if so.stat().st_size != rec["size"] or _sha256(so) != rec["sha256"]:
+            return "its size or SHA-256 differs from the record (a corrupt or truncated file)"
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"unreadable ({type(e).__name__}: {e})"
+    return None
+
+
+def _compile(folder: Path, ident: dict) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f"normlab_cpu.{os.getpid()}.{threading.get_ident()}.tmp.so"
+    src = folder / "cpu_norms.cpp"
+    src.write_bytes(_source())
+    t0 = time.perf_counter()
+    flags = _flags()
+    proc = subprocess.run([ident["compiler"], str(src), "-o", str(tmp), *flags], capture_output=True, text=True)
+    if proc.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        out = (proc.stderr or proc.stdout).strip().splitlines()
+        errors = [line for line in out if "error" in line][:3] or out[-3:]
+        raise OSError(f"the compiler failed: {' | '.join(errors)[:1000]}")
+    rec = {**ident, "flags": flags, "size": tmp.stat().st_size, "sha256": _sha256(tmp),
+           "seconds": round(time.perf_counter() - t0, 1), "built": time.strftime("%Y-%m-%dT%H:%M:%S%z")}  # fmt: skip
+    os.replace(tmp, folder / "normlab_cpu.so")
+    manifest_tmp = folder / f"build.json.{os.getpid()}.tmp"
+    manifest_tmp.write_text(json.dumps(rec, indent=1) + "\n")
+    os.replace(manifest_tmp, folder / "build.json")
+
+
+def _build_and_load() -> None:
+    """Find or build the library, then load it into torch.ops.normlab_cpu. Raises OSError on failure."""
+    cxx = _compiler()
+    if shutil.which(cxx) is None and not Path(cxx).is_file():
+        raise OSError(f"no C++ compiler `{cxx}` on this machine")
+    ident = _identity(cxx)
+    folder = build_dir(ident)
+    if _intact(folder, ident) is not None:
+        folder.mkdir(parents=True, exist_ok=True)
+        with open(folder / "build.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # parallel workers: one builds, the others wait and load
+            why = _intact(folder, ident)
+            if why is not None:
+                if why != "absent":
+                    print(f"normlab: the cached CPU kernels in {folder} are {why}; rebuilding", file=sys.stderr)
+                print(f"normlab: building the CPU kernels for this machine, once (one C++ compile, "
+                      f"about 20-40 s) into {folder}", file=sys.stderr, flush=True)  # fmt: skip
+                _compile(folder, ident)
+    torch.ops.load_library(str(folder / "normlab_cpu.so"))
+
+
+def _attempt() -> None:
+    try:
+        _build_and_load()
+    except Exception as e:  # noqa: BLE001  (a missing compiler, a failed compile, an unloadable library)
+        _STATE["failure"] = f"{type(e).__name__}: {e}"
+        return
+    _STATE["loaded"] = True
+
+
+def load(wait: bool = True) -> bool:
+    """Whether the kernels are loaded; build or load them first (in the background when ``wait`` is False)."""
+    if _STATE["loaded"] or _STATE["failure"]:
+        return _STATE["loaded"]
+    with _LOCK:
+        if _STATE["loaded"] or _STATE["failure"]:
+            return _STATE["loaded"]
+        thread = _STATE["thread"]
+        if thread is None:
+            thread = threading.Thread(target=_attempt, name="normlab-cpu-build", daemon=True)
+            _STATE["thread"] = thread
+            thread.start()
+    if wait:
+        thread.join()
+    elif thread.is_alive():
+        thread.join(timeout=0.05)  # a warm cache loads in milliseconds: take it now
+    if _STATE["failure"] and not _STATE.get("warned"):
+        _STATE["warned"] = True
+        warnings.warn(f"normlab: the fused CPU kernels cannot be built on this machine ({_STATE['failure'][:300]}); "
+                      "falling back to the reference math. Install a C++ compiler (or set CXX), or pass "
+                      "kernel='reference' to silence this.", RuntimeWarning, stacklevel=3)  # fmt: skip
+    return _STATE["loaded"]
+
+
+def loaded() -> bool:
+    return _STATE["loaded"]
+
+
+def failure() -> str | None:
+    return _STATE["failure"]
+
+
+def status() -> dict:
+    """What ``normlab build-kernels`` prints: the build folder and its record."""
+    cxx = _compiler()
+    ident = _identity(cxx)
+    folder = build_dir(ident)
+    manifest = folder / "build.json"
+    return {"folder": str(folder), "intact": _intact(folder, ident) is None,
+            "record": json.loads(manifest.read_text()) if manifest.is_file() else None}  # fmt: skip

@@ -1,0 +1,404 @@
+// normlab's CPU kernels: the element-wise norms (DyT, Derf, DyISRU, ELN) and RMSNorm, forward and backward.
+//
+// Built once per machine by normlab/kernels/cpu_build.py and loaded with torch.ops.load_library; the
+// autograd functions live in normlab/kernels/cpu.py, which also states the formulas.
+//
+// Layout: x, g (= dL/dy) and y are (N, C) row-major in float32, bfloat16 or float16. Every parameter
+// arrives as a float32 (C,) vector (a scalar parameter expanded; the channel scale folded into w).
+// Arithmetic is float32 in at::vec::Vectorized registers.
+//
+// The backward is one pass over x and g: a task owns a contiguous block of rows, writes their dx and adds
+// their parameter-gradient terms into its own float32 (C,) partial sums; the partials are added in task
+// order at the end. The blocks depend only on N and the thread count, so a result is the same on every run
+// with the same thread count.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+using at::Tensor;
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t VL = Vec::size();
+
+enum Kind : int64_t { DYT = 0, DERF = 1, DYISRU = 2, ELN = 3 };
+
+// ---------------------------------------------------------------------------------------------------------
+// loads and stores of up to VL elements, converted to and from float32
+// ---------------------------------------------------------------------------------------------------------
+template <typename T>
+inline Vec load(const T* p, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    return n == VL ? Vec::loadu(p) : Vec::loadu(p, n);
+  } else {
+    if (n == VL) {
+      Vec out;
+      at::vec::load_to_float<T>(p, out);
+      return out;
+    }
+    float buf[VL] = {0};
+    for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(p[i]);
+    return Vec::loadu(buf);
+  }
+}
+
+template <typename T>
+inline void store(T* p, const Vec& v, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    v.store(p, n);
+  } else {
+    if (n == VL) {
+      at::vec::convert_from_float<T>(v, v).store(p, VL);
+      return;
+    }
+    float buf[VL];
+    v.store(buf);
+    for (int64_t i = 0; i < n; ++i) p[i] = static_cast<T>(buf[i]);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// the functions
+// ---------------------------------------------------------------------------------------------------------
+// tanh to a few float32 ulp: the odd Taylor series through z^17 for |z| < 0.55 (its next term is below
+// 2.5e-8 there), else sign(z) (1 - e) / (1 + e) with e = exp(-2|z|), free of cancellation (e <= 0.33) and
+// saturating without overflow. c_k = 2^(2n) (2^(2n) - 1) B_(2n) / (2n)! with n = k + 1.
+inline Vec tanh_(const Vec& z) {
+  const Vec a = z.abs();
+  const Vec z2 = z * z;
+  Vec poly(6404582.0f / 10854718875.0f);
+  const float c[] = {-929569.0f / 638512875.0f, 21844.0f / 6081075.0f, -1382.0f / 155925.0f, 62.0f / 2835.0f,
+                     -17.0f / 315.0f,           2.0f / 15.0f,          -1.0f / 3.0f,          1.0f};
+  for (float ck : c) poly = at::vec::fmadd(poly, z2, Vec(ck));
+  const Vec e = (a * Vec(-2.0f)).exp_u20();
+  const Vec r = (Vec(1.0f) - e) / (Vec(1.0f) + e);
+  const Vec outer = Vec::blendv(r, -r, z < Vec(0.0f));
+  return Vec::blendv(outer, z * poly, a < Vec(0.55f));
+}
+
+// DyISRU's pieces: f = u h, h = (beta + u^2)^(-1/2), slope = beta h^3. Beyond float32's square root of its
+// largest value u^2 overflows: there f = sign(u) and slope = 0.
+struct Isru {
+  Vec f, h, slope;
+};
+inline Isru isru(const Vec& u, const Vec& beta) {
+  const Vec h = (beta + u * u).rsqrt();
+  const Vec big = u.abs() > Vec(1e18f);
+  const Vec sign = Vec::blendv(Vec(1.0f), Vec(-1.0f), u < Vec(0.0f));
+  return {Vec::blendv(u * h, sign, big), h, Vec::blendv(beta * h * h * h, Vec(0.0f), big)};
+}
+
+constexpr float TWO_OVER_SQRT_PI = 1.1283791670955126f;
+
+// ---------------------------------------------------------------------------------------------------------
+// threading: blocks of rows, one per task, fixed by N and the thread count
+// ---------------------------------------------------------------------------------------------------------
+inline int64_t grain_rows(int64_t c) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(c, 1)); }
+
+inline int64_t n_blocks(int64_t n, int64_t c) {
+  const int64_t most = (n + grain_rows(c) - 1) / grain_rows(c);
+  return std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), most));
+}
+
+template <typename F>
+inline void for_blocks(int64_t n, int64_t blocks, const F& body) {
+  // one task per block: body(block, first row, end row)
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) body(b, n * b / blocks, n * (b + 1) / blocks);
+  });
+}
+
+template <typename T>
+inline float row_mean(const T* x, int64_t c) {
+  Vec acc(0.0f);
+  for (int64_t j = 0; j < c; j += VL) acc = acc + load(x + j, std::min(VL, c - j));  // tails load as zeros
+  return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc) / static_cast<float>(c);
+}
+
+template <typename T>
+inline float row_sumsq(const T* x, int64_t c) {
+  Vec acc(0.0f);
+  for (int64_t j = 0; j < c; j += VL) {
+    const Vec v = load(x + j, std::min(VL, c - j));
+    acc = at::vec::fmadd(v, v, acc);
+  }
+  return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc);
+}
+
+void check_rows(const Tensor& t, const char* what) {
+  TORCH_CHECK(t.dim() == 2 && t.is_contiguous() && t.device().is_cpu(), "normlab cpu kernel: ", what,
+              " must be a contiguous CPU (N, C) tensor");
+}
+
+void check_vec(const Tensor& t, int64_t c, const char* what) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.dim() == 1 && t.numel() == c && t.is_contiguous(),
+              "normlab cpu kernel: ", what, " must be a contiguous float32 (C,) vector");
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// the element-wise family: y = w f(x; p0, p1) + b
+// ---------------------------------------------------------------------------------------------------------
+template <typename T, int64_t K>
+void pointwise_fwd_impl(const T* x, T* y, const float* p0, const float* p1, const float* w, const float* b,
+                        int64_t n, int64_t c) {
+  for_blocks(n, n_blocks(n, c), [&](int64_t, int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* xr = x + r * c;
+      T* yr = y + r * c;
+      const Vec mean(K == ELN ? row_mean(xr, c) : 0.0f);
+      for (int64_t j = 0; j < c; j += VL) {
+        const int64_t m = std::min(VL, c - j);
+        const Vec xv = load(xr + j, m), a = Vec::loadu(p0 + j, m), wv = Vec::loadu(w + j, m),
+                  bv = Vec::loadu(b + j, m);
+        Vec f;
+        if constexpr (K == DYT) {
+          f = tanh_(a * xv);
+        } else if constexpr (K == DERF) {
+          f = at::vec::fmadd(a, xv, Vec::loadu(p1 + j, m)).erf();
+        } else {
+          f = isru(K == ELN ? xv - mean : xv, a).f;
+        }
+        store(yr + j, at::vec::fmadd(wv, f, bv), m);
+      }
+    }
+  });
+}
+
+// dx, and into part[0..4) (each (C,)): dp0, dp1, dw (sum g f), db (sum g)
+template <typename T, int64_t K>
+void pointwise_bwd_impl(const T* g, const T* x, T* dx, const float* p0, const float* p1, const float* w,
+                        float* partials, int64_t n, int64_t c, int64_t blocks) {
+  for_blocks(n, blocks, [&](int64_t blk, int64_t r0, int64_t r1) {
+    float* dp0 = partials + blk * 4 * c;
+    float *dp1 = dp0 + c, *dw = dp0 + 2 * c, *db = dp0 + 3 * c;
+    std::vector<float> q(K == ELN ? c : 0);
+    for (int64_t r = r0; r < r1; ++r) {
+      const T *xr = x + r * c, *gr = g + r * c;
+      T* dxr = dx + r * c;
+      const Vec mean(K == ELN ? row_mean(xr, c) : 0.0f);
+      Vec qsum(0.0f);
+      for (int64_t j = 0; j < c; j += VL) {
+        const int64_t m = std::min(VL, c - j);
+        const Vec xv = load(xr + j, m), gv = load(gr + j, m), a = Vec::loadu(p0 + j, m),
+                  wv = Vec::loadu(w + j, m);
+        const Vec gw = gv * wv;  // zero in the tail lanes: g loads as zeros there
+        Vec d, f;
+        if constexpr (K == DYT) {
+          const Vec z = a * xv;
+          f = tanh_(z);
+          const Vec dz = gw * (Vec(1.0f) - f * f);
+          d = dz * a;
+          at::vec::fmadd(dz, xv, Vec::loadu(dp0 + j, m)).store(dp0 + j, m);
+        } else if constexpr (K == DERF) {
+          const Vec z = at::vec::fmadd(a, xv, Vec::loadu(p1 + j, m));
+          f = z.erf();
+          const Vec dz = gw * Vec(TWO_OVER_SQRT_PI) * (-(z * z)).exp_u20();
+          d = dz * a;
+          at::vec::fmadd(dz, xv, Vec::loadu(dp0 + j, m)).store(dp0 + j, m);
+          (Vec::loadu(dp1 + j, m) + dz).store(dp1 + j, m);
+        } else {
+          const Isru s = isru(K == ELN ? xv - mean : xv, a);
+          f = s.f;
+          d = gw * s.slope;
+          at::vec::fmadd(Vec(-0.5f) * gw * f, s.h * s.h, Vec::loadu(dp0 + j, m)).store(dp0 + j, m);
+        }
+        at::vec::fmadd(gv, f, Vec::loadu(dw + j, m)).store(dw + j, m);
+        (Vec::loadu(db + j, m) + gv).store(db + j, m);
+        if constexpr (K == ELN) {
+          d.store(q.data() + j, m);
+          qsum = qsum + Vec::set(Vec(0.0f), d, m);  // the tail lanes hold NaN (beta = 0 there)
+        } else {
+          store(dxr + j, d, m);
+        }
+      }
+      if constexpr (K == ELN) {  // dx = q - mean(q)
+        const Vec qmean(at::vec::vec_reduce_all<float>([](Vec& u, Vec& v) { return u + v; }, qsum) /
+                        static_cast<float>(c));
+        for (int64_t j = 0; j < c; j += VL) {
+          const int64_t m = std::min(VL, c - j);
+          store(dxr + j, Vec::loadu(q.data() + j, m) - qmean, m);
+        }
+      }
+    }
+  });
+}
+
+template <typename F>
+void dispatch_kind(int64_t kind, const F& f) {
+  switch (kind) {
+    case DYT: f(std::integral_constant<int64_t, DYT>{}); break;
+    case DERF: f(std::integral_constant<int64_t, DERF>{}); break;
+    case DYISRU: f(std::integral_constant<int64_t, DYISRU>{}); break;
+    case ELN: f(std::integral_constant<int64_t, ELN>{}); break;
+    default: TORCH_CHECK(false, "normlab cpu kernel: unknown kind ", kind);
+  }
+}
+
+template <typename F>
+void dispatch_dtype(at::ScalarType t, const F& f) {
+  switch (t) {
+    case at::kFloat: f(float{}); break;
+    case at::kBFloat16: f(c10::BFloat16{}); break;
+    case at::kHalf: f(c10::Half{}); break;
+    default: TORCH_CHECK(false, "normlab cpu kernel: float32, bfloat16 or float16 expected, got ", t);
+  }
+}
+
+Tensor pointwise_fwd(const Tensor& x, const Tensor& p0, const Tensor& p1, const Tensor& w, const Tensor& b,
+                     int64_t kind) {
+  check_rows(x, "x");
+  const int64_t n = x.size(0), c = x.size(1);
+  for (const Tensor* t : {&p0, &p1, &w, &b}) check_vec(*t, c, "a parameter");
+  Tensor y = at::empty_like(x);
+  dispatch_dtype(x.scalar_type(), [&](auto t) {
+    using T = decltype(t);
+    dispatch_kind(kind, [&](auto k) {
+      pointwise_fwd_impl<T, decltype(k)::value>(x.data_ptr<T>(), y.data_ptr<T>(), p0.data_ptr<float>(),
+                                                p1.data_ptr<float>(), w.data_ptr<float>(), b.data_ptr<float>(), n,
+                                                c);
+    });
+  });
+  return y;
+}
+
+std::vector<Tensor> sum_partials(const Tensor& partials) {
+  // (blocks, k, C) -> k tensors of (C,), added in block order
+  const int64_t blocks = partials.size(0), k = partials.size(1), c = partials.size(2);
+  const float* p = partials.data_ptr<float>();
+  std::vector<Tensor> out;
+  for (int64_t i = 0; i < k; ++i) {
+    Tensor s = at::zeros({c}, partials.options());
+    float* sp = s.data_ptr<float>();
+    for (int64_t blk = 0; blk < blocks; ++blk) {
+      const float* src = p + (blk * k + i) * c;
+      for (int64_t j = 0; j < c; ++j) sp[j] += src[j];
+    }
+    out.push_back(s);
+  }
+  return out;
+}
+
+std::vector<Tensor> pointwise_bwd(const Tensor& g, const Tensor& x, const Tensor& p0, const Tensor& p1,
+                                  const Tensor& w, int64_t kind) {
+  check_rows(x, "x");
+  check_rows(g, "the gradient");
+  TORCH_CHECK(g.sizes() == x.sizes() && g.scalar_type() == x.scalar_type(),
+              "normlab cpu kernel: the gradient must match x in shape and dtype");
+  const int64_t n = x.size(0), c = x.size(1);
+  for (const Tensor* t : {&p0, &p1, &w}) check_vec(*t, c, "a parameter");
+  const int64_t blocks = n_blocks(n, c);
+  Tensor dx = at::empty_like(x);
+  Tensor partials = at::zeros({blocks, 4, c}, x.options().dtype(at::kFloat));
+  dispatch_dtype(x.scalar_type(), [&](auto t) {
+    using T = decltype(t);
+    dispatch_kind(kind, [&](auto k) {
+      pointwise_bwd_impl<T, decltype(k)::value>(g.data_ptr<T>(), x.data_ptr<T>(), dx.data_ptr<T>(),
+                                                p0.data_ptr<float>(), p1.data_ptr<float>(), w.data_ptr<float>(),
+                                                partials.data_ptr<float>(), n, c, blocks);
+    });
+  });
+  std::vector<Tensor> out{dx};
+  for (Tensor& s : sum_partials(partials)) out.push_back(s);
+  return out;  // dx, dp0, dp1, dw, db
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// RMSNorm: y = w x r, r = (mean x^2 + eps)^(-1/2); dx = r (g w) - x r^3 mean(g w x), dw = sum g x r
+// ---------------------------------------------------------------------------------------------------------
+std::vector<Tensor> rms_fwd(const Tensor& x, const Tensor& w, double eps) {
+  check_rows(x, "x");
+  const int64_t n = x.size(0), c = x.size(1);
+  check_vec(w, c, "the weight");
+  Tensor y = at::empty_like(x);
+  Tensor rstd = at::empty({n}, x.options().dtype(at::kFloat));
+  dispatch_dtype(x.scalar_type(), [&](auto t) {
+    using T = decltype(t);
+    const T* xp = x.data_ptr<T>();
+    T* yp = y.data_ptr<T>();
+    const float* wp = w.data_ptr<float>();
+    float* rp = rstd.data_ptr<float>();
+    for_blocks(n, n_blocks(n, c), [&](int64_t, int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        const T* xr = xp + r * c;
+        const float rs = 1.0f / std::sqrt(row_sumsq(xr, c) / static_cast<float>(c) + static_cast<float>(eps));
+        rp[r] = rs;
+        const Vec rv(rs);
+        for (int64_t j = 0; j < c; j += VL) {
+          const int64_t m = std::min(VL, c - j);
+          store(yp + r * c + j, load(xr + j, m) * rv * Vec::loadu(wp + j, m), m);
+        }
+      }
+    });
+  });
+  return {y, rstd};
+}
+
+std::vector<Tensor> rms_bwd(const Tensor& g, const Tensor& x, const Tensor& rstd, const Tensor& w) {
+  check_rows(x, "x");
+  check_rows(g, "the gradient");
+  TORCH_CHECK(g.sizes() == x.sizes() && g.scalar_type() == x.scalar_type(),
+              "normlab cpu kernel: the gradient must match x in shape and dtype");
+  const int64_t n = x.size(0), c = x.size(1);
+  check_vec(w, c, "the weight");
+  const int64_t blocks = n_blocks(n, c);
+  Tensor dx = at::empty_like(x);
+  Tensor partials = at::zeros({blocks, 1, c}, x.options().dtype(at::kFloat));
+  dispatch_dtype(x.scalar_type(), [&](auto t) {
+    using T = decltype(t);
+    const T *gp = g.data_ptr<T>(), *xp = x.data_ptr<T>();
+    T* dxp = dx.data_ptr<T>();
+    const float *wp = w.data_ptr<float>(), *rp = rstd.data_ptr<float>();
+    float* part = partials.data_ptr<float>();
+    for_blocks(n, blocks, [&](int64_t blk, int64_t r0, int64_t r1) {
+      float* dw = part + blk * c;
+      for (int64_t r = r0; r < r1; ++r) {
+        const T *xr = xp + r * c, *gr = gp + r * c;
+        const Vec rv(rp[r]);
+        Vec acc(0.0f);
+        for (int64_t j = 0; j < c; j += VL) {
+          const int64_t m = std::min(VL, c - j);
+          const Vec xv = load(xr + j, m), gv = load(gr + j, m);
+          acc = at::vec::fmadd(gv * Vec::loadu(wp + j, m), xv, acc);
+          at::vec::fmadd(gv, xv * rv, Vec::loadu(dw + j, m)).store(dw + j, m);
+        }
+        const float r1f = rp[r];
+        const Vec coef(at::vec::vec_reduce_all<float>([](Vec& u, Vec& v) { return u + v; }, acc) /
+                       static_cast<float>(c) * r1f * r1f * r1f);
+        for (int64_t j = 0; j < c; j += VL) {
+          const int64_t m = std::min(VL, c - j);
+          const Vec xv = load(xr + j, m), gv = load(gr + j, m);
+          store(dxp + r * c + j, rv * gv * Vec::loadu(wp + j, m) - xv * coef, m);
+        }
+      }
+    });
+  });
+  return {dx, sum_partials(partials)[0]};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(normlab_cpu, m) {
+  m.def("pointwise_fwd(Tensor x, Tensor p0, Tensor p1, Tensor w, Tensor b, int kind) -> Tensor");
+  m.def("pointwise_bwd(Tensor g, Tensor x, Tensor p0, Tensor p1, Tensor w, int kind) -> Tensor[]");
+  m.def("rms_fwd(Tensor x, Tensor w, float eps) -> Tensor[]");
+  m.def("rms_bwd(Tensor g, Tensor x, Tensor rstd, Tensor w) -> Tensor[]");
+}
+
+TORCH_LIBRARY_IMPL(normlab_cpu, CPU, m) {
+  m.impl("pointwise_fwd", &pointwise_fwd);
+  m.impl("pointwise_bwd", &pointwise_bwd);
+  m.impl("rms_fwd", &rms_fwd);
+  m.impl("rms_bwd", &rms_bwd);
+}
