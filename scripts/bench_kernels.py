@@ -14,8 +14,10 @@ On a CPU (no GPU, or --cpu) it answers "which norm is fastest here": every norm 
 reference math, nn.LayerNorm / nn.RMSNorm, torch.compile of the reference, and the copy floor, all
 timed in one run, alternating providers round by round. The floor of a forward + backward is five
 tensor passes (read x, write y; read x and dy, write dx), 2.5 times one copy of x measured in the same
-run. It also times the first call of each fused path in a fresh process with empty Inductor caches
-(the one-off compile). Rows go to bench/kernels_cpu.csv:
+run. It also times the one-time build of the CPU kernels (into an empty cache, in a fresh process) and the
+first call of each op in a fresh process, with the machine's build and with an empty cache (where
+``kernel="auto"`` takes the reference while the build runs in the background). Rows go to
+bench/kernels_cpu.csv:
 
     python scripts/bench_kernels.py --cpu --channels 1024 --dtypes fp32 bf16
 """
@@ -154,7 +156,7 @@ def run(args) -> list[dict]:
     return rows
 
 
-CPU_NORMS = ["layer_norm", "rms_norm", "dyt", "scaled_dyt", "dyisru", "eln"]
+CPU_NORMS = ["layer_norm", "rms_norm", "dyt", "scaled_dyt", "derf", "dyisru", "eln"]
 NATIVE = {"layer_norm": lambda n: torch.nn.LayerNorm(n), "rms_norm": lambda n: torch.nn.RMSNorm(n)}
 
 
@@ -168,32 +170,57 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def first_call_seconds(name: str, n: int, dtype_name: str) -> float:
-    """Seconds of the first forward + backward of ``name`` in a fresh process with empty Inductor caches."""
+def first_call_seconds(name: str, n: int, dtype_name: str, cache: str | None = None) -> tuple[float, bool]:
+    """(seconds, fused) of the first forward + backward of ``name`` (kernel='auto') in a fresh process, with
+    normlab's cache at ``cache`` (default: the user's, where the kernels are built); ``fused``: whether the
+    fused path was loaded by then (with an empty cache the call takes the reference while the build runs)."""
+    import os
+    import subprocess
+    import sys
+
+    dtype = str(DTYPES[dtype_name])  # "torch.float32"
+    code = (f"import time, torch, normlab\nfrom normlab.kernels import cpu\n"
+            f"m = normlab.create_norm({name!r}, {n}).to({dtype})\n"
+            f"x = torch.randn(64, {n}, dtype={dtype}, requires_grad=True)\n"
+            "t0 = time.perf_counter(); m(x).sum().backward()\n"
+            "print(time.perf_counter() - t0, cpu.ready())")  # fmt: skip
+    env = {**os.environ, **({"NORMLAB_CACHE": cache} if cache else {})}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    seconds, fused = out.stdout.strip().splitlines()[-1].split()
+    return float(seconds), fused == "True"
+
+
+def build_seconds() -> float:
+    """Seconds of the one-time build (``normlab build-kernels``) into an empty cache, in a fresh process."""
     import os
     import subprocess
     import sys
     import tempfile
+    import time
 
-    dtype = str(DTYPES[dtype_name])  # "torch.float32"
-    code = (f"import time, torch, normlab\nm = normlab.create_norm({name!r}, {n}).to({dtype})\n"
-            f"x = torch.randn(64, {n}, dtype={dtype}, requires_grad=True)\n"
-            "t0 = time.perf_counter(); m(x).sum().backward(); print(time.perf_counter() - t0)")  # fmt: skip
     with tempfile.TemporaryDirectory() as cache:
-        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
-    return float(out.stdout.strip().splitlines()[-1])
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "normlab.cli", "build-kernels"], capture_output=True, check=True,
+                       env={**os.environ, "NORMLAB_CACHE": cache})  # fmt: skip
+        return time.perf_counter() - t0
 
 
 def run_cpu(args) -> list[dict]:
     import statistics
+    import tempfile
     import time
 
     import normlab
+    from normlab.kernels import cpu as cpu_kernels
 
     threads = torch.get_num_threads()
     cpu, commit = cpu_name(), code_version().get("git_commit", "unknown")[:12]
     print(f"{cpu}, {threads} threads, torch {torch.__version__}")
+    cpu_kernels.ready(wait=True)  # the one-time build, if this machine has not made it yet
+    # every norm module shares one forward: give torch.compile room for all of them (else it runs eager)
+    torch._dynamo.config.recompile_limit = torch._dynamo.config.accumulated_recompile_limit = 1024
+    if not args.no_first_call:
+        print(f"one-time build of the CPU kernels into an empty cache, fresh process: {build_seconds():.1f} s")
     rows = []
     for dtype_name in args.dtypes:
         dtype = DTYPES[dtype_name]
@@ -249,11 +276,17 @@ def run_cpu(args) -> list[dict]:
                        "rows": m, "channels": n, "ms": round(v, 4), "copy_ms": round(ms["copy"], 4),
                        "x_floor": round(v / floor[mode], 2),
                        "x_native": round(v / native[0], 3) if native else None,
-                       "x_compile": round(v / ms[(name, "torch_compile", mode)], 3), "first_call_s": None}  # fmt: skip
-                if prov == "normlab" and mode == "full" and not args.no_first_call:
-                    row["first_call_s"] = round(first_call_seconds(name, n, dtype_name), 2)
+                       "x_compile": round(v / ms[(name, "torch_compile", mode)], 3), "first_call_s": None,
+                       "first_call_empty_cache_s": None}  # fmt: skip
+                extra = ""
+                if prov == "normlab" and mode == "full" and not args.no_first_call and name != "layer_norm":
+                    seconds, fused = first_call_seconds(name, n, dtype_name)
+                    with tempfile.TemporaryDirectory() as empty:
+                        cold, cold_fused = first_call_seconds(name, n, dtype_name, empty)
+                    row["first_call_s"], row["first_call_empty_cache_s"] = round(seconds, 3), round(cold, 3)
+                    extra = (f"  first call {seconds:.3f} s ({'fused' if fused else 'reference'}); with an empty "
+                             f"cache {cold:.3f} s ({'fused' if cold_fused else 'reference'})")  # fmt: skip
                 rows.append(row)
-                extra = f" first call {row['first_call_s']} s" if row["first_call_s"] is not None else ""
                 print(f"{name:10s} {prov:13s} {mode:8s} {v:8.3f} ms  {row['x_floor']:6.2f}x floor  "
                       f"{row['x_compile']:5.2f}x compile" + (f"  {row['x_native']:5.2f}x native" if native else "")
                       + extra)  # fmt: skip

@@ -47,10 +47,12 @@ def test_a_bad_recipe_value_fails_before_any_folder_exists(corpus_file, tmp_path
 
 def test_default_config_trains_as_before(corpus_file, tmp_path):
     """The knobs at their defaults change nothing: the same train losses, bit for bit, as the code before them
-    (tests/data/losses_before_recipe_knobs.json, made on the same kind of machine)."""
+    (tests/data/losses_before_recipe_knobs.json, made on the same kind of machine). Both on the reference math:
+    the fused CPU kernels round differently, and their changes are not what this test guards."""
     before = json.loads((DATA / "losses_before_recipe_knobs.json").read_text())["train_loss"]
     for norm, losses in before.items():
-        cfg = resolve_config("tiny", {"steps": 20, "log_every": 1, "eval_every": 10}, data=[corpus_file],
+        knobs = {"steps": 20, "log_every": 1, "eval_every": 10, "model.norm_kwargs": {"kernel": "reference"}}
+        cfg = resolve_config("tiny", knobs, data=[corpus_file],
                              out=str(tmp_path / norm), norm=norm)  # fmt: skip
         train(cfg, progress=False)
         now = [r["train_loss"] for r in RunFolder(tmp_path / norm).metrics() if r.get("train_loss") is not None]

@@ -281,6 +281,11 @@ def run_sweep(specs: list[RunSpec], *, shard: tuple[int, int] = (0, 1), jobs: in
         bar.set_postfix_str(f"last: {names[run_id]} {status}")
         bar.update(1)
 
+    if todo and any(s.config.device != "cuda" for s in todo):
+        from normlab.kernels import auto_choice, cpu
+
+        if auto_choice() != "reference":
+            cpu.ready(wait=True)  # the one-time build of the CPU kernels (if any) once, before the workers start
     if jobs <= 1:
         for spec in todo:
             bar.set_postfix_str(f"running {names[spec.run_id]}")

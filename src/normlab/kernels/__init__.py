@@ -17,6 +17,9 @@ calls one of them. The Triton entry points themselves are :mod:`normlab.kernels.
                  waiting for the one-time build if needed;
     "reference"  always :mod:`normlab.functional`.
 
+The environment variable ``NORMLAB_KERNEL=reference`` makes every ``"auto"`` take the reference math (to
+compare, or to rule the fused paths out); unset or ``auto``, it changes nothing.
+
 The functions here take tensors of any shape (..., C); non-contiguous inputs are copied
 to a contiguous layout with unit column stride first.
 """
@@ -59,10 +62,20 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def auto_choice() -> str:
+    """What ``kernel="auto"`` means in this process: 'auto', or 'reference' under ``NORMLAB_KERNEL=reference``."""
+    value = os.environ.get("NORMLAB_KERNEL", "auto") or "auto"
+    if value not in ("auto", "reference"):
+        raise NormlabError(f"NORMLAB_KERNEL={value!r}: expected 'auto' or 'reference' (or unset)")
+    return value
+
+
 def select(choice: str, x: torch.Tensor, owner: str, *params: torch.Tensor | None) -> str:
     """The path ``owner`` takes on ``x`` for the module setting ``choice``: 'triton', 'cpu' or 'reference'."""
     from normlab.kernels import cpu
 
+    if choice == "auto":
+        choice = auto_choice()
     if choice == "reference":
         return "reference"
     if choice == "cpu":

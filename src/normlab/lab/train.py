@@ -227,9 +227,9 @@ def _step(model, fwd, raw_model, opt, cfg: TrainConfig, corpus, step: int, rank:
 def _model_and_optimizer(cfg: TrainConfig, folder: RunFolder, device, resume: bool, main: bool):
     """The model and its AdamW, fresh or from the run's checkpoint (with the RNG state and the metrics cut back to
     the checkpoint's step); returns them and the step to start from."""
-    if device.type == "cpu" and cfg.model.norm_kwargs.get("kernel") != "reference":
-        from normlab.kernels import cpu
+    from normlab.kernels import auto_choice, cpu
 
+    if device.type == "cpu" and cfg.model.norm_kwargs.get("kernel", auto_choice()) != "reference":
         cpu.ready(wait=True)  # one path from the first step: the one-time build (if any) happens now
     torch.manual_seed(cfg.seed)
     model = GPT(cfg.model).to(device)

@@ -60,7 +60,13 @@ inline void store(T* p, const Vec& v, int64_t n) {
     v.store(p, n);
   } else {
     if (n == VL) {
+#if defined(CPU_CAPABILITY_AVX2)
+      const __m128i h = std::is_same_v<T, c10::BFloat16> ? at::vec::cvtfp32_bf16(__m256(v))
+                                                         : at::vec::cvtfp32_fp16(__m256(v));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(p), h);
+#else
       at::vec::convert_from_float<T>(v, v).store(p, VL);
+#endif
       return;
     }
     float buf[VL];
@@ -72,6 +78,26 @@ inline void store(T* p, const Vec& v, int64_t n) {
 // ---------------------------------------------------------------------------------------------------------
 // the functions
 // ---------------------------------------------------------------------------------------------------------
+// 1 / d and 1 / sqrt(v) to about 1 float32 ulp: the hardware estimate (12 bits) and one Newton step, a few
+// times cheaper than a division. Used where the operand is finite and positive.
+inline Vec recip(const Vec& d) {
+#if defined(CPU_CAPABILITY_AVX2)
+  const Vec r(_mm256_rcp_ps(d));
+  return r * (Vec(2.0f) - d * r);
+#else
+  return d.reciprocal();
+#endif
+}
+
+inline Vec rsqrt_(const Vec& v) {
+#if defined(CPU_CAPABILITY_AVX2)
+  const Vec r(_mm256_rsqrt_ps(v));
+  return r * (Vec(1.5f) - Vec(0.5f) * v * r * r);
+#else
+  return v.rsqrt();
+#endif
+}
+
 // tanh to a few float32 ulp: the odd Taylor series through z^17 for |z| < 0.55 (its next term is below
 // 2.5e-8 there), else sign(z) (1 - e) / (1 + e) with e = exp(-2|z|), free of cancellation (e <= 0.33) and
 // saturating without overflow. c_k = 2^(2n) (2^(2n) - 1) B_(2n) / (2n)! with n = k + 1.
@@ -83,7 +109,7 @@ inline Vec tanh_(const Vec& z) {
                      -17.0f / 315.0f,           2.0f / 15.0f,          -1.0f / 3.0f,          1.0f};
   for (float ck : c) poly = at::vec::fmadd(poly, z2, Vec(ck));
   const Vec e = (a * Vec(-2.0f)).exp_u20();
-  const Vec r = (Vec(1.0f) - e) / (Vec(1.0f) + e);
+  const Vec r = (Vec(1.0f) - e) * recip(Vec(1.0f) + e);
   const Vec outer = Vec::blendv(r, -r, z < Vec(0.0f));
   return Vec::blendv(outer, z * poly, a < Vec(0.55f));
 }
@@ -94,10 +120,10 @@ struct Isru {
   Vec f, h, slope;
 };
 inline Isru isru(const Vec& u, const Vec& beta) {
-  const Vec h = (beta + u * u).rsqrt();
   const Vec big = u.abs() > Vec(1e18f);
+  const Vec h = Vec::blendv(rsqrt_(beta + u * u), Vec(0.0f), big);
   const Vec sign = Vec::blendv(Vec(1.0f), Vec(-1.0f), u < Vec(0.0f));
-  return {Vec::blendv(u * h, sign, big), h, Vec::blendv(beta * h * h * h, Vec(0.0f), big)};
+  return {Vec::blendv(u * h, sign, big), h, beta * h * h * h};
 }
 
 constexpr float TWO_OVER_SQRT_PI = 1.1283791670955126f;
@@ -176,59 +202,76 @@ void pointwise_fwd_impl(const T* x, T* y, const float* p0, const float* p1, cons
   });
 }
 
-// dx, and into part[0..4) (each (C,)): dp0, dp1, dw (sum g f), db (sum g)
+// dx, and into part[0..4) (each (C,)): dp0, dp1, dw (sum g f), db (sum g). Rows go in groups of ROWS per
+// column chunk, so that the parameters and the partial sums are loaded and stored once per group.
+constexpr int64_t ROWS = 4;
+
 template <typename T, int64_t K>
 void pointwise_bwd_impl(const T* g, const T* x, T* dx, const float* p0, const float* p1, const float* w,
                         float* partials, int64_t n, int64_t c, int64_t blocks) {
   for_blocks(n, blocks, [&](int64_t blk, int64_t r0, int64_t r1) {
     float* dp0 = partials + blk * 4 * c;
     float *dp1 = dp0 + c, *dw = dp0 + 2 * c, *db = dp0 + 3 * c;
-    std::vector<float> q(K == ELN ? c : 0);
-    for (int64_t r = r0; r < r1; ++r) {
-      const T *xr = x + r * c, *gr = g + r * c;
-      T* dxr = dx + r * c;
-      const Vec mean(K == ELN ? row_mean(xr, c) : 0.0f);
-      Vec qsum(0.0f);
+    std::vector<float> q(K == ELN ? ROWS * c : 0);
+    for (int64_t rg = r0; rg < r1; rg += ROWS) {
+      const int64_t rows = std::min(ROWS, r1 - rg);
+      Vec mean[ROWS], qsum[ROWS];
+      for (int64_t i = 0; i < rows; ++i) {
+        mean[i] = Vec(K == ELN ? row_mean(x + (rg + i) * c, c) : 0.0f);
+        qsum[i] = Vec(0.0f);
+      }
       for (int64_t j = 0; j < c; j += VL) {
         const int64_t m = std::min(VL, c - j);
-        const Vec xv = load(xr + j, m), gv = load(gr + j, m), a = Vec::loadu(p0 + j, m),
-                  wv = Vec::loadu(w + j, m);
-        const Vec gw = gv * wv;  // zero in the tail lanes: g loads as zeros there
-        Vec d, f;
-        if constexpr (K == DYT) {
-          const Vec z = a * xv;
-          f = tanh_(z);
-          const Vec dz = gw * (Vec(1.0f) - f * f);
-          d = dz * a;
-          at::vec::fmadd(dz, xv, Vec::loadu(dp0 + j, m)).store(dp0 + j, m);
-        } else if constexpr (K == DERF) {
-          const Vec z = at::vec::fmadd(a, xv, Vec::loadu(p1 + j, m));
-          f = z.erf();
-          const Vec dz = gw * Vec(TWO_OVER_SQRT_PI) * (-(z * z)).exp_u20();
-          d = dz * a;
-          at::vec::fmadd(dz, xv, Vec::loadu(dp0 + j, m)).store(dp0 + j, m);
-          (Vec::loadu(dp1 + j, m) + dz).store(dp1 + j, m);
-        } else {
-          const Isru s = isru(K == ELN ? xv - mean : xv, a);
-          f = s.f;
-          d = gw * s.slope;
-          at::vec::fmadd(Vec(-0.5f) * gw * f, s.h * s.h, Vec::loadu(dp0 + j, m)).store(dp0 + j, m);
+        const Vec a = Vec::loadu(p0 + j, m), wv = Vec::loadu(w + j, m);
+        const Vec shift = K == DERF ? Vec::loadu(p1 + j, m) : Vec(0.0f);
+        Vec acc0(0.0f), acc1(0.0f), accw(0.0f), accb(0.0f);
+        for (int64_t i = 0; i < rows; ++i) {
+          const int64_t off = (rg + i) * c + j;
+          const Vec xv = load(x + off, m), gv = load(g + off, m);
+          const Vec gw = gv * wv;  // zero in the tail lanes: g loads as zeros there
+          Vec d, f;
+          if constexpr (K == DYT) {
+            f = tanh_(a * xv);
+            const Vec dz = gw * (Vec(1.0f) - f * f);
+            d = dz * a;
+            acc0 = at::vec::fmadd(dz, xv, acc0);
+          } else if constexpr (K == DERF) {
+            const Vec z = at::vec::fmadd(a, xv, shift);
+            f = z.erf();
+            const Vec dz = gw * Vec(TWO_OVER_SQRT_PI) * (-(z * z)).exp_u20();
+            d = dz * a;
+            acc0 = at::vec::fmadd(dz, xv, acc0);
+            acc1 = acc1 + dz;
+          } else {
+            const Isru s = isru(K == ELN ? xv - mean[i] : xv, a);
+            f = s.f;
+            d = gw * s.slope;
+            acc0 = at::vec::fmadd(gw * f, s.h * s.h, acc0);
+          }
+          accw = at::vec::fmadd(gv, f, accw);
+          accb = accb + gv;
+          if constexpr (K == ELN) {
+            d.store(q.data() + i * c + j, m);
+            qsum[i] = qsum[i] + Vec::set(Vec(0.0f), d, m);  // the tail lanes hold NaN (beta = 0 there)
+          } else {
+            store(dx + off, d, m);
+          }
         }
-        at::vec::fmadd(gv, f, Vec::loadu(dw + j, m)).store(dw + j, m);
-        (Vec::loadu(db + j, m) + gv).store(db + j, m);
-        if constexpr (K == ELN) {
-          d.store(q.data() + j, m);
-          qsum = qsum + Vec::set(Vec(0.0f), d, m);  // the tail lanes hold NaN (beta = 0 there)
-        } else {
-          store(dxr + j, d, m);
-        }
+        // the tail lanes of the accumulators may hold NaN (beta = 0 there): stores take m lanes only
+        if constexpr (K == DYISRU || K == ELN) acc0 = acc0 * Vec(-0.5f);
+        (Vec::loadu(dp0 + j, m) + acc0).store(dp0 + j, m);
+        if constexpr (K == DERF) (Vec::loadu(dp1 + j, m) + acc1).store(dp1 + j, m);
+        (Vec::loadu(dw + j, m) + accw).store(dw + j, m);
+        (Vec::loadu(db + j, m) + accb).store(db + j, m);
       }
       if constexpr (K == ELN) {  // dx = q - mean(q)
-        const Vec qmean(at::vec::vec_reduce_all<float>([](Vec& u, Vec& v) { return u + v; }, qsum) /
-                        static_cast<float>(c));
-        for (int64_t j = 0; j < c; j += VL) {
-          const int64_t m = std::min(VL, c - j);
-          store(dxr + j, Vec::loadu(q.data() + j, m) - qmean, m);
+        for (int64_t i = 0; i < rows; ++i) {
+          const Vec qmean(at::vec::vec_reduce_all<float>([](Vec& u, Vec& v) { return u + v; }, qsum[i]) /
+                          static_cast<float>(c));
+          for (int64_t j = 0; j < c; j += VL) {
+            const int64_t m = std::min(VL, c - j);
+            store(dx + (rg + i) * c + j, Vec::loadu(q.data() + i * c + j, m) - qmean, m);
+          }
         }
       }
     }
