@@ -220,10 +220,11 @@ def test_convert_command_never_writes_over_its_source(tmp_path, capsys):
     (tmp_path / "taken").mkdir()
     assert main([*args, "--out", str(tmp_path / "taken")]) == 2
     assert "already exists" in capsys.readouterr().err
-    for flag in ("--heal-tokens", "--seq-len"):  # refused by the parser, exit code 2
-        with pytest.raises(SystemExit, match="2"):
-            main([*args, flag, "0"])
-        assert f"{flag}: expected an int >= 1, got 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="2"):  # refused by the parser, exit code 2
+        main([*args, "--heal-tokens", "0"])
+    assert "--heal-tokens: expected an int >= 1, got 0" in capsys.readouterr().err
+    assert main([*args, "--seq-len", "0"]) == 2  # a sequence needs two tokens (one to predict from)
+    assert "--seq-len must be >= 2, got 0" in capsys.readouterr().err
     rc = main([*args, "--out", str(tmp_path / "healed"), "--heal-tokens", "2000", "--no-progress",
                "--exclude", "model.norm"])  # fmt: skip
     out = capsys.readouterr().out

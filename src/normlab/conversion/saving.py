@@ -39,7 +39,8 @@ def apply_record(model: nn.Module, record: ConversionRecord) -> nn.Module:
 RECORD_FILE = "normlab_conversion.json"
 
 
-def save_converted(model: nn.Module, record: ConversionRecord, path: str | Path, tokenizer=None) -> Path:
+def save_converted(model: nn.Module, record: ConversionRecord, path: str | Path, tokenizer=None,
+                   identity: dict | None = None) -> Path:  # fmt: skip
     """Weights plus the conversion record. A Hugging Face model is saved with its own save_pretrained (config,
     generation config, weights) and, given its ``tokenizer``, the tokenizer too: a complete folder that
     ``AutoTokenizer.from_pretrained`` and :func:`load_converted` both read."""
@@ -53,6 +54,8 @@ def save_converted(model: nn.Module, record: ConversionRecord, path: str | Path,
         torch.save(model.state_dict(), path / "model.pt")
     d = record.to_dict()
     d["model_class"] = type(model).__name__
+    if identity is not None:  # what made it: the source model, the text and the settings (by hash)
+        d["made_from"] = identity
     (path / RECORD_FILE).write_text(json.dumps(d, indent=2) + "\n")
     return path
 
@@ -82,7 +85,12 @@ def load_converted(path: str | Path, model: nn.Module | None = None) -> tuple[nn
     path = Path(path)
     if not (path / RECORD_FILE).exists():
         raise FileNotFoundError(f"{path} holds no {RECORD_FILE}: not a model saved by normlab.save_converted")
-    d = json.loads((path / RECORD_FILE).read_text())
+    try:
+        d = json.loads((path / RECORD_FILE).read_text())
+        if not isinstance(d, dict):
+            raise ValueError("not a JSON object")
+    except ValueError as e:
+        raise ValueError(f"{path / RECORD_FILE} is damaged ({e}); convert the model again") from None
     record = ConversionRecord.from_dict(d)
     if model is None:
         if not (path / "config.json").exists():

@@ -5,30 +5,83 @@ The command line only parses its flags and calls :func:`convert_model`; a script
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import fnmatch
+import hashlib
 import json
+import math
+import shlex
+import shutil
+import sys
 from pathlib import Path
 
 from normlab.conversion.convert import convert_norms, fidelity, save_converted
-from normlab.conversion.heal import heal
+from normlab.conversion.heal import _check_budget, heal
 from normlab.conversion.hf import load_model, smollm2, text_batches
+from normlab.conversion.saving import RECORD_FILE
 from normlab.corpus import fetch_shakespeare
+from normlab.owner import check_writable, hold, inside
 from normlab.registry import norm_spec
 
 __all__ = ["convert_model", "check_out"]
 
 
 def check_out(out: str | None, model: str, overwrite: bool) -> None:
-    """Refuse, before any work, an output that is the source model or an existing path."""
+    """Refuse, before any work, an output that is the source model, an existing path, a folder normlab did not
+    write (whatever the flags), or a place that cannot be written."""
     if out is None:
         return
+    if not str(out).strip():
+        raise ValueError("--out is empty; name a folder")
     o, m = Path(out).resolve(), Path(model).resolve()
     src = m.parent if m.is_file() else m
     if o == src or o == m or src.is_relative_to(o) or (m.is_dir() and o.is_relative_to(m)):
         raise ValueError(f"--out {out} would write over or inside the source model {model}; choose another folder")
     if o.exists() and not overwrite:
         raise ValueError(f"--out {out} already exists; choose a new folder, or pass --overwrite to replace it")
+    if o.exists():
+        if not o.is_dir():
+            raise ValueError(f"--out {out} is a file, not a folder; choose another --out")
+        if any(o.iterdir()) and not (o / RECORD_FILE).is_file():
+            raise ValueError(f"--out {out} holds files that normlab did not write (no {RECORD_FILE}); it is never "
+                             "cleared, whatever the flags. Choose another --out")  # fmt: skip
+    check_writable(o, "--out")
+
+
+def _check_heal_options(heal_minutes, heal_tokens, heal_train: str, distill: float, checkpoint, resume: bool,
+                        out, inputs: list) -> str | None:  # fmt: skip
+    """The heal's flags, checked before any work; returns the checkpoint path the heal will use."""
+    budget = heal_minutes is not None or heal_tokens is not None
+    if not budget:
+        flags = (("--distill", distill != 0.0), ("--heal-train", heal_train != "norms"), ("--resume", resume),
+                 ("--checkpoint", checkpoint is not None))  # fmt: skip
+        given = [flag for flag, on in flags if on]
+        if given:
+            raise ValueError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only to a heal: give a "
+                             "budget (--heal-minutes or --heal-tokens), or drop it")  # fmt: skip
+        return None
+    _check_budget(heal_minutes, heal_tokens, heal_train, distill, False, None)
+    ckpt = checkpoint or (f"{out}.heal.pt" if out else None)
+    if ckpt is None:
+        if resume:
+            raise ValueError("--resume needs the heal checkpoint: pass --checkpoint PATH (or --out, whose default "
+                             "checkpoint is OUT.heal.pt)")  # fmt: skip
+        return None
+    hit = inside(ckpt, *inputs, out)
+    if hit is not None:
+        raise ValueError(f"--checkpoint {ckpt} would write over or inside an input or the output ({hit}); choose "
+                         "another path")  # fmt: skip
+    p = Path(ckpt)
+    if p.is_dir():
+        raise ValueError(f"--checkpoint {ckpt} is a folder; name a file")
+    if resume and not p.is_file():
+        raise ValueError(f"--resume: there is no heal checkpoint at {ckpt}; drop --resume to start the heal")
+    if p.exists() and not resume:
+        raise ValueError(f"--checkpoint {ckpt} already exists; pass --resume to continue that heal, or choose "
+                         "another path (it is never overwritten)")  # fmt: skip
+    check_writable(p, "--checkpoint")
+    return ckpt
 
 
 def _check_numbers(seq_len: int, sequences: int, heal_minutes: float | None, heal_tokens: int | None) -> None:
@@ -38,8 +91,23 @@ def _check_numbers(seq_len: int, sequences: int, heal_minutes: float | None, hea
     if heal_minutes is not None and heal_tokens is not None:
         raise ValueError("give one heal budget: --heal-minutes or --heal-tokens")
     for flag, value in (("--heal-minutes", heal_minutes), ("--heal-tokens", heal_tokens)):
-        if value is not None and not value > 0:
-            raise ValueError(f"{flag} must be > 0, got {value}")
+        if value is not None and not (value > 0 and math.isfinite(value)):
+            raise ValueError(f"{flag} must be a finite number > 0, got {value}")
+
+
+def _fingerprint(net) -> str:
+    """A content hash of the model's input embedding: tells two models apart without hashing every weight."""
+    w = net.get_input_embeddings().weight.detach().float().contiguous()
+    return hashlib.sha256(w.numpy().tobytes()).hexdigest()[:16]
+
+
+def _resume_command(ckpt: str) -> str:
+    argv = [a for a in sys.argv[1:] if a != "--resume"] if sys.argv[1:2] == ["convert"] else []
+    if not argv:
+        return f"the same call with resume=True and checkpoint={ckpt!r}"
+    if "--checkpoint" not in argv:
+        argv += ["--checkpoint", ckpt]
+    return shlex.join(["normlab", *argv, "--resume"])
 
 
 def fidelity_line(fid: dict, n: int) -> str:
@@ -59,23 +127,59 @@ def convert_model(model: str, to: str = "dyisru", *, calibrate: str | None = Non
                   checkpoint: str | None = None, resume: bool = False, out: str | None = None,
                   overwrite: bool = False, progress: bool = True, markdown: bool = False) -> dict:  # fmt: skip
     """Convert the norms of ``model`` (a Hugging Face folder, a .gguf file, or 'smollm2') to ``to``; print the
-    per-site table and the fidelity; heal within a budget if one is given; save to ``out``. Returns the fidelity."""
+    per-site table and the fidelity; heal within a budget if one is given; save to ``out``. Returns the fidelity.
+
+    Every flag is checked before the model is loaded; ``out`` (and the heal checkpoint) are owned by this process
+    for the whole job, so a second convert to the same place is refused."""
     norm_spec(to)  # bad input fails before the model is loaded
     _check_numbers(seq_len, sequences, heal_minutes, heal_tokens)
+    if calibrate is not None and not Path(calibrate).is_file():
+        what = "is a folder" if Path(calibrate).is_dir() else "does not exist"
+        raise FileNotFoundError(f"--calibrate {calibrate} {what}; give a text file")
     model_path = str(smollm2()) if model == "smollm2" else model
+    if not Path(model_path).exists():
+        raise FileNotFoundError(f"--model {model}: no such folder or .gguf file")
     check_out(out, model_path, overwrite)
-    from normlab.kernels import cpu
+    ckpt = _check_heal_options(heal_minutes, heal_tokens, heal_train, distill, checkpoint, resume, out,
+                               [model_path, calibrate])  # fmt: skip
+    with contextlib.ExitStack() as owned:
+        if out:
+            owned.enter_context(hold(out, "--out"))
+            check_out(out, model_path, overwrite)  # again, now that it is ours: another process may have finished
+        if ckpt:
+            owned.enter_context(hold(ckpt, "--checkpoint"))
+        return _convert(model, model_path, to, calibrate, no_calibrate, per, first_token, exclude, init or {},
+                        seq_len, sequences, heal_minutes, heal_tokens, heal_train, distill, ckpt, checkpoint, resume,
+                        out, overwrite, progress, markdown)  # fmt: skip
 
-    cpu.ready(wait=True)  # the one-time build of the CPU kernels (if any) now, so every pass takes one path
+
+def _convert(model, model_path, to, calibrate, no_calibrate, per, first_token, exclude, init, seq_len, sequences,
+             heal_minutes, heal_tokens, heal_train, distill, ckpt, checkpoint, resume, out, overwrite, progress,
+             markdown) -> dict:  # fmt: skip
+    from normlab.kernels import auto_choice, cpu
+
+    if auto_choice() != "reference":
+        cpu.ready(wait=True)  # the one-time build of the CPU kernels (if any) now, so every pass takes one path
     net, tokenizer = load_model(model_path)
+    if exclude:
+        names = [n for n, _ in net.named_modules()]
+        idle = [pat for pat in exclude if not any(fnmatch.fnmatch(n, pat) for n in names)]
+        if idle:
+            raise ValueError(f"--exclude {idle[0]!r} matches no module of {model}; module names look like "
+                             f"{', '.join(n for n in names if n.endswith('norm'))[:200]}")  # fmt: skip
     vocab = net.get_input_embeddings().num_embeddings
     if tokenizer is None:
         print(f"{model} has no tokenizer: using byte values mod {vocab} as token ids")
     text = calibrate or fetch_shakespeare()
     calib, held = text_batches(text, tokenizer, vocab, seq_len, sequences, sequences)
+    identity = {"model": str(Path(model_path).resolve()), "model_fingerprint": _fingerprint(net),
+                "text_sha256": hashlib.sha256(Path(text).read_bytes()).hexdigest()[:16], "to": to, "per": per,
+                "first_token": first_token, "exclude": sorted(exclude), "init": init, "seq_len": seq_len,
+                "sequences": sequences, "calibrated": not no_calibrate, "heal_train": heal_train,
+                "distill": distill}  # fmt: skip
     original = copy.deepcopy(net)
     include = (lambda name, m: not any(fnmatch.fnmatch(name, pat) for pat in exclude)) if exclude else None
-    record = convert_norms(net, to, calibrate=None if no_calibrate else calib, per=per, init=init or {},
+    record = convert_norms(net, to, calibrate=None if no_calibrate else calib, per=per, init=init,
                            include=include, first_token=first_token, progress=progress)  # fmt: skip
     n_calib, n_held = sum(len(b) for b in calib), sum(len(b) for b in held)
     print(f"converted {len(record.sites)} norms of {type(net).__name__} to {to} "
@@ -83,18 +187,25 @@ def convert_model(model: str, to: str = "dyisru", *, calibrate: str | None = Non
     print(record.table(markdown=markdown))
     fid = fidelity(original, net, held, record)
     print(fidelity_line(fid, n_held))
-    ckpt = None
     if heal_minutes is not None or heal_tokens is not None:
-        ckpt = checkpoint or (f"{out}.heal.pt" if out else None)
-        rep = heal(original, net, calib, record, minutes=heal_minutes, tokens=heal_tokens, train=heal_train,
-                   distill=distill, checkpoint=ckpt, resume=resume, progress=progress)  # fmt: skip
+        try:
+            rep = heal(original, net, calib, record, minutes=heal_minutes, tokens=heal_tokens, train=heal_train,
+                       distill=distill, checkpoint=ckpt, resume=resume, identity=identity,
+                       progress=progress)  # fmt: skip
+        except KeyboardInterrupt:
+            if ckpt is not None and Path(ckpt).is_file():
+                print(f"\nheal interrupted; its checkpoint is {ckpt}. Continue with: {_resume_command(ckpt)}",
+                      file=sys.stderr)  # fmt: skip
+            raise
         print(f"\nhealed: {rep.tokens:,} tokens in {rep.seconds / 60:.1f} min "
               f"({sum(b['kept'] for b in rep.blocks)} of {len(rep.blocks)} blocks improved)")
         fid = fidelity(original, net, held, record)
         fid["heal"] = rep.to_dict()
         print(fidelity_line(fid, n_held))
     if out:
-        save_converted(net, record, out, tokenizer=tokenizer)
+        if overwrite and Path(out).exists():
+            shutil.rmtree(out)  # a normlab conversion (check_out made sure), replaced only now that the new one is done
+        save_converted(net, record, out, tokenizer=tokenizer, identity=identity)
         (Path(out) / "fidelity.json").write_text(json.dumps(fid, indent=2) + "\n")
         print(f"saved to {out} (load with normlab.load_converted)")
         if ckpt is not None and checkpoint is None:  # the default heal checkpoint has served its purpose

@@ -7,6 +7,7 @@ never a new flag per field. The resolved config is written next to the results.
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import asdict, dataclass, field
 
 from normlab.lab.model import GPTConfig, check_types
@@ -48,7 +49,11 @@ class TrainConfig:
     @classmethod
     def from_dict(cls, d: dict) -> TrainConfig:
         d = dict(d)
-        model = GPTConfig(**d.pop("model", {}))
+        model = d.pop("model", {})
+        if not isinstance(model, dict):
+            raise ValueError(f"model must be a table of model settings (model.width=..., model.norm=...), got "
+                             f"{model!r}")  # fmt: skip
+        model = GPTConfig(**model)
         return cls(model=model, **d)
 
     def validate(self) -> None:
@@ -62,8 +67,9 @@ class TrainConfig:
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{f} must be an int >= 1, got {v!r}")
         for f in ("lr", "min_lr", "weight_decay", "grad_clip"):
-            if not isinstance(getattr(self, f), (int, float)) or getattr(self, f) < 0:
-                raise ValueError(f"{f} must be a number >= 0, got {getattr(self, f)!r}")
+            v = getattr(self, f)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0:
+                raise ValueError(f"{f} must be a finite number >= 0, got {v!r}")
         if self.warmup < 0:
             raise ValueError(f"warmup must be >= 0, got {self.warmup}")
         if self.amp not in ("auto", "bf16", "none"):
@@ -72,6 +78,8 @@ class TrainConfig:
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if not isinstance(self.data, list):
             raise ValueError(f"data must be a list of text files, got {self.data!r}")
+        if not isinstance(self.out, str) or not self.out.strip():
+            raise ValueError(f"out must name a folder, got {self.out!r}")
         for f in ("beta1", "beta2"):
             if not 0.0 <= getattr(self, f) < 1.0:
                 raise ValueError(f"{f} must be in [0, 1) (AdamW's moment decay), got {getattr(self, f)!r}")

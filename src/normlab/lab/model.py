@@ -41,7 +41,8 @@ def check_types(cfg) -> None:
         if kinds is None or (optional and value is None):
             continue
         is_number = bool not in kinds
-        if not isinstance(value, kinds) or (is_number and isinstance(value, bool)):
+        if (not isinstance(value, kinds) or (is_number and isinstance(value, bool))
+                or (declared == "list[str]" and not all(isinstance(v, str) for v in value))):  # fmt: skip
             raise ValueError(f"{prefix}{f.name} must be {declared.removesuffix(' | None')}"
                              f"{' or null' if optional else ''}, got {value!r}")  # fmt: skip
 

@@ -62,12 +62,17 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def read_summary(run_dir: str | Path) -> dict | None:
-    """summary.json of a run, or None when it has none (or only a half-written one)."""
+    """summary.json of a run, or None when it has none (or only a half-written one). A summary that is JSON
+    but not an object was not written by normlab: a clear error naming the file."""
     p = Path(run_dir) / SUMMARY
     try:
-        return json.loads(p.read_text()) if p.exists() else None
+        summary = json.loads(p.read_text()) if p.exists() else None
     except json.JSONDecodeError:
         return None
+    if summary is not None and not isinstance(summary, dict):
+        raise NormlabError(f"{p} is not a JSON object (a run summary); delete it, and the run resumes from its "
+                           "checkpoint")  # fmt: skip
+    return summary
 
 
 ESCAPE_MARGIN = 0.1  # nats below the unigram entropy that count as having left the attractor
@@ -130,9 +135,24 @@ class RunFolder:
         """True when the folder already holds (part of) a run."""
         return any((self.path / f).exists() for f in RUN_FILES)
 
+    def foreign(self) -> str | None:
+        """The run-named files in the folder that normlab did not write (a model's config.json, say), or None.
+        A run's identity is its version.json (written first, naming normlab) or any of its logs."""
+        if not self.used():
+            return None
+        try:
+            ours = "normlab" in json.loads((self.path / VERSION).read_text())
+        except (OSError, ValueError, TypeError):
+            ours = False
+        if ours or any((self.path / f).exists() for f in (METRICS, SUMMARY, CHECKPOINT)):
+            return None
+        return ", ".join(f for f in RUN_FILES if (self.path / f).exists())
+
     def describe(self) -> str:
         s = self.summary() or {}
         status = s.get("status", "unfinished")
+        if status == "running" and not self._held_elsewhere():
+            status = "killed while running"
         steps = [r["step"] for r in self.metrics() if "step" in r]
         return f"{status}, metrics up to step {max(steps)}" if steps else status
 
@@ -185,6 +205,10 @@ class RunFolder:
         if resume and overwrite:
             raise ValueError("--resume and --overwrite contradict each other: pick one")
         where = str(self.path)
+        foreign = self.foreign()
+        if foreign:
+            raise ValueError(f"out: {where} is not a normlab run folder: it holds {foreign}, which normlab did not "
+                             "write; nothing there is touched, whatever the flags. Choose another --out")  # fmt: skip
         if not resume:
             if self.used():
                 if not overwrite:
@@ -205,6 +229,25 @@ class RunFolder:
         return True  # the caller reads the step from the checkpoint, then calls truncate_metrics(step)
 
     # ---- one live run per folder -------------------------------------------------------------------------
+    def _held_elsewhere(self) -> bool:
+        """Whether a live process holds this folder's lock now."""
+        try:
+            import fcntl
+        except ImportError:
+            return True
+        path = self.path / LOCK
+        if not path.exists() or self._lock_fd is not None:  # no lock file, or we hold it
+            return False
+        fd = os.open(path, os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            return False
+        except OSError:
+            return True
+        finally:
+            os.close(fd)
+
     def lock(self) -> RunFolder:
         """Take the folder's lock, or raise RunLocked naming the process that holds it.
 

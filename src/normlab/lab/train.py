@@ -81,6 +81,10 @@ def load_checkpoint(path: Path, cfg: TrainConfig) -> dict:
         ) from None
     if not isinstance(state, dict) or state.get("format") != "normlab-checkpoint-1":
         raise CheckpointError(f"{path} is not a normlab checkpoint")
+    missing = [k for k in ("step", "config", "model", "optimizer", "rng", "cuda_rng") if k not in state]
+    if missing:
+        raise CheckpointError(f"checkpoint {path} lacks {', '.join(missing)} (damaged or hand-edited); pass "
+                              "--overwrite to start the run over")  # fmt: skip
     saved, now = state["config"], cfg.to_dict()
     diffs = [k for k in now if k not in RESUMABLE and saved.get(k) != now[k]]
     if diffs:
@@ -237,6 +241,10 @@ def _model_and_optimizer(cfg: TrainConfig, folder: RunFolder, device, resume: bo
     if not (resume and folder.checkpoint.exists()):
         return model, opt, 0
     state = load_checkpoint(folder.checkpoint, cfg)
+    if state["step"] > cfg.steps:
+        raise ValueError(f"--resume: the checkpoint in {folder.path} is at step {state['step']}, beyond steps = "
+                         f"{cfg.steps} (the run was started for {state['config'].get('steps')}); resume with "
+                         f"--set steps=N for N >= {state['step']}")  # fmt: skip
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["optimizer"])
     torch.set_rng_state(state["rng"])
@@ -276,6 +284,25 @@ def _summarize(summary: dict, folder: RunFolder, entropy: float) -> None:
     summary["escape_step"] = escape_step(rows, entropy)
 
 
+def _check_buildable(cfg: TrainConfig, corpus) -> None:
+    """What only building the model or reading the data can tell, checked before any folder is touched: the
+    norms' init values, the vocabulary against the corpus's bytes, and the optional packages the config asks for."""
+    top = max(int(corpus.train.max()), int(corpus.val.max()))
+    if top >= cfg.model.vocab_size:
+        raise ValueError(f"model.vocab_size = {cfg.model.vocab_size} is below the corpus's byte range: {corpus.name} "
+                         f"holds byte {top}; use model.vocab_size >= {top + 1} (256 covers every byte)")  # fmt: skip
+    try:
+        with torch.device("meta"):  # no memory, no time: the constructors' own checks
+            GPT(cfg.model)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise ValueError(f"model: the config does not build a model ({type(e).__name__}: {e})") from None
+    if cfg.tensorboard:
+        try:
+            import tensorboard  # noqa: F401
+        except ImportError:
+            raise ValueError("tensorboard=true needs the tensorboard package: pip install tensorboard") from None
+
+
 def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, progress: bool = True,
           resume_command: str | None = None) -> dict:  # fmt: skip
     """Train one run; returns its summary.
@@ -292,6 +319,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, pr
             raise ValueError(f"data: the {split} split of {corpus.name} has {len(data)} bytes, not more than "
                              f"model.context + 1 = {cfg.model.context + 1}; use more text, a smaller context, "
                              "or another val_fraction")  # fmt: skip
+    _check_buildable(cfg, corpus)
     rank, world, device = _setup_distributed(cfg)
     if device.type == "cpu" and cfg.amp == "bf16":
         check_cpu_bf16()
@@ -322,8 +350,8 @@ def _train(cfg, folder: RunFolder, corpus, rank, world, device, resume, progress
                "corpus": corpus.name, "train_bytes": len(corpus.train), "world_size": world, "device": str(device),
                "steps": cfg.steps}  # fmt: skip
     if main:
+        folder.write_json(VERSION, code_version())  # first: the identity that marks the folder as a run
         folder.write_json(CONFIG, cfg.to_dict())
-        folder.write_json(VERSION, code_version())
         folder.write_json(SUMMARY, summary)
     log = _Log(folder, cfg.tensorboard and main, main)
 
@@ -376,6 +404,11 @@ def _train(cfg, folder: RunFolder, corpus, rank, world, device, resume, progress
     bar.close()
 
     if summary["status"] == "running":
+        if last_val is None:  # resumed at the final checkpoint: its evaluation is on disk (else made now)
+            last_val = next((r["val_loss"] for r in reversed(folder.metrics()) if r.get("step") == step
+                             and r.get("val_loss") is not None), None) if main else None  # fmt: skip
+            if last_val is None and main:
+                last_val = evaluate(fwd, corpus.val, cfg, device, autocast)
         summary.update(status="completed", final_val_loss=last_val, steps_done=step)
     summary["gap_to_unigram_entropy"] = (last_val - entropy) if last_val is not None else None
     if main:

@@ -13,6 +13,7 @@ import os
 import platform
 from pathlib import Path
 
+from normlab.errors import NormlabError
 from normlab.report import phase  # noqa: F401  (registers the phase experiment's checks and figures)
 from normlab.report.checks import CHECKS, Verdict, claims
 from normlab.report.figures import FIGURES, table
@@ -22,13 +23,26 @@ from normlab.report.theory import theory_section
 __all__ = ["write_report", "Results", "Verdict", "claims", "CHECKS", "FIGURES"]
 
 
+def read_index(path: Path) -> dict:
+    """A sweep root's index.json, or a clear error naming the file."""
+    try:
+        index = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise NormlabError(f"{path} is unreadable or not JSON ({type(e).__name__}: {e}); write it again with "
+                           "`normlab sweep` (finished runs are skipped)") from None  # fmt: skip
+    if not isinstance(index, dict) or not isinstance(index.get("experiments"), list) or "profile" not in index:
+        raise NormlabError(f"{path} is not a normlab index (no profile and list of experiments); write it again "
+                           "with `normlab sweep`")  # fmt: skip
+    return index
+
+
 def _compare_index(compare: str | Path | None) -> dict:
     if compare is None:
         return {}
     path = Path(compare) / "index.json"
     if not path.exists():
         raise FileNotFoundError(f"--compare {compare}: no index.json there (run `normlab reproduce` for it first)")
-    return json.loads(path.read_text())
+    return read_index(path)
 
 
 def write_report(root: str | Path, *, elapsed_s: float | None = None, compare: str | Path | None = None) -> Path:
@@ -46,7 +60,11 @@ def write_report(root: str | Path, *, elapsed_s: float | None = None, compare: s
     if not index_path.exists():
         hint = f"run `normlab sweep` or `normlab reproduce` with --root {root}"
         raise FileNotFoundError(f"{index_path} not found: {hint}")
-    index = json.loads(index_path.read_text())
+    index = read_index(index_path)
+    if other_index and not {e["name"] for e in index["experiments"]} & set(others):
+        raise ValueError(f"--compare {compare}: it holds none of this root's experiments "
+                         f"({', '.join(sorted(others)) or 'none'} there, "
+                         f"{', '.join(e['name'] for e in index['experiments'])} here)")  # fmt: skip
     figs = root / "figures"
     figs.mkdir(parents=True, exist_ok=True)
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"

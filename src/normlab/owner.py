@@ -1,0 +1,76 @@
+"""Owners for what normlab writes outside a training run: a lock that names its holder, and write checks.
+
+A training run's folder has its own lock (:class:`normlab.lab.runs.RunFolder`). A conversion's output and a
+heal checkpoint are held here, under a lock file beside them (``.<name>.lock``): an OS advisory lock, so it dies
+with its process and a killed job never leaves a stale owner. The lock file itself is left in place (removing
+it would race with a second process opening it); it holds only the last holder's pid and command.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import sys
+from pathlib import Path
+
+from normlab.errors import NormlabError
+
+__all__ = ["Locked", "hold", "check_writable", "inside"]
+
+
+class Locked(NormlabError):
+    """Another live process owns the output."""
+
+
+@contextlib.contextmanager
+def hold(target: str | Path, what: str):
+    """Own ``target`` (a file or folder, existing or not) for the duration: a second process is refused with the
+    first one's pid and command. The lock file is ``.<name>.lock`` beside the target."""
+    target = Path(target)
+    lock = target.parent / f".{target.name}.lock"
+    try:
+        import fcntl
+    except ImportError:  # not on POSIX: no lock
+        yield
+        return
+    check_writable(lock, what)
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        holder = os.read(fd, 4096).decode(errors="replace").strip() or "another process"
+        os.close(fd)
+        raise Locked(f"{what} {target} is in use by a live process ({holder}); wait for it to end, or choose "
+                     "another path") from None  # fmt: skip
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}: {' '.join(sys.argv) or 'python'}".encode())
+        yield
+    finally:
+        os.close(fd)  # closing the descriptor releases the lock
+
+
+def check_writable(path: str | Path, what: str) -> None:
+    """Raise, before any work, if ``path`` could not be written: its nearest existing ancestor must be a writable
+    folder, and the path itself must not be a folder where a file is meant (or the reverse)."""
+    path = Path(path)
+    probe = path if path.exists() else next((p for p in path.parents if p.exists()), Path("."))
+    folder = probe if probe.is_dir() else probe.parent
+    if probe != path and not probe.is_dir():
+        raise ValueError(f"{what} {path}: {probe} is a file, not a folder")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ValueError(f"{what} {path}: the folder {folder} is not writable; choose another path")
+
+
+def inside(path: str | Path, *roots: str | Path | None) -> str | None:
+    """The first of ``roots`` (files or folders) that ``path`` equals or lies within, else None."""
+    p = Path(path).resolve()
+    for root in roots:
+        if root is None:
+            continue
+        r = Path(root).resolve()
+        if p == r or (r.is_dir() and p.is_relative_to(r)):
+            return str(root)
+    return None
