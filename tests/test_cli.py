@@ -3,6 +3,7 @@
 import json
 
 import numpy as np
+import pytest
 
 from normlab.cli import main
 
@@ -48,8 +49,9 @@ def test_bad_input_is_one_clear_line(tmp_path, capsys):
     assert main(["simulate", "--x", str(tmp_path / "bad.npy"), "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "normlab simulate: error: expected the sample x to be a vector of shape (C,)" in err
-    assert main(["simulate", "--sigma", "0", "--out", str(tmp_path)]) == 2
-    assert "sigma > 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="2"):  # now refused by the parser, before any work
+        main(["simulate", "--sigma", "0", "--out", str(tmp_path)])
+    assert "--sigma: expected a number > 0, got 0" in capsys.readouterr().err
     assert main(["jacobian", "--norm", "rmsnorm"]) == 2
     assert "unknown norm 'rmsnorm'. Did you mean 'rms_norm'?" in capsys.readouterr().err
     assert main(["simulate", "--x", str(tmp_path / "missing.txt"), "--out", str(tmp_path)]) == 2

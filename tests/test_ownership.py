@@ -474,3 +474,19 @@ def test_repeated_set_flags_all_apply(corpus, tmp_path):
     assert args.set == ["steps=7", "lr=0.01", "eval_every=3"]
     args = build_parser().parse_args(["convert", "--model", "m", "--exclude", "a", "--exclude", "b"])
     assert args.exclude == ["a", "b"]
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_a_heal_prints_the_command_that_resumes_it(models, tmp_path):
+    ck = tmp_path / "heal.pt"
+    cmd = [sys.executable, "-m", "normlab.cli", *_convert(models["m"], models["text"], "--heal-minutes", 0.2,
+                                                          "--checkpoint", ck, "--out", tmp_path / "out")]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 180
+    while time.time() < deadline and not ck.exists():
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert f"its checkpoint is {ck}" in err and "--resume" in err and "Continue with: normlab convert" in err, err
+    assert not (tmp_path / "out").exists()
