@@ -8,8 +8,10 @@ calls one of them. The Triton entry points themselves are :mod:`normlab.kernels.
 
 ``kernel=`` chooses:
     "auto"       CUDA tensors: the Triton kernel when Triton is installed. CPU tensors (float32, bfloat16,
-                 float16): the fused CPU path of :mod:`normlab.kernels.cpu` (PyTorch's own fused op for
-                 LayerNorm) once its library is loaded; until then the reference, while a background
+                 float16) of at least ``cpu.MIN_FUSED`` (65,536) elements: the fused CPU path of
+                 :mod:`normlab.kernels.cpu` (PyTorch's own fused op for LayerNorm) once its library is
+                 loaded (a smaller input takes the reference, cheaper there); until then the reference,
+                 while a background
                  thread builds it (once per machine), so no call waits. Otherwise, inside torch.compile
                  (which fuses the reference itself) and under torch.func transforms, the reference;
     "triton"     always the Triton kernel (on CPU only under TRITON_INTERPRET=1, for testing);
@@ -87,7 +89,7 @@ def select(choice: str, x: torch.Tensor, owner: str, *params: torch.Tensor | Non
     if choice == "auto":
         if on_cuda(x):  # the Triton kernels take float32, bfloat16 and float16; float64 takes the reference
             return "triton" if ok and x.dtype in TRITON_DTYPES else "reference"
-        return "cpu" if cpu.usable(x, *params) else "reference"
+        return "cpu" if x.numel() >= cpu.MIN_FUSED and cpu.usable(x, *params) else "reference"
     if not ok:
         raise NormlabError(f"{owner}(kernel='triton'): {why}")
     if not x.is_cuda and not interpreting():

@@ -27,7 +27,8 @@ math while a background thread builds it (:func:`ready`). Long jobs (``train``, 
 ``reproduce``) and ``kernel="cpu"`` wait for it instead, so that a run uses one path from its first step.
 A machine without a C++ compiler falls back to the reference, with one warning. Double backward is not
 supported (``kernel="reference"`` supports it); under ``torch.func`` transforms (vmap, grad, jacrev) the
-modules take the reference math, which those transforms differentiate and batch.
+modules take the reference math, which those transforms differentiate and batch (the functions here are
+not transformable themselves: see ``_PointwiseFn``).
 """
 
 from __future__ import annotations
@@ -40,6 +41,11 @@ from normlab.kernels import cpu_build
 __all__ = ["available", "ready", "usable", "dyt", "derf", "dyisru", "eln", "rms_norm", "FAST_DTYPES"]
 
 FAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# kernel="auto" fuses inputs of at least this many elements. Below it a call's fixed cost (about 0.1 ms: the
+# module, the autograd function, the parameters' float32 copies) exceeds what fusing saves: measured with
+# forward + backward on 2 threads, DyT took 314 against 201 us at 2 x 8 x 64 and 486 against 620 us at
+# 16 x 64 x 64 (README "Fused kernels").
+MIN_FUSED = 1 << 16
 _KIND = {"dyt": 0, "derf": 1, "dyisru": 2, "eln": 3}
 
 
@@ -70,73 +76,44 @@ def usable(x: Tensor, *params: Tensor | None, wait: bool = False) -> bool:
 
 
 # --------------------------------------------------------------------------
-# autograd functions
+# autograd functions: one call into the library each way (it reshapes, casts and reduces the parameters)
 # --------------------------------------------------------------------------
-def _rows(x: Tensor) -> Tensor:
-    """(..., C) -> (N, C), contiguous and detached."""
-    return x.detach().reshape(-1, x.shape[-1]).contiguous()
-
-
-def _channel(p: Tensor | None, c: int) -> Tensor:
-    """A parameter of shape (1,) or (C,) as a contiguous float32 (C,) vector (zeros for None)."""
-    if p is None:
-        return torch.zeros(c, dtype=torch.float32)
-    return p.detach().float().expand(c).contiguous()
-
-
-def _reduce_like(grad_c: Tensor, p: Tensor) -> Tensor:
-    """A (C,) gradient summed back to the parameter's shape and dtype."""
-    return (grad_c.sum().reshape(p.shape) if p.numel() == 1 else grad_c.reshape(p.shape)).to(p.dtype)
-
-
 class _PointwiseFn(torch.autograd.Function):
-    """y = w' f(x; p0, p1) + b: DyT (alpha), Derf (alpha, shift), DyISRU and ELN (beta)."""
+    """y = scale w f(x; p0, p1) + b: DyT (alpha), Derf (alpha, shift), DyISRU and ELN (beta).
+
+    The forward takes ``ctx`` (the older style): with a separate ``setup_context``, ``Function.apply`` binds
+    the signature with ``inspect`` on every call, which cost more than the kernel on small inputs (measured:
+    120 against 40 us for RMSNorm on 16 x 64 x 64). torch.func transforms take the reference instead
+    (:func:`usable`)."""
 
     @staticmethod
-    def forward(x, weight, bias, scale: float, kind: str, p0, p1):
-        c = x.shape[-1]
-        w = weight.detach().float() * scale
-        y = torch.ops.normlab_cpu.pointwise_fwd(_rows(x), _channel(p0, c), _channel(p1, c), w.contiguous(),
-                                                _channel(bias, c), _KIND[kind])  # fmt: skip
-        return y.view(x.shape)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        x, weight, bias, scale, kind, p0, p1 = inputs
-        ctx.save_for_backward(_rows(x), weight, p0, p1)
-        ctx.scale, ctx.kind, ctx.bias_dtype = scale, kind, None if bias is None else bias.dtype
+    def forward(ctx, x, weight, bias, scale: float, kind: str, p0, p1):
+        ctx.save_for_backward(x, weight, bias, p0, p1)  # only x is (N, C); the rest are (C,) or (1,)
+        ctx.scale, ctx.kind = scale, kind
+        return torch.ops.normlab_cpu.pointwise_fwd(x, p0, p1, weight, bias, scale, _KIND[kind])
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
-        x2, weight, p0, p1 = ctx.saved_tensors
-        c = x2.shape[-1]
-        w = (weight.float() * ctx.scale).contiguous()
-        dx, dp0, dp1, dw, db = torch.ops.normlab_cpu.pointwise_bwd(_rows(grad).to(x2.dtype), x2, _channel(p0, c),
-                                                                   _channel(p1, c), w, _KIND[ctx.kind])  # fmt: skip
-        return (dx.view(grad.shape), (dw * ctx.scale).to(weight.dtype),
-                None if ctx.bias_dtype is None else db.to(ctx.bias_dtype), None, None,
-                _reduce_like(dp0, p0), None if p1 is None else _reduce_like(dp1, p1))  # fmt: skip
+        x, weight, bias, p0, p1 = ctx.saved_tensors
+        dx, dp0, dp1, dw, db = torch.ops.normlab_cpu.pointwise_bwd(grad, x, p0, p1, weight, bias, ctx.scale,
+                                                                   _KIND[ctx.kind])  # fmt: skip
+        return dx, dw, None if bias is None else db, None, None, dp0, None if p1 is None else dp1
 
 
 class _RMSNormFn(torch.autograd.Function):
     @staticmethod
-    def forward(x, weight, eps: float):
-        y, rstd = torch.ops.normlab_cpu.rms_fwd(_rows(x), weight.detach().float().contiguous(), eps)
-        return y.view(x.shape), rstd
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        x, weight, _ = inputs
-        ctx.save_for_backward(_rows(x), output[1], weight)
-        ctx.mark_non_differentiable(output[1])
+    def forward(ctx, x, weight, eps: float):
+        y, rstd = torch.ops.normlab_cpu.rms_fwd(x, weight, eps)
+        ctx.save_for_backward(x, rstd, weight)
+        return y
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad, _grad_rstd):
-        x2, rstd, weight = ctx.saved_tensors
-        dx, dw = torch.ops.normlab_cpu.rms_bwd(_rows(grad).to(x2.dtype), x2, rstd, weight.float().contiguous())
-        return dx.view(grad.shape), dw.to(weight.dtype), None
+    def backward(ctx, grad):
+        x, rstd, weight = ctx.saved_tensors
+        dx, dw = torch.ops.normlab_cpu.rms_bwd(grad, x, rstd, weight)
+        return dx, dw, None
 
 
 def _need() -> None:
@@ -174,4 +151,4 @@ def eln(x: Tensor, beta: Tensor, weight: Tensor, bias: Tensor | None = None, sca
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """weight * x / sqrt(mean(x^2) + eps), fp32 statistics."""
     _need()
-    return _RMSNormFn.apply(x, weight, float(eps))[0]
+    return _RMSNormFn.apply(x, weight, float(eps))

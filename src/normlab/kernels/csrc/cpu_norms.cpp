@@ -19,6 +19,8 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/zeros.h>
+#include <ATen/ops/mul.h>
+#include <ATen/ops/sum.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
@@ -299,8 +301,8 @@ void dispatch_dtype(at::ScalarType t, const F& f) {
   }
 }
 
-Tensor pointwise_fwd(const Tensor& x, const Tensor& p0, const Tensor& p1, const Tensor& w, const Tensor& b,
-                     int64_t kind) {
+Tensor pointwise_fwd_rows(const Tensor& x, const Tensor& p0, const Tensor& p1, const Tensor& w, const Tensor& b,
+                          int64_t kind) {
   check_rows(x, "x");
   const int64_t n = x.size(0), c = x.size(1);
   for (const Tensor* t : {&p0, &p1, &w, &b}) check_vec(*t, c, "a parameter");
@@ -333,7 +335,7 @@ std::vector<Tensor> sum_partials(const Tensor& partials) {
   return out;
 }
 
-std::vector<Tensor> pointwise_bwd(const Tensor& g, const Tensor& x, const Tensor& p0, const Tensor& p1,
+std::vector<Tensor> pointwise_bwd_rows(const Tensor& g, const Tensor& x, const Tensor& p0, const Tensor& p1,
                                   const Tensor& w, int64_t kind) {
   check_rows(x, "x");
   check_rows(g, "the gradient");
@@ -360,7 +362,7 @@ std::vector<Tensor> pointwise_bwd(const Tensor& g, const Tensor& x, const Tensor
 // ---------------------------------------------------------------------------------------------------------
 // RMSNorm: y = w x r, r = (mean x^2 + eps)^(-1/2); dx = r (g w) - x r^3 mean(g w x), dw = sum g x r
 // ---------------------------------------------------------------------------------------------------------
-std::vector<Tensor> rms_fwd(const Tensor& x, const Tensor& w, double eps) {
+std::vector<Tensor> rms_fwd_rows(const Tensor& x, const Tensor& w, double eps) {
   check_rows(x, "x");
   const int64_t n = x.size(0), c = x.size(1);
   check_vec(w, c, "the weight");
@@ -388,7 +390,7 @@ std::vector<Tensor> rms_fwd(const Tensor& x, const Tensor& w, double eps) {
   return {y, rstd};
 }
 
-std::vector<Tensor> rms_bwd(const Tensor& g, const Tensor& x, const Tensor& rstd, const Tensor& w) {
+std::vector<Tensor> rms_bwd_rows(const Tensor& g, const Tensor& x, const Tensor& rstd, const Tensor& w) {
   check_rows(x, "x");
   check_rows(g, "the gradient");
   TORCH_CHECK(g.sizes() == x.sizes() && g.scalar_type() == x.scalar_type(),
@@ -430,11 +432,59 @@ std::vector<Tensor> rms_bwd(const Tensor& g, const Tensor& x, const Tensor& rstd
   return {dx, sum_partials(partials)[0]};
 }
 
+// ---------------------------------------------------------------------------------------------------------
+// the entry points: tensors as the modules hold them (x of any shape (..., C); a parameter of shape (1,) or
+// (C,) in any float dtype; bias optional), prepared here so that a call costs one dispatch from Python
+// ---------------------------------------------------------------------------------------------------------
+Tensor rows(const Tensor& t) { return t.reshape({-1, t.size(-1)}).contiguous(); }
+
+Tensor channel(const c10::optional<Tensor>& p, int64_t c, double scale = 1.0) {
+  if (!p.has_value() || !p->defined()) return at::zeros({c}, at::TensorOptions().dtype(at::kFloat));
+  TORCH_CHECK(p->dim() == 1 && (p->numel() == 1 || p->numel() == c),
+              "normlab cpu kernel: a parameter must have shape (1,) or (C,) with C = ", c);
+  Tensor v = p->to(at::kFloat).expand({c});
+  return scale == 1.0 ? v.contiguous() : v.mul(scale).contiguous();
+}
+
+Tensor reduce_like(const Tensor& grad_c, const Tensor& p, double scale = 1.0) {
+  Tensor g = p.numel() == 1 ? grad_c.sum().reshape(p.sizes()) : grad_c.reshape(p.sizes());
+  return (scale == 1.0 ? g : g.mul(scale)).to(p.scalar_type());
+}
+
+Tensor pointwise_fwd(const Tensor& x, const Tensor& p0, const c10::optional<Tensor>& p1, const Tensor& w,
+                     const c10::optional<Tensor>& b, double scale, int64_t kind) {
+  const int64_t c = x.size(-1);
+  return pointwise_fwd_rows(rows(x), channel(p0, c), channel(p1, c), channel(w, c, scale), channel(b, c), kind)
+      .view(x.sizes());
+}
+
+// [dx, dp0, dp1 (empty without p1), dw, db (empty without b)], each in its input's shape and dtype
+std::vector<Tensor> pointwise_bwd(const Tensor& g, const Tensor& x, const Tensor& p0, const c10::optional<Tensor>& p1,
+                                  const Tensor& w, const c10::optional<Tensor>& b, double scale, int64_t kind) {
+  const int64_t c = x.size(-1);
+  std::vector<Tensor> r = pointwise_bwd_rows(rows(g.to(x.scalar_type())), rows(x), channel(p0, c), channel(p1, c),
+                                             channel(w, c, scale), kind);
+  const bool has_p1 = p1.has_value() && p1->defined(), has_b = b.has_value() && b->defined();
+  return {r[0].view(x.sizes()), reduce_like(r[1], p0), has_p1 ? reduce_like(r[2], *p1) : at::empty({0}),
+          reduce_like(r[3], w, scale), has_b ? reduce_like(r[4], *b) : at::empty({0})};
+}
+
+std::vector<Tensor> rms_fwd(const Tensor& x, const Tensor& w, double eps) {
+  std::vector<Tensor> r = rms_fwd_rows(rows(x), channel(w, x.size(-1)), eps);
+  return {r[0].view(x.sizes()), r[1]};
+}
+
+std::vector<Tensor> rms_bwd(const Tensor& g, const Tensor& x, const Tensor& rstd, const Tensor& w) {
+  std::vector<Tensor> r = rms_bwd_rows(rows(g.to(x.scalar_type())), rows(x), rstd, channel(w, x.size(-1)));
+  return {r[0].view(x.sizes()), r[1].to(w.scalar_type())};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(normlab_cpu, m) {
-  m.def("pointwise_fwd(Tensor x, Tensor p0, Tensor p1, Tensor w, Tensor b, int kind) -> Tensor");
-  m.def("pointwise_bwd(Tensor g, Tensor x, Tensor p0, Tensor p1, Tensor w, int kind) -> Tensor[]");
+  m.def("pointwise_fwd(Tensor x, Tensor p0, Tensor? p1, Tensor w, Tensor? b, float scale, int kind) -> Tensor");
+  m.def("pointwise_bwd(Tensor g, Tensor x, Tensor p0, Tensor? p1, Tensor w, Tensor? b, float scale, int kind) -> "
+        "Tensor[]");
   m.def("rms_fwd(Tensor x, Tensor w, float eps) -> Tensor[]");
   m.def("rms_bwd(Tensor g, Tensor x, Tensor rstd, Tensor w) -> Tensor[]");
 }
