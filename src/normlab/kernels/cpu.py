@@ -42,9 +42,9 @@ __all__ = ["available", "ready", "usable", "dyt", "derf", "dyisru", "eln", "rms_
 
 FAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # kernel="auto" fuses inputs of at least this many elements. Below it a call's fixed cost (about 0.1 ms: the
-# module, the autograd function, the parameters' float32 copies) exceeds what fusing saves: measured with
-# forward + backward on 2 threads, DyT took 314 against 201 us at 2 x 8 x 64 and 486 against 620 us at
-# 16 x 64 x 64 (README "Fused kernels").
+# module, the autograd function, the parameters' float32 copies) exceeds what fusing saves: forward + backward
+# of DyT took 314 against 201 us at 2 x 8 x 64 (2 threads) and 486 against 620 us at 16 x 64 x 64 (1 thread,
+# as a sweep worker runs) (README "Fused kernels").
 MIN_FUSED = 1 << 16
 _KIND = {"dyt": 0, "derf": 1, "dyisru": 2, "eln": 3}
 

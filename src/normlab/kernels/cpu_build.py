@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from normlab.corpus import cache_dir
+from normlab.corpus import cache_dir, sha256_file
 
 __all__ = ["load", "loaded", "failure", "build_dir", "status"]
 
@@ -108,14 +108,6 @@ def build_dir(ident: dict) -> Path:
     return cache_dir() / "kernels" / f"cpu-{ident['key']}"
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _intact(folder: Path, ident: dict) -> str | None:
     """None if folder holds the library ``ident`` describes, size and SHA-256 as recorded; else why not."""
     so, manifest = folder / "normlab_cpu.so", folder / "build.json"
@@ -125,7 +117,7 @@ def _intact(folder: Path, ident: dict) -> str | None:
         rec = json.loads(manifest.read_text())
         if {k: rec.get(k) for k in ident} != ident:
             return "built from other inputs"
-        if so.stat().st_size != rec["size"] or _sha256(so) != rec["sha256"]:
+        if so.stat().st_size != rec["size"] or sha256_file(so) != rec["sha256"]:
             return "its size or SHA-256 differs from the record (a corrupt or truncated file)"
     except (OSError, ValueError, KeyError, TypeError) as e:
         return f"unreadable ({type(e).__name__}: {e})"
@@ -145,7 +137,7 @@ def _compile(folder: Path, ident: dict) -> None:
         out = (proc.stderr or proc.stdout).strip().splitlines()
         errors = [line for line in out if "error" in line][:3] or out[-3:]
         raise OSError(f"the compiler failed: {' | '.join(errors)[:1000]}")
-    rec = {**ident, "flags": flags, "size": tmp.stat().st_size, "sha256": _sha256(tmp),
+    rec = {**ident, "flags": flags, "size": tmp.stat().st_size, "sha256": sha256_file(tmp),
            "seconds": round(time.perf_counter() - t0, 1), "built": time.strftime("%Y-%m-%dT%H:%M:%S%z")}  # fmt: skip
     os.replace(tmp, folder / "normlab_cpu.so")
     manifest_tmp = folder / f"build.json.{os.getpid()}.tmp"

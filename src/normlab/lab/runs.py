@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import torch
 
 from normlab.errors import NormlabError
+from normlab.owner import take_lock
 
 __all__ = ["RunFolder", "RunLocked", "TERMINAL", "code_version", "escape_step", "read_jsonl", "read_summary",
            "write_json"]  # fmt: skip
@@ -253,23 +252,11 @@ class RunFolder:
 
         An OS advisory lock (flock): it dies with its process, so a killed run never leaves a stale lock.
         """
-        try:
-            import fcntl
-        except ImportError:  # not on POSIX: no lock, the other rules still hold
-            return self
-        path = self.path / LOCK
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            holder = os.read(fd, 4096).decode(errors="replace").strip() or "another process"
-            os.close(fd)
-            raise RunLocked(f"out: {self.path} is in use by a live run ({holder}); wait for it to end, or choose "
-                            "another --out") from None  # fmt: skip
-        os.ftruncate(fd, 0)
-        command = " ".join(sys.argv) or "python"
-        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}: {command}".encode())
-        self._lock_fd = fd
+        fd = take_lock(self.path / LOCK)  # not on POSIX: no lock (-1), the other rules still hold
+        if isinstance(fd, str):
+            raise RunLocked(f"out: {self.path} is in use by a live run ({fd}); wait for it to end, or choose "
+                            "another --out")  # fmt: skip
+        self._lock_fd = fd if fd >= 0 else None
         return self
 
     def unlock(self) -> None:
