@@ -66,8 +66,17 @@ def test_defect_1_heal_resume_from_another_models_checkpoint_is_refused(models, 
     rc = main(_convert(models["m2"], models["text"], "--heal-tokens", 500, "--checkpoint", ck, "--resume",
                        "--out", tmp_path / "o2"))  # fmt: skip
     err = capsys.readouterr().err
-    assert rc == 2 and "made from another model" in err and "model_fingerprint" in err, err
+    assert rc == 2 and "made from another model" in err and "model: checkpoint" in err, err  # before loading
     assert not (tmp_path / "o2").exists()
+    # the same path with other weights (a model replaced in place): refused by the weights' fingerprint
+    import shutil
+
+    shutil.copy(models["m2"] / "model.safetensors", models["m"] / "model.safetensors")
+    rc = main(_convert(models["m"], models["text"], "--heal-tokens", 500, "--checkpoint", ck, "--resume",
+                       "--out", tmp_path / "o3"))  # fmt: skip
+    err = capsys.readouterr().err
+    assert rc == 2 and "model_fingerprint" in err, err
+    assert not (tmp_path / "o3").exists()
 
 
 def test_defect_2_heal_resume_with_another_text_is_refused(models, tmp_path, capsys):

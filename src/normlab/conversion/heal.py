@@ -175,12 +175,13 @@ def _check_budget(minutes, tokens, train: str, distill: float, resume: bool, che
         raise ValueError("heal: resume=True needs checkpoint=PATH")
 
 
-def _identity_difference(saved: dict | None, now: dict) -> str | None:
-    """What differs between a checkpoint's identity and this heal's, named; None when they match."""
+def _identity_difference(saved: dict | None, now: dict, keys=None) -> str | None:
+    """What differs between a checkpoint's identity and this heal's (over ``keys``, default all), named; None
+    when they match."""
     if saved is None:
         return "it records no identity (written by an older normlab)"
-    diffs = [f"{k}: checkpoint {saved.get(k)!r} vs now {now.get(k)!r}" for k in sorted(set(saved) | set(now))
-             if saved.get(k) != now.get(k)]  # fmt: skip
+    keys = sorted(set(saved) | set(now)) if keys is None else sorted(keys)
+    diffs = [f"{k}: checkpoint {saved.get(k)!r} vs now {now.get(k)!r}" for k in keys if saved.get(k) != now.get(k)]
     return "; ".join(diffs) or None
 
 

@@ -17,10 +17,10 @@ import sys
 from pathlib import Path
 
 from normlab.conversion.convert import convert_norms, fidelity, save_converted
-from normlab.conversion.heal import _check_budget, heal
+from normlab.conversion.heal import _check_budget, _identity_difference, heal
 from normlab.conversion.hf import load_model, smollm2, text_batches
 from normlab.conversion.saving import RECORD_FILE
-from normlab.corpus import fetch_shakespeare
+from normlab.corpus import fetch_shakespeare, sha256_file
 from normlab.owner import check_writable, hold, inside
 from normlab.registry import norm_spec
 
@@ -95,6 +95,28 @@ def _check_numbers(seq_len: int, sequences: int, heal_minutes: float | None, hea
             raise ValueError(f"{flag} must be a finite number > 0, got {value}")
 
 
+def _check_resume_identity(ckpt: str | None, resume: bool, identity: dict) -> None:
+    """Before the expensive work: a heal checkpoint to resume from must record the same identity (the keys
+    given; the model's fingerprint is checked once the model is loaded). The checkpoint is memory-mapped, so
+    this reads only its small parts."""
+    import torch
+
+    if not (resume and ckpt):
+        return
+    try:
+        saved = torch.load(ckpt, map_location="cpu", weights_only=False, mmap=True).get("identity")
+    except Exception:  # noqa: BLE001  (heal's own load names a corrupt file)
+        return
+    diff = _identity_difference(saved, identity, keys=identity)
+    if diff:
+        raise ValueError(f"--resume: checkpoint {ckpt} was made from another model, text or settings ({diff}); "
+                         "resume with the same ones, or start afresh with another --checkpoint")  # fmt: skip
+
+
+def _file_sha(path) -> str:
+    return sha256_file(Path(path))[:16]
+
+
 def _fingerprint(net) -> str:
     """A content hash of the model's input embedding: tells two models apart without hashing every weight."""
     w = net.get_input_embeddings().weight.detach().float().contiguous()
@@ -156,6 +178,12 @@ def convert_model(model: str, to: str = "dyisru", *, calibrate: str | None = Non
 def _convert(model, model_path, to, calibrate, no_calibrate, per, first_token, exclude, init, seq_len, sequences,
              heal_minutes, heal_tokens, heal_train, distill, ckpt, checkpoint, resume, out, overwrite, progress,
              markdown) -> dict:  # fmt: skip
+    text = calibrate or fetch_shakespeare()
+    settings = {"model": str(Path(model_path).resolve()), "text_sha256": _file_sha(text), "to": to, "per": per,
+                "first_token": first_token, "exclude": sorted(exclude), "init": init, "seq_len": seq_len,
+                "sequences": sequences, "calibrated": not no_calibrate, "heal_train": heal_train,
+                "distill": distill}  # fmt: skip
+    _check_resume_identity(ckpt, resume, settings)
     from normlab.kernels import auto_choice, cpu
 
     if auto_choice() != "reference":
@@ -167,16 +195,12 @@ def _convert(model, model_path, to, calibrate, no_calibrate, per, first_token, e
         if idle:
             raise ValueError(f"--exclude {idle[0]!r} matches no module of {model}; module names look like "
                              f"{', '.join(n for n in names if n.endswith('norm'))[:200]}")  # fmt: skip
+    _check_resume_identity(ckpt, resume, {"model_fingerprint": _fingerprint(net)})
     vocab = net.get_input_embeddings().num_embeddings
     if tokenizer is None:
         print(f"{model} has no tokenizer: using byte values mod {vocab} as token ids")
-    text = calibrate or fetch_shakespeare()
     calib, held = text_batches(text, tokenizer, vocab, seq_len, sequences, sequences)
-    identity = {"model": str(Path(model_path).resolve()), "model_fingerprint": _fingerprint(net),
-                "text_sha256": hashlib.sha256(Path(text).read_bytes()).hexdigest()[:16], "to": to, "per": per,
-                "first_token": first_token, "exclude": sorted(exclude), "init": init, "seq_len": seq_len,
-                "sequences": sequences, "calibrated": not no_calibrate, "heal_train": heal_train,
-                "distill": distill}  # fmt: skip
+    identity = {**settings, "model_fingerprint": _fingerprint(net)}
     original = copy.deepcopy(net)
     include = (lambda name, m: not any(fnmatch.fnmatch(name, pat) for pat in exclude)) if exclude else None
     record = convert_norms(net, to, calibrate=None if no_calibrate else calib, per=per, init=init,
