@@ -499,3 +499,21 @@ def test_ctrl_c_during_a_heal_prints_the_command_that_resumes_it(models, tmp_pat
     assert proc.returncode == 130, err
     assert f"its checkpoint is {ck}" in err and "--resume" in err and "Continue with: normlab convert" in err, err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_a_full_disk_mid_run_is_a_clear_error_and_the_run_stays_resumable(corpus, tmp_path):
+    """A real failed write: the process may write no file beyond 200 KB (RLIMIT_FSIZE, SIGXFSZ ignored, so
+    write() fails with EFBIG as on a full disk); the tiny model's checkpoint is about 430 KB."""
+    out = tmp_path / "run"
+    code = ("import resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000)); "
+            "from normlab.cli import main; sys.exit(main(sys.argv[1:]))")  # fmt: skip
+    args = _train(out, corpus, "steps=20", "checkpoint_every=10")
+    proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert "could not write the checkpoint" in proc.stderr and "resume with" in proc.stderr, proc.stderr
+    assert not list(out.glob("*.tmp"))  # no half file left behind
+    assert json.loads((out / "summary.json").read_text())["status"] == "failed"  # not "running"
+    assert main([*args, "--resume"]) == 0  # with room again, it resumes (from step 0: no checkpoint was written)
+    assert json.loads((out / "summary.json").read_text())["status"] == "completed"

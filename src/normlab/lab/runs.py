@@ -45,8 +45,12 @@ class RunLocked(NormlabError):
 def write_json(path: Path, obj) -> None:
     """Write to a temporary file, then rename: a kill never leaves half a JSON file."""
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(obj, indent=2) + "\n")
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)  # a full disk leaves no half file behind
+        raise
 
 
 def read_jsonl(path: Path) -> list[dict]:

@@ -66,8 +66,13 @@ def save_checkpoint(path: Path, model, opt, step: int, cfg: TrainConfig) -> None
         "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
     }
     tmp = path.with_suffix(".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+    try:
+        torch.save(state, tmp)
+        os.replace(tmp, path)
+    except (OSError, RuntimeError) as e:  # a full disk surfaces as either ("unexpected pos ...")
+        tmp.unlink(missing_ok=True)
+        raise OSError(f"could not write the checkpoint {path} ({str(e).splitlines()[0][:200]}); is the disk "
+                      "full? The last complete checkpoint is kept") from None  # fmt: skip
 
 
 def load_checkpoint(path: Path, cfg: TrainConfig) -> dict:
@@ -330,7 +335,16 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, pr
     folder.create()
     with folder:  # the lock: one live run per folder
         resume = folder.begin(resume=resume, overwrite=overwrite, steps=cfg.steps)
-        return _train(cfg, folder, corpus, rank, world, device, resume, progress, resume_command)
+        try:
+            return _train(cfg, folder, corpus, rank, world, device, resume, progress, resume_command)
+        except OSError as e:  # a write failed (a full disk, a quota): say so in the summary, if it can be written
+            again = resume_command or f"train(cfg, resume=True) with cfg.out = {str(folder.path)!r}"
+            try:
+                folder.write_json(SUMMARY, {**(folder.summary() or {}), "status": "failed", "error": str(e),
+                                            "resume": again})  # fmt: skip
+            except OSError:
+                pass
+            raise NormlabError(f"{e}. Free space, then resume with: {again}") from None
 
 
 def _train(cfg, folder: RunFolder, corpus, rank, world, device, resume, progress, resume_command) -> dict:
