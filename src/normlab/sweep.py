@@ -323,11 +323,7 @@ def run_sweep(specs: list[RunSpec], *, shard: tuple[int, int] = (0, 1), jobs: in
                     done(*fut.result())
                     if statuses[fut.result()[0]] == "interrupted":
                         raise KeyboardInterrupt
-            except KeyboardInterrupt:
-                # Ctrl-C reaches the workers too: each checkpoints its run; none starts another
-                pool.shutdown(wait=True, cancel_futures=True)
-                raise
-            finally:
+            finally:  # on Ctrl-C too: it reaches the workers, each checkpoints its run, and none starts another
                 pool.shutdown(wait=True, cancel_futures=True)
     except KeyboardInterrupt:
         bar.close()
