@@ -268,7 +268,8 @@ def _pass(model: nn.Module, batch, i: int, hooks: dict[str, Callable], kind: str
     handles = [model.get_submodule(n).register_forward_hook(h) if kind == "out" else
                model.get_submodule(n).register_forward_pre_hook(h) for n, h in hooks.items()]  # fmt: skip
     try:
-        run_batch(model, batch, i)
+        with torch.no_grad():
+            run_batch(model, batch, i)
     except Stop:
         pass
     finally:
@@ -307,8 +308,12 @@ def _site_inputs(model: nn.Module, batches: list, name: str, quota: int, channel
 
 def calibrate_sites(model: nn.Module, sites: list[Site], replacements: dict[str, nn.Module], calibrate, *, to: str,
                per: str, fit_amplitude: bool, first_token: str, massive: float, max_tokens: int,
-               target: str, progress: bool | None) -> str:  # fmt: skip
+               target: str, progress: bool | None, sequential: bool = True) -> str:  # fmt: skip
     """Fit and swap every site in the order the model runs them (the module docstring); returns a note.
+
+    ``sequential=False`` fits every site on its input in the *original* model instead (one pass for all sites):
+    each fit is then exact for that site converted alone, which is what ranking the sites one by one needs
+    (:mod:`normlab.conversion.frontier`); errors compound when many such fits are used together.
 
     ``sites`` are the conversion's Site records (name, dim, kwargs; this fills in fit, notes and first_token);
     ``replacements`` maps each site's name to its built replacement. On any failure every original is put back.
@@ -322,6 +327,7 @@ def calibrate_sites(model: nn.Module, sites: list[Site], replacements: dict[str,
     by_name = {s.name: s for s in sites}
     order: list[str] = []
     targets = {n: _Rows(quota) for n in by_name}
+    inputs = {n: _Rows(quota) for n in by_name} if not sequential else None
     ratios: dict[str, list[float]] = {n: [] for n in by_name}
     seen = {"batch": 0}
 
@@ -332,6 +338,8 @@ def calibrate_sites(model: nn.Module, sites: list[Site], replacements: dict[str,
             if n not in order:
                 order.append(n)
             targets[n].add(y.movedim(cd, -1), seen["batch"])
+            if inputs is not None:
+                inputs[n].add(args[0].movedim(cd, -1), seen["batch"])
             ratios[n].append(first_token_ratio(args[0].movedim(cd, -1)))
         return hook
 
@@ -350,7 +358,8 @@ def calibrate_sites(model: nn.Module, sites: list[Site], replacements: dict[str,
         for n in bar:  # 2. each site on the input of the model converted so far
             site, new = by_name[n], replacements[n]
             cd = site.kwargs.get("channel_dim", -1)
-            (xf, xr), (yf, yr) = _site_inputs(model, batches, n, quota, cd).tensors(), targets[n].tensors()
+            rows_in = inputs[n] if inputs is not None else _site_inputs(model, batches, n, quota, cd)
+            (xf, xr), (yf, yr) = rows_in.tensors(), targets[n].tensors()
             if target == "local":  # the original norm on the converted input: no correction of upstream drift
                 old = model.get_submodule(n)
                 ref = next(old.parameters(), xr)

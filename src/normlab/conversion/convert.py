@@ -195,6 +195,7 @@ def convert_norms(
     first_token: str = "auto",
     massive: float = 10.0,
     target: str = "original",
+    sequential: bool = True,
     progress: bool | None = None,
 ) -> ConversionRecord:
     """Replace the model's norms with ``to`` in place; return the record of what was done.
@@ -215,6 +216,8 @@ def convert_norms(
                 site, which also corrects the drift inherited from earlier sites; or "local", the original norm
                 applied to the site's input in the model converted so far;
     max_tokens: calibration tokens kept per site (besides every first token);
+    sequential: True (default) fits each site on the model converted so far; False fits every site on the
+                original model's activations, exact for a site converted alone (the frontier's ranking);
     progress:   a progress bar over the sites (None: only on a terminal).
     """
     _check_options(model, to, calibrate, per, target, first_token, max_tokens, massive, extra_classes)
@@ -244,7 +247,8 @@ def convert_norms(
     if calibrate is not None:  # fits and swaps site by site; puts every original back if anything fails
         notes.append(calibrate_sites(model, sites, replacements, calibrate, to=to, per=per,
                                      fit_amplitude=fit_amplitude, first_token=first_token, massive=float(massive),
-                                     max_tokens=max_tokens, target=target, progress=progress))  # fmt: skip
+                                     max_tokens=max_tokens, target=target, progress=progress,
+                                     sequential=sequential))  # fmt: skip
     else:
         for name, new in replacements.items():  # the swap itself
             swap(model, name, new)

@@ -10,7 +10,7 @@ from torch import nn
 from normlab.conversion.batches import as_batches, run_batch
 from normlab.conversion.record import ConversionRecord
 
-__all__ = ["fidelity"]
+__all__ = ["fidelity", "cross_entropy"]
 
 
 def _logits(out, lm: bool | None):
@@ -60,13 +60,10 @@ def fidelity(original: nn.Module, converted: nn.Module, inputs, record: Conversi
                                                        reduction="sum"))  # fmt: skip
                 ids = _token_ids(batch)
                 if ids is not None and ids.shape[-1] > 1 and ids.numel() == a.shape[0]:  # next-token cross-entropy
-                    nxt = ids.reshape(-1, ids.shape[-1])[:, 1:].reshape(-1).to(a.device)
-                    keep = torch.ones(ids.shape, dtype=torch.bool).reshape(-1, ids.shape[-1])
-                    keep[:, -1] = False
-                    keep = keep.reshape(-1).to(a.device)
                     for j, logits in enumerate((a, b)):
-                        ce[j] += float(torch.nn.functional.cross_entropy(logits[keep], nxt, reduction="sum"))
-                    n_ce += nxt.numel()
+                        total, n = _ce_sum(logits, ids)
+                        ce[j] += total
+                    n_ce += n
             n_tok += a.shape[0]
     finally:
         for h in handles:
@@ -87,6 +84,37 @@ def fidelity(original: nn.Module, converted: nn.Module, inputs, record: Conversi
     if n_ce:
         result["ce_original"], result["ce_converted"] = ce[0] / n_ce, ce[1] / n_ce
     return result
+
+
+def _ce_sum(logits: torch.Tensor, ids: torch.Tensor) -> tuple[float, int]:
+    """The summed next-token cross-entropy of logits (..., T, V) or (N, V) on token ids (..., T), and its count."""
+    ids = ids.reshape(-1, ids.shape[-1])
+    logits = logits.float().reshape(*ids.shape, -1)[:, :-1]
+    nxt = ids[:, 1:].to(logits.device)
+    total = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), nxt.reshape(-1), reduction="sum")
+    return float(total), nxt.numel()
+
+
+@torch.no_grad()
+def cross_entropy(model: nn.Module, batches) -> float:
+    """The mean next-token cross-entropy (nats/token) of a language model (outputs with ``.logits``) on batches of
+    token ids; the same number :func:`fidelity` reports as ``ce_converted``."""
+    total, count = 0.0, 0
+    was = model.training
+    model.eval()
+    try:
+        for i, batch in enumerate(as_batches(batches)):
+            out = run_batch(model, batch, i, no_cache=True)
+            ids = _token_ids(batch)
+            if ids is None or not hasattr(out, "logits"):
+                raise ValueError("cross_entropy needs batches of token ids and a model whose output has .logits")
+            t, n = _ce_sum(out.logits, ids)
+            total, count = total + t, count + n
+    finally:
+        model.train(was)
+    if count == 0:
+        raise ValueError("cross_entropy: no next-token targets (empty batches, or sequences of one token)")
+    return total / count
 
 
 def _token_ids(batch) -> torch.Tensor | None:

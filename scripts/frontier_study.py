@@ -1,0 +1,101 @@
+"""How many of SmolLM2's 61 norms can go with no training: the greedy frontier, per target.
+
+    python scripts/frontier_study.py                      # DyISRU, DyT, Derf (about 15 min each on 2 CPU cores)
+    python scripts/frontier_study.py --to dyisru          # one target
+    python scripts/frontier_study.py --replot             # redraw the figure from bench/frontier.json
+
+For each target (normlab.conversion.frontier): every site calibrated on the original model's activations, its cost
+alone measured on the first calibration batch (8 sequences), then the sites converted cheapest first, the
+held-out cross-entropy measured after each (SmolLM2's 32 held-out Shakespeare sequences of 128 tokens, the
+numbers of the README's real-model table). No training. Each target's result is written to bench/frontier.json as
+soon as it is done (with the commit, the date and the machine); docs/figures/frontier.png plots CE against the
+number of converted sites.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "bench" / "frontier.json"
+FIG = ROOT / "docs" / "figures" / "frontier.png"
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, zoom) = plt.subplots(1, 2, figsize=(11, 4))
+    for to, r in results.items():
+        ks = range(len(r["curve"]))
+        rise = [c - r["ce_original"] for c in r["curve"]]
+        for a in (ax, zoom):
+            a.plot(ks, rise, marker=".", label=f"{to} ({r['within_0.1']} / {r['within_0.5']} sites in +0.1 / +0.5)")
+    ax.set_yscale("symlog", linthresh=0.1)
+    zoom.set_ylim(-0.05, 1.0)
+    for a in (ax, zoom):
+        for y in (0.1, 0.5):
+            a.axhline(y, color="grey", lw=0.8, ls="--")
+        a.set_xlabel("sites converted, cheapest first (calibrated, no training)")
+        a.set_ylabel("held-out CE - original's (nats/token)")
+    ax.set_title("SmolLM2-135M: the greedy frontier")
+    zoom.set_title("the same, up to +1 nat")
+    zoom.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--to", nargs="+", default=["dyisru", "dyt", "derf"])
+    ap.add_argument("--replot", action="store_true")
+    args = ap.parse_args()
+    results = json.loads(OUT.read_text())["targets"] if OUT.exists() else {}
+    if args.replot:
+        plot(results, FIG)
+        return
+
+    import torch
+
+    from normlab.conversion.frontier import frontier
+    from normlab.conversion.hf import load_model, smollm2, text_batches
+    from normlab.corpus import fetch_shakespeare
+
+    torch.manual_seed(0)
+    model, tok = load_model(smollm2())
+    calib, held = text_batches(fetch_shakespeare(), tok, model.config.vocab_size, 128, 32, 32)
+    for to in args.to:
+        front, _ = frontier(model, to, calib, held, progress=True)
+        r = front.to_dict()
+        r["within_0.1"], r["within_0.5"] = front.within(0.1), front.within(0.5)
+        results[to] = r
+        print(f"{to}: {r['within_0.1']} sites within +0.1 nats, {r['within_0.5']} within +0.5 "
+              f"(of {len(front.order)}; original CE {front.ce_original:.3f}, all converted {front.curve[-1]:.3f}; "
+              f"{front.seconds / 60:.1f} min)", flush=True)  # fmt: skip
+        OUT.parent.mkdir(parents=True, exist_ok=True)
+        OUT.write_text(json.dumps({"commit": _commit(), "date": datetime.date.today().isoformat(),
+                                   "machine": f"{platform.processor() or platform.machine()}, "
+                                              f"{torch.get_num_threads()} threads, torch {torch.__version__}",
+                                   "targets": results}, indent=1) + "\n")  # fmt: skip
+    plot(results, FIG)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+"""The frontier: how many of a model's norms can go, and which, for a given rise in cross-entropy.
+
+    front = normlab.conversion.frontier.frontier(model, "dyisru", calib, held)     # the whole greedy curve
+    front = frontier(model, "dyisru", calib, held, budget_nats=0.5)                # stop at the budget
+    front.converted, front.curve, front.within(0.1)
+
+1. Every site is calibrated on the *original* model's activations (``sequential=False``): each fit is exact
+   for that site converted alone, and one pass fits them all.
+2. Its cost is the rise in next-token cross-entropy it causes alone, measured on ``rank`` (by default the
+   first calibration batch: the held-out text decides nothing about the order).
+3. The sites are converted cheapest first, and the held-out cross-entropy is measured after each. With
+   ``budget_nats`` the walk stops before the first site that would take the held-out cross-entropy above the
+   original's plus the budget, so the model it leaves never ends above its budget on ``held``. Without a
+   budget it walks all the sites and puts the model back as it was (the study's curve).
+
+No training: what healing adds comes after. Baroni et al. remove a pretrained model's LayerNorms one at a time
+in a chosen order for the same reason: some norms cost nearly nothing to lose, others nearly everything.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import asdict, dataclass, field
+
+from torch import nn
+
+from normlab.conversion.batches import as_batches, swap
+from normlab.conversion.convert import convert_norms
+from normlab.conversion.fidelity import cross_entropy
+from normlab.conversion.record import ConversionRecord
+
+__all__ = ["Frontier", "frontier", "site_costs"]
+
+
+@dataclass
+class Frontier:
+    target: str
+    ce_original: float  # on the held-out batches
+    costs: dict[str, float]  # site -> cross-entropy rise when converted alone (on the ranking batches)
+    order: list[str]  # the sites, cheapest first
+    curve: list[float]  # held-out cross-entropy with the first k sites of ``order`` converted, k = 0, 1, ...
+    budget_nats: float | None = None
+    converted: list[str] = field(default_factory=list)  # the sites left converted (budget mode)
+    seconds: float = 0.0
+
+    def within(self, nats: float) -> int:
+        """How many sites the greedy walk converts before the held-out cross-entropy first rises above
+        the original's plus ``nats``."""
+        k = 0
+        for ce in self.curve[1:]:
+            if not (ce <= self.ce_original + nats):
+                break
+            k += 1
+        return k
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def site_costs(model: nn.Module, fitted: dict[str, nn.Module], batches, *, progress: bool | None = None,
+               base: float | None = None) -> dict[str, float]:  # fmt: skip
+    """The cross-entropy rise of each site of ``fitted`` (name -> calibrated replacement) swapped into ``model``
+    alone, on ``batches``; ``model`` is left as it was."""
+    from tqdm.auto import tqdm
+
+    base = cross_entropy(model, batches) if base is None else base
+    costs = {}
+    for name in tqdm(list(fitted), desc="cost of each site alone", unit="site",
+                     disable={True: False, False: True}.get(progress)):  # fmt: skip
+        old = swap(model, name, fitted[name])
+        try:
+            costs[name] = cross_entropy(model, batches) - base
+        finally:
+            swap(model, name, old)
+    return costs
+
+
+def frontier(model: nn.Module, to: str, calibrate, held, *, rank=None, budget_nats: float | None = None,
+             progress: bool | None = None, **convert_kwargs) -> tuple[Frontier, ConversionRecord]:  # fmt: skip
+    """Rank ``model``'s norms by the cost of converting each alone to ``to`` and walk them cheapest first (see
+    the module docstring). Returns the :class:`Frontier` and the conversion record of the sites it converted.
+
+    ``budget_nats=None``: the whole curve; ``model`` is left unchanged. ``budget_nats=X``: ``model`` keeps the
+    sites that fit in +X nats on ``held`` (possibly none), converted in place. ``convert_kwargs`` go to
+    :func:`convert_norms` (per, init, include, first_token, ...).
+    """
+    import time
+
+    from tqdm.auto import tqdm
+
+    if budget_nats is not None and not (isinstance(budget_nats, (int, float)) and budget_nats >= 0
+                                        and math.isfinite(budget_nats)):  # fmt: skip
+        raise ValueError(f"budget_nats: expected a finite number >= 0 (nats of cross-entropy), got {budget_nats!r}")
+    calib = list(as_batches(calibrate))
+    held = list(as_batches(held))
+    rank = calib[:1] if rank is None else list(as_batches(rank))
+    if not calib or not held or not rank:
+        raise ValueError("frontier: the calibration, ranking and held-out batches must not be empty")
+    start = time.monotonic()
+    fitted_model = copy.deepcopy(model)
+    record = convert_norms(fitted_model, to, calibrate=calib, sequential=False, progress=progress, **convert_kwargs)
+    fitted = {s.name: fitted_model.get_submodule(s.name) for s in record.sites}
+    costs = site_costs(model, fitted, rank, progress=progress)
+    order = sorted(costs, key=lambda n: (costs[n] if math.isfinite(costs[n]) else math.inf))
+    ce0 = cross_entropy(model, held)
+    curve, done, originals = [ce0], [], {}
+    bar = tqdm(order, desc=f"converting cheapest first to {to}", unit="site",
+               disable={True: False, False: True}.get(progress))  # fmt: skip
+    try:
+        for name in bar:
+            originals[name] = swap(model, name, fitted[name])
+            ce = cross_entropy(model, held)
+            if budget_nats is not None and not ce <= ce0 + budget_nats:
+                swap(model, name, originals.pop(name))  # this one would break the budget: put it back, stop
+                break
+            curve.append(ce)
+            done.append(name)
+            bar.set_postfix_str(f"{len(done)} sites, CE {ce:.3f} (+{ce - ce0:.3f})")
+    except BaseException:
+        for name, old in originals.items():
+            swap(model, name, old)
+        raise
+    if budget_nats is None:  # the study: the model goes back as it was
+        for name, old in originals.items():
+            swap(model, name, old)
+    kept = set(done) if budget_nats is not None else set()
+    record.sites = [s for s in record.sites if s.name in kept]
+    if budget_nats is not None:
+        left = [n for n in order if n not in kept]
+        record.notes.append(f"--budget-nats {budget_nats:g}: converted {len(done)} of {len(order)} sites, cheapest "
+                            f"first (held-out cross-entropy {ce0:.3f} -> {curve[-1]:.3f}); "
+                            f"{len(left)} kept as they were")  # fmt: skip
+        record.skipped += [{"name": n, "class": type(originals.get(n) or model.get_submodule(n)).__name__,
+                            "reason": f"over the budget (alone: +{costs[n]:.3g} nats)"} for n in left]  # fmt: skip
+    front = Frontier(to, ce0, costs, order, curve, budget_nats, done, time.monotonic() - start)
+    return front, record
