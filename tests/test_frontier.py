@@ -14,8 +14,9 @@ from normlab.cli import main
 
 transformers = pytest.importorskip("transformers")
 
-TEXT = " ".join(("To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer the slings and "
-                 "arrows of outrageous fortune, or to take arms against a sea of troubles").split()[i % 29] for i in range(30_000))
+WORDS = ("To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer the slings and arrows "
+         "of outrageous fortune, or to take arms against a sea of troubles").split()
+TEXT = " ".join(WORDS[(i * 7) % len(WORDS)] for i in range(30_000))
 
 
 def _peaked(seed: int = 0, layers: int = 3):

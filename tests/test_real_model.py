@@ -93,3 +93,41 @@ def test_derf_converts_smollm2_with_its_shift_fitted(smollm2):
             shifts = [float(m.shift.abs().max()) for m in conv.modules() if type(m).__name__ == "Derf"]
             assert len(shifts) >= 61 and max(shifts) > 0  # the shift moved from its init somewhere
     assert math.isfinite(ce["calibrated"]) and ce["calibrated"] < ce["default"]
+
+
+def test_smollm2_budget_nats_converts_only_what_fits(smollm2):
+    """--budget-nats on the real model: the cheapest sites first, and the held-out cross-entropy of what it leaves
+    never above the original's plus the budget; the rest stay RMSNorm."""
+    from normlab.conversion.fidelity import cross_entropy
+    from normlab.conversion.frontier import frontier
+
+    model, calib, held, _ = smollm2
+    conv = copy.deepcopy(model)
+    front, record = frontier(conv, "dyisru", calib, held, budget_nats=0.1, progress=False)
+    assert 1 <= len(front.converted) < 61, front.curve
+    assert cross_entropy(conv, held) <= front.ce_original + 0.1 + 1e-9
+    assert {s.name for s in record.sites} == set(front.converted)
+    kinds = {n: type(m).__name__ for n, m in conv.named_modules() if n.endswith("norm")}
+    assert sum(k == "LlamaRMSNorm" for k in kinds.values()) == 61 - len(front.converted)
+    assert front.costs[front.order[0]] <= front.costs[front.order[-1]]
+
+
+def test_smollm2_heal_on_the_stream_keeps_its_best_state(smollm2):
+    """A short heal of the real model from the stream: fresh sequences only, a validation curve, the best point's
+    state kept (the model's validation CE after the heal is the curve's minimum), LoRA merged away."""
+    from normlab.conversion.fidelity import cross_entropy
+    from normlab.conversion.hf import text_splits
+    from normlab.corpus import fetch_shakespeare
+
+    model, _, _, tok = smollm2
+    sp = text_splits(fetch_shakespeare(), tok, model.config.vocab_size, seq_len=64, n_calib=4, n_held=4, n_val=4,
+                     batch_size=4)  # fmt: skip
+    conv = copy.deepcopy(model)
+    rec = normlab.convert_norms(conv, "dyisru", calibrate=sp.calib, progress=False)
+    rep = normlab.heal(model, conv, sp.stream, rec, val=sp.val, tokens=4 * 64 * 6, objective="distill", train="lora",
+                       batch_size=4, eval_every=4 * 64 * 2, progress=False)  # fmt: skip
+    assert rep.sequences == 24 and rep.stream_passes < 0.01 and rep.tokens == 4 * 64 * 6
+    ces = [p["val_ce"] for p in rep.curve]
+    assert len(ces) == 4 and rep.best["val_ce"] == min(ces)
+    assert cross_entropy(conv, sp.val) == pytest.approx(min(ces), rel=1e-4)
+    assert not any("lora" in n for n, _ in conv.named_modules())
