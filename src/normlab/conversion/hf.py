@@ -3,6 +3,7 @@
     model, tokenizer = normlab.conversion.hf.load_model("path/to/model")            # folder with config.json + weights
     model, tokenizer = normlab.conversion.hf.load_model("path/to/model.Q4_1.gguf")  # GGUF, dequantized to float32
     path = normlab.conversion.hf.smollm2()                                           # the real-model fixture (below)
+    splits = normlab.conversion.hf.text_splits("text.txt", tokenizer, vocab)       # calib / held / val / stream
 
 Loading needs the ``[hf]`` extra (transformers, plus gguf and accelerate for GGUF files).
 
