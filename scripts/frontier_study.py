@@ -91,7 +91,8 @@ def main() -> None:
         r["stop_nats"], r["refit"] = args.stop, args.refit
         results[to] = r
         print(f"{to}: {r['within_0.1']} sites within +0.1 nats, {r['within_0.5']} within +0.5 "
-              f"(of {len(front.order)}; original CE {front.ce_original:.3f}, all converted {front.curve[-1]:.3f}; "
+              f"(of {len(front.order)}; original CE {front.ce_original:.3f}, {front.curve[-1]:.3f} with "
+              f"{len(front.curve) - 1} converted where the walk stopped; "
               f"{front.seconds / 60:.1f} min)", flush=True)  # fmt: skip
         OUT.parent.mkdir(parents=True, exist_ok=True)
         OUT.write_text(json.dumps({"commit": _commit(), "date": datetime.date.today().isoformat(),

@@ -335,7 +335,7 @@ def test_convert_command_never_writes_over_its_source(tmp_path, capsys):
     rc = main([*args, "--out", str(tmp_path / "healed"), "--heal-tokens", "2000", "--no-progress",
                "--exclude", "model.norm"])  # fmt: skip
     out = capsys.readouterr().out
-    assert rc == 0 and "healed (distill, lora): " in out and "cross-entropy" in out
+    assert rc == 0 and "healed (distill, norms): " in out and "cross-entropy" in out
     assert (tmp_path / "healed" / "heal_curve.csv").read_text().startswith("tokens,seconds,train_loss,val_ce")
     assert (tmp_path / "healed" / "heal_curve.png").stat().st_size > 0
     loaded, record = normlab.load_converted(tmp_path / "healed")

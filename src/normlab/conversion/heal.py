@@ -47,12 +47,14 @@ from torch import nn
 from normlab.conversion.batches import Stop, as_batches, input_ids, run_batch
 from normlab.conversion.hf import TokenStream
 
-__all__ = ["heal", "HealReport", "find_blocks", "add_lora", "merge_lora", "LoRALinear", "OBJECTIVES", "TRAINS"]
+__all__ = ["heal", "HealReport", "find_blocks", "add_lora", "merge_lora", "LoRALinear", "OBJECTIVES", "TRAINS",
+           "DEFAULT_OBJECTIVE", "DEFAULT_TRAIN"]
 
 OBJECTIVES = ("distill", "blocks")
 TRAINS = ("norms", "lora", "all")
 LEARNING_RATES = {"norms": 1e-3, "lora": 1e-3, "all": 2e-5}  # Adam; the norms' rate also applies under "lora"
 LORA_RANK = 8
+DEFAULT_OBJECTIVE, DEFAULT_TRAIN = "distill", "norms"  # chosen by scripts/heal_study.py at equal minutes (README)
 
 
 @dataclass
@@ -337,8 +339,8 @@ def _optimizer(params, lr, converted) -> torch.optim.Optimizer:
 # the heal
 # --------------------------------------------------------------------------
 def heal(original: nn.Module, converted: nn.Module, data, record=None, *, val=None, minutes: float | None = None,
-         tokens: int | None = None, objective: str = "distill", train: str = "lora", lr: float | None = None,
-         batch_size: int = 8, eval_every: int | None = None, lora_rank: int = LORA_RANK,
+         tokens: int | None = None, objective: str = DEFAULT_OBJECTIVE, train: str = DEFAULT_TRAIN,
+         lr: float | None = None, batch_size: int = 8, eval_every: int | None = None, lora_rank: int = LORA_RANK,
          checkpoint: str | Path | None = None, resume: bool = False, identity: dict | None = None,
          progress: bool | None = None) -> HealReport:  # fmt: skip
     """Train ``converted`` toward ``original`` on ``data`` (a TokenStream, or token batches) within a budget.
@@ -358,7 +360,7 @@ def heal(original: nn.Module, converted: nn.Module, data, record=None, *, val=No
     list_name = find_blocks(converted, sites)
     ckpt = Path(checkpoint) if checkpoint is not None else None
     if eval_every is None:
-        eval_every = 16 * batch_size * stream.seq_len
+        eval_every = 8 * batch_size * stream.seq_len  # every 8 steps: a validation pass costs about one step
     report = HealReport(objective=objective, train=train, lora_rank=lora_rank if train == "lora" else None)
     if objective == "distill" or val is not None:
         with torch.no_grad():

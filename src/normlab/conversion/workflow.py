@@ -18,7 +18,7 @@ from pathlib import Path
 
 from normlab.conversion.convert import convert_norms, fidelity, save_converted
 from normlab.conversion.frontier import frontier
-from normlab.conversion.heal import _check_budget, _identity_difference, heal
+from normlab.conversion.heal import DEFAULT_OBJECTIVE, DEFAULT_TRAIN, _check_budget, _identity_difference, heal
 from normlab.conversion.hf import load_model, smollm2, text_batches, text_splits
 from normlab.conversion.saving import RECORD_FILE
 from normlab.corpus import fetch_shakespeare, sha256_file
@@ -27,7 +27,7 @@ from normlab.registry import norm_spec
 
 __all__ = ["convert_model", "check_out", "HEAL_OBJECTIVE", "HEAL_TRAIN"]
 
-HEAL_OBJECTIVE, HEAL_TRAIN = "distill", "lora"  # the defaults, chosen by scripts/heal_study.py (README)
+HEAL_OBJECTIVE, HEAL_TRAIN = DEFAULT_OBJECTIVE, DEFAULT_TRAIN
 
 
 def check_out(out: str | None, model: str, overwrite: bool) -> None:
