@@ -56,14 +56,15 @@ def plot(rows: list[dict], path: Path) -> None:
             bx.plot(*zip(*tl), marker=".", label=f"{r['objective']}, {r['train']}")
     if rows:
         ax.axhline(float(rows[-1]["ce_original"]), color="black", lw=0.8, ls="--", label="original")
-    ax.set_xlabel("minutes (2 CPU cores)")
+    threads = sorted({r["machine"].split(", ")[1] for r in rows if ", " in r["machine"]})
+    ax.set_xlabel(f"minutes ({' / '.join(threads)})")
     ax.set_ylabel("validation CE (nats/token)")
     ax.set_title("SmolLM2-135M, every norm DyISRU: healing from the stream")
     ax.legend(fontsize=7)
     bx.set_xlabel("tokens trained")
-    bx.set_ylabel("train loss (KL, or block rel. error)")
+    bx.set_ylabel("KL (distill); block rel. error (blocks)")
     bx.set_yscale("log")
-    bx.set_title("train loss")
+    bx.set_title("train loss (the block error rises with depth)")
     bx.legend(fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -77,12 +78,10 @@ def main() -> None:
     ap.add_argument("--to", default="dyisru")
     ap.add_argument("--only", nargs="*", help="objective:train pairs (default: all six)")
     ap.add_argument("--replot", action="store_true")
-    ap.add_argument("--commit", help="with --replot: the rows of this commit (default: the newest)")
+    ap.add_argument("--last", type=int, default=6, help="with --replot: the newest N rows (default 6: one study)")
     args = ap.parse_args()
     if args.replot:
-        rows = list(csv.DictReader(CSV.open()))
-        commit = args.commit or rows[-1]["commit"]
-        plot([r for r in rows if r["commit"] == commit], FIG)
+        plot(list(csv.DictReader(CSV.open()))[-args.last :], FIG)
         return
 
     import torch
@@ -141,8 +140,7 @@ def main() -> None:
                 new = False
             w.writerow(row)
         del model
-    rows = [r for r in csv.DictReader(CSV.open()) if r["commit"] == _commit()]
-    plot(rows, FIG)
+    plot(list(csv.DictReader(CSV.open()))[-len(combos) :], FIG)
 
 
 if __name__ == "__main__":
