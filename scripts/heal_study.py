@@ -50,18 +50,21 @@ def plot(rows: list[dict], path: Path) -> None:
     for r in rows:
         curve = json.loads(r["curve"])
         label = f"{r['objective']}, {r['train']} ({float(r['minutes']):g} min): held-out {float(r['ce_healed']):.2f}"
-        ax.plot([p["seconds"] / 60 for p in curve], [p["val_ce"] for p in curve], marker=".", label=label)
+        ax.plot([max(p["tokens"], 1000) for p in curve], [p["val_ce"] for p in curve], marker=".", label=label)
         tl = [(p["tokens"], p["train_loss"]) for p in curve if p["train_loss"] == p["train_loss"]]
         if tl:
             bx.plot(*zip(*tl), marker=".", label=f"{r['objective']}, {r['train']}")
     if rows:
         ax.axhline(float(rows[-1]["ce_original"]), color="black", lw=0.8, ls="--", label="original")
     threads = sorted({r["machine"].split(", ")[1] for r in rows if ", " in r["machine"]})
-    ax.set_xlabel(f"minutes ({' / '.join(threads)})")
+    ax.set_xscale("log")
+    ax.set_xlabel(f"tokens trained (the start drawn at 1,000; {float(rows[0]['minutes']):g} min each, "
+                  f"{' / '.join(threads)})" if rows else "tokens trained")
     ax.set_ylabel("validation CE (nats/token)")
     ax.set_title("SmolLM2-135M, every norm DyISRU: healing from the stream")
     ax.legend(fontsize=7)
     bx.set_xlabel("tokens trained")
+    bx.set_xscale("log")
     bx.set_ylabel("KL (distill); block rel. error (blocks)")
     bx.set_yscale("log")
     bx.set_title("train loss (the block error rises with depth)")
