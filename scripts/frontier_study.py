@@ -18,21 +18,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import platform
-import subprocess
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from _study import ROOT, commit, machine, save
+
 OUT = ROOT / "bench" / "frontier.json"
 FIG = ROOT / "docs" / "figures" / "frontier.png"
 
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()  # fmt: skip
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def plot(results: dict, path: Path) -> None:
@@ -57,10 +49,7 @@ def plot(results: dict, path: Path) -> None:
     ax.set_title("SmolLM2-135M: the greedy frontier")
     zoom.set_title("the same, up to +1 nat")
     zoom.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    print(f"wrote {path}")
+    save(fig, path)
 
 
 def main() -> None:
@@ -95,9 +84,8 @@ def main() -> None:
               f"{len(front.curve) - 1} converted where the walk stopped; "
               f"{front.seconds / 60:.1f} min)", flush=True)  # fmt: skip
         OUT.parent.mkdir(parents=True, exist_ok=True)
-        OUT.write_text(json.dumps({"commit": _commit(), "date": datetime.date.today().isoformat(),
-                                   "machine": f"{platform.processor() or platform.machine()}, "
-                                              f"{torch.get_num_threads()} threads, torch {torch.__version__}",
+        OUT.write_text(json.dumps({"commit": commit(), "date": datetime.date.today().isoformat(),
+                                   "machine": machine(),
                                    "targets": results}, indent=1) + "\n")  # fmt: skip
     plot(results, FIG)
 

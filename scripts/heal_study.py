@@ -20,24 +20,16 @@ import copy
 import csv
 import datetime
 import json
-import platform
-import subprocess
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from _study import ROOT, commit, machine, save
+
 CSV = ROOT / "bench" / "heal_study.csv"
 FIG = ROOT / "docs" / "figures" / "heal_curves.png"
 FIELDS = ["commit", "date", "machine", "to", "objective", "train", "minutes", "tokens", "sequences", "seconds",
           "ce_original", "ce_calibrated", "ce_healed", "val_start", "val_best", "curve"]  # fmt: skip
 
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()  # fmt: skip
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -69,10 +61,7 @@ def plot(rows: list[dict], path: Path) -> None:
     bx.set_yscale("log")
     bx.set_title("train loss (the block error rises with depth)")
     bx.legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    print(f"wrote {path}")
+    save(fig, path)
 
 
 def main() -> None:
@@ -116,8 +105,7 @@ def main() -> None:
         torch.save({"record": record.to_dict(), "model": converted.state_dict()}, saved)
     ce0, ce1 = cross_entropy(original, splits.held), cross_entropy(converted, splits.held)
     print(f"held-out CE: original {ce0:.3f}, calibrated {args.to} {ce1:.3f}", flush=True)
-    cpu = platform.processor() or platform.machine()
-    machine = f"{cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+    where = machine()
     new = not CSV.exists()
     CSV.parent.mkdir(parents=True, exist_ok=True)
     for objective, train in combos:
@@ -128,7 +116,7 @@ def main() -> None:
                    train=train, progress=True)  # fmt: skip
         seconds = time.monotonic() - t
         ce = cross_entropy(model, splits.held)
-        row = {"commit": _commit(), "date": datetime.date.today().isoformat(), "machine": machine, "to": args.to,
+        row = {"commit": commit(), "date": datetime.date.today().isoformat(), "machine": where, "to": args.to,
                "objective": objective, "train": train, "minutes": args.minutes, "tokens": rep.tokens,
                "sequences": rep.sequences, "seconds": round(seconds, 1), "ce_original": round(ce0, 4),
                "ce_calibrated": round(ce1, 4), "ce_healed": round(ce, 4), "val_start": rep.curve[0]["val_ce"],

@@ -20,28 +20,17 @@ import copy
 import csv
 import datetime
 import os
-import platform
-import subprocess
 import time
 from pathlib import Path
 
 import torch
 
 import normlab
+from _study import ROOT, commit, machine, save
 from normlab.conversion.heal import OBJECTIVES, TRAINS
 from normlab.conversion.hf import load_model, smollm2, text_splits
 from normlab.conversion.workflow import HEAL_OBJECTIVE, HEAL_TRAIN
 from normlab.corpus import fetch_shakespeare
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()  # fmt: skip
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -69,10 +58,7 @@ def plot(rows: list[dict], path: Path) -> None:
     ax.set_ylabel("held-out cross-entropy (nats/token)")
     ax.set_title("SmolLM2-135M-Instruct, norms converted")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    print(f"wrote {path}")
+    save(fig, path)
 
 
 def main() -> None:
@@ -94,8 +80,8 @@ def main() -> None:
         plot([r for r in saved if r["commit"] == saved[-1]["commit"]], Path(args.figure))
         return
 
-    meta = {"commit": _commit(), "date": datetime.date.today().isoformat(),
-            "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, {platform.processor() or 'cpu'}"}
+    meta = {"commit": commit(), "date": datetime.date.today().isoformat(),
+            "machine": machine()}
     torch.manual_seed(0)
     original, tok = load_model(smollm2())
     vocab = original.get_input_embeddings().num_embeddings
