@@ -425,8 +425,13 @@ def _distill(original, converted, stream, params, lr, batch_size, eval_every, ch
     opt = _optimizer(params, lr, converted)
     if state is not None and state.get("optimizer") is not None:
         opt.load_state_dict(state["optimizer"])
+    def save() -> None:
+        if ckpt is not None:
+            _save(ckpt, _state(converted, report, stream, check, identity, opt))
+
     if not report.curve:
         _point(report, budget, check, math.nan)
+        save()  # from the first moment on, a killed heal can be resumed
     for p in params:
         p.requires_grad_(True)
     bar = tqdm(total=100, desc=f"healing (distill, {report.train})", unit="%", bar_format="{l_bar}{bar}| {postfix}",
@@ -452,10 +457,10 @@ def _distill(original, converted, stream, params, lr, batch_size, eval_every, ch
                 point = _point(report, budget, check, _mean(losses))
                 losses, next_eval = [], report.tokens + eval_every
                 bar.set_postfix_str(_postfix(point))
-                if ckpt is not None:
-                    _save(ckpt, _state(converted, report, stream, check, identity, opt))
+                save()
         if losses:
             _point(report, budget, check, _mean(losses))
+            save()
     finally:
         bar.close()
         for p in params:
