@@ -489,7 +489,7 @@ def test_repeated_set_flags_all_apply(corpus, tmp_path):
 @pytest.mark.slow
 def test_ctrl_c_during_a_heal_prints_the_command_that_resumes_it(models, tmp_path):
     ck = tmp_path / "heal.pt"
-    cmd = [sys.executable, "-m", "normlab.cli", *_convert(models["m"], models["text"], "--heal-minutes", 0.2,
+    cmd = [sys.executable, "-m", "normlab.cli", *_convert(models["m"], models["text"], "--heal-minutes", 2,
                                                           "--checkpoint", ck, "--out", tmp_path / "out")]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 180

@@ -171,17 +171,20 @@ def write_curve(rep, folder: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 3.5))
     toks = [p["tokens"] for p in rep.curve]
     ax.plot(toks, [p["val_ce"] for p in rep.curve], marker=".", label="validation CE")
+    if rep.best is not None:
+        ax.axvline(rep.best["tokens"], color="green", ls=":", label="kept")
+    handles = ax.get_legend_handles_labels()
     tl = [(p["tokens"], p["train_loss"]) for p in rep.curve if p["train_loss"] == p["train_loss"]]
     if tl:
         ax2 = ax.twinx()
-        ax2.plot(*zip(*tl), color="grey", lw=0.8, label="train loss")
-        ax2.set_ylabel("train loss (" + ("KL" if rep.objective == "distill" else "block rel. error") + ")")
-    if rep.best is not None:
-        ax.axvline(rep.best["tokens"], color="green", ls=":", label="kept")
+        what = "KL" if rep.objective == "distill" else "block rel. error"
+        ax2.plot(*zip(*tl), color="grey", lw=0.8, label=f"train loss ({what})")
+        ax2.set_ylabel(f"train loss ({what})")
+        handles = [a + b for a, b in zip(handles, ax2.get_legend_handles_labels())]
     ax.set_xlabel("tokens trained")
     ax.set_ylabel("validation CE (nats/token)")
     ax.set_title(f"heal: {rep.objective}, {rep.train}")
-    ax.legend(fontsize=8, loc="upper right")
+    ax.legend(*handles, fontsize=8, loc="upper right")
     fig.tight_layout()
     fig.savefig(folder / "heal_curve.png", dpi=110)
     plt.close(fig)
