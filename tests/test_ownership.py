@@ -491,7 +491,10 @@ def test_ctrl_c_during_a_heal_prints_the_command_that_resumes_it(models, tmp_pat
     ck = tmp_path / "heal.pt"
     cmd = [sys.executable, "-m", "normlab.cli", *_convert(models["m"], models["text"], "--heal-minutes", 2,
                                                           "--checkpoint", ck, "--out", tmp_path / "out")]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # Ctrl-C reaches the child as in a terminal, even when this suite runs in the background (where a shell starts
+    # every process with SIGINT ignored, and Python then installs no KeyboardInterrupt handler)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
     deadline = time.time() + 180
     while time.time() < deadline and not ck.exists():
         time.sleep(0.05)
