@@ -232,7 +232,7 @@ def test_heal_distillation_lowers_validation_kl(train):
 
 
 def test_lora_merged_into_the_weights_gives_the_same_outputs():
-    from normlab.conversion.heal import add_lora, merge_lora
+    from normlab.conversion.lora import add_lora, merge_lora
 
     model = _llama()
     wrapped = add_lora(model.model.layers, rank=4)

@@ -18,8 +18,8 @@ Objectives (``objective=``):
   is carried through the blocks: each block trains on its own depth's view of the pool.
 
 What is trained (``train=``): ``"norms"`` (the replacements' parameters), ``"lora"`` (the norms, plus low-rank
-adapters on every linear layer of the blocks, merged into the weights when the heal ends: :func:`add_lora`), or
-``"all"`` (every weight of the blocks; with ``distill``, every weight of the model).
+adapters on every linear layer of the blocks, merged into the weights when the heal ends:
+:mod:`normlab.conversion.lora`), or ``"all"`` (every weight of the blocks; with ``distill``, every weight of the model).
 
 The curve and the best state. Given ``val`` batches, the heal measures their cross-entropy (and KL to the
 original) at the start, every ``eval_every`` trained tokens (distill) or after each block (blocks), and at the
@@ -46,14 +46,13 @@ from torch import nn
 
 from normlab.conversion.batches import Stop, as_batches, input_ids, run_batch
 from normlab.conversion.hf import TokenStream
+from normlab.conversion.lora import LORA_RANK, LoRALinear, add_lora, merge_lora
 
-__all__ = ["heal", "HealReport", "find_blocks", "add_lora", "merge_lora", "LoRALinear", "OBJECTIVES", "TRAINS",
-           "DEFAULT_OBJECTIVE", "DEFAULT_TRAIN"]
+__all__ = ["heal", "HealReport", "find_blocks", "OBJECTIVES", "TRAINS", "DEFAULT_OBJECTIVE", "DEFAULT_TRAIN"]
 
 OBJECTIVES = ("distill", "blocks")
 TRAINS = ("norms", "lora", "all")
 LEARNING_RATES = {"norms": 1e-3, "lora": 1e-3, "all": 2e-5}  # Adam; the norms' rate also applies under "lora"
-LORA_RANK = 8
 DEFAULT_OBJECTIVE, DEFAULT_TRAIN = "distill", "norms"  # chosen by scripts/heal_study.py at equal minutes (README)
 
 
@@ -73,55 +72,6 @@ class HealReport:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-# --------------------------------------------------------------------------
-# LoRA: a low-rank update of a frozen linear layer, merged before saving
-# --------------------------------------------------------------------------
-class LoRALinear(nn.Module):
-    """``base(x) + (x A^T) B^T * scale``; B starts at zero, so the output starts equal to the base layer's."""
-
-    def __init__(self, base: nn.Linear, rank: int = LORA_RANK, scale: float = 1.0) -> None:
-        super().__init__()
-        self.base, self.scale = base, scale
-        w = base.weight
-        self.lora_a = nn.Parameter(torch.randn(rank, base.in_features, dtype=w.dtype, device=w.device)
-                                   / math.sqrt(base.in_features))  # fmt: skip
-        self.lora_b = nn.Parameter(torch.zeros(base.out_features, rank, dtype=w.dtype, device=w.device))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.base(x) + nn.functional.linear(nn.functional.linear(x, self.lora_a), self.lora_b) * self.scale
-
-    def merged(self) -> nn.Linear:
-        """The base layer with the update folded into its weight (the same outputs, up to rounding)."""
-        with torch.no_grad():
-            self.base.weight.add_((self.lora_b @ self.lora_a).to(self.base.weight) * self.scale)
-        return self.base
-
-
-def add_lora(module: nn.Module, rank: int = LORA_RANK) -> list[LoRALinear]:
-    """Wrap every ``nn.Linear`` inside ``module`` in a :class:`LoRALinear`; returns the wrappers."""
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-        raise ValueError(f"LoRA rank: expected an int >= 1, got {rank!r}")
-    wrapped = []
-    for m in list(module.modules()):
-        for child_name, child in list(m.named_children()):
-            if type(child) is nn.Linear:
-                lora = LoRALinear(child, rank)
-                setattr(m, child_name, lora)
-                wrapped.append(lora)
-    return wrapped
-
-
-def merge_lora(module: nn.Module) -> int:
-    """Fold every :class:`LoRALinear` inside ``module`` into its base layer, in place; returns how many."""
-    n = 0
-    for m in list(module.modules()):
-        for child_name, child in list(m.named_children()):
-            if isinstance(child, LoRALinear):
-                setattr(m, child_name, child.merged())
-                n += 1
-    return n
 
 
 # --------------------------------------------------------------------------
