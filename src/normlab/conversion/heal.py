@@ -106,7 +106,7 @@ def _norm_params(module: nn.Module) -> list[nn.Parameter]:
 
 def _trainable(module: nn.Module, train: str) -> list[nn.Parameter]:
     if train == "all":
-        return [p for p in module.parameters()]
+        return list(module.parameters())
     params = _norm_params(module)
     if train == "lora":
         params += [p for m in module.modules() if isinstance(m, LoRALinear) for p in (m.lora_a, m.lora_b)]
