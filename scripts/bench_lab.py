@@ -33,7 +33,7 @@ from normlab.lab import GPT, resolve_config, train
 from normlab.lab.data import get_batch, load_corpus
 from normlab.lab.metrics import Probe, norm_parameters, projection_ranks
 from normlab.lab.runs import code_version
-from normlab.lab.train import _optimizer, lr_at
+from normlab.lab.train import build_optimizer, lr_at
 
 
 def bare_loop(cfg, steps: int) -> float:
@@ -41,7 +41,7 @@ def bare_loop(cfg, steps: int) -> float:
     corpus = load_corpus(cfg.data or None, cfg.val_fraction)
     torch.manual_seed(cfg.seed)
     model = GPT(cfg.model)
-    opt = _optimizer(model, cfg, torch.device("cpu"))
+    opt = build_optimizer(model, cfg, torch.device("cpu"))
     for step in range(steps):
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg)
@@ -146,7 +146,7 @@ def versus_nanogpt(preset: str, steps: int, rounds: int = 5) -> dict:
     corpus = load_corpus(cfg.data or None, cfg.val_fraction)
     torch.manual_seed(0)
     models = {"lab": GPT(m), "nanogpt_style": NanoGPTStyle(m.vocab_size, m.width, m.depth, m.heads, m.context)}
-    opts = {k: _optimizer(v, cfg, torch.device("cpu")) for k, v in models.items()}
+    opts = {k: build_optimizer(v, cfg, torch.device("cpu")) for k, v in models.items()}
     n_params = {k: sum(p.numel() for p in v.parameters()) for k, v in models.items()}
     assert n_params["lab"] == n_params["nanogpt_style"], n_params  # the same model, written two ways
     times = {k: [] for k in models}

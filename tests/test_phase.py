@@ -60,7 +60,7 @@ def test_default_config_trains_as_before(corpus_file, tmp_path):
 
 
 def test_embed_scale_is_a_learnable_scalar_without_weight_decay():
-    from normlab.lab.train import _optimizer
+    from normlab.lab.train import build_optimizer
 
     cfg = GPTConfig(width=64, depth=2, heads=4, context=16, norm="dyt", embed_scale="sqrt_d")
     model = GPT(cfg)
@@ -71,7 +71,7 @@ def test_embed_scale_is_a_learnable_scalar_without_weight_decay():
     with torch.no_grad():  # the scalar multiplies the embedding: scaling it by 1 gives the plain model
         model.embed_scale.fill_(1.0)
     torch.testing.assert_close(model(idx)[0], plain(idx)[0], rtol=0, atol=0)
-    opt = _optimizer(model, resolve_config("tiny"), torch.device("cpu"))
+    opt = build_optimizer(model, resolve_config("tiny"), torch.device("cpu"))
     no_decay = next(g for g in opt.param_groups if g["weight_decay"] == 0.0)["params"]
     assert any(p is model.embed_scale for p in no_decay)
     assert GPT(GPTConfig(width=64, depth=2, heads=4, context=16)).embed_scale is None

@@ -230,7 +230,7 @@ def _cmd_predict(args: argparse.Namespace) -> int:
 def _cmd_sweep(args: argparse.Namespace) -> int:
     from normlab.sweep import builtin_experiments, expand, load_experiment, parse_shard, run_sweep, write_index
 
-    exps = [load_experiment(e) for e in (args.experiment or builtin_experiments())]
+    exps = [load_experiment(e) for e in (args.experiment or builtin_experiments(args.profile))]
     specs = [s for e in exps for s in expand(e, args.profile, args.root)]
     write_index(exps, args.profile, args.root)
     statuses = run_sweep(specs, shard=parse_shard(args.shard), jobs=args.jobs, progress=not args.no_progress)
@@ -256,8 +256,8 @@ def _cmd_reproduce(args: argparse.Namespace) -> int:
     from normlab.reproduce import reproduce
     from normlab.sweep import parse_shard
 
-    profile = ("gpu" if args.preset == "gpu" else "quick" if args.quick else "long" if args.long else
-               "full" if args.full else "default")  # fmt: skip
+    profile = args.profile or ("gpu" if args.preset == "gpu" else "quick" if args.quick else "long" if args.long else
+                               "full" if args.full else "default")  # fmt: skip
     root = args.root or f"runs/reproduce-{profile}"
     compare = args.compare
     if compare is None and profile == "long" and (Path(root).parent / "reproduce-default" / "index.json").exists():
@@ -411,7 +411,7 @@ def _add_report(sub) -> None:
 
 
 def _add_reproduce(sub) -> None:
-    from normlab.sweep import default_jobs
+    from normlab.sweep import PROFILES, default_jobs
 
     rr = sub.add_parser("reproduce", help="theory checks + every table of seed 003 at CPU scale + REPORT.md")
     size = rr.add_mutually_exclusive_group()
@@ -419,6 +419,9 @@ def _add_reproduce(sub) -> None:
     size.add_argument("--long", action="store_true", help="the default's shapes at 4x its tokens, three seeds")
     size.add_argument("--full", action="store_true", help="every run at the lab's cpu preset (hours on 2 cores)")
     size.add_argument("--preset", choices=["gpu"], help="seed 003's shapes on a GPU")
+    size.add_argument("--profile", choices=list(PROFILES),
+                      help="any profile by name; 'scaling' runs only the scaling study (hours on 2 cores; "
+                           "scripts/scaling_study.py runs it resumably, recording each run in bench/)")  # fmt: skip
     rr.add_argument("--experiment", nargs="*", help="subset of experiments (default: all)")
     rr.add_argument("--root", help="output folder (default runs/reproduce-<profile>)")
     rr.add_argument("--compare", help="root of another budget's runs (--long: runs/reproduce-default if present)")

@@ -50,7 +50,7 @@ def reproduce(root: str | Path, profile: str = "default", *, experiments: list[s
 
     t0 = time.perf_counter()
     root = Path(root)
-    exps = [load_experiment(e) for e in (experiments or builtin_experiments())]
+    exps = [load_experiment(e) for e in (experiments or builtin_experiments(profile))]
     specs = [s for e in exps for s in expand(e, profile, root)]  # validates every config before any work
     write_index(exps, profile, root)
     from normlab.kernels import auto_choice, cpu

@@ -35,7 +35,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 __all__ = ["PROFILES", "Experiment", "RunSpec", "builtin_experiments", "load_experiment", "expand", "run_sweep",
-           "parse_shard"]  # fmt: skip
+           "parse_shard", "lr_variants"]  # fmt: skip
 
 # The CPU profiles use lr 1e-3 (with min_lr 1e-4), as the lab's cpu preset does: usual for models this small,
 # and it lets a 250-step run separate the norms (at 3e-4 RMSNorm stays above 2.4 in 600 steps; README).
@@ -78,6 +78,8 @@ PROFILES: dict[str, dict] = {
 # the default's shapes at 4x its tokens (1000 steps), three seeds: are the verdicts a short budget's?
 PROFILES["long"] = {**PROFILES["default"], "seeds": 3, "set": {**PROFILES["default"]["set"], "steps": 1000,
                     "eval_every": 100, "metrics_every": 100, "checkpoint_every": 250}}  # fmt: skip
+# the scaling study (experiments/scaling.toml): the default's preset and seeds; each run sets its own shape and budget
+PROFILES["scaling"] = {**PROFILES["default"]}
 
 
 
@@ -97,6 +99,7 @@ class Experiment:
     figures: list[str] = field(default_factory=lambda: ["loss"])
     guard: bool = True  # judge the checks only once the baseline has trained past the attractor
     mechanism: list[str] = field(default_factory=list)  # runs whose telemetry the "mechanism" figure draws
+    profiles: list[str] | None = None  # the only profiles it runs at (the scaling study: its own); None: all
 
 
 @dataclass
@@ -116,11 +119,15 @@ class RunSpec:
         return f"{self.config.model.norm}-{digest}-s{self.seed}"
 
 
-def builtin_experiments() -> list[str]:
-    """Names of the experiments shipped with normlab, in report order."""
+def builtin_experiments(profile: str | None = None) -> list[str]:
+    """Names of the experiments shipped with normlab, in report order; with ``profile``, those that run at it
+    (the scaling study runs only at its own profile, so `normlab reproduce` leaves it out)."""
     order = ["phase", "pointwise", "width", "denominator", "coupling", "coupling_sweep", "rank", "beyond"]
     found = {p.name[:-5] for p in resources.files("normlab.experiments").iterdir() if p.name.endswith(".toml")}
-    return [n for n in order if n in found] + sorted(found - set(order))
+    names = [n for n in order if n in found] + sorted(found - set(order))
+    if profile is None:
+        return names
+    return [n for n in names if (ps := load_experiment(n).profiles) is None or profile in ps]
 
 
 def load_experiment(name_or_path: str) -> Experiment:
@@ -150,6 +157,14 @@ def load_experiment(name_or_path: str) -> Experiment:
         if unknown:
             raise ValueError(f"{where}: run {r['name']!r}: unknown profile {unknown[0]!r}; "
                              f"valid: {', '.join(PROFILES)}")  # fmt: skip
+        lrs = r.get("lrs")
+        if lrs is not None and (not isinstance(lrs, list) or len(lrs) < 2 or len(set(lrs)) != len(lrs) or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in lrs)):  # fmt: skip
+            raise ValueError(f"{where}: run {r['name']!r}: lrs must be a list of at least two distinct learning "
+                             f"rates > 0 (the grid its best is chosen from), got {lrs!r}")  # fmt: skip
+        if r.get("lr_field", "lr") not in ("lr", "muon_lr"):
+            raise ValueError(f"{where}: run {r['name']!r}: lr_field must be 'lr' or 'muon_lr', got "
+                             f"{r['lr_field']!r}")  # fmt: skip
         budget = r.get("budget", 1)
         if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
             raise ValueError(f"{where}: run {r['name']!r}: budget (a multiple of the profile's steps) must be an "
@@ -164,6 +179,10 @@ def load_experiment(name_or_path: str) -> Experiment:
     if missing_runs:
         raise ValueError(f"{where}: mechanism names a run that does not exist: {missing_runs[0]!r}")
     names = {r["name"] for r in d["runs"]}
+    profiles = d.get("profiles")
+    if profiles is not None and (not isinstance(profiles, list) or not all(p in PROFILES for p in profiles)):
+        raise ValueError(f"{where}: profiles must be a list of profile names ({', '.join(PROFILES)}), got "
+                         f"{profiles!r}")  # fmt: skip
     if d.get("baseline") is not None and d["baseline"] not in names:
         raise ValueError(f"{where}: baseline {d['baseline']!r} is not one of its runs ({', '.join(sorted(names))})")
     for i, c in enumerate(d.get("checks", [])):
@@ -177,7 +196,7 @@ def load_experiment(name_or_path: str) -> Experiment:
                       metrics=d.get("metrics", ["final_val_loss"]), base=d.get("base", {}).get("set", {}),
                       path=where, baseline=d.get("baseline"), checks=d.get("checks", []),
                       figures=d.get("figures", ["loss"]), guard=d.get("guard", True),
-                      mechanism=d.get("mechanism", []))  # fmt: skip
+                      mechanism=d.get("mechanism", []), profiles=profiles)  # fmt: skip
 
 
 def expand(exp: Experiment, profile: str, root: str | Path, extra: dict | None = None) -> list[RunSpec]:
@@ -189,6 +208,9 @@ def expand(exp: Experiment, profile: str, root: str | Path, extra: dict | None =
     """
     if profile not in PROFILES:
         raise ValueError(f"unknown profile {profile!r}; valid: {', '.join(PROFILES)}")
+    if exp.profiles is not None and profile not in exp.profiles:
+        raise ValueError(f"{exp.path}: experiment {exp.name!r} runs only at profile {', '.join(exp.profiles)} (not "
+                         f"{profile!r}): pass --profile {exp.profiles[0]}")  # fmt: skip
     prof = PROFILES[profile]
     seeds = exp.seeds[: prof["seeds"]] if prof["seeds"] else exp.seeds
     specs = []
@@ -205,18 +227,31 @@ def expand(exp: Experiment, profile: str, root: str | Path, extra: dict | None =
         overrides.update(extra or {})
         if run.get("budget", 1) != 1:
             overrides["steps"] = run["budget"] * resolve_config(prof["preset"], dict(prof["set"])).steps
-        for seed in seeds:
-            try:
-                cfg = resolve_config(prof["preset"], {**overrides, "seed": seed})
-            except (ValueError, TypeError) as e:
-                raise ValueError(f"{exp.path}: run {run['name']!r}: {e}") from None
-            if run.get("beta_rms_gain"):  # beta0 = C * sigma0^2 with sigma0 = 0.02: RMSNorm's gain at init
-                cfg.model.norm_kwargs = {**cfg.model.norm_kwargs, "beta_init": cfg.model.width * 0.02**2}
-            meta = {k: v for k, v in run.items() if k not in ("name", "label", "set")}
-            spec = RunSpec(exp.name, run["name"], run.get("label", run["name"]), seed, cfg, meta)
-            cfg.out = str(Path(root) / "runs" / spec.run_id)
-            specs.append(spec)
+        for name, label, lr_set, meta in lr_variants(run):
+            for seed in seeds:
+                try:
+                    cfg = resolve_config(prof["preset"], {**overrides, **lr_set, "seed": seed})
+                except (ValueError, TypeError) as e:
+                    raise ValueError(f"{exp.path}: run {run['name']!r}: {e}") from None
+                if run.get("beta_rms_gain"):  # beta0 = C * sigma0^2 with sigma0 = 0.02: RMSNorm's gain at init
+                    cfg.model.norm_kwargs = {**cfg.model.norm_kwargs, "beta_init": cfg.model.width * 0.02**2}
+                spec = RunSpec(exp.name, name, label, seed, cfg, meta)
+                cfg.out = str(Path(root) / "runs" / spec.run_id)
+                specs.append(spec)
     return specs
+
+
+def lr_variants(run: dict) -> list[tuple[str, str, dict, dict]]:
+    """The runs one TOML entry stands for: itself, or with ``lrs = [...]`` one run per learning rate, named
+    ``name@lr=0.002`` (``lr_field`` = "muon_lr" sweeps Muon's rate instead). Each variant's meta names the
+    sweep it belongs to (``sweep``) and its rate, so the report can pick the best and draw the curve."""
+    meta = {k: v for k, v in run.items() if k not in ("name", "label", "set", "lrs")}
+    label = run.get("label", run["name"])
+    if not run.get("lrs"):
+        return [(run["name"], label, {}, meta)]
+    field_ = run.get("lr_field", "lr")
+    return [(f"{run['name']}@{field_}={lr:g}", f"{label}, {field_} {lr:g}", {field_: lr},
+             {**meta, "sweep": run["name"], "lr": lr, "lr_field": field_}) for lr in sorted(run["lrs"])]  # fmt: skip
 
 
 def parse_shard(text: str | None) -> tuple[int, int]:
@@ -276,9 +311,11 @@ def default_jobs() -> int:
     return 1 if torch.cuda.is_available() else max(1, min(os.cpu_count() or 1, 8))
 
 
-def run_sweep(specs: list[RunSpec], *, shard: tuple[int, int] = (0, 1), jobs: int = 1,
-              progress: bool = True) -> dict[str, str]:  # fmt: skip
-    """Run every spec of this shard that has not finished, ``jobs`` at a time; returns {run_id: status}."""
+def run_sweep(specs: list[RunSpec], *, shard: tuple[int, int] = (0, 1), jobs: int = 1, progress: bool = True,
+              on_done=None) -> dict[str, str]:  # fmt: skip
+    """Run every spec of this shard that has not finished, ``jobs`` at a time; returns {run_id: status}.
+
+    ``on_done(spec, status)``, if given, is called in this process as each run ends (a study records it there)."""
     unique = list({s.run_id: s for s in specs}.values())  # a run shared by several tables runs once
     mine = unique[shard[0] :: shard[1]]
     statuses, todo = {}, []
@@ -292,8 +329,12 @@ def run_sweep(specs: list[RunSpec], *, shard: tuple[int, int] = (0, 1), jobs: in
     bar = tqdm(total=len(mine), initial=len(statuses), disable=not progress, desc="sweep", unit="run",
                dynamic_ncols=True)  # fmt: skip
 
+    by_id = {s.run_id: s for s in todo}
+
     def done(run_id: str, status: str, error: str) -> None:
         statuses[run_id] = status
+        if on_done is not None:
+            on_done(by_id[run_id], status)
         if error:
             tqdm.write(f"run {names[run_id]} failed: {error}")
         bar.set_postfix_str(f"last: {names[run_id]} {status}")

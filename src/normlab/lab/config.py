@@ -13,7 +13,9 @@ from dataclasses import asdict, dataclass, field
 from normlab.lab.model import GPTConfig, check_types
 from normlab.pairs import parse_pairs
 
-__all__ = ["TrainConfig", "PRESETS", "resolve_config", "apply_overrides"]
+__all__ = ["TrainConfig", "PRESETS", "OPTIMIZERS", "resolve_config", "apply_overrides"]
+
+OPTIMIZERS = ("adamw", "muon")
 
 
 @dataclass
@@ -23,8 +25,11 @@ class TrainConfig:
     val_fraction: float = 0.1
     steps: int = 600
     batch_size: int = 32
-    lr: float = 3e-4
+    lr: float = 3e-4  # AdamW's peak rate (with optimizer = "muon": the embedding, head, scalars and vectors)
     min_lr: float = 3e-5
+    optimizer: str = "adamw"  # or "muon": torch.optim.Muon for the blocks' matrices, AdamW for the rest
+    muon_lr: float = 0.02  # Muon's peak rate (the schedule scales it as it scales lr)
+    muon_momentum: float = 0.95
     warmup: int = 50
     weight_decay: float = 0.1
     beta1: float = 0.9
@@ -66,10 +71,16 @@ class TrainConfig:
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{f} must be an int >= 1, got {v!r}")
-        for f in ("lr", "min_lr", "weight_decay", "grad_clip"):
+        for f in ("lr", "min_lr", "weight_decay", "grad_clip", "muon_lr"):
             v = getattr(self, f)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0:
                 raise ValueError(f"{f} must be a finite number >= 0, got {v!r}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
+        if self.optimizer == "muon" and self.lr <= 0:
+            raise ValueError(f"optimizer = 'muon' schedules muon_lr as a fraction of lr: lr must be > 0, got {self.lr}")
+        if not 0.0 <= self.muon_momentum < 1.0:
+            raise ValueError(f"muon_momentum must be in [0, 1), got {self.muon_momentum!r}")
         if self.warmup < 0:
             raise ValueError(f"warmup must be >= 0, got {self.warmup}")
         if self.amp not in ("auto", "bf16", "none"):

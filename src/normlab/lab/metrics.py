@@ -71,24 +71,28 @@ def saturation_slope(m: nn.Module) -> float | None:
 @torch.no_grad()
 def site_telemetry(m: nn.Module, x: torch.Tensor, y: torch.Tensor, name: str) -> dict[str, float]:
     """At one norm site with input x and output y (..., C): rms_in, rms_out, and where the norm has a
-    saturation slope, alpha_rms = alpha * rms_in and sat_frac = the fraction of entries with |alpha x| > 1."""
+    saturation slope, alpha_rms = alpha * rms_in, sat_frac = the fraction of entries with |alpha x| > 1 and
+    gain = alpha * mean |gamma| (the site's slope at 0, up to DyISRU's sqrt(C))."""
     x, y = x.detach().float(), y.detach().float()
     out = {f"rms_in/{name}": float(x.pow(2).mean().sqrt()), f"rms_out/{name}": float(y.pow(2).mean().sqrt())}
     alpha = saturation_slope(m)
     if alpha is not None:
         out[f"alpha_rms/{name}"] = alpha * out[f"rms_in/{name}"]
         out[f"sat_frac/{name}"] = float((x.abs() * alpha > 1).float().mean())
+        weight = getattr(m, "weight", None)
+        out[f"gain/{name}"] = alpha * (1.0 if weight is None else float(weight.detach().float().abs().mean()))
     return out
 
 
 @torch.no_grad()
-def attention_entropy(attn: nn.Module, h: torch.Tensor) -> float:
+def attention_entropy(attn: nn.Module, h: torch.Tensor, rope=None) -> float:
     """Mean entropy of causal attention weights relative to uniform, over heads and query positions t >= 1:
-    H(p_t) / log(t + 1), in [0, 1]; 1 means every query attends uniformly to its past. ``h``: (B, T, C)."""
+    H(p_t) / log(t + 1), in [0, 1]; 1 means every query attends uniformly to its past. ``h``: (B, T, C);
+    ``rope``: the llama block's (cos, sin) tables, applied to q and k as the model does."""
     h = h.detach().float()
     b, t, c = h.shape
-    q, k, _ = torch.nn.functional.linear(h, attn.qkv.weight.float()).split(c, dim=-1)
-    q, k = (z.view(b, t, attn.heads, c // attn.heads).transpose(1, 2) for z in (q, k))  # (B, nh, T, hs)
+    q, k, _ = attn.qk(h.to(attn.qkv.weight.dtype), rope)
+    q, k = q.float(), k.float()  # (B, nh, T, hs)
     logits = q @ k.transpose(-1, -2) / math.sqrt(c // attn.heads)  # (B, nh, T, T)
     causal = torch.ones(t, t, dtype=torch.bool, device=h.device).tril()
     p = logits.masked_fill(~causal, float("-inf")).softmax(-1)
@@ -122,6 +126,8 @@ class Probe:
         self.outputs: dict[str, torch.Tensor] = {}
         self.block_std: list[float] = []
         self.attn_input: torch.Tensor | None = None  # block 0's attention input, for its entropy
+        self.attn_rope = None  # and the RoPE tables it was given (llama block)
+        self.logits: torch.Tensor | None = None
         self._handles: list = []
 
     def __enter__(self) -> Probe:
@@ -131,22 +137,29 @@ class Probe:
         for block in self.model.blocks:
             self._handles.append(block.register_forward_hook(self._block_hook))
         self._handles.append(self.model.blocks[0].attn.register_forward_pre_hook(self._attn_hook))
+        self._handles.append(self.model.head.register_forward_hook(self._head_hook))
         return self
+
+    def _head_hook(self, module, args, y) -> None:
+        self.logits = y.detach()
 
     def _output_hook(self, name: str):
         return lambda module, args, y: self.outputs.__setitem__(name, y.detach())
 
     def _attn_hook(self, module, args) -> None:
         self.attn_input = args[0].detach()
+        self.attn_rope = args[1] if len(args) > 1 else None
 
     def mechanism(self) -> dict[str, float]:
-        """Per site: rms_in, rms_out, alpha_rms, sat_frac (see ``site_telemetry``); block 0's attention
-        entropy relative to uniform."""
+        """Per site: rms_in, rms_out, alpha_rms, sat_frac, gain (see ``site_telemetry``); block 0's attention
+        entropy relative to uniform; the logits' std."""
         out: dict[str, float] = {}
         for name, x in self.inputs.items():
             out.update(site_telemetry(self.sites[name], x, self.outputs[name], name))
         if self.attn_input is not None:
-            out["attn_entropy/0"] = attention_entropy(self.model.blocks[0].attn, self.attn_input)
+            out["attn_entropy/0"] = attention_entropy(self.model.blocks[0].attn, self.attn_input, self.attn_rope)
+        if self.logits is not None:
+            out["logit_std"] = float(self.logits.float().std())
         return out
 
     def __exit__(self, *exc) -> None:

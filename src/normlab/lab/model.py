@@ -1,8 +1,12 @@
-"""A GPT in reading order: config, attention, MLP, block, model. Every norm comes from the registry.
+"""A GPT in reading order: config, RoPE, attention, MLPs, block, model. Every norm comes from the registry.
 
 Pre-norm blocks, x <- x + attn(norm_attn(x)); x <- x + mlp(norm_mlp(x)), and a final norm
 before the head. GPT-2 initialisation as in seed 003: normal(0, 0.02) weights and
 normal(0, 0.02 / sqrt(2 L)) for the two residual projections of each block.
+
+Two blocks (``block``): ``gpt2`` (learned positions, a GELU MLP of 4 x width, tied head: the
+dissection's model) and ``llama`` (RoPE on q and k, no learned positions, a SwiGLU MLP of about 8/3 x
+width, an untied head: the shapes of LLaMA and SmolLM2, the models normlab converts). Neither has biases.
 
 The recipe knobs of the DyT and Derf papers (``normlab.lab.recipes``), each off by default so that a
 default model is seed 003's: ``embed_scale`` (a learnable scalar on the embedding, e.g. sqrt(d)),
@@ -24,9 +28,10 @@ from torch import nn
 from normlab.lab.recipes import parse_alpha_table
 from normlab.registry import accepted_kwargs, create_norm, init_kwargs, norm_spec
 
-__all__ = ["GPTConfig", "GPT"]
+__all__ = ["GPTConfig", "GPT", "BLOCKS", "rope_tables", "apply_rope"]
 
 SITES = ("attn", "mlp", "final")
+BLOCKS = ("gpt2", "llama")
 
 _TYPES = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,), "dict": (dict,), "list[str]": (list,)}
 
@@ -54,8 +59,10 @@ class GPTConfig:
     depth: int = 4
     heads: int = 4
     context: int = 128
-    mlp_ratio: float = 4.0
-    tied_embeddings: bool = True
+    mlp_ratio: float = 4.0  # gpt2: hidden = ratio x width; llama: 2/3 of that, rounded up to a multiple of 16
+    block: str = "gpt2"  # or "llama": RoPE, SwiGLU, untied head (see the module docstring)
+    rope_theta: float = 10000.0  # llama block: RoPE's base
+    tied_embeddings: bool | None = None  # None: the block's own (gpt2 tied, llama untied)
     norm: str = "rms_norm"  # the norm at every site, unless a site overrides it
     norm_kwargs: dict = field(default_factory=dict)  # init values for every site (e.g. alpha_init)
     norm_attn: str | None = None
@@ -77,6 +84,16 @@ class GPTConfig:
         table = {"alpha_init": parse_alpha_table(self.alpha_table, self.width)[site]} if self.alpha_table else {}
         return name, accepted_kwargs(name, {**self.norm_kwargs, **table, **getattr(self, f"norm_{site}_kwargs")})
 
+    def tied(self) -> bool:
+        """Whether the head shares the embedding's matrix: ``tied_embeddings``, else the block's default."""
+        return (self.block == "gpt2") if self.tied_embeddings is None else self.tied_embeddings
+
+    def mlp_hidden(self) -> int:
+        """The MLP's hidden size: mlp_ratio x width (gpt2); 2/3 of it rounded up to a multiple of 16 (llama's
+        SwiGLU, as LLaMA sizes it: 1536 at SmolLM2's width 576)."""
+        hidden = int(self.mlp_ratio * self.width)
+        return hidden if self.block == "gpt2" else 16 * math.ceil(2 * hidden / 3 / 16)
+
     def embed_scale_init(self) -> float | None:
         """The initial value of the embedding scalar, or None when the model has none."""
         return math.sqrt(self.width) if self.embed_scale == "sqrt_d" else self.embed_scale
@@ -95,6 +112,13 @@ class GPTConfig:
             raise ValueError(f"model.heads = {self.heads} does not divide model.width = {self.width}")
         if not (math.isfinite(self.mlp_ratio) and self.mlp_ratio > 0):
             raise ValueError(f"model.mlp_ratio must be a finite number > 0, got {self.mlp_ratio}")
+        if self.block not in BLOCKS:
+            raise ValueError(f"model.block must be one of {', '.join(BLOCKS)}, got {self.block!r}")
+        if self.block == "llama" and (self.width // self.heads) % 2:
+            raise ValueError(f"model.block = 'llama' rotates pairs of channels (RoPE): the head size width / heads "
+                             f"= {self.width // self.heads} must be even")  # fmt: skip
+        if not (math.isfinite(self.rope_theta) and self.rope_theta > 1):
+            raise ValueError(f"model.rope_theta must be a finite number > 1, got {self.rope_theta!r}")
         scale = self.embed_scale
         number = isinstance(scale, (int, float)) and not isinstance(scale, bool)
         if not (scale is None or scale == "sqrt_d" or (number and math.isfinite(scale) and scale > 0)):
@@ -125,6 +149,20 @@ class GPTConfig:
         return asdict(self)
 
 
+def rope_tables(context: int, head_size: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of RoPE's angles t * theta^(-2i / hs), each (T, hs): the halves repeated, as LLaMA lays them."""
+    inv_freq = theta ** (-torch.arange(0, head_size, 2, dtype=torch.float32) / head_size)  # (hs/2,)
+    angles = torch.arange(context, dtype=torch.float32)[:, None] * inv_freq[None, :]  # (T, hs/2)
+    angles = torch.cat([angles, angles], dim=-1)  # (T, hs)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate each pair (x_i, x_{i + hs/2}) of ``x`` (B, nh, T, hs) by its angle: x cos + rotate_half(x) sin."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
@@ -132,10 +170,19 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(cfg.width, 3 * cfg.width, bias=False)
         self.proj = nn.Linear(cfg.width, cfg.width, bias=False)  # residual projection ("c_proj")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def qk(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, ...]:
+        """q, k, v, each (B, nh, T, hs), with RoPE applied to q and k when ``rope`` is given."""
         b, t, c = x.shape  # (B, T, C)
         q, k, v = self.qkv(x).split(c, dim=-1)  # 3 x (B, T, C)
         q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))  # (B, nh, T, hs)
+        if rope is not None:
+            cos, sin = (r[:t].to(q.dtype) for r in rope)  # (T, hs)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return q, k, v
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        b, t, c = x.shape  # (B, T, C)
+        q, k, v = self.qk(x, rope)  # (B, nh, T, hs)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
         return self.proj(y.transpose(1, 2).reshape(b, t, c))  # (B, T, C)
 
@@ -143,12 +190,26 @@ class CausalSelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        hidden = int(cfg.mlp_ratio * cfg.width)
+        hidden = cfg.mlp_hidden()
         self.fc = nn.Linear(cfg.width, hidden, bias=False)
         self.proj = nn.Linear(hidden, cfg.width, bias=False)  # residual projection ("c_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(F.gelu(self.fc(x)))  # (B, T, C) -> (B, T, 4C) -> (B, T, C)
+
+
+class SwiGLU(nn.Module):
+    """LLaMA's MLP: proj(silu(gate(x)) * up(x)), hidden about 8/3 x width."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        hidden = cfg.mlp_hidden()
+        self.gate = nn.Linear(cfg.width, hidden, bias=False)
+        self.up = nn.Linear(cfg.width, hidden, bias=False)
+        self.proj = nn.Linear(hidden, cfg.width, bias=False)  # residual projection ("down_proj")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.silu(self.gate(x)) * self.up(x))  # (B, T, C) -> (B, T, H) -> (B, T, C)
 
 
 class Block(nn.Module):
@@ -159,10 +220,10 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(cfg)
         name, kw = cfg.site("mlp")
         self.norm_mlp = create_norm(name, cfg.width, **kw)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg) if cfg.block == "gpt2" else SwiGLU(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.norm_attn(x))  # (B, T, C)
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        x = x + self.attn(self.norm_attn(x), rope)  # (B, T, C)
         return x + self.mlp(self.norm_mlp(x))
 
 
@@ -172,13 +233,17 @@ class GPT(nn.Module):
         cfg.validate()
         self.cfg = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.width)
-        self.wpe = nn.Embedding(cfg.context, cfg.width)
+        self.wpe = nn.Embedding(cfg.context, cfg.width) if cfg.block == "gpt2" else None
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.depth))
         name, kw = cfg.site("final")
         self.norm_final = create_norm(name, cfg.width, **kw)
         self.head = nn.Linear(cfg.width, cfg.vocab_size, bias=False)
-        if cfg.tied_embeddings:
+        if cfg.tied():
             self.head.weight = self.wte.weight
+        if cfg.block == "llama":  # RoPE's tables, rebuilt with the model (not saved in checkpoints)
+            cos, sin = rope_tables(cfg.context, cfg.width // cfg.heads, cfg.rope_theta)
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
         # the DyT / Derf recipe's scalar after the embedding (no weight decay: it is not a matrix)
         self.embed_scale = None if cfg.embed_scale is None else nn.Parameter(torch.empty(1))
         self.reset_parameters()
@@ -190,7 +255,7 @@ class GPT(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith("proj.weight"):
                 nn.init.normal_(p, 0.0, std / math.sqrt(2 * self.cfg.depth))
-            elif p.dim() == 2:  # embeddings, qkv, fc, untied head
+            elif p.dim() == 2:  # embeddings, qkv, fc (gate, up), untied head
                 nn.init.normal_(p, 0.0, std)
         for m in self.norm_modules().values():
             m.reset_parameters()
@@ -225,11 +290,14 @@ class GPT(nn.Module):
         b, t = idx.shape  # (B, T)
         if t > self.cfg.context:
             raise ValueError(f"sequence length {t} exceeds model.context = {self.cfg.context}")
-        x = self.wte(idx) + self.wpe(torch.arange(t, device=idx.device))  # (B, T, C)
+        x = self.wte(idx)  # (B, T, C)
+        if self.wpe is not None:
+            x = x + self.wpe(torch.arange(t, device=idx.device))
         if self.embed_scale is not None:
             x = x * self.embed_scale
+        rope = (self.rope_cos, self.rope_sin) if self.cfg.block == "llama" else None
         for block in self.blocks:
-            x = block(x)
+            x = block(x, rope)
         logits = self.head(self.norm_final(x))  # (B, T, V)
         if targets is None:
             return logits, None

@@ -8,7 +8,7 @@ width (1024) the paper gives no value; ``dyt_alpha0`` then takes the nearest row
 Both the DyT LLaMA code and the Derf nanoGPT patch (Chen et al., arXiv 2512.10938) multiply the token +
 position embedding by a learnable scalar initialised to sqrt(d) before block 0, for DyT and Derf only
 (``model.embed_scale = "sqrt_d"`` in the lab). Neither decays it (nanoGPT decays only matrices), nor the
-norms' alpha, gamma and beta; the lab's AdamW does the same (``normlab.lab.train._optimizer``).
+norms' alpha, gamma and beta; the lab's AdamW does the same (``normlab.lab.train.build_optimizer``).
 """
 
 from __future__ import annotations

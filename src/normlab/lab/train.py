@@ -32,7 +32,7 @@ from normlab.lab.metrics import Probe, init_telemetry, norm_parameters, projecti
 from normlab.lab.model import GPT
 from normlab.lab.runs import CONFIG, METRICS, SUMMARY, VERSION, RunFolder, code_version, escape_step, read_jsonl
 
-__all__ = ["train", "lr_at", "CheckpointError", "check_cpu_bf16"]
+__all__ = ["train", "lr_at", "CheckpointError", "check_cpu_bf16", "build_optimizer", "muon_parameters", "Optimizers"]
 
 # config fields that may change when a run is resumed; every other field must match the checkpoint
 RESUMABLE = {"steps", "eval_every", "log_every", "metrics_every", "checkpoint_every", "out", "tensorboard", "device",
@@ -116,11 +116,57 @@ def _setup_distributed(cfg: TrainConfig) -> tuple[int, int, torch.device]:
     return rank, world, torch.device("cpu")
 
 
-def _optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
-    decay = [p for p in model.parameters() if p.dim() >= 2]  # matrices and embeddings
-    no_decay = [p for p in model.parameters() if p.dim() < 2]  # norm weights, biases, alpha, log_beta
+def muon_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The hidden matrices Muon updates: every 2-D weight inside the blocks (attention and MLP projections).
+    The embedding, the head and every vector or scalar stay with AdamW, as in modded-nanogpt."""
+    return [p for p in model.blocks.parameters() if p.dim() == 2]
+
+
+class Optimizers:
+    """Muon and AdamW stepped together: one object to the trainer and to the checkpoint."""
+
+    def __init__(self, *optimizers: torch.optim.Optimizer) -> None:
+        self.optimizers = optimizers
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [g for o in self.optimizers for g in o.param_groups]
+
+    def step(self) -> None:
+        for o in self.optimizers:
+            o.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for o in self.optimizers:
+            o.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        return {"optimizers": [o.state_dict() for o in self.optimizers]}
+
+    def load_state_dict(self, state: dict) -> None:
+        for o, s in zip(self.optimizers, state["optimizers"], strict=True):
+            o.load_state_dict(s)
+
+
+def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device):
+    """AdamW (weight decay on matrices and embeddings only), or with ``optimizer = "muon"`` torch.optim.Muon for
+    the blocks' matrices (``muon_parameters``) and AdamW for the rest. Each group keeps its peak rate in
+    ``peak_lr``; the schedule (``lr_at``) scales every group alike."""
+    muon = muon_parameters(model) if cfg.optimizer == "muon" else []
+    taken = {id(p) for p in muon}
+    rest = [p for p in model.parameters() if id(p) not in taken]
+    decay = [p for p in rest if p.dim() >= 2]  # matrices and embeddings
+    no_decay = [p for p in rest if p.dim() < 2]  # norm weights, biases, alpha, log_beta
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=device.type == "cuda")
+    adamw = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=device.type == "cuda")
+    for g in adamw.param_groups:
+        g["peak_lr"] = cfg.lr
+    if not muon:
+        return adamw
+    opt = torch.optim.Muon(muon, lr=cfg.muon_lr, weight_decay=cfg.weight_decay, momentum=cfg.muon_momentum)
+    for g in opt.param_groups:
+        g["peak_lr"] = cfg.muon_lr
+    return Optimizers(opt, adamw)
 
 
 @torch.no_grad()
@@ -217,8 +263,10 @@ def _step(model, fwd, raw_model, opt, cfg: TrainConfig, corpus, step: int, rank:
           probing: bool):  # fmt: skip
     """One optimizer step at ``step`` on that step's batch; returns the loss and, when probing, the Probe that
     measured it."""
-    for group in opt.param_groups:
-        group["lr"] = lr_at(step, cfg)
+    lr = lr_at(step, cfg)
+    for group in opt.param_groups:  # AdamW's groups take lr_at itself; Muon's the same fraction of its peak
+        peak = group.get("peak_lr", cfg.lr)
+        group["lr"] = lr if peak == cfg.lr else peak * lr / cfg.lr
     x, y = get_batch(corpus.train, cfg.batch_size, cfg.model.context, seed=cfg.seed, step=step, rank=rank)
     x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
     probe = Probe(raw_model, cfg.jacobian_site) if probing else None
@@ -242,7 +290,7 @@ def _model_and_optimizer(cfg: TrainConfig, folder: RunFolder, device, resume: bo
         cpu.ready(wait=True)  # one path from the first step: the one-time build (if any) happens now
     torch.manual_seed(cfg.seed)
     model = GPT(cfg.model).to(device)
-    opt = _optimizer(model, cfg, device)
+    opt = build_optimizer(model, cfg, device)
     if not (resume and folder.checkpoint.exists()):
         return model, opt, 0
     state = load_checkpoint(folder.checkpoint, cfg)

@@ -14,7 +14,7 @@ import platform
 from pathlib import Path
 
 from normlab.errors import NormlabError
-from normlab.report import phase  # noqa: F401  (registers the phase experiment's checks and figures)
+from normlab.report import phase, scaling  # noqa: F401  (register their checks and figures)
 from normlab.report.checks import CHECKS, Verdict, claims
 from normlab.report.figures import FIGURES, table
 from normlab.report.results import Results

@@ -28,9 +28,34 @@ class Results:
     def __init__(self, exp: dict, root: Path, profile: str = "") -> None:
         self.exp, self.root, self.profile = exp, root, profile
         self.groups: dict[str, list[dict]] = {}
+        self.sweeps: dict[str, list[str]] = {}  # a run swept over learning rates: its variants, by rate
         for r in exp["runs"]:
             self.groups.setdefault(r["name"], []).append(r)
+            base = r.get("meta", {}).get("sweep")
+            if base is not None and r["name"] not in self.sweeps.setdefault(base, []):
+                self.sweeps[base].append(r["name"])
         self._read: dict[tuple[str, str], object] = {}
+
+    def best(self, name: str, metric: str = "final_val_loss") -> str | None:
+        """The variant of a learning-rate sweep with the lowest mean ``metric`` over seeds (validation loss by
+        default), among those whose every seed completed; None while none has."""
+        done = []
+        for v in self.sweeps[name]:
+            vals = self.values(v, metric)
+            if vals and len(vals) == len(self.groups[v]):
+                done.append((statistics.fmean(vals), v))
+        return min(done)[1] if done else None
+
+    def at_edge(self, name: str) -> bool:
+        """Whether a sweep's best rate is the lowest or the highest of its grid (the grid should be widened)."""
+        best = self.best(name)
+        return best is not None and best in (self.sweeps[name][0], self.sweeps[name][-1])
+
+    def resolve(self, name: str) -> str:
+        """A run name as the checks mean it: a swept run stands for its variant at the best learning rate."""
+        if name in self.sweeps:
+            return self.best(name) or self.sweeps[name][0]
+        return name
 
     def run_dir(self, run: dict) -> Path:
         return self.root / "runs" / run["run_id"]
@@ -61,6 +86,7 @@ class Results:
         return float(rows[-1][metric]) if rows else None
 
     def values(self, name: str, metric: str = "final_val_loss") -> list[float]:
+        name = self.resolve(name)
         return [v for r in self.groups.get(name, []) if (v := self.value(r, metric)) is not None]
 
     def mean(self, name: str, metric: str = "final_val_loss") -> float | None:
@@ -73,6 +99,7 @@ class Results:
         return max(sds, default=0.0)
 
     def status(self, name: str) -> str:
+        name = self.resolve(name)
         sts = [self.summary(r).get("status", "missing") for r in self.groups[name]]
         return sts[0] if len(set(sts)) == 1 else ", ".join(sts)
 
@@ -82,10 +109,14 @@ class Results:
         return self.mean(name, metric) if name in self.groups else None
 
     def label(self, name: str) -> str:
+        if name in self.sweeps:
+            best = self.best(name)
+            lr = "" if best is None else f" (best {self.meta(best)['lr_field']} {self.meta(best)['lr']:g})"
+            return self.groups[self.sweeps[name][0]][0]["label"].rsplit(", ", 1)[0] + lr
         return self.groups[name][0]["label"]
 
     def meta(self, name: str) -> dict:
-        return self.groups[name][0]["meta"]
+        return self.groups[self.resolve(name)][0]["meta"]
 
     def flagged(self, flag: str) -> list[str]:
         """The runs whose TOML entry sets ``flag`` (e.g. pointwise = true)."""
@@ -101,6 +132,7 @@ class Results:
 
     def escape(self, name: str) -> str:
         """Each seed's escape step (the first evaluation 0.1 nats below the unigram entropy), or 'never'."""
+        name = self.resolve(name)
         h, steps = self.entropy(), []
         for r in self.groups[name]:
             s = self.summary(r)
@@ -113,6 +145,7 @@ class Results:
 
     def cell(self, name: str, metric: str = "final_val_loss", fmt: str = "{:.3f}") -> str:
         """'2.451 ± 0.012' linked to the run directories (one link per seed)."""
+        name = self.resolve(name)
         runs = self.groups[name]
         vals = self.values(name, metric)
         status = self.status(name)
