@@ -278,3 +278,38 @@ def test_scaling_study_runs_only_at_its_profile():
     assert all(s.meta.get("sweep") for s in specs)  # every cell at its best of a grid
     assert {s.config.model.block for s in specs} == {"gpt2", "llama"}
     assert {s.config.optimizer for s in specs} == {"adamw", "muon"}
+
+
+# ------------------------------------------------------------------ the GPU preset and script, on the CPU
+def test_gpt2_small_preset_builds_both_blocks():
+    for block in ("gpt2", "llama"):
+        cfg = resolve_config("gpt2-small", {"model.block": block, "model.norm_init": "match_rms"}, norm="dyt")
+        assert (cfg.model.width, cfg.model.depth, cfg.model.context) == (768, 12, 1024)
+        assert cfg.compile and cfg.amp == "bf16"
+        with torch.device("meta"):
+            n = sum(p.numel() for p in GPT(cfg.model).parameters())
+        assert 80e6 < n < 130e6, n  # GPT-2 small's blocks (the byte vocabulary makes the embedding small)
+
+
+@pytest.mark.slow
+def test_gpu_study_script_runs_on_the_cpu_at_tiny_shapes(corpus_file, tmp_path):
+    """scripts/gpu_study.sh end to end: its four runs (two blocks x RMSNorm / matched DyT) under bf16 autocast
+    (the GPU preset's), at tiny shapes and without torch.compile, and its table."""
+    import os
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "DATA": corpus_file, "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16",
+           "NORMLAB": str(Path(sys.executable).parent / "normlab"), "PYTHON": sys.executable,
+           "SET": "model.width=32 model.depth=1 model.heads=2 model.context=32 steps=4 batch_size=2 eval_batches=1 "
+                  "eval_every=2 compile=false warmup=1 metrics_every=2 checkpoint_every=2"}  # fmt: skip
+    proc = subprocess.run(["bash", str(repo / "scripts" / "gpu_study.sh")], env=env, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for run in ("gpt2-rms_norm", "gpt2-dyt", "llama-rms_norm", "llama-dyt"):
+        s = json.loads((tmp_path / "out" / run / "summary.json").read_text())
+        c = json.loads((tmp_path / "out" / run / "config.json").read_text())
+        assert s["status"] == "completed" and c["amp"] == "bf16" and c["model"]["block"] == run.split("-")[0]
+    table = proc.stdout.strip().splitlines()[-2:]
+    assert table[0].startswith("gpt2") and table[1].startswith("llama")

@@ -134,6 +134,14 @@ PRESETS: dict[str, dict] = {
         "steps": 1500, "batch_size": 16, "warmup": 100, "eval_every": 250, "eval_batches": 20, "log_every": 25,
         "metrics_every": 250, "checkpoint_every": 500, "compile": True,
     },
+    # GPT-2 small (12 x 768, context 1024) for the scaling study's GPU check (scripts/gpu_study.sh): bf16 and
+    # torch.compile; 1000 steps of 32 x 1024 tokens (33M tokens) take minutes on one H100. model.block picks the block.
+    "gpt2-small": {
+        "model": {"width": 768, "depth": 12, "heads": 12, "context": 1024},
+        "steps": 1000, "batch_size": 32, "lr": 6e-4, "min_lr": 6e-5, "warmup": 100, "eval_every": 100,
+        "eval_batches": 20, "log_every": 10, "metrics_every": 250, "checkpoint_every": 250, "compile": True,
+        "amp": "bf16",
+    },
 }  # fmt: skip
 
 
