@@ -20,6 +20,7 @@ import argparse
 import csv
 import json
 import os
+import re
 import shutil
 import sys
 import time
@@ -100,6 +101,64 @@ def write_table(records: dict[str, dict]) -> None:
                         s.get("final_val_loss"), s.get("escape_step"), s.get("tokens_per_s"), r["commit"]])  # fmt: skip
 
 
+def _best(records: dict[str, dict], cell: str, series: str) -> list[dict]:
+    """The seeds of one cell's series at its best rate (lowest mean final validation loss)."""
+    runs = [r for r in records.values() if r["meta"].get("cell") == cell and r["meta"].get("series") == series
+            and r["summary"].get("final_val_loss") is not None]  # fmt: skip
+    by_lr: dict[float, list[dict]] = {}
+    for r in runs:
+        by_lr.setdefault(r["meta"]["lr"], []).append(r)
+    if not by_lr:
+        return []
+    return min(by_lr.values(), key=lambda rs: sum(r["summary"]["final_val_loss"] for r in rs) / len(rs))
+
+
+def mechanism_figure(records: dict[str, dict], cells=("w64 x1 gpt2 adamw", "w128 x1 gpt2 adamw")) -> Path | None:
+    """Matched DyT and RMSNorm at their best rates over training, seed 0: the logits' std, the residual stream's
+    RMS at each block's input, and (DyT) the sites' gain alpha x |gamma| and saturated fraction."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from _study import save
+
+    cells = [c for c in cells if _best(records, c, "rms") and _best(records, c, "dyt_m")]
+    if not cells:
+        return None
+    panels = ("val_loss", "logit_std", "rms_in", "gain", "sat_frac")
+    fig, axes = plt.subplots(len(cells), len(panels), figsize=(3.2 * len(panels), 2.9 * len(cells)), squeeze=False)
+    for row, cell in zip(axes, cells):
+        for series, color in (("rms", "C0"), ("dyt_m", "C3")):
+            run = min(_best(records, cell, series), key=lambda r: r["seed"])
+            rows = run["metrics"]
+            label = f"{'RMSNorm' if series == 'rms' else 'DyT match_rms'} lr {run['meta']['lr']:g}"
+            for ax, panel in zip(row, panels):
+                if panel in ("val_loss", "logit_std"):
+                    pts = [(r["step"], r[panel]) for r in rows if panel in r]
+                    ax.plot(*zip(*pts), color=color, label=label) if pts else None
+                    continue
+                depth = run["config"]["model"]["depth"]
+                for i in range(depth):  # one line per block, lighter with depth
+                    key = f"{panel}/blocks.{i}.norm_attn"
+                    pts = [(r["step"], r[key]) for r in rows if key in r]
+                    if pts:
+                        ax.plot(*zip(*pts), color=color, alpha=1 - 0.7 * i / depth, lw=1,
+                                label=label if i == 0 else None)  # fmt: skip
+        titles = {"val_loss": "validation loss", "logit_std": "logits' std", "rms_in": "residual RMS at block input",
+                  "gain": "gain alpha x |gamma| (attn sites)", "sat_frac": "fraction |alpha x| > 1"}  # fmt: skip
+        for ax, panel in zip(row, panels):
+            ax.set_title(f"{cell}: {titles[panel]}", fontsize=8)
+            ax.set_xlabel("step", fontsize=8)
+            if panel in ("rms_in", "logit_std"):
+                ax.set_yscale("log")
+        row[0].legend(fontsize=6)
+    path = FIGURES / "mechanism.png"
+    save(fig, path)
+    plt.close(fig)
+    return path
+
+
 def report(root: Path) -> None:
     from normlab.report import write_report
 
@@ -108,9 +167,10 @@ def report(root: Path) -> None:
     for png in (root / "figures").glob("scaling_*.png"):
         shutil.copy(png, FIGURES / png.name)
     text = path.read_text().replace("](figures/", "](../docs/figures/scaling/")
-    text = "\n".join(line for line in text.splitlines() if "](runs/" not in line or line.startswith("|"))
-    (ROOT / "bench" / "scaling.md").write_text(text.replace("](runs/", "](#") + "\n")
+    text = re.sub(r"\[([^\]]*)\]\(runs/[^)]*\)", r"\1", text)  # run folders are not in the repository
+    (ROOT / "bench" / "scaling.md").write_text(text)
     write_table(recorded())
+    mechanism_figure(recorded())
     print(f"wrote {ROOT / 'bench' / 'scaling.md'}, {TABLE}, {FIGURES}/")
 
 

@@ -31,6 +31,9 @@ def table(res: Results) -> str:
                 cells += [fmt(paper.get(m), "{:g}"), res.cell(n, m, "{:.4g}")]
             rows.append([runs[0]["label"], *cells, res.escape(n), res.status(n)])
         return format_table(headers, rows, markdown=True)
+    if not any("paper" in runs[0]["meta"] for runs in res.groups.values()):  # normlab's own question: no paper column
+        rows = [[runs[0]["label"], res.cell(n), res.escape(n), res.status(n)] for n, runs in res.groups.items()]
+        return format_table(["run", "val loss", "escape step", "status"], rows, markdown=True)
     headers = ["run", "seed 003 loss", "seed 003 frac", "ours: val loss", "ours: frac", "escape step", "status"]
     rows = []
     for n, runs in res.groups.items():

@@ -148,13 +148,41 @@ ANCHORS = [
 ]
 
 
+def _trend_series(res: Results) -> tuple[list[tuple[float, dict]], list[tuple[float, dict]]]:
+    """The gpt2 / AdamW / depth-4 gaps against tokens (width 64) and against width (1x tokens)."""
+    pts = [p for p in gap_points(res) if p["block"] == "gpt2" and p["opt"] == "adamw" and p.get("depth", 4) == 4]
+    return (sorted(((p["budget"], p) for p in pts if p["width"] == 64), key=lambda t: t[0]),
+            sorted(((p["width"], p) for p in pts if p["budget"] == 1), key=lambda t: t[0]))  # fmt: skip
+
+
+@register_check("gap_trend")
+def _check_gap_trend(res: Results, c: dict) -> list[Verdict]:
+    """The fitted trend of matched DyT's gap to RMSNorm in log2 tokens and log2 width, and where the width trend
+    points at GPT-2 small's 768: a prediction, set beside the published anchors (their settings differ)."""
+    by_tokens, by_width = _trend_series(res)
+    out = []
+    for what, series, at in (("tokens (width 64)", by_tokens, None), ("width (1x tokens)", by_width, 768)):
+        if len(series) < 2:
+            out.append(verdict(None, f"gap against {what}: fewer than two cells measured"))
+            continue
+        a, b = trend([x for x, _ in series], [p["gap"] for _, p in series])
+        pts = ", ".join(f"{x:g}: {p['gap']:+.3f}" for x, p in series)
+        text = f"matched DyT minus RMSNorm against {what}: {pts}; fitted {b:+.3f} nats per doubling"
+        numbers = {"slope": b, "points": len(series)}
+        if at is not None:
+            pred = a + b * math.log2(at)
+            numbers["prediction"] = pred
+            text += (f"; extended to width {at}, a prediction of {pred:+.3f} at these tokens (published DyT minus "
+                     "LayerNorm at GPT-2 small: " + "; ".join(f"{v:+.3f}, {src}" for src, _, v in ANCHORS) + ")")
+        out.append(Verdict(None, text, numbers, finding=True))
+    return out
+
+
 @register_figure("gap_trend")
 def _gap_trend(res: Results, path: Path, other: Results | None = None) -> Path | None:
     """Matched DyT's gap to RMSNorm against tokens (width 64) and against width (1x tokens), GPT-2 block with
     AdamW, each with a fitted line in log2; the width line is extended to 768 (GPT-2 small) as a prediction."""
-    pts = [p for p in gap_points(res) if p["block"] == "gpt2" and p["opt"] == "adamw" and p.get("depth", 4) == 4]
-    by_tokens = sorted((p["budget"], p) for p in pts if p["width"] == 64)
-    by_width = sorted((p["width"], p) for p in pts if p["budget"] == 1)
+    by_tokens, by_width = _trend_series(res)
     if len(by_tokens) + len(by_width) == 0:
         return None
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
