@@ -94,6 +94,98 @@ def test_huge_inputs_saturate_dyisru_and_eln():
     KC.close(cpu.eln(x, one, w, None, scale=1.0), FN.eln(x.double(), 4.0) / math.sqrt(7), 1e-5, "eln")
 
 
+# ------------------------------------------------------------------ edges: huge inputs, denormal parameters, no weight
+def _grads(fn, x, *params):
+    x = x.clone().requires_grad_(True)
+    ps = [p.clone().requires_grad_(True) for p in params]
+    y = fn(x, *ps)
+    y.backward(torch.ones_like(y))
+    return y.detach(), x.grad, [p.grad for p in ps]
+
+
+_EDGE_OPS = {  # name: (fused, reference, parameters), the parameters as the modules hold them
+    "dyt": (lambda x, a, w, b: cpu.dyt(x, a, w, b), FN.dyt, lambda: [torch.tensor([0.5]), torch.rand(8) + 0.5,
+                                                                     torch.randn(8)]),
+    "scaled_dyt": (lambda x, a, w, b: cpu.dyt(x, a, w, b, scale=math.sqrt(8)), FN.scaled_dyt,
+                   lambda: [torch.tensor([0.5]), torch.rand(8) + 0.5, torch.randn(8)]),
+    "derf": (lambda x, a, s, w, b: cpu.derf(x, a, s, w, b), FN.derf,
+             lambda: [torch.tensor([0.5]), torch.tensor([0.1]), torch.rand(8) + 0.5, torch.randn(8)]),
+    "dyisru": (lambda x, be, w, b: cpu.dyisru(x, be, w, b, scale=math.sqrt(8)), FN.dyisru,
+               lambda: [torch.tensor([4.0]), torch.rand(8) + 0.5, torch.randn(8)]),
+    "eln": (lambda x, be, w, b: cpu.eln(x, be, w, b, scale=math.sqrt(7)), FN.eln,
+            lambda: [torch.tensor([4.0]), torch.rand(8) + 0.5, torch.randn(8)]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("magnitude", [1e4, 1e8, 1e18, 1e30])
+@pytest.mark.parametrize("op", list(_EDGE_OPS))
+def test_every_gradient_matches_the_reference_on_huge_inputs(op, magnitude):
+    """Issue 29, defect 1: the fused tanh stopped at 0.99999994, so every saturated element kept adding to
+    alpha's gradient (9.5e23 instead of 0 at |x| = 1e30 for DyT). Rows of huge values, one sign or mixed with
+    ordinary ones: the output and every gradient as the reference's (float64), saturation exactly +-1."""
+    fast, ref, params = _EDGE_OPS[op]
+    torch.manual_seed(0)
+    x = torch.randn(6, 8)
+    x[0] = magnitude
+    x[1] = -magnitude
+    x[2, ::2] = magnitude
+    ps = params()
+    y, dx, dps = _grads(fast, x, *ps)
+    y_ref, dx_ref, dps_ref = _grads(ref, x.double(), *[p.double() for p in ps])
+    KC.close(y, y_ref, 1e-5, f"{op} y")
+    KC.close(dx, dx_ref, 1e-5, f"{op} dx")
+    for i, (g, g_ref) in enumerate(zip(dps, dps_ref)):
+        scale = max(1.0, float(g_ref.abs().max()))
+        err = float((g.double() - g_ref).abs().max()) / scale
+        assert err <= 1e-4, f"{op} parameter {i}: relative error {err:.3g} at |x| = {magnitude:g}"
+    if op in ("dyt", "scaled_dyt"):
+        m = normlab.create_norm("dyt", 8, kernel="cpu")
+        xs = torch.full((1, 8), magnitude, requires_grad=True)
+        m(xs).sum().backward()
+        assert float(m.alpha.grad) == 0.0  # every element saturated: tanh' = 0 exactly, as the reference
+
+
+@pytest.mark.parametrize("name", ["dyisru", "eln"])
+def test_a_denormal_beta_gives_the_reference_answer(name):
+    """Issue 29, defect 2: a denormal beta (init accepts it) made the hardware rsqrt read 0, and the fused
+    DyISRU returned +-inf with the sign flipped: [-inf, inf, -inf, 2] for [1e-25, -1e-25, 1e-30, 3]."""
+    x = torch.tensor([[1e-25, -1e-25, 1e-30, 3.0], [1e-20, 2e-22, -5e-21, 0.0]])
+    fused = normlab.create_norm(name, 4, kernel="cpu", beta_init=1e-40)
+    ref = normlab.create_norm(name, 4, kernel="reference", beta_init=1e-40)
+    y, y_ref = fused(x), ref(x)
+    assert torch.isfinite(y).all()
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=0)
+    if name == "dyisru":
+        assert torch.equal(torch.sign(y[0]), torch.sign(x[0]))
+
+
+@pytest.mark.parametrize("name", ["dyt", "scaled_dyt", "derf", "dyisru", "eln", "rms_norm"])
+def test_public_kernels_without_a_weight_match_the_reference(name):
+    """Issue 29, defect 3: `normlab.kernels.dyt(x, alpha, None, kernel="cpu")` returned zeros (the library read a
+    missing weight as 0), so under "auto" the answer changed at 65,536 elements. No weight means 1, on every
+    path, with the gradients of x and of the other parameters unchanged."""
+    import normlab.kernels as K
+
+    x = torch.randn(4, 8)
+    calls = {
+        "dyt": lambda x, k: K.dyt(x, torch.tensor([0.5]), None, kernel=k),
+        "scaled_dyt": lambda x, k: K.scaled_dyt(x, torch.tensor([0.5]), None, kernel=k),
+        "derf": lambda x, k: K.derf(x, torch.tensor([0.5]), torch.tensor([0.1]), None, kernel=k),
+        "dyisru": lambda x, k: K.dyisru(x, torch.tensor([4.0]), None, kernel=k),
+        "eln": lambda x, k: K.eln(x, torch.tensor([4.0]), None, kernel=k),
+        "rms_norm": lambda x, k: K.rms_norm(x, None, 1e-6, kernel=k),
+    }
+    out = {}
+    for k in ("cpu", "reference"):
+        xk = x.clone().requires_grad_(True)
+        y = calls[name](xk, k)
+        y.backward(torch.ones_like(y))
+        out[k] = (y.detach(), xk.grad)
+    assert out["cpu"][0].abs().max() > 0
+    torch.testing.assert_close(out["cpu"][0], out["reference"][0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out["cpu"][1], out["reference"][1], rtol=1e-4, atol=1e-5)
+
+
 def test_non_contiguous_batched_and_empty_inputs():
     base = torch.randn(16, 5, 3)
     x = base.transpose(0, 2).requires_grad_(True)  # (3, 5, 16), last axis strided

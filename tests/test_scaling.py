@@ -313,3 +313,19 @@ def test_gpu_study_script_runs_on_the_cpu_at_tiny_shapes(corpus_file, tmp_path):
         assert s["status"] == "completed" and c["amp"] == "bf16" and c["model"]["block"] == run.split("-")[0]
     table = proc.stdout.strip().splitlines()[-2:]
     assert table[0].startswith("gpt2") and table[1].startswith("llama")
+
+
+def test_the_issue_command_runs_from_the_command_line(corpus_file, tmp_path):
+    """`normlab train --preset small --set model.block=llama optimizer=muon --norm dyt --set
+    model.norm_init=match_rms`, at the tiny preset's size: both --set flags apply."""
+    from normlab.cli import main
+
+    out = tmp_path / "r"
+    code = main(["train", "--preset", "tiny", "--set", "model.block=llama", "optimizer=muon", "--norm", "dyt",
+                 "--set", "model.norm_init=match_rms", "steps=6", "--data", corpus_file, "--out", str(out),
+                 "--no-progress"])  # fmt: skip
+    assert code == 0
+    cfg = json.loads((out / "config.json").read_text())
+    assert (cfg["model"]["block"], cfg["optimizer"], cfg["model"]["norm"], cfg["model"]["norm_init"]) == (
+        "llama", "muon", "dyt", "match_rms")  # fmt: skip
+    assert json.loads((out / "summary.json").read_text())["status"] == "completed"

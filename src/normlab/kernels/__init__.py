@@ -131,7 +131,7 @@ def scaled_dyt(x, alpha, weight, bias=None, *, scale: FN.Scale = "C", kernel: st
     if path == "triton":
         from normlab.kernels import fused
 
-        return fused.dyt(x, a, w * s, b)
+        return fused.dyt(x, a, fused.unit_weight(w, x) * s, b)
     if path == "cpu":
         from normlab.kernels import cpu
 

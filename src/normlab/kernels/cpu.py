@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 
 from normlab.kernels import cpu_build
+from normlab.kernels.fused import unit_weight  # a missing weight means 1: the library reads it as zeros
 
 __all__ = ["available", "ready", "usable", "dyt", "derf", "dyisru", "eln", "rms_norm", "FAST_DTYPES"]
 
@@ -121,34 +122,36 @@ def _need() -> None:
         raise RuntimeError(f"normlab's CPU kernels are not available on this machine ({cpu_build.failure()})")
 
 
+
+
 # --------------------------------------------------------------------------
 # the ops: same signatures as normlab.functional
 # --------------------------------------------------------------------------
-def dyt(x: Tensor, alpha: Tensor, weight: Tensor, bias: Tensor | None = None, scale: float = 1.0) -> Tensor:
+def dyt(x: Tensor, alpha: Tensor, weight: Tensor | None, bias: Tensor | None = None, scale: float = 1.0) -> Tensor:
     """scale * weight * tanh(alpha x) + bias (scale sqrt(C) gives scaled DyT); alpha of shape (1,) or (C,)."""
     _need()
-    return _PointwiseFn.apply(x, weight, bias, float(scale), "dyt", alpha, None)
+    return _PointwiseFn.apply(x, unit_weight(weight, x), bias, float(scale), "dyt", alpha, None)
 
 
-def derf(x: Tensor, alpha: Tensor, shift: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+def derf(x: Tensor, alpha: Tensor, shift: Tensor, weight: Tensor | None, bias: Tensor | None = None) -> Tensor:
     """weight * erf(alpha x + shift) + bias; alpha and shift of shape (1,) or (C,)."""
     _need()
-    return _PointwiseFn.apply(x, weight, bias, 1.0, "derf", alpha, shift)
+    return _PointwiseFn.apply(x, unit_weight(weight, x), bias, 1.0, "derf", alpha, shift)
 
 
-def dyisru(x: Tensor, beta: Tensor, weight: Tensor, bias: Tensor | None = None, scale: float = 1.0) -> Tensor:
+def dyisru(x: Tensor, beta: Tensor, weight: Tensor | None, bias: Tensor | None = None, scale: float = 1.0) -> Tensor:
     """scale * weight * x / sqrt(beta + x^2) + bias; beta of shape (1,) or (C,)."""
     _need()
-    return _PointwiseFn.apply(x, weight, bias, float(scale), "dyisru", beta, None)
+    return _PointwiseFn.apply(x, unit_weight(weight, x), bias, float(scale), "dyisru", beta, None)
 
 
-def eln(x: Tensor, beta: Tensor, weight: Tensor, bias: Tensor | None = None, scale: float = 1.0) -> Tensor:
+def eln(x: Tensor, beta: Tensor, weight: Tensor | None, bias: Tensor | None = None, scale: float = 1.0) -> Tensor:
     """scale * weight * u / sqrt(beta + u^2) + bias with u = x - mean(x); beta of shape (1,) or (C,)."""
     _need()
-    return _PointwiseFn.apply(x, weight, bias, float(scale), "eln", beta, None)
+    return _PointwiseFn.apply(x, unit_weight(weight, x), bias, float(scale), "eln", beta, None)
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
     """weight * x / sqrt(mean(x^2) + eps), fp32 statistics."""
     _need()
-    return _RMSNormFn.apply(x, weight, float(eps))
+    return _RMSNormFn.apply(x, unit_weight(weight, x), float(eps))

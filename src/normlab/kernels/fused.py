@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["check_operands", "dyt", "derf", "dyisru", "rms_norm"]
+__all__ = ["check_operands", "unit_weight", "dyt", "derf", "dyisru", "rms_norm"]
 
 
 def check_operands(op: str, x: torch.Tensor, **params: torch.Tensor | None) -> None:
@@ -28,8 +28,15 @@ def check_operands(op: str, x: torch.Tensor, **params: torch.Tensor | None) -> N
             )
 
 
+def unit_weight(weight: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    """``weight``, or for None (no affine weight) a constant of ones (C,) on x's device and dtype: the fused kernels
+    always read a weight, and a missing one must mean 1, never 0."""
+    return torch.ones(x.shape[-1], dtype=x.dtype, device=x.device) if weight is None else weight
+
+
 def dyt(x, alpha, weight, bias=None):
     """Fused gamma * tanh(alpha x) + beta; alpha of shape (1,) or (C,)."""
+    weight = unit_weight(weight, x)
     check_operands("dyt", x, alpha=alpha, weight=weight, bias=bias)
     from normlab.kernels.dyt_triton import dyt as fused
 
@@ -38,6 +45,7 @@ def dyt(x, alpha, weight, bias=None):
 
 def derf(x, alpha, shift, weight, bias=None):
     """Fused weight * erf(alpha x + shift) + bias; alpha and shift of shape (1,) or (C,)."""
+    weight = unit_weight(weight, x)
     check_operands("derf", x, alpha=alpha, shift=shift, weight=weight, bias=bias)
     from normlab.kernels.derf_triton import derf as fused
 
@@ -46,6 +54,7 @@ def derf(x, alpha, shift, weight, bias=None):
 
 def dyisru(x, beta, weight, bias=None, scale: float | None = None):
     """Fused weight * scale * x / sqrt(beta + x^2) + bias; beta of shape (1,) or (C,)."""
+    weight = unit_weight(weight, x)
     check_operands("dyisru", x, beta=beta, weight=weight, bias=bias)
     from normlab.kernels.dyisru_triton import dyisru as fused
 
@@ -54,6 +63,7 @@ def dyisru(x, beta, weight, bias=None, scale: float | None = None):
 
 def rms_norm(x, weight, eps: float):
     """Fused RMSNorm with a weight; saves fp32 rstd for the backward."""
+    weight = unit_weight(weight, x)
     check_operands("rms_norm", x, weight=weight)
     from normlab.kernels.rms_norm_triton import rms_norm as fused
 

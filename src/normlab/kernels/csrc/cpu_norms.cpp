@@ -91,10 +91,15 @@ inline Vec recip(const Vec& d) {
 #endif
 }
 
+// The estimate reads a denormal operand as 0 (and gives inf): below float32's smallest normal the operand is
+// scaled by 2^64 first and the result by 2^32, so a denormal beta (which init accepts) gives the reference's answer.
 inline Vec rsqrt_(const Vec& v) {
 #if defined(CPU_CAPABILITY_AVX2)
-  const Vec r(_mm256_rsqrt_ps(v));
-  return r * (Vec(1.5f) - Vec(0.5f) * v * r * r);
+  const Vec tiny = v < Vec(1.17549435e-38f);
+  const Vec vs = Vec::blendv(v, v * Vec(18446744073709551616.0f), tiny);
+  const Vec r(_mm256_rsqrt_ps(vs));
+  const Vec y = r * (Vec(1.5f) - Vec(0.5f) * vs * r * r);
+  return Vec::blendv(y, y * Vec(4294967296.0f), tiny);
 #else
   return v.rsqrt();
 #endif
@@ -102,7 +107,9 @@ inline Vec rsqrt_(const Vec& v) {
 
 // tanh to a few float32 ulp: the odd Taylor series through z^17 for |z| < 0.55 (its next term is below
 // 2.5e-8 there), else sign(z) (1 - e) / (1 + e) with e = exp(-2|z|), free of cancellation (e <= 0.33) and
-// saturating without overflow. c_k = 2^(2n) (2^(2n) - 1) B_(2n) / (2n)! with n = k + 1.
+// saturating without overflow; exactly sign(z) from |z| >= 9, where 1 - tanh(z) < 3e-8 is below half an ulp
+// of 1 (so the derivative 1 - f^2 is exactly 0 there, as the reference's). c_k = 2^(2n) (2^(2n) - 1) B_(2n) / (2n)!
+// with n = k + 1.
 inline Vec tanh_(const Vec& z) {
   const Vec a = z.abs();
   const Vec z2 = z * z;
@@ -112,7 +119,8 @@ inline Vec tanh_(const Vec& z) {
   for (float ck : c) poly = at::vec::fmadd(poly, z2, Vec(ck));
   const Vec e = (a * Vec(-2.0f)).exp_u20();
   const Vec r = (Vec(1.0f) - e) * recip(Vec(1.0f) + e);
-  const Vec outer = Vec::blendv(r, -r, z < Vec(0.0f));
+  const Vec sat = Vec::blendv(r, Vec(1.0f), a >= Vec(9.0f));
+  const Vec outer = Vec::blendv(sat, -sat, z < Vec(0.0f));
   return Vec::blendv(outer, z * poly, a < Vec(0.55f));
 }
 
