@@ -16,7 +16,7 @@ from pathlib import Path
 
 from normlab.errors import NormlabError
 
-__all__ = ["Locked", "hold", "take_lock", "check_writable", "inside"]
+__all__ = ["Locked", "hold", "take_lock", "check_writable", "inside", "path_segment_error"]
 
 
 class Locked(NormlabError):
@@ -75,12 +75,23 @@ def check_writable(path: str | Path, what: str) -> None:
 
 
 def inside(path: str | Path, *roots: str | Path | None) -> str | None:
-    """The first of ``roots`` (files or folders) that ``path`` equals or lies within, else None."""
+    """The first of ``roots`` (files or folders) that ``path`` equals or lies within, else None. A root that does
+    not exist yet (an output folder to be made) counts as a folder."""
     p = Path(path).resolve()
     for root in roots:
         if root is None:
             continue
         r = Path(root).resolve()
-        if p == r or (r.is_dir() and p.is_relative_to(r)):
+        if p == r or ((r.is_dir() or not r.exists()) and p.is_relative_to(r)):
             return str(root)
+    return None
+
+
+def path_segment_error(name: object) -> str | None:
+    """Why ``name`` cannot be one path segment (a file or folder name inside a root), or None when it can: a
+    non-empty string with no separator, not '.' or '..', so that a file named after it stays in its root."""
+    if not isinstance(name, str) or not name.strip():
+        return f"must be one path segment (a non-empty string), got {name!r}"
+    if "/" in name or "\\" in name or name.strip(".") == "" or "\0" in name:
+        return f"must be one path segment (no '/' or '\\', not '.' or '..'), got {name!r}"
     return None

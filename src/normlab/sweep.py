@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 
 from normlab.lab.config import TrainConfig, resolve_config
 from normlab.lab.runs import SUMMARY, TERMINAL, RunFolder, RunLocked, read_summary
+from normlab.owner import path_segment_error
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -150,6 +151,8 @@ def load_experiment(name_or_path: str) -> Experiment:
     missing = [k for k in ("name", "runs") if k not in d]
     if missing:
         raise ValueError(f"{where}: missing {', '.join(missing)}")
+    if (why := path_segment_error(d["name"])) is not None:  # figures are named after it, inside the report's root
+        raise ValueError(f"{where}: name {why}")
     for i, r in enumerate(d["runs"]):
         if "name" not in r or "set" not in r:
             raise ValueError(f"{where}: run {i} needs 'name' and 'set'")

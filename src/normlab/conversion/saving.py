@@ -14,7 +14,7 @@ from normlab.conversion.calibrate import FirstToken, per_channel_kwargs
 from normlab.conversion.record import ConversionRecord
 from normlab.registry import create_norm
 
-__all__ = ["RECORD_FILE", "save_converted", "load_converted", "apply_record"]
+__all__ = ["RECORD_FILE", "save_converted", "load_converted", "apply_record", "module_names"]
 
 
 def apply_record(model: nn.Module, record: ConversionRecord) -> nn.Module:
@@ -60,6 +60,23 @@ def save_converted(model: nn.Module, record: ConversionRecord, path: str | Path,
     return path
 
 
+def module_names(model: nn.Module, state: dict) -> dict:
+    """A saved state's keys as the model names its parameters. transformers' ``save_pretrained`` may write legacy
+    names (ViT: ``vit.encoder.layer.0`` for ``vit.layers.0``); its own reverse mapping, applied to the model's
+    state, says which saved name each parameter gets, and the file's keys are renamed back by it."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # an older transformers saves the names it loads
+        return state
+    if not hasattr(model, "config"):
+        return state
+    own = model.state_dict()
+    saved = revert_weight_conversion(model, dict(own))
+    name = {id(v): k for k, v in own.items()}  # renamings keep the tensor: a saved key maps to its parameter
+    rename = {s: name[id(v)] for s, v in saved.items() if id(v) in name and s != name[id(v)]}
+    return {rename.get(k, k): v for k, v in state.items()}
+
+
 def _load_state(path: Path) -> dict:
     if (path / "model.pt").exists():
         return torch.load(path / "model.pt", map_location="cpu", weights_only=True)
@@ -101,7 +118,7 @@ def load_converted(path: str | Path, model: nn.Module | None = None) -> tuple[nn
         cls = getattr(transformers, d.get("model_class") or config.architectures[0])
         model = cls(config)
     apply_record(model, record)
-    state = _load_state(path)
+    state = module_names(model, _load_state(path))
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = set(getattr(model, "_tied_weights_keys", None) or [])
     missing = [k for k in missing if k not in tied and not any(fnmatch.fnmatch(k, t) for t in tied)]

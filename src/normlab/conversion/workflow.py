@@ -65,7 +65,7 @@ def _check_heal_options(heal_minutes, heal_tokens, heal_train: str, heal_objecti
                              "budget (--heal-minutes or --heal-tokens), or drop it")  # fmt: skip
         return None
     _check_budget(heal_minutes, heal_tokens, heal_train, heal_objective, False, None)
-    ckpt = checkpoint or (f"{out}.heal.pt" if out else None)
+    ckpt = checkpoint or (f"{Path(out)}.heal.pt" if out else None)  # Path: "DIR/" and "DIR" name one folder
     if ckpt is None:
         if resume:
             raise ValueError("--resume needs the heal checkpoint: pass --checkpoint PATH (or --out, whose default "

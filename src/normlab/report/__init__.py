@@ -14,6 +14,7 @@ import platform
 from pathlib import Path
 
 from normlab.errors import NormlabError
+from normlab.owner import path_segment_error
 from normlab.report import phase, scaling  # noqa: F401  (register their checks and figures)
 from normlab.report.checks import CHECKS, Verdict, claims
 from normlab.report.figures import FIGURES, table
@@ -33,6 +34,11 @@ def read_index(path: Path) -> dict:
     if not isinstance(index, dict) or not isinstance(index.get("experiments"), list) or "profile" not in index:
         raise NormlabError(f"{path} is not a normlab index (no profile and list of experiments); write it again "
                            "with `normlab sweep`")  # fmt: skip
+    for exp in index["experiments"]:
+        name = exp.get("name") if isinstance(exp, dict) else None
+        if (why := path_segment_error(name)) is not None:  # figures are written as <root>/figures/<name>_*.png
+            raise NormlabError(f"{path}: experiment name {name!r} {why.split(', got')[0]}; fix it in the "
+                               "experiment's TOML and run `normlab sweep` again")  # fmt: skip
     return index
 
 

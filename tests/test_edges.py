@@ -1,0 +1,114 @@
+"""Issue 29: right answers at the edges and clear errors everywhere, outside the kernels (whose edge rows are in
+test_kernels_cpu.py). Each defect's test failed on 111695b; each message class has a test that a bad value gives
+one line naming the file (or flag) and the field, exit 2, before any work."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import normlab
+from normlab.cli import main
+
+transformers = pytest.importorskip("transformers")
+
+CALIB = "The quick brown fox jumps over the lazy dog. " * 200
+
+
+def _tiny(cls_name: str, path: Path) -> Path:
+    torch.manual_seed(0)
+    kw = dict(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2)  # fmt: skip
+    if cls_name == "Gemma":
+        kw["head_dim"] = 8
+    cfg = getattr(transformers, f"{cls_name}Config")(**kw)
+    getattr(transformers, f"{cls_name}ForCausalLM")(cfg).eval().save_pretrained(path)
+    return path
+
+
+# ------------------------------------------------------------------ defect 4: a converted ViT reloads
+@pytest.mark.parametrize("head", ["ViTModel", "ViTForImageClassification"])
+@pytest.mark.parametrize("target", ["dyt", "dyisru"])
+def test_defect_4_a_converted_vit_saved_by_transformers_reloads_exactly(tmp_path, head, target):
+    """transformers' save_pretrained writes ViT's legacy key names (encoder.layer.N); load_converted read the raw
+    file into a fresh model and failed with 'weights do not match' for every ViT and every target."""
+    cfg = transformers.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                                 image_size=16, patch_size=4, num_labels=3)  # fmt: skip
+    torch.manual_seed(0)
+    model = getattr(transformers, head)(cfg).eval()
+    rec = normlab.convert_norms(model, target, calibrate=[torch.randn(4, 3, 16, 16)])
+    normlab.save_converted(model, rec, tmp_path / "out")
+    loaded, rec2 = normlab.load_converted(tmp_path / "out")
+    x = torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        a, b = model(x), loaded(x)
+    key = "logits" if head.endswith("Classification") else "last_hidden_state"
+    torch.testing.assert_close(getattr(b, key), getattr(a, key), rtol=0, atol=0)
+    assert rec2.target == target
+
+
+# ------------------------------------------------------------------ defect 5: --out DIR/ with a trailing slash
+def test_defect_5_a_trailing_slash_keeps_the_heal_checkpoint_beside_the_output(tmp_path, capsys):
+    """`--out DIR/` put the heal checkpoint inside the output (DIR/.heal.pt) and left `..heal.pt.lock` in the saved
+    model. The checkpoint is DIR.heal.pt for DIR and DIR/ alike, and nothing of it is inside DIR."""
+    model = _tiny("Llama", tmp_path / "m")
+    text = tmp_path / "calib.txt"
+    text.write_text(CALIB)
+    out = str(tmp_path / "o") + "/"
+    rc = main(["convert", "--model", str(model), "--calibrate", str(text), "--seq-len", "16", "--sequences", "4",
+               "--no-progress", "--heal-tokens", "200", "--out", out])  # fmt: skip
+    assert rc == 0, capsys.readouterr().err
+    inside = sorted(p.name for p in (tmp_path / "o").iterdir())
+    assert not [n for n in inside if "heal" in n and n != "heal_curve.csv" and n != "heal_curve.png"], inside
+    assert (tmp_path / ".o.heal.pt.lock").is_file()  # the checkpoint's owner, beside the output (the heal ended)
+    normlab.load_converted(tmp_path / "o")
+
+
+def test_defect_5_a_checkpoint_inside_an_output_to_be_made_is_refused(tmp_path, capsys):
+    model = _tiny("Llama", tmp_path / "m")
+    text = tmp_path / "calib.txt"
+    text.write_text(CALIB)
+    rc = main(["convert", "--model", str(model), "--calibrate", str(text), "--heal-tokens", "200", "--out",
+               str(tmp_path / "o"), "--checkpoint", str(tmp_path / "o" / "ck.pt")])  # fmt: skip
+    assert rc == 2 and "inside an input or the output" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+# ------------------------------------------------------------------ defect 6: folders saved without a tokenizer
+@pytest.mark.parametrize("family", ["Qwen2", "Qwen3", "Gemma", "Llama"])
+def test_defect_6_a_folder_without_tokenizer_files_falls_back_to_byte_ids(tmp_path, family):
+    """transformers builds an empty tokenizer (no ids for any text) for Qwen2, Qwen3 and Gemma folders saved without
+    tokenizer files, where Llama raises; the text then became 0-1 tokens and the error blamed the text."""
+    from normlab.conversion.hf import load_model, token_chunks
+
+    model, tokenizer = load_model(_tiny(family, tmp_path / "m"))
+    assert tokenizer is None
+    assert token_chunks(CALIB, tokenizer, 100, 16).shape[0] > 10
+
+
+# ------------------------------------------------------------------ defect 7: names that become paths
+@pytest.mark.parametrize("name", ["../../escape", "a/b", "..", ".", "", "a\\b"])
+def test_defect_7_an_experiment_name_cannot_leave_its_root(tmp_path, name):
+    """`name = "../../escape"` in a TOML made `normlab report` write escape_loss.png two levels above the root."""
+    from normlab.sweep import load_experiment
+
+    toml = tmp_path / "e.toml"
+    toml.write_text(f'name = {json.dumps(name)}\n[[runs]]\nname = "a"\nset = {{}}\n')
+    with pytest.raises(ValueError, match=r"e\.toml: name must be one path segment"):
+        load_experiment(str(toml))
+
+
+def test_defect_7_a_report_refuses_an_index_whose_name_escapes(tmp_path):
+    from normlab.errors import NormlabError
+    from normlab.report import write_report
+
+    root = tmp_path / "r"
+    root.mkdir()
+    (root / "index.json").write_text(json.dumps({"profile": "tiny", "experiments": [
+        {"name": "../../escape", "title": "t", "source": "", "claim": "", "runs": [], "figures": ["loss"]}]}))  # fmt: skip
+    with pytest.raises(NormlabError, match=r"index\.json: experiment name '\.\./\.\./escape' must be one path segment"):
+        write_report(root)
+    assert not list(tmp_path.rglob("escape*"))
