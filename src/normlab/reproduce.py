@@ -49,6 +49,8 @@ def reproduce(root: str | Path, profile: str = "default", *, experiments: list[s
     from normlab.report import write_report
 
     t0 = time.perf_counter()
+    if compare is not None and not (Path(compare) / "index.json").is_file():  # checked before any run, not after
+        raise FileNotFoundError(f"--compare {compare}: no index.json there (run `normlab reproduce` for it first)")
     root = Path(root)
     exps = [load_experiment(e) for e in (experiments or builtin_experiments(profile))]
     specs = [s for e in exps for s in expand(e, profile, root)]  # validates every config before any work

@@ -36,7 +36,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 __all__ = ["PROFILES", "Experiment", "RunSpec", "builtin_experiments", "load_experiment", "expand", "run_sweep",
-           "parse_shard", "lr_variants"]  # fmt: skip
+           "parse_shard", "lr_variants", "check_experiment_fields"]  # fmt: skip
 
 # The CPU profiles use lr 1e-3 (with min_lr 1e-4), as the lab's cpu preset does: usual for models this small,
 # and it lets a 250-step run separate the norms (at 3e-4 RMSNorm stays above 2.4 in 600 steps; README).
@@ -131,6 +131,49 @@ def builtin_experiments(profile: str | None = None) -> list[str]:
     return [n for n in names if (ps := load_experiment(n).profiles) is None or profile in ps]
 
 
+# An experiment TOML's fields and their kinds; a run's own extra keys (paper, flags, cell, ...) are free metadata.
+_TOP = {"name": "str", "title": "str", "source": "str", "claim": "str", "runs": "list[table]", "seeds": "list[int]",
+        "metrics": "list[str]", "base": "table", "baseline": "str", "checks": "list[table]", "figures": "list[str]",
+        "guard": "bool", "mechanism": "list[str]", "profiles": "list[str]"}  # fmt: skip
+_RUN = {"name": "str", "label": "str", "set": "table", "shape": "str", "profiles": "list[str]", "budget": "int",
+        "lrs": "list[number]", "lr_field": "str"}  # fmt: skip
+_KINDS = {"str": str, "int": int, "bool": bool, "table": dict, "number": (int, float)}
+
+
+def _is(value, kind: str) -> bool:
+    if kind.startswith("list["):
+        return isinstance(value, list) and all(_is(v, kind[5:-1]) for v in value)
+    want = _KINDS[kind]
+    return isinstance(value, want) and not (kind in ("int", "number") and isinstance(value, bool))
+
+
+def check_experiment_fields(d: dict, where: str) -> None:
+    """Each field of an experiment TOML has its kind (``_TOP``, ``_RUN``): else one line naming the file and the
+    field, what was expected and what was given, before any run is expanded."""
+    missing = [k for k in ("name", "runs") if k not in d]
+    if missing:
+        raise ValueError(f"{where}: missing {', '.join(missing)}")
+    unknown = sorted(set(d) - set(_TOP))
+    if unknown:
+        raise ValueError(f"{where}: unknown field {unknown[0]!r}; an experiment has {', '.join(_TOP)}")
+    for key, kind in _TOP.items():
+        if key in d and not _is(d[key], kind):
+            raise ValueError(f"{where}: {key} must be {kind.replace('table', 'a table')}, got {d[key]!r}")
+    if (why := path_segment_error(d["name"])) is not None:  # figures are named after it, inside the report's root
+        raise ValueError(f"{where}: name {why}")
+    if set(d.get("base", {})) - {"set"} or not _is(d.get("base", {}).get("set", {}), "table"):
+        raise ValueError(f"{where}: base must be a table with one table, set (e.g. base = {{ set = {{ lr = 1e-3 }} }})"
+                         f", got {d['base']!r}")  # fmt: skip
+    for i, r in enumerate(d["runs"]):
+        for key in ("name", "set"):
+            if key not in r:
+                raise ValueError(f"{where}: run {i} needs 'name' and 'set'")
+        for key, kind in _RUN.items():
+            if key in r and not _is(r[key], kind):
+                raise ValueError(f"{where}: run {i} ({r.get('name')!r}): {key} must be "
+                                 f"{kind.replace('table', 'a table')}, got {r[key]!r}")  # fmt: skip
+
+
 def load_experiment(name_or_path: str) -> Experiment:
     """A built-in experiment by name, or a TOML file by path; a malformed file raises a clear error."""
     p = Path(name_or_path)
@@ -148,30 +191,22 @@ def load_experiment(name_or_path: str) -> Experiment:
         d = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"{where}: not valid TOML ({e})") from None
-    missing = [k for k in ("name", "runs") if k not in d]
-    if missing:
-        raise ValueError(f"{where}: missing {', '.join(missing)}")
-    if (why := path_segment_error(d["name"])) is not None:  # figures are named after it, inside the report's root
-        raise ValueError(f"{where}: name {why}")
-    for i, r in enumerate(d["runs"]):
-        if "name" not in r or "set" not in r:
-            raise ValueError(f"{where}: run {i} needs 'name' and 'set'")
+    check_experiment_fields(d, where)
+    for r in d["runs"]:
         unknown = [p for p in r.get("profiles", []) if p not in PROFILES]
         if unknown:
             raise ValueError(f"{where}: run {r['name']!r}: unknown profile {unknown[0]!r}; "
                              f"valid: {', '.join(PROFILES)}")  # fmt: skip
         lrs = r.get("lrs")
-        if lrs is not None and (not isinstance(lrs, list) or len(lrs) < 2 or len(set(lrs)) != len(lrs) or not all(
-                isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in lrs)):  # fmt: skip
+        if lrs is not None and (len(lrs) < 2 or len(set(lrs)) != len(lrs) or not all(v > 0 for v in lrs)):
             raise ValueError(f"{where}: run {r['name']!r}: lrs must be a list of at least two distinct learning "
                              f"rates > 0 (the grid its best is chosen from), got {lrs!r}")  # fmt: skip
         if r.get("lr_field", "lr") not in ("lr", "muon_lr"):
             raise ValueError(f"{where}: run {r['name']!r}: lr_field must be 'lr' or 'muon_lr', got "
                              f"{r['lr_field']!r}")  # fmt: skip
-        budget = r.get("budget", 1)
-        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+        if r.get("budget", 1) < 1:
             raise ValueError(f"{where}: run {r['name']!r}: budget (a multiple of the profile's steps) must be an "
-                             f"int >= 1, got {budget!r}")  # fmt: skip
+                             f"int >= 1, got {r['budget']!r}")  # fmt: skip
     seen: set[str] = set()
     for r in d["runs"]:
         if r["name"] in seen:
@@ -183,11 +218,20 @@ def load_experiment(name_or_path: str) -> Experiment:
         raise ValueError(f"{where}: mechanism names a run that does not exist: {missing_runs[0]!r}")
     names = {r["name"] for r in d["runs"]}
     profiles = d.get("profiles")
-    if profiles is not None and (not isinstance(profiles, list) or not all(p in PROFILES for p in profiles)):
-        raise ValueError(f"{where}: profiles must be a list of profile names ({', '.join(PROFILES)}), got "
-                         f"{profiles!r}")  # fmt: skip
+    if profiles is not None and not all(p in PROFILES for p in profiles):
+        raise ValueError(f"{where}: profiles must name profiles ({', '.join(PROFILES)}), got {profiles!r}")
     if d.get("baseline") is not None and d["baseline"] not in names:
         raise ValueError(f"{where}: baseline {d['baseline']!r} is not one of its runs ({', '.join(sorted(names))})")
+    from normlab.report import CHECKS, FIGURES  # the kinds a report can apply: known before any run trains
+
+    for i, c in enumerate(d.get("checks", [])):
+        if "kind" not in c:
+            raise ValueError(f"{where}: check {i} needs a 'kind'")
+        if c["kind"] not in CHECKS:
+            raise ValueError(f"{where}: check {i}: unknown kind {c['kind']!r}; known: {', '.join(sorted(CHECKS))}")
+    unknown_figs = [f for f in d.get("figures", []) if f not in FIGURES]
+    if unknown_figs:
+        raise ValueError(f"{where}: figures: unknown figure {unknown_figs[0]!r}; known: {', '.join(sorted(FIGURES))}")
     for i, c in enumerate(d.get("checks", [])):
         if "kind" not in c:
             raise ValueError(f"{where}: check {i} needs a 'kind'")

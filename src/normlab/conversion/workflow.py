@@ -105,6 +105,24 @@ def _check_numbers(seq_len: int, sequences: int, heal_minutes: float | None, hea
             raise ValueError("--budget-nats ranks calibrated sites; drop --no-calibrate")
 
 
+def _check_target(to: str, no_calibrate: bool, init: dict) -> None:
+    """--to, its calibration and --init, checked as flags before the model is loaded: a target with no parameter to
+    fit needs --no-calibrate; --init values must build the norm; NORMLAB_KERNEL must be valid."""
+    from normlab.conversion.convert import CALIBRATABLE
+    from normlab.kernels import auto_choice
+    from normlab.registry import create_norm
+
+    norm_spec(to)
+    auto_choice()
+    if not no_calibrate and to not in CALIBRATABLE:
+        raise ValueError(f"--to {to}: calibration fits the parameter of {', '.join(CALIBRATABLE)}; {to} has none "
+                         "to fit: pass --no-calibrate (the new norms keep their default init)")  # fmt: skip
+    try:
+        create_norm(to, 8, **init)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"--init {' '.join(f'{k}={v}' for k, v in init.items())}: {e}") from None
+
+
 def _check_resume_identity(ckpt: str | None, resume: bool, identity: dict) -> None:
     """Before the expensive work: a heal checkpoint to resume from must record the same identity (the keys
     given; the model's fingerprint is checked once the model is loaded). The checkpoint is memory-mapped, so
@@ -217,7 +235,7 @@ def convert_model(model: str, to: str = "dyisru", *, calibrate: str | None = Non
 
     Every flag is checked before the model is loaded; ``out`` (and the heal checkpoint) are owned by this process
     for the whole job, so a second convert to the same place is refused."""
-    norm_spec(to)  # bad input fails before the model is loaded
+    _check_target(to, no_calibrate, init or {})  # bad input fails before the model is loaded
     _check_numbers(seq_len, sequences, heal_minutes, heal_tokens, budget_nats, no_calibrate)
     if calibrate is not None and not Path(calibrate).is_file():
         what = "is a folder" if Path(calibrate).is_dir() else "does not exist"

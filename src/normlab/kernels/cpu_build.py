@@ -32,11 +32,23 @@ from pathlib import Path
 import torch
 
 from normlab.corpus import cache_dir, sha256_file
+from normlab.errors import NormlabError
 
-__all__ = ["load", "loaded", "failure", "build_dir", "status"]
+__all__ = ["load", "loaded", "failure", "build_dir", "status", "BuildError"]
 
 _LOCK = threading.Lock()
-_STATE: dict = {"loaded": False, "failure": None, "thread": None}
+_STATE: dict = {"loaded": False, "failure": None, "thread": None, "advice": None}
+
+
+class BuildError(OSError):
+    """A build that cannot happen here, with the fix that applies to its cause (not always a compiler)."""
+
+    def __init__(self, message: str, advice: str) -> None:
+        super().__init__(message)
+        self.advice = advice
+
+
+NO_COMPILER = "install a C++ compiler (Debian: apt-get install g++), or set CXX to one"
 
 
 def _source() -> bytes:
@@ -77,10 +89,14 @@ def _flags() -> list[str]:
 
 
 def _compiler_version(cxx: str) -> str:
-    """The compiler's first line of ``--version``; raises OSError when there is no such compiler."""
-    proc = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60)
+    """The compiler's first line of ``--version``; a BuildError when ``cxx`` does not run as a compiler."""
+    fix = f"CXX={cxx} does not run as a C++ compiler: set CXX to one (g++, clang++), or unset it for c++"
+    try:
+        proc = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60)
+    except OSError as e:
+        raise BuildError(f"`{cxx} --version` cannot run ({e})", fix) from None
     if proc.returncode != 0:
-        raise OSError(f"`{cxx} --version` failed: {(proc.stderr or proc.stdout).strip()[:200]}")
+        raise BuildError(f"`{cxx} --version` failed: {(proc.stderr or proc.stdout).strip()[:200]}", fix)
     return proc.stdout.splitlines()[0] if proc.stdout else ""
 
 
@@ -105,7 +121,11 @@ def _identity(cxx: str) -> dict:
 
 
 def build_dir(ident: dict) -> Path:
-    return cache_dir() / "kernels" / f"cpu-{ident['key']}"
+    try:
+        root = cache_dir()
+    except NormlabError as e:  # NORMLAB_CACHE names a file
+        raise BuildError(str(e), "point NORMLAB_CACHE at a folder, or unset it for ~/.cache/normlab") from None
+    return root / "kernels" / f"cpu-{ident['key']}"
 
 
 def _intact(folder: Path, ident: dict) -> str | None:
@@ -136,7 +156,12 @@ def _compile(folder: Path, ident: dict) -> None:
         tmp.unlink(missing_ok=True)
         out = (proc.stderr or proc.stdout).strip().splitlines()
         errors = [line for line in out if "error" in line][:3] or out[-3:]
-        raise OSError(f"the compiler failed: {' | '.join(errors)[:1000]}")
+        raise BuildError(f"the compiler `{ident['compiler']}` failed: {' | '.join(errors)[:1000]}",
+                         f"check that {ident['compiler']} is a C++17 compiler that can build against torch's headers "
+                         "(g++ >= 9 or clang++ >= 10), or set CXX to one")  # fmt: skip
+    if not tmp.is_file():
+        raise BuildError(f"`{ident['compiler']}` exited 0 but wrote no library",
+                         f"CXX={ident['compiler']} is not a C++ compiler: set CXX to one (g++, clang++)")
     rec = {**ident, "flags": flags, "size": tmp.stat().st_size, "sha256": sha256_file(tmp),
            "seconds": round(time.perf_counter() - t0, 1), "built": time.strftime("%Y-%m-%dT%H:%M:%S%z")}  # fmt: skip
     os.replace(tmp, folder / "normlab_cpu.so")
@@ -145,15 +170,50 @@ def _compile(folder: Path, ident: dict) -> None:
     os.replace(manifest_tmp, folder / "build.json")
 
 
+def _built_here_without_compiler() -> Path | None:
+    """A library built on this machine for this source, torch and CPU, whatever compiler made it: usable when the
+    compiler has since gone (the cache key needs `$CXX --version`, which can no longer run)."""
+    want = {"source_sha256": hashlib.sha256(_source()).hexdigest(), "torch": torch.__version__, "cpu": _cpu_flags()}
+    try:
+        root = cache_dir()
+    except NormlabError:
+        return None
+    for manifest in sorted((root / "kernels").glob("cpu-*/build.json")):
+        try:
+            rec = json.loads(manifest.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(rec, dict) and {k: rec.get(k) for k in want} == want:
+            ident = {k: rec.get(k) for k in ("source_sha256", "torch", "compiler", "compiler_version", "cpu", "key")}
+            if _intact(manifest.parent, ident) is None:
+                return manifest.parent
+    return None
+
+
+def _writable_folder(folder: Path) -> None:
+    """The cache folder exists and can be written, or a BuildError that names it and the fix (not a compiler)."""
+    fix = "set NORMLAB_CACHE to a folder you can write (or fix the permissions of this one)"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise BuildError(f"the kernel cache folder {folder} cannot be made ({e.strerror or e})", fix) from None
+    if not os.access(folder, os.W_OK):
+        raise BuildError(f"the kernel cache folder {folder} is not writable", fix)
+
+
 def _build_and_load() -> None:
     """Find or build the library, then load it into torch.ops.normlab_cpu. Raises OSError on failure."""
     cxx = _compiler()
     if shutil.which(cxx) is None and not Path(cxx).is_file():
-        raise OSError(f"no C++ compiler `{cxx}` on this machine")
+        found = _built_here_without_compiler()
+        if found is None:
+            raise BuildError(f"no C++ compiler `{cxx}` on this machine", NO_COMPILER)
+        torch.ops.load_library(str(found / "normlab_cpu.so"))
+        return
     ident = _identity(cxx)
     folder = build_dir(ident)
     if _intact(folder, ident) is not None:
-        folder.mkdir(parents=True, exist_ok=True)
+        _writable_folder(folder)
         with open(folder / "build.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # parallel workers: one builds, the others wait and load
             why = _intact(folder, ident)
@@ -171,6 +231,8 @@ def _attempt() -> None:
         _build_and_load()
     except Exception as e:  # noqa: BLE001  (a missing compiler, a failed compile, an unloadable library)
         _STATE["failure"] = f"{type(e).__name__}: {e}"
+        _STATE["advice"] = getattr(e, "advice", None) or (
+            "set NORMLAB_CACHE to a folder you can write" if isinstance(e, PermissionError) else NO_COMPILER)
         return
     _STATE["loaded"] = True
 
@@ -194,8 +256,8 @@ def load(wait: bool = True) -> bool:
     if _STATE["failure"] and not _STATE.get("warned"):
         _STATE["warned"] = True
         warnings.warn(f"normlab: the fused CPU kernels cannot be built on this machine ({_STATE['failure'][:300]}); "
-                      "falling back to the reference math. Install a C++ compiler (or set CXX), or pass "
-                      "kernel='reference' to silence this.", RuntimeWarning, stacklevel=3)  # fmt: skip
+                      f"falling back to the reference math. To fix: {_STATE['advice']}; or pass kernel='reference' "
+                      "(NORMLAB_KERNEL=reference) to silence this.", RuntimeWarning, stacklevel=3)  # fmt: skip
     return _STATE["loaded"]
 
 
@@ -204,7 +266,10 @@ def loaded() -> bool:
 
 
 def failure() -> str | None:
-    return _STATE["failure"]
+    """Why the kernels could not be built or loaded, and the fix that applies; None when they were."""
+    if _STATE["failure"] is None:
+        return None
+    return f"{_STATE['failure']}; to fix: {_STATE['advice']}"
 
 
 def status() -> dict:
