@@ -162,3 +162,179 @@ def test_a_library_built_here_loads_after_the_compiler_is_gone(tmp_path):
     assert "LOADED" in _build_in_child({"NORMLAB_CACHE": str(cache)})  # built once, with the compiler
     out = _build_in_child({"NORMLAB_CACHE": str(cache), "CXX": str(tmp_path / "gone-c++")})
     assert "LOADED" in out, out
+
+
+# ------------------------------------------------------------------ fuzz: each field of a file given a wrong kind
+_TOML = {"name": "fz", "title": "t", "source": "s", "claim": "c", "seeds": [0], "metrics": ["final_val_loss"],
+         "base": {"set": {}}, "baseline": "a", "figures": ["loss"], "guard": True, "mechanism": ["a"],
+         "profiles": ["tiny"]}  # fmt: skip
+_WRONG = [5, "x", [1, 2], {"k": 1}, True, 1.5]
+
+
+def value(v) -> str:
+    """A value as TOML."""
+    if isinstance(v, dict):
+        return "{ " + ", ".join(f"{json.dumps(k)} = {value(x)}" for k, x in v.items()) + " }"
+    if isinstance(v, list):
+        return "[" + ", ".join(value(x) for x in v) + "]"
+    return json.dumps(v) if not isinstance(v, bool) else str(v).lower()
+
+
+def _toml_text(top: dict, run: dict) -> str:
+    lines = [f"{k} = {value(v)}" for k, v in top.items()]
+    return "\n".join(lines) + "\n[[runs]]\n" + "\n".join(f"{k} = {value(v)}" for k, v in run.items()) + "\n"
+
+
+def _kind_ok(field: str, v) -> bool:
+    """Whether ``v`` happens to be a valid value of ``field`` (then it is not a wrong kind for it)."""
+    from normlab.sweep import _RUN, _TOP, _is
+
+    kind = {**_TOP, **_RUN}.get(field)
+    return kind is not None and _is(v, kind)
+
+
+@pytest.mark.parametrize("field", [*_TOML, "runs"])
+def test_fuzz_every_toml_field_of_the_wrong_kind_is_one_line_naming_file_and_field(tmp_path, capsys, field):
+    run = {"name": "a", "set": {"model.norm": "rms_norm"}}
+    tried = 0
+    for wrong in _WRONG:
+        if _kind_ok(field, wrong) or field in ("name",) and isinstance(wrong, str):
+            continue
+        top = {**_TOML, field: wrong}
+        path = tmp_path / f"e{tried}.toml"
+        text = _toml_text(top, run) if field != "runs" else _toml_text(_TOML, run).split("[[runs]]")[0] + (
+            f"runs = {value(wrong)}\n")  # fmt: skip
+        path.write_text(text)
+        rc = main(["sweep", str(path), "--profile", "tiny", "--root", str(tmp_path / "root"), "--no-progress"])
+        err = capsys.readouterr().err.strip()
+        assert rc == 2, (field, wrong, err)
+        assert len(err.splitlines()) == 1 and str(path) in err and field in err, (field, wrong, err)
+        assert "Traceback" not in err
+        tried += 1
+    assert tried >= 3
+    assert not (tmp_path / "root" / "runs").exists()  # nothing trained
+
+
+@pytest.mark.parametrize("field", ["name", "label", "set", "shape", "profiles", "budget", "lrs", "lr_field"])
+def test_fuzz_every_run_field_of_the_wrong_kind(tmp_path, capsys, field):
+    tried = 0
+    for wrong in _WRONG:
+        if _kind_ok(field, wrong):
+            continue
+        path = tmp_path / f"r{tried}.toml"
+        path.write_text(_toml_text({"name": "fz"}, {"name": "a", "set": {}, field: wrong}))
+        rc = main(["sweep", str(path), "--profile", "tiny", "--root", str(tmp_path / "root"), "--no-progress"])
+        err = capsys.readouterr().err.strip()
+        assert rc == 2 and len(err.splitlines()) == 1 and str(path) in err and field in err, (field, wrong, err)
+        tried += 1
+    assert tried >= 3
+
+
+def _report_root(tmp_path) -> tuple[Path, Path]:
+    """A sweep root with one finished tiny run (trained for real)."""
+    from normlab.sweep import expand, load_experiment, run_sweep, write_index
+
+    toml = tmp_path / "one.toml"
+    toml.write_text('name = "one"\nseeds = [0]\n[[runs]]\nname = "a"\nset = { "model.norm" = "rms_norm", '
+                    '"steps" = 4, "eval_every" = 2, "metrics_every" = 2 }\n')  # fmt: skip
+    exp = load_experiment(str(toml))
+    root = tmp_path / "root"
+    specs = expand(exp, "tiny", root)
+    write_index([exp], "tiny", root)
+    run_sweep(specs, progress=False)
+    return root, Path(specs[0].config.out)
+
+
+@pytest.mark.slow
+def test_fuzz_every_summary_and_metrics_field_the_report_reads(tmp_path, capsys):
+    from normlab.report.results import ROW_FIELDS, SUMMARY_FIELDS
+
+    root, run = _report_root(tmp_path)
+    summary = json.loads((run / "summary.json").read_text())
+    metrics = (run / "metrics.jsonl").read_text()
+    assert main(["report", "--root", str(root)]) == 0
+    capsys.readouterr()
+    for field, kinds in SUMMARY_FIELDS.items():
+        for wrong in ("junk", [1], {"a": 1}):
+            if isinstance(wrong, kinds):
+                continue
+            (run / "summary.json").write_text(json.dumps({**summary, field: wrong}))
+            rc = main(["report", "--root", str(root)])
+            err = capsys.readouterr().err.strip()
+            assert rc == 2 and len(err.splitlines()) == 1, (field, wrong, err)
+            assert "summary.json" in err and field in err, err
+    (run / "summary.json").write_text(json.dumps(summary))
+    rows = [json.loads(line) for line in metrics.splitlines()]
+    for field in ROW_FIELDS:
+        at = next(i for i, r in enumerate(rows) if field in r)
+        bad = [dict(r) for r in rows]
+        bad[at][field] = "junk"
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in bad))
+        rc = main(["report", "--root", str(root)])
+        err = capsys.readouterr().err.strip()
+        assert rc == 2 and "metrics.jsonl" in err and field in err, (field, err)
+    (run / "metrics.jsonl").write_text("[1, 2]\nnot json\n42\n" + metrics)  # junk lines: skipped
+    assert main(["report", "--root", str(root)]) == 0
+
+
+def _saved_conversion(tmp_path) -> Path:
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2)).eval()  # fmt: skip
+    rec = normlab.convert_norms(model, "dyt")
+    return normlab.save_converted(model, rec, tmp_path / "conv")
+
+
+def test_fuzz_every_conversion_record_field(tmp_path):
+    from normlab.conversion.record import _RECORD_FIELDS, _SITE_FIELDS
+    from normlab.conversion.saving import RECORD_FILE
+
+    folder = _saved_conversion(tmp_path)
+    good = json.loads((folder / RECORD_FILE).read_text())
+    normlab.load_converted(folder)
+    cases = [({**good, k: w}, k) for k in _RECORD_FIELDS for w in ("junk", 5, {"a": 1})]  # "junk": no such norm
+    site0 = good["sites"][0]
+    cases += [({**good, "sites": [{**site0, k: w}, *good["sites"][1:]]}, f"sites[0].{k}") for k in _SITE_FIELDS
+              for w in ("junk", [1], {"a": 1}) if not isinstance(w, _SITE_FIELDS[k][0])]  # fmt: skip
+    cases += [({**good, "sites": [{k: v for k, v in site0.items() if k != "dim"}]}, "sites[0].dim"),
+              ({**good, "sites": [{**site0, "extra": 1}]}, "sites[0].extra")]  # fmt: skip
+    for d, field in cases:
+        (folder / RECORD_FILE).write_text(json.dumps(d))
+        with pytest.raises(ValueError) as e:
+            normlab.load_converted(folder)
+        msg = str(e.value)
+        assert RECORD_FILE in msg and field in msg and "\n" not in msg, (field, msg)
+
+
+def test_load_converted_refuses_edited_and_foreign_folders(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from normlab.conversion.saving import RECORD_FILE
+
+    folder = _saved_conversion(tmp_path)
+    good = json.loads((folder / RECORD_FILE).read_text())
+    weights = folder / "model.safetensors"
+    state = load_file(weights)
+    # another converted model of the same shape: its weights used to load silently
+    torch.manual_seed(1)
+    other = _saved_conversion(tmp_path / "b")
+    (folder / "model.safetensors").write_bytes((other / "model.safetensors").read_bytes())
+    with pytest.raises(ValueError, match="is not the file normlab_conversion.json was saved with"):
+        normlab.load_converted(folder)
+    unchecked = {k: v for k, v in good.items() if k != "weights_sha256"}  # a record from before the field
+    (folder / RECORD_FILE).write_text(json.dumps(unchecked))
+    for edit, match in (
+        (lambda s: {k: v for k, v in s.items() if not k.endswith("layers.0.input_layernorm.alpha")}, "missing"),
+        (lambda s: {**s, "extra.weight": torch.zeros(1)}, "unexpected"),
+        (lambda s: {**s, "model.norm.weight": torch.zeros(7)}, r"model\.norm\.weight has shape \(7,\)"),
+    ):
+        save_file(edit(state), str(weights))
+        with pytest.raises(ValueError, match=match):
+            normlab.load_converted(folder)
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(ValueError, match="damaged or truncated"):
+        normlab.load_converted(folder)
+    (folder / RECORD_FILE).write_text(json.dumps({**unchecked, "model_class": "NoSuchModel"}))
+    save_file(state, str(weights))
+    with pytest.raises(ValueError, match="model_class 'NoSuchModel' is not a transformers model class"):
+        normlab.load_converted(folder)

@@ -65,8 +65,9 @@ def _final(root: Path) -> dict:
 
 
 def test_builtin_experiments_cover_every_table_and_resolve():
-    names = builtin_experiments()
+    names = builtin_experiments("default")  # what reproduce runs; the scaling study runs only at its own profile
     assert names == ["phase", "pointwise", "width", "denominator", "coupling", "coupling_sweep", "rank", "beyond"]
+    assert builtin_experiments() == [*names, "scaling"]
     for profile in ("quick", "default", "long", "full", "gpu"):
         for n in names:
             assert expand(load_experiment(n), profile, "/tmp/x")  # every config validates at every profile

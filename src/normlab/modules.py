@@ -29,6 +29,7 @@ from normlab import functional as FN
 from normlab import kernels as K
 
 __all__ = [
+    "prime_running_stats",
     "LayerNorm",
     "RMSNorm",
     "L1Norm",
@@ -281,6 +282,27 @@ class RMSEMA(_ScaleNorm):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, momentum={self.momentum}"
+
+
+@torch.no_grad()
+def prime_running_stats(model: nn.Module, *inputs, **kwargs) -> int:
+    """Set every not yet initialised running statistic (RMSEMA's mean of x^2) from one forward of ``inputs``, as
+    the first training step would, and leave the model's mode as it was; returns how many modules were primed.
+    What reads a model at init (``normlab predict``, ``normlab jacobian``) must see what training sees, not the
+    placeholder 1.0."""
+    fresh = [m for m in model.modules() if isinstance(m, RMSEMA) and not bool(m.initialized)]
+    if not fresh:
+        return 0
+    modes = {m: m.training for m in model.modules()}
+    model.eval()
+    for m in fresh:
+        m.train()
+    try:
+        model(*inputs, **kwargs)
+    finally:
+        for m, mode in modes.items():
+            m.training = mode
+    return len(fresh)
 
 
 # --------------------------------------------------------------------------

@@ -155,6 +155,22 @@ def text_batches(path: str | Path, tokenizer, vocab_size: int, seq_len: int = 12
     return calib, held
 
 
+def check_text(text: str, path) -> None:
+    """Warn when a text file does not read as text: more than 5% of its characters undecodable as UTF-8 or control
+    characters (random bytes, a binary file passed by mistake). Calibrating or measuring on it is allowed, not
+    silent: the numbers would describe bytes, not language."""
+    import warnings
+
+    sample = text[:200_000]
+    if not sample:
+        return
+    bad = sum(1 for c in sample if c == "\ufffd" or (ord(c) < 32 and c not in "\n\r\t\f"))
+    if bad > 0.05 * len(sample):
+        warnings.warn(f"{path}: {bad / len(sample):.0%} of its first {len(sample):,} characters are not text "
+                      "(undecodable bytes or control characters): is it the text file you meant? Conversion goes on, "
+                      "but calibration and fidelity on it describe bytes, not language", UserWarning, stacklevel=3)
+
+
 def _ends(path, tokenizer, vocab_size, seq_len, n_calib, n_held, batch_size):
     """text_batches, and the text before the held-out part: (calib, held, rest), rest a str or token chunks."""
     p = Path(path)
@@ -164,6 +180,7 @@ def _ends(path, tokenizer, vocab_size, seq_len, n_calib, n_held, batch_size):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{name}: expected an int >= 1, got {v!r}")
     text = p.read_text(errors="replace")
+    check_text(text, path)
     span = 16 * seq_len * max(n_calib, n_held)  # characters: ample for that many tokens (about 4 per token)
     if len(text) > 2 * span:  # a long text: tokenize only its two ends
         head = token_chunks(text[:span], tokenizer, vocab_size, seq_len)[:n_calib]

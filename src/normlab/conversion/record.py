@@ -24,6 +24,27 @@ def fit_status(fit: dict | None) -> str:
     return "ok"
 
 
+# the JSON kinds of a record's fields: (types, required)
+_RECORD_FIELDS = {"target": ((str,), True), "per": ((str,), True), "sites": ((list,), True),
+                  "skipped": ((list,), True), "notes": ((list,), False)}  # fmt: skip
+_SITE_FIELDS = {"name": ((str,), True), "source": ((str,), True), "kind": ((str,), True), "dim": ((int,), True),
+                "eps": ((int, float), True), "kwargs": ((dict,), True), "copied": ((list,), False),
+                "notes": ((list,), False), "fit": ((dict, type(None)), False),
+                "first_token": ((bool,), False)}  # fmt: skip
+
+
+def _fields(d: dict, spec: dict, prefix: str) -> None:
+    for key, (kinds, required) in spec.items():
+        if key not in d:
+            if required:
+                raise ValueError(f"{prefix}{key} is missing")
+            continue
+        v = d[key]
+        if not isinstance(v, kinds) or (isinstance(v, bool) and bool not in kinds):
+            names = " or ".join("null" if k is type(None) else k.__name__ for k in kinds)
+            raise ValueError(f"{prefix}{key} must be {names}, got {v!r}")
+
+
 @dataclass
 class Site:
     name: str
@@ -52,9 +73,29 @@ class ConversionRecord:
 
     @classmethod
     def from_dict(cls, d: dict) -> ConversionRecord:
+        """A record from its JSON form; a missing field or a value of the wrong kind is a ValueError that names
+        the field (``sites[3].dim``), what was expected and what was given."""
         if d.get("format") != "normlab-conversion-1":
             raise ValueError("not a normlab conversion record (format normlab-conversion-1)")
-        return cls(d["target"], d["per"], [Site(**s) for s in d["sites"]], d["skipped"], d.get("notes", []))
+        _fields(d, _RECORD_FIELDS, "")
+        if d["per"] not in ("global", "channel"):
+            raise ValueError(f"per must be 'global' or 'channel', got {d['per']!r}")
+        from normlab.registry import norm_spec
+
+        try:
+            norm_spec(d["target"])
+        except ValueError as e:
+            raise ValueError(f"target: {e}") from None
+        sites = []
+        for i, s in enumerate(d["sites"]):
+            if not isinstance(s, dict):
+                raise ValueError(f"sites[{i}] must be an object, got {s!r}")
+            _fields(s, _SITE_FIELDS, f"sites[{i}].")
+            unknown = sorted(set(s) - set(_SITE_FIELDS))
+            if unknown:
+                raise ValueError(f"sites[{i}].{unknown[0]}: not a field of a site ({', '.join(_SITE_FIELDS)})")
+            sites.append(Site(**s))
+        return cls(d["target"], d["per"], sites, d["skipped"], d.get("notes", []))
 
     def table(self, markdown: bool = False) -> str:
         from normlab._table import format_table

@@ -12,6 +12,7 @@ from torch import nn
 from normlab.conversion.batches import swap
 from normlab.conversion.calibrate import FirstToken, per_channel_kwargs
 from normlab.conversion.record import ConversionRecord
+from normlab.corpus import sha256_file
 from normlab.registry import create_norm
 
 __all__ = ["RECORD_FILE", "save_converted", "load_converted", "apply_record", "module_names"]
@@ -54,6 +55,7 @@ def save_converted(model: nn.Module, record: ConversionRecord, path: str | Path,
         torch.save(model.state_dict(), path / "model.pt")
     d = record.to_dict()
     d["model_class"] = type(model).__name__
+    d["weights_sha256"] = {f.name: sha256_file(f) for f in _weight_files(path)}  # checked by load_converted
     if identity is not None:  # what made it: the source model, the text and the settings (by hash)
         d["made_from"] = identity
     (path / RECORD_FILE).write_text(json.dumps(d, indent=2) + "\n")
@@ -77,13 +79,55 @@ def module_names(model: nn.Module, state: dict) -> dict:
     return {rename.get(k, k): v for k, v in state.items()}
 
 
+def _weight_files(path: Path) -> list[Path]:
+    return sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".pt") and p.is_file())
+
+
+def _check_weights(path: Path, recorded: dict | None) -> None:
+    """The weight files are the ones the record was saved with (by SHA-256): another converted model's weights of
+    the same shape would otherwise load silently. Records from before the field are not checked."""
+    if recorded is None:
+        return
+    if not isinstance(recorded, dict):
+        raise ValueError(f"{path / RECORD_FILE}: weights_sha256 must be an object, got {recorded!r}")
+    for name, sha in recorded.items():
+        f = path / name
+        if not f.is_file():
+            raise ValueError(f"{path}: the weight file {name} that {RECORD_FILE} records is missing")
+        if sha256_file(f) != sha:
+            raise ValueError(f"{f} is not the file {RECORD_FILE} was saved with (its SHA-256 differs): it was "
+                             "replaced or edited; convert the model again")  # fmt: skip
+
+
+def _rebuild(path: Path, model_class: str | None) -> nn.Module:
+    """A fresh Hugging Face model of the saved config, of the recorded class."""
+    if not (path / "config.json").exists():
+        raise ValueError(f"{path} has no config.json: pass the model to load into (load_converted(path, model))")
+    import transformers
+
+    try:
+        config = transformers.AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path / 'config.json'} cannot be read as a transformers config ({e})") from None
+    name = model_class or (config.architectures or [None])[0]
+    cls = getattr(transformers, name, None) if isinstance(name, str) else None
+    if cls is None:
+        raise ValueError(f"{path / RECORD_FILE}: model_class {name!r} is not a transformers model class; pass the "
+                         "model to load into (load_converted(path, model))")  # fmt: skip
+    return cls(config)
+
+
 def _load_state(path: Path) -> dict:
     if (path / "model.pt").exists():
         return torch.load(path / "model.pt", map_location="cpu", weights_only=True)
     from safetensors.torch import load_file
 
     if (path / "model.safetensors").exists():
-        return load_file(path / "model.safetensors")
+        try:
+            return load_file(path / "model.safetensors")
+        except Exception as e:  # noqa: BLE001  (safetensors' own error type for a damaged file)
+            raise ValueError(f"{path / 'model.safetensors'} is damaged or truncated ({type(e).__name__}: "
+                             f"{str(e)[:200]}); convert the model again") from None
     index = path / "model.safetensors.index.json"
     if index.exists():
         state = {}
@@ -102,23 +146,26 @@ def load_converted(path: str | Path, model: nn.Module | None = None) -> tuple[nn
     path = Path(path)
     if not (path / RECORD_FILE).exists():
         raise FileNotFoundError(f"{path} holds no {RECORD_FILE}: not a model saved by normlab.save_converted")
+    where = path / RECORD_FILE
     try:
-        d = json.loads((path / RECORD_FILE).read_text())
+        d = json.loads(where.read_text())
         if not isinstance(d, dict):
             raise ValueError("not a JSON object")
+        record = ConversionRecord.from_dict(d)
     except ValueError as e:
-        raise ValueError(f"{path / RECORD_FILE} is damaged ({e}); convert the model again") from None
-    record = ConversionRecord.from_dict(d)
+        raise ValueError(f"{where}: {e}; convert the model again") from None
+    _check_weights(path, d.get("weights_sha256"))
     if model is None:
-        if not (path / "config.json").exists():
-            raise ValueError(f"{path} has no config.json: pass the model to load into (load_converted(path, model))")
-        import transformers
-
-        config = transformers.AutoConfig.from_pretrained(path)
-        cls = getattr(transformers, d.get("model_class") or config.architectures[0])
-        model = cls(config)
+        model = _rebuild(path, d.get("model_class"))
     apply_record(model, record)
     state = module_names(model, _load_state(path))
+    own = model.state_dict()
+    wrong = [(k, tuple(v.shape), tuple(own[k].shape)) for k, v in state.items()
+             if k in own and v.shape != own[k].shape]  # fmt: skip
+    if wrong:
+        k, got, want = wrong[0]
+        raise ValueError(f"{path}: the weight {k} has shape {got} where the converted model has {want} (the folder "
+                         "holds another model's weights, or was edited); convert the model again")  # fmt: skip
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = set(getattr(model, "_tied_weights_keys", None) or [])
     missing = [k for k in missing if k not in tied and not any(fnmatch.fnmatch(k, t) for t in tied)]

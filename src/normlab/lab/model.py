@@ -135,6 +135,13 @@ class GPTConfig:
                 norm_spec(getattr(self, field_name))
             except ValueError as e:
                 raise ValueError(f"model.{field_name}: {e}") from None
+        names = [getattr(self, f"norm_{s}") or self.norm for s in SITES]
+        if self.norm_init == "match_rms" and not any(norm_spec(n).pointwise for n in names):
+            raise ValueError(f"model.norm_init = 'match_rms' scales the gamma of point-wise norms; no site of this "
+                             f"model has one ({', '.join(sorted(set(names)))}): drop it, or use a point-wise norm")
+        if self.alpha_table is not None and not any("alpha_init" in init_kwargs(n) for n in names):
+            raise ValueError(f"model.alpha_table sets alpha_init, which no norm of this model takes "
+                             f"({', '.join(sorted(set(names)))}): drop it, or use DyT / Derf")  # fmt: skip
         every = {k for s in SITES for k in init_kwargs(self.site(s)[0])}
         unused = set(self.norm_kwargs) - every
         if unused:
@@ -265,8 +272,18 @@ class GPT(nn.Module):
     @torch.no_grad()
     def match_rms_(self, idx: torch.Tensor) -> dict[str, float]:
         """``norm_init = "match_rms"``: scale each point-wise site's gamma, in forward order, so that its
-        output on ``idx`` has RMS 1, RMSNorm's at init. Returns the factor applied at each site."""
+        output on ``idx`` has RMS 1, RMSNorm's at init. Returns the factor applied at each site. The forwards run in
+        eval mode (a running statistic such as rms_ema's is read, never moved by them)."""
         factors = {}
+        was_training = self.training
+        self.eval()
+        try:
+            self._match_rms(idx, factors)
+        finally:
+            self.train(was_training)
+        return factors
+
+    def _match_rms(self, idx: torch.Tensor, factors: dict[str, float]) -> None:
         for name, m in self.norm_modules().items():
             if not norm_spec(m.registry_name).pointwise or getattr(m, "weight", None) is None:
                 continue
@@ -280,7 +297,6 @@ class GPT(nn.Module):
             if rms > 0 and math.isfinite(rms):
                 m.weight.mul_(1.0 / rms)
                 factors[name] = 1.0 / rms
-        return factors
 
     def norm_modules(self) -> dict[str, nn.Module]:
         """Every norm site by name: 'blocks.0.norm_attn', ..., 'norm_final'."""

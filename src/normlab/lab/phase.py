@@ -27,6 +27,7 @@ import torch
 
 from normlab.lab.metrics import init_telemetry
 from normlab.lab.model import GPT, GPTConfig
+from normlab.modules import prime_running_stats
 
 __all__ = ["ESCAPE_THRESHOLD", "GPT2_STD", "predict", "predicted_escape"]
 
@@ -42,10 +43,18 @@ def predicted_escape(logit_gain: float) -> bool:
 def predict(cfg: GPTConfig, *, seed: int = 0, batch: int = 8) -> dict[str, float | bool]:
     """The model of ``cfg`` at init, on random bytes: alpha_rms and rms_out at block 0's attention norm,
     the logits' std, logit_gain (relative to RMSNorm at GPT-2 init), and the predicted escape."""
+    from normlab.errors import check_memory
+
+    with torch.device("meta"):  # the size first: a width of 100000 must be refused, not swapped to death
+        n = sum(p.numel() for p in GPT(cfg).parameters())
+    acts = batch * cfg.context * (cfg.vocab_size + 16 * cfg.width)  # the logits and a block's activations
+    check_memory(4 * (n + acts), f"the model of model.width={cfg.width}, model.depth={cfg.depth} ({n / 1e6:.0f}M "
+                 "parameters) at init", "use a smaller model.width or model.depth")  # fmt: skip
     torch.manual_seed(seed)
     model = GPT(cfg).eval()
     g = torch.Generator().manual_seed(seed)
     idx = torch.randint(cfg.vocab_size, (batch, cfg.context), generator=g)
+    prime_running_stats(model, idx)  # rms_ema: the running mean training sets from its first batch
     if cfg.norm_init == "match_rms":
         model.match_rms_(idx)
     tele = init_telemetry(model, idx)

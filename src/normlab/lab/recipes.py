@@ -33,7 +33,10 @@ def dyt_alpha0(width: int) -> dict[str, float]:
 def parse_alpha_table(value: str, width: int) -> dict[str, float]:
     """``model.alpha_table``: 'dyt_paper' (the row for this model's width) or 'dyt_paper@W' (the row for
     width W, e.g. when a narrow model emulates a wide one's init through ``model.init_std``)."""
-    name, _, at = value.partition("@")
+    name, sep, at = value.partition("@")
+    if sep and not at:
+        raise ValueError(f"model.alpha_table {value!r} names no width after '@': use 'dyt_paper' (this model's width) "
+                         f"or 'dyt_paper@W' with W one of {', '.join(map(str, DYT_PAPER_ALPHA0))}")  # fmt: skip
     if name != "dyt_paper":
         raise ValueError(f"model.alpha_table must be 'dyt_paper' or 'dyt_paper@W' (W one of "
                          f"{', '.join(map(str, DYT_PAPER_ALPHA0))}), got {value!r}")  # fmt: skip

@@ -58,9 +58,11 @@ def read_jsonl(path: Path) -> list[dict]:
     rows = []
     for line in path.read_text().splitlines() if path.exists() else []:
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
         except json.JSONDecodeError:
             continue
+        if isinstance(row, dict):  # a line that is JSON but not a record (junk) is skipped too
+            rows.append(row)
     return rows
 
 

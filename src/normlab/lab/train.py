@@ -346,9 +346,15 @@ def _check_buildable(cfg: TrainConfig, corpus) -> None:
                          f"holds byte {top}; use model.vocab_size >= {top + 1} (256 covers every byte)")  # fmt: skip
     try:
         with torch.device("meta"):  # no memory, no time: the constructors' own checks
-            GPT(cfg.model)
+            n = sum(p.numel() for p in GPT(cfg.model).parameters())
     except (TypeError, ValueError, RuntimeError) as e:
         raise ValueError(f"model: the config does not build a model ({type(e).__name__}: {e})") from None
+    from normlab.errors import check_memory
+
+    tokens = cfg.batch_size * cfg.model.context  # weights, gradients, two moments; the activations of a step
+    check_memory(16 * n + 4 * tokens * (cfg.model.vocab_size + 24 * cfg.model.width * cfg.model.depth),
+                 f"training {n / 1e6:.0f}M parameters at batch_size={cfg.batch_size} x context={cfg.model.context}",
+                 "use a smaller model.width, model.depth, batch_size or model.context")  # fmt: skip
     if cfg.tensorboard:
         try:
             import tensorboard  # noqa: F401

@@ -15,7 +15,8 @@ import math
 import statistics
 from pathlib import Path
 
-from normlab.lab.runs import RunFolder, escape_step, read_summary
+from normlab.errors import NormlabError
+from normlab.lab.runs import METRICS, SUMMARY, RunFolder, escape_step, read_summary
 
 PAPER_RMS, PAPER_ATTRACTOR = 3.21, 7.54
 __all__ = ["Results", "PAPER_RMS", "PAPER_ATTRACTOR", "frac", "untrained", "fmt"]
@@ -67,10 +68,16 @@ class Results:
         return self._read[key]
 
     def summary(self, run: dict) -> dict:
-        return self._once(run, "summary", lambda d: read_summary(d) or {})
+        return self._once(run, "summary", lambda d: checked(read_summary(d) or {}, d / SUMMARY, SUMMARY_FIELDS))
 
     def rows(self, run: dict) -> list[dict]:
-        return self._once(run, "metrics", lambda d: RunFolder(d).metrics())
+        def read(d: Path) -> list[dict]:
+            rows = RunFolder(d).metrics()
+            for i, r in enumerate(rows):
+                checked(r, d / f"{METRICS}, line {i + 1}", ROW_FIELDS)
+            return rows
+
+        return self._once(run, "metrics", read)
 
     def config(self, run: dict) -> dict | None:
         return self._once(run, "config", lambda d: RunFolder(d).config())
@@ -158,6 +165,26 @@ class Results:
         if len(runs) == 1:
             return f"[{text}](runs/{runs[0]['run_id']}/)"
         return f"{text} ({', '.join(links)})"
+
+
+# what the report reads of a summary and of a metrics row, and their kinds (None allowed where a run may lack one)
+_NUM = (int, float)
+SUMMARY_FIELDS = {"status": (str,), "final_val_loss": (*_NUM, type(None)), "unigram_entropy": _NUM,
+                  "escape_step": (int, type(None)), "tokens_per_s": (*_NUM, type(None)), "steps": (int,)}  # fmt: skip
+ROW_FIELDS = {"step": (int,), "val_loss": (*_NUM, type(None)), "train_loss": (*_NUM, type(None))}
+
+
+def checked(d: dict, where: Path | str, fields: dict) -> dict:
+    """``d`` if every field the report reads has its kind; else one clear error naming the file and the field."""
+    if not isinstance(d, dict):
+        raise NormlabError(f"{where}: not a JSON object; delete the run folder and run the sweep again")
+    for key, kinds in fields.items():
+        v = d.get(key)
+        if key in d and (not isinstance(v, kinds) or (isinstance(v, bool) and bool not in kinds)):
+            names = " or ".join("null" if k is type(None) else k.__name__ for k in kinds)
+            raise NormlabError(f"{where}: {key} must be {names}, got {v!r} (edited or damaged); delete the run "
+                               "folder and run the sweep again")  # fmt: skip
+    return d
 
 
 def frac(loss, rms, top):

@@ -26,6 +26,12 @@ __all__ = ["gain_curve", "gain_curves", "pointwise_gain_limit", "rms_norm_gain"]
 
 
 @torch.no_grad()
+def _total() -> int:
+    from normlab.errors import machine_memory
+
+    return machine_memory()
+
+
 def gain_curve(
     norm: nn.Module,
     sigmas: Sequence[float],
@@ -40,6 +46,10 @@ def gain_curve(
         raise ValueError(f"expected a non-empty list of sigmas > 0, got {list(np.atleast_1d(sig))}")
     if samples < 2:
         raise ValueError(f"expected samples >= 2, got {samples}")
+    from normlab.errors import check_memory
+
+    check_memory(5 * 8 * samples * dim, f"--samples {samples} at width {dim}",
+                 f"use --samples <= {max(2, int(0.8 * _total() / (40 * dim)))}")  # the tokens, x, y, two norms
     g = torch.Generator().manual_seed(seed)
     p = next(iter(norm.parameters()), None)
     dtype = p.dtype if p is not None else torch.float64

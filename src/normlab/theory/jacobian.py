@@ -197,6 +197,7 @@ def jacobian_table(
     that no selected norm takes is an error.
     RMSNorm uses the seed's gain/rank-1 split; other norms the diagonal/off-diagonal split.
     """
+    from normlab.modules import prime_running_stats
     from normlab.registry import accepted_kwargs, create_norm, init_kwargs
 
     if not math.isfinite(std) or std <= 0:
@@ -221,6 +222,7 @@ def jacobian_table(
         for name in norms:
             kwargs = accepted_kwargs(name, init)
             m = create_norm(name, width, **kwargs).double().eval()
+            prime_running_stats(m, xs)  # rms_ema: its running mean from these tokens, as training would set it
             parts = []
             for x in xs:
                 jac = autograd_jacobian(m, x)
