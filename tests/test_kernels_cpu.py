@@ -145,6 +145,42 @@ def test_every_gradient_matches_the_reference_on_huge_inputs(op, magnitude):
         assert float(m.alpha.grad) == 0.0  # every element saturated: tanh' = 0 exactly, as the reference
 
 
+def _same(a, b, what):
+    assert torch.allclose(a.double(), b.double(), rtol=1e-4, atol=1e-5, equal_nan=True), f"{what}: {a} vs {b}"
+
+
+@pytest.mark.parametrize("op", list(_EDGE_OPS))
+def test_non_finite_inputs_follow_one_rule_on_every_path(op):
+    """Issue 29: the paths disagreed on NaN and inf (Derf's gradients +inf where the reference's are NaN, DyISRU
+    saturating at inf where the reference gave NaN, ELN's NaN kept to one channel), so `kernel="auto"` answered
+    differently for the same row by batch size. The rule (normlab.functional, "Non-finite inputs"): +-inf gives the
+    function's limit with gradient 0 (tanh, erf, ISRU: +-1); NaN stays NaN at its element; a row holding inf or
+    NaN is NaN where the norm centres it (ELN). Every gradient included."""
+    fast, ref, params = _EDGE_OPS[op]
+    x = torch.tensor([[1.0, -2.0, math.inf, 0.5, 0.1, -0.3, 2.0, 1.0], [math.nan, 1.0, 2.0, -1.0, 0.2, 0.4, -0.5, 0.0],
+                      [-math.inf, 0.3, 0.1, 0.2, -0.7, 0.9, 1.1, -1.2], [0.5, -0.5, 1.5, -1.5, 0.25, 0.0, 3.0, -3.0]])
+    ps = params()
+    got, want = _grads(fast, x, *ps), _grads(ref, x, *ps)
+    _same(got[0], want[0], f"{op} y")
+    _same(got[1], want[1], f"{op} dx")
+    for i, (a, b) in enumerate(zip(got[2], want[2])):
+        _same(a, b, f"{op} parameter {i}")
+    if op in ("dyt", "scaled_dyt", "derf", "dyisru"):  # element-wise: a non-finite element touches nothing else
+        assert torch.isfinite(got[0][3]).all() and torch.isfinite(got[0][0, [0, 1, 3]]).all()
+        assert torch.isfinite(got[0][0, 2]) and torch.isfinite(got[0][2, 0])  # +-inf: the limit
+    else:
+        assert torch.isnan(got[0][:3]).all() and torch.isfinite(got[0][3]).all()
+
+
+def test_auto_gives_one_answer_for_a_row_whatever_the_batch_size():
+    row = torch.tensor([math.inf, -1.0, math.nan, 2.0] * 16)
+    for name in ("dyt", "derf", "dyisru", "eln", "rms_norm"):
+        m = normlab.create_norm(name, 64)  # auto: the reference below 65,536 elements, fused above
+        small = m(row[None])[0]
+        big = m(row.expand(2048, 64).contiguous())[0]
+        torch.testing.assert_close(big, small, equal_nan=True, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("name", ["dyisru", "eln"])
 def test_a_denormal_beta_gives_the_reference_answer(name):
     """Issue 29, defect 2: a denormal beta (init accepts it) made the hardware rsqrt read 0, and the fused

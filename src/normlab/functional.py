@@ -19,6 +19,16 @@ Conventions
   ``(C,)``, named as in PyTorch so that a converted LayerNorm can copy them.
 * float16 and bfloat16 inputs are computed in float32 and cast back, so a
   squared activation cannot overflow (in float16, ``x**2`` overflows above 256).
+
+Non-finite inputs
+-----------------
+One rule, followed by these functions and by every fused kernel (tested in
+``tests/test_kernels_cpu.py``), so that an answer never depends on the path or
+the batch size: +-inf gives the function's limit with gradient 0 (tanh, erf
+and the ISRU of DyISRU saturate at +-1); NaN stays NaN at its element. A norm
+that reduces over the row takes its statistic in floating point: a row holding
+NaN is NaN; a row holding inf is NaN where it is centred (LayerNorm, ELN), and
+for RMSNorm NaN at the inf and 0 at the finite elements (x / inf).
 """
 
 from __future__ import annotations
@@ -402,8 +412,11 @@ def scaled_dyt(
 
 
 def _isru(z: Tensor, beta: Tensor) -> Tensor:
-    # z / sqrt(beta + z^2), written with hypot so that z^2 never overflows.
-    return z / torch.hypot(z, torch.sqrt(beta))
+    # z / sqrt(beta + z^2), written with hypot so that z^2 never overflows; at z = +-inf its limit sign(z) with
+    # gradient 0 (inf / inf would be NaN), the inf masked out of the other branch so its gradient stays finite.
+    inf = torch.isinf(z)
+    finite = torch.where(inf, torch.zeros_like(z), z)
+    return torch.where(inf, torch.sign(z), finite / torch.hypot(finite, torch.sqrt(beta)))
 
 
 @_fp32_compute
@@ -447,5 +460,6 @@ def eln(
     _check_broadcastable(beta, "beta", x, "eln")
     _check_param(weight, "weight", x, "eln")
     _check_param(bias, "bias", x, "eln")
-    xc = x - x.mean(-1, keepdim=True)
+    mu = x.mean(-1, keepdim=True)
+    xc = x - torch.where(torch.isfinite(mu), mu, torch.full_like(mu, math.nan))  # a row with inf or NaN: NaN
     return _affine(channel_scale(x.shape[-1], scale) * _isru(xc, beta), weight, bias)

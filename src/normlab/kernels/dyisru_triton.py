@@ -13,7 +13,8 @@ VJP, with g = dL/dy:
     dbeta[n]  = sum_m g * w[n] * s * (-x r^3 / 2)        (summed over n too for a scalar beta)
 
 x^2 is formed in fp32, so float16 inputs up to 65504 cannot overflow (x^2 would in fp16
-above 256). The forward saves only its input; the parameter gradients are reduced in two
+above 256). Beyond |x| = 1e18 (and at +-inf) y saturates to w s sign(x) + b with every derivative 0, as the
+reference's hypot form does; a NaN stays NaN. The forward saves only its input; the parameter gradients are reduced in two
 stages (fp32 partials per program, summed on the host), deterministically.
 """
 
@@ -47,7 +48,9 @@ def _dyisru_fwd(
         row = pid_m * ROWS + i
         mask = cols < tl.where(row < M, N, 0)  # one comparison: the interpreter rejects mask & scalar-mask
         x = tl.load(X + row.to(tl.int64) * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-        y = ws * x * tl.rsqrt(beta + x * x) + b
+        big = tl.abs(x) > 1e18  # x^2 would overflow: the limit sign(x), as the reference (hypot; +-inf too)
+        f = tl.where(big, tl.where(x < 0, -1.0, 1.0), x * tl.rsqrt(beta + x * x))
+        y = ws * f + b
         tl.store(Y + row.to(tl.int64) * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
 
 
@@ -76,12 +79,15 @@ def _dyisru_bwd(
         mask = cols < tl.where(row < M, N, 0)  # one comparison: the interpreter rejects mask & scalar-mask
         x = tl.load(X + row.to(tl.int64) * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
         g = tl.load(G + row.to(tl.int64) * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
-        r = tl.rsqrt(beta + x * x)
-        r3 = r * r * r
+        big = tl.abs(x) > 1e18  # saturated: f = sign(x), every derivative 0 (and no inf * 0 below)
+        xs = tl.where(big, 0.0, x)
+        r = tl.rsqrt(beta + xs * xs)
+        r3 = tl.where(big, 0.0, r * r * r)
+        f = tl.where(big, tl.where(x < 0, -1.0, 1.0), xs * r)
         gws = g * ws
         tl.store(DX + row.to(tl.int64) * stride_dx + cols, (gws * beta * r3).to(DX.dtype.element_ty), mask=mask)
-        dbeta += -0.5 * gws * x * r3
-        dw += g * scale * x * r
+        dbeta += -0.5 * gws * xs * r3
+        dw += g * scale * f
         db += g
     out = pid_m.to(tl.int64) * N + cols
     tl.store(DBETA_P + out, dbeta, mask=cmask)

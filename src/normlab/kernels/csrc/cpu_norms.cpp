@@ -12,6 +12,7 @@
 // order at the end. The blocks depend only on N and the thread count, so a result is the same on every run
 // with the same thread count.
 
+#include <limits>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/cpu/vec/functional.h>
@@ -156,6 +157,9 @@ inline void for_blocks(int64_t n, int64_t blocks, const F& body) {
   });
 }
 
+// ELN centres each row: a row holding inf or NaN has no finite mean, and the whole row is NaN (as the reference's)
+inline float finite_or_nan(float m) { return std::isfinite(m) ? m : std::numeric_limits<float>::quiet_NaN(); }
+
 template <typename T>
 inline float row_mean(const T* x, int64_t c) {
   Vec acc(0.0f);
@@ -193,7 +197,7 @@ void pointwise_fwd_impl(const T* x, T* y, const float* p0, const float* p1, cons
     for (int64_t r = r0; r < r1; ++r) {
       const T* xr = x + r * c;
       T* yr = y + r * c;
-      const Vec mean(K == ELN ? row_mean(xr, c) : 0.0f);
+      const Vec mean(K == ELN ? finite_or_nan(row_mean(xr, c)) : 0.0f);
       for (int64_t j = 0; j < c; j += VL) {
         const int64_t m = std::min(VL, c - j);
         const Vec xv = load(xr + j, m), a = Vec::loadu(p0 + j, m), wv = Vec::loadu(w + j, m),
@@ -227,7 +231,7 @@ void pointwise_bwd_impl(const T* g, const T* x, T* dx, const float* p0, const fl
       const int64_t rows = std::min(ROWS, r1 - rg);
       Vec mean[ROWS], qsum[ROWS];
       for (int64_t i = 0; i < rows; ++i) {
-        mean[i] = Vec(K == ELN ? row_mean(x + (rg + i) * c, c) : 0.0f);
+        mean[i] = Vec(K == ELN ? finite_or_nan(row_mean(x + (rg + i) * c, c)) : 0.0f);
         qsum[i] = Vec(0.0f);
       }
       for (int64_t j = 0; j < c; j += VL) {
@@ -248,7 +252,8 @@ void pointwise_bwd_impl(const T* g, const T* x, T* dx, const float* p0, const fl
           } else if constexpr (K == DERF) {
             const Vec z = at::vec::fmadd(a, xv, shift);
             f = z.erf();
-            const Vec dz = gw * Vec(TWO_OVER_SQRT_PI) * (-(z * z)).exp_u20();
+            const Vec e = (-(z * z)).exp_u20();  // the fast exp gives inf for a NaN z: NaN in, NaN out
+            const Vec dz = gw * Vec(TWO_OVER_SQRT_PI) * Vec::blendv(e, z, z.isnan());
             d = dz * a;
             acc0 = at::vec::fmadd(dz, xv, acc0);
             acc1 = acc1 + dz;
