@@ -14,8 +14,8 @@ VJP, with g = dL/dy:
 
 x^2 is formed in fp32, so float16 inputs up to 65504 cannot overflow (x^2 would in fp16
 above 256). Beyond |x| = 1e18 (and at +-inf) y saturates to w s sign(x) + b with every derivative 0,
-as the reference's hypot form does; a NaN stays NaN. The forward saves only its input; the parameter gradients are reduced in two
-stages (fp32 partials per program, summed on the host), deterministically.
+as the reference's hypot form does; a NaN stays NaN. The forward saves only its input; the parameter
+gradients are reduced in two stages (fp32 partials per program, summed on the host), deterministically.
 """
 
 from __future__ import annotations
