@@ -10,7 +10,8 @@ NORMS = {
     "derf_m": ("Derf, match_rms", '"model.norm" = "derf", "model.norm_init" = "match_rms"'),
     "dyisru_m": ("DyISRU, match_rms", '"model.norm" = "dyisru", "model.norm_init" = "match_rms"'),
     "dyt": ("DyT, default init", '"model.norm" = "dyt"'),
-    "ls_m": ("layer_scale (no normalization), match_rms", '"model.norm" = "layer_scale", "model.norm_init" = "match_rms"'),
+    "ls_m": ("layer_scale (no normalization), match_rms",
+             '"model.norm" = "layer_scale", "model.norm_init" = "match_rms"'),
 }
 ALL = list(NORMS)
 TWO = ["rms", "dyt_m"]
