@@ -15,6 +15,7 @@ import statistics
 from pathlib import Path
 
 import matplotlib
+import matplotlib.ticker
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -98,22 +99,36 @@ def _lr_curves(res: Results, path: Path, other: Results | None = None) -> Path |
     cols = min(3, len(cells))
     rows = math.ceil(len(cells) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 3.4 * rows), squeeze=False)
+    top_of = (res.entropy() or 3.33) + 0.4  # above the attractor: a diverged or stuck rate, drawn at the top
     for ax, (cell, names) in zip(axes.flat, cells.items()):
+        grid = set()
         for name in names:
             pts = [(res.meta(v)["lr"], vals) for v in res.sweeps[name] if (vals := res.values(v))]
             if not pts:
                 continue
             lrs = [p[0] for p in pts]
+            grid.update(lrs)
             means = [statistics.fmean(p[1]) for p in pts]
             sds = [statistics.stdev(p[1]) if len(p[1]) > 1 else 0.0 for p in pts]
-            line = ax.errorbar(lrs, means, yerr=sds, marker="o", ms=3, capsize=2, label=res.label(name).split(" (")[0])
+            shown = [min(m, top_of) for m in means]
+            label = res.label(name).split(" (")[0].split(", ", 1)[-1]  # the norm, without the cell
+            line = ax.errorbar(lrs, shown, yerr=[min(sd, top_of) for sd in sds], marker="o", ms=3, capsize=2,
+                               label=label)  # fmt: skip
+            color = line[0].get_color()
+            off = [(lr, top_of) for lr, m in zip(lrs, means) if m > top_of]
+            if off:
+                ax.plot(*zip(*off), "^", ms=7, color=color)
             best = res.best(name)
             if best is not None:
-                ax.plot([res.meta(best)["lr"]], [res.mean(best)], "o", ms=9, mfc="none", color=line[0].get_color())
+                ax.plot([res.meta(best)["lr"]], [res.mean(best)], "o", ms=9, mfc="none", color=color)
         ax.set_xscale("log")
+        ax.set_xticks(sorted(grid), [f"{g:g}" for g in sorted(grid)], fontsize=7)
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.set_ylim(top=top_of + 0.05)
         ax.set_title(cell, fontsize=9)
-        ax.set_xlabel(res.meta(res.sweeps[names[0]][0])["lr_field"])
-        ax.set_ylabel("val loss")
+        ax.set_xlabel(res.meta(res.sweeps[names[0]][0])["lr_field"] + " (circled: best; triangle: above the attractor)",
+                      fontsize=7)  # fmt: skip
+        ax.set_ylabel("val loss, mean ± std over seeds", fontsize=7)
         ax.legend(fontsize=6)
     for ax in list(axes.flat)[len(cells) :]:
         ax.axis("off")
@@ -201,6 +216,8 @@ def _gap_trend(res: Results, path: Path, other: Results | None = None) -> Path |
                     label=f"fit: {b:+.3f} per doubling")  # fmt: skip
             if extend:
                 ax.plot([extend], [a + b * math.log2(extend)], "s", color="gray", label=f"prediction at {extend}")
+                ax.plot([extend] * len(ANCHORS), [v for *_, v in ANCHORS], "x", color="C3", ms=8,
+                        label="published DyT - LayerNorm, GPT-2 small (5-20B tokens)")  # fmt: skip
         ax.axhline(0, color="black", lw=0.6)
         ax.set_xscale("log", base=2)
         ax.set_xlabel(xlabel)
