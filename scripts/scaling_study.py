@@ -190,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(records)} runs recorded in {RECORD.relative_to(ROOT)}; restored {restore(root, records)} into {root}")
     if not args.report_only:
         todo = [s for s in specs if s.run_id not in records]
+        started = {r["meta"].get("sweep") for r in records.values()}
+        todo.sort(key=lambda s: s.meta.get("sweep") not in started)  # finish the grids already begun (stable)
         if args.max_runs is not None:
             todo = todo[: args.max_runs]
         print(f"{len(todo)} runs to go of {len(specs)}, {args.jobs} at a time, in the TOML's order (decisive first)")
