@@ -25,13 +25,13 @@ import normlab.functional as FN
 __all__ = ["gain_curve", "gain_curves", "pointwise_gain_limit", "rms_norm_gain"]
 
 
-@torch.no_grad()
 def _total() -> int:
     from normlab.errors import machine_memory
 
     return machine_memory()
 
 
+@torch.no_grad()
 def gain_curve(
     norm: nn.Module,
     sigmas: Sequence[float],
