@@ -168,7 +168,11 @@ def report(root: Path) -> None:
         shutil.copy(png, FIGURES / png.name)
     text = path.read_text().replace("](figures/", "](../docs/figures/scaling/")
     text = re.sub(r"\[([^\]]*)\]\(runs/[^)]*\)", r"\1", text)  # run folders are not in the repository
-    (ROOT / "bench" / "scaling.md").write_text(text)
+    total = len({sp.run_id for sp in expand(load_experiment("scaling"), "scaling", root)})
+    done = len(recorded())
+    status = (f"\n**Status:** {done} of {total} runs recorded in bench/scaling.jsonl ({time.strftime('%Y-%m-%d')}, "
+              f"commit {commit()}, {machine()}); `python scripts/scaling_study.py` runs the rest.\n")  # fmt: skip
+    (ROOT / "bench" / "scaling.md").write_text(text + status)
     write_table(recorded())
     mechanism_figure(recorded())
     print(f"wrote {ROOT / 'bench' / 'scaling.md'}, {TABLE}, {FIGURES}/")
