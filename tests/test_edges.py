@@ -338,3 +338,93 @@ def test_load_converted_refuses_edited_and_foreign_folders(tmp_path):
     save_file(state, str(weights))
     with pytest.raises(ValueError, match="model_class 'NoSuchModel' is not a transformers model class"):
         normlab.load_converted(folder)
+
+
+# ------------------------------------------------------------------ checks before the work; sizes; misleading successes
+@pytest.mark.parametrize("args,match", [
+    (["--to", "layer_norm"], r"--to layer_norm: calibration fits .* pass --no-calibrate"),
+    (["--init", "beta_init=-1"], r"--init beta_init=-1: .*beta"),
+])  # fmt: skip
+def test_convert_flags_are_checked_before_the_model_loads(tmp_path, capsys, args, match):
+    import re
+
+    out = tmp_path / "o"
+    rc = main(["convert", "--model", str(tmp_path / "missing-model"), "--out", str(out), *args])
+    err = capsys.readouterr().err
+    assert rc == 2 and re.search(match, err), err  # the flag, before the model (which does not even exist)
+    assert not out.exists()
+
+
+def test_a_bogus_kernel_variable_leaves_no_output(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("NORMLAB_KERNEL", "bogus")
+    model = _tiny("Llama", tmp_path / "m")
+    out = tmp_path / "o"
+    rc = main(["convert", "--model", str(model), "--out", str(out), "--no-calibrate", "--to", "dyt"])
+    assert rc == 2 and "NORMLAB_KERNEL='bogus'" in capsys.readouterr().err
+    assert not out.exists() and not list(tmp_path.glob(".o.lock"))
+
+
+@pytest.mark.parametrize("argv", [["predict", "--set", "model.width=100000"], ["gain", "--samples", "100000000"],
+                                  ["train", "--preset", "tiny", "--set", "model.width=60000", "model.heads=1"]])
+def test_sizes_that_exhaust_memory_are_refused_up_front(tmp_path, capsys, argv, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "GiB" in err and "more than this machine's" in err, err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_rms_ema_is_read_as_training_sets_it():
+    """predict and jacobian read rms_ema at the running mean training sets from its first batch (they read the
+    placeholder 1.0); match_rms no longer moves it (its forwards ran in train mode)."""
+    from normlab.lab import GPT, GPTConfig
+    from normlab.lab.phase import predict
+    from normlab.theory.jacobian import jacobian_table
+
+    rows = {r["norm"]: r for r in jacobian_table(["rms_norm", "rms_ema"], [64], std=0.02, tokens=2)}
+    assert rows["rms_ema"]["total"] == pytest.approx(rows["rms_norm"]["total"], rel=0.2)  # was ~0.02 of it
+    cfg = GPTConfig(width=32, depth=1, heads=2, context=16, norm="rms_ema", norm_final="dyt", norm_init="match_rms")
+    p = predict(cfg)
+    assert p["rms_out"] == pytest.approx(1.0, rel=0.05)  # normalised as in training, not by the placeholder
+    torch.manual_seed(0)
+    model = GPT(cfg).train()
+    idx = torch.randint(256, (2, 16))
+    model(idx)  # the first training forward sets the running means
+    before = {n: float(m.running_ms) for n, m in model.named_modules() if hasattr(m, "running_ms")}
+    model.match_rms_(idx)
+    after = {n: float(m.running_ms) for n, m in model.named_modules() if hasattr(m, "running_ms")}
+    assert before == after and model.training
+
+
+@pytest.mark.parametrize("setting,match", [
+    (["model.norm_init=match_rms"], "match_rms' scales the gamma of point-wise norms; no site"),
+    (["model.alpha_table=dyt_paper"], "alpha_table sets alpha_init, which no norm"),
+    (["model.norm=dyt", "model.alpha_table=dyt_paper@"], "names no width after '@'"),
+])  # fmt: skip
+def test_knobs_that_would_be_ignored_are_refused(tmp_path, capsys, setting, match):
+    out = tmp_path / "r"
+    assert main(["train", "--preset", "tiny", "--out", str(out), "--set", *setting]) == 2
+    assert match in capsys.readouterr().err and not out.exists()
+
+
+def test_random_bytes_as_calibration_text_warn():
+    from normlab.conversion.hf import check_text
+
+    with pytest.warns(UserWarning, match="are not text"):
+        check_text(bytes(range(256)).decode("latin-1") * 50, "noise.bin")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_text(CALIB, "calib.txt")
+
+
+def test_a_fit_that_overflows_says_so():
+    import numpy as np
+
+    from normlab.theory.fit import fit_elementwise
+
+    x = np.array([1e200, -1e200, 3e199, 1.0])
+    res = fit_elementwise(x, np.tanh(x), "dyisru")
+    assert not res.converged
+    assert "overflow" in res.message and "no positive slope" not in res.message
