@@ -68,6 +68,18 @@ for (width, budget, block, opt, depth, norms) in CELLS:
             pairs.append((f"{cid}_{n}", f"{cid}_rms"))
             names.append(f"{cell} ({n})")
 w("[[checks]]\nkind = \"gap_trend\"\n")
+compare = []
+for w_, ref in ((64, "w64_x1_gpt2_adamw"), (128, "w128_x1_gpt2_adamw")):
+    for other, what in ((f"w{w_}_x1_llama_adamw", "the LLaMA block"), (f"w{w_}_x1_gpt2_muon", "Muon"),
+                        (f"w{w_}_x1_llama_muon", "the LLaMA block with Muon")):
+        compare.append(f'[["{other}_dyt_m", "{other}_rms"], ["{ref}_dyt_m", "{ref}_rms"], "{what} at width {w_}", '
+                       f'"GPT-2 with AdamW"]')
+w("[[checks]]\nkind = \"verdicts_agree\"\nwhat = \"matched DyT against RMSNorm\"")
+w("compare = [" + ", ".join(compare) + "]\n")
+abl = [(f"{c}_ls_m", f"{c}_dyt_m") for c in ("w64_x1_gpt2_adamw", "w128_x1_gpt2_adamw", "w64_x4_gpt2_adamw")]
+w("[[checks]]\nkind = \"gap\"\nwhat = \"no normalization (layer_scale, match_rms) against matched DyT\"")
+w("pairs = [" + ", ".join(f'["{a}", "{b}"]' for a, b in abl) + "]")
+w("names = [" + ", ".join(f'"{a.rsplit("_ls_m")[0]}"' for a, _ in abl) + "]\n")
 w("[[checks]]\nkind = \"gap\"\nwhat = \"gap to RMSNorm\"")
 w("pairs = [" + ", ".join(f'["{a}", "{b}"]' for a, b in pairs) + "]")
 w("names = [" + ", ".join(f'"{n}"' for n in names) + "]\n")

@@ -77,6 +77,26 @@ def _check_gap(res: Results, c: dict) -> list[Verdict]:
     return out
 
 
+@register_check("verdicts_agree")
+def _check_verdicts_agree(res: Results, c: dict) -> list[Verdict]:
+    """Whether two settings give the same verdict: each of ``compare`` is [[a, b], [a', b'], name, name'], the gap
+    a - b in one setting (the LLaMA block, Muon) against a' - b' in the reference one (GPT-2, AdamW)."""
+    out = []
+    for (p1, p2, n1, n2) in c["compare"]:
+        d1, d2 = gap(res, *p1), gap(res, *p2)
+        if d1 is None or d2 is None:
+            out.append(verdict(None, f"{c['what']}, {n1} against {n2}: runs missing"))
+            continue
+        same = d1["word"] == d2["word"]
+        text = (f"{c['what']}, {n1} against {n2}: {d1['word']} ({d1['gap']:+.3f}) against {d2['word']} "
+                f"({d2['gap']:+.3f}): the verdict is {'the same' if same else 'different'}")  # fmt: skip
+        if d1["edge"] or d2["edge"]:
+            out.append(Verdict(None, text + "; a best rate sits at its grid's edge", {"same": same}))
+        else:
+            out.append(Verdict(None, text, {"same": same, "gaps": (d1["gap"], d2["gap"])}, finding=True))
+    return out
+
+
 def trend(xs: list[float], ys: list[float]) -> tuple[float, float]:
     """Least-squares line y = a + b log2(x): (a, b)."""
     lx = [math.log2(x) for x in xs]
