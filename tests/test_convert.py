@@ -80,7 +80,7 @@ def test_converting_to_the_same_norm_is_exact(name, to):
 
 
 class OutlierModel(nn.Module):
-    """Token -> a norm -> a head, with the activations of seed 000's outlier model built in.
+    """Token -> a norm -> a head, with the activations of the DyISRU paper's outlier model built in.
 
     Every token's vector has the same norm outside channel 0 (||x_without_0|| = 10) and its own value
     in channel 0, from 0 to 60: on that outlier channel RMSNorm equals DyISRU with beta = 100 (Theorem 3),

@@ -1,4 +1,4 @@
-"""Exact identities between the norms (seed 000 Theorem 3, seed 003 Results 4-5)."""
+"""Exact identities between the norms (the DyISRU paper Theorem 3, the dissection Results 4-5)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ def _grads(fn, x, w, g):
 
 
 def _coupling(x, w, g, eps):
-    """Seed 003's coupling term: x_i / (C r^3) * sum_j w_j x_j g_j."""
+    """The dissection's coupling term: x_i / (C r^3) * sum_j w_j x_j g_j."""
     r = torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     return x / (x.shape[-1] * r**3) * (w * x * g).sum(-1, keepdim=True)
 
@@ -67,7 +67,7 @@ def test_rms_norm_input_gradient_is_orthogonal_to_x():
 
 
 def test_dyisru_with_per_channel_beta_is_rms_norm():
-    """Seed 000 Theorem 3: beta_i = ||x without i||^2 turns DyISRU (eq. 16) into RMSNorm (eq. 13)."""
+    """The DyISRU paper Theorem 3: beta_i = ||x without i||^2 turns DyISRU (eq. 16) into RMSNorm (eq. 13)."""
     for c in (1, 2, 7, 100, 1024):
         x = torch.randn(3, c, dtype=torch.float64)
         beta_i = x.pow(2).sum(-1, keepdim=True) - x.pow(2)  # (3, C): per token and channel
@@ -75,7 +75,7 @@ def test_dyisru_with_per_channel_beta_is_rms_norm():
 
 
 def test_eln_with_theorem4_beta_is_layer_norm():
-    """Seed 002 Theorem 4: beta_i = (C-1) sigma_{!=i}^2 - sigma^2 turns ELN (eq. 13) into LayerNorm."""
+    """The ELN paper Theorem 4: beta_i = (C-1) sigma_{!=i}^2 - sigma^2 turns ELN (eq. 13) into LayerNorm."""
     c = 50
     x = torch.randn(4, c, dtype=torch.float64) * 2 + 0.7
     xc = x - x.mean(-1, keepdim=True)
@@ -86,7 +86,7 @@ def test_eln_with_theorem4_beta_is_layer_norm():
 
 
 def test_slope_matching_map():
-    """Seed 000 Fig. 2: beta = 1/alpha^2 gives scaled DyT and DyISRU the same slope at 0."""
+    """The DyISRU paper Fig. 2: beta = 1/alpha^2 gives scaled DyT and DyISRU the same slope at 0."""
     c, alpha = 100, 0.05
     x = torch.tensor([0.0], dtype=torch.float64)
     xs = torch.zeros(c, dtype=torch.float64, requires_grad=True)

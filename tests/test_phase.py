@@ -167,7 +167,7 @@ def test_prediction_of_rmsnorm_and_dyt_at_gpt2_init():
     assert rms["rms_out"] == pytest.approx(1.0, rel=1e-3) and rms["predicted_escape"]
     assert rms["logit_std"] == pytest.approx(GPT2_STD * 8, rel=0.1)
     dyt = predict(GPTConfig(width=64, depth=4, heads=4, context=64, norm="dyt"))
-    # seed 003's argument: DyT at alpha0 = 0.5 passes alpha * 0.02 * sqrt(2) (token + position embedding)
+    # the dissection's argument: DyT at alpha0 = 0.5 passes alpha * 0.02 * sqrt(2) (token + position embedding)
     assert dyt["alpha_rms"] == pytest.approx(0.5 * 0.02 * math.sqrt(2), rel=0.05)
     assert dyt["logit_gain"] < ESCAPE_THRESHOLD and not dyt["predicted_escape"]
     matched = predict(GPTConfig(width=64, depth=4, heads=4, context=64, norm="dyt", norm_init="match_rms"))
@@ -225,7 +225,7 @@ def test_phase_checks_agree(tmp_path):
     good = {"rms_norm": 2.6, "dyt_sqrtd": 2.8, "derf_sqrtd": 2.8, "dyt_llama": 2.7, "derf_llama": 2.7,
             "scaled_dyt_sqrtd": 2.65, "dyt_match": 2.5, "derf_match": 2.52, "hardtanh_match": 2.55}
     lines = [str(v) for v in claims(_phase_results(tmp_path, good))]
-    assert lines[0].startswith("**agrees**: the point-wise norms in seed 003's setting")
+    assert lines[0].startswith("**agrees**: the point-wise norms in the dissection's setting")
     escapes = [line for line in lines if "the papers' recipe" in line]
     assert len(escapes) == 4 and all(line.startswith("**agrees**") for line in escapes)
     assert "DyT + sqrt(d) scalar: 2.800 (escapes on every seed; escape step 100, 100)" in escapes[0]
@@ -233,21 +233,22 @@ def test_phase_checks_agree(tmp_path):
     shape = next(line for line in lines if line.startswith("**agrees**: tanh, erf and hardtanh"))
     assert "all escape, span 0.050 nats" in shape
     assert any(line.startswith("**agrees**: scaled DyT (output up to sqrt(C)) against DyT") for line in lines)
-    # in seed 003's setting both stay at the attractor: the sqrt(C) hypothesis is not borne out there
-    assert any(line.startswith("**inconclusive**: scaled DyT against DyT in seed 003's setting") for line in lines)
+    # in the dissection's setting both stay at the attractor: the sqrt(C) hypothesis is not borne out there
+    want = "**inconclusive**: scaled DyT against DyT in the dissection's setting"
+    assert any(line.startswith(want) for line in lines)
     lines = [str(v) for v in claims(_phase_results(tmp_path / "b", {"rms_norm": 2.6, "scaled_dyt": 2.9}))]
-    assert any(line.startswith("**agrees**: scaled DyT against DyT in seed 003's setting: scaled DyT 2.901 vs "
+    assert any(line.startswith("**agrees**: scaled DyT against DyT in the dissection's setting: scaled DyT 2.901 vs "
                                "DyT 3.33") for line in lines), lines  # fmt: skip
 
 
 def test_phase_checks_disagree(tmp_path):
     bad = {"rms_norm": 2.6, "dyt": 2.9, "dyt_match": 2.5, "derf_match": 3.33, "hardtanh_match": 2.5}
     lines = [str(v) for v in claims(_phase_results(tmp_path, bad))]
-    assert lines[0].startswith("**disagrees**: the point-wise norms in seed 003's setting")
+    assert lines[0].startswith("**disagrees**: the point-wise norms in the dissection's setting")
     escapes = [line for line in lines if "the papers' recipe" in line]
     assert all(line.startswith("**disagrees**") and "does not escape on every seed" in line for line in escapes)
     assert any(line.startswith("**disagrees**: tanh, erf and hardtanh") and "fates differ" in line for line in lines)
-    assert any(line.startswith("**disagrees**: scaled DyT against DyT in seed 003's setting") for line in lines)
+    assert any(line.startswith("**disagrees**: scaled DyT against DyT in the dissection's setting") for line in lines)
 
 
 def test_phase_sorts_both_ways(tmp_path):

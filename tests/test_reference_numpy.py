@@ -1,4 +1,4 @@
-"""Seed 004: the NumPy dynamic_tanh and its four behaviours."""
+"""The dynamic_tanh exercise: the NumPy dynamic_tanh and its four behaviours."""
 
 import numpy as np
 import pytest

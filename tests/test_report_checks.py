@@ -49,7 +49,7 @@ def test_pointwise_agrees(tmp_path):
     assert lines == [
         "**agrees**: the point-wise variants span 0.050 nats and sit at most 0.050 from the unigram entropy 3.330",
         "**agrees**: RMSNorm reaches 2.500, 0.83 below the best point-wise variant",
-        "**agrees**: LayerScale (linear): status diverged (the seed: diverged), loss -",
+        "**agrees**: LayerScale (linear): status diverged (the dissection: diverged), loss -",
     ]
 
 
@@ -59,7 +59,7 @@ def test_pointwise_disagrees(tmp_path):
     assert lines == [
         "**disagrees**: the point-wise variants span 1.000 nats and sit at most 0.730 from the unigram entropy 3.330",
         "**disagrees**: RMSNorm reaches 2.500, 0.10 below the best point-wise variant",
-        "**disagrees**: LayerScale (linear): status completed (the seed: diverged), loss 2.700",
+        "**disagrees**: LayerScale (linear): status completed (the dissection: diverged), loss 2.700",
     ]
 
 
@@ -72,7 +72,7 @@ def test_an_untrained_baseline_makes_every_guarded_check_inconclusive(tmp_path):
 def test_width(tmp_path, wide_gap, verdict):
     values = {"narrow_rms_norm": 2.0, "narrow_dyt": 3.0, "wide_rms_norm": 2.0, "wide_dyt": 2.0 + wide_gap}
     assert _claims(_results(tmp_path, "width", values)) == [
-        f"**{verdict}**: DyT's gap to RMSNorm is 1.000 narrow vs {wide_gap:.3f} wide (seed 003: 4.33 vs 0.61)"]
+        f"**{verdict}**: DyT's gap to RMSNorm is 1.000 narrow vs {wide_gap:.3f} wide (the dissection: 4.33 vs 0.61)"]
 
 
 @pytest.mark.parametrize("name", ["denominator", "coupling"])
@@ -82,13 +82,15 @@ def test_fraction_checks_agree_and_disagree(tmp_path, name):
     good = {n: 2.0 + (0.1 if w else 1.2) for n, w in works.items()}  # works: frac 0.08; fails: frac 0.9
     lines = _claims(_results(tmp_path / "good", name, {"rms_norm": 2.0, **good}))
     assert len(lines) == len(works) and all(line.startswith("**agrees**") for line in lines)
-    assert any("works in the seed; here it is at 0.08 of the way" in line for line in lines) == any(works.values())
+    said = any("works in the dissection; here it is at 0.08 of the way" in line for line in lines)
+    assert said == any(works.values())
     bad = {n: 2.0 + (1.2 if w else 0.1) for n, w in works.items()}
     lines = _claims(_results(tmp_path / "bad", name, {"rms_norm": 2.0, **bad}))
     assert all(line.startswith("**disagrees**") for line in lines)
     label = next(r["label"] for r in exp.runs if r["name"] != "rms_norm" and not r.get("works"))
-    assert f"**disagrees**: {label}: fails in the seed; here it is at 0.08 of the way from RMSNorm to the attractor" \
-        in lines  # fmt: skip
+    want = (f"**disagrees**: {label}: fails in the dissection; here it is at 0.08 of the way from RMSNorm to the "
+            "attractor")
+    assert want in lines
 
 
 @pytest.mark.parametrize("monotone", [True, False])
@@ -98,7 +100,7 @@ def test_coupling_sweep(tmp_path, monotone):
     values = {n: 3.0 - lam for n, lam in lams.items()} if monotone else {n: 2.5 for n in lams}
     (line,) = _claims(_results(tmp_path, "coupling_sweep", values))
     assert line.startswith("**agrees**" if monotone else "**disagrees**")
-    assert line.endswith("; the seed: monotone degradation from lambda = 1 to 0")
+    assert line.endswith("; the dissection: monotone degradation from lambda = 1 to 0")
     assert ("lambda=1: 2.000" if monotone else "lambda=1: 2.500") in line
 
 
@@ -111,9 +113,9 @@ def test_rank(tmp_path, coupled, verdict):
     a, d = ("RMSNorm (lambda = 1)", "Detached (lambda = 0)")
     assert lines == [
         f"**{verdict}**: erank_attn_proj: {a} 50.0 vs {d} {det['erank_attn_proj']:.1f} "
-        "(seed 003 at width 1024: 727 vs 158)",
+        "(the dissection at width 1024: 727 vs 158)",
         f"**{verdict}**: erank_mlp_proj: {a} 60.0 vs {d} {det['erank_mlp_proj']:.1f} "
-        "(seed 003 at width 1024: 936 vs 195)",
+        "(the dissection at width 1024: 936 vs 195)",
         f"**{verdict}**: cos(grad, activation): {a} {rms['align_cos']:.2e} vs {d} {det['align_cos']:.2e} "
         "(seed: 0.0000 vs 0.0084)",
     ]
@@ -154,8 +156,8 @@ def test_a_difference_within_the_spread_over_seeds_is_inconclusive(tmp_path):
     noisy = {"narrow_rms_norm": [2.0, 2.0], "narrow_dyt": [2.5, 3.5], "wide_rms_norm": [2.0, 2.0],
              "wide_dyt": [2.8, 3.0]}  # gaps 1.0 and 0.9, but narrow DyT's seeds differ by 1.0 (std 0.71)
     (line,) = _claims(_results(tmp_path / "noisy", "width", noisy))
-    assert line == ("**inconclusive**: DyT's gap to RMSNorm is 1.000 narrow vs 0.900 wide (seed 003: 4.33 vs 0.61); "
-                    "the difference 0.1 is within the spread over seeds 0.707")
+    assert line == ("**inconclusive**: DyT's gap to RMSNorm is 1.000 narrow vs 0.900 wide (the dissection: 4.33 vs "
+                    "0.61); the difference 0.1 is within the spread over seeds 0.707")
     clear = {**noisy, "narrow_dyt": [2.99, 3.01], "wide_dyt": [2.19, 2.21]}  # gaps 1.0 and 0.2, std 0.014
     (line,) = _claims(_results(tmp_path / "clear", "width", clear))
     assert line.startswith("**agrees**: DyT's gap to RMSNorm is 1.000 narrow vs 0.200 wide")
@@ -169,7 +171,7 @@ def test_the_report_states_each_verdict_at_both_budgets(tmp_path):
         for runs in res.groups.values():  # a loss curve per run
             for r in runs:
                 (res.run_dir(r) / "metrics.jsonl").write_text('{"step": 50, "val_loss": 3.0}\n')
-        exp = {**res.exp, "title": "Width", "source": "seed 003", "claim": "c", "metrics": ["final_val_loss"],
+        exp = {**res.exp, "title": "Width", "source": "the dissection", "claim": "c", "metrics": ["final_val_loss"],
                "figures": ["loss"]}  # fmt: skip
         (tmp_path / profile / "index.json").write_text(json.dumps({"profile": profile, "experiments": [exp]}))
         return tmp_path / profile
@@ -177,7 +179,7 @@ def test_the_report_states_each_verdict_at_both_budgets(tmp_path):
     short = root("default", {"narrow_rms_norm": 2.0, "narrow_dyt": 3.0, "wide_rms_norm": 2.0, "wide_dyt": 2.9})
     long = root("long", {"narrow_rms_norm": 1.8, "narrow_dyt": 3.0, "wide_rms_norm": 1.8, "wide_dyt": 1.9})
     text = write_report(long, compare=short).read_text()
-    assert "- **agrees**: DyT's gap to RMSNorm is 1.200 narrow vs 0.100 wide (seed 003: 4.33 vs 0.61) " \
+    assert "- **agrees**: DyT's gap to RMSNorm is 1.200 narrow vs 0.100 wide (the dissection: 4.33 vs 0.61) " \
            "[at `default`: disagrees]" in text  # fmt: skip
     assert (long / "figures" / "width_loss.png").stat().st_size > 0
     with pytest.raises(FileNotFoundError, match="no index.json"):

@@ -1,4 +1,4 @@
-"""The theorems of seeds 000-003 as tests, and the paper's numbers from the outlier simulation."""
+"""The theorems of the DyISRU paper-003 as tests, and the paper's numbers from the outlier simulation."""
 
 from __future__ import annotations
 
@@ -88,7 +88,7 @@ def test_rms_norm_split_matches_seed_003():
 
 @pytest.mark.parametrize("c", [1, 10, 100])
 def test_scaled_dyt_solves_theorem_2_ode(c):
-    """Seed 000 Theorem 2, checked with a numerical derivative.
+    """The DyISRU paper Theorem 2, checked with a numerical derivative.
 
     y = sqrt(C) tanh(alpha x) solves dy/dx = alpha sqrt(C) (1 - y^2/C). The paper
     prints the coefficient as sqrt(alpha C) (eq. 10, from ||x|| -> 1/sqrt(alpha));
@@ -122,7 +122,8 @@ def test_dyisru_with_reference_beta_reproduces_rms_norm_on_the_outlier():
 
 @pytest.mark.parametrize("norm", ["rms_norm", "layer_norm"])
 def test_paper_numbers_over_20_seeds(norm):
-    """Seed 000/001 Sec. 4: mean |residual| ~0.33 for DyT, < 0.01 for DyISRU; alpha ~0.049, beta ~301 (one sample)."""
+    """The DyISRU paper (both versions), Sec. 4: mean |residual| ~0.33 for DyT, < 0.01 for DyISRU; alpha ~0.049,
+    beta ~301 (one sample)."""
     stats = simulate_many(range(20), norm=norm)["stats"]
     assert 0.28 < stats["dyt_mean_abs_residual"]["mean"] < 0.38
     assert stats["dyisru_mean_abs_residual"]["mean"] < 0.01

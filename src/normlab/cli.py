@@ -86,7 +86,7 @@ def _write_json(obj, path: str | None) -> None:
 def _cmd_jacobian(args: argparse.Namespace) -> int:
     from normlab.theory.jacobian import jacobian_table
 
-    init = _parse_init(args.init) if args.init is not None else {"alpha_init": 1.0}  # seed 003's alpha = 1
+    init = _parse_init(args.init) if args.init is not None else {"alpha_init": 1.0}  # the dissection's alpha = 1
     _output_file(args.json, "--json")
     rows = jacobian_table(args.norm, args.width, std=args.std, init=init, tokens=args.tokens, seed=args.seed,
                           strict=args.init is not None)  # the default goes to the norms that take it
@@ -105,7 +105,7 @@ def _cmd_gain(args: argparse.Namespace) -> int:
     from normlab.theory.gain import gain_curves, rms_norm_gain
     from normlab.theory.plots import plot_gain
 
-    init = _parse_init(args.init) if args.init is not None else {"alpha_init": 1.0}  # seed 003's alpha = 1
+    init = _parse_init(args.init) if args.init is not None else {"alpha_init": 1.0}  # the dissection's alpha = 1
     if args.sigma_min >= args.sigma_max:
         raise ValueError(f"--sigma-min {args.sigma_min} must be below --sigma-max {args.sigma_max}")
     from normlab.registry import init_kwargs
@@ -163,7 +163,8 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         rows.append(["dyisru (Theorem 3)", "beta", sim.reference_beta, sim.reference_mean_abs_residual,
                      "beta = ||x without outlier||^2"])  # fmt: skip
     print(format_table(["fit", "param", "value", "mean |residual|", "status"], rows, markdown=args.markdown))
-    seed_doc = "seed 000, RMSNorm" if sim.norm == "rms_norm" else "seed 001, LayerNorm"
+    seed_doc = ("the DyISRU paper, RMSNorm" if sim.norm == "rms_norm"
+                else "the DyISRU paper's LayerNorm version, LayerNorm")  # fmt: skip
     print(f"paper ({seed_doc}, one sample): alpha = 0.049, beta = 301.1, mean |residual| 0.33 (DyT), < 0.01 (DyISRU)")
     result = sim.to_dict()
     if args.seeds > 1 and x is None:
@@ -209,7 +210,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_predict(args: argparse.Namespace) -> int:
-    """Each config's prediction at init: seed 003's alpha * RMS, the logits' scale, and the predicted side."""
+    """Each config's prediction at init: the dissection's alpha * RMS, the logits' scale, and the predicted side."""
     from normlab.lab import resolve_config
     from normlab.lab.phase import ESCAPE_THRESHOLD, predict
 
@@ -311,12 +312,14 @@ def _add_demo(sub) -> None:
 
 
 def _add_jacobian(sub) -> None:
-    j = sub.add_parser("jacobian", help="seed 003's table: Frobenius norms of the Jacobian's diagonal and coupling")
+    j = sub.add_parser("jacobian",
+                       help="the dissection's table: Frobenius norms of the Jacobian's diagonal and coupling")
     j.add_argument("--norm", nargs="+", default=["rms_norm", "dyt"], help="registered norm names")
     j.add_argument("--width", nargs="+", type=_count, default=[1024, 2048], help="channel counts")
     j.add_argument("--std", type=_positive, default=0.02, help="input std (0.02: GPT-2 init)")
     j.add_argument("--init", nargs="*", default=None, metavar="KEY=VALUE",
-                   help="init values, applied to each norm that takes them (default: alpha_init=1.0, as in seed 003)")
+                   help="init values, applied to each norm that takes them "
+                        "(default: alpha_init=1.0, as in the dissection)")
     j.add_argument("--tokens", type=_count, default=4, help="tokens to average over")
     j.add_argument("--seed", type=int, default=0)
     j.add_argument("--json", help="also write the rows to this JSON file")
@@ -325,7 +328,7 @@ def _add_jacobian(sub) -> None:
 
 
 def _add_gain(sub) -> None:
-    g = sub.add_parser("gain", help="seed 003's forward gain G(sigma), Monte Carlo, as a log-log plot")
+    g = sub.add_parser("gain", help="the dissection's forward gain G(sigma), Monte Carlo, as a log-log plot")
     g.add_argument("--norm", nargs="+", default=["rms_norm", "l1_norm", "dyt", "dyt_hardtanh", "dyisru", "sign_sqrt"],
                    help="registered norm names")
     g.add_argument("--width", type=_count, default=1024, help="channels d")
@@ -343,9 +346,11 @@ def _add_gain(sub) -> None:
 
 
 def _add_simulate(sub) -> None:
-    s = sub.add_parser("simulate", help="the outlier simulation of seeds 000/001 with DyT and DyISRU fits")
+    s = sub.add_parser("simulate",
+                       help="the outlier simulation of the DyISRU paper (both versions) with DyT and DyISRU fits")
     s.add_argument("--norm", choices=["rms_norm", "layer_norm"], default="rms_norm",
-                   help="normalization simulated: rms_norm (seed 000) or layer_norm (seed 001)")
+                   help="normalization simulated: rms_norm (the DyISRU paper) or layer_norm "
+                        "(the DyISRU paper's LayerNorm version)")
     s.add_argument("--C", type=int, default=100, help="channels (default 100, as in the papers)")
     s.add_argument("--sigma", type=_positive, default=2.0, help="std of the sample (default 2)")
     s.add_argument("--mu", type=_finite, default=0.0, help="mean of the sample (default 0)")
@@ -413,12 +418,12 @@ def _add_report(sub) -> None:
 def _add_reproduce(sub) -> None:
     from normlab.sweep import PROFILES, default_jobs
 
-    rr = sub.add_parser("reproduce", help="theory checks + every table of seed 003 at CPU scale + REPORT.md")
+    rr = sub.add_parser("reproduce", help="theory checks + every table of the dissection at CPU scale + REPORT.md")
     size = rr.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="a tiny model, one seed: about 3 minutes")
     size.add_argument("--long", action="store_true", help="the default's shapes at 4x its tokens, three seeds")
     size.add_argument("--full", action="store_true", help="every run at the lab's cpu preset (hours on 2 cores)")
-    size.add_argument("--preset", choices=["gpu"], help="seed 003's shapes on a GPU")
+    size.add_argument("--preset", choices=["gpu"], help="the dissection's shapes on a GPU")
     size.add_argument("--profile", choices=list(PROFILES),
                       help="any profile by name; 'scaling' runs only the scaling study (hours on 2 cores; "
                            "scripts/scaling_study.py runs it resumably, recording each run in bench/)")  # fmt: skip

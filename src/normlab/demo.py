@@ -13,7 +13,7 @@ HEADERS = ["norm", "pointwise", "out RMS", "gain", "|J|_F", "coupling |K|_F", "m
 def norm_table(dim: int = 256, std: float = 0.02, seed: int = 0) -> list[list]:
     """One row per registered norm at default init, on one token x ~ N(0, std^2 I_dim), in float64.
 
-    gain is ||N(x)|| / ||x|| (seed 003's forward gain on this token). The last
+    gain is ||N(x)|| / ||x|| (the dissection's forward gain on this token). The last
     numeric column compares the gradient the layer defines (autograd) with
     central finite differences of its forward: ~1e-8 where the backward is the
     true derivative; large, on purpose, for rms_detached.

@@ -3,13 +3,13 @@
 This module is normlab's single source of truth for every formula. Modules,
 kernels, theory tools and experiments call these functions or are tested
 against them. Each docstring gives the formula and the equation of
-``shared/seeds`` it implements:
+`the papers (README, References)` it implements:
 
-* seed 000: Stollenwerk, "On the Mathematical Relationship Between Layer
+* the DyISRU paper: Stollenwerk, "On the Mathematical Relationship Between Layer
   Normalization and Dynamic Activation Functions" (RMSNorm, scaled DyT,
   DyISRU);
-* seed 002: Stollenwerk, "Elementwise Layer Normalization" (ELN);
-* seed 003: "What RMSNorm Actually Does" (the dissection variants).
+* the ELN paper: Stollenwerk, "Elementwise Layer Normalization" (ELN);
+* the dissection: "What RMSNorm Actually Does" (the dissection variants).
 
 Conventions
 -----------
@@ -145,12 +145,14 @@ def _affine(y: Tensor, weight: Tensor | None, bias: Tensor | None) -> Tensor:
 
 
 def channel_scale(c: int, scale: Scale) -> float:
-    """The scale factor of the papers' element-wise forms: sqrt(C) (seed 000) or sqrt(C-1) (seeds 001/002)."""
+    """The scale factor of the papers' element-wise forms: sqrt(C) (the DyISRU paper) or sqrt(C-1) (its
+    LayerNorm and ELN versions)."""
     if scale == "C":
         return math.sqrt(c)
     if scale == "C-1":
         return math.sqrt(c - 1)
-    raise ValueError(f"scale must be 'C' (sqrt(C), seed 000) or 'C-1' (sqrt(C-1), seeds 001/002), got {scale!r}")
+    raise ValueError(f"scale must be 'C' (sqrt(C), the DyISRU paper) or 'C-1' (sqrt(C-1), its LayerNorm and ELN "
+                     f"versions), got {scale!r}")
 
 
 def _rstd(ms: Tensor, eps: float) -> Tensor:
@@ -165,7 +167,7 @@ def layer_norm(x: Tensor, weight: Tensor | None = None, bias: Tensor | None = No
     r"""LayerNorm: y = (x - mu) / sqrt(sigma^2 + eps) * weight + bias.
 
     mu and sigma^2 are the mean and the (biased) variance over the C channels,
-    seed 000 eqs. (1)-(2).
+    the DyISRU paper eqs. (1)-(2).
     """
     _check_param(weight, "weight", x, "layer_norm")
     _check_param(bias, "bias", x, "layer_norm")
@@ -178,7 +180,7 @@ def layer_norm(x: Tensor, weight: Tensor | None = None, bias: Tensor | None = No
 def rms_norm(x: Tensor, weight: Tensor | None = None, eps: float = EPS) -> Tensor:
     r"""RMSNorm: y_i = weight_i * x_i / r,  r = sqrt(mean_j x_j^2 + eps).
 
-    Seed 000 eqs. (3)-(4) (there with eps = 0); seed 003 "A tale of two normalizers".
+    The DyISRU paper eqs. (3)-(4) (there with eps = 0); the dissection "A tale of two normalizers".
     """
     _check_param(weight, "weight", x, "rms_norm")
     y = x * _rstd(x.pow(2).mean(-1, keepdim=True), eps)
@@ -187,14 +189,14 @@ def rms_norm(x: Tensor, weight: Tensor | None = None, eps: float = EPS) -> Tenso
 
 @_fp32_compute
 def l1_norm(x: Tensor, weight: Tensor | None = None, eps: float = EPS) -> Tensor:
-    r"""L1Norm: y = weight * x / (mean_j |x_j| + eps).  Seed 003, "Denominator dissection"."""
+    r"""L1Norm: y = weight * x / (mean_j |x_j| + eps).  The dissection, "Denominator dissection"."""
     _check_param(weight, "weight", x, "l1_norm")
     return _affine(x / (x.abs().mean(-1, keepdim=True) + eps), weight, None)
 
 
 @_fp32_compute
 def lmax_norm(x: Tensor, weight: Tensor | None = None, eps: float = EPS) -> Tensor:
-    r"""LMaxNorm: y = weight * x / (max_j |x_j| + eps).  Seed 003, "Denominator dissection"."""
+    r"""LMaxNorm: y = weight * x / (max_j |x_j| + eps).  The dissection, "Denominator dissection"."""
     _check_param(weight, "weight", x, "lmax_norm")
     return _affine(x / (x.abs().amax(-1, keepdim=True) + eps), weight, None)
 
@@ -203,7 +205,7 @@ def lmax_norm(x: Tensor, weight: Tensor | None = None, eps: float = EPS) -> Tens
 def group_rms(x: Tensor, weight: Tensor | None = None, group_size: int = 8, eps: float = EPS) -> Tensor:
     r"""GroupRMS: RMSNorm applied separately to consecutive groups of ``group_size`` channels.
 
-    y_i = weight_i * x_i / sqrt(mean_{j in g(i)} x_j^2 + eps).  Seed 003 ("GroupRMS (8 channels)").
+    y_i = weight_i * x_i / sqrt(mean_{j in g(i)} x_j^2 + eps).  The dissection ("GroupRMS (8 channels)").
     When ``group_size`` does not divide C, the last group holds the remaining
     C mod group_size channels (its mean is over those channels only).
     """
@@ -225,7 +227,7 @@ def rms_detached(x: Tensor, weight: Tensor | None = None, eps: float = EPS) -> T
     r"""RMSNorm whose denominator is detached: same forward, no gradient through r.
 
     The input gradient is the diagonal term alone, weight_i / r * dL/dy_i;
-    the rank-1 coupling term of seed 003 ("Result 4") is removed.
+    the rank-1 coupling term of the dissection ("Result 4") is removed.
     """
     _check_param(weight, "weight", x, "rms_detached")
     y = x * _rstd(x.pow(2).mean(-1, keepdim=True), eps).detach()
@@ -238,7 +240,7 @@ def rms_ema(x: Tensor, running_ms: Tensor, weight: Tensor | None = None, eps: fl
 
     ``running_ms`` (a scalar buffer kept by :class:`normlab.modules.RMSEMA`) replaces
     the per-token statistic: there is no per-token adaptation and no gradient
-    through the denominator.  Seed 003, "RMS EMA (running average)".
+    through the denominator.  The dissection, "RMS EMA (running average)".
     """
     _check_param(weight, "weight", x, "rms_ema")
     _check_broadcastable(running_ms, "running_ms", x, "rms_ema")
@@ -270,7 +272,7 @@ class _RMSPartialCoupling(torch.autograd.Function):
 
 @_fp32_compute
 def rms_partial_coupling(x: Tensor, weight: Tensor | None = None, lam: float = 1.0, eps: float = EPS) -> Tensor:
-    r"""RMSNorm with tunable backward coupling (seed 003, "Result 5").
+    r"""RMSNorm with tunable backward coupling (the dissection, "Result 5").
 
     Forward: y_i = weight_i * x_i / r.  Input gradient:
 
@@ -292,8 +294,8 @@ def rms_partial_coupling(x: Tensor, weight: Tensor | None = None, lam: float = 1
 def dyt(x: Tensor, alpha: Tensor | float, weight: Tensor | None = None, bias: Tensor | None = None) -> Tensor:
     r"""Dynamic Tanh (Zhu et al., 2025): y = weight * tanh(alpha * x) + bias.
 
-    ``alpha`` is a scalar, or per channel with shape (C,) (seed 003's "per-channel
-    alpha" row).  Seed 003, "A tale of two normalizers"; seed 004.
+    ``alpha`` is a scalar, or per channel with shape (C,) (the dissection's "per-channel
+    alpha" row).  The dissection, "A tale of two normalizers"; the dynamic_tanh exercise.
     """
     alpha = _as_tensor(alpha, x)
     _check_param(alpha, "alpha", x, "dyt", scalar_ok=True)
@@ -320,7 +322,7 @@ def derf(x: Tensor, alpha: Tensor | float, shift: Tensor | float = 0.0, weight: 
 
 @_fp32_compute
 def dyt_hardtanh(x: Tensor, alpha: Tensor | float, weight: Tensor | None = None, bias: Tensor | None = None) -> Tensor:
-    r"""DyT with hardtanh: y = weight * clamp(alpha * x, -1, 1) + bias.  Seed 003, "Point-wise universality"."""
+    r"""DyT with hardtanh: y = weight * clamp(alpha * x, -1, 1) + bias.  The dissection, "Point-wise universality"."""
     alpha = _as_tensor(alpha, x)
     _check_param(alpha, "alpha", x, "dyt_hardtanh", scalar_ok=True)
     _check_param(weight, "weight", x, "dyt_hardtanh")
@@ -333,7 +335,7 @@ def dyt_sigmoid(x: Tensor, alpha: Tensor | float, weight: Tensor | None = None, 
     r"""DyT with a sigmoid: y = weight * (2 sigmoid(alpha * x) - 1) + bias.
 
     Note 2 sigmoid(z) - 1 = tanh(z / 2), so its slope at 0 is alpha / 2.
-    Seed 003, "Point-wise universality".
+    The dissection, "Point-wise universality".
     """
     alpha = _as_tensor(alpha, x)
     _check_param(alpha, "alpha", x, "dyt_sigmoid", scalar_ok=True)
@@ -344,14 +346,14 @@ def dyt_sigmoid(x: Tensor, alpha: Tensor | float, weight: Tensor | None = None, 
 
 @_fp32_compute
 def tanh_fixed(x: Tensor, weight: Tensor | None = None) -> Tensor:
-    r"""TanhFixed (no alpha): y = weight * tanh(x).  Seed 003, "Point-wise universality"."""
+    r"""TanhFixed (no alpha): y = weight * tanh(x).  The dissection, "Point-wise universality"."""
     _check_param(weight, "weight", x, "tanh_fixed")
     return _affine(torch.tanh(x), weight, None)
 
 
 @_fp32_compute
 def layer_scale(x: Tensor, weight: Tensor | None = None, bias: Tensor | None = None) -> Tensor:
-    r"""LayerScale (linear): y = weight * x + bias.  Seed 003, "Point-wise universality" (diverged there)."""
+    r"""LayerScale (linear): y = weight * x + bias.  The dissection, "Point-wise universality" (diverged there)."""
     _check_param(weight, "weight", x, "layer_scale")
     _check_param(bias, "bias", x, "layer_scale")
     return _affine(x, weight, bias)
@@ -362,8 +364,8 @@ def sign_sqrt(x: Tensor, weight: Tensor | None = None, bias: Tensor | None = Non
     r"""Signed square root: y = weight * sign(x) * sqrt(|x| + eps) + bias.
 
     Point-wise with f'(0+) = 1 / (2 sqrt(eps)): unbounded gain as eps -> 0,
-    which escapes seed 003's Theorem 1.  Seed 003, "The theoretical escape hatch".
-    As written in the seed, f jumps by 2 sqrt(eps) at x = 0 (sign(0) = 0).
+    which escapes the dissection's Theorem 1.  The dissection, "The theoretical escape hatch".
+    As written in the dissection, f jumps by 2 sqrt(eps) at x = 0 (sign(0) = 0).
     """
     _check_param(weight, "weight", x, "sign_sqrt")
     _check_param(bias, "bias", x, "sign_sqrt")
@@ -380,7 +382,7 @@ def dyt_rms_denominator(
 ) -> Tensor:
     r"""DyT given back the coupling: y = weight * tanh(alpha * x / r) + bias, r = sqrt(mean x^2 + eps).
 
-    Seed 003 ("DyT+RMS denom") names this row without spelling out its formula;
+    The dissection ("DyT+RMS denom") names this row without spelling out its formula;
     normlab's choice is to feed tanh the RMS-normalized input, so the layer has
     RMSNorm's per-token gain and rank-1 coupling and DyT's squashing.
     """
@@ -402,7 +404,7 @@ def scaled_dyt(
 ) -> Tensor:
     r"""Scaled DyT: y_i = sqrt(C) * tanh(alpha * x_i), then the affine.
 
-    Seed 000 eq. (12); ``scale="C-1"`` gives sqrt(C-1) * tanh(alpha * x_i), seed 002 eq. (11).
+    The DyISRU paper eq. (12); ``scale="C-1"`` gives sqrt(C-1) * tanh(alpha * x_i), the ELN paper eq. (11).
     """
     alpha = _as_tensor(alpha, x)
     _check_param(alpha, "alpha", x, "scaled_dyt", scalar_ok=True)
@@ -429,12 +431,12 @@ def dyisru(
 ) -> Tensor:
     r"""DyISRU: y_i = sqrt(C) * x_i / sqrt(beta + x_i^2), then the affine.
 
-    Seed 000 eq. (16), the exact element-wise counterpart of RMSNorm: with the
+    The DyISRU paper eq. (16), the exact element-wise counterpart of RMSNorm: with the
     per-token, per-channel beta_i = ||x_{\i}||^2 (eq. 14) it equals RMSNorm
     (eq. 13, Theorem 3).  ``beta`` is a positive scalar, per channel (C,), or any
     shape broadcastable to x.  Its slope at 0 is sqrt(C / beta); it matches scaled
-    DyT's sqrt(C) * alpha when beta = 1 / alpha^2 (seed 000, Fig. 2 caption).
-    ``scale="C-1"`` gives seed 002's eq. (15).
+    DyT's sqrt(C) * alpha when beta = 1 / alpha^2 (the DyISRU paper, Fig. 2 caption).
+    ``scale="C-1"`` gives the ELN paper's eq. (15).
     """
     beta = _as_tensor(beta, x)
     _check_broadcastable(beta, "beta", x, "dyisru")
@@ -453,8 +455,8 @@ def eln(
 ) -> Tensor:
     r"""Elementwise LayerNorm, centered form: y_i = sqrt(C-1) * (x_i - mu) / sqrt(beta + (x_i - mu)^2).
 
-    Seed 002 eq. (13); mu is the per-token channel mean.  With beta_i =
-    (C-1) sigma_{!=i}^2 - sigma^2 it equals LayerNorm (seed 002, Theorem 4).
+    The ELN paper eq. (13); mu is the per-token channel mean.  With beta_i =
+    (C-1) sigma_{!=i}^2 - sigma^2 it equals LayerNorm (the ELN paper, Theorem 4).
     """
     beta = _as_tensor(beta, x)
     _check_broadcastable(beta, "beta", x, "eln")

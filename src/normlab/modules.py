@@ -12,7 +12,7 @@ positive by storing ``log_beta``; ``module.beta`` returns ``exp(log_beta)``.
 
 Initial values: DyT's ``alpha_init`` defaults to 0.5 (Zhu et al.). DyISRU's and
 ELN's ``beta_init`` defaults to 4.0 = 1 / 0.5**2, the slope-matching map
-beta0 = 1 / alpha0**2 of seed 000 (Fig. 2 caption): scaled DyT and DyISRU then
+beta0 = 1 / alpha0**2 of the DyISRU paper (Fig. 2 caption): scaled DyT and DyISRU then
 have the same slope sqrt(C) * alpha0 = sqrt(C / beta0) at x = 0. To match
 RMSNorm's gain at an input std sigma0 instead, use beta_init = C * sigma0**2.
 """
@@ -397,7 +397,7 @@ class DyTRMSDenominator(_DyTFamily):
 
 
 class ScaledDyT(_DyTFamily):
-    """sqrt(C) * tanh(alpha * x) (seed 000 eq. 12), or sqrt(C-1) with ``scale="C-1"``."""
+    """sqrt(C) * tanh(alpha * x) (the DyISRU paper eq. 12), or sqrt(C-1) with ``scale="C-1"``."""
 
     def __init__(self, dim: int, *, scale: FN.Scale = "C", kernel: str = "auto", **kwargs) -> None:
         FN.channel_scale(max(_check_dim(dim, "ScaledDyT"), 2), scale)  # validates the name
@@ -489,7 +489,7 @@ class _ISRUFamily(_Norm):
 
 
 class DyISRU(_ISRUFamily):
-    """sqrt(C) * x / sqrt(beta + x^2) (seed 000 eq. 16); ``kernel="auto"`` fuses it on CUDA and CPU tensors."""
+    """sqrt(C) * x / sqrt(beta + x^2) (the DyISRU paper eq. 16); ``kernel="auto"`` fuses it on CUDA and CPU tensors."""
 
     _default_scale = "C"
 
@@ -503,7 +503,7 @@ class DyISRU(_ISRUFamily):
 
 
 class ELN(_ISRUFamily):
-    """sqrt(C-1) * (x - mu) / sqrt(beta + (x - mu)^2) (seed 002 eq. 13); not point-wise: mu couples channels.
+    """sqrt(C-1) * (x - mu) / sqrt(beta + (x - mu)^2) (the ELN paper eq. 13); not point-wise: mu couples channels.
 
     ``kernel="auto"`` runs the fused CPU path on CPU tensors (there is no Triton kernel for ELN).
     """

@@ -1,4 +1,4 @@
-"""The NumPy reference ``dynamic_tanh`` of seed 004, with its exact output format."""
+"""The NumPy reference ``dynamic_tanh`` of the dynamic_tanh exercise, with its exact output format."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``normlab reproduce``: the theory checks, a sweep covering every table of seed 003, and the report."""
+"""``normlab reproduce``: the theory checks, a sweep covering every table of the dissection, and the report."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ __all__ = ["run_theory", "reproduce"]
 
 
 def run_theory(root: str | Path, seeds: int = 20) -> Path:
-    """Seed 000/001's outlier fits over ``seeds`` samples, seed 003's Jacobian table and gain curves."""
+    """The DyISRU paper's outlier fits (both versions) over ``seeds`` samples, the dissection's Jacobian table and
+    gain curves."""
     import numpy as np
 
     from normlab.theory.gain import gain_curves, rms_norm_gain

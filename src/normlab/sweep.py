@@ -1,9 +1,9 @@
 """Experiments as data, and a sweep runner that survives failure.
 
 An experiment is a small TOML file listing runs (``normlab/experiments/*.toml``, one per
-table of seed 003, or a file of your own). A *profile* scales every experiment to a
+table of the dissection, or a file of your own). A *profile* scales every experiment to a
 machine: ``quick`` (minutes), ``default`` (the CPU subset of ``normlab reproduce``),
-``full`` (the ``cpu`` preset) and ``gpu`` (seed 003's shapes).
+``full`` (the ``cpu`` preset) and ``gpu`` (the dissection's shapes).
 
 A run's directory is ``<root>/runs/<norm>-<hash>-s<seed>``, named by the hash of its
 resolved config, so identical runs in several tables are trained once. The runner
@@ -69,7 +69,7 @@ PROFILES: dict[str, dict] = {
         "shapes": {"narrow": {"model.width": 64, "model.depth": 16, "model.heads": 4},
                    "wide": {"model.width": 128, "model.depth": 4, "model.heads": 4}},
     },
-    # seed 003's shapes on one GPU
+    # the dissection's shapes on one GPU
     "gpu": {
         "preset": "gpu", "seeds": 1, "set": {},
         "shapes": {"narrow": {"model.width": 1024, "model.depth": 24, "model.heads": 16},

@@ -11,7 +11,7 @@ normalized output before it. Channels the model weights heavily weigh heavily in
 
 Each replacement gets two fitted quantities (per site, or per channel with ``per="channel"``): its own
 parameter (DyISRU/ELN beta, DyT alpha) and an amplitude folded into its weight. The start point is
-Theorem 3 of seed 000: DyISRU equals RMSNorm when beta_i = ||x without channel i||^2, so beta starts at the
+Theorem 3 of the DyISRU paper: DyISRU equals RMSNorm when beta_i = ||x without channel i||^2, so beta starts at the
 median of that quantity over the calibration tokens, and the DyT family starts at the matching slope. An
 amplitude scan and L-BFGS follow.
 

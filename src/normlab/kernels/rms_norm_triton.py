@@ -4,7 +4,7 @@ Formula (reference: :func:`normlab.functional.rms_norm`), per row x of length N:
 
     rstd = 1 / sqrt(mean(x^2) + eps),   y = x * rstd * w
 
-VJP, with g = dL/dy (seed 003: the diagonal term minus the rank-1 coupling term):
+VJP, with g = dL/dy (the dissection: the diagonal term minus the rank-1 coupling term):
 
     dx = rstd * (g * w) - rstd^3 / N * x * sum_n(g * w * x)
     dw = sum_m g * x * rstd

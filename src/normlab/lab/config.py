@@ -109,7 +109,7 @@ PRESETS: dict[str, dict] = {
         "steps": 40, "batch_size": 8, "warmup": 5, "eval_every": 20, "eval_batches": 2, "log_every": 5,
         "metrics_every": 20, "checkpoint_every": 10,
     },
-    # a few minutes on 2 CPU cores (seed 003's pathology is already visible here). lr 1e-3: at 3e-4, RMSNorm
+    # a few minutes on 2 CPU cores (the dissection's pathology is already visible here). lr 1e-3: at 3e-4, RMSNorm
     # reached only 2.448 in 600 steps (measured); DyT alpha=1 stays at the attractor either way.
     "cpu": {
         "model": {"width": 128, "depth": 4, "heads": 4, "context": 128},
@@ -122,13 +122,13 @@ PRESETS: dict[str, dict] = {
         "steps": 250, "batch_size": 16, "lr": 1e-3, "min_lr": 1e-4, "warmup": 10, "eval_every": 50,
         "eval_batches": 8, "log_every": 10, "metrics_every": 50, "checkpoint_every": 50,
     },
-    # seed 003's narrow shape, 24 x 1024, sized for about 10 minutes on one H100
+    # the dissection's narrow shape, 24 x 1024, sized for about 10 minutes on one H100
     "gpu": {
         "model": {"width": 1024, "depth": 24, "heads": 16, "context": 512},
         "steps": 1500, "batch_size": 16, "warmup": 100, "eval_every": 250, "eval_batches": 20, "log_every": 25,
         "metrics_every": 250, "checkpoint_every": 500, "compile": True,
     },
-    # seed 003's wide shape at about the same parameter count, 5 x 2048
+    # the dissection's wide shape at about the same parameter count, 5 x 2048
     "gpu-wide": {
         "model": {"width": 2048, "depth": 5, "heads": 16, "context": 512},
         "steps": 1500, "batch_size": 16, "warmup": 100, "eval_every": 250, "eval_batches": 20, "log_every": 25,

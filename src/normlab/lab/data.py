@@ -36,7 +36,7 @@ class Corpus:
 
 
 def unigram_entropy(tokens: torch.Tensor, vocab_size: int = 256) -> float:
-    """Entropy (nats) of the token frequencies: the loss of the embedding-only attractor (seed 003)."""
+    """Entropy (nats) of the token frequencies: the loss of the embedding-only attractor (the dissection)."""
     counts = torch.bincount(tokens.long().flatten(), minlength=vocab_size).double()
     p = counts[counts > 0] / counts.sum()
     return float(-(p * p.log()).sum())

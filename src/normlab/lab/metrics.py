@@ -1,13 +1,13 @@
-"""The dissection's instruments (seed 003), measured on a live model.
+"""The dissection's instruments (the dissection), measured on a live model.
 
 * effective rank of a weight matrix: exp of the entropy of its normalized
-  singular values (Roy & Vetterli), seed 003's "Rank and alignment" table;
+  singular values (Roy & Vetterli), the dissection's "Rank and alignment" table;
 * cos(dL/dx, x) at each norm's input, per token, with dL/dx the gradient that flows back through
   the norm (not the skip path): exactly 0 for RMSNorm with eps = 0;
 * residual-stream std after each block;
 * each norm site's learned alpha / beta;
-* the Jacobian's diagonal and coupling norms at one site (seed 003's Jacobian table);
-* the mechanism of seed 003's attractor argument, per site: the RMS of the norm's input and output,
+* the Jacobian's diagonal and coupling norms at one site (the dissection's Jacobian table);
+* the mechanism of the dissection's attractor argument, per site: the RMS of the norm's input and output,
   alpha * RMS(input) (with alpha the slope that sets where f saturates: alpha for the tanh/erf family,
   1/sqrt(beta) for DyISRU/ELN), the fraction of inputs out of the linear region (|alpha x| > 1), and
   block 0's attention entropy relative to uniform (1 when attention is uniform, as when the model is stuck).

@@ -1,7 +1,7 @@
 """A GPT in reading order: config, RoPE, attention, MLPs, block, model. Every norm comes from the registry.
 
 Pre-norm blocks, x <- x + attn(norm_attn(x)); x <- x + mlp(norm_mlp(x)), and a final norm
-before the head. GPT-2 initialisation as in seed 003: normal(0, 0.02) weights and
+before the head. GPT-2 initialisation as in the dissection: normal(0, 0.02) weights and
 normal(0, 0.02 / sqrt(2 L)) for the two residual projections of each block.
 
 Two blocks (``block``): ``gpt2`` (learned positions, a GELU MLP of 4 x width, tied head: the
@@ -9,7 +9,7 @@ dissection's model) and ``llama`` (RoPE on q and k, no learned positions, a SwiG
 width, an untied head: the shapes of LLaMA and SmolLM2, the models normlab converts). Neither has biases.
 
 The recipe knobs of the DyT and Derf papers (``normlab.lab.recipes``), each off by default so that a
-default model is seed 003's: ``embed_scale`` (a learnable scalar on the embedding, e.g. sqrt(d)),
+default model is the dissection's: ``embed_scale`` (a learnable scalar on the embedding, e.g. sqrt(d)),
 ``init_std`` (the 0.02 above), ``alpha_table`` (alpha0 per site from the DyT paper's table) and
 ``norm_init = "match_rms"`` (each point-wise site's gamma set from a batch so that its output RMS is
 RMSNorm's, 1).
@@ -256,7 +256,7 @@ class GPT(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """GPT-2 init (seed 003): N(0, s), residual projections N(0, s / sqrt(2 L)), s = init_std (0.02);
+        """GPT-2 init (the dissection): N(0, s), residual projections N(0, s / sqrt(2 L)), s = init_std (0.02);
         norms their own; the embedding scalar its value."""
         std = self.cfg.init_std
         for name, p in self.named_parameters():

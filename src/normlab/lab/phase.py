@@ -1,11 +1,11 @@
 """When does a point-wise norm train? The prediction from a config at init, before any step.
 
-Seed 003 explains the unigram attractor by signal scale: with GPT-2 init the residual stream has std ~0.02,
+The dissection explains the unigram attractor by signal scale: with GPT-2 init the residual stream has std ~0.02,
 so alpha * x stays in tanh's linear region, the point-wise norm passes a signal ~alpha * 0.02 where RMSNorm
 passes 1, and the model falls back on the unigram. Two quantities follow from that argument, and both are
 measured here on the model at init (random bytes, no data, no training):
 
-* ``alpha_rms``: alpha0 times the RMS of block 0's input, seed 003's own quantity (how far into f's
+* ``alpha_rms``: alpha0 times the RMS of block 0's input, the dissection's own quantity (how far into f's
   non-linear region the first block's norm works);
 * ``logit_gain``: the std of the logits at init relative to RMSNorm's at GPT-2 init, 0.02 * sqrt(C)
   (RMSNorm's output has RMS 1 and the head is N(0, 0.02)). It is the same scale argument applied at the
@@ -31,7 +31,7 @@ from normlab.modules import prime_running_stats
 
 __all__ = ["ESCAPE_THRESHOLD", "GPT2_STD", "predict", "predicted_escape"]
 
-GPT2_STD = 0.02  # seed 003's init std; RMSNorm's logits at init then have std 0.02 * sqrt(C)
+GPT2_STD = 0.02  # the dissection's init std; RMSNorm's logits at init then have std 0.02 * sqrt(C)
 ESCAPE_THRESHOLD = 0.5  # logit_gain at which a run is predicted to leave the attractor
 
 

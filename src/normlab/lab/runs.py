@@ -85,7 +85,7 @@ ESCAPE_MARGIN = 0.1  # nats below the unigram entropy that count as having left 
 
 def escape_step(rows: list[dict], entropy: float | None) -> int | None:
     """The first evaluation step whose validation loss is ESCAPE_MARGIN below the unigram entropy (the
-    embedding-only attractor of seed 003), or None if the run never got there."""
+    embedding-only attractor of the dissection), or None if the run never got there."""
     if entropy is None:
         return None
     for r in rows:

@@ -1,6 +1,6 @@
 """``normlab report``: REPORT.md with tables and PNG figures from a sweep root.
 
-For every experiment: a table with the seed's published number beside ours (the same metric, at the scale
+For every experiment: a table with the dissection's published number beside ours (the same metric, at the scale
 we ran), every number linked to the run directory that produced it, and the verdicts of its TOML's checks,
 stated plainly when ours disagrees. The parts: ``results`` (reading runs), ``checks`` (verdicts as values),
 ``figures``, ``theory`` (the theory section), ``phase`` (the phase map of when a point-wise norm trains).
@@ -81,9 +81,9 @@ def write_report(root: str | Path, *, elapsed_s: float | None = None, compare: s
         + (f" Total time: {elapsed_s / 60:.1f} min." if elapsed_s else ""),
         "",
         "Every number links to its run directory (config.json, version.json, metrics.jsonl, summary.json). "
-        "Seed 003 trained 360M-parameter GPTs on FineWeb-Edu (attractor 7.54 nats); ours are small byte-level "
+        "The dissection trained 360M-parameter GPTs on FineWeb-Edu (attractor 7.54 nats); ours are small byte-level "
         "models on Shakespeare (attractor = unigram entropy, ~3.33 nats). *frac* places a loss between "
-        "RMSNorm (0) and the attractor (1), for the seed and for us, so the structure of the tables can be "
+        "RMSNorm (0) and the attractor (1), for the dissection and for us, so the structure of the tables can be "
         "compared. *escape step* is the first evaluation at which a run's validation loss is 0.1 nats below "
         "the unigram entropy (it has left the attractor), or never. A disagreement at this scale is a finding, "
         "not a failure.\n",

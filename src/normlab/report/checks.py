@@ -67,7 +67,7 @@ def _check_below(res: Results, c: dict) -> list[Verdict]:
 
 def _check_status(res: Results, c: dict) -> list[Verdict]:
     got = res.status(c["run"])
-    return [verdict(got == c["status"], f"{res.label(c['run'])}: status {got} (the seed: {c['status']}), "
+    return [verdict(got == c["status"], f"{res.label(c['run'])}: status {got} (the dissection: {c['status']}), "
                      f"loss {fmt(res.mean(c['run']), '{:.3f}')}")]  # fmt: skip
 
 
@@ -79,12 +79,12 @@ def _check_gap_shrinks(res: Results, c: dict) -> list[Verdict]:
     p1, p2 = (res.meta(a)["paper"] - res.meta(b)["paper"] for a, b in c["pairs"])
     n1, n2 = c["names"]
     return [seeded(res, g2 < c["ratio"] * g1, g1 - g2, [a1, b1, a2, b2], f"{c['what']} is {g1:.3f} {n1} vs "
-                    f"{g2:.3f} {n2} (seed 003: {p1:.2f} vs {p2:.2f})")]  # fmt: skip
+                    f"{g2:.3f} {n2} (the dissection: {p1:.2f} vs {p2:.2f})")]  # fmt: skip
 
 
 def _check_fraction(res: Results, c: dict) -> list[Verdict]:
     """Each run's place between the baseline (0) and the attractor (1): below ``works_below`` if it works in
-    the seed, above ``fails_above`` if it fails there."""
+    the dissection, above ``fails_above`` if it fails there."""
     out, base, h = [], res.baseline(), res.entropy()
     for n in res.groups:
         f = frac(res.mean(n), base, h)
@@ -93,7 +93,7 @@ def _check_fraction(res: Results, c: dict) -> list[Verdict]:
         works = res.meta(n).get("works", False)
         ok = f < c["works_below"] if works else f > c["fails_above"]
         out.append(seeded(res, ok, res.mean(n) - base, [n, res.exp["baseline"]], f"{res.label(n)}: "
-                           f"{'works' if works else 'fails'} in the seed; here it is at {f:.2f} of the way from "
+                           f"{'works' if works else 'fails'} in the dissection; here it is at {f:.2f} of the way from "
                            "RMSNorm to the attractor"))  # fmt: skip
     return out
 
@@ -106,7 +106,7 @@ def _check_monotone(res: Results, c: dict) -> list[Verdict]:
     ok = path[0] == min(by.values()) and all(a < b for a, b in zip(path, path[1:]))
     text = ", ".join(f"{c.get('symbol', c['by'])}={k:g}: {by[k]:.3f}" for k in sorted(by))
     step = min(abs(b - a) for a, b in zip(path, path[1:]))  # the smallest step the ordering rests on
-    return [seeded(res, ok, step, list(res.groups), f"{text}; the seed: {c['seed']}")]
+    return [seeded(res, ok, step, list(res.groups), f"{text}; the dissection: {c['seed']}")]
 
 
 def _check_greater(res: Results, c: dict) -> list[Verdict]:
@@ -115,7 +115,7 @@ def _check_greater(res: Results, c: dict) -> list[Verdict]:
         return []
     pa, pb = res.meta(c["a"])["paper"][m], res.meta(c["b"])["paper"][m]
     return [seeded(res, a > b, a - b, [c["a"], c["b"]], f"{m}: {res.label(c['a'])} {a:.1f} vs {res.label(c['b'])} "
-                    f"{b:.1f} (seed 003 at width 1024: {pa:g} vs {pb:g})", metric=m)]  # fmt: skip
+                    f"{b:.1f} (the dissection at width 1024: {pa:g} vs {pb:g})", metric=m)]  # fmt: skip
 
 
 def _check_orthogonal(res: Results, c: dict) -> list[Verdict]:

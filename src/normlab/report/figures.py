@@ -21,7 +21,7 @@ def table(res: Results) -> str:
     rms = res.baseline()
     metrics = exp.get("metrics", ["final_val_loss"])
     if metrics != ["final_val_loss"]:
-        headers = ["run"] + [h for m in metrics for h in (f"{m} (seed 003)", f"{m} (ours)")] + ["escape step",
+        headers = ["run"] + [h for m in metrics for h in (f"{m} (the dissection)", f"{m} (ours)")] + ["escape step",
                                                                                                   "status"]
         rows = []
         for n, runs in res.groups.items():
@@ -34,7 +34,8 @@ def table(res: Results) -> str:
     if not any("paper" in runs[0]["meta"] for runs in res.groups.values()):  # normlab's own question: no paper column
         rows = [[runs[0]["label"], res.cell(n), res.escape(n), res.status(n)] for n, runs in res.groups.items()]
         return format_table(["run", "val loss", "escape step", "status"], rows, markdown=True)
-    headers = ["run", "seed 003 loss", "seed 003 frac", "ours: val loss", "ours: frac", "escape step", "status"]
+    headers = ["run", "the dissection: loss", "the dissection: frac", "ours: val loss", "ours: frac", "escape step",
+               "status"]  # fmt: skip
     rows = []
     for n, runs in res.groups.items():
         paper = runs[0]["meta"].get("paper")
@@ -97,8 +98,8 @@ def _dose_response(res: Results, path: Path, other: Results | None = None) -> Pa
     ax1.set_xlabel("coupling strength lambda")
     ax1.set_ylabel("ours: validation loss", color="tab:blue")
     ax2 = ax1.twinx()
-    ax2.plot(lam, [p[2] for p in pts], "s--", c="tab:red", label="seed 003")
-    ax2.set_ylabel("seed 003: final loss", color="tab:red")
+    ax2.plot(lam, [p[2] for p in pts], "s--", c="tab:red", label="the dissection")
+    ax2.set_ylabel("the dissection: final loss", color="tab:red")
     h = res.entropy()
     if h is not None:
         ax1.axhline(h, c="tab:blue", ls=":", lw=1)
@@ -121,7 +122,7 @@ def _rank_bars(res: Results, path: Path, other: Results | None = None) -> Path |
     for ax, (m, vals) in zip(axes, ours.items()):
         ax.bar([0, 1], vals, color=["tab:blue", "tab:orange"])
         ax.set_xticks([0, 1], [res.label(n) for n in names])
-        ax.set_title(f"{m}\n(seed 003 at width 1024: {paper[m][0]} vs {paper[m][1]})", fontsize=9)
+        ax.set_title(f"{m}\n(the dissection at width 1024: {paper[m][0]} vs {paper[m][1]})", fontsize=9)
         ax.set_ylabel("effective rank (ours)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -114,7 +114,7 @@ def _check_lower(res: Results, c: dict) -> list[Verdict]:
 @register_check("phase_sorts")
 def _check_phase_sorts(res: Results, c: dict) -> list[Verdict]:
     """The predicted boundary (logit_gain >= ESCAPE_THRESHOLD) puts at least ``goal`` of the runs on the side
-    they ended on; seed 003's alpha * RMS is reported beside it, at its best possible threshold."""
+    they ended on; the dissection's alpha * RMS is reported beside it, at its best possible threshold."""
     pts = phase_points(res)
     if not pts:
         return [verdict(None, "phase map: no completed runs")]
@@ -124,7 +124,8 @@ def _check_phase_sorts(res: Results, c: dict) -> list[Verdict]:
     text = (f"the predicted boundary (logits at init at least {ESCAPE_THRESHOLD:g} of RMSNorm's scale) puts "
             f"{frac:.0%} of {len(pts)} runs on the side they ended on (goal {c['goal']:.0%})"
             + (f"; on the wrong side: {', '.join(wrong)}" if wrong else "")
-            + f". Seed 003's alpha0 * RMS(block 0 input), even at its best threshold ({cut:.3g}, chosen after the "
+            + ". The dissection's alpha0 * RMS(block 0 input), even at its best threshold "
+            + f"({cut:.3g}, chosen after the "
             f"fact), sorts {best:.0%}")  # fmt: skip
     return [Verdict(frac >= c["goal"], text, {"fraction": frac, "alpha_rms_best": best, "runs": len(pts)})]
 
@@ -134,13 +135,13 @@ def _check_phase_sorts(res: Results, c: dict) -> list[Verdict]:
 # --------------------------------------------------------------------------
 @register_figure("phase")
 def _phase_map(res: Results, path: Path, other: Results | None = None) -> Path | None:
-    """Two panels, one marker per run: final loss minus the attractor against seed 003's alpha * RMS, and
+    """Two panels, one marker per run: final loss minus the attractor against the dissection's alpha * RMS, and
     against the logits' scale at init; the predicted boundary on the second."""
     pts = phase_points(res)
     if not pts:
         return None
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.6), sharey=True)
-    panels = (("alpha_rms", "alpha0 x RMS(block 0 input) at init (seed 003's quantity)", None),
+    panels = (("alpha_rms", "alpha0 x RMS(block 0 input) at init (the dissection's quantity)", None),
               ("logit_gain", "logit std at init / RMSNorm's at GPT-2 init (predicted)", ESCAPE_THRESHOLD))
     for ax, (key, xlabel, boundary) in zip(axes, panels):
         for norm in sorted({p["norm"] for p in pts}):

@@ -1,6 +1,6 @@
 """Reading a sweep root: the runs of one experiment grouped by name, with their values over seeds.
 
-Losses at different scales and vocabularies are not comparable in absolute terms (seed 003's attractor is
+Losses at different scales and vocabularies are not comparable in absolute terms (the dissection's attractor is
 7.54 nats over GPT-2 tokens; ours is the byte-level unigram entropy, ~3.33), so each loss is also placed on
 the scale from RMSNorm (0) to the attractor (1):
 

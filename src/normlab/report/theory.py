@@ -23,14 +23,14 @@ def theory_section(root: Path) -> list[str]:
     source = ("Every number in this section comes from [theory/theory.json](theory/theory.json) "
               "(`normlab.reproduce.run_theory`); `normlab simulate`, `normlab jacobian` and `normlab gain` "
               "recompute each on its own.\n")  # fmt: skip
-    out = ["## Theory (seeds 000-003)\n", source]
-    out.append("### Outlier simulation and fits (seed 000 Sec. 4, seed 001 Sec. 4)\n")
+    out = ["## Theory (the DyISRU paper-003)\n", source]
+    out.append("### Outlier simulation and fits (the DyISRU paper Sec. 4; Sec. 4 of its LayerNorm version)\n")
     rows = []
     for key, label in (("rms_norm", "RMSNorm data"), ("layer_norm", "LayerNorm data")):
         st = t["simulate"][key]["stats"]
         rows.append([label, _pm(st, "alpha", "{:.4f}"), _pm(st, "beta", "{:.1f}"), _pm(st, "dyt_mean_abs_residual"),
                      _pm(st, "dyisru_mean_abs_residual")])  # fmt: skip
-    rows.append(["seed 000/001 (one sample)", "0.049", "301.1", "0.33", "< 0.01"])
+    rows.append(["the DyISRU paper (both versions) (one sample)", "0.049", "301.1", "0.33", "< 0.01"])
     n = t["simulate"]["rms_norm"]["n_seeds"]
     out.append(format_table([f"data (mean ± std over {n} seeds)", "DyT alpha", "DyISRU beta", "DyT mean |res|",
                              "DyISRU mean |res|"], rows, markdown=True))  # fmt: skip
@@ -43,13 +43,13 @@ def theory_section(root: Path) -> list[str]:
                            f"seed (worst seed: {ln_max:.4f})")))  # fmt: skip
     out.append("\n![outlier fit](theory/outlier_fit_rms_norm.png)\n")
     out.append("![outlier fit, LayerNorm](theory/outlier_fit_layer_norm.png)\n")
-    out.append("### Jacobian norms at init (seed 003, std 0.02, gamma = 1)\n")
+    out.append("### Jacobian norms at init (the dissection, std 0.02, gamma = 1)\n")
     seed = {(1024, "rms_norm"): "1602 / 50 / 1601", (2048, "rms_norm"): "2259 / 50 / 2258",
             (1024, "dyt"): "32 / 0 / 32", (2048, "dyt"): "45 / 0 / 45"}  # fmt: skip
     rows = [[r["width"], r["norm"], f"{r['diag']:.1f} / {r['coupling']:.1f} / {r['total']:.1f}",
              seed.get((r["width"], r["norm"]), "-")] for r in t["jacobian"]]  # fmt: skip
-    out.append(format_table(["width", "norm", "ours: diag / coupling / total", "seed 003"], rows, markdown=True))
-    out.append("\n### Forward gain (seed 003 Theorems 1-2)\n\n![gain](theory/gain.png)\n")
+    out.append(format_table(["width", "norm", "ours: diag / coupling / total", "the dissection"], rows, markdown=True))
+    out.append("\n### Forward gain (the dissection Theorems 1-2)\n\n![gain](theory/gain.png)\n")
     return out
 
 

@@ -1,9 +1,9 @@
-"""Fit DyT's alpha or DyISRU's beta to (x, y) pairs from any normalization (seed 000, Sec. 4.2).
+"""Fit DyT's alpha or DyISRU's beta to (x, y) pairs from any normalization (the DyISRU paper, Sec. 4.2).
 
 The models are the papers' element-wise forms with an amplitude a:
 
-    dyt:     y = a * tanh(alpha * x)           (seed 000 eq. 12 with a = sqrt(C))
-    dyisru:  y = a * x / sqrt(beta + x^2)      (seed 000 eq. 16 with a = sqrt(C))
+    dyt:     y = a * tanh(alpha * x)           (the DyISRU paper eq. 12 with a = sqrt(C))
+    dyisru:  y = a * x / sqrt(beta + x^2)      (the DyISRU paper eq. 16 with a = sqrt(C))
 
 ``a`` is fixed (``scale=`` a number, or "C" / "C-1" for sqrt(C) / sqrt(C-1) of
 the channel count) or fitted along with the parameter (``scale=None``). The fit

@@ -1,6 +1,6 @@
-"""Forward gain G(sigma) = E[ ||N(x)|| / ||x|| ], x ~ N(0, sigma^2 I_d) (seed 003, "The forward gain problem").
+"""Forward gain G(sigma) = E[ ||N(x)|| / ||x|| ], x ~ N(0, sigma^2 I_d) (the dissection, "The forward gain problem").
 
-Closed forms from seed 003:
+Closed forms from the dissection:
 
 * Theorem 1: a point-wise norm N(x)_i = f(x_i) with f(0) = 0 has
   G(sigma) -> |f'(0)| as sigma -> 0 (with a channel affine, the RMS of

@@ -1,13 +1,13 @@
 """Per-token Jacobians of normalizations: by autograd, by finite differences, and in closed form.
 
 A norm acts on one token x in R^C at a time, so its Jacobian J_ij = dy_i / dx_j
-is a C x C matrix. Seed 003 splits RMSNorm's into a diagonal gain term and a
+is a C x C matrix. The dissection splits RMSNorm's into a diagonal gain term and a
 rank-1 coupling term:
 
     J_ij = gamma_i / r * delta_ij  -  gamma_i x_i x_j / (C r^3),   r = sqrt(mean x^2 + eps).
 
 For any registered norm, :func:`decompose` splits J into its diagonal and its
-off-diagonal part; for RMSNorm, :func:`rms_norm_terms` gives the seed's split.
+off-diagonal part; for RMSNorm, :func:`rms_norm_terms` gives the dissection's split.
 The two agree up to the C diagonal entries of the rank-1 term (O(1/sqrt(C))).
 """
 
@@ -79,7 +79,7 @@ def _gamma(weight: Tensor | None, x: Tensor) -> Tensor:
 
 
 def rms_norm_terms(x: Tensor, weight: Tensor | None = None, eps: float = FN.EPS) -> tuple[Tensor, Tensor]:
-    """Seed 003's split of RMSNorm's Jacobian: (diagonal gain term, rank-1 coupling term), J = D + K.
+    """The dissection's split of RMSNorm's Jacobian: (diagonal gain term, rank-1 coupling term), J = D + K.
 
     D = diag(gamma) / r,  K = -(gamma * x) x^T / (C r^3).
     """
@@ -97,7 +97,7 @@ def rms_norm_jacobian(x: Tensor, weight: Tensor | None = None, eps: float = FN.E
 
 
 def rms_norm_jacobian_eq6(x: Tensor) -> Tensor:
-    """Seed 000 eq. (6), RMSNorm with eps = 0 and no affine: sqrt(C)/||x|| (delta_ij - y_i y_j / C)."""
+    """The DyISRU paper eq. (6), RMSNorm with eps = 0 and no affine: sqrt(C)/||x|| (delta_ij - y_i y_j / C)."""
     _check_token(x)
     c = x.shape[0]
     y = FN.rms_norm(x, eps=0.0)
@@ -116,7 +116,7 @@ def layer_norm_jacobian(x: Tensor, weight: Tensor | None = None, eps: float = 1e
 
 
 def dyt_jacobian(x: Tensor, alpha: Tensor | float, weight: Tensor | None = None) -> Tensor:
-    """DyT is point-wise: J = diag(gamma * alpha * sech^2(alpha x)) (seed 003)."""
+    """DyT is point-wise: J = diag(gamma * alpha * sech^2(alpha x)) (the dissection)."""
     _check_token(x)
     a = torch.as_tensor(alpha, dtype=x.dtype, device=x.device)
     return torch.diag(_gamma(weight, x) * a / torch.cosh(a * x).pow(2))
@@ -125,7 +125,7 @@ def dyt_jacobian(x: Tensor, alpha: Tensor | float, weight: Tensor | None = None)
 def scaled_dyt_jacobian(
     x: Tensor, alpha: Tensor | float, weight: Tensor | None = None, scale: FN.Scale = "C"
 ) -> Tensor:
-    """Scaled DyT (seed 000 eq. 12): J = diag(gamma * s * alpha * sech^2(alpha x)), s = sqrt(C) or sqrt(C-1)."""
+    """Scaled DyT (the DyISRU paper eq. 12): J = diag(gamma * s * alpha * sech^2(alpha x)), s = sqrt(C) or sqrt(C-1)."""
     return FN.channel_scale(x.shape[0], scale) * dyt_jacobian(x, alpha, weight)
 
 
@@ -139,7 +139,7 @@ def derf_jacobian(x: Tensor, alpha: Tensor | float, shift: Tensor | float = 0.0,
 
 
 def dyisru_jacobian(x: Tensor, beta: Tensor | float, weight: Tensor | None = None, scale: FN.Scale = "C") -> Tensor:
-    """DyISRU (seed 000 eq. 16): J = diag(gamma * s * beta / (beta + x^2)^(3/2))."""
+    """DyISRU (the DyISRU paper eq. 16): J = diag(gamma * s * beta / (beta + x^2)^(3/2))."""
     _check_token(x)
     b = torch.as_tensor(beta, dtype=x.dtype, device=x.device)
     s = FN.channel_scale(x.shape[0], scale)
@@ -156,7 +156,7 @@ class JacobianNorms:
     diag: float
     coupling: float
     total: float
-    split: str  # "gain+rank-1" (seed 003's split, RMSNorm) or "diagonal+off-diagonal"
+    split: str  # "gain+rank-1" (the dissection's split, RMSNorm) or "diagonal+off-diagonal"
 
 
 def decompose(jac: Tensor, *, terms: tuple[Tensor, Tensor] | None = None) -> JacobianNorms:
@@ -190,12 +190,12 @@ def jacobian_table(
     seed: int = 0,
     strict: bool = True,
 ) -> list[dict]:
-    """Seed 003's Jacobian table: Frobenius norms of J, its diagonal and coupling parts, averaged over tokens.
+    """The dissection's Jacobian table: Frobenius norms of J, its diagonal and coupling parts, averaged over tokens.
 
     Each norm is built at default init (gamma = 1) plus the keys of ``init`` it
     accepts, in float64, and evaluated at ``tokens`` tokens x ~ N(0, std^2 I). With ``strict``, a key
     that no selected norm takes is an error.
-    RMSNorm uses the seed's gain/rank-1 split; other norms the diagonal/off-diagonal split.
+    RMSNorm uses the dissection's gain/rank-1 split; other norms the diagonal/off-diagonal split.
     """
     from normlab.modules import prime_running_stats
     from normlab.registry import accepted_kwargs, create_norm, init_kwargs

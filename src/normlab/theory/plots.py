@@ -25,7 +25,8 @@ def _save(fig, path: str | Path) -> Path:
 
 
 def plot_outlier_steps(sim: OutlierSimulation, path: str | Path) -> Path:
-    """Seed 001 Fig. 2 / seed 000 Fig. 3 (top): the sample and its normalization at S = 0, 1, 2 and the last step."""
+    """Fig. 2 of the DyISRU paper's LayerNorm version / Fig. 3 (top) of the DyISRU paper: the sample and its
+    normalization at S = 0, 1, 2 and the last step."""
     shown = sorted({0, 1, min(2, sim.steps), sim.steps})
     fig, axes = plt.subplots(1, len(shown), figsize=(3.6 * len(shown), 3.4), sharey=True)
     o = sim.outlier_index
@@ -47,7 +48,7 @@ def plot_outlier_steps(sim: OutlierSimulation, path: str | Path) -> Path:
 
 
 def plot_outlier_fit(sim: OutlierSimulation, path: str | Path) -> Path:
-    """Seed 000 Fig. 3 (center, bottom): DyT and DyISRU fitted on the outliers, and their residuals."""
+    """The DyISRU paper Fig. 3 (center, bottom): DyT and DyISRU fitted on the outliers, and their residuals."""
     fig, (top, bot) = plt.subplots(2, 1, figsize=(7, 7), height_ratios=[2.2, 1], sharex=True)
     o = sim.outlier_index
     rest = np.arange(sim.C) != o
@@ -74,7 +75,7 @@ def plot_outlier_fit(sim: OutlierSimulation, path: str | Path) -> Path:
 
 def plot_gain(curves: dict, sigmas: np.ndarray, path: str | Path, *, dim: int, limits: dict | None = None,
               rms_closed_form: np.ndarray | None = None) -> Path:  # fmt: skip
-    """Seed 003's forward gain: Monte Carlo G(sigma) per norm, log-log, with the closed forms dashed."""
+    """The dissection's forward gain: Monte Carlo G(sigma) per norm, log-log, with the closed forms dashed."""
     fig, ax = plt.subplots(figsize=(7, 5))
     for i, (name, (mean, sem)) in enumerate(curves.items()):
         color = f"C{i}"

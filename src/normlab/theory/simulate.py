@@ -1,15 +1,15 @@
-"""The outlier simulation of seeds 000/001 (Sec. 4), with DyT and DyISRU fits.
+"""The outlier simulation of the DyISRU paper (both versions) (Sec. 4), with DyT and DyISRU fits.
 
-Procedure (seed 000 eqs. 17-18): draw x ~ N(mu, sigma^2) with C channels; for
+Procedure (the DyISRU paper eqs. 17-18): draw x ~ N(mu, sigma^2) with C channels; for
 S = 0, 1, ..., steps set the largest entry to x_o + step * S and normalize
-(RMSNorm, seed 000, or LayerNorm, seed 001). The outlier points (x_o, y_o) for
+(RMSNorm, the DyISRU paper, or LayerNorm, the DyISRU paper's LayerNorm version). The outlier points (x_o, y_o) for
 S >= 1, mirrored to (-x, -y) as the papers do, are fitted by scaled DyT
 (eq. 12) and DyISRU (eq. 16) with the amplitude sqrt(C) (RMSNorm) or
-sqrt(C-1) (LayerNorm, seed 001 eqs. 11 and 15).
+sqrt(C-1) (LayerNorm, the DyISRU paper's LayerNorm version eqs. 11 and 15).
 
 For RMSNorm, Theorem 3 predicts the exact DyISRU parameter: beta =
 ||x without the outlier||^2, which does not change with S. For LayerNorm,
-Theorem 4 of seed 001/002 gives beta_i = (C-1) sigma_{!=i}^2 - sigma^2 for the
+Theorem 4 of the DyISRU paper's LayerNorm version/002 gives beta_i = (C-1) sigma_{!=i}^2 - sigma^2 for the
 centered form, and it changes with S, so no single beta is exact.
 """
 
@@ -129,7 +129,8 @@ def simulate_outliers(
 ) -> OutlierSimulation:
     """Run the simulation on a seeded sample, or on a given vector ``x`` (then C, sigma, mu come from it)."""
     if norm not in ("rms_norm", "layer_norm"):
-        raise ValueError(f"norm must be 'rms_norm' (seed 000) or 'layer_norm' (seed 001), got {norm!r}")
+        raise ValueError(f"norm must be 'rms_norm' (the DyISRU paper) or 'layer_norm' (its LayerNorm version), got "
+                         f"{norm!r}")
     scale = scale or ("C" if norm == "rms_norm" else "C-1")
     if scale not in ("C", "C-1"):
         raise ValueError(f"scale must be 'C' (sqrt(C)) or 'C-1' (sqrt(C-1)), got {scale!r}")
