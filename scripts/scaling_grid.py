@@ -36,8 +36,9 @@ CELLS = [
 # grids widened where the first pass found the best rate at an edge (the report flags it)
 WIDEN = {("w64_x4_gpt2_adamw", "rms"): [8e-3], ("w64_x4_gpt2_adamw", "dyt_m"): [5e-4],
          ("w64_x4_gpt2_adamw", "ls_m"): [5e-4], ("w256_x1_gpt2_adamw", "dyt_m"): [2.5e-4],
-         ("w64_x1_llama_adamw", "rms"): [8e-3], ("w64_x1_llama_muon", "rms"): [0.08],
-         ("w64_x1_gpt2_adamw", "dyt"): [8e-3]}
+         ("w64_x1_llama_adamw", "rms"): [8e-3], ("w64_x1_llama_muon", "rms"): [0.08, 0.16],
+         ("w64_x1_gpt2_adamw", "dyt"): [8e-3, 1.6e-2], ("w128_x4_gpt2_adamw", "rms"): [2.5e-4],
+         ("w128_x4_gpt2_adamw", "dyt_m"): [2.5e-4]}
 out = []
 w = out.append
 w('''# Is the one-batch gamma init (model.norm_init = "match_rms") a real win over RMSNorm, or a small-scale artifact?
