@@ -151,8 +151,11 @@ def load_converted(path: str | Path, model: nn.Module | None = None) -> tuple[nn
         d = json.loads(where.read_text())
         if not isinstance(d, dict):
             raise ValueError("not a JSON object")
-        record = ConversionRecord.from_dict(d)
     except ValueError as e:
+        raise ValueError(f"{where} is damaged ({e}); convert the model again") from None
+    try:
+        record = ConversionRecord.from_dict(d)
+    except ValueError as e:  # a field of the wrong kind, missing or unknown: named
         raise ValueError(f"{where}: {e}; convert the model again") from None
     _check_weights(path, d.get("weights_sha256"))
     if model is None:
