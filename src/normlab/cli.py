@@ -163,8 +163,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         rows.append(["dyisru (Theorem 3)", "beta", sim.reference_beta, sim.reference_mean_abs_residual,
                      "beta = ||x without outlier||^2"])  # fmt: skip
     print(format_table(["fit", "param", "value", "mean |residual|", "status"], rows, markdown=args.markdown))
-    seed_doc = ("the DyISRU paper, RMSNorm" if sim.norm == "rms_norm"
-                else "the DyISRU paper's LayerNorm version, LayerNorm")  # fmt: skip
+    seed_doc = "the DyISRU paper, " + ("RMSNorm" if sim.norm == "rms_norm" else "its LayerNorm version")
     print(f"paper ({seed_doc}, one sample): alpha = 0.049, beta = 301.1, mean |residual| 0.33 (DyT), < 0.01 (DyISRU)")
     result = sim.to_dict()
     if args.seeds > 1 and x is None:
@@ -312,14 +311,12 @@ def _add_demo(sub) -> None:
 
 
 def _add_jacobian(sub) -> None:
-    j = sub.add_parser("jacobian",
-                       help="the dissection's table: Frobenius norms of the Jacobian's diagonal and coupling")
+    j = sub.add_parser("jacobian", help="the dissection's table: Frobenius norms of the Jacobian's two parts")
     j.add_argument("--norm", nargs="+", default=["rms_norm", "dyt"], help="registered norm names")
     j.add_argument("--width", nargs="+", type=_count, default=[1024, 2048], help="channel counts")
     j.add_argument("--std", type=_positive, default=0.02, help="input std (0.02: GPT-2 init)")
     j.add_argument("--init", nargs="*", default=None, metavar="KEY=VALUE",
-                   help="init values, applied to each norm that takes them "
-                        "(default: alpha_init=1.0, as in the dissection)")
+                   help="init values, for each norm that takes them (default: alpha_init=1.0, as the dissection)")
     j.add_argument("--tokens", type=_count, default=4, help="tokens to average over")
     j.add_argument("--seed", type=int, default=0)
     j.add_argument("--json", help="also write the rows to this JSON file")
@@ -346,11 +343,9 @@ def _add_gain(sub) -> None:
 
 
 def _add_simulate(sub) -> None:
-    s = sub.add_parser("simulate",
-                       help="the outlier simulation of the DyISRU paper (both versions) with DyT and DyISRU fits")
+    s = sub.add_parser("simulate", help="the DyISRU paper's outlier simulation, with DyT and DyISRU fits")
     s.add_argument("--norm", choices=["rms_norm", "layer_norm"], default="rms_norm",
-                   help="normalization simulated: rms_norm (the DyISRU paper) or layer_norm "
-                        "(the DyISRU paper's LayerNorm version)")
+                   help="normalization simulated: rms_norm (the DyISRU paper) or layer_norm (its LayerNorm version)")
     s.add_argument("--C", type=int, default=100, help="channels (default 100, as in the papers)")
     s.add_argument("--sigma", type=_positive, default=2.0, help="std of the sample (default 2)")
     s.add_argument("--mu", type=_finite, default=0.0, help="mean of the sample (default 0)")
@@ -424,9 +419,8 @@ def _add_reproduce(sub) -> None:
     size.add_argument("--long", action="store_true", help="the default's shapes at 4x its tokens, three seeds")
     size.add_argument("--full", action="store_true", help="every run at the lab's cpu preset (hours on 2 cores)")
     size.add_argument("--preset", choices=["gpu"], help="the dissection's shapes on a GPU")
-    size.add_argument("--profile", choices=list(PROFILES),
-                      help="any profile by name; 'scaling' runs only the scaling study (hours on 2 cores; "
-                           "scripts/scaling_study.py runs it resumably, recording each run in bench/)")  # fmt: skip
+    size.add_argument("--profile", choices=list(PROFILES), help="a profile by name; 'scaling': the scaling study "
+                      "alone (hours; scripts/scaling_study.py runs it resumably into bench/)")
     rr.add_argument("--experiment", nargs="*", help="subset of experiments (default: all)")
     rr.add_argument("--root", help="output folder (default runs/reproduce-<profile>)")
     rr.add_argument("--compare", help="root of another budget's runs (--long: runs/reproduce-default if present)")
