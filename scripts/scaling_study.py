@@ -28,6 +28,7 @@ from pathlib import Path
 
 from _study import ROOT, commit, machine
 from normlab.lab.runs import read_summary
+from normlab.owner import hold
 from normlab.sweep import expand, load_experiment, run_sweep, write_index
 
 RECORD = ROOT / "bench" / "scaling.jsonl"
@@ -200,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
             todo = todo[: args.max_runs]
         print(f"{len(todo)} runs to go of {len(specs)}, {args.jobs} at a time, in the TOML's order (decisive first)")
         try:
-            run_sweep(todo, jobs=args.jobs, on_done=record_run)
+            with hold(RECORD, "the scaling study's record"):  # one study appends to it at a time
+                run_sweep(todo, jobs=args.jobs, on_done=record_run)
         except KeyboardInterrupt:
             print("stopped: every finished run is in the record; run the same command to go on", file=sys.stderr)
             return 130
