@@ -31,7 +31,7 @@ import platform
 import torch
 
 import normlab.functional as FN
-from normlab._table import append_csv
+from normlab.table import append_csv
 from normlab.lab.runs import code_version
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

@@ -19,6 +19,7 @@ hardware, commit and date. On CPU only the ratios mean something.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import platform
 import tempfile
@@ -28,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from normlab._table import append_csv
+from normlab.table import append_csv
 from normlab.lab import GPT, resolve_config, train
 from normlab.lab.data import get_batch, load_corpus
 from normlab.lab.metrics import Probe, norm_parameters, projection_ranks
@@ -57,7 +58,8 @@ def bare_loop(cfg, steps: int) -> float:
 
 def lab_loop(cfg, steps: int) -> float:
     with tempfile.TemporaryDirectory() as tmp:
-        run = resolve_config(cfg._preset, {**cfg._overrides, "steps": steps, "eval_batches": 1}, out=f"{tmp}/run")
+        run = dataclasses.replace(cfg, steps=steps, eval_batches=1, out=f"{tmp}/run")
+        run.validate()
         t0 = time.perf_counter()
         train(run, progress=True)
         return time.perf_counter() - t0
@@ -181,7 +183,6 @@ def main() -> None:
 
     overrides = {"model.norm": args.norm}
     cfg = resolve_config(args.preset, overrides)
-    cfg._preset, cfg._overrides = args.preset, overrides
     bare, lab = [], []
     for _ in range(args.repeats):  # alternate, so that drift in machine load hits both
         bare.append(bare_loop(cfg, args.steps))

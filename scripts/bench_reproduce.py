@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from normlab._table import append_csv
+from normlab.table import append_csv
 from normlab.corpus import fetch_shakespeare
 from normlab.lab.runs import code_version
 

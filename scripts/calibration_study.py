@@ -20,7 +20,7 @@ import tempfile
 import torch
 
 import normlab
-from normlab._table import format_table
+from normlab.table import format_table
 from normlab.lab import GPT, resolve_config, train
 from normlab.lab.data import get_batch, load_corpus
 

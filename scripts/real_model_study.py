@@ -27,9 +27,8 @@ import torch
 
 import normlab
 from _study import ROOT, commit, machine, save
-from normlab.conversion.heal import OBJECTIVES, TRAINS
+from normlab.conversion.config import OBJECTIVES, TRAINS, HealConfig
 from normlab.conversion.hf import load_model, smollm2, text_splits
-from normlab.conversion.workflow import HEAL_OBJECTIVE, HEAL_TRAIN
 from normlab.corpus import fetch_shakespeare
 
 
@@ -65,8 +64,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--to", nargs="+", default=["dyisru", "dyt", "scaled_dyt"], help="targets")
     ap.add_argument("--heal-minutes", type=float, default=10.0, help="heal budget per conversion, in minutes")
-    ap.add_argument("--heal-objective", choices=list(OBJECTIVES), default=HEAL_OBJECTIVE)
-    ap.add_argument("--heal-train", choices=list(TRAINS), default=HEAL_TRAIN)
+    ap.add_argument("--objective", choices=list(OBJECTIVES), default=HealConfig.objective, help="of the heal")
+    ap.add_argument("--train", choices=list(TRAINS), default=HealConfig.train, help="what the heal trains")
     ap.add_argument("--sites", nargs="+", default=["all", "all-but-final"], choices=["all", "all-but-final"])
     ap.add_argument("--heal-sites", nargs="+", default=["all"], choices=["all", "all-but-final"],
                     help="which site sets to heal (healing is the slow part)")
@@ -109,9 +108,9 @@ def main() -> None:
             measure(model, rec, target, sites, "calibrated", time.monotonic() - t)
             if sites in args.heal_sites:
                 t = time.monotonic()
-                rep = normlab.heal(original, model, splits.stream, rec, val=splits.val, minutes=args.heal_minutes,
-                                   objective=args.heal_objective, train=args.heal_train, progress=True)  # fmt: skip
-                measure(model, rec, target, sites, f"healed ({args.heal_objective}, {args.heal_train}, stream)",
+                heal_cfg = HealConfig(minutes=args.heal_minutes, objective=args.objective, train=args.train)
+                rep = normlab.heal(original, model, splits, rec, heal_cfg, progress=True)
+                measure(model, rec, target, sites, f"healed ({args.objective}, {args.train}, stream)",
                         time.monotonic() - t, rep.tokens)  # fmt: skip
 
     path = Path(args.csv)

@@ -1,13 +1,16 @@
-"""Shared test helpers: independently written NumPy formulas for every registered norm.
+"""Shared test helpers and fixtures.
 
-These formulas are written from the papers, not from normlab.functional, so a
-mistake in either shows up as a mismatch.
+* Independently written NumPy formulas for every registered norm. They are written from the papers, not from
+  normlab.functional, so a mistake in either shows up as a mismatch.
+* Small real inputs: a text corpus (``corpus``, ``corpus_file``), tiny Hugging Face models saved to disk
+  (``tiny_hf``, ``models``), an experiment TOML (``write_experiment``).
 """
 
 from __future__ import annotations
 
 import math
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,11 +27,54 @@ if not torch.cuda.is_available():
 TEXT = "To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer\n" * 300
 
 
+CALIB = "The quick brown fox jumps over the lazy dog. " * 200
+
+
 @pytest.fixture()
 def corpus_file(tmp_path):
     p = tmp_path / "text.txt"
     p.write_text(TEXT)
     return str(p)
+
+
+@pytest.fixture()
+def corpus(tmp_path) -> Path:
+    p = tmp_path / "text.txt"
+    p.write_text(TEXT)
+    return p
+
+
+def tiny_hf(path: Path, family: str = "Llama", seed: int = 0) -> Path:
+    """A tiny random Hugging Face causal LM of ``family`` (Llama, Qwen2, Qwen3, Gemma) saved to ``path``."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(seed)
+    kw = dict(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2)  # fmt: skip
+    if family == "Gemma":
+        kw["head_dim"] = 8
+    cfg = getattr(transformers, f"{family}Config")(**kw)
+    getattr(transformers, f"{family}ForCausalLM")(cfg).eval().save_pretrained(path)
+    return path
+
+
+@pytest.fixture()
+def models(tmp_path) -> dict:
+    """Two tiny Llama models (seeds 0 and 1) and two texts, on disk."""
+    text = tmp_path / "calib.txt"
+    text.write_text(CALIB)
+    other = tmp_path / "other.txt"
+    other.write_text("Another text entirely, with other words in it. " * 200)
+    return {"m": tiny_hf(tmp_path / "m", seed=0), "m2": tiny_hf(tmp_path / "m2", seed=1), "text": text, "other": other}
+
+
+def write_experiment(tmp_path: Path, corpus: Path, steps: int, runs=("rms_norm", "dyt")) -> Path:
+    """An experiment TOML in ``tmp_path`` training ``runs`` (one per norm) on ``corpus`` for ``steps``."""
+    body = f'name = "own"\ntitle = "t"\nclaim = "c"\n[base]\nset = {{ data = ["{corpus}"], steps = {steps} }}\n'
+    for r in runs:
+        body += f'[[runs]]\nname = "{r}"\nset = {{ "model.norm" = "{r}" }}\n'
+    path = tmp_path / "own.toml"
+    path.write_text(body)
+    return path
 
 
 def _rms(x, eps):

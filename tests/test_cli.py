@@ -5,11 +5,11 @@ import json
 import numpy as np
 import pytest
 
+import normlab
 from normlab.cli import main
 
 
 def test_demo_prints_every_norm(capsys):
-    import normlab
 
     assert main(["demo", "--dim", "32"]) == 0
     out = capsys.readouterr().out
@@ -67,3 +67,49 @@ def test_train_names_its_folder_after_the_norm_it_trains(tmp_path, capsys, monke
                  "--no-progress"]) == 0  # fmt: skip
     assert (tmp_path / "runs" / "tiny-dyt" / "summary.json").exists()
     assert not (tmp_path / "runs" / "tiny-rms_norm").exists()
+
+
+# 7: only normlab's own errors are the user's fault
+def test_an_internal_runtime_error_keeps_its_traceback(monkeypatch, capsys):
+    from normlab import cli
+    from normlab.errors import NormlabError
+
+    def boom(args):
+        raise RuntimeError("CUDA out of memory (a fault, not bad input)")
+
+    monkeypatch.setattr(cli, "_cmd_demo", boom)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        cli.main(["demo"])
+
+    def ours(args):
+        raise NormlabError("the folder is locked by pid 1")
+
+    monkeypatch.setattr(cli, "_cmd_demo", ours)
+    assert cli.main(["demo"]) == 2
+    assert "the folder is locked by pid 1" in capsys.readouterr().err
+
+
+TEXT = "To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer\n" * 300
+
+
+def test_repeated_set_flags_all_apply(corpus, tmp_path):
+    """Found on the way: `--set a=1 --set b=2` kept only the last group (argparse's default action)."""
+    from normlab.cli import build_parser
+
+    args = build_parser().parse_args(["train", "--set", "steps=7", "--set", "lr=0.01", "eval_every=3"])
+    assert args.set == ["steps=7", "lr=0.01", "eval_every=3"]
+    args = build_parser().parse_args(["convert", "--model", "m", "--exclude", "a", "--exclude", "b"])
+    assert args.exclude == ["a", "b"]
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["simulate", "--seeds", "0"], "--seeds: expected an int >= 1, got 0"),
+    (["sweep", "--jobs", "0"], "--jobs: expected an int >= 1, got 0"),
+    (["gain", "--points", "0"], "--points: expected an int >= 1"),
+])  # fmt: skip
+def test_counts_below_one_are_refused_by_the_parser(argv, match, capsys):
+    from normlab.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and match in capsys.readouterr().err

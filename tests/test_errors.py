@@ -7,6 +7,8 @@ import torch
 
 import normlab
 import normlab.functional as FN
+from normlab.cli import main
+from normlab.lab import GPTConfig
 
 
 def test_unknown_name_lists_valid_names():
@@ -76,3 +78,51 @@ def test_empty_batch(norm_name):
     assert y.shape == (0, 8)
     y.sum().backward()
     assert x.grad.shape == (0, 8)
+
+
+# 1: a base class's keyword counts only when **kwargs reaches it
+def test_a_keyword_the_class_does_not_pass_on_is_refused_clearly():
+    assert "bias" not in normlab.registry.init_kwargs("rms_norm")  # RMSNorm.__init__ has no **kwargs
+    with pytest.raises(TypeError, match="norm 'rms_norm' does not take bias"):
+        normlab.create_norm("rms_norm", 64, bias=False)
+    assert "bias" in normlab.registry.init_kwargs("dyt")  # DyT passes **kwargs on to the family's bias
+    cfg = GPTConfig(norm="dyt", norm_final="rms_norm", norm_final_kwargs={"bias": False})
+    with pytest.raises(ValueError, match="model.norm_final_kwargs: norm 'rms_norm' does not take bias"):
+        cfg.validate()
+
+
+
+
+def test_rms_ema_momentum_true_is_refused():
+    import normlab
+
+    with pytest.raises(ValueError, match="momentum"):
+        normlab.create_norm("rms_ema", 8, momentum=True)
+
+
+@pytest.mark.parametrize("name, dim, kwargs, match", [
+    ("dyt", 8, {"alpha_init": 1e40}, "alpha_init at most 3.4e\\+38 in magnitude"),
+    ("dyt", 8, {"alpha_init": True}, "alpha_init to be a finite number"),
+    ("dyisru", 8, {"beta_init": True}, "beta_init to be a finite number > 0"),
+    ("group_rms", 8, {"group_size": True}, "group_size to be an int >= 1"),
+    ("scaled_dyt", "8", {}, "ScaledDyT: expected dim .* got '8'"),
+    ("dyt", 8, {"per_channel_alpha": "yes"}, "per_channel_alpha to be True or False"),
+    ("layer_norm", 8, {"bias": "no"}, "bias to be True or False"),
+])  # fmt: skip
+def test_bad_norm_arguments_are_clear_value_errors(name, dim, kwargs, match):
+    from normlab.registry import create_norm
+
+    with pytest.raises(ValueError, match=match):
+        create_norm(name, dim, **kwargs)
+
+
+
+
+@pytest.mark.parametrize("argv", [["predict", "--set", "model.width=100000"], ["gain", "--samples", "100000000"],
+                                  ["train", "--preset", "tiny", "--set", "model.width=60000", "model.heads=1"]])
+def test_sizes_that_exhaust_memory_are_refused_up_front(tmp_path, capsys, argv, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "GiB" in err and "more than this machine's" in err, err
+    assert not (tmp_path / "runs").exists()

@@ -79,3 +79,54 @@ def test_conversion_and_the_lab_do_not_import_each_other():
     for a, b in (("normlab.conversion", "normlab.lab"), ("normlab.lab", "normlab.conversion")):
         arrows = [(n, m) for n, deps in graph.items() if n.startswith(a) for m in deps if m.startswith(b)]
         assert not arrows, f"{a} imports {b}: {arrows}"
+
+
+# --------------------------------------------------------------------------
+# private names stay in their file
+# --------------------------------------------------------------------------
+def _private(name: str) -> bool:
+    last = name.rsplit(".", 1)[-1]
+    return last.startswith("_") and not (last.startswith("__") and last.endswith("__"))
+
+
+def private_crossings(source: str) -> list[str]:
+    """Where a file reaches into another file's private names: ``from normlab.x import _y``, a private module
+    (``normlab._x``), or ``m._y`` on a normlab module it imported."""
+    found, modules = [], set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("normlab"):
+            if any(_private(part) for part in node.module.split(".")):
+                found.append(f"line {node.lineno}: from {node.module} import ...")
+            for a in node.names:
+                if _private(a.name):
+                    found.append(f"line {node.lineno}: from {node.module} import {a.name}")
+                modules.add(a.asname or a.name)  # may be a module (from normlab.lab import train)
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("normlab"):
+                    if any(_private(part) for part in a.name.split(".")):
+                        found.append(f"line {node.lineno}: import {a.name}")
+                    modules.add(a.asname or a.name.split(".")[0])
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and _private(node.attr):
+            base = node.value
+            if isinstance(base, ast.Name) and base.id in modules:
+                found.append(f"line {node.lineno}: {base.id}.{node.attr}")
+    return found
+
+
+def test_no_private_name_crosses_a_file():
+    """What another module or a script needs is public, with a docstring; a private name is its file's own."""
+    files = [*ROOT.rglob("*.py"), *(ROOT.parents[1] / "scripts").glob("*.py")]
+    assert len(files) > 50
+    crossings = {str(p.relative_to(ROOT.parents[1])): c for p in files if (c := private_crossings(p.read_text()))}
+    assert not crossings, f"private names used across files: {crossings}"
+
+
+def test_the_private_name_check_fails_on_a_crossing():
+    assert private_crossings("from normlab.conversion.heal import _check_budget\n")
+    assert private_crossings("from normlab import _table\n")
+    assert private_crossings("import normlab.kernels._common as c\n")
+    assert private_crossings("from normlab.lab import train\ntrain._optimizer(1)\n")
+    assert not private_crossings("from normlab.lab import train\ntrain.build_optimizer(1)\nx.__doc__\n")
+    assert not private_crossings("from normlab.modules import __all__ as names\n")

@@ -1,5 +1,6 @@
 """The dynamic_tanh exercise: the NumPy dynamic_tanh and its four behaviours."""
 
+
 import numpy as np
 import pytest
 
@@ -36,3 +37,11 @@ def test_alpha_zero_gives_beta():
 def test_bad_gamma_shape():
     with pytest.raises(ValueError, match=r"gamma of shape \(3,\)"):
         dynamic_tanh(np.zeros((2, 3)), 0.5, np.ones(4), np.zeros(3))
+
+
+@pytest.mark.parametrize("x, alpha", [([[1.0, 2.0]], "0.5"), ([[1 + 2j, 2.0]], 0.5), ([[1.0, 2.0]], True)])
+def test_reference_dynamic_tanh_refuses_a_string_alpha_and_complex_x(x, alpha):
+    from normlab.reference import dynamic_tanh
+
+    with pytest.raises(ValueError, match="dynamic_tanh: expected"):
+        dynamic_tanh(x, alpha, [1.0, 1.0], [0.0, 0.0])

@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from conftest import TEXT, write_experiment
+from normlab.cli import main
+from normlab.lab.runs import RunFolder
 from normlab.report import write_report
 from normlab.sweep import builtin_experiments, expand, load_experiment, parse_shard, run_sweep, write_index
-
-TEXT = "To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer\n" * 300
 
 EXPERIMENT = """
 name = "smoke"
@@ -142,3 +143,139 @@ def test_killed_sweep_resumes_without_redoing_finished_runs(experiment, tmp_path
     for p, t in finished.items():  # finished runs were not redone
         assert p.stat().st_mtime_ns == t
     assert _final(killed) == _final(ref)  # the final table equals an uninterrupted sweep's
+
+
+@pytest.mark.slow
+def test_defect_6_one_ctrl_c_stops_a_sweep_with_jobs_1(corpus, tmp_path):
+    exp = write_experiment(tmp_path, corpus, 200000)
+    root = tmp_path / "root"
+    cmd = [sys.executable, "-m", "normlab.cli", "sweep", str(exp), "--profile", "tiny", "--jobs", "1", "--root",
+           str(root), "--no-progress"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not list(root.glob("runs/*/checkpoint.pt")):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0, err
+    assert "sweep interrupted" in err and "Continue with: normlab sweep" in err, err
+    summaries = [json.loads(p.read_text()) for p in root.glob("runs/*/summary.json")]
+    assert [s["status"] for s in summaries] == ["interrupted"]  # the run in flight; the next one never started
+    assert len(list(root.glob("runs/*/checkpoint.pt"))) == 1
+    assert json.loads((root / "index.json").read_text())["experiments"][0]["name"] == "own"
+
+
+def test_defect_7_a_run_finished_by_another_process_is_never_marked_failed(corpus, tmp_path):
+    from normlab.lab.train import train
+    from normlab.sweep import _run_one, expand
+
+    spec = expand(load_experiment(str(write_experiment(tmp_path, corpus, 10, runs=("rms_norm",)))), "tiny",
+                  tmp_path / "root")[0]  # fmt: skip
+    train(spec.config, progress=False)  # "process B" completes it
+    done = RunFolder(spec.config.out).summary()
+    assert done["status"] == "completed"
+    run_id, status, _ = _run_one(spec)  # "process A" arrives with its resume
+    assert status == "completed"
+    assert RunFolder(spec.config.out).summary() == done
+
+
+def test_defect_8_two_runs_of_one_name_are_refused(corpus, tmp_path):
+
+    exp = write_experiment(tmp_path, corpus, 10, runs=("dyt", "dyt"))
+    with pytest.raises(ValueError, match=r"own\.toml: two runs are named 'dyt'"):
+        load_experiment(str(exp))
+
+
+def test_a_bad_field_in_a_toml_names_the_file_and_the_run(corpus, tmp_path):
+    from normlab.sweep import expand
+
+    path = tmp_path / "bad.toml"
+    path.write_text('name = "bad"\n[[runs]]\nname = "x"\nset = { lr = "fast" }\n')
+    with pytest.raises(ValueError, match=r"bad\.toml: run 'x': lr must be"):
+        expand(load_experiment(str(path)), "tiny", tmp_path / "root")
+
+
+def test_a_sweep_with_a_failed_run_exits_non_zero(corpus, tmp_path, capsys):
+    path = tmp_path / "fails.toml"
+    path.write_text(f'name = "fails"\n[base]\nset = {{ data = ["{corpus}"], steps = 5 }}\n[[runs]]\nname = "x"\n'
+                    'set = { "model.context" = 100000 }\n')  # fmt: skip
+    assert main(["sweep", str(path), "--profile", "tiny", "--jobs", "1", "--root", str(tmp_path / "r"),
+                 "--no-progress"]) == 1  # fmt: skip
+    assert "1 run(s) failed" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["../../escape", "a/b", "..", ".", "", "a\\b"])
+def test_defect_7_an_experiment_name_cannot_leave_its_root(tmp_path, name):
+    """`name = "../../escape"` in a TOML made `normlab report` write escape_loss.png two levels above the root."""
+
+    toml = tmp_path / "e.toml"
+    toml.write_text(f'name = {json.dumps(name)}\n[[runs]]\nname = "a"\nset = {{}}\n')
+    with pytest.raises(ValueError, match=r"e\.toml: name must be one path segment"):
+        load_experiment(str(toml))
+
+
+_TOML = {"name": "fz", "title": "t", "source": "s", "claim": "c", "seeds": [0], "metrics": ["final_val_loss"],
+         "base": {"set": {}}, "baseline": "a", "figures": ["loss"], "guard": True, "mechanism": ["a"],
+         "profiles": ["tiny"]}  # fmt: skip
+
+
+_WRONG = [5, "x", [1, 2], {"k": 1}, True, 1.5]
+
+
+def value(v) -> str:
+    """A value as TOML."""
+    if isinstance(v, dict):
+        return "{ " + ", ".join(f"{json.dumps(k)} = {value(x)}" for k, x in v.items()) + " }"
+    if isinstance(v, list):
+        return "[" + ", ".join(value(x) for x in v) + "]"
+    return json.dumps(v) if not isinstance(v, bool) else str(v).lower()
+
+
+def _toml_text(top: dict, run: dict) -> str:
+    lines = [f"{k} = {value(v)}" for k, v in top.items()]
+    return "\n".join(lines) + "\n[[runs]]\n" + "\n".join(f"{k} = {value(v)}" for k, v in run.items()) + "\n"
+
+
+def _kind_ok(field: str, v) -> bool:
+    """Whether ``v`` happens to be a valid value of ``field`` (then it is not a wrong kind for it)."""
+    from normlab.sweep import _RUN, _TOP, _is
+
+    kind = {**_TOP, **_RUN}.get(field)
+    return kind is not None and _is(v, kind)
+
+
+@pytest.mark.parametrize("field", [*_TOML, "runs"])
+def test_fuzz_every_toml_field_of_the_wrong_kind_is_one_line_naming_file_and_field(tmp_path, capsys, field):
+    run = {"name": "a", "set": {"model.norm": "rms_norm"}}
+    tried = 0
+    for wrong in _WRONG:
+        if _kind_ok(field, wrong) or field in ("name",) and isinstance(wrong, str):
+            continue
+        top = {**_TOML, field: wrong}
+        path = tmp_path / f"e{tried}.toml"
+        text = _toml_text(top, run) if field != "runs" else _toml_text(_TOML, run).split("[[runs]]")[0] + (
+            f"runs = {value(wrong)}\n")  # fmt: skip
+        path.write_text(text)
+        rc = main(["sweep", str(path), "--profile", "tiny", "--root", str(tmp_path / "root"), "--no-progress"])
+        err = capsys.readouterr().err.strip()
+        assert rc == 2, (field, wrong, err)
+        assert len(err.splitlines()) == 1 and str(path) in err and field in err, (field, wrong, err)
+        assert "Traceback" not in err
+        tried += 1
+    assert tried >= 3
+    assert not (tmp_path / "root" / "runs").exists()  # nothing trained
+
+
+@pytest.mark.parametrize("field", ["name", "label", "set", "shape", "profiles", "budget", "lrs", "lr_field"])
+def test_fuzz_every_run_field_of_the_wrong_kind(tmp_path, capsys, field):
+    tried = 0
+    for wrong in _WRONG:
+        if _kind_ok(field, wrong):
+            continue
+        path = tmp_path / f"r{tried}.toml"
+        path.write_text(_toml_text({"name": "fz"}, {"name": "a", "set": {}, field: wrong}))
+        rc = main(["sweep", str(path), "--profile", "tiny", "--root", str(tmp_path / "root"), "--no-progress"])
+        err = capsys.readouterr().err.strip()
+        assert rc == 2 and len(err.splitlines()) == 1 and str(path) in err and field in err, (field, wrong, err)
+        tried += 1
+    assert tried >= 3

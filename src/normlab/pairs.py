@@ -1,10 +1,11 @@
-"""The one KEY=VALUE parser: ``--set`` of the lab, ``--init`` of conversion and the theory commands."""
+"""The one KEY=VALUE parser (``--set`` of the lab and of conversion, ``--init``), and dotted overrides of a config."""
 
 from __future__ import annotations
 
+import copy
 import json
 
-__all__ = ["parse_value", "parse_pairs"]
+__all__ = ["parse_value", "parse_pairs", "apply_overrides"]
 
 
 def parse_value(text: str):
@@ -28,3 +29,32 @@ def parse_pairs(items: list[str], flag: str, example: str) -> list[tuple[str, ob
             raise ValueError(f"{flag} expects KEY=VALUE (e.g. {example}), got {item!r}")
         pairs.append((key, parse_value(value)))
     return pairs
+
+
+def apply_overrides(d: dict, overrides: dict | list[str], free: tuple[str, ...] = ()) -> dict:
+    """Set dotted keys (``model.width``, ``model.norm_kwargs.alpha_init``) in a config dict (a copy).
+
+    An unknown field raises an error that names it and lists the valid ones. Inside a table whose name ends in
+    ``kwargs``, or is one of ``free``, any key is allowed (those keys are the user's).
+    """
+    d = copy.deepcopy(d)
+    items = overrides.items() if isinstance(overrides, dict) else []
+    if isinstance(overrides, list):
+        items = parse_pairs(overrides, "--set", "lr=3e-4 or model.width=256")
+    for key, value in items:
+        parts = key.split(".")
+        node, path = d, []
+        for i, part in enumerate(parts):
+            path.append(part)
+            is_last = i == len(parts) - 1
+            free_dict = path[-2:-1] and (path[-2].endswith("kwargs") or path[-2] in free)  # inside a kwargs dict any key is allowed
+            if part not in node and not free_dict:
+                where = ".".join(path[:-1]) or "the config"
+                raise ValueError(f"unknown config field {key!r}: {where} has no {part!r}; valid: {', '.join(node)}")
+            if is_last:
+                node[part] = value
+            else:
+                if not isinstance(node.get(part), dict):
+                    raise ValueError(f"config field {'.'.join(path)} is not a section; cannot set {key!r}")
+                node = node[part]
+    return d

@@ -224,9 +224,9 @@ def convert_norms(
     extra = dict(extra_classes or {})
     found, skipped = _find(model, extra, include)
     if not found:
-        from normlab.modules import _Norm
+        from normlab.modules import NormModule
 
-        ours = [n for n, m in model.named_modules() if isinstance(m, _Norm)]
+        ours = [n for n, m in model.named_modules() if isinstance(m, NormModule)]
         if ours:
             raise ValueError(f"convert_norms: {type(model).__name__} is already converted ({len(ours)} normlab norms, "
                              f"e.g. {ours[0]}); convert the original model instead")  # fmt: skip

@@ -98,7 +98,7 @@ class ConversionRecord:
         return cls(d["target"], d["per"], sites, d["skipped"], d.get("notes", []))
 
     def table(self, markdown: bool = False) -> str:
-        from normlab._table import format_table
+        from normlab.table import format_table
 
         rows = []
         for s in self.sites:

@@ -1,33 +1,34 @@
 """``normlab convert`` as one function: check every input, load, convert and calibrate, measure, heal, save.
 
-The command line only parses its flags and calls :func:`convert_model`; a script can call it the same way.
+The command line only resolves its flags and ``--set`` pairs into a :class:`~normlab.conversion.config.ConvertConfig`
+and calls :func:`convert_model`; a script can call it the same way.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import fnmatch
 import hashlib
 import json
-import math
 import shlex
 import shutil
 import sys
 from pathlib import Path
 
+from normlab.conversion.config import ConvertConfig, identity_difference
 from normlab.conversion.convert import convert_norms, fidelity, save_converted
 from normlab.conversion.frontier import frontier
-from normlab.conversion.heal import DEFAULT_OBJECTIVE, DEFAULT_TRAIN, _check_budget, _identity_difference, heal
+from normlab.conversion.heal import heal
 from normlab.conversion.hf import load_model, smollm2, text_batches, text_splits
 from normlab.conversion.saving import RECORD_FILE
 from normlab.corpus import fetch_shakespeare, sha256_file
 from normlab.owner import check_writable, hold, inside
-from normlab.registry import norm_spec
 
-__all__ = ["convert_model", "check_out", "HEAL_OBJECTIVE", "HEAL_TRAIN"]
+__all__ = ["convert_model", "check_out", "CONFIG_FILE"]
 
-HEAL_OBJECTIVE, HEAL_TRAIN = DEFAULT_OBJECTIVE, DEFAULT_TRAIN
+CONFIG_FILE = "convert_config.json"  # the resolved ConvertConfig, beside the record in every output folder
 
 
 def check_out(out: str | None, model: str, overwrite: bool) -> None:
@@ -52,90 +53,57 @@ def check_out(out: str | None, model: str, overwrite: bool) -> None:
     check_writable(o, "--out")
 
 
-def _check_heal_options(heal_minutes, heal_tokens, heal_train: str, heal_objective: str, checkpoint, resume: bool,
-                        out, inputs: list) -> str | None:  # fmt: skip
-    """The heal's flags, checked before any work; returns the checkpoint path the heal will use."""
-    budget = heal_minutes is not None or heal_tokens is not None
-    if not budget:
-        flags = (("--heal-objective", heal_objective != HEAL_OBJECTIVE), ("--heal-train", heal_train != HEAL_TRAIN),
-                 ("--resume", resume), ("--checkpoint", checkpoint is not None))  # fmt: skip
-        given = [flag for flag, on in flags if on]
-        if given:
-            raise ValueError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only to a heal: give a "
-                             "budget (--heal-minutes or --heal-tokens), or drop it")  # fmt: skip
+def _check_checkpoint(cfg: ConvertConfig, inputs: list) -> str | None:
+    """The heal checkpoint's place, checked before any work; returns the path the heal will use."""
+    h = cfg.heal
+    if not h.budgeted:
         return None
-    _check_budget(heal_minutes, heal_tokens, heal_train, heal_objective, False, None)
-    ckpt = checkpoint or (f"{Path(out)}.heal.pt" if out else None)  # Path: "DIR/" and "DIR" name one folder
+    ckpt = h.checkpoint or (f"{Path(cfg.out)}.heal.pt" if cfg.out else None)  # Path: "DIR/" and "DIR" are one folder
     if ckpt is None:
-        if resume:
+        if h.resume:
             raise ValueError("--resume needs the heal checkpoint: pass --checkpoint PATH (or --out, whose default "
                              "checkpoint is OUT.heal.pt)")  # fmt: skip
         return None
-    hit = inside(ckpt, *inputs, out)
+    hit = inside(ckpt, *inputs, cfg.out)
     if hit is not None:
         raise ValueError(f"--checkpoint {ckpt} would write over or inside an input or the output ({hit}); choose "
                          "another path")  # fmt: skip
     p = Path(ckpt)
     if p.is_dir():
         raise ValueError(f"--checkpoint {ckpt} is a folder; name a file")
-    if resume and not p.is_file():
+    if h.resume and not p.is_file():
         raise ValueError(f"--resume: there is no heal checkpoint at {ckpt}; drop --resume to start the heal")
-    if p.exists() and not resume:
+    if p.exists() and not h.resume:
         raise ValueError(f"--checkpoint {ckpt} already exists; pass --resume to continue that heal, or choose "
                          "another path (it is never overwritten)")  # fmt: skip
     check_writable(p, "--checkpoint")
     return ckpt
 
 
-def _check_numbers(seq_len: int, sequences: int, heal_minutes: float | None, heal_tokens: int | None,
-                   budget_nats: float | None, no_calibrate: bool) -> None:  # fmt: skip
-    for flag, value, least in (("--seq-len", seq_len, 2), ("--sequences", sequences, 1)):
-        if value < least:
-            raise ValueError(f"{flag} must be >= {least}, got {value}")
-    if heal_minutes is not None and heal_tokens is not None:
-        raise ValueError("give one heal budget: --heal-minutes or --heal-tokens")
-    for flag, value in (("--heal-minutes", heal_minutes), ("--heal-tokens", heal_tokens)):
-        if value is not None and not (value > 0 and math.isfinite(value)):
-            raise ValueError(f"{flag} must be a finite number > 0, got {value}")
-    if budget_nats is not None:
-        if not (budget_nats >= 0 and math.isfinite(budget_nats)):
-            raise ValueError(f"--budget-nats must be a finite number >= 0 (nats of held-out cross-entropy), got "
-                             f"{budget_nats}")  # fmt: skip
-        if no_calibrate:
-            raise ValueError("--budget-nats ranks calibrated sites; drop --no-calibrate")
+def _check_inputs(cfg: ConvertConfig) -> str:
+    """The files the config names, checked before any work; returns the model's path."""
+    if cfg.text is not None and not Path(cfg.text).is_file():
+        what = "is a folder" if Path(cfg.text).is_dir() else "does not exist"
+        raise FileNotFoundError(f"--calibrate {cfg.text} {what}; give a text file")
+    model_path = str(smollm2()) if cfg.model == "smollm2" else cfg.model
+    if not Path(model_path).exists():
+        raise FileNotFoundError(f"--model {cfg.model}: no such folder or .gguf file")
+    return model_path
 
 
-def _check_target(to: str, no_calibrate: bool, init: dict) -> None:
-    """--to, its calibration and --init, checked as flags before the model is loaded: a target with no parameter to
-    fit needs --no-calibrate; --init values must build the norm; NORMLAB_KERNEL must be valid."""
-    from normlab.conversion.convert import CALIBRATABLE
-    from normlab.kernels import auto_choice
-    from normlab.registry import create_norm
-
-    norm_spec(to)
-    auto_choice()
-    if not no_calibrate and to not in CALIBRATABLE:
-        raise ValueError(f"--to {to}: calibration fits the parameter of {', '.join(CALIBRATABLE)}; {to} has none "
-                         "to fit: pass --no-calibrate (the new norms keep their default init)")  # fmt: skip
-    try:
-        create_norm(to, 8, **init)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"--init {' '.join(f'{k}={v}' for k, v in init.items())}: {e}") from None
-
-
-def _check_resume_identity(ckpt: str | None, resume: bool, identity: dict) -> None:
+def _check_resume_identity(ckpt: str | None, cfg: ConvertConfig, identity: dict) -> None:
     """Before the expensive work: a heal checkpoint to resume from must record the same identity (the keys
     given; the model's fingerprint is checked once the model is loaded). The checkpoint is memory-mapped, so
     this reads only its small parts."""
     import torch
 
-    if not (resume and ckpt):
+    if not (cfg.heal.resume and ckpt):
         return
     try:
         saved = torch.load(ckpt, map_location="cpu", weights_only=False, mmap=True).get("identity")
     except Exception:  # noqa: BLE001  (heal's own load names a corrupt file)
         return
-    diff = _identity_difference(saved, identity, keys=identity)
+    diff = identity_difference(saved, identity, keys=identity)
     if diff:
         raise ValueError(f"--resume: checkpoint {ckpt} was made from another model, text or settings ({diff}); "
                          "resume with the same ones, or start afresh with another --checkpoint")  # fmt: skip
@@ -218,118 +186,128 @@ def fidelity_line(fid: dict, n: int) -> str:
     return line
 
 
-def convert_model(model: str, to: str = "dyisru", *, calibrate: str | None = None, no_calibrate: bool = False,
-                  per: str = "global", first_token: str = "auto", exclude: list[str] = (), init: dict | None = None,
-                  seq_len: int = 128, sequences: int = 32, heal_minutes: float | None = None,
-                  heal_tokens: int | None = None, heal_train: str = HEAL_TRAIN, heal_objective: str = HEAL_OBJECTIVE,
-                  budget_nats: float | None = None, checkpoint: str | None = None, resume: bool = False,
-                  out: str | None = None, overwrite: bool = False, progress: bool = True,
-                  markdown: bool = False) -> dict:  # fmt: skip
-    """Convert the norms of ``model`` (a Hugging Face folder, a .gguf file, or 'smollm2') to ``to``; print the
-    per-site table and the fidelity; heal within a budget if one is given; save to ``out``. Returns the fidelity.
+def convert_model(cfg: ConvertConfig, *, progress: bool = True, markdown: bool = False) -> dict:
+    """Convert the norms of ``cfg.model`` (a Hugging Face folder, a .gguf file, or 'smollm2') to ``cfg.to``; print
+    the per-site table and the fidelity; heal within a budget if one is given; save to ``cfg.out``. Returns the
+    fidelity. ``cfg``: a :class:`~normlab.conversion.config.ConvertConfig` (``resolve_convert_config`` builds one
+    from fields and ``--set`` overrides).
 
     ``budget_nats``: convert only the sites that fit, cheapest first, within that rise of the held-out
     cross-entropy (:mod:`normlab.conversion.frontier`); the others stay as they are. The heal trains on a
     stream of the text (every sequence but the held-out and validation ones) and keeps its best state on the
-    validation split; its curve is written to OUT/heal_curve.csv and OUT/heal_curve.png.
+    validation split; its curve is written to OUT/heal_curve.csv and OUT/heal_curve.png, the resolved config to
+    OUT/convert_config.json.
 
-    Every flag is checked before the model is loaded; ``out`` (and the heal checkpoint) are owned by this process
+    Every field is checked before the model is loaded; ``out`` (and the heal checkpoint) are owned by this process
     for the whole job, so a second convert to the same place is refused."""
-    _check_target(to, no_calibrate, init or {})  # bad input fails before the model is loaded
-    _check_numbers(seq_len, sequences, heal_minutes, heal_tokens, budget_nats, no_calibrate)
-    if calibrate is not None and not Path(calibrate).is_file():
-        what = "is a folder" if Path(calibrate).is_dir() else "does not exist"
-        raise FileNotFoundError(f"--calibrate {calibrate} {what}; give a text file")
-    model_path = str(smollm2()) if model == "smollm2" else model
-    if not Path(model_path).exists():
-        raise FileNotFoundError(f"--model {model}: no such folder or .gguf file")
-    check_out(out, model_path, overwrite)
-    ckpt = _check_heal_options(heal_minutes, heal_tokens, heal_train, heal_objective, checkpoint, resume, out,
-                               [model_path, calibrate])  # fmt: skip
+    if not isinstance(cfg, ConvertConfig):
+        raise TypeError(f"convert_model: expected a ConvertConfig (resolve_convert_config(...) builds one), got "
+                        f"{type(cfg).__name__}")  # fmt: skip
+    cfg.validate()  # bad input fails before the model is loaded
+    model_path = _check_inputs(cfg)
+    check_out(cfg.out, model_path, cfg.overwrite)
+    ckpt = _check_checkpoint(cfg, [model_path, cfg.text])
     with contextlib.ExitStack() as owned:
-        if out:
-            owned.enter_context(hold(out, "--out"))
-            check_out(out, model_path, overwrite)  # again, now that it is ours: another process may have finished
+        if cfg.out:
+            owned.enter_context(hold(cfg.out, "--out"))
+            check_out(cfg.out, model_path, cfg.overwrite)  # again, now that it is ours: another process may have ended
         if ckpt:
             owned.enter_context(hold(ckpt, "--checkpoint"))
-        return _convert(model, model_path, to, calibrate, no_calibrate, per, first_token, exclude, init or {},
-                        seq_len, sequences, heal_minutes, heal_tokens, heal_train, heal_objective, budget_nats, ckpt,
-                        checkpoint, resume, out, overwrite, progress, markdown)  # fmt: skip
+        return _convert(cfg, model_path, ckpt, progress, markdown)
 
 
-def _convert(model, model_path, to, calibrate, no_calibrate, per, first_token, exclude, init, seq_len, sequences,
-             heal_minutes, heal_tokens, heal_train, heal_objective, budget_nats, ckpt, checkpoint, resume, out,
-             overwrite, progress, markdown) -> dict:  # fmt: skip
-    text = calibrate or fetch_shakespeare()
-    settings = {"model": str(Path(model_path).resolve()), "text_sha256": _file_sha(text), "to": to, "per": per,
-                "first_token": first_token, "exclude": sorted(exclude), "init": init, "seq_len": seq_len,
-                "sequences": sequences, "calibrated": not no_calibrate, "heal_train": heal_train,
-                "heal_objective": heal_objective, "budget_nats": budget_nats}  # fmt: skip
-    _check_resume_identity(ckpt, resume, settings)
+def _convert(cfg: ConvertConfig, model_path: str, ckpt: str | None, progress: bool, markdown: bool) -> dict:
+    text = cfg.text or fetch_shakespeare()
+    facts = {"model": str(Path(model_path).resolve()), "text_sha256": _file_sha(text)}
+    _check_resume_identity(ckpt, cfg, cfg.identity(**facts))
     from normlab.kernels import auto_choice, cpu
 
     if auto_choice() != "reference":
         cpu.ready(wait=True)  # the one-time build of the CPU kernels (if any) now, so every pass takes one path
     net, tokenizer = load_model(model_path)
-    if exclude:
-        names = [n for n, _ in net.named_modules()]
-        idle = [pat for pat in exclude if not any(fnmatch.fnmatch(n, pat) for n in names)]
-        if idle:
-            raise ValueError(f"--exclude {idle[0]!r} matches no module of {model}; module names look like "
-                             f"{', '.join(n for n in names if n.endswith('norm'))[:200]}")  # fmt: skip
-    _check_resume_identity(ckpt, resume, {"model_fingerprint": _fingerprint(net)})
+    _check_exclude(cfg, net)
+    facts["model_fingerprint"] = _fingerprint(net)
+    _check_resume_identity(ckpt, cfg, {"model_fingerprint": facts["model_fingerprint"]})
     vocab = net.get_input_embeddings().num_embeddings
     if tokenizer is None:
-        print(f"{model} has no tokenizer: using byte values mod {vocab} as token ids")
-    healing = heal_minutes is not None or heal_tokens is not None
-    if healing:
-        splits = text_splits(text, tokenizer, vocab, seq_len, sequences, sequences)
+        print(f"{cfg.model} has no tokenizer: using byte values mod {vocab} as token ids")
+    if cfg.heal.budgeted:
+        splits = text_splits(text, tokenizer, vocab, cfg.seq_len, cfg.sequences, cfg.sequences)
         calib, held = splits.calib, splits.held
     else:
-        calib, held = text_batches(text, tokenizer, vocab, seq_len, sequences, sequences)
-    identity = {**settings, "model_fingerprint": _fingerprint(net)}
+        splits = None
+        calib, held = text_batches(text, tokenizer, vocab, cfg.seq_len, cfg.sequences, cfg.sequences)
     original = copy.deepcopy(net)
-    include = (lambda name, m: not any(fnmatch.fnmatch(name, pat) for pat in exclude)) if exclude else None
-    n_calib, n_held = sum(len(b) for b in calib), sum(len(b) for b in held)
-    if budget_nats is not None:
-        front, record = frontier(net, to, calib, held, budget_nats=budget_nats, per=per, init=init, include=include,
-                                 first_token=first_token, progress=progress)  # fmt: skip
-        print(f"--budget-nats {budget_nats:g}: {len(front.converted)} of {len(front.order)} norms fit "
-              f"(held-out cross-entropy {front.ce_original:.3f} -> {front.curve[-1]:.3f}); converted, cheapest "
-              f"first: {', '.join(front.converted) or 'none'}\n")  # fmt: skip
-    else:
-        record = convert_norms(net, to, calibrate=None if no_calibrate else calib, per=per, init=init,
-                               include=include, first_token=first_token, progress=progress)  # fmt: skip
-    print(f"converted {len(record.sites)} norms of {type(net).__name__} to {to} "
-          f"({'calibrated on ' + str(n_calib) + ' sequences' if not no_calibrate else 'default init'})\n")
+    record = _convert_sites(cfg, net, calib, held, progress)
     print(record.table(markdown=markdown))
     fid = fidelity(original, net, held, record)
+    n_held = sum(len(b) for b in held)
     print(fidelity_line(fid, n_held))
     rep = None
-    if healing and not record.sites:
+    if cfg.heal.budgeted and not record.sites:
         print("\nnothing converted: no heal")
-    elif healing:
-        try:
-            rep = heal(original, net, splits.stream, record, val=splits.val, minutes=heal_minutes, tokens=heal_tokens,
-                       objective=heal_objective, train=heal_train, checkpoint=ckpt, resume=resume,
-                       identity=identity, progress=progress)  # fmt: skip
-        except KeyboardInterrupt:
-            if ckpt is not None and Path(ckpt).is_file():
-                print(f"\nheal interrupted; its checkpoint is {ckpt}. Continue with: {_resume_command(ckpt)}",
-                      file=sys.stderr)  # fmt: skip
-            raise
-        print(f"\n{heal_summary(rep)}")
+    elif cfg.heal.budgeted:
+        rep = _heal(cfg, original, net, splits, record, ckpt, cfg.identity(**facts), progress)
         fid = fidelity(original, net, held, record)
         fid["heal"] = rep.to_dict()
         print(fidelity_line(fid, n_held))
-    if out:
-        if overwrite and Path(out).exists():
-            shutil.rmtree(out)  # a normlab conversion (check_out made sure), replaced only now that the new one is done
-        save_converted(net, record, out, tokenizer=tokenizer, identity=identity)
-        (Path(out) / "fidelity.json").write_text(json.dumps(fid, indent=2) + "\n")
-        if rep is not None:
-            write_curve(rep, Path(out))
-        print(f"saved to {out} (load with normlab.load_converted)")
-        if ckpt is not None and checkpoint is None:  # the default heal checkpoint has served its purpose
+    if cfg.out:
+        _save(cfg, net, record, tokenizer, cfg.identity(**facts), fid, rep)
+        if ckpt is not None and cfg.heal.checkpoint is None:  # the default heal checkpoint has served its purpose
             Path(ckpt).unlink(missing_ok=True)
     return fid
+
+
+def _check_exclude(cfg: ConvertConfig, net) -> None:
+    if not cfg.exclude:
+        return
+    names = [n for n, _ in net.named_modules()]
+    idle = [pat for pat in cfg.exclude if not any(fnmatch.fnmatch(n, pat) for n in names)]
+    if idle:
+        raise ValueError(f"--exclude {idle[0]!r} matches no module of {cfg.model}; module names look like "
+                         f"{', '.join(n for n in names if n.endswith('norm'))[:200]}")  # fmt: skip
+
+
+def _convert_sites(cfg: ConvertConfig, net, calib: list, held: list, progress: bool):
+    """The conversion itself (every site, or the frontier's within ``budget_nats``); prints what it did."""
+    c = cfg.calibrate
+    include = (lambda name, m: not any(fnmatch.fnmatch(name, pat) for pat in cfg.exclude)) if cfg.exclude else None
+    options = {"per": cfg.per, "init": cfg.init, "site_init": cfg.site_init, "include": include,
+               "first_token": c.first_token, "max_tokens": c.max_tokens, "massive": c.massive, "target": c.target,
+               "fit_amplitude": c.fit_amplitude, "sequential": c.sequential, "progress": progress}  # fmt: skip
+    if cfg.budget_nats is not None:
+        front, record = frontier(net, cfg.to, calib, held, budget_nats=cfg.budget_nats, **options)
+        print(f"--budget-nats {cfg.budget_nats:g}: {len(front.converted)} of {len(front.order)} norms fit "
+              f"(held-out cross-entropy {front.ce_original:.3f} -> {front.curve[-1]:.3f}); converted, cheapest "
+              f"first: {', '.join(front.converted) or 'none'}\n")  # fmt: skip
+    else:
+        record = convert_norms(net, cfg.to, calibrate=calib if c.enabled else None, **options)
+    n_calib = sum(len(b) for b in calib)
+    how = f"calibrated on {n_calib} sequences" if c.enabled else "default init"
+    print(f"converted {len(record.sites)} norms of {type(net).__name__} to {cfg.to} ({how})\n")
+    return record
+
+
+def _heal(cfg: ConvertConfig, original, net, splits, record, ckpt: str | None, identity: dict, progress: bool):
+    heal_cfg = dataclasses.replace(cfg.heal, checkpoint=ckpt)
+    try:
+        rep = heal(original, net, splits, record, heal_cfg, identity=identity, progress=progress)
+    except KeyboardInterrupt:
+        if ckpt is not None and Path(ckpt).is_file():
+            print(f"\nheal interrupted; its checkpoint is {ckpt}. Continue with: {_resume_command(ckpt)}",
+                  file=sys.stderr)  # fmt: skip
+        raise
+    print(f"\n{heal_summary(rep)}")
+    return rep
+
+
+def _save(cfg: ConvertConfig, net, record, tokenizer, identity: dict, fid: dict, rep) -> None:
+    out = Path(cfg.out)
+    if cfg.overwrite and out.exists():
+        shutil.rmtree(out)  # a normlab conversion (check_out made sure), replaced only now that the new one is done
+    save_converted(net, record, out, tokenizer=tokenizer, identity=identity)
+    (out / CONFIG_FILE).write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+    (out / "fidelity.json").write_text(json.dumps(fid, indent=2) + "\n")
+    if rep is not None:
+        write_curve(rep, out)
+    print(f"saved to {cfg.out} (load with normlab.load_converted; its config is {CONFIG_FILE})")

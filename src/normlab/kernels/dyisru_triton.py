@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from normlab.kernels._common import as_rows, grid_2d, launch_config, partial_rows
+from normlab.kernels.common import as_rows, grid_2d, launch_config, partial_rows
 
 
 @triton.jit

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from normlab.kernels._common import as_rows
+from normlab.kernels.common import as_rows
 
 MAX_BLOCK = 8192
 

@@ -11,7 +11,7 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from normlab.lab.model import GPTConfig, check_types
-from normlab.pairs import parse_pairs
+from normlab.pairs import apply_overrides
 
 __all__ = ["TrainConfig", "PRESETS", "OPTIMIZERS", "resolve_config", "apply_overrides"]
 
@@ -143,34 +143,6 @@ PRESETS: dict[str, dict] = {
         "amp": "bf16",
     },
 }  # fmt: skip
-
-
-def apply_overrides(d: dict, overrides: dict | list[str]) -> dict:
-    """Set dotted keys (``model.width``, ``model.norm_kwargs.alpha_init``) in a config dict.
-
-    An unknown field raises an error that names it and lists the valid ones.
-    """
-    d = copy.deepcopy(d)
-    items = overrides.items() if isinstance(overrides, dict) else []
-    if isinstance(overrides, list):
-        items = parse_pairs(overrides, "--set", "lr=3e-4 or model.width=256")
-    for key, value in items:
-        parts = key.split(".")
-        node, path = d, []
-        for i, part in enumerate(parts):
-            path.append(part)
-            is_last = i == len(parts) - 1
-            free_dict = path[-2:-1] and path[-2].endswith("kwargs")  # inside a kwargs dict any key is allowed
-            if part not in node and not free_dict:
-                where = ".".join(path[:-1]) or "the config"
-                raise ValueError(f"unknown config field {key!r}: {where} has no {part!r}; valid: {', '.join(node)}")
-            if is_last:
-                node[part] = value
-            else:
-                if not isinstance(node.get(part), dict):
-                    raise ValueError(f"config field {'.'.join(path)} is not a section; cannot set {key!r}")
-                node = node[part]
-    return d
 
 
 def resolve_config(preset: str = "cpu", overrides: dict | list[str] | None = None, **fields) -> TrainConfig:

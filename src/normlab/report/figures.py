@@ -10,7 +10,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from normlab._table import format_table  # noqa: E402
+from normlab.table import format_table  # noqa: E402
 from normlab.report.results import PAPER_ATTRACTOR, PAPER_RMS, Results, fmt, frac  # noqa: E402
 
 __all__ = ["FIGURES", "table", "register_figure"]

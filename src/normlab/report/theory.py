@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from normlab._table import format_table
+from normlab.table import format_table
 from normlab.report.checks import verdict
 
 __all__ = ["theory_section"]

@@ -1,10 +1,8 @@
-"""Run folders and commands you can trust (issue 12): one test per defect, each failing on the old code.
-
-Real processes and real signals: two `normlab train` processes on one folder, SIGINT, SIGTERM, SIGKILL.
-"""
+"""A run folder's life: its lock, a fresh start against a used folder, resume after a kill or a signal, a full disk."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shlex
@@ -17,9 +15,134 @@ from pathlib import Path
 import pytest
 import torch
 
+from normlab.cli import main
 from normlab.lab import resolve_config, train
 from normlab.lab.runs import RunFolder, RunLocked
-from normlab.lab.train import check_cpu_bf16
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _train(out, data, *sets, flags=()) -> list[str]:
+    args = ["train", "--preset", "tiny", "--data", str(data), "--out", str(out), "--no-progress", *flags]
+    return [*args, "--set", *sets] if sets else args  # one group: the code before kept only the last --set
+
+
+@pytest.mark.parametrize("setting", ["model.norm_kwargs.alpha_init=abc", "lr=nan", "model.vocab_size=10",
+                                     "min_lr=nan", "weight_decay=inf", "grad_clip=nan", "lr=inf"])  # fmt: skip
+def test_defect_10_a_bad_value_with_overwrite_keeps_the_old_run(corpus, tmp_path, capsys, setting):
+    out = tmp_path / "finished"
+    assert main(_train(out, corpus, "steps=10", "model.norm=dyt")) == 0
+    before = {f: _sha(out / f) for f in ("summary.json", "config.json", "checkpoint.pt")}
+    capsys.readouterr()
+    rc = main(_train(out, corpus, "steps=10", "model.norm=dyt", setting, flags=["--overwrite"]))
+    assert rc == 2, capsys.readouterr()
+    assert {f: _sha(out / f) for f in before} == before
+
+
+def test_defect_10_tensorboard_without_the_package(corpus, tmp_path, capsys):
+    pytest.importorskip("torch")
+    try:
+        import tensorboard  # noqa: F401
+
+        pytest.skip("tensorboard is installed here")
+    except ImportError:
+        pass
+    out = tmp_path / "finished"
+    assert main(_train(out, corpus, "steps=10")) == 0
+    before = _sha(out / "summary.json")
+    assert main(_train(out, corpus, "steps=10", "tensorboard=true", flags=["--overwrite"])) == 2
+    assert "pip install tensorboard" in capsys.readouterr().err and _sha(out / "summary.json") == before
+
+
+@pytest.mark.slow
+def test_defect_11_resume_with_fewer_steps_is_refused_with_the_numbers(corpus, tmp_path, capsys):
+    out = tmp_path / "long"
+    cmd = [sys.executable, "-m", "normlab.cli", *_train(out, corpus, "steps=200000", "checkpoint_every=10")]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline and not (out / "checkpoint.pt").exists():
+        time.sleep(0.05)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=120)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "interrupted"
+    at = summary["interrupted_at"]
+    rc = main(_train(out, corpus, "steps=5", "checkpoint_every=10", flags=["--resume"]))
+    err = capsys.readouterr().err
+    assert rc == 2 and f"at step {at}, beyond steps = 5" in err, err
+    assert json.loads((out / "summary.json").read_text())["status"] == "interrupted"  # still resumable
+
+
+def test_defect_12_resume_at_the_final_checkpoint_keeps_the_result(corpus, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(_train(out, corpus, "steps=20", "eval_every=10")) == 0
+    first = json.loads((out / "summary.json").read_text())
+    assert first["final_val_loss"] is not None
+    (out / "summary.json").unlink()
+    assert main(_train(out, corpus, "steps=20", "eval_every=10", flags=["--resume"])) == 0
+    again = json.loads((out / "summary.json").read_text())
+    assert again["status"] == "completed"
+    assert again["final_val_loss"] == first["final_val_loss"] and again["escape_step"] == first["escape_step"]
+
+
+def test_defect_13_a_folder_that_is_not_a_run_is_never_touched(models, corpus, capsys):
+    folder = models["m"]
+    before = _sha(folder / "config.json")
+    for flags in ([], ["--overwrite"], ["--resume"]):
+        rc = main(_train(folder, corpus, "steps=5", flags=flags))
+        err = capsys.readouterr().err
+        assert rc == 2 and "is not a normlab run folder" in err, err
+    assert _sha(folder / "config.json") == before and not (folder / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("setting,message", [
+    ("data=[1,2]", "data must be list[str]"),
+    ("model=5", "model must be a table of model settings"),
+    ("out=", "out must name a folder"),
+])  # fmt: skip
+def test_train_settings_of_the_wrong_shape(setting, message, corpus, tmp_path, capsys):
+    args = ["train", "--preset", "tiny", "--data", str(corpus), "--no-progress", "--set", setting]
+    if not setting.startswith("out="):
+        args += ["--out", str(tmp_path / "run")]
+    assert main(args) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_checkpoint_missing_a_key_and_a_killed_run_are_named(corpus, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(_train(out, corpus, "steps=10")) == 0
+    state = torch.load(out / "checkpoint.pt", weights_only=False)
+    del state["optimizer"]
+    torch.save(state, out / "checkpoint.pt")
+    summary = json.loads((out / "summary.json").read_text())
+    (out / "summary.json").write_text(json.dumps({**summary, "status": "running"}))  # as a killed run leaves it
+    capsys.readouterr()
+    assert main(_train(out, corpus, "steps=20", flags=["--resume"])) == 2
+    assert "lacks optimizer" in capsys.readouterr().err
+    assert main(_train(out, corpus, "steps=20")) == 2
+    assert "killed while running" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_full_disk_mid_run_is_a_clear_error_and_the_run_stays_resumable(corpus, tmp_path):
+    """A real failed write: the process may write no file beyond 200 KB (RLIMIT_FSIZE, SIGXFSZ ignored, so
+    write() fails with EFBIG as on a full disk); the tiny model's checkpoint is about 430 KB."""
+    out = tmp_path / "run"
+    code = ("import resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000)); "
+            "from normlab.cli import main; sys.exit(main(sys.argv[1:]))")  # fmt: skip
+    args = _train(out, corpus, "steps=20", "checkpoint_every=10")
+    proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert "could not write the checkpoint" in proc.stderr and "resume with" in proc.stderr, proc.stderr
+    assert not list(out.glob("*.tmp"))  # no half file left behind
+    assert json.loads((out / "summary.json").read_text())["status"] == "failed"  # not "running"
+    assert main([*args, "--resume"]) == 0  # with room again, it resumes (from step 0: no checkpoint was written)
+    assert json.loads((out / "summary.json").read_text())["status"] == "completed"
+
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
@@ -50,7 +173,6 @@ def _start(cmd, out, *, min_step=3) -> subprocess.Popen:
     raise AssertionError(f"the run did not reach step {min_step}: {proc.communicate()[1][-2000:]}")
 
 
-# ------------------------------------------------------------------ defect 1: two runs, one folder
 @pytest.mark.slow
 def test_a_second_run_on_a_live_folder_is_refused_naming_the_first(corpus_file, tmp_path):
     out = tmp_path / "run"
@@ -77,7 +199,6 @@ def test_the_lock_dies_with_its_holder(tmp_path):
         pass
 
 
-# ------------------------------------------------------------------ defect 2: starting over in a used folder
 def test_a_fresh_start_in_a_used_folder_is_refused_unless_overwrite(corpus_file, tmp_path):
     out = tmp_path / "run"
     train(_cfg(corpus_file, out, steps=6, checkpoint_every=3, log_every=1), progress=False)
@@ -114,7 +235,6 @@ def test_sigkill_before_the_first_checkpoint_then_resume_logs_each_step_once(cor
     assert [r["step"] for r in RunFolder(out).metrics()].count(0) == 1  # the init's row once, not twice
 
 
-# ------------------------------------------------------------------ defect 9: SIGINT and SIGTERM
 @pytest.mark.slow
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_a_signal_ends_with_a_checkpoint_and_the_command_to_resume(corpus_file, tmp_path, sig, code):
@@ -138,7 +258,6 @@ def test_a_signal_ends_with_a_checkpoint_and_the_command_to_resume(corpus_file, 
     assert json.loads((out / "summary.json").read_text())["status"] == "completed"
 
 
-# ------------------------------------------------------------------ defect 10: late failures
 @pytest.mark.parametrize("setting, match", [
     ("jacobian_site=nope", "jacobian_site 'nope' is not a norm site"),
     ("seed=abc", "seed must be int, got 'abc'"),
@@ -160,115 +279,3 @@ def test_a_bad_config_fails_before_any_work_and_leaves_no_folder(corpus_file, tm
 def test_amp_none_is_the_documented_word_not_python_none(corpus_file, tmp_path):
     assert resolve_config("tiny", ["amp=none"]).amp == "none"
     assert resolve_config("tiny", ["model.norm_attn=null"]).model.norm_attn is None
-
-
-# ------------------------------------------------------------------ defect 5: jacobian's default --init
-def test_jacobian_default_init_applies_only_to_norms_that_take_it(capsys):
-    from normlab.cli import main
-
-    assert main(["jacobian", "--norm", "rms_norm", "--width", "8"]) == 0
-    assert "gain+rank-1" in capsys.readouterr().out
-    assert main(["jacobian", "--norm", "rms_norm", "--width", "8", "--init", "alpha_init=2"]) == 2  # a user's: strict
-    assert main(["jacobian", "--norm", "rms_norm", "--width", "100000"]) == 2
-    assert "GiB" in capsys.readouterr().err
-
-
-# ------------------------------------------------------------------ defect 6: rms_ema in every dtype, NaN batches
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
-def test_rms_ema_trains_in_every_dtype_and_a_nan_batch_does_not_poison_it(dtype):
-    from normlab.registry import create_norm
-
-    m = create_norm("rms_ema", 8).to(dtype).train()
-    x = torch.randn(4, 8, dtype=dtype)
-    m(x)
-    before = m.running_ms.clone()
-    bad = x.clone()
-    bad[0, 0] = float("nan")
-    m(bad)
-    assert torch.equal(m.running_ms, before)
-    assert torch.isfinite(m.eval()(x)).all()
-
-
-# ------------------------------------------------------------------ the GPU preset's code paths, on the CPU
-@pytest.mark.slow
-def test_bf16_autocast_and_compile_train_on_the_cpu(corpus_file, tmp_path):
-    env = {**ENV, "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}  # see check_cpu_bf16
-    out = tmp_path / "run"
-    proc = subprocess.run(_cmd(corpus_file, out, "amp=bf16", "compile=true", steps=6), capture_output=True,
-                          text=True, env=env, timeout=600)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["status"] == "completed" and summary["final_val_loss"] < 5.6
-
-
-def test_a_bf16_probe_that_dies_with_sigill_becomes_a_clear_error():
-    die = "import os, signal; os.kill(os.getpid(), signal.SIGILL)"  # a real child killed by SIGILL
-    with pytest.raises(RuntimeError, match="SIGILL .*ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16"):
-        check_cpu_bf16(die)
-    try:
-        check_cpu_bf16()  # this machine, with its environment: passes, or names the fix
-    except RuntimeError as e:
-        assert "ONEDNN_MAX_CPU_ISA" in str(e)
-
-
-# ------------------------------------------------------------------ poor messages, now clear errors at the boundary
-@pytest.mark.parametrize("name, dim, kwargs, match", [
-    ("dyt", 8, {"alpha_init": 1e40}, "alpha_init at most 3.4e\\+38 in magnitude"),
-    ("dyt", 8, {"alpha_init": True}, "alpha_init to be a finite number"),
-    ("dyisru", 8, {"beta_init": True}, "beta_init to be a finite number > 0"),
-    ("group_rms", 8, {"group_size": True}, "group_size to be an int >= 1"),
-    ("scaled_dyt", "8", {}, "ScaledDyT: expected dim .* got '8'"),
-    ("dyt", 8, {"per_channel_alpha": "yes"}, "per_channel_alpha to be True or False"),
-    ("layer_norm", 8, {"bias": "no"}, "bias to be True or False"),
-])  # fmt: skip
-def test_bad_norm_arguments_are_clear_value_errors(name, dim, kwargs, match):
-    from normlab.registry import create_norm
-
-    with pytest.raises(ValueError, match=match):
-        create_norm(name, dim, **kwargs)
-
-
-@pytest.mark.parametrize("argv, match", [
-    (["simulate", "--seeds", "0"], "--seeds: expected an int >= 1, got 0"),
-    (["sweep", "--jobs", "0"], "--jobs: expected an int >= 1, got 0"),
-    (["gain", "--points", "0"], "--points: expected an int >= 1"),
-])  # fmt: skip
-def test_counts_below_one_are_refused_by_the_parser(argv, match, capsys):
-    from normlab.cli import main
-
-    with pytest.raises(SystemExit) as e:
-        main(argv)
-    assert e.value.code == 2 and match in capsys.readouterr().err
-
-
-@pytest.mark.parametrize("suffix, content", [(".json", '{"a": 1}'), (".txt", b"\x00\xff\xfe binary"),
-                                             (".npy", b"not numpy")])  # fmt: skip
-def test_simulate_on_a_file_that_is_not_numbers_is_a_clear_error(tmp_path, capsys, suffix, content):
-    from normlab.cli import main
-
-    p = tmp_path / f"x{suffix}"
-    p.write_bytes(content if isinstance(content, bytes) else content.encode())
-    assert main(["simulate", "--x", str(p), "--out", str(tmp_path / "o")]) == 2
-    assert "is not a list of numbers" in capsys.readouterr().err
-
-
-@pytest.mark.parametrize("x, alpha", [([[1.0, 2.0]], "0.5"), ([[1 + 2j, 2.0]], 0.5), ([[1.0, 2.0]], True)])
-def test_reference_dynamic_tanh_refuses_a_string_alpha_and_complex_x(x, alpha):
-    from normlab.reference import dynamic_tanh
-
-    with pytest.raises(ValueError, match="dynamic_tanh: expected"):
-        dynamic_tanh(x, alpha, [1.0, 1.0], [0.0, 0.0])
-
-
-def test_an_extra_class_without_a_channel_count_is_an_error_not_a_wrong_skip():
-    from torch import nn
-
-    from normlab.conversion.convert import convert_norms
-
-    class MyNorm(nn.Module):
-        def forward(self, x):
-            return x / x.pow(2).mean(-1, keepdim=True).add(1e-6).sqrt()
-
-    model = nn.Sequential(nn.Linear(4, 4), MyNorm())
-    with pytest.raises(ValueError, match=r"extra_classes\[MyNorm\]: cannot convert 1: its channel count is unknown"):
-        convert_norms(model, to="dyt", extra_classes={MyNorm: "rms_norm"})

@@ -11,6 +11,7 @@ from torch import nn
 
 import normlab
 from normlab.cli import main
+from normlab.lab import resolve_config, train
 
 transformers = pytest.importorskip("transformers")
 
@@ -120,7 +121,7 @@ def test_dyisru_calibration_is_exact_on_the_papers_outlier_model():
 
 def _trained_lab_model(tmp_path, outlier_scale: float):
     """A small GPT trained in the lab, then given two massive-activation channels (as large LLMs develop)."""
-    from normlab.lab import GPT, resolve_config, train
+    from normlab.lab import GPT
     from normlab.lab.data import get_batch, load_corpus
 
     text = tmp_path / "text.txt"
@@ -256,3 +257,17 @@ def test_a_calibrated_fit_reports_the_variance_it_explains():
     assert good.explained > 0.999
     noise = fit_replacement(normlab.create_norm("dyisru", 16, kernel="reference"), x, torch.randn(512, 16).double())
     assert noise.explained < 0.05
+
+
+def test_an_extra_class_without_a_channel_count_is_an_error_not_a_wrong_skip():
+    from torch import nn
+
+    from normlab.conversion.convert import convert_norms
+
+    class MyNorm(nn.Module):
+        def forward(self, x):
+            return x / x.pow(2).mean(-1, keepdim=True).add(1e-6).sqrt()
+
+    model = nn.Sequential(nn.Linear(4, 4), MyNorm())
+    with pytest.raises(ValueError, match=r"extra_classes\[MyNorm\]: cannot convert 1: its channel count is unknown"):
+        convert_norms(model, to="dyt", extra_classes={MyNorm: "rms_norm"})

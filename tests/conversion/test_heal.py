@@ -1,6 +1,6 @@
 """Sequential calibration's machinery, the first token's own replacement, healing, and their bad input.
 
-The mechanics run on tiny random Hugging Face models (no downloads); tests/test_real_model.py checks the
+The mechanics run on tiny random Hugging Face models (no downloads); tests/conversion/test_real_model.py checks the
 same code on a real pretrained model.
 """
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 import math
 import warnings
 
+import kernel_checks as KC
 import pytest
 import torch
 
-import kernel_checks as KC
 import normlab
 import normlab.functional as FN
 from normlab.kernels import cpu

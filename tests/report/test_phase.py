@@ -18,7 +18,7 @@ from normlab.lab.runs import RunFolder
 from normlab.report import Results, claims
 from normlab.sweep import expand, load_experiment
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parents[1] / "data"
 
 
 # ------------------------------------------------------------------ the knobs, validated at the boundary

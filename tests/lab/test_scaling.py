@@ -299,7 +299,7 @@ def test_gpu_study_script_runs_on_the_cpu_at_tiny_shapes(corpus_file, tmp_path):
     import subprocess
     import sys
 
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     env = {**os.environ, "OUT": str(tmp_path / "out"), "DATA": corpus_file, "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16",
            "NORMLAB": str(Path(sys.executable).parent / "normlab"), "PYTHON": sys.executable,
            "SET": "model.width=32 model.depth=1 model.heads=2 model.context=32 steps=4 batch_size=2 eval_batches=1 "

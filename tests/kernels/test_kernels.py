@@ -6,10 +6,10 @@ GPU the same tests run natively. The comparison and its tolerance table are in k
 
 from __future__ import annotations
 
+import kernel_checks as KC
 import pytest
 import torch
 
-import kernel_checks as KC
 import normlab
 import normlab.functional as FN
 from normlab.kernels import triton_status

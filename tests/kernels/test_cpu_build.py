@@ -1,0 +1,56 @@
+"""Building the C++ CPU kernels: the cache folder, the compiler, and a library built earlier."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+def _build_in_child(env: dict) -> str:
+    """Build and load the CPU kernels in a fresh process with ``env``; what it printed (the warning included)."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import warnings; warnings.simplefilter('always')\n"
+            "from normlab.kernels import cpu_build\n"
+            "ok = cpu_build.load(wait=True)\nprint('LOADED' if ok else 'FAILED', cpu_build.failure())")  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    return proc.stdout + proc.stderr
+
+
+def test_a_cache_that_cannot_be_written_says_so_not_install_a_compiler():
+    out = _build_in_child({"NORMLAB_CACHE": "/proc/normlab-cache"})  # /proc: no folder can be made there
+    assert "FAILED" in out and "/proc/normlab-cache" in out and "set NORMLAB_CACHE to a folder you can write" in out
+    assert "install a C++ compiler" not in out
+
+
+def test_a_cache_naming_a_file_says_so(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    out = _build_in_child({"NORMLAB_CACHE": str(f)})
+    assert "FAILED" in out and "is a file, not a folder" in out and "install a C++ compiler" not in out
+
+
+def test_an_empty_cache_variable_is_unset(monkeypatch):
+    from normlab.corpus import cache_dir
+
+    monkeypatch.setenv("NORMLAB_CACHE", "")
+    assert cache_dir() == Path.home() / ".cache" / "normlab"
+
+
+@pytest.mark.parametrize("cxx", ["/bin/false", "/bin/echo"])
+def test_a_cxx_that_is_not_a_compiler_is_named(tmp_path, cxx):
+    out = _build_in_child({"CXX": cxx, "NORMLAB_CACHE": str(tmp_path / "cache")})
+    assert "FAILED" in out and f"CXX={cxx}" in out and "Traceback" not in out
+
+
+def test_a_library_built_here_loads_after_the_compiler_is_gone(tmp_path):
+    """The cache key needs `$CXX --version`; with the compiler gone, a library this machine built for this source,
+    torch and CPU is still found and loaded (it was ignored, and every norm fell back to the reference)."""
+    cache = tmp_path / "cache"
+    assert "LOADED" in _build_in_child({"NORMLAB_CACHE": str(cache)})  # built once, with the compiler
+    out = _build_in_child({"NORMLAB_CACHE": str(cache), "CXX": str(tmp_path / "gone-c++")})
+    assert "LOADED" in out, out
