@@ -19,6 +19,7 @@ $(STAMP): pyproject.toml
 
 lint: setup
 	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 
 test: lint
 	$(PY) -m pytest -q

@@ -12,8 +12,9 @@ ROOT = Path(__file__).resolve().parents[1]
 def commit() -> str:
     """The short hash of HEAD, or 'unknown' outside a git checkout."""
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()  # fmt: skip
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 

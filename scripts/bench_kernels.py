@@ -31,8 +31,8 @@ import platform
 import torch
 
 import normlab.functional as FN
-from normlab.table import append_csv
 from normlab.lab.runs import code_version
+from normlab.table import append_csv
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -63,9 +63,14 @@ def _ops(n: int, dev, dtype):
     return [
         ("dyt", lambda: (p(1, fill=0.5), p(n), p(n)), FN.dyt, k_dyt if fused_ok else None, liger.get("dyt")),
         ("dyisru", lambda: (p(1, fill=4.0), p(n), p(n)), FN.dyisru, k_dyisru if fused_ok else None, None),
-        ("rms_norm", lambda: (p(n),), lambda x, w: FN.rms_norm(x, w, 1e-6),
-         (lambda x, w: k_rms(x, w, 1e-6)) if fused_ok else None, liger.get("rms_norm")),
-    ]  # fmt: skip
+        (
+            "rms_norm",
+            lambda: (p(n),),
+            lambda x, w: FN.rms_norm(x, w, 1e-6),
+            (lambda x, w: k_rms(x, w, 1e-6)) if fused_ok else None,
+            liger.get("rms_norm"),
+        ),
+    ]
 
 
 def _time(fn, dev, reps: int) -> float:
@@ -144,15 +149,30 @@ def run(args) -> list[dict]:
                         ms = _time(call, dev, args.reps)
                         peak = torch.cuda.max_memory_allocated(dev) / 2**20 if dev.type == "cuda" else float("nan")
                         gbs = nbytes / ms / 1e6
-                        rows.append({"date": datetime.date.today().isoformat(), "commit": commit, "device": name,
-                                     "op": op, "mode": mode, "provider": prov, "dtype": dtype_name, "rows": m,
-                                     "channels": n, "ms": round(ms, 4), "GB/s": round(gbs, 1),
-                                     "copy_GB/s": round(peak_bw, 1), "frac_of_copy": round(gbs / peak_bw, 3),
-                                     "peak_MiB": round(peak, 1)})  # fmt: skip
+                        rows.append(
+                            {
+                                "date": datetime.date.today().isoformat(),
+                                "commit": commit,
+                                "device": name,
+                                "op": op,
+                                "mode": mode,
+                                "provider": prov,
+                                "dtype": dtype_name,
+                                "rows": m,
+                                "channels": n,
+                                "ms": round(ms, 4),
+                                "GB/s": round(gbs, 1),
+                                "copy_GB/s": round(peak_bw, 1),
+                                "frac_of_copy": round(gbs / peak_bw, 3),
+                                "peak_MiB": round(peak, 1),
+                            }
+                        )
                         r = rows[-1]
                         frac = 100 * r["frac_of_copy"]
-                        print(f"{op:9s} {mode:8s} {prov:13s} {dtype_name} {m}x{n}: {r['ms']:8.3f} ms "
-                              f"{r['GB/s']:7.1f} GB/s  {frac:5.1f}% of copy  peak {r['peak_MiB']} MiB")
+                        print(
+                            f"{op:9s} {mode:8s} {prov:13s} {dtype_name} {m}x{n}: {r['ms']:8.3f} ms "
+                            f"{r['GB/s']:7.1f} GB/s  {frac:5.1f}% of copy  peak {r['peak_MiB']} MiB"
+                        )
     return rows
 
 
@@ -179,11 +199,13 @@ def first_call_seconds(name: str, n: int, dtype_name: str, cache: str | None = N
     import sys
 
     dtype = str(DTYPES[dtype_name])  # "torch.float32"
-    code = (f"import time, torch, normlab\nfrom normlab.kernels import cpu\n"
-            f"m = normlab.create_norm({name!r}, {n}).to({dtype})\n"
-            f"x = torch.randn(64, {n}, dtype={dtype}, requires_grad=True)\n"
-            "t0 = time.perf_counter(); m(x).sum().backward()\n"
-            "print(time.perf_counter() - t0, cpu.ready())")  # fmt: skip
+    code = (
+        f"import time, torch, normlab\nfrom normlab.kernels import cpu\n"
+        f"m = normlab.create_norm({name!r}, {n}).to({dtype})\n"
+        f"x = torch.randn(64, {n}, dtype={dtype}, requires_grad=True)\n"
+        "t0 = time.perf_counter(); m(x).sum().backward()\n"
+        "print(time.perf_counter() - t0, cpu.ready())"
+    )
     env = {**os.environ, **({"NORMLAB_CACHE": cache} if cache else {})}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     seconds, fused = out.stdout.strip().splitlines()[-1].split()
@@ -200,8 +222,12 @@ def build_seconds() -> float:
 
     with tempfile.TemporaryDirectory() as cache:
         t0 = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "normlab.cli", "build-kernels"], capture_output=True, check=True,
-                       env={**os.environ, "NORMLAB_CACHE": cache})  # fmt: skip
+        subprocess.run(
+            [sys.executable, "-m", "normlab.cli", "build-kernels"],
+            capture_output=True,
+            check=True,
+            env={**os.environ, "NORMLAB_CACHE": cache},
+        )
         return time.perf_counter() - t0
 
 
@@ -264,8 +290,10 @@ def run_cpu(args) -> list[dict]:
                         times[k].append((time.perf_counter() - t0) * 1e3)
             ms = {k: statistics.median(v) for k, v in times.items()}
             floor = {"full": 2.5 * ms["copy"], "forward": ms["copy"]}  # passes over x: 5 and 2; a copy is 2
-            print(f"\n{dtype_name} {m} x {n}: one copy of x {ms['copy']:.3f} ms; floor fwd {floor['forward']:.3f}, "
-                  f"fwd+bwd {floor['full']:.3f} ms")  # fmt: skip
+            print(
+                f"\n{dtype_name} {m} x {n}: one copy of x {ms['copy']:.3f} ms; floor fwd {floor['forward']:.3f}, "
+                f"fwd+bwd {floor['full']:.3f} ms"
+            )
             for key, v in ms.items():
                 if key == "copy":
                     continue
@@ -284,12 +312,17 @@ def run_cpu(args) -> list[dict]:
                     with tempfile.TemporaryDirectory() as empty:
                         cold, cold_fused = first_call_seconds(name, n, dtype_name, empty)
                     row["first_call_s"], row["first_call_empty_cache_s"] = round(seconds, 3), round(cold, 3)
-                    extra = (f"  first call {seconds:.3f} s ({'fused' if fused else 'reference'}); with an empty "
-                             f"cache {cold:.3f} s ({'fused' if cold_fused else 'reference'})")  # fmt: skip
+                    extra = (
+                        f"  first call {seconds:.3f} s ({'fused' if fused else 'reference'}); with an empty "
+                        f"cache {cold:.3f} s ({'fused' if cold_fused else 'reference'})"
+                    )
                 rows.append(row)
-                print(f"{name:10s} {prov:13s} {mode:8s} {v:8.3f} ms  {row['x_floor']:6.2f}x floor  "
-                      f"{row['x_compile']:5.2f}x compile" + (f"  {row['x_native']:5.2f}x native" if native else "")
-                      + extra)  # fmt: skip
+                print(
+                    f"{name:10s} {prov:13s} {mode:8s} {v:8.3f} ms  {row['x_floor']:6.2f}x floor  "
+                    f"{row['x_compile']:5.2f}x compile"
+                    + (f"  {row['x_native']:5.2f}x native" if native else "")
+                    + extra
+                )
     return rows
 
 

@@ -29,12 +29,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from normlab.table import append_csv
 from normlab.lab import GPT, resolve_config, train
 from normlab.lab.data import get_batch, load_corpus
 from normlab.lab.metrics import Probe, norm_parameters, projection_ranks
+from normlab.lab.optim import build_optimizer, lr_at
 from normlab.lab.runs import code_version
-from normlab.lab.train import build_optimizer, lr_at
+from normlab.table import append_csv
 
 
 def bare_loop(cfg, steps: int) -> float:
@@ -167,8 +167,11 @@ def versus_nanogpt(preset: str, steps: int, rounds: int = 5) -> dict:
                 float(loss.detach())
                 times[name].append(time.perf_counter() - t0)
     med = {k: statistics.median(v[1:]) for k, v in times.items()}
-    return {"lab_step_ms": round(1e3 * med["lab"], 2), "nanogpt_step_ms": round(1e3 * med["nanogpt_style"], 2),
-            "lab_over_nanogpt": round(med["lab"] / med["nanogpt_style"], 3)}  # fmt: skip
+    return {
+        "lab_step_ms": round(1e3 * med["lab"], 2),
+        "nanogpt_step_ms": round(1e3 * med["nanogpt_style"], 2),
+        "lab_over_nanogpt": round(med["lab"] / med["nanogpt_style"], 3),
+    }
 
 
 def main() -> None:

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 
-from normlab.table import append_csv
 from normlab.corpus import fetch_shakespeare
 from normlab.lab.runs import code_version
+from normlab.table import append_csv
 
 CODE = """
 import sys
@@ -67,8 +67,11 @@ def main() -> None:
     ap.add_argument("--csv", default="bench/reproduce.csv")
     args = ap.parse_args()
     sides = ["reference", "fused"] if args.order == "reference-first" else ["fused", "reference"]
-    print(f"normlab reproduce, one fresh cache per side, {args.seeds} seed(s) per run, {args.jobs} jobs, "
-          f"torch {torch.__version__}, {os.cpu_count()} cores", flush=True)  # fmt: skip
+    print(
+        f"normlab reproduce, one fresh cache per side, {args.seeds} seed(s) per run, {args.jobs} jobs, "
+        f"torch {torch.__version__}, {os.cpu_count()} cores",
+        flush=True,
+    )
     seconds = {side: timed(side, args.seeds, args.jobs, args.experiment) for side in sides}
     ratio = seconds["fused"] / seconds["reference"]
     print(f"fused / reference = {ratio:.3f}")

@@ -20,9 +20,9 @@ import tempfile
 import torch
 
 import normlab
-from normlab.table import format_table
 from normlab.lab import GPT, resolve_config, train
 from normlab.lab.data import get_batch, load_corpus
+from normlab.table import format_table
 
 
 def kurtosis(model, batch) -> float:
@@ -45,9 +45,20 @@ def main() -> None:
     ap.add_argument("--outlier-scale", type=float, nargs="+", default=[1.0, 20.0])
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = resolve_config("cpu", {"model.width": 64, "model.depth": 4, "model.context": 64, "batch_size": 16,
-                                     "steps": args.steps, "eval_every": args.steps, "metrics_every": args.steps,
-                                     "checkpoint_every": args.steps}, out=f"{tmp}/run")  # fmt: skip
+        cfg = resolve_config(
+            "cpu",
+            {
+                "model.width": 64,
+                "model.depth": 4,
+                "model.context": 64,
+                "batch_size": 16,
+                "steps": args.steps,
+                "eval_every": args.steps,
+                "metrics_every": args.steps,
+                "checkpoint_every": args.steps,
+            },
+            out=f"{tmp}/run",
+        )
         summary = train(cfg, progress=False)
         base = GPT(cfg.model)
         base.load_state_dict(torch.load(f"{tmp}/run/checkpoint.pt", weights_only=False)["model"])
@@ -73,8 +84,9 @@ def main() -> None:
                 how = how if cal else "default init"
                 rows.append([to, how, f["kl"], f["mean_site_error"], f["output_cosine"]])
         print(f"\noutlier channels x{scale:g}: excess kurtosis of the norm inputs {kurtosis(model, held[0]):.1f}")
-        print(format_table(["target", "init", "KL (nats/token)", "mean site error", "logit cosine"], rows,
-                           markdown=True))  # fmt: skip
+        print(
+            format_table(["target", "init", "KL (nats/token)", "mean site error", "logit cosine"], rows, markdown=True)
+        )
 
 
 if __name__ == "__main__":

@@ -26,7 +26,6 @@ OUT = ROOT / "bench" / "frontier.json"
 FIG = ROOT / "docs" / "figures" / "frontier.png"
 
 
-
 def plot(results: dict, path: Path) -> None:
     import matplotlib
 
@@ -79,14 +78,26 @@ def main() -> None:
         r["within_0.1"], r["within_0.5"] = front.within(0.1), front.within(0.5)
         r["stop_nats"], r["refit"] = args.stop, args.refit
         results[to] = r
-        print(f"{to}: {r['within_0.1']} sites within +0.1 nats, {r['within_0.5']} within +0.5 "
-              f"(of {len(front.order)}; original CE {front.ce_original:.3f}, {front.curve[-1]:.3f} with "
-              f"{len(front.curve) - 1} converted where the walk stopped; "
-              f"{front.seconds / 60:.1f} min)", flush=True)  # fmt: skip
+        print(
+            f"{to}: {r['within_0.1']} sites within +0.1 nats, {r['within_0.5']} within +0.5 "
+            f"(of {len(front.order)}; original CE {front.ce_original:.3f}, {front.curve[-1]:.3f} with "
+            f"{len(front.curve) - 1} converted where the walk stopped; "
+            f"{front.seconds / 60:.1f} min)",
+            flush=True,
+        )
         OUT.parent.mkdir(parents=True, exist_ok=True)
-        OUT.write_text(json.dumps({"commit": commit(), "date": datetime.date.today().isoformat(),
-                                   "machine": machine(),
-                                   "targets": results}, indent=1) + "\n")  # fmt: skip
+        OUT.write_text(
+            json.dumps(
+                {
+                    "commit": commit(),
+                    "date": datetime.date.today().isoformat(),
+                    "machine": machine(),
+                    "targets": results,
+                },
+                indent=1,
+            )
+            + "\n"
+        )
     plot(results, FIG)
 
 

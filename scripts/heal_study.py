@@ -31,7 +31,6 @@ FIELDS = ["commit", "date", "machine", "to", "objective", "train", "minutes", "t
           "ce_original", "ce_calibrated", "ce_healed", "val_start", "val_best", "curve"]  # fmt: skip
 
 
-
 def plot(rows: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -50,8 +49,11 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.axhline(float(rows[-1]["ce_original"]), color="black", lw=0.8, ls="--", label="original")
     threads = sorted({r["machine"].split(", ")[1] for r in rows if ", " in r["machine"]})
     ax.set_xscale("log")
-    ax.set_xlabel(f"tokens trained (the start drawn at 1,000; {float(rows[0]['minutes']):g} min each, "
-                  f"{' / '.join(threads)})" if rows else "tokens trained")
+    ax.set_xlabel(
+        f"tokens trained (the start drawn at 1,000; {float(rows[0]['minutes']):g} min each, {' / '.join(threads)})"
+        if rows
+        else "tokens trained"
+    )
     ax.set_ylabel("validation CE (nats/token)")
     ax.set_title("SmolLM2-135M, every norm DyISRU: healing from the stream")
     ax.legend(fontsize=7)
@@ -88,8 +90,11 @@ def main() -> None:
     torch.manual_seed(0)
     original, tok = load_model(smollm2())
     splits = text_splits(fetch_shakespeare(), tok, original.config.vocab_size, 128, 32, 32)
-    print(f"stream: {len(splits.stream):,} sequences of 128 tokens; validation {sum(len(b) for b in splits.val)}; "
-          f"held out {sum(len(b) for b in splits.held)}", flush=True)  # fmt: skip
+    print(
+        f"stream: {len(splits.stream):,} sequences of 128 tokens; validation {sum(len(b) for b in splits.val)}; "
+        f"held out {sum(len(b) for b in splits.held)}",
+        flush=True,
+    )
     saved = cache_dir() / "heal_study" / f"{args.to}_calibrated.pt"
     converted = copy.deepcopy(original)
     if saved.exists():
@@ -112,8 +117,17 @@ def main() -> None:
         model = copy.deepcopy(converted)
         splits.stream.load_state({**splits.stream.state(), "epoch": 0, "pos": 0, "drawn": 0})
         t = time.monotonic()
-        rep = heal(original, model, splits.stream, record, val=splits.val, minutes=args.minutes, objective=objective,
-                   train=train, progress=True)  # fmt: skip
+        rep = heal(
+            original,
+            model,
+            splits.stream,
+            record,
+            val=splits.val,
+            minutes=args.minutes,
+            objective=objective,
+            train=train,
+            progress=True,
+        )
         seconds = time.monotonic() - t
         ce = cross_entropy(model, splits.held)
         row = {"commit": commit(), "date": datetime.date.today().isoformat(), "machine": where, "to": args.to,
@@ -121,9 +135,12 @@ def main() -> None:
                "sequences": rep.sequences, "seconds": round(seconds, 1), "ce_original": round(ce0, 4),
                "ce_calibrated": round(ce1, 4), "ce_healed": round(ce, 4), "val_start": rep.curve[0]["val_ce"],
                "val_best": rep.best["val_ce"] if rep.best else "", "curve": json.dumps(rep.curve)}  # fmt: skip
-        print(f"{objective:8s} {train:6s}: held-out CE {ce:.3f} (+{ce - ce0:.3f}); {rep.tokens:,} tokens, "
-              f"{seconds / 60:.1f} min; validation {rep.curve[0]['val_ce']:.3f} -> best "
-              f"{row['val_best'] if row['val_best'] == '' else round(row['val_best'], 3)}", flush=True)  # fmt: skip
+        print(
+            f"{objective:8s} {train:6s}: held-out CE {ce:.3f} (+{ce - ce0:.3f}); {rep.tokens:,} tokens, "
+            f"{seconds / 60:.1f} min; validation {rep.curve[0]['val_ce']:.3f} -> best "
+            f"{row['val_best'] if row['val_best'] == '' else round(row['val_best'], 3)}",
+            flush=True,
+        )
         with CSV.open("a", newline="") as f:
             w = csv.DictWriter(f, fieldnames=FIELDS)
             if new:

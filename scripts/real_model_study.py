@@ -67,8 +67,13 @@ def main() -> None:
     ap.add_argument("--objective", choices=list(OBJECTIVES), default=HealConfig.objective, help="of the heal")
     ap.add_argument("--train", choices=list(TRAINS), default=HealConfig.train, help="what the heal trains")
     ap.add_argument("--sites", nargs="+", default=["all", "all-but-final"], choices=["all", "all-but-final"])
-    ap.add_argument("--heal-sites", nargs="+", default=["all"], choices=["all", "all-but-final"],
-                    help="which site sets to heal (healing is the slow part)")
+    ap.add_argument(
+        "--heal-sites",
+        nargs="+",
+        default=["all"],
+        choices=["all", "all-but-final"],
+        help="which site sets to heal (healing is the slow part)",
+    )
     ap.add_argument("--csv", default=str(ROOT / "bench" / "real_model.csv"))
     ap.add_argument("--figure", default=str(ROOT / "docs" / "figures" / "real_model.png"))
     ap.add_argument("--replot", action="store_true", help="only redraw the figure from the CSV's newest commit")
@@ -79,8 +84,7 @@ def main() -> None:
         plot([r for r in saved if r["commit"] == saved[-1]["commit"]], Path(args.figure))
         return
 
-    meta = {"commit": commit(), "date": datetime.date.today().isoformat(),
-            "machine": machine()}
+    meta = {"commit": commit(), "date": datetime.date.today().isoformat(), "machine": machine()}
     torch.manual_seed(0)
     original, tok = load_model(smollm2())
     vocab = original.get_input_embeddings().num_embeddings
@@ -110,8 +114,15 @@ def main() -> None:
                 t = time.monotonic()
                 heal_cfg = HealConfig(minutes=args.heal_minutes, objective=args.objective, train=args.train)
                 rep = normlab.heal(original, model, splits, rec, heal_cfg, progress=True)
-                measure(model, rec, target, sites, f"healed ({args.objective}, {args.train}, stream)",
-                        time.monotonic() - t, rep.tokens)  # fmt: skip
+                measure(
+                    model,
+                    rec,
+                    target,
+                    sites,
+                    f"healed ({args.objective}, {args.train}, stream)",
+                    time.monotonic() - t,
+                    rep.tokens,
+                )
 
     path = Path(args.csv)
     new = not path.exists()
@@ -122,13 +133,17 @@ def main() -> None:
             w.writeheader()
         for r in rows:
             w.writerow({**r, **meta})
-    print(f"\nSmolLM2-135M-Instruct, {sum(len(b) for b in held)} held-out sequences of 128 tokens; "
-          f"original CE {rows[0]['ce_original']:.3f}; {meta['machine']}\n")
+    print(
+        f"\nSmolLM2-135M-Instruct, {sum(len(b) for b in held)} held-out sequences of 128 tokens; "
+        f"original CE {rows[0]['ce_original']:.3f}; {meta['machine']}\n"
+    )
     print("| target | sites | stage | CE | CE - original | KL | minutes | heal tokens |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['target']} | {r['sites']} | {r['stage']} | {r['ce']:.3f} | {r['ce'] - r['ce_original']:+.3f} | "
-              f"{r['kl']:.3f} | {r['minutes']:.1f} | {r['heal_tokens']:,} |")
+        print(
+            f"| {r['target']} | {r['sites']} | {r['stage']} | {r['ce']:.3f} | {r['ce'] - r['ce_original']:+.3f} | "
+            f"{r['kl']:.3f} | {r['minutes']:.1f} | {r['heal_tokens']:,} |"
+        )
     print(f"\nappended {len(rows)} rows to {path}")
     plot(rows, Path(args.figure))
 

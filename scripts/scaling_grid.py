@@ -10,8 +10,10 @@ NORMS = {
     "derf_m": ("Derf, match_rms", '"model.norm" = "derf", "model.norm_init" = "match_rms"'),
     "dyisru_m": ("DyISRU, match_rms", '"model.norm" = "dyisru", "model.norm_init" = "match_rms"'),
     "dyt": ("DyT, default init", '"model.norm" = "dyt"'),
-    "ls_m": ("layer_scale (no normalization), match_rms",
-             '"model.norm" = "layer_scale", "model.norm_init" = "match_rms"'),
+    "ls_m": (
+        "layer_scale (no normalization), match_rms",
+        '"model.norm" = "layer_scale", "model.norm_init" = "match_rms"',
+    ),
 }
 ALL = list(NORMS)
 TWO = ["rms", "dyt_m"]
@@ -34,14 +36,20 @@ CELLS = [
     (128, 1, "gpt2", "adamw", 8, TWO),
 ]
 # grids widened where the first pass found the best rate at an edge (the report flags it)
-WIDEN = {("w64_x4_gpt2_adamw", "rms"): [8e-3], ("w64_x4_gpt2_adamw", "dyt_m"): [5e-4],
-         ("w64_x4_gpt2_adamw", "ls_m"): [5e-4], ("w256_x1_gpt2_adamw", "dyt_m"): [2.5e-4],
-         ("w64_x1_llama_adamw", "rms"): [8e-3], ("w64_x1_llama_muon", "rms"): [0.08, 0.16],
-         ("w64_x1_gpt2_adamw", "dyt"): [8e-3, 1.6e-2], ("w128_x4_gpt2_adamw", "rms"): [2.5e-4],
-         ("w128_x4_gpt2_adamw", "dyt_m"): [2.5e-4]}
+WIDEN = {
+    ("w64_x4_gpt2_adamw", "rms"): [8e-3],
+    ("w64_x4_gpt2_adamw", "dyt_m"): [5e-4],
+    ("w64_x4_gpt2_adamw", "ls_m"): [5e-4],
+    ("w256_x1_gpt2_adamw", "dyt_m"): [2.5e-4],
+    ("w64_x1_llama_adamw", "rms"): [8e-3],
+    ("w64_x1_llama_muon", "rms"): [0.08, 0.16],
+    ("w64_x1_gpt2_adamw", "dyt"): [8e-3, 1.6e-2],
+    ("w128_x4_gpt2_adamw", "rms"): [2.5e-4],
+    ("w128_x4_gpt2_adamw", "dyt_m"): [2.5e-4],
+}
 out = []
 w = out.append
-w('''# Is the one-batch gamma init (model.norm_init = "match_rms") a real win over RMSNorm, or a small-scale artifact?
+w("""# Is the one-batch gamma init (model.norm_init = "match_rms") a real win over RMSNorm, or a small-scale artifact?
 # Each norm at its best learning rate of a grid (lrs), two seeds, at widths 64 / 128 / 256, budgets 1x / 4x / 16x the
 # small preset's tokens, the GPT-2 and the LLaMA block, AdamW and Muon. The cells that decide a verdict come first.
 # The grids were set from single-seed pilots at width 64 (README, "Does matched DyT beat RMSNorm?"); a best rate at
@@ -59,32 +67,37 @@ figures = ["lr", "gap_trend"]
 
 [[checks]]
 kind = "lr_sweeps"
-''')
+""")
 pairs, names = [], []
-for (width, budget, block, opt, depth, norms) in CELLS:
+for width, budget, block, opt, depth, norms in CELLS:
     cid = f"w{width}_x{budget}_{block}_{opt}" + (f"_d{depth}" if depth != 4 else "")
     cell = f"w{width} x{budget} {block} {opt}" + (f" depth {depth}" if depth != 4 else "")
     for n in norms:
         if n != "rms":
             pairs.append((f"{cid}_{n}", f"{cid}_rms"))
             names.append(f"{cell} ({n})")
-w("[[checks]]\nkind = \"gap_trend\"\n")
+w('[[checks]]\nkind = "gap_trend"\n')
 compare = []
 for w_, ref in ((64, "w64_x1_gpt2_adamw"), (128, "w128_x1_gpt2_adamw")):
-    for other, what in ((f"w{w_}_x1_llama_adamw", "the LLaMA block"), (f"w{w_}_x1_gpt2_muon", "Muon"),
-                        (f"w{w_}_x1_llama_muon", "the LLaMA block with Muon")):
-        compare.append(f'[["{other}_dyt_m", "{other}_rms"], ["{ref}_dyt_m", "{ref}_rms"], "{what} at width {w_}", '
-                       f'"GPT-2 with AdamW"]')
-w("[[checks]]\nkind = \"verdicts_agree\"\nwhat = \"matched DyT against RMSNorm\"")
+    for other, what in (
+        (f"w{w_}_x1_llama_adamw", "the LLaMA block"),
+        (f"w{w_}_x1_gpt2_muon", "Muon"),
+        (f"w{w_}_x1_llama_muon", "the LLaMA block with Muon"),
+    ):
+        compare.append(
+            f'[["{other}_dyt_m", "{other}_rms"], ["{ref}_dyt_m", "{ref}_rms"], "{what} at width {w_}", '
+            f'"GPT-2 with AdamW"]'
+        )
+w('[[checks]]\nkind = "verdicts_agree"\nwhat = "matched DyT against RMSNorm"')
 w("compare = [" + ", ".join(compare) + "]\n")
 abl = [(f"{c}_ls_m", f"{c}_dyt_m") for c in ("w64_x1_gpt2_adamw", "w128_x1_gpt2_adamw", "w64_x4_gpt2_adamw")]
-w("[[checks]]\nkind = \"gap\"\nwhat = \"no normalization (layer_scale, match_rms) against matched DyT\"")
+w('[[checks]]\nkind = "gap"\nwhat = "no normalization (layer_scale, match_rms) against matched DyT"')
 w("pairs = [" + ", ".join(f'["{a}", "{b}"]' for a, b in abl) + "]")
 w("names = [" + ", ".join(f'"{a.rsplit("_ls_m")[0]}"' for a, _ in abl) + "]\n")
-w("[[checks]]\nkind = \"gap\"\nwhat = \"gap to RMSNorm\"")
+w('[[checks]]\nkind = "gap"\nwhat = "gap to RMSNorm"')
 w("pairs = [" + ", ".join(f'["{a}", "{b}"]' for a, b in pairs) + "]")
 w("names = [" + ", ".join(f'"{n}"' for n in names) + "]\n")
-for (width, budget, block, opt, depth, norms) in CELLS:
+for width, budget, block, opt, depth, norms in CELLS:
     cid = f"w{width}_x{budget}_{block}_{opt}" + (f"_d{depth}" if depth != 4 else "")
     cell = f"w{width} x{budget} {block} {opt}" + (f" depth {depth}" if depth != 4 else "")
     w(f"# {cell}")

@@ -39,8 +39,11 @@ KEEP_PREFIX = ("gain/", "sat_frac/", "rms_in/", "rms_out/", "alpha_rms/", "resid
 
 
 def _thin(row: dict) -> dict | None:
-    kept = {k: (round(v, 6) if isinstance(v, float) else v) for k, v in row.items()
-            if k in KEEP or k.startswith(KEEP_PREFIX)}  # fmt: skip
+    kept = {
+        k: (round(v, 6) if isinstance(v, float) else v)
+        for k, v in row.items()
+        if k in KEEP or k.startswith(KEEP_PREFIX)
+    }
     return {"step": row["step"], **kept} if kept else None
 
 
@@ -50,8 +53,11 @@ def record_run(spec, status: str) -> None:
     summary = read_summary(out) or {"status": status}
     if summary.get("status") not in ("completed", "diverged"):
         return  # failed or interrupted runs are not results; the next start runs them again
-    rows = [t for r in (json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line)
-            if (t := _thin(r))]  # fmt: skip
+    rows = [
+        t
+        for r in (json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line)
+        if (t := _thin(r))
+    ]
     line = {"run_id": spec.run_id, "name": spec.name, "seed": spec.seed, "meta": spec.meta,
             "config": spec.config.to_dict(), "summary": summary, "metrics": rows, "commit": commit(),
             "machine": machine(), "recorded": time.strftime("%Y-%m-%dT%H:%M:%S%z")}  # fmt: skip
@@ -97,15 +103,36 @@ def write_table(records: dict[str, dict]) -> None:
         w.writerow(cols)
         for r in sorted(records.values(), key=lambda r: (r["name"], r["seed"])):
             m, s = r["meta"], r["summary"]
-            w.writerow([r["name"], m.get("cell"), m.get("series"), m.get("width"), m.get("budget", 1), m.get("block"),
-                        m.get("opt"), m.get("lr_field"), m.get("lr"), r["seed"], s.get("status"),
-                        s.get("final_val_loss"), s.get("escape_step"), s.get("tokens_per_s"), r["commit"]])  # fmt: skip
+            w.writerow(
+                [
+                    r["name"],
+                    m.get("cell"),
+                    m.get("series"),
+                    m.get("width"),
+                    m.get("budget", 1),
+                    m.get("block"),
+                    m.get("opt"),
+                    m.get("lr_field"),
+                    m.get("lr"),
+                    r["seed"],
+                    s.get("status"),
+                    s.get("final_val_loss"),
+                    s.get("escape_step"),
+                    s.get("tokens_per_s"),
+                    r["commit"],
+                ]
+            )
 
 
 def _best(records: dict[str, dict], cell: str, series: str) -> list[dict]:
     """The seeds of one cell's series at its best rate (lowest mean final validation loss)."""
-    runs = [r for r in records.values() if r["meta"].get("cell") == cell and r["meta"].get("series") == series
-            and r["summary"].get("final_val_loss") is not None]  # fmt: skip
+    runs = [
+        r
+        for r in records.values()
+        if r["meta"].get("cell") == cell
+        and r["meta"].get("series") == series
+        and r["summary"].get("final_val_loss") is not None
+    ]
     by_lr: dict[float, list[dict]] = {}
     for r in runs:
         by_lr.setdefault(r["meta"]["lr"], []).append(r)
@@ -144,8 +171,9 @@ def mechanism_figure(records: dict[str, dict], cells=("w64 x1 gpt2 adamw", "w128
                     key = f"{panel}/blocks.{i}.norm_attn"
                     pts = [(r["step"], r[key]) for r in rows if key in r]
                     if pts:
-                        ax.plot(*zip(*pts), color=color, alpha=1 - 0.7 * i / depth, lw=1,
-                                label=label if i == 0 else None)  # fmt: skip
+                        ax.plot(
+                            *zip(*pts), color=color, alpha=1 - 0.7 * i / depth, lw=1, label=label if i == 0 else None
+                        )
         titles = {"val_loss": "validation loss", "logit_std": "logits' std", "rms_in": "residual RMS at block input",
                   "gain": "gain alpha x |gamma| (attn sites)", "sat_frac": "fraction |alpha x| > 1"}  # fmt: skip
         for ax, panel in zip(row, panels):
@@ -171,8 +199,10 @@ def report(root: Path) -> None:
     text = re.sub(r"\[([^\]]*)\]\(runs/[^)]*\)", r"\1", text)  # run folders are not in the repository
     total = len({sp.run_id for sp in expand(load_experiment("scaling"), "scaling", root)})
     done = len(recorded())
-    status = (f"\n**Status:** {done} of {total} runs recorded in bench/scaling.jsonl ({time.strftime('%Y-%m-%d')}, "
-              f"commit {commit()}, {machine()}); `python scripts/scaling_study.py` runs the rest.\n")  # fmt: skip
+    status = (
+        f"\n**Status:** {done} of {total} runs recorded in bench/scaling.jsonl ({time.strftime('%Y-%m-%d')}, "
+        f"commit {commit()}, {machine()}); `python scripts/scaling_study.py` runs the rest.\n"
+    )
     (ROOT / "bench" / "scaling.md").write_text(text + status)
     write_table(recorded())
     mechanism_figure(recorded())
@@ -181,8 +211,11 @@ def report(root: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--root", default=str(Path.home() / ".cache" / "normlab" / "studies" / "scaling"),
-                    help="the run root (checkpoints of runs in flight; restored from the record)")  # fmt: skip
+    ap.add_argument(
+        "--root",
+        default=str(Path.home() / ".cache" / "normlab" / "studies" / "scaling"),
+        help="the run root (checkpoints of runs in flight; restored from the record)",
+    )
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="runs at a time (default: CPU cores)")
     ap.add_argument("--max-runs", type=int, help="stop after this many new runs")
     ap.add_argument("--report-only", action="store_true", help="no training: the report from the record")

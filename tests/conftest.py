@@ -48,8 +48,14 @@ def tiny_hf(path: Path, family: str = "Llama", seed: int = 0) -> Path:
     """A tiny random Hugging Face causal LM of ``family`` (Llama, Qwen2, Qwen3, Gemma) saved to ``path``."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(seed)
-    kw = dict(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2)  # fmt: skip
+    kw = dict(
+        vocab_size=100,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     if family == "Gemma":
         kw["head_dim"] = 8
     cfg = getattr(transformers, f"{family}Config")(**kw)

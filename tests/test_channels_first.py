@@ -75,7 +75,8 @@ def test_convnext_converts_every_norm_and_computes_what_it_should():
     rec = normlab.convert_norms(same, "layer_norm")
     assert not rec.skipped and len(rec.sites) == len(formats) + 1  # + the pooled output's nn.LayerNorm
     assert {s.name for s in rec.sites if s.kwargs.get("channel_dim") == 1} == {
-        n for n, f in formats.items() if f == "channels_first"}  # fmt: skip
+        n for n, f in formats.items() if f == "channels_first"
+    }
     with torch.no_grad():
         torch.testing.assert_close(same(x).last_hidden_state, model(x).last_hidden_state, rtol=1e-5, atol=1e-5)
     # DyT, calibrated on image batches: every site fitted, the structure rebuilt from the record
@@ -91,8 +92,9 @@ def test_convnext_converts_every_norm_and_computes_what_it_should():
 
 def test_vit_layer_norms_convert_and_calibrate():
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-                                 image_size=16, patch_size=4)  # fmt: skip
+    cfg = transformers.ViTConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, image_size=16, patch_size=4
+    )
     torch.manual_seed(0)
     model = transformers.ViTModel(cfg, add_pooling_layer=False).eval()
     rec = normlab.convert_norms(model, "dyisru", calibrate=[torch.randn(4, 3, 16, 16)])

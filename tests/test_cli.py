@@ -63,8 +63,10 @@ def test_train_names_its_folder_after_the_norm_it_trains(tmp_path, capsys, monke
     text = tmp_path / "t.txt"
     text.write_text("To be, or not to be, that is the question.\n" * 200)
     monkeypatch.chdir(tmp_path)
-    assert main(["train", "--preset", "tiny", "--set", "model.norm=dyt", "steps=2", "--data", str(text),
-                 "--no-progress"]) == 0  # fmt: skip
+    assert (
+        main(["train", "--preset", "tiny", "--set", "model.norm=dyt", "steps=2", "--data", str(text), "--no-progress"])
+        == 0
+    )
     assert (tmp_path / "runs" / "tiny-dyt" / "summary.json").exists()
     assert not (tmp_path / "runs" / "tiny-rms_norm").exists()
 

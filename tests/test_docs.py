@@ -15,7 +15,11 @@ def test_no_source_document_numbers_are_left():
              *(repo / "src").rglob("*.py"), *(repo / "src").rglob("*.toml"),
              *(repo / "scripts").rglob("*.py")]  # fmt: skip
     pattern = re.compile(r"\bseeds? 00[0-4]\b|shared/seeds", re.IGNORECASE)
-    hits = [f"{f.relative_to(repo)}:{i}" for f in files for i, line in enumerate(f.read_text().splitlines(), 1)
-            if pattern.search(line)]  # fmt: skip
+    hits = [
+        f"{f.relative_to(repo)}:{i}"
+        for f in files
+        for i, line in enumerate(f.read_text().splitlines(), 1)
+        if pattern.search(line)
+    ]
     assert not hits, hits[:10]
     assert "## References" in (repo / "README.md").read_text()

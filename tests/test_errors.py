@@ -91,8 +91,6 @@ def test_a_keyword_the_class_does_not_pass_on_is_refused_clearly():
         cfg.validate()
 
 
-
-
 def test_rms_ema_momentum_true_is_refused():
     import normlab
 
@@ -116,10 +114,14 @@ def test_bad_norm_arguments_are_clear_value_errors(name, dim, kwargs, match):
         create_norm(name, dim, **kwargs)
 
 
-
-
-@pytest.mark.parametrize("argv", [["predict", "--set", "model.width=100000"], ["gain", "--samples", "100000000"],
-                                  ["train", "--preset", "tiny", "--set", "model.width=60000", "model.heads=1"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["predict", "--set", "model.width=100000"],
+        ["gain", "--samples", "100000000"],
+        ["train", "--preset", "tiny", "--set", "model.width=60000", "model.heads=1"],
+    ],
+)
 def test_sizes_that_exhaust_memory_are_refused_up_front(tmp_path, capsys, argv, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert main(argv) == 2

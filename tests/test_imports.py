@@ -130,3 +130,33 @@ def test_the_private_name_check_fails_on_a_crossing():
     assert private_crossings("from normlab.lab import train\ntrain._optimizer(1)\n")
     assert not private_crossings("from normlab.lab import train\ntrain.build_optimizer(1)\nx.__doc__\n")
     assert not private_crossings("from normlab.modules import __all__ as names\n")
+
+
+# --------------------------------------------------------------------------
+# sizes: a file a reader can hold, functions a reader can follow
+# --------------------------------------------------------------------------
+def long_functions(source: str, limit: int) -> list[str]:
+    """Functions longer than ``limit`` lines, their docstrings not counted."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            n = node.end_lineno - node.lineno + 1
+            first = node.body[0]
+            if (
+                isinstance(first, ast.Expr)
+                and isinstance(first.value, ast.Constant)
+                and isinstance(first.value.value, str)
+            ):
+                n -= first.end_lineno - first.lineno + 1
+            if n > limit:
+                found.append(f"{node.name} ({n} lines)")
+    return found
+
+
+def test_no_file_over_500_lines_and_no_function_over_80():
+    files = list(ROOT.rglob("*.py"))
+    long_files = {p.name: n for p in files if (n := len(p.read_text().splitlines())) > 500}
+    assert not long_files, f"files over 500 lines: {long_files}"
+    long = {str(p.relative_to(ROOT)): f for p in files if (f := long_functions(p.read_text(), 80))}
+    assert not long, f"functions over 80 lines: {long}"
+    assert long_functions("def f():\n" + "    x = 1\n" * 81, 80) == ["f (82 lines)"]

@@ -16,10 +16,25 @@ SURROGATE_X_GRAD = {"rms_detached"}
 
 def test_registry_covers_every_paper_name():
     expected = {
-        "layer_norm", "rms_norm", "dyt", "dyt_hardtanh", "dyt_sigmoid", "tanh_fixed", "layer_scale",
-        "scaled_dyt", "dyisru", "eln", "l1_norm", "lmax_norm", "group_rms", "dyt_rms_denominator",
-        "sign_sqrt", "rms_detached", "rms_ema", "rms_partial_coupling",
-    }  # fmt: skip
+        "layer_norm",
+        "rms_norm",
+        "dyt",
+        "dyt_hardtanh",
+        "dyt_sigmoid",
+        "tanh_fixed",
+        "layer_scale",
+        "scaled_dyt",
+        "dyisru",
+        "eln",
+        "l1_norm",
+        "lmax_norm",
+        "group_rms",
+        "dyt_rms_denominator",
+        "sign_sqrt",
+        "rms_detached",
+        "rms_ema",
+        "rms_partial_coupling",
+    }
     assert expected <= set(normlab.list_norms())
 
 

@@ -1,6 +1,5 @@
 """The dynamic_tanh exercise: the NumPy dynamic_tanh and its four behaviours."""
 
-
 import numpy as np
 import pytest
 

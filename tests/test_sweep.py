@@ -99,8 +99,12 @@ def test_sweep_records_divergence_and_report_says_so(experiment, tmp_path):
     specs = expand(exp, "tiny", root)
     statuses = run_sweep(specs, progress=False)
     by_name = {s.name: statuses[s.run_id] for s in specs}
-    assert by_name == {"rms_norm": "completed", "dyt": "completed", "l1_norm": "completed",
-                       "layer_scale_hot": "diverged"}  # fmt: skip
+    assert by_name == {
+        "rms_norm": "completed",
+        "dyt": "completed",
+        "l1_norm": "completed",
+        "layer_scale_hot": "diverged",
+    }
     write_index([exp], "tiny", root)
     report = write_report(root).read_text()
     row = [line for line in report.splitlines() if line.startswith("| LayerScale at lr 1e3")][0]
@@ -136,8 +140,11 @@ def test_killed_sweep_resumes_without_redoing_finished_runs(experiment, tmp_path
         time.sleep(0.01)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    finished = {p: p.stat().st_mtime_ns for p in killed.glob("runs/*/summary.json")
-                if json.loads(p.read_text()).get("status") in ("completed", "diverged")}  # fmt: skip
+    finished = {
+        p: p.stat().st_mtime_ns
+        for p in killed.glob("runs/*/summary.json")
+        if json.loads(p.read_text()).get("status") in ("completed", "diverged")
+    }
     assert 1 <= len(finished) < 4, "the sweep must be killed midway"
     subprocess.run([*cmd, "--root", str(killed)], check=True, capture_output=True)
     for p, t in finished.items():  # finished runs were not redone
@@ -169,8 +176,9 @@ def test_defect_7_a_run_finished_by_another_process_is_never_marked_failed(corpu
     from normlab.lab.train import train
     from normlab.sweep import _run_one, expand
 
-    spec = expand(load_experiment(str(write_experiment(tmp_path, corpus, 10, runs=("rms_norm",)))), "tiny",
-                  tmp_path / "root")[0]  # fmt: skip
+    spec = expand(
+        load_experiment(str(write_experiment(tmp_path, corpus, 10, runs=("rms_norm",)))), "tiny", tmp_path / "root"
+    )[0]
     train(spec.config, progress=False)  # "process B" completes it
     done = RunFolder(spec.config.out).summary()
     assert done["status"] == "completed"
@@ -197,10 +205,14 @@ def test_a_bad_field_in_a_toml_names_the_file_and_the_run(corpus, tmp_path):
 
 def test_a_sweep_with_a_failed_run_exits_non_zero(corpus, tmp_path, capsys):
     path = tmp_path / "fails.toml"
-    path.write_text(f'name = "fails"\n[base]\nset = {{ data = ["{corpus}"], steps = 5 }}\n[[runs]]\nname = "x"\n'
-                    'set = { "model.context" = 100000 }\n')  # fmt: skip
-    assert main(["sweep", str(path), "--profile", "tiny", "--jobs", "1", "--root", str(tmp_path / "r"),
-                 "--no-progress"]) == 1  # fmt: skip
+    path.write_text(
+        f'name = "fails"\n[base]\nset = {{ data = ["{corpus}"], steps = 5 }}\n[[runs]]\nname = "x"\n'
+        'set = { "model.context" = 100000 }\n'
+    )
+    assert (
+        main(["sweep", str(path), "--profile", "tiny", "--jobs", "1", "--root", str(tmp_path / "r"), "--no-progress"])
+        == 1
+    )
     assert "1 run(s) failed" in capsys.readouterr().err
 
 
@@ -253,8 +265,11 @@ def test_fuzz_every_toml_field_of_the_wrong_kind_is_one_line_naming_file_and_fie
             continue
         top = {**_TOML, field: wrong}
         path = tmp_path / f"e{tried}.toml"
-        text = _toml_text(top, run) if field != "runs" else _toml_text(_TOML, run).split("[[runs]]")[0] + (
-            f"runs = {value(wrong)}\n")  # fmt: skip
+        text = (
+            _toml_text(top, run)
+            if field != "runs"
+            else _toml_text(_TOML, run).split("[[runs]]")[0] + (f"runs = {value(wrong)}\n")
+        )
         path.write_text(text)
         rc = main(["sweep", str(path), "--profile", "tiny", "--root", str(tmp_path / "root"), "--no-progress"])
         err = capsys.readouterr().err.strip()

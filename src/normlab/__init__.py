@@ -3,12 +3,24 @@
 from normlab import functional
 from normlab.conversion.convert import ConversionRecord, convert_norms, fidelity, load_converted, save_converted
 from normlab.conversion.heal import HealReport, heal
-from normlab.modules import *  # noqa: F401,F403  (registers the layers)
-from normlab.modules import __all__ as _module_names
+from normlab.elementwise import *  # noqa: F401,F403
+from normlab.elementwise import __all__ as _elementwise_names
+from normlab.modules import (  # noqa: F401
+    RMSEMA,
+    GroupRMS,
+    L1Norm,
+    LayerNorm,
+    LMaxNorm,
+    RMSDetached,
+    RMSNorm,
+    RMSPartialCoupling,
+    prime_running_stats,
+)
 from normlab.registry import create_norm, list_norms, norm_spec
 
 __version__ = "0.1.0"
 __all__ = [
     "functional", "create_norm", "list_norms", "norm_spec", "ConversionRecord", "convert_norms", "fidelity",
-    "load_converted", "save_converted", "heal", "HealReport", *_module_names,
+    "load_converted", "save_converted", "heal", "HealReport", "prime_running_stats", "LayerNorm", "RMSNorm", "L1Norm",
+    "LMaxNorm", "GroupRMS", "RMSDetached", "RMSEMA", "RMSPartialCoupling", *_elementwise_names,
 ]  # fmt: skip

@@ -25,8 +25,9 @@ def cache_dir() -> Path:
     otherwise make the current folder the cache); one naming a file is an error that says so."""
     path = Path(os.environ.get("NORMLAB_CACHE") or Path.home() / ".cache" / "normlab")
     if path.exists() and not path.is_dir():
-        raise NormlabError(f"NORMLAB_CACHE={path} is a file, not a folder: point it at a folder (or unset it for "
-                           "~/.cache/normlab)")  # fmt: skip
+        raise NormlabError(
+            f"NORMLAB_CACHE={path} is a file, not a folder: point it at a folder (or unset it for ~/.cache/normlab)"
+        )
     return path
 
 
@@ -57,20 +58,27 @@ def checked_download(target: Path, fetch: Callable[[Path], None], what: str) -> 
             ok = False
         if ok:
             return target
-        print(f"normlab: the cached {what} at {target} does not match its recorded size and SHA-256 (truncated or "
-              "changed); fetching it again", file=sys.stderr)  # fmt: skip
+        print(
+            f"normlab: the cached {what} at {target} does not match its recorded size and SHA-256 (truncated or "
+            "changed); fetching it again",
+            file=sys.stderr,
+        )
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise NormlabError(f"the cache folder {target.parent} cannot be created ({e.strerror or e}); set "
-                           "NORMLAB_CACHE to a writable folder") from None  # fmt: skip
+        raise NormlabError(
+            f"the cache folder {target.parent} cannot be created ({e.strerror or e}); set "
+            "NORMLAB_CACHE to a writable folder"
+        ) from None
     part = target.with_name(f"{target.name}.{os.getpid()}.part")
     try:
         fetch(part)
         os.replace(part, target)  # atomic: a killed fetch leaves no half file under the real name
     except OSError as e:
-        raise NormlabError(f"cannot write {what} to the cache {target.parent} ({e.strerror or e}); set "
-                           "NORMLAB_CACHE to a writable folder") from None  # fmt: skip
+        raise NormlabError(
+            f"cannot write {what} to the cache {target.parent} ({e.strerror or e}); set "
+            "NORMLAB_CACHE to a writable folder"
+        ) from None
     finally:
         part.unlink(missing_ok=True)
     _write_record(target, record)

@@ -34,6 +34,16 @@ def norm_table(dim: int = 256, std: float = 0.02, seed: int = 0) -> list[list]:
             note = "surrogate backward by design" if err > 1e-4 else "exact at default settings"
         if name == "rms_ema":
             note += " (running_ms = 1 before training)"
-        rows.append([name, "yes" if spec.pointwise else "no", float(y.pow(2).mean().sqrt()),
-                     float(y.norm() / x.norm()), parts.total, parts.coupling, err, note])  # fmt: skip
+        rows.append(
+            [
+                name,
+                "yes" if spec.pointwise else "no",
+                float(y.pow(2).mean().sqrt()),
+                float(y.norm() / x.norm()),
+                parts.total,
+                parts.coupling,
+                err,
+                note,
+            ]
+        )
     return rows

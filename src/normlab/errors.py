@@ -29,5 +29,7 @@ def check_memory(need: float, what: str, fix: str) -> None:
     needs, the machine's, and ``fix`` (the smaller value to use), instead of an out-of-memory kill later."""
     total = machine_memory()
     if total and need > 0.8 * total:
-        raise ValueError(f"{what} needs about {need / 2**30:.1f} GiB, more than this machine's {total / 2**30:.0f} GiB "
-                         f"can give; {fix}")  # fmt: skip
+        raise ValueError(
+            f"{what} needs about {need / 2**30:.1f} GiB, more than this machine's {total / 2**30:.0f} GiB "
+            f"can give; {fix}"
+        )

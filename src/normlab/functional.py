@@ -151,8 +151,10 @@ def channel_scale(c: int, scale: Scale) -> float:
         return math.sqrt(c)
     if scale == "C-1":
         return math.sqrt(c - 1)
-    raise ValueError(f"scale must be 'C' (sqrt(C), the DyISRU paper) or 'C-1' (sqrt(C-1), its LayerNorm and ELN "
-                     f"versions), got {scale!r}")
+    raise ValueError(
+        f"scale must be 'C' (sqrt(C), the DyISRU paper) or 'C-1' (sqrt(C-1), its LayerNorm and ELN "
+        f"versions), got {scale!r}"
+    )
 
 
 def _rstd(ms: Tensor, eps: float) -> Tensor:
@@ -305,8 +307,13 @@ def dyt(x: Tensor, alpha: Tensor | float, weight: Tensor | None = None, bias: Te
 
 
 @_fp32_compute
-def derf(x: Tensor, alpha: Tensor | float, shift: Tensor | float = 0.0, weight: Tensor | None = None,
-         bias: Tensor | None = None) -> Tensor:  # fmt: skip
+def derf(
+    x: Tensor,
+    alpha: Tensor | float,
+    shift: Tensor | float = 0.0,
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+) -> Tensor:
     r"""Dynamic erf, Derf (Chen, Lu, Zhu, Sun, Liu, arXiv 2512.10938): y = weight * erf(alpha * x + shift) + bias.
 
     ``alpha`` and ``shift`` are scalars or per channel (C,); published defaults alpha0 = 0.5, shift0 = 0.

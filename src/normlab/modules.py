@@ -1,4 +1,5 @@
-"""Thin ``nn.Module`` wrappers, one per function of :mod:`normlab.functional`.
+"""Thin ``nn.Module`` wrappers, one per function of :mod:`normlab.functional`: the base class and the norms that
+normalize (LayerNorm, RMSNorm and its variants). The element-wise ones are in :mod:`normlab.elementwise`.
 
 Every module reads ``Name(dim, *, ..., device=None, dtype=None)``: it owns its
 parameters, checks that the input's last dimension is ``dim``, and calls the
@@ -38,54 +39,51 @@ __all__ = [
     "RMSDetached",
     "RMSEMA",
     "RMSPartialCoupling",
-    "DyT",
-    "Derf",
-    "DyTHardtanh",
-    "DyTSigmoid",
-    "DyTRMSDenominator",
-    "TanhFixed",
-    "LayerScale",
-    "SignSqrt",
-    "ScaledDyT",
-    "DyISRU",
-    "ELN",
+    "NormModule",
+    "check_real",
+    "check_positive_finite",
+    "check_finite",
+    "check_flag",
+    "check_dim",
+    "kernel_choice",
 ]
 
 
 _FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
-def _real(value, name: str, owner: str) -> float | None:
+def check_real(value, name: str, owner: str) -> float | None:
     """A finite real number a float32 parameter can hold (True is not a number here)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         return None
     if abs(value) > _FLOAT32_MAX:
-        raise ValueError(f"{owner}: expected {name} at most {_FLOAT32_MAX:.3g} in magnitude (float32's largest), "
-                         f"got {value!r}")  # fmt: skip
+        raise ValueError(
+            f"{owner}: expected {name} at most {_FLOAT32_MAX:.3g} in magnitude (float32's largest), got {value!r}"
+        )
     return float(value)
 
 
-def _positive_finite(value: float, name: str, owner: str) -> float:
-    v = _real(value, name, owner)
+def check_positive_finite(value: float, name: str, owner: str) -> float:
+    v = check_real(value, name, owner)
     if v is None or v <= 0:
         raise ValueError(f"{owner}: expected {name} to be a finite number > 0, got {value!r}")
     return v
 
 
-def _finite(value: float, name: str, owner: str) -> float:
-    v = _real(value, name, owner)
+def check_finite(value: float, name: str, owner: str) -> float:
+    v = check_real(value, name, owner)
     if v is None:
         raise ValueError(f"{owner}: expected {name} to be a finite number, got {value!r}")
     return v
 
 
-def _flag(value, name: str, owner: str) -> bool:
+def check_flag(value, name: str, owner: str) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"{owner}: expected {name} to be True or False, got {value!r}")
     return value
 
 
-def _check_dim(dim, owner: str) -> int:
+def check_dim(dim, owner: str) -> int:
     if not isinstance(dim, int) or isinstance(dim, bool) or dim < 1:
         raise ValueError(f"{owner}: expected dim (the number of channels) to be an int >= 1, got {dim!r}")
     return dim
@@ -97,12 +95,14 @@ class NormModule(nn.Module):
 
     def __init__(self, dim: int, *, weight: bool, bias: bool, channel_dim: int = -1, device=None, dtype=None) -> None:
         super().__init__()
-        self.dim = _check_dim(dim, type(self).__name__)
+        self.dim = check_dim(dim, type(self).__name__)
         if isinstance(channel_dim, bool) or not isinstance(channel_dim, int):
-            raise ValueError(f"{type(self).__name__}: expected channel_dim to be an int (the axis of the channels, "
-                             f"-1 for the last, 1 for NCHW), got {channel_dim!r}")  # fmt: skip
+            raise ValueError(
+                f"{type(self).__name__}: expected channel_dim to be an int (the axis of the channels, "
+                f"-1 for the last, 1 for NCHW), got {channel_dim!r}"
+            )
         self.channel_dim = channel_dim
-        _flag(bias, "bias", type(self).__name__)
+        check_flag(bias, "bias", type(self).__name__)
         factory = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty(dim, **factory)) if weight else None
         self.bias = nn.Parameter(torch.empty(dim, **factory)) if bias else None
@@ -120,8 +120,10 @@ class NormModule(nn.Module):
             return self._forward(x)
         if not isinstance(x, Tensor) or not -x.dim() <= self.channel_dim < x.dim():
             got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
-            raise ValueError(f"{type(self).__name__}(dim={self.dim}, channel_dim={self.channel_dim}): the input "
-                             f"{got} has no axis {self.channel_dim}")  # fmt: skip
+            raise ValueError(
+                f"{type(self).__name__}(dim={self.dim}, channel_dim={self.channel_dim}): the input "
+                f"{got} has no axis {self.channel_dim}"
+            )
         return self._forward(x.movedim(self.channel_dim, -1)).movedim(-1, self.channel_dim)
 
     def _check(self, x: Tensor) -> None:
@@ -142,11 +144,20 @@ class NormModule(nn.Module):
 class LayerNorm(NormModule):
     """LayerNorm; ``kernel="auto"`` runs PyTorch's fused op (``F.layer_norm``) on every device."""
 
-    def __init__(self, dim: int, *, eps: float = 1e-5, bias: bool = True, kernel: str = "auto",
-                 channel_dim: int = -1, device=None, dtype=None) -> None:  # fmt: skip
-        self.kernel = _kernel_choice(kernel, "LayerNorm", ("auto", "reference"))
+    def __init__(
+        self,
+        dim: int,
+        *,
+        eps: float = 1e-5,
+        bias: bool = True,
+        kernel: str = "auto",
+        channel_dim: int = -1,
+        device=None,
+        dtype=None,
+    ) -> None:
+        self.kernel = kernel_choice(kernel, "LayerNorm", ("auto", "reference"))
         super().__init__(dim, weight=True, bias=bias, channel_dim=channel_dim, device=device, dtype=dtype)
-        self.eps = _positive_finite(eps, "eps", "LayerNorm")
+        self.eps = check_positive_finite(eps, "eps", "LayerNorm")
         self.reset_parameters()
 
     def _forward(self, x: Tensor) -> Tensor:
@@ -168,7 +179,7 @@ class _ScaleNorm(NormModule):
 
     def __init__(self, dim: int, *, eps: float = FN.EPS, channel_dim: int = -1, device=None, dtype=None) -> None:
         super().__init__(dim, weight=True, bias=False, channel_dim=channel_dim, device=device, dtype=dtype)
-        self.eps = _positive_finite(eps, "eps", type(self).__name__)
+        self.eps = check_positive_finite(eps, "eps", type(self).__name__)
         self.reset_parameters()
 
     def _forward(self, x: Tensor) -> Tensor:
@@ -179,7 +190,7 @@ class _ScaleNorm(NormModule):
         return f"{self.dim}, eps={self.eps}"
 
 
-def _kernel_choice(kernel: str, owner: str, choices: tuple[str, ...] | None = None) -> str:
+def kernel_choice(kernel: str, owner: str, choices: tuple[str, ...] | None = None) -> str:
     choices = choices or K.KERNEL_CHOICES
     if kernel not in choices:
         raise ValueError(f"{owner}: expected kernel in {choices}, got {kernel!r}")
@@ -189,9 +200,10 @@ def _kernel_choice(kernel: str, owner: str, choices: tuple[str, ...] | None = No
 class RMSNorm(_ScaleNorm):
     """RMSNorm; ``kernel="auto"`` runs the Triton kernel on CUDA tensors and the fused CPU path on CPU tensors."""
 
-    def __init__(self, dim: int, *, eps: float = FN.EPS, kernel: str = "auto",
-                 channel_dim: int = -1, device=None, dtype=None) -> None:  # fmt: skip
-        self.kernel = _kernel_choice(kernel, "RMSNorm")
+    def __init__(
+        self, dim: int, *, eps: float = FN.EPS, kernel: str = "auto", channel_dim: int = -1, device=None, dtype=None
+    ) -> None:
+        self.kernel = kernel_choice(kernel, "RMSNorm")
         super().__init__(dim, eps=eps, channel_dim=channel_dim, device=device, dtype=dtype)
 
     def _forward(self, x: Tensor) -> Tensor:
@@ -212,8 +224,9 @@ class RMSDetached(_ScaleNorm):
 
 
 class GroupRMS(_ScaleNorm):
-    def __init__(self, dim: int, *, group_size: int = 8, eps: float = FN.EPS,
-                 channel_dim: int = -1, device=None, dtype=None) -> None:  # fmt: skip
+    def __init__(
+        self, dim: int, *, group_size: int = 8, eps: float = FN.EPS, channel_dim: int = -1, device=None, dtype=None
+    ) -> None:
         if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 1:
             raise ValueError(f"GroupRMS: expected group_size to be an int >= 1, got {group_size!r}")
         self.group_size = group_size
@@ -230,9 +243,10 @@ class GroupRMS(_ScaleNorm):
 class RMSPartialCoupling(_ScaleNorm):
     """RMSNorm whose backward keeps a fraction ``lam`` of the coupling term (``lam=1`` is exact)."""
 
-    def __init__(self, dim: int, *, lam: float = 1.0, eps: float = FN.EPS,
-                 channel_dim: int = -1, device=None, dtype=None) -> None:  # fmt: skip
-        self.lam = _finite(lam, "lam", "RMSPartialCoupling")
+    def __init__(
+        self, dim: int, *, lam: float = 1.0, eps: float = FN.EPS, channel_dim: int = -1, device=None, dtype=None
+    ) -> None:
+        self.lam = check_finite(lam, "lam", "RMSPartialCoupling")
         super().__init__(dim, eps=eps, channel_dim=channel_dim, device=device, dtype=dtype)
 
     def _forward(self, x: Tensor) -> Tensor:
@@ -254,8 +268,9 @@ class RMSEMA(_ScaleNorm):
     finite (a NaN or Inf token) leaves the running mean as it was.
     """
 
-    def __init__(self, dim: int, *, momentum: float = 0.01, eps: float = FN.EPS,
-                 channel_dim: int = -1, device=None, dtype=None) -> None:  # fmt: skip
+    def __init__(
+        self, dim: int, *, momentum: float = 0.01, eps: float = FN.EPS, channel_dim: int = -1, device=None, dtype=None
+    ) -> None:
         if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0.0 < momentum <= 1.0:
             raise ValueError(f"RMSEMA: expected momentum in (0, 1], got {momentum!r}")
         self.momentum = float(momentum)
@@ -309,212 +324,3 @@ def prime_running_stats(model: nn.Module, *inputs, **kwargs) -> int:
 # --------------------------------------------------------------------------
 # point-wise functions
 # --------------------------------------------------------------------------
-class _DyTFamily(NormModule):
-    """gamma * f(alpha * x) + beta with a learnable alpha (scalar or per channel)."""
-
-    _fn = staticmethod(FN.dyt)
-
-    def __init__(
-        self,
-        dim: int,
-        *,
-        alpha_init: float = 0.5,
-        per_channel_alpha: bool = False,
-        bias: bool = True,
-        channel_dim: int = -1,
-        device=None,
-        dtype=None,
-    ) -> None:
-        super().__init__(dim, weight=True, bias=bias, channel_dim=channel_dim, device=device, dtype=dtype)
-        self.alpha_init = _finite(alpha_init, "alpha_init", type(self).__name__)
-        self.per_channel_alpha = _flag(per_channel_alpha, "per_channel_alpha", type(self).__name__)
-        self.alpha = nn.Parameter(torch.empty(dim if per_channel_alpha else 1, device=device, dtype=dtype))
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        super().reset_parameters()
-        nn.init.constant_(self.alpha, self.alpha_init)
-
-    def _forward(self, x: Tensor) -> Tensor:
-        self._check(x)
-        return self._fn(x, self.alpha, self.weight, self.bias)
-
-    def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, alpha_init={self.alpha_init}, per_channel_alpha={self.per_channel_alpha}"
-
-
-class DyT(_DyTFamily):
-    """DyT; ``kernel="auto"`` runs the Triton kernel on CUDA tensors and the fused CPU path on CPU tensors."""
-
-    def __init__(self, dim: int, *, kernel: str = "auto", **kwargs) -> None:
-        self.kernel = _kernel_choice(kernel, "DyT")
-        super().__init__(dim, **kwargs)
-
-    def _forward(self, x: Tensor) -> Tensor:
-        self._check(x)
-        return K.dyt(x, self.alpha, self.weight, self.bias, kernel=self.kernel)
-
-
-class Derf(_DyTFamily):
-    """Derf: weight * erf(alpha * x + shift) + bias (arXiv 2512.10938), a learnable scalar shift (per channel
-    with ``per_channel_alpha``); alpha0 = 0.5 and shift0 = 0 as published. ``kernel="auto"`` runs the Triton
-    kernel on CUDA tensors and the fused CPU path on CPU tensors."""
-
-    def __init__(self, dim: int, *, shift_init: float = 0.0, kernel: str = "auto", **kwargs) -> None:
-        self.shift_init = _finite(shift_init, "shift_init", "Derf")
-        self.kernel = _kernel_choice(kernel, "Derf")
-        super().__init__(dim, **kwargs)
-        self.shift = nn.Parameter(torch.full_like(self.alpha, self.shift_init))
-
-    def reset_parameters(self) -> None:
-        super().reset_parameters()
-        if hasattr(self, "shift"):
-            nn.init.constant_(self.shift, self.shift_init)
-
-    def _forward(self, x: Tensor) -> Tensor:
-        self._check(x)
-        return K.derf(x, self.alpha, self.shift, self.weight, self.bias, kernel=self.kernel)
-
-    def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, shift_init={self.shift_init}"
-
-
-class DyTHardtanh(_DyTFamily):
-    _fn = staticmethod(FN.dyt_hardtanh)
-
-
-class DyTSigmoid(_DyTFamily):
-    _fn = staticmethod(FN.dyt_sigmoid)
-
-
-class DyTRMSDenominator(_DyTFamily):
-    def __init__(self, dim: int, *, eps: float = FN.EPS, **kwargs) -> None:
-        self.eps = _positive_finite(eps, "eps", "DyTRMSDenominator")
-        super().__init__(dim, **kwargs)
-
-    def _forward(self, x: Tensor) -> Tensor:
-        self._check(x)
-        return FN.dyt_rms_denominator(x, self.alpha, self.weight, self.bias, self.eps)
-
-
-class ScaledDyT(_DyTFamily):
-    """sqrt(C) * tanh(alpha * x) (the DyISRU paper eq. 12), or sqrt(C-1) with ``scale="C-1"``."""
-
-    def __init__(self, dim: int, *, scale: FN.Scale = "C", kernel: str = "auto", **kwargs) -> None:
-        FN.channel_scale(max(_check_dim(dim, "ScaledDyT"), 2), scale)  # validates the name
-        self.scale = scale
-        self.kernel = _kernel_choice(kernel, "ScaledDyT")
-        super().__init__(dim, **kwargs)
-
-    def _forward(self, x: Tensor) -> Tensor:
-        self._check(x)
-        return K.scaled_dyt(x, self.alpha, self.weight, self.bias, scale=self.scale, kernel=self.kernel)
-
-    def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, scale={self.scale!r}"
-
-
-class TanhFixed(NormModule):
-    def __init__(self, dim: int, *, channel_dim: int = -1, device=None, dtype=None) -> None:
-        super().__init__(dim, weight=True, bias=False, channel_dim=channel_dim, device=device, dtype=dtype)
-        self.reset_parameters()
-
-    def _forward(self, x: Tensor) -> Tensor:
-        self._check(x)
-        return FN.tanh_fixed(x, self.weight)
-
-
-class LayerScale(NormModule):
-    def __init__(self, dim: int, *, bias: bool = True, channel_dim: int = -1, device=None, dtype=None) -> None:
-        super().__init__(dim, weight=True, bias=bias, channel_dim=channel_dim, device=device, dtype=dtype)
-        self.reset_parameters()
-
-    def _forward(self, x: Tensor) -> Tensor:
-        self._check(x)
-        return FN.layer_scale(x, self.weight, self.bias)
-
-
-class SignSqrt(NormModule):
-    def __init__(self, dim: int, *, eps: float = 1e-6, bias: bool = True,
-                 channel_dim: int = -1, device=None, dtype=None) -> None:  # fmt: skip
-        super().__init__(dim, weight=True, bias=bias, channel_dim=channel_dim, device=device, dtype=dtype)
-        self.eps = _positive_finite(eps, "eps", "SignSqrt")
-        self.reset_parameters()
-
-    def _forward(self, x: Tensor) -> Tensor:
-        self._check(x)
-        return FN.sign_sqrt(x, self.weight, self.bias, self.eps)
-
-    def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, eps={self.eps}"
-
-
-class _ISRUFamily(NormModule):
-    """scale * z / sqrt(beta + z^2) with a learnable beta > 0, stored as log_beta."""
-
-    _default_scale: FN.Scale = "C"
-
-    def __init__(
-        self,
-        dim: int,
-        *,
-        beta_init: float = 4.0,
-        per_channel_beta: bool = False,
-        scale: FN.Scale | None = None,
-        bias: bool = True,
-        channel_dim: int = -1,
-        device=None,
-        dtype=None,
-    ) -> None:
-        super().__init__(dim, weight=True, bias=bias, channel_dim=channel_dim, device=device, dtype=dtype)
-        self.beta_init = _positive_finite(beta_init, "beta_init", type(self).__name__)
-        self.scale = scale or self._default_scale
-        FN.channel_scale(max(dim, 2), self.scale)  # validates the name
-        self.per_channel_beta = _flag(per_channel_beta, "per_channel_beta", type(self).__name__)
-        self.log_beta = nn.Parameter(torch.empty(dim if per_channel_beta else 1, device=device, dtype=dtype))
-        self.reset_parameters()
-
-    @property
-    def beta(self) -> Tensor:
-        return self.log_beta.exp()
-
-    def reset_parameters(self) -> None:
-        super().reset_parameters()
-        nn.init.constant_(self.log_beta, math.log(self.beta_init))
-
-    def extra_repr(self) -> str:
-        return (
-            f"{super().extra_repr()}, beta_init={self.beta_init}, per_channel_beta={self.per_channel_beta}, "
-            f"scale={self.scale!r}"
-        )
-
-
-class DyISRU(_ISRUFamily):
-    """sqrt(C) * x / sqrt(beta + x^2) (the DyISRU paper eq. 16); ``kernel="auto"`` fuses it on CUDA and CPU tensors."""
-
-    _default_scale = "C"
-
-    def __init__(self, dim: int, *, kernel: str = "auto", **kwargs) -> None:
-        self.kernel = _kernel_choice(kernel, "DyISRU")
-        super().__init__(dim, **kwargs)
-
-    def _forward(self, x: Tensor) -> Tensor:
-        self._check(x)
-        return K.dyisru(x, self.beta, self.weight, self.bias, scale=self.scale, kernel=self.kernel)
-
-
-class ELN(_ISRUFamily):
-    """sqrt(C-1) * (x - mu) / sqrt(beta + (x - mu)^2) (the ELN paper eq. 13); not point-wise: mu couples channels.
-
-    ``kernel="auto"`` runs the fused CPU path on CPU tensors (there is no Triton kernel for ELN).
-    """
-
-    _default_scale = "C-1"
-
-    def __init__(self, dim: int, *, kernel: str = "auto", **kwargs) -> None:
-        self.kernel = _kernel_choice(kernel, "ELN", ("auto", "cpu", "reference"))
-        super().__init__(dim, **kwargs)
-
-    def _forward(self, x: Tensor) -> Tensor:
-        self._check(x)
-        return K.eln(x, self.beta, self.weight, self.bias, scale=self.scale, kernel=self.kernel)

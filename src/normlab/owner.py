@@ -53,8 +53,7 @@ def hold(target: str | Path, what: str):
     lock.parent.mkdir(parents=True, exist_ok=True)
     fd = take_lock(lock)
     if isinstance(fd, str):
-        raise Locked(f"{what} {target} is in use by a live process ({fd}); wait for it to end, or choose "
-                     "another path")  # fmt: skip
+        raise Locked(f"{what} {target} is in use by a live process ({fd}); wait for it to end, or choose another path")
     try:
         yield
     finally:

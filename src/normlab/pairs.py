@@ -47,7 +47,9 @@ def apply_overrides(d: dict, overrides: dict | list[str], free: tuple[str, ...] 
         for i, part in enumerate(parts):
             path.append(part)
             is_last = i == len(parts) - 1
-            free_dict = path[-2:-1] and (path[-2].endswith("kwargs") or path[-2] in free)  # inside a kwargs dict any key is allowed
+            free_dict = path[-2:-1] and (
+                path[-2].endswith("kwargs") or path[-2] in free
+            )  # inside a kwargs dict any key is allowed
             if part not in node and not free_dict:
                 where = ".".join(path[:-1]) or "the config"
                 raise ValueError(f"unknown config field {key!r}: {where} has no {part!r}; valid: {', '.join(node)}")

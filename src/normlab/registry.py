@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from normlab import elementwise as E
 from normlab import modules as M
 
 __all__ = ["NormSpec", "register", "create_norm", "list_norms", "norm_spec", "init_kwargs", "accepted_kwargs"]
@@ -46,8 +47,15 @@ class NormSpec:
 _REGISTRY: dict[str, NormSpec] = {}
 
 
-def register(name: str, *, pointwise: bool, exact_grad: bool = True, fits: str | None = None,
-             centred: bool = False, also_fits: tuple[str, ...] = ()):  # fmt: skip
+def register(
+    name: str,
+    *,
+    pointwise: bool,
+    exact_grad: bool = True,
+    fits: str | None = None,
+    centred: bool = False,
+    also_fits: tuple[str, ...] = (),
+):
     """Class decorator (or a call): add a layer to the registry under a lower-case ``name``."""
 
     def deco(cls: type[nn.Module]) -> type[nn.Module]:
@@ -70,18 +78,18 @@ for _name, _cls, _facts in [
     ("rms_detached", M.RMSDetached, {"pointwise": False, "exact_grad": False}),
     ("rms_partial_coupling", M.RMSPartialCoupling, {"pointwise": False, "exact_grad": False}),
     ("rms_ema", M.RMSEMA, {"pointwise": False, "exact_grad": False}),
-    ("dyt", M.DyT, {"pointwise": True, "fits": "alpha"}),
-    ("derf", M.Derf, {"pointwise": True, "fits": "alpha", "also_fits": ("shift",)}),
-    ("dyt_hardtanh", M.DyTHardtanh, {"pointwise": True}),
-    ("dyt_sigmoid", M.DyTSigmoid, {"pointwise": True}),
-    ("dyt_rms_denominator", M.DyTRMSDenominator, {"pointwise": False}),
-    ("scaled_dyt", M.ScaledDyT, {"pointwise": True, "fits": "alpha"}),
-    ("tanh_fixed", M.TanhFixed, {"pointwise": True}),
-    ("layer_scale", M.LayerScale, {"pointwise": True}),
-    ("sign_sqrt", M.SignSqrt, {"pointwise": True}),
-    ("dyisru", M.DyISRU, {"pointwise": True, "fits": "log_beta"}),
-    ("eln", M.ELN, {"pointwise": False, "fits": "log_beta", "centred": True}),
-]:  # fmt: skip
+    ("dyt", E.DyT, {"pointwise": True, "fits": "alpha"}),
+    ("derf", E.Derf, {"pointwise": True, "fits": "alpha", "also_fits": ("shift",)}),
+    ("dyt_hardtanh", E.DyTHardtanh, {"pointwise": True}),
+    ("dyt_sigmoid", E.DyTSigmoid, {"pointwise": True}),
+    ("dyt_rms_denominator", E.DyTRMSDenominator, {"pointwise": False}),
+    ("scaled_dyt", E.ScaledDyT, {"pointwise": True, "fits": "alpha"}),
+    ("tanh_fixed", E.TanhFixed, {"pointwise": True}),
+    ("layer_scale", E.LayerScale, {"pointwise": True}),
+    ("sign_sqrt", E.SignSqrt, {"pointwise": True}),
+    ("dyisru", E.DyISRU, {"pointwise": True, "fits": "log_beta"}),
+    ("eln", E.ELN, {"pointwise": False, "fits": "log_beta", "centred": True}),
+]:
     register(_name, **_facts)(_cls)
 
 

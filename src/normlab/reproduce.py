@@ -39,9 +39,16 @@ def run_theory(root: str | Path, seeds: int = 20) -> Path:
     return path
 
 
-def reproduce(root: str | Path, profile: str = "default", *, experiments: list[str] | None = None,
-              shard: tuple[int, int] = (0, 1), jobs: int = 1, progress: bool = True,
-              compare: str | Path | None = None) -> Path:  # fmt: skip
+def reproduce(
+    root: str | Path,
+    profile: str = "default",
+    *,
+    experiments: list[str] | None = None,
+    shard: tuple[int, int] = (0, 1),
+    jobs: int = 1,
+    progress: bool = True,
+    compare: str | Path | None = None,
+) -> Path:
     """Theory, then every experiment at ``profile``, then REPORT.md. Returns the report's path.
 
     ``compare``: the root of the same experiments at another budget; the report then states each verdict
@@ -63,8 +70,9 @@ def reproduce(root: str | Path, profile: str = "default", *, experiments: list[s
     print(f"[1/3] theory checks -> {root / 'theory'}", flush=True)
     run_theory(root, seeds=20 if profile != "quick" else 5)
     n_unique = len({s.run_id for s in specs})
-    print(f"[2/3] {len(exps)} experiments, {n_unique} distinct runs at profile '{profile}', {jobs} at a time",
-          flush=True)  # fmt: skip
+    print(
+        f"[2/3] {len(exps)} experiments, {n_unique} distinct runs at profile '{profile}', {jobs} at a time", flush=True
+    )
     statuses = run_sweep(specs, shard=shard, jobs=jobs, progress=progress)
     counts = {s: list(statuses.values()).count(s) for s in sorted(set(statuses.values()))}
     print(f"      runs: {counts}", flush=True)

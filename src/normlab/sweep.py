@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 from normlab.lab.config import TrainConfig, resolve_config
 from normlab.lab.runs import SUMMARY, TERMINAL, RunFolder, RunLocked, read_summary
 from normlab.owner import path_segment_error
+from normlab.profiles import PROFILES
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -37,51 +38,6 @@ else:  # pragma: no cover
 
 __all__ = ["PROFILES", "Experiment", "RunSpec", "builtin_experiments", "load_experiment", "expand", "run_sweep",
            "parse_shard", "lr_variants", "check_experiment_fields"]  # fmt: skip
-
-# The CPU profiles use lr 1e-3 (with min_lr 1e-4), as the lab's cpu preset does: usual for models this small,
-# and it lets a 250-step run separate the norms (at 3e-4 RMSNorm stays above 2.4 in 600 steps; README).
-_STEPS = {"warmup": 10, "eval_batches": 8, "log_every": 10, "lr": 1e-3, "min_lr": 1e-4}
-PROFILES: dict[str, dict] = {
-    # seconds: for tests and smoke runs
-    "tiny": {
-        "preset": "tiny", "seeds": 1, "set": {},
-        "shapes": {"narrow": {"model.width": 32, "model.depth": 4, "model.heads": 2},
-                   "wide": {"model.width": 64, "model.depth": 1, "model.heads": 2}},
-    },
-    # minutes on 2 CPU cores: every table, one seed, a tiny model
-    "quick": {
-        "preset": "cpu", "seeds": 1,
-        "set": {"model.width": 32, "model.depth": 2, "model.heads": 2, "model.context": 32, "batch_size": 16,
-                "steps": 150, "eval_every": 50, "metrics_every": 50, "checkpoint_every": 50, **_STEPS, "lr": 3e-3,
-                "min_lr": 3e-4},
-        "shapes": {"narrow": {"model.width": 32, "model.depth": 4, "model.heads": 2},
-                   "wide": {"model.width": 64, "model.depth": 1, "model.heads": 4}},
-    },
-    # normlab reproduce: every table at width 64 (the lab's `small` preset), two seeds, minutes on 2 CPU cores
-    "default": {
-        "preset": "small", "seeds": 2, "set": {},
-        "shapes": {"narrow": {"model.width": 64, "model.depth": 8, "model.heads": 4},
-                   "wide": {"model.width": 128, "model.depth": 2, "model.heads": 4}},
-    },
-    # the lab's cpu preset, as specified: width 128, 4 layers, 600 steps
-    "full": {
-        "preset": "cpu", "seeds": None, "set": {},
-        "shapes": {"narrow": {"model.width": 64, "model.depth": 16, "model.heads": 4},
-                   "wide": {"model.width": 128, "model.depth": 4, "model.heads": 4}},
-    },
-    # the dissection's shapes on one GPU
-    "gpu": {
-        "preset": "gpu", "seeds": 1, "set": {},
-        "shapes": {"narrow": {"model.width": 1024, "model.depth": 24, "model.heads": 16},
-                   "wide": {"model.width": 2048, "model.depth": 5, "model.heads": 16}},
-    },
-}  # fmt: skip
-# the default's shapes at 4x its tokens (1000 steps), three seeds: are the verdicts a short budget's?
-PROFILES["long"] = {**PROFILES["default"], "seeds": 3, "set": {**PROFILES["default"]["set"], "steps": 1000,
-                    "eval_every": 100, "metrics_every": 100, "checkpoint_every": 250}}  # fmt: skip
-# the scaling study (experiments/scaling.toml): the default's preset and seeds; each run sets its own shape and budget
-PROFILES["scaling"] = {**PROFILES["default"]}
-
 
 
 @dataclass
@@ -162,20 +118,24 @@ def check_experiment_fields(d: dict, where: str) -> None:
     if (why := path_segment_error(d["name"])) is not None:  # figures are named after it, inside the report's root
         raise ValueError(f"{where}: name {why}")
     if set(d.get("base", {})) - {"set"} or not _is(d.get("base", {}).get("set", {}), "table"):
-        raise ValueError(f"{where}: base must be a table with one table, set (e.g. base = {{ set = {{ lr = 1e-3 }} }})"
-                         f", got {d['base']!r}")  # fmt: skip
+        raise ValueError(
+            f"{where}: base must be a table with one table, set (e.g. base = {{ set = {{ lr = 1e-3 }} }})"
+            f", got {d['base']!r}"
+        )
     for i, r in enumerate(d["runs"]):
         for key in ("name", "set"):
             if key not in r:
                 raise ValueError(f"{where}: run {i} needs 'name' and 'set'")
         for key, kind in _RUN.items():
             if key in r and not _is(r[key], kind):
-                raise ValueError(f"{where}: run {i} ({r.get('name')!r}): {key} must be "
-                                 f"{kind.replace('table', 'a table')}, got {r[key]!r}")  # fmt: skip
+                raise ValueError(
+                    f"{where}: run {i} ({r.get('name')!r}): {key} must be "
+                    f"{kind.replace('table', 'a table')}, got {r[key]!r}"
+                )
 
 
-def load_experiment(name_or_path: str) -> Experiment:
-    """A built-in experiment by name, or a TOML file by path; a malformed file raises a clear error."""
+def _read_toml(name_or_path: str) -> tuple[dict, str]:
+    """A built-in experiment's or a file's TOML, parsed, and where it came from (for messages)."""
     p = Path(name_or_path)
     if p.suffix == ".toml" or p.exists():
         if not p.is_file():
@@ -184,66 +144,96 @@ def load_experiment(name_or_path: str) -> Experiment:
     else:
         res = resources.files("normlab.experiments") / f"{name_or_path}.toml"
         if not res.is_file():
-            raise ValueError(f"unknown experiment {name_or_path!r}; built-in: {', '.join(builtin_experiments())}, "
-                             "or pass a path to a .toml file")  # fmt: skip
+            raise ValueError(
+                f"unknown experiment {name_or_path!r}; built-in: {', '.join(builtin_experiments())}, "
+                "or pass a path to a .toml file"
+            )
         text, where = res.read_text(), f"normlab/experiments/{name_or_path}.toml"
     try:
-        d = tomllib.loads(text)
+        return tomllib.loads(text), where
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"{where}: not valid TOML ({e})") from None
-    check_experiment_fields(d, where)
+
+
+def _check_runs(d: dict, where: str) -> None:
+    """Each run's profiles, learning-rate grid, budget, and a name of its own."""
+    seen: set[str] = set()
     for r in d["runs"]:
         unknown = [p for p in r.get("profiles", []) if p not in PROFILES]
         if unknown:
-            raise ValueError(f"{where}: run {r['name']!r}: unknown profile {unknown[0]!r}; "
-                             f"valid: {', '.join(PROFILES)}")  # fmt: skip
+            raise ValueError(
+                f"{where}: run {r['name']!r}: unknown profile {unknown[0]!r}; valid: {', '.join(PROFILES)}"
+            )
         lrs = r.get("lrs")
         if lrs is not None and (len(lrs) < 2 or len(set(lrs)) != len(lrs) or not all(v > 0 for v in lrs)):
-            raise ValueError(f"{where}: run {r['name']!r}: lrs must be a list of at least two distinct learning "
-                             f"rates > 0 (the grid its best is chosen from), got {lrs!r}")  # fmt: skip
+            raise ValueError(
+                f"{where}: run {r['name']!r}: lrs must be a list of at least two distinct learning "
+                f"rates > 0 (the grid its best is chosen from), got {lrs!r}"
+            )
         if r.get("lr_field", "lr") not in ("lr", "muon_lr"):
-            raise ValueError(f"{where}: run {r['name']!r}: lr_field must be 'lr' or 'muon_lr', got "
-                             f"{r['lr_field']!r}")  # fmt: skip
+            raise ValueError(f"{where}: run {r['name']!r}: lr_field must be 'lr' or 'muon_lr', got {r['lr_field']!r}")
         if r.get("budget", 1) < 1:
-            raise ValueError(f"{where}: run {r['name']!r}: budget (a multiple of the profile's steps) must be an "
-                             f"int >= 1, got {r['budget']!r}")  # fmt: skip
-    seen: set[str] = set()
-    for r in d["runs"]:
+            raise ValueError(
+                f"{where}: run {r['name']!r}: budget (a multiple of the profile's steps) must be an "
+                f"int >= 1, got {r['budget']!r}"
+            )
         if r["name"] in seen:
-            raise ValueError(f"{where}: two runs are named {r['name']!r}; each run needs its own name (the report "
-                             "would average them as seeds of one run)")  # fmt: skip
+            raise ValueError(
+                f"{where}: two runs are named {r['name']!r}; each run needs its own name (the report "
+                "would average them as seeds of one run)"
+            )
         seen.add(r["name"])
-    missing_runs = [n for n in d.get("mechanism", []) if n not in {r["name"] for r in d["runs"]}]
+
+
+def _check_references(d: dict, where: str) -> None:
+    """What the experiment names beyond its runs: the mechanism runs, profiles, baseline, checks and figures."""
+    from normlab.report import CHECKS, FIGURES  # the kinds a report can apply: known before any run trains
+
+    names = {r["name"] for r in d["runs"]}
+    missing_runs = [n for n in d.get("mechanism", []) if n not in names]
     if missing_runs:
         raise ValueError(f"{where}: mechanism names a run that does not exist: {missing_runs[0]!r}")
-    names = {r["name"] for r in d["runs"]}
     profiles = d.get("profiles")
     if profiles is not None and not all(p in PROFILES for p in profiles):
         raise ValueError(f"{where}: profiles must name profiles ({', '.join(PROFILES)}), got {profiles!r}")
     if d.get("baseline") is not None and d["baseline"] not in names:
         raise ValueError(f"{where}: baseline {d['baseline']!r} is not one of its runs ({', '.join(sorted(names))})")
-    from normlab.report import CHECKS, FIGURES  # the kinds a report can apply: known before any run trains
-
     for i, c in enumerate(d.get("checks", [])):
         if "kind" not in c:
             raise ValueError(f"{where}: check {i} needs a 'kind'")
         if c["kind"] not in CHECKS:
             raise ValueError(f"{where}: check {i}: unknown kind {c['kind']!r}; known: {', '.join(sorted(CHECKS))}")
-    unknown_figs = [f for f in d.get("figures", []) if f not in FIGURES]
-    if unknown_figs:
-        raise ValueError(f"{where}: figures: unknown figure {unknown_figs[0]!r}; known: {', '.join(sorted(FIGURES))}")
-    for i, c in enumerate(d.get("checks", [])):
-        if "kind" not in c:
-            raise ValueError(f"{where}: check {i} needs a 'kind'")
         unknown = [c[k] for k in ("run", "a", "b") if k in c and c[k] not in names]
         if unknown:
             raise ValueError(f"{where}: check {i} ({c['kind']}) names a run that does not exist: {unknown[0]!r}")
-    return Experiment(name=d["name"], title=d.get("title", d["name"]), source=d.get("source", ""),
-                      claim=d.get("claim", ""), runs=d["runs"], seeds=d.get("seeds", [0, 1, 2]),
-                      metrics=d.get("metrics", ["final_val_loss"]), base=d.get("base", {}).get("set", {}),
-                      path=where, baseline=d.get("baseline"), checks=d.get("checks", []),
-                      figures=d.get("figures", ["loss"]), guard=d.get("guard", True),
-                      mechanism=d.get("mechanism", []), profiles=profiles)  # fmt: skip
+    unknown_figs = [f for f in d.get("figures", []) if f not in FIGURES]
+    if unknown_figs:
+        raise ValueError(f"{where}: figures: unknown figure {unknown_figs[0]!r}; known: {', '.join(sorted(FIGURES))}")
+
+
+def load_experiment(name_or_path: str) -> Experiment:
+    """A built-in experiment by name, or a TOML file by path; a malformed file raises a clear error."""
+    d, where = _read_toml(name_or_path)
+    check_experiment_fields(d, where)
+    _check_runs(d, where)
+    _check_references(d, where)
+    return Experiment(
+        name=d["name"],
+        title=d.get("title", d["name"]),
+        source=d.get("source", ""),
+        claim=d.get("claim", ""),
+        runs=d["runs"],
+        seeds=d.get("seeds", [0, 1, 2]),
+        metrics=d.get("metrics", ["final_val_loss"]),
+        base=d.get("base", {}).get("set", {}),
+        path=where,
+        baseline=d.get("baseline"),
+        checks=d.get("checks", []),
+        figures=d.get("figures", ["loss"]),
+        guard=d.get("guard", True),
+        mechanism=d.get("mechanism", []),
+        profiles=d.get("profiles"),
+    )
 
 
 def expand(exp: Experiment, profile: str, root: str | Path, extra: dict | None = None) -> list[RunSpec]:
@@ -256,8 +246,10 @@ def expand(exp: Experiment, profile: str, root: str | Path, extra: dict | None =
     if profile not in PROFILES:
         raise ValueError(f"unknown profile {profile!r}; valid: {', '.join(PROFILES)}")
     if exp.profiles is not None and profile not in exp.profiles:
-        raise ValueError(f"{exp.path}: experiment {exp.name!r} runs only at profile {', '.join(exp.profiles)} (not "
-                         f"{profile!r}): pass --profile {exp.profiles[0]}")  # fmt: skip
+        raise ValueError(
+            f"{exp.path}: experiment {exp.name!r} runs only at profile {', '.join(exp.profiles)} (not "
+            f"{profile!r}): pass --profile {exp.profiles[0]}"
+        )
     prof = PROFILES[profile]
     seeds = exp.seeds[: prof["seeds"]] if prof["seeds"] else exp.seeds
     specs = []
@@ -297,8 +289,15 @@ def lr_variants(run: dict) -> list[tuple[str, str, dict, dict]]:
     if not run.get("lrs"):
         return [(run["name"], label, {}, meta)]
     field_ = run.get("lr_field", "lr")
-    return [(f"{run['name']}@{field_}={lr:g}", f"{label}, {field_} {lr:g}", {field_: lr},
-             {**meta, "sweep": run["name"], "lr": lr, "lr_field": field_}) for lr in sorted(run["lrs"])]  # fmt: skip
+    return [
+        (
+            f"{run['name']}@{field_}={lr:g}",
+            f"{label}, {field_} {lr:g}",
+            {field_: lr},
+            {**meta, "sweep": run["name"], "lr": lr, "lr_field": field_},
+        )
+        for lr in sorted(run["lrs"])
+    ]
 
 
 def parse_shard(text: str | None) -> tuple[int, int]:
@@ -358,8 +357,9 @@ def default_jobs() -> int:
     return 1 if torch.cuda.is_available() else max(1, min(os.cpu_count() or 1, 8))
 
 
-def run_sweep(specs: list[RunSpec], *, shard: tuple[int, int] = (0, 1), jobs: int = 1, progress: bool = True,
-              on_done=None) -> dict[str, str]:  # fmt: skip
+def run_sweep(
+    specs: list[RunSpec], *, shard: tuple[int, int] = (0, 1), jobs: int = 1, progress: bool = True, on_done=None
+) -> dict[str, str]:
     """Run every spec of this shard that has not finished, ``jobs`` at a time; returns {run_id: status}.
 
     ``on_done(spec, status)``, if given, is called in this process as each run ends (a study records it there)."""
@@ -373,8 +373,9 @@ def run_sweep(specs: list[RunSpec], *, shard: tuple[int, int] = (0, 1), jobs: in
         else:
             todo.append(spec)
     names = {s.run_id: f"{s.experiment}/{s.name} (seed {s.seed})" for s in todo}
-    bar = tqdm(total=len(mine), initial=len(statuses), disable=not progress, desc="sweep", unit="run",
-               dynamic_ncols=True)  # fmt: skip
+    bar = tqdm(
+        total=len(mine), initial=len(statuses), disable=not progress, desc="sweep", unit="run", dynamic_ncols=True
+    )
 
     by_id = {s.run_id: s for s in todo}
 
@@ -403,8 +404,9 @@ def run_sweep(specs: list[RunSpec], *, shard: tuple[int, int] = (0, 1), jobs: in
             import multiprocessing as mp
 
             threads = max(1, (os.cpu_count() or 1) // jobs)
-            pool = ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn"), initializer=_worker_init,
-                                       initargs=(threads,))  # fmt: skip
+            pool = ProcessPoolExecutor(
+                jobs, mp_context=mp.get_context("spawn"), initializer=_worker_init, initargs=(threads,)
+            )
             try:
                 futures = [pool.submit(_run_one, spec) for spec in todo]
                 for fut in as_completed(futures):
@@ -417,8 +419,11 @@ def run_sweep(specs: list[RunSpec], *, shard: tuple[int, int] = (0, 1), jobs: in
         bar.close()
         finished = sum(1 for v in statuses.values() if v in TERMINAL)
         again = shlex.join(["normlab", *sys.argv[1:]]) if sys.argv[1:] else "the same call"
-        tqdm.write(f"\nsweep interrupted: {finished} of {len(mine)} runs finished; the runs in flight keep their "
-                   f"checkpoints. Continue with: {again}", file=sys.stderr)  # fmt: skip
+        tqdm.write(
+            f"\nsweep interrupted: {finished} of {len(mine)} runs finished; the runs in flight keep their "
+            f"checkpoints. Continue with: {again}",
+            file=sys.stderr,
+        )
         raise
     bar.close()
     return statuses
@@ -428,12 +433,25 @@ def write_index(experiments: list[Experiment], profile: str, root: str | Path) -
     """<root>/index.json: for each experiment, its runs and their directories (the report reads this)."""
     index = {"profile": profile, "experiments": []}
     for exp in experiments:
-        runs = [{"name": s.name, "label": s.label, "seed": s.seed, "run_id": s.run_id, "meta": s.meta}
-                for s in expand(exp, profile, root)]  # fmt: skip
-        index["experiments"].append({"name": exp.name, "title": exp.title, "source": exp.source,
-                                     "claim": exp.claim, "metrics": exp.metrics, "baseline": exp.baseline,
-                                     "checks": exp.checks, "figures": exp.figures, "guard": exp.guard,
-                                     "mechanism": exp.mechanism, "runs": runs})  # fmt: skip
+        runs = [
+            {"name": s.name, "label": s.label, "seed": s.seed, "run_id": s.run_id, "meta": s.meta}
+            for s in expand(exp, profile, root)
+        ]
+        index["experiments"].append(
+            {
+                "name": exp.name,
+                "title": exp.title,
+                "source": exp.source,
+                "claim": exp.claim,
+                "metrics": exp.metrics,
+                "baseline": exp.baseline,
+                "checks": exp.checks,
+                "figures": exp.figures,
+                "guard": exp.guard,
+                "mechanism": exp.mechanism,
+                "runs": runs,
+            }
+        )
     path = Path(root) / "index.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(index, indent=2) + "\n")

@@ -17,7 +17,7 @@ from normlab.conversion.config import (
     HealConfig,
     flag,
     identity_difference,
-    resolve_convert_config,  # fmt: skip
+    resolve_convert_config,
 )
 from normlab.conversion.workflow import CONFIG_FILE, convert_model
 
@@ -27,8 +27,14 @@ transformers = pytest.importorskip("transformers")
 @pytest.fixture()
 def tiny(tmp_path):
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    cfg = transformers.LlamaConfig(
+        vocab_size=100,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     transformers.LlamaForCausalLM(cfg).eval().save_pretrained(tmp_path / "m")
     text = tmp_path / "calib.txt"
     text.write_text("The quick brown fox jumps over the lazy dog. " * 200)
@@ -36,8 +42,9 @@ def tiny(tmp_path):
 
 
 def test_set_reaches_every_section_and_unknown_fields_are_named():
-    cfg = resolve_convert_config(["heal.minutes=5", "heal.lr=3e-3", "calibrate.target=local", "init.alpha_init=0.5"],
-                                 to="dyt")  # fmt: skip
+    cfg = resolve_convert_config(
+        ["heal.minutes=5", "heal.lr=3e-3", "calibrate.target=local", "init.alpha_init=0.5"], to="dyt"
+    )
     assert (cfg.heal.lr, cfg.calibrate.target, cfg.init, cfg.to) == (3e-3, "local", {"alpha_init": 0.5}, "dyt")
     with pytest.raises(ValueError, match=r"unknown config field 'heal.rate'.*valid: minutes, tokens"):
         resolve_convert_config(["heal.rate=1"])
@@ -63,16 +70,23 @@ def test_identity_names_the_field_that_differs_and_ignores_the_budget():
     b = resolve_convert_config(["heal.minutes=30", "heal.lr=3e-3"])
     assert a.difference(b.identity()) == "heal.lr: checkpoint 0.003 vs now None"
     assert a.difference(resolve_convert_config(["heal.tokens=100"]).identity()) is None  # only the budget differs
-    assert a.difference(a.identity(model_fingerprint="x"), model_fingerprint="y") == \
-        "model_fingerprint: checkpoint 'x' vs now 'y'"  # fmt: skip
-    assert identity_difference(None, {}) .startswith("it records no identity")
+    assert (
+        a.difference(a.identity(model_fingerprint="x"), model_fingerprint="y")
+        == "model_fingerprint: checkpoint 'x' vs now 'y'"
+    )
+    assert identity_difference(None, {}).startswith("it records no identity")
 
 
 def test_every_knob_reachable_from_python_has_a_field():
     """convert_norms' and heal's keywords (beyond the model and the data) are all fields, so --set reaches them."""
     fields = set(_flat_keys(ConvertConfig().to_dict()))
-    convert = set(inspect.signature(normlab.convert_norms).parameters) - {"model", "calibrate", "include",
-                                                                          "extra_classes", "progress"}  # fmt: skip
+    convert = set(inspect.signature(normlab.convert_norms).parameters) - {
+        "model",
+        "calibrate",
+        "include",
+        "extra_classes",
+        "progress",
+    }
     renamed = {"first_token": "calibrate.first_token", "to": "to"}
     for name in convert:
         key = renamed.get(name, name)

@@ -20,17 +20,63 @@ def _hf_models() -> dict:
     t = transformers
     torch.manual_seed(0)
     return {
-        "llama": (t.LlamaForCausalLM(t.LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64,
-                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)), "LlamaRMSNorm", 5),
-        "gpt2": (t.GPT2LMHeadModel(t.GPT2Config(vocab_size=100, n_embd=32, n_layer=2, n_head=4, n_positions=64,
-                 bos_token_id=0, eos_token_id=0)), "LayerNorm", 5),
-        "bert": (t.BertModel(t.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                 intermediate_size=64)), "LayerNorm", 5),
-        "gemma": (t.GemmaForCausalLM(t.GemmaConfig(vocab_size=100, hidden_size=32, intermediate_size=64,
-                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1, head_dim=8)), "GemmaRMSNorm", 5),
-        "t5": (t.T5ForConditionalGeneration(t.T5Config(vocab_size=100, d_model=32, d_ff=64, num_layers=2,
-               num_heads=4, d_kv=8, decoder_start_token_id=0)), "T5LayerNorm", 12),
-    }  # fmt: skip
+        "llama": (
+            t.LlamaForCausalLM(
+                t.LlamaConfig(
+                    vocab_size=100,
+                    hidden_size=32,
+                    intermediate_size=64,
+                    num_hidden_layers=2,
+                    num_attention_heads=4,
+                    num_key_value_heads=2,
+                )
+            ),
+            "LlamaRMSNorm",
+            5,
+        ),
+        "gpt2": (
+            t.GPT2LMHeadModel(
+                t.GPT2Config(
+                    vocab_size=100, n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_token_id=0, eos_token_id=0
+                )
+            ),
+            "LayerNorm",
+            5,
+        ),
+        "bert": (
+            t.BertModel(
+                t.BertConfig(
+                    vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64
+                )
+            ),
+            "LayerNorm",
+            5,
+        ),
+        "gemma": (
+            t.GemmaForCausalLM(
+                t.GemmaConfig(
+                    vocab_size=100,
+                    hidden_size=32,
+                    intermediate_size=64,
+                    num_hidden_layers=2,
+                    num_attention_heads=4,
+                    num_key_value_heads=1,
+                    head_dim=8,
+                )
+            ),
+            "GemmaRMSNorm",
+            5,
+        ),
+        "t5": (
+            t.T5ForConditionalGeneration(
+                t.T5Config(
+                    vocab_size=100, d_model=32, d_ff=64, num_layers=2, num_heads=4, d_kv=8, decoder_start_token_id=0
+                )
+            ),
+            "T5LayerNorm",
+            12,
+        ),
+    }
 
 
 def _inputs(name):
@@ -192,8 +238,11 @@ def test_unknown_norm_classes_are_reported_not_skipped_silently():
 
 def test_per_site_init_and_per_channel():
     model, _, _ = _hf_models()["llama"]
-    rec = normlab.convert_norms(model, "dyt", site_init={"*input_layernorm": {"alpha_init": 0.8},
-                                                         "*post_attention_layernorm": {"alpha_init": 0.2}})  # fmt: skip
+    rec = normlab.convert_norms(
+        model,
+        "dyt",
+        site_init={"*input_layernorm": {"alpha_init": 0.8}, "*post_attention_layernorm": {"alpha_init": 0.2}},
+    )
     alphas = {s.name: s.kwargs.get("alpha_init") for s in rec.sites}
     assert alphas["model.layers.0.input_layernorm"] == 0.8
     assert alphas["model.layers.1.post_attention_layernorm"] == 0.2
@@ -209,8 +258,21 @@ def test_convert_command(tmp_path, capsys):
     model.save_pretrained(tmp_path / "llama")
     text = tmp_path / "calib.txt"
     text.write_text("The quick brown fox jumps over the lazy dog. " * 200)
-    rc = main(["convert", "--model", str(tmp_path / "llama"), "--to", "dyisru", "--calibrate", str(text),
-               "--out", str(tmp_path / "out"), "--seq-len", "32"])  # fmt: skip
+    rc = main(
+        [
+            "convert",
+            "--model",
+            str(tmp_path / "llama"),
+            "--to",
+            "dyisru",
+            "--calibrate",
+            str(text),
+            "--out",
+            str(tmp_path / "out"),
+            "--seq-len",
+            "32",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0
     assert "converted 5 norms of LlamaForCausalLM to dyisru" in out and "fidelity on" in out

@@ -14,16 +14,25 @@ from normlab.cli import main
 
 transformers = pytest.importorskip("transformers")
 
-WORDS = ("To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer the slings and arrows "
-         "of outrageous fortune, or to take arms against a sea of troubles").split()
+WORDS = (
+    "To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer the slings and arrows "
+    "of outrageous fortune, or to take arms against a sea of troubles"
+).split()
 TEXT = " ".join(WORDS[(i * 7) % len(WORDS)] for i in range(30_000))
 
 
 def _peaked(seed: int = 0, layers: int = 3):
     """A tiny Llama with a large init: peaked next-token distributions, so that converting a norm costs something."""
     torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                                   num_attention_heads=4, num_key_value_heads=2, initializer_range=0.3)  # fmt: skip
+    cfg = transformers.LlamaConfig(
+        vocab_size=100,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        initializer_range=0.3,
+    )
     return transformers.LlamaForCausalLM(cfg).eval()
 
 
@@ -95,8 +104,24 @@ def test_budget_nats_never_ends_above_its_budget(folder, tmp_path, capsys, refit
             assert set(front.converted) == set(walk.order[:n])
             continue
         out = tmp_path / f"out{budget:.6f}"
-        rc = main(["convert", "--model", str(folder / "m"), "--calibrate", str(folder / "text.txt"), "--seq-len", "16",
-                   "--sequences", "8", "--budget-nats", repr(budget), "--out", str(out), "--no-progress"])  # fmt: skip
+        rc = main(
+            [
+                "convert",
+                "--model",
+                str(folder / "m"),
+                "--calibrate",
+                str(folder / "text.txt"),
+                "--seq-len",
+                "16",
+                "--sequences",
+                "8",
+                "--budget-nats",
+                repr(budget),
+                "--out",
+                str(out),
+                "--no-progress",
+            ]
+        )
         printed = capsys.readouterr().out
         assert rc == 0, printed
         fid = json.loads((out / "fidelity.json").read_text())

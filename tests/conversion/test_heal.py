@@ -21,8 +21,14 @@ transformers = pytest.importorskip("transformers")
 
 def _llama(seed: int = 0, layers: int = 2):
     torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                                   num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    cfg = transformers.LlamaConfig(
+        vocab_size=100,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     return transformers.LlamaForCausalLM(cfg).eval()
 
 
@@ -137,8 +143,18 @@ def test_heal_blocks_reduces_every_block_error_and_resumes(tmp_path):
     rec = normlab.convert_norms(model, "dyt", calibrate=calib)
     ckpt = tmp_path / "heal.pt"
     budget = 3 * 3 * 64 * 30
-    rep = normlab.heal(original, model, _stream(), rec, val=_batches(1, seed=9), tokens=budget, objective="blocks",
-                       train="norms", checkpoint=ckpt, progress=False)  # fmt: skip
+    rep = normlab.heal(
+        original,
+        model,
+        _stream(),
+        rec,
+        val=_batches(1, seed=9),
+        tokens=budget,
+        objective="blocks",
+        train="norms",
+        checkpoint=ckpt,
+        progress=False,
+    )
     assert len(rep.blocks) == 3 and rep.tokens >= budget
     for b in rep.blocks:
         assert b["loss_after"] <= b["loss_before"]
@@ -152,8 +168,19 @@ def test_heal_blocks_reduces_every_block_error_and_resumes(tmp_path):
     state = torch.load(ckpt, weights_only=False)
     state["next_block"], state["report"]["blocks"] = 2, state["report"]["blocks"][:2]
     torch.save(state, ckpt)
-    rep2 = normlab.heal(original, again, _stream(), rec, val=_batches(1, seed=9), tokens=budget, objective="blocks",
-                        train="norms", checkpoint=ckpt, resume=True, progress=False)  # fmt: skip
+    rep2 = normlab.heal(
+        original,
+        again,
+        _stream(),
+        rec,
+        val=_batches(1, seed=9),
+        tokens=budget,
+        objective="blocks",
+        train="norms",
+        checkpoint=ckpt,
+        resume=True,
+        progress=False,
+    )
     assert len(rep2.blocks) == 3 and rep2.resumed_from > 0
     torch.testing.assert_close(again.model.layers[0].input_layernorm.alpha, model.model.layers[0].input_layernorm.alpha)
 
@@ -163,8 +190,17 @@ def test_a_diverging_block_is_put_back():
     model = copy.deepcopy(original)
     rec = normlab.convert_norms(model, "dyisru", calibrate=_batches(2))
     before = copy.deepcopy(model.state_dict())
-    rep = normlab.heal(original, model, _stream(), rec, tokens=2 * 2 * 64 * 10, lr=1e6, objective="blocks",
-                       train="norms", progress=False)  # fmt: skip
+    rep = normlab.heal(
+        original,
+        model,
+        _stream(),
+        rec,
+        tokens=2 * 2 * 64 * 10,
+        lr=1e6,
+        objective="blocks",
+        train="norms",
+        progress=False,
+    )
     for b in rep.blocks:
         assert b["loss_after"] <= b["loss_before"] + 1e-12
         assert math.isfinite(b["loss_after"])
@@ -178,8 +214,15 @@ def test_a_diverging_block_is_put_back():
 def _peaked(seed: int):
     """A tiny Llama with a large init: peaked next-token distributions, each seed its own preferences."""
     torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, initializer_range=0.5)  # fmt: skip
+    cfg = transformers.LlamaConfig(
+        vocab_size=100,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        initializer_range=0.5,
+    )
     return transformers.LlamaForCausalLM(cfg).eval()
 
 
@@ -191,11 +234,27 @@ def test_a_heal_whose_validation_worsens_keeps_its_earlier_state(objective):
     model = _peaked(0)
     rec = normlab.convert_norms(model, "dyt", calibrate=_batches(2))
     with torch.no_grad():
-        own = model.generate(torch.arange(4)[:, None] * 11, max_new_tokens=15, do_sample=False,
-                             attention_mask=torch.ones(4, 1, dtype=torch.long), pad_token_id=0)  # fmt: skip
+        own = model.generate(
+            torch.arange(4)[:, None] * 11,
+            max_new_tokens=15,
+            do_sample=False,
+            attention_mask=torch.ones(4, 1, dtype=torch.long),
+            pad_token_id=0,
+        )
     start = copy.deepcopy(model.state_dict())
-    rep = normlab.heal(_peaked(1), model, _stream(), rec, val=[own], tokens=4000, objective=objective,
-                       train="norms", lr=1e-2, eval_every=500, progress=False)  # fmt: skip
+    rep = normlab.heal(
+        _peaked(1),
+        model,
+        _stream(),
+        rec,
+        val=[own],
+        tokens=4000,
+        objective=objective,
+        train="norms",
+        lr=1e-2,
+        eval_every=500,
+        progress=False,
+    )
     later = [p["val_ce"] for p in rep.curve[1:]]
     assert later and all(ce > rep.curve[0]["val_ce"] + 0.1 for ce in later)  # it did get worse
     assert rep.best == rep.curve[0] and rep.best["tokens"] == 0
@@ -212,8 +271,19 @@ def test_a_heal_keeps_its_best_point_not_its_last():
     model = copy.deepcopy(original)
     rec = normlab.convert_norms(model, "dyt")  # default init: far from the original
     val = _batches(1, seed=9)
-    rep = normlab.heal(original, model, _stream(), rec, val=val, tokens=6000, objective="distill", train="norms",
-                       lr=1e-2, eval_every=500, progress=False)  # fmt: skip
+    rep = normlab.heal(
+        original,
+        model,
+        _stream(),
+        rec,
+        val=val,
+        tokens=6000,
+        objective="distill",
+        train="norms",
+        lr=1e-2,
+        eval_every=500,
+        progress=False,
+    )
     ces = [p["val_ce"] for p in rep.curve]
     assert min(ces) < ces[0]  # it learned
     assert rep.best["val_ce"] == min(ces) and [p["best"] for p in rep.curve].count(True) >= 1
@@ -225,8 +295,19 @@ def test_heal_distillation_lowers_validation_kl(train):
     original = _peaked(0)
     model = copy.deepcopy(original)
     rec = normlab.convert_norms(model, "dyt")  # default init: far from the original
-    rep = normlab.heal(original, model, _stream(), rec, val=_batches(1, seed=9), tokens=4000, objective="distill",
-                       train=train, lr=1e-2 if train != "all" else 1e-3, eval_every=1000, progress=False)  # fmt: skip
+    rep = normlab.heal(
+        original,
+        model,
+        _stream(),
+        rec,
+        val=_batches(1, seed=9),
+        tokens=4000,
+        objective="distill",
+        train=train,
+        lr=1e-2 if train != "all" else 1e-3,
+        eval_every=1000,
+        progress=False,
+    )
     assert min(p["val_kl"] for p in rep.curve[1:]) < 0.95 * rep.curve[0]["val_kl"]
     assert not any("lora" in n for n, _ in model.named_modules())  # LoRA merged into the weights
 
@@ -332,8 +413,9 @@ def test_convert_command_never_writes_over_its_source(tmp_path, capsys):
     assert "--heal-tokens: expected an int >= 1, got 0" in capsys.readouterr().err
     assert main([*args, "--seq-len", "0"]) == 2  # a sequence needs two tokens (one to predict from)
     assert "--seq-len must be >= 2, got 0" in capsys.readouterr().err
-    rc = main([*args, "--out", str(tmp_path / "healed"), "--heal-tokens", "2000", "--no-progress",
-               "--exclude", "model.norm"])  # fmt: skip
+    rc = main(
+        [*args, "--out", str(tmp_path / "healed"), "--heal-tokens", "2000", "--no-progress", "--exclude", "model.norm"]
+    )
     out = capsys.readouterr().out
     assert rc == 0 and "healed (distill, norms): " in out and "cross-entropy" in out
     assert (tmp_path / "healed" / "heal_curve.csv").read_text().startswith("tokens,seconds,train_loss,val_ce")
@@ -351,14 +433,18 @@ def test_heal_runs_on_other_block_layouts(name):
     if name == "gpt2":
         original = t.GPT2LMHeadModel(t.GPT2Config(vocab_size=100, n_embd=32, n_layer=2, n_head=4, n_positions=64))
     else:
-        original = t.BertModel(t.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2,
-                                            num_attention_heads=4, intermediate_size=64))  # fmt: skip
+        original = t.BertModel(
+            t.BertConfig(
+                vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64
+            )
+        )
     original.eval()
     model = copy.deepcopy(original)
     calib = _batches(2)
     rec = normlab.convert_norms(model, "dyt", calibrate=calib)
-    rep = normlab.heal(original, model, _stream(), rec, tokens=2 * 64 * 20, objective="blocks", train="norms",
-                       progress=False)  # fmt: skip
+    rep = normlab.heal(
+        original, model, _stream(), rec, tokens=2 * 64 * 20, objective="blocks", train="norms", progress=False
+    )
     assert len(rep.blocks) == 2
     assert all(b["loss_after"] <= b["loss_before"] for b in rep.blocks)
     assert any(b["loss_after"] < b["loss_before"] for b in rep.blocks)

@@ -26,8 +26,9 @@ def smollm2():
     from normlab.corpus import fetch_shakespeare
 
     model, tok = load_model(smollm2())
-    calib, held = text_batches(fetch_shakespeare(), tok, model.config.vocab_size, seq_len=64, n_calib=4, n_held=4,
-                               batch_size=4)  # fmt: skip
+    calib, held = text_batches(
+        fetch_shakespeare(), tok, model.config.vocab_size, seq_len=64, n_calib=4, n_held=4, batch_size=4
+    )
     return model, calib, held, tok
 
 
@@ -48,8 +49,7 @@ def test_calibrated_smollm2_beats_default_init_and_round_trips(smollm2, tmp_path
     ce = {}
     for how in ("default", "calibrated"):
         conv = copy.deepcopy(model)
-        rec = normlab.convert_norms(conv, "dyisru", calibrate=calib if how == "calibrated" else None,
-                                    progress=False)  # fmt: skip
+        rec = normlab.convert_norms(conv, "dyisru", calibrate=calib if how == "calibrated" else None, progress=False)
         fid = normlab.fidelity(model, conv, held, rec)
         ce[how], ce["original"] = fid["ce_converted"], fid["ce_original"]
         if how == "calibrated":
@@ -120,12 +120,24 @@ def test_smollm2_heal_on_the_stream_keeps_its_best_state(smollm2):
     from normlab.corpus import fetch_shakespeare
 
     model, _, _, tok = smollm2
-    sp = text_splits(fetch_shakespeare(), tok, model.config.vocab_size, seq_len=64, n_calib=4, n_held=4, n_val=4,
-                     batch_size=4)  # fmt: skip
+    sp = text_splits(
+        fetch_shakespeare(), tok, model.config.vocab_size, seq_len=64, n_calib=4, n_held=4, n_val=4, batch_size=4
+    )
     conv = copy.deepcopy(model)
     rec = normlab.convert_norms(conv, "dyisru", calibrate=sp.calib, progress=False)
-    rep = normlab.heal(model, conv, sp.stream, rec, val=sp.val, tokens=4 * 64 * 6, objective="distill", train="lora",
-                       batch_size=4, eval_every=4 * 64 * 2, progress=False)  # fmt: skip
+    rep = normlab.heal(
+        model,
+        conv,
+        sp.stream,
+        rec,
+        val=sp.val,
+        tokens=4 * 64 * 6,
+        objective="distill",
+        train="lora",
+        batch_size=4,
+        eval_every=4 * 64 * 2,
+        progress=False,
+    )
     assert rep.sequences == 24 and rep.stream_passes < 0.01 and rep.tokens == 4 * 64 * 6
     ces = [p["val_ce"] for p in rep.curve]
     assert len(ces) == 4 and rep.best["val_ce"] == min(ces)

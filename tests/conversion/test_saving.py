@@ -18,8 +18,15 @@ transformers = pytest.importorskip("transformers")
 def test_defect_4_a_converted_vit_saved_by_transformers_reloads_exactly(tmp_path, head, target):
     """transformers' save_pretrained writes ViT's legacy key names (encoder.layer.N); load_converted read the raw
     file into a fresh model and failed with 'weights do not match' for every ViT and every target."""
-    cfg = transformers.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-                                 image_size=16, patch_size=4, num_labels=3)  # fmt: skip
+    cfg = transformers.ViTConfig(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        image_size=16,
+        patch_size=4,
+        num_labels=3,
+    )
     torch.manual_seed(0)
     model = getattr(transformers, head)(cfg).eval()
     rec = normlab.convert_norms(model, target, calibrate=[torch.randn(4, 3, 16, 16)])
@@ -34,9 +41,16 @@ def test_defect_4_a_converted_vit_saved_by_transformers_reloads_exactly(tmp_path
 
 
 def _saved_conversion(tmp_path) -> Path:
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2)).eval()  # fmt: skip
+    model = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            vocab_size=100,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
+    ).eval()
     rec = normlab.convert_norms(model, "dyt")
     return normlab.save_converted(model, rec, tmp_path / "conv")
 
@@ -50,10 +64,16 @@ def test_fuzz_every_conversion_record_field(tmp_path):
     normlab.load_converted(folder)
     cases = [({**good, k: w}, k) for k in _RECORD_FIELDS for w in ("junk", 5, {"a": 1})]  # "junk": no such norm
     site0 = good["sites"][0]
-    cases += [({**good, "sites": [{**site0, k: w}, *good["sites"][1:]]}, f"sites[0].{k}") for k in _SITE_FIELDS
-              for w in ("junk", [1], {"a": 1}) if not isinstance(w, _SITE_FIELDS[k][0])]  # fmt: skip
-    cases += [({**good, "sites": [{k: v for k, v in site0.items() if k != "dim"}]}, "sites[0].dim"),
-              ({**good, "sites": [{**site0, "extra": 1}]}, "sites[0].extra")]  # fmt: skip
+    cases += [
+        ({**good, "sites": [{**site0, k: w}, *good["sites"][1:]]}, f"sites[0].{k}")
+        for k in _SITE_FIELDS
+        for w in ("junk", [1], {"a": 1})
+        if not isinstance(w, _SITE_FIELDS[k][0])
+    ]
+    cases += [
+        ({**good, "sites": [{k: v for k, v in site0.items() if k != "dim"}]}, "sites[0].dim"),
+        ({**good, "sites": [{**site0, "extra": 1}]}, "sites[0].extra"),
+    ]
     for d, field in cases:
         (folder / RECORD_FILE).write_text(json.dumps(d))
         with pytest.raises(ValueError) as e:

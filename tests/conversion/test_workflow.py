@@ -35,18 +35,34 @@ def _sha(path: Path) -> str:
 
 
 def _convert(model, text, *extra) -> list[str]:
-    return ["convert", "--model", str(model), "--calibrate", str(text), "--seq-len", "16", "--sequences", "4",
-            "--no-progress", *map(str, extra)]  # fmt: skip
+    return [
+        "convert",
+        "--model",
+        str(model),
+        "--calibrate",
+        str(text),
+        "--seq-len",
+        "16",
+        "--sequences",
+        "4",
+        "--no-progress",
+        *map(str, extra),
+    ]
 
 
 def test_defect_1_heal_resume_from_another_models_checkpoint_is_refused(models, tmp_path, capsys):
     ck = tmp_path / "ck.pt"
-    assert main(_convert(models["m"], models["text"], "--heal-tokens", 500, "--checkpoint", ck,
-                         "--out", tmp_path / "o1")) == 0  # fmt: skip
+    assert (
+        main(_convert(models["m"], models["text"], "--heal-tokens", 500, "--checkpoint", ck, "--out", tmp_path / "o1"))
+        == 0
+    )
     assert ck.is_file()
     capsys.readouterr()
-    rc = main(_convert(models["m2"], models["text"], "--heal-tokens", 500, "--checkpoint", ck, "--resume",
-                       "--out", tmp_path / "o2"))  # fmt: skip
+    rc = main(
+        _convert(
+            models["m2"], models["text"], "--heal-tokens", 500, "--checkpoint", ck, "--resume", "--out", tmp_path / "o2"
+        )
+    )
     err = capsys.readouterr().err
     assert rc == 2 and "made from another model" in err and "model: checkpoint" in err, err  # before loading
     assert not (tmp_path / "o2").exists()
@@ -54,8 +70,11 @@ def test_defect_1_heal_resume_from_another_models_checkpoint_is_refused(models, 
     import shutil
 
     shutil.copy(models["m2"] / "model.safetensors", models["m"] / "model.safetensors")
-    rc = main(_convert(models["m"], models["text"], "--heal-tokens", 500, "--checkpoint", ck, "--resume",
-                       "--out", tmp_path / "o3"))  # fmt: skip
+    rc = main(
+        _convert(
+            models["m"], models["text"], "--heal-tokens", 500, "--checkpoint", ck, "--resume", "--out", tmp_path / "o3"
+        )
+    )
     err = capsys.readouterr().err
     assert rc == 2 and "model_fingerprint" in err, err
     assert not (tmp_path / "o3").exists()
@@ -82,8 +101,9 @@ def test_defect_3_default_heal_checkpoint_in_a_missing_parent_folder(models, tmp
 def test_defect_4_checkpoint_never_writes_over_an_input_or_an_existing_file(models, tmp_path, capsys):
     weights = models["m"] / "model.safetensors"
     before = _sha(weights)
-    rc = main(_convert(models["m"], models["text"], "--heal-tokens", 100, "--checkpoint", weights,
-                       "--out", tmp_path / "x"))  # fmt: skip
+    rc = main(
+        _convert(models["m"], models["text"], "--heal-tokens", 100, "--checkpoint", weights, "--out", tmp_path / "x")
+    )
     assert rc == 2 and "over or inside an input" in capsys.readouterr().err
     assert _sha(weights) == before
     keep = tmp_path / "notes.txt"
@@ -165,8 +185,13 @@ def test_ctrl_c_during_a_heal_prints_the_command_that_resumes_it(models, tmp_pat
                                                           "--checkpoint", ck, "--out", tmp_path / "out")]  # fmt: skip
     # Ctrl-C reaches the child as in a terminal, even when this suite runs in the background (where a shell starts
     # every process with SIGINT ignored, and Python then installs no KeyboardInterrupt handler)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     deadline = time.time() + 180
     while time.time() < deadline and not ck.exists():
         time.sleep(0.05)
@@ -184,8 +209,24 @@ def test_defect_5_a_trailing_slash_keeps_the_heal_checkpoint_beside_the_output(t
     text = tmp_path / "calib.txt"
     text.write_text(CALIB)
     out = str(tmp_path / "o") + "/"
-    rc = main(["convert", "--model", str(model), "--calibrate", str(text), "--seq-len", "16", "--sequences", "4",
-               "--no-progress", "--heal-tokens", "200", "--out", out])  # fmt: skip
+    rc = main(
+        [
+            "convert",
+            "--model",
+            str(model),
+            "--calibrate",
+            str(text),
+            "--seq-len",
+            "16",
+            "--sequences",
+            "4",
+            "--no-progress",
+            "--heal-tokens",
+            "200",
+            "--out",
+            out,
+        ]
+    )
     assert rc == 0, capsys.readouterr().err
     inside = sorted(p.name for p in (tmp_path / "o").iterdir())
     assert not [n for n in inside if "heal" in n and n != "heal_curve.csv" and n != "heal_curve.png"], inside
@@ -197,8 +238,21 @@ def test_defect_5_a_checkpoint_inside_an_output_to_be_made_is_refused(tmp_path, 
     model = tiny_hf(tmp_path / "m")
     text = tmp_path / "calib.txt"
     text.write_text(CALIB)
-    rc = main(["convert", "--model", str(model), "--calibrate", str(text), "--heal-tokens", "200", "--out",
-               str(tmp_path / "o"), "--checkpoint", str(tmp_path / "o" / "ck.pt")])  # fmt: skip
+    rc = main(
+        [
+            "convert",
+            "--model",
+            str(model),
+            "--calibrate",
+            str(text),
+            "--heal-tokens",
+            "200",
+            "--out",
+            str(tmp_path / "o"),
+            "--checkpoint",
+            str(tmp_path / "o" / "ck.pt"),
+        ]
+    )
     assert rc == 2 and "inside an input or the output" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
 

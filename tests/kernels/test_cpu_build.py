@@ -13,11 +13,14 @@ def _build_in_child(env: dict) -> str:
     import subprocess
     import sys
 
-    code = ("import warnings; warnings.simplefilter('always')\n"
-            "from normlab.kernels import cpu_build\n"
-            "ok = cpu_build.load(wait=True)\nprint('LOADED' if ok else 'FAILED', cpu_build.failure())")  # fmt: skip
-    proc = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
+    code = (
+        "import warnings; warnings.simplefilter('always')\n"
+        "from normlab.kernels import cpu_build\n"
+        "ok = cpu_build.load(wait=True)\nprint('LOADED' if ok else 'FAILED', cpu_build.failure())"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True, timeout=300
+    )
     return proc.stdout + proc.stderr
 
 

@@ -76,8 +76,15 @@ def test_rms_norm(m, n, dtype):
     x, dy, w, _, _ = _inputs(m, n, dtype)
     eps = 1e-6
     term = float((dy.double() * w.double()).abs().max() / x.double().pow(2).mean(-1).sqrt().min())  # |dy w| / r
-    _check(lambda x, w: rms_norm(x, w, eps), lambda x, w: FN.rms_norm(x, w, eps), [x, w], dy, dtype, "rms_norm",
-           grad_floor=term)  # fmt: skip
+    _check(
+        lambda x, w: rms_norm(x, w, eps),
+        lambda x, w: FN.rms_norm(x, w, eps),
+        [x, w],
+        dy,
+        dtype,
+        "rms_norm",
+        grad_floor=term,
+    )
 
 
 def test_rms_norm_long_rows_stream_in_chunks():

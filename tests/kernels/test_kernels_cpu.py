@@ -69,14 +69,27 @@ def test_rms_norm(m, n, dtype):
     x, dy, w, _, _ = _inputs(m, n, dtype)
     eps = 1e-6
     term = float((dy.double() * w.double()).abs().max() / x.double().pow(2).mean(-1).sqrt().min())  # |dy w| / r
-    KC.check(lambda x, w: cpu.rms_norm(x, w, eps), lambda x, w: FN.rms_norm(x, w, eps), [x, w], dy, dtype,
-             "rms_norm", grad_floor=term)  # fmt: skip
+    KC.check(
+        lambda x, w: cpu.rms_norm(x, w, eps),
+        lambda x, w: FN.rms_norm(x, w, eps),
+        [x, w],
+        dy,
+        dtype,
+        "rms_norm",
+        grad_floor=term,
+    )
 
 
 def test_tanh_is_accurate_over_the_whole_range():
     """The kernel's tanh (DyT with alpha = w = 1), against float64, from denormals to saturation."""
-    z = torch.cat([torch.logspace(-40, 2, 20000), -torch.logspace(-40, 2, 20000), torch.randn(100000) * 3,
-                   torch.tensor([0.0, -0.0, math.inf, -math.inf])])  # fmt: skip
+    z = torch.cat(
+        [
+            torch.logspace(-40, 2, 20000),
+            -torch.logspace(-40, 2, 20000),
+            torch.randn(100000) * 3,
+            torch.tensor([0.0, -0.0, math.inf, -math.inf]),
+        ]
+    )
     got = cpu.dyt(z.reshape(-1, 12), torch.ones(1), torch.ones(12)).reshape(-1)  # a full vector and a tail
     want = torch.tanh(z.double())
     ulp = torch.finfo(torch.float32).eps * want.abs().clamp_min(torch.finfo(torch.float32).tiny)
@@ -157,8 +170,14 @@ def test_non_finite_inputs_follow_one_rule_on_every_path(op):
     function's limit with gradient 0 (tanh, erf, ISRU: +-1); NaN stays NaN at its element; a row holding inf or
     NaN is NaN where the norm centres it (ELN). Every gradient included."""
     fast, ref, params = _EDGE_OPS[op]
-    x = torch.tensor([[1.0, -2.0, math.inf, 0.5, 0.1, -0.3, 2.0, 1.0], [math.nan, 1.0, 2.0, -1.0, 0.2, 0.4, -0.5, 0.0],
-                      [-math.inf, 0.3, 0.1, 0.2, -0.7, 0.9, 1.1, -1.2], [0.5, -0.5, 1.5, -1.5, 0.25, 0.0, 3.0, -3.0]])
+    x = torch.tensor(
+        [
+            [1.0, -2.0, math.inf, 0.5, 0.1, -0.3, 2.0, 1.0],
+            [math.nan, 1.0, 2.0, -1.0, 0.2, 0.4, -0.5, 0.0],
+            [-math.inf, 0.3, 0.1, 0.2, -0.7, 0.9, 1.1, -1.2],
+            [0.5, -0.5, 1.5, -1.5, 0.25, 0.0, 3.0, -3.0],
+        ]
+    )
     ps = params()
     got, want = _grads(fast, x, *ps), _grads(ref, x, *ps)
     _same(got[0], want[0], f"{op} y")
@@ -239,9 +258,13 @@ def test_gradients_are_deterministic_at_one_and_two_threads(op):
     """The same bits on every run with the same thread count (each task owns its rows; partials added in order),
     and the same values within float32 rounding across thread counts."""
     x, dy, w, b, _ = _inputs(301, 1023, torch.float32)
-    call = {"dyt": lambda x, p, w, b: cpu.dyt(x, p, w, b), "derf": lambda x, p, w, b: cpu.derf(x, p, 0.1 * p, w, b),
-            "dyisru": lambda x, p, w, b: cpu.dyisru(x, p, w, b), "eln": lambda x, p, w, b: cpu.eln(x, p, w, b),
-            "rms_norm": lambda x, p, w, b: cpu.rms_norm(x, w, 1e-6) * p + b}[op]  # fmt: skip
+    call = {
+        "dyt": lambda x, p, w, b: cpu.dyt(x, p, w, b),
+        "derf": lambda x, p, w, b: cpu.derf(x, p, 0.1 * p, w, b),
+        "dyisru": lambda x, p, w, b: cpu.dyisru(x, p, w, b),
+        "eln": lambda x, p, w, b: cpu.eln(x, p, w, b),
+        "rms_norm": lambda x, p, w, b: cpu.rms_norm(x, w, 1e-6) * p + b,
+    }[op]
     before = torch.get_num_threads()
     by_threads = {}
     try:
@@ -268,8 +291,11 @@ def test_saves_only_its_input(op):
     x = torch.randn(n, c, requires_grad=True)
     w = torch.ones(c, requires_grad=True)
     p = torch.full((1,), 0.5, requires_grad=True)
-    call = {"dyt": lambda: cpu.dyt(x, p, w, w), "dyisru": lambda: cpu.dyisru(x, p, w, w),
-            "rms_norm": lambda: cpu.rms_norm(x, w, 1e-6)}[op]  # fmt: skip
+    call = {
+        "dyt": lambda: cpu.dyt(x, p, w, w),
+        "dyisru": lambda: cpu.dyisru(x, p, w, w),
+        "rms_norm": lambda: cpu.rms_norm(x, w, 1e-6),
+    }[op]
     call()  # compile first: the hooks must see the compiled graph's saved tensors
     sizes = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: sizes.append(t.numel()) or t, lambda t: t):

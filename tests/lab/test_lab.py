@@ -18,7 +18,8 @@ from conftest import TEXT  # the small corpus of the corpus_file fixture
 from normlab.lab import GPT, GPTConfig, resolve_config, train
 from normlab.lab.data import get_batch, load_corpus, unigram_entropy
 from normlab.lab.metrics import effective_rank
-from normlab.lab.train import CheckpointError, lr_at
+from normlab.lab.optim import lr_at
+from normlab.lab.train import CheckpointError
 
 
 def _cfg(corpus_file, out, **overrides):
@@ -31,8 +32,16 @@ def _rows(run_dir):
 
 # ------------------------------------------------------------------ model
 def test_model_shapes_init_and_sites():
-    cfg = GPTConfig(width=64, depth=3, heads=4, context=16, norm="dyt", norm_final="rms_norm",
-                    norm_attn_kwargs={"alpha_init": 0.8}, norm_mlp_kwargs={"alpha_init": 0.2})  # fmt: skip
+    cfg = GPTConfig(
+        width=64,
+        depth=3,
+        heads=4,
+        context=16,
+        norm="dyt",
+        norm_final="rms_norm",
+        norm_attn_kwargs={"alpha_init": 0.8},
+        norm_mlp_kwargs={"alpha_init": 0.2},
+    )
     torch.manual_seed(0)
     model = GPT(cfg)
     logits, loss = model(torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (2, 16)))
@@ -152,8 +161,9 @@ def test_alignment_is_zero_for_rms_norm_and_not_for_detached(corpus_file, tmp_pa
 
 # ------------------------------------------------------------------ faults
 def test_diverged_run_is_recorded_not_raised(corpus_file, tmp_path):
-    summary = train(_cfg(corpus_file, tmp_path / "ls", **{"model.norm": "layer_scale", "lr": 1e3, "grad_clip": 0}),
-                    progress=False)  # fmt: skip
+    summary = train(
+        _cfg(corpus_file, tmp_path / "ls", **{"model.norm": "layer_scale", "lr": 1e3, "grad_clip": 0}), progress=False
+    )
     assert summary["status"] == "diverged"
     assert json.loads((tmp_path / "ls" / "summary.json").read_text())["status"] == "diverged"
 
@@ -168,8 +178,24 @@ def test_corrupt_and_mismatched_checkpoints_are_refused(corpus_file, tmp_path):
 
 
 def _train_cmd(corpus_file, out, *extra):
-    return [sys.executable, "-m", "normlab.cli", "train", "--preset", "tiny", "--data", corpus_file, "--out", str(out),
-            "--no-progress", "--set", "steps=300", "checkpoint_every=10", "log_every=1", *extra]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "normlab.cli",
+        "train",
+        "--preset",
+        "tiny",
+        "--data",
+        corpus_file,
+        "--out",
+        str(out),
+        "--no-progress",
+        "--set",
+        "steps=300",
+        "checkpoint_every=10",
+        "log_every=1",
+        *extra,
+    ]
 
 
 @pytest.mark.slow
@@ -208,8 +234,14 @@ def test_torchrun_ddp_two_processes(corpus_file, tmp_path):
     assert summary["world_size"] == 2 and summary["status"] == "completed"
     steps = [r["step"] for r in _rows(out)]
     assert len(steps) == len(set(steps))  # rank 0 alone writes: no line twice
-    assert sorted(p.name for p in out.iterdir()) == [".lock", "checkpoint.pt", "config.json", "metrics.jsonl",
-                                                     "summary.json", "version.json"]  # fmt: skip
+    assert sorted(p.name for p in out.iterdir()) == [
+        ".lock",
+        "checkpoint.pt",
+        "config.json",
+        "metrics.jsonl",
+        "summary.json",
+        "version.json",
+    ]
     assert proc.stdout.count("normlab train: preset tiny") == 1
     assert summary["final_val_loss"] < 5.5  # it trains: log(256) = 5.55 at init
 

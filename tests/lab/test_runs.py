@@ -131,9 +131,11 @@ def test_a_full_disk_mid_run_is_a_clear_error_and_the_run_stays_resumable(corpus
     """A real failed write: the process may write no file beyond 200 KB (RLIMIT_FSIZE, SIGXFSZ ignored, so
     write() fails with EFBIG as on a full disk); the tiny model's checkpoint is about 430 KB."""
     out = tmp_path / "run"
-    code = ("import resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
-            "resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000)); "
-            "from normlab.cli import main; sys.exit(main(sys.argv[1:]))")  # fmt: skip
+    code = (
+        "import resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000)); "
+        "from normlab.cli import main; sys.exit(main(sys.argv[1:]))"
+    )
     args = _train(out, corpus, "steps=20", "checkpoint_every=10")
     proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr
@@ -157,8 +159,25 @@ def _steps(out) -> list[int]:
 
 
 def _cmd(corpus_file, out, *extra, steps=3000, norm="rms_norm"):
-    return [sys.executable, "-m", "normlab.cli", "train", "--preset", "tiny", "--norm", norm, "--data", corpus_file,
-            "--out", str(out), "--no-progress", "--set", f"steps={steps}", "log_every=1", *extra]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "normlab.cli",
+        "train",
+        "--preset",
+        "tiny",
+        "--norm",
+        norm,
+        "--data",
+        corpus_file,
+        "--out",
+        str(out),
+        "--no-progress",
+        "--set",
+        f"steps={steps}",
+        "log_every=1",
+        *extra,
+    ]
 
 
 def _start(cmd, out, *, min_step=3) -> subprocess.Popen:
@@ -178,8 +197,9 @@ def test_a_second_run_on_a_live_folder_is_refused_naming_the_first(corpus_file, 
     out = tmp_path / "run"
     first = _start(_cmd(corpus_file, out), out)
     try:
-        second = subprocess.run(_cmd(corpus_file, out, norm="dyt"), capture_output=True, text=True, env=ENV,
-                                timeout=120)  # fmt: skip
+        second = subprocess.run(
+            _cmd(corpus_file, out, norm="dyt"), capture_output=True, text=True, env=ENV, timeout=120
+        )
         assert second.returncode == 2
         assert f"in use by a live run (pid {first.pid}" in second.stderr
         assert json.loads((out / "config.json").read_text())["model"]["norm"] == "rms_norm"
@@ -225,11 +245,16 @@ def test_sigkill_before_the_first_checkpoint_then_resume_logs_each_step_once(cor
     proc.kill()
     proc.communicate()
     assert not (out / "checkpoint.pt").exists() and _steps(out)[-1] >= 5
-    plain = subprocess.run(_cmd(corpus_file, out, "checkpoint_every=1000", steps=40), capture_output=True, text=True,
-                           env=ENV)  # fmt: skip
+    plain = subprocess.run(
+        _cmd(corpus_file, out, "checkpoint_every=1000", steps=40), capture_output=True, text=True, env=ENV
+    )
     assert plain.returncode == 2 and "already holds a run" in plain.stderr
-    resumed = subprocess.run([*_cmd(corpus_file, out, "checkpoint_every=1000", steps=40), "--resume"],
-                             capture_output=True, text=True, env=ENV)  # fmt: skip
+    resumed = subprocess.run(
+        [*_cmd(corpus_file, out, "checkpoint_every=1000", steps=40), "--resume"],
+        capture_output=True,
+        text=True,
+        env=ENV,
+    )
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert _steps(out) == list(range(1, 41))
     assert [r["step"] for r in RunFolder(out).metrics()].count(0) == 1  # the init's row once, not twice
@@ -251,8 +276,7 @@ def test_a_signal_ends_with_a_checkpoint_and_the_command_to_resume(corpus_file, 
     assert command == summary["resume"] and "--resume" in command
     argv = shlex.split(command)
     assert argv[0] == "normlab"
-    resumed = subprocess.run([sys.executable, "-m", "normlab.cli", *argv[1:]], capture_output=True, text=True,
-                             env=ENV)  # fmt: skip
+    resumed = subprocess.run([sys.executable, "-m", "normlab.cli", *argv[1:]], capture_output=True, text=True, env=ENV)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert _steps(out) == list(range(1, 61))
     assert json.loads((out / "summary.json").read_text())["status"] == "completed"

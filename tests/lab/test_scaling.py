@@ -13,8 +13,8 @@ import torch
 
 from normlab.lab import GPT, GPTConfig, resolve_config, train
 from normlab.lab.model import apply_rope, rope_tables
+from normlab.lab.optim import Optimizers, build_optimizer, muon_parameters
 from normlab.lab.runs import RunFolder
-from normlab.lab.train import Optimizers, build_optimizer, muon_parameters
 
 
 def _llama(**kw) -> GPTConfig:
@@ -27,8 +27,11 @@ def test_llama_block_shapes_and_parameters():
     assert model.cfg.mlp_hidden() == 1536  # SmolLM2's intermediate size at its width 576
     assert model.wpe is None and model.head.weight is not model.wte.weight  # RoPE, untied head
     mlp = model.blocks[0].mlp
-    assert (mlp.gate.weight.shape, mlp.up.weight.shape, mlp.proj.weight.shape) == ((1536, 576), (1536, 576),
-                                                                                    (576, 1536))  # fmt: skip
+    assert (mlp.gate.weight.shape, mlp.up.weight.shape, mlp.proj.weight.shape) == (
+        (1536, 576),
+        (1536, 576),
+        (576, 1536),
+    )
     assert all(not n.endswith(".bias") for n, _ in model.named_parameters() if "norm" not in n)  # no biases
     logits, loss = GPT(_llama())(torch.randint(256, (3, 16)), torch.randint(256, (3, 16)))
     assert logits.shape == (3, 16, 256) and loss.ndim == 0
@@ -116,9 +119,18 @@ def test_muon_checkpoint_and_resume_are_bit_identical(corpus_file, tmp_path, mon
     import signal
 
     train_mod = importlib.import_module("normlab.lab.train")
-    cfg = lambda out: resolve_config("tiny", {"optimizer": "muon", "steps": 20, "log_every": 1,  # noqa: E731
-                                              "checkpoint_every": 50, "model.block": "llama"},
-                                     data=[corpus_file], out=str(out))  # fmt: skip
+    cfg = lambda out: resolve_config(
+        "tiny",
+        {
+            "optimizer": "muon",
+            "steps": 20,
+            "log_every": 1,  # noqa: E731
+            "checkpoint_every": 50,
+            "model.block": "llama",
+        },
+        data=[corpus_file],
+        out=str(out),
+    )
     train(cfg(tmp_path / "ref"), progress=False)
     real_step = train_mod._step
 
@@ -140,16 +152,21 @@ def test_muon_checkpoint_and_resume_are_bit_identical(corpus_file, tmp_path, mon
 
 
 def test_muon_learning_rate_follows_the_schedule(corpus_file, tmp_path):
-    from normlab.lab.train import lr_at
+    from normlab.lab.optim import lr_at
 
-    cfg = resolve_config("tiny", {"optimizer": "muon", "steps": 3, "muon_lr": 0.05, "lr": 1e-3, "warmup": 2},
-                         data=[corpus_file], out=str(tmp_path / "r"))  # fmt: skip
+    cfg = resolve_config(
+        "tiny",
+        {"optimizer": "muon", "steps": 3, "muon_lr": 0.05, "lr": 1e-3, "warmup": 2},
+        data=[corpus_file],
+        out=str(tmp_path / "r"),
+    )
     model = GPT(cfg.model)
     opt = build_optimizer(model, cfg, torch.device("cpu"))
     train_mod = importlib.import_module("normlab.lab.train")
     corpus = train_mod.load_corpus([corpus_file], cfg.val_fraction)
-    train_mod._step(model, model, model, opt, cfg, corpus, 0, 0, torch.device("cpu"), train_mod.contextlib.nullcontext,
-                    False)  # fmt: skip
+    train_mod._step(
+        model, model, model, opt, cfg, corpus, 0, 0, torch.device("cpu"), train_mod.contextlib.nullcontext, False
+    )
     muon, adamw = opt.optimizers
     assert adamw.param_groups[0]["lr"] == lr_at(0, cfg)
     assert muon.param_groups[0]["lr"] == pytest.approx(0.05 * lr_at(0, cfg) / 1e-3)
@@ -220,8 +237,9 @@ def _fake_root(tmp_path, losses: dict[tuple[str, float], list[float]]):
         d = Path(s.config.out)
         d.mkdir(parents=True)
         v = losses[(s.meta["sweep"], s.meta["lr"])][s.seed]
-        (d / "summary.json").write_text(json.dumps({"status": "completed", "final_val_loss": v,
-                                                     "unigram_entropy": 3.33}))  # fmt: skip
+        (d / "summary.json").write_text(
+            json.dumps({"status": "completed", "final_val_loss": v, "unigram_entropy": 3.33})
+        )
         (d / "config.json").write_text(json.dumps(s.config.to_dict()))
     return exp, root, specs
 
@@ -304,8 +322,9 @@ def test_gpu_study_script_runs_on_the_cpu_at_tiny_shapes(corpus_file, tmp_path):
            "NORMLAB": str(Path(sys.executable).parent / "normlab"), "PYTHON": sys.executable,
            "SET": "model.width=32 model.depth=1 model.heads=2 model.context=32 steps=4 batch_size=2 eval_batches=1 "
                   "eval_every=2 compile=false warmup=1 metrics_every=2 checkpoint_every=2"}  # fmt: skip
-    proc = subprocess.run(["bash", str(repo / "scripts" / "gpu_study.sh")], env=env, capture_output=True, text=True,
-                          timeout=600)  # fmt: skip
+    proc = subprocess.run(
+        ["bash", str(repo / "scripts" / "gpu_study.sh")], env=env, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     for run in ("gpt2-rms_norm", "gpt2-dyt", "llama-rms_norm", "llama-dyt"):
         s = json.loads((tmp_path / "out" / run / "summary.json").read_text())
@@ -321,11 +340,32 @@ def test_the_issue_command_runs_from_the_command_line(corpus_file, tmp_path):
     from normlab.cli import main
 
     out = tmp_path / "r"
-    code = main(["train", "--preset", "tiny", "--set", "model.block=llama", "optimizer=muon", "--norm", "dyt",
-                 "--set", "model.norm_init=match_rms", "steps=6", "--data", corpus_file, "--out", str(out),
-                 "--no-progress"])  # fmt: skip
+    code = main(
+        [
+            "train",
+            "--preset",
+            "tiny",
+            "--set",
+            "model.block=llama",
+            "optimizer=muon",
+            "--norm",
+            "dyt",
+            "--set",
+            "model.norm_init=match_rms",
+            "steps=6",
+            "--data",
+            corpus_file,
+            "--out",
+            str(out),
+            "--no-progress",
+        ]
+    )
     assert code == 0
     cfg = json.loads((out / "config.json").read_text())
     assert (cfg["model"]["block"], cfg["optimizer"], cfg["model"]["norm"], cfg["model"]["norm_init"]) == (
-        "llama", "muon", "dyt", "match_rms")  # fmt: skip
+        "llama",
+        "muon",
+        "dyt",
+        "match_rms",
+    )
     assert json.loads((out / "summary.json").read_text())["status"] == "completed"

@@ -19,8 +19,13 @@ from normlab.lab.train import check_cpu_bf16
 
 # 6: a diverged run reads as diverged
 def test_a_diverged_runs_final_train_loss_stays_nan(corpus_file, tmp_path):
-    cfg = resolve_config("tiny", ["lr=1e6", "grad_clip=0", "warmup=0", "steps=40", "log_every=1"], data=[corpus_file],
-                         out=str(tmp_path / "run"), norm="layer_scale")  # fmt: skip
+    cfg = resolve_config(
+        "tiny",
+        ["lr=1e6", "grad_clip=0", "warmup=0", "steps=40", "log_every=1"],
+        data=[corpus_file],
+        out=str(tmp_path / "run"),
+        norm="layer_scale",
+    )
     summary = train(cfg, progress=False)
     assert summary["status"] == "diverged"
     assert math.isnan(summary["final_train_loss"])
@@ -31,8 +36,25 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def _cmd(corpus_file, out, *extra, steps=3000, norm="rms_norm"):
-    return [sys.executable, "-m", "normlab.cli", "train", "--preset", "tiny", "--norm", norm, "--data", corpus_file,
-            "--out", str(out), "--no-progress", "--set", f"steps={steps}", "log_every=1", *extra]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "normlab.cli",
+        "train",
+        "--preset",
+        "tiny",
+        "--norm",
+        norm,
+        "--data",
+        corpus_file,
+        "--out",
+        str(out),
+        "--no-progress",
+        "--set",
+        f"steps={steps}",
+        "log_every=1",
+        *extra,
+    ]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
@@ -54,8 +76,13 @@ def test_rms_ema_trains_in_every_dtype_and_a_nan_batch_does_not_poison_it(dtype)
 def test_bf16_autocast_and_compile_train_on_the_cpu(corpus_file, tmp_path):
     env = {**ENV, "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}  # see check_cpu_bf16
     out = tmp_path / "run"
-    proc = subprocess.run(_cmd(corpus_file, out, "amp=bf16", "compile=true", steps=6), capture_output=True,
-                          text=True, env=env, timeout=600)  # fmt: skip
+    proc = subprocess.run(
+        _cmd(corpus_file, out, "amp=bf16", "compile=true", steps=6),
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["final_val_loss"] < 5.6
@@ -69,8 +96,6 @@ def test_a_bf16_probe_that_dies_with_sigill_becomes_a_clear_error():
         check_cpu_bf16()  # this machine, with its environment: passes, or names the fix
     except RuntimeError as e:
         assert "ONEDNN_MAX_CPU_ISA" in str(e)
-
-
 
 
 def test_rms_ema_is_read_as_training_sets_it():

@@ -37,8 +37,9 @@ def test_a_bad_recipe_value_fails_before_any_folder_exists(corpus_file, tmp_path
     from normlab.cli import main
 
     out = tmp_path / "run"
-    code = main(["train", "--preset", "tiny", "--norm", "dyt", "--data", corpus_file, "--out", str(out),
-                 "--set", setting])  # fmt: skip
+    code = main(
+        ["train", "--preset", "tiny", "--norm", "dyt", "--data", corpus_file, "--out", str(out), "--set", setting]
+    )
     assert code == 2
     err = capsys.readouterr().err
     assert __import__("re").search(match, err), err
@@ -52,15 +53,14 @@ def test_default_config_trains_as_before(corpus_file, tmp_path):
     before = json.loads((DATA / "losses_before_recipe_knobs.json").read_text())["train_loss"]
     for norm, losses in before.items():
         knobs = {"steps": 20, "log_every": 1, "eval_every": 10, "model.norm_kwargs": {"kernel": "reference"}}
-        cfg = resolve_config("tiny", knobs, data=[corpus_file],
-                             out=str(tmp_path / norm), norm=norm)  # fmt: skip
+        cfg = resolve_config("tiny", knobs, data=[corpus_file], out=str(tmp_path / norm), norm=norm)
         train(cfg, progress=False)
         now = [r["train_loss"] for r in RunFolder(tmp_path / norm).metrics() if r.get("train_loss") is not None]
         assert now == losses, norm
 
 
 def test_embed_scale_is_a_learnable_scalar_without_weight_decay():
-    from normlab.lab.train import build_optimizer
+    from normlab.lab.optim import build_optimizer
 
     cfg = GPTConfig(width=64, depth=2, heads=4, context=16, norm="dyt", embed_scale="sqrt_d")
     model = GPT(cfg)
@@ -97,8 +97,16 @@ def test_alpha_table_gives_the_dyt_papers_alpha0_per_site():
     assert dyt_alpha0(2500) == dict(zip(("attn", "mlp", "final"), (1.0, 0.5, 0.5)))
     assert set(DYT_PAPER_ALPHA0) == {1024, 2048, 4096, 8192}
     # a site's own kwargs win over the table; a norm without alpha ignores it
-    cfg = GPTConfig(width=64, depth=1, heads=4, context=16, norm="dyt", norm_final="rms_norm",
-                    alpha_table="dyt_paper@8192", norm_attn_kwargs={"alpha_init": 3.0})  # fmt: skip
+    cfg = GPTConfig(
+        width=64,
+        depth=1,
+        heads=4,
+        context=16,
+        norm="dyt",
+        norm_final="rms_norm",
+        alpha_table="dyt_paper@8192",
+        norm_attn_kwargs={"alpha_init": 3.0},
+    )
     model = GPT(cfg)
     assert float(model.blocks[0].norm_attn.alpha) == 3.0
     assert float(model.blocks[0].norm_mlp.alpha) == pytest.approx(0.05)
@@ -117,8 +125,9 @@ def test_match_rms_gives_every_pointwise_site_the_output_rms_of_rmsnorm():
 
 
 def test_match_rms_runs_once_at_the_start_of_a_run(corpus_file, tmp_path):
-    cfg = resolve_config("tiny", ["model.norm_init=match_rms", "steps=5"], data=[corpus_file], out=str(tmp_path / "r"),
-                         norm="dyt")  # fmt: skip
+    cfg = resolve_config(
+        "tiny", ["model.norm_init=match_rms", "steps=5"], data=[corpus_file], out=str(tmp_path / "r"), norm="dyt"
+    )
     train(cfg, progress=False)
     row0 = RunFolder(tmp_path / "r").metrics()[0]
     assert row0["step"] == 0 and row0["rms_out/blocks.0.norm_attn"] == pytest.approx(1.0, rel=1e-4)
@@ -217,13 +226,31 @@ def _phase_results(tmp_path, losses: dict, with_configs: bool = False) -> Result
         (d / "summary.json").write_text(json.dumps(summary))
         if with_configs:
             (d / "config.json").write_text(json.dumps(spec.config.to_dict()))
-    return Results({"name": exp.name, "runs": runs, "baseline": exp.baseline, "checks": exp.checks,
-                    "guard": exp.guard, "mechanism": exp.mechanism}, tmp_path)  # fmt: skip
+    return Results(
+        {
+            "name": exp.name,
+            "runs": runs,
+            "baseline": exp.baseline,
+            "checks": exp.checks,
+            "guard": exp.guard,
+            "mechanism": exp.mechanism,
+        },
+        tmp_path,
+    )
 
 
 def test_phase_checks_agree(tmp_path):
-    good = {"rms_norm": 2.6, "dyt_sqrtd": 2.8, "derf_sqrtd": 2.8, "dyt_llama": 2.7, "derf_llama": 2.7,
-            "scaled_dyt_sqrtd": 2.65, "dyt_match": 2.5, "derf_match": 2.52, "hardtanh_match": 2.55}
+    good = {
+        "rms_norm": 2.6,
+        "dyt_sqrtd": 2.8,
+        "derf_sqrtd": 2.8,
+        "dyt_llama": 2.7,
+        "derf_llama": 2.7,
+        "scaled_dyt_sqrtd": 2.65,
+        "dyt_match": 2.5,
+        "derf_match": 2.52,
+        "hardtanh_match": 2.55,
+    }
     lines = [str(v) for v in claims(_phase_results(tmp_path, good))]
     assert lines[0].startswith("**agrees**: the point-wise norms in the dissection's setting")
     escapes = [line for line in lines if "the papers' recipe" in line]
@@ -237,8 +264,10 @@ def test_phase_checks_agree(tmp_path):
     want = "**inconclusive**: scaled DyT against DyT in the dissection's setting"
     assert any(line.startswith(want) for line in lines)
     lines = [str(v) for v in claims(_phase_results(tmp_path / "b", {"rms_norm": 2.6, "scaled_dyt": 2.9}))]
-    assert any(line.startswith("**agrees**: scaled DyT against DyT in the dissection's setting: scaled DyT 2.901 vs "
-                               "DyT 3.33") for line in lines), lines  # fmt: skip
+    assert any(
+        line.startswith("**agrees**: scaled DyT against DyT in the dissection's setting: scaled DyT 2.901 vs DyT 3.33")
+        for line in lines
+    ), lines
 
 
 def test_phase_checks_disagree(tmp_path):
@@ -258,11 +287,17 @@ def test_phase_sorts_both_ways(tmp_path):
     def against(spec):  # the baseline still trains (else every check is inconclusive); the rest against
         return 2.6 if spec.name == "rms_norm" else H if as_predicted(spec) < H else 2.6
 
-    (good,) = [v for v in claims(_phase_results(tmp_path / "a", {n: as_predicted for n in _names()}, True))
-               if "predicted boundary" in v.text]  # fmt: skip
+    (good,) = [
+        v
+        for v in claims(_phase_results(tmp_path / "a", {n: as_predicted for n in _names()}, True))
+        if "predicted boundary" in v.text
+    ]
     assert good.ok is True and good.numbers["fraction"] == 1.0 and "100% of 40 runs" in good.text
-    (bad,) = [v for v in claims(_phase_results(tmp_path / "b", {n: against for n in _names()}, True))
-              if "predicted boundary" in v.text]  # fmt: skip
+    (bad,) = [
+        v
+        for v in claims(_phase_results(tmp_path / "b", {n: against for n in _names()}, True))
+        if "predicted boundary" in v.text
+    ]
     assert bad.ok is False and bad.numbers["fraction"] == pytest.approx(2 / 40) and "on the wrong side: " in bad.text
 
 
@@ -275,8 +310,16 @@ def test_phase_report_draws_the_map_and_the_mechanism(tmp_path):
 
     res = _phase_results(tmp_path, {"rms_norm": 2.6, "dyt_match": 2.5}, with_configs=True)
     for name in ("dyt", "dyt_match"):  # telemetry rows for the mechanism figure
-        rows = [{"step": s, "val_loss": 3.3, "rms_out/blocks.0.norm_attn": 0.1, "alpha_rms/blocks.0.norm_attn": 0.01,
-                 "attn_entropy/0": 1.0} for s in (0, 50, 100)]  # fmt: skip
+        rows = [
+            {
+                "step": s,
+                "val_loss": 3.3,
+                "rms_out/blocks.0.norm_attn": 0.1,
+                "alpha_rms/blocks.0.norm_attn": 0.01,
+                "attn_entropy/0": 1.0,
+            }
+            for s in (0, 50, 100)
+        ]
         run = res.groups[name][0]
         (res.run_dir(run) / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert FIGURES["phase"](res, tmp_path / "phase.png").stat().st_size > 10_000

@@ -26,8 +26,9 @@ def _results(tmp_path, name: str, values: dict, statuses: dict | None = None) ->
         v = values.get(r["name"])
         for seed, one in enumerate(v if isinstance(v, list) else [v]):  # a list: one value per seed
             run_id = f"{name}-{r['name']}-s{seed}"
-            runs.append({"name": r["name"], "label": r.get("label", r["name"]), "seed": seed, "run_id": run_id,
-                         "meta": meta})  # fmt: skip
+            runs.append(
+                {"name": r["name"], "label": r.get("label", r["name"]), "seed": seed, "run_id": run_id, "meta": meta}
+            )
             summary = {"status": (statuses or {}).get(r["name"], "completed"), "unigram_entropy": H}
             summary.update(one if isinstance(one, dict) else {"final_val_loss": one})
             (tmp_path / "runs" / run_id).mkdir(parents=True)
@@ -72,7 +73,8 @@ def test_an_untrained_baseline_makes_every_guarded_check_inconclusive(tmp_path):
 def test_width(tmp_path, wide_gap, verdict):
     values = {"narrow_rms_norm": 2.0, "narrow_dyt": 3.0, "wide_rms_norm": 2.0, "wide_dyt": 2.0 + wide_gap}
     assert _claims(_results(tmp_path, "width", values)) == [
-        f"**{verdict}**: DyT's gap to RMSNorm is 1.000 narrow vs {wide_gap:.3f} wide (the dissection: 4.33 vs 0.61)"]
+        f"**{verdict}**: DyT's gap to RMSNorm is 1.000 narrow vs {wide_gap:.3f} wide (the dissection: 4.33 vs 0.61)"
+    ]
 
 
 @pytest.mark.parametrize("name", ["denominator", "coupling"])
@@ -88,8 +90,9 @@ def test_fraction_checks_agree_and_disagree(tmp_path, name):
     lines = _claims(_results(tmp_path / "bad", name, {"rms_norm": 2.0, **bad}))
     assert all(line.startswith("**disagrees**") for line in lines)
     label = next(r["label"] for r in exp.runs if r["name"] != "rms_norm" and not r.get("works"))
-    want = (f"**disagrees**: {label}: fails in the dissection; here it is at 0.08 of the way from RMSNorm to the "
-            "attractor")
+    want = (
+        f"**disagrees**: {label}: fails in the dissection; here it is at 0.08 of the way from RMSNorm to the attractor"
+    )
     assert want in lines
 
 
@@ -133,8 +136,10 @@ def test_beyond_states_findings_not_verdicts(tmp_path):
 
 def test_a_toml_check_naming_a_missing_run_is_refused(tmp_path):
     bad = tmp_path / "bad.toml"
-    bad.write_text('name = "x"\nbaseline = "a"\n[[runs]]\nname = "a"\nset = {}\n'
-                   '[[checks]]\nkind = "status"\nrun = "nope"\nstatus = "diverged"\n')  # fmt: skip
+    bad.write_text(
+        'name = "x"\nbaseline = "a"\n[[runs]]\nname = "a"\nset = {}\n'
+        '[[checks]]\nkind = "status"\nrun = "nope"\nstatus = "diverged"\n'
+    )
     with pytest.raises(ValueError, match="names a run that does not exist: 'nope'"):
         load_experiment(str(bad))
 
@@ -147,17 +152,29 @@ def test_escape_step_is_the_first_evaluation_below_the_attractor(tmp_path):
     assert escape_step(rows, H) == 100  # 3.2 <= 3.33 - 0.1; 3.3 at step 50 is not
     assert escape_step(rows, 3.5) == 50
     assert escape_step(rows, 3.0) is None
-    res = _results(tmp_path, "width", {"narrow_rms_norm": {"final_val_loss": 2.0, "escape_step": 100},
-                                       "narrow_dyt": {"final_val_loss": 3.3, "escape_step": None}})  # fmt: skip
+    res = _results(
+        tmp_path,
+        "width",
+        {
+            "narrow_rms_norm": {"final_val_loss": 2.0, "escape_step": 100},
+            "narrow_dyt": {"final_val_loss": 3.3, "escape_step": None},
+        },
+    )
     assert res.escape("narrow_rms_norm") == "100" and res.escape("narrow_dyt") == "never"
 
 
 def test_a_difference_within_the_spread_over_seeds_is_inconclusive(tmp_path):
-    noisy = {"narrow_rms_norm": [2.0, 2.0], "narrow_dyt": [2.5, 3.5], "wide_rms_norm": [2.0, 2.0],
-             "wide_dyt": [2.8, 3.0]}  # gaps 1.0 and 0.9, but narrow DyT's seeds differ by 1.0 (std 0.71)
+    noisy = {
+        "narrow_rms_norm": [2.0, 2.0],
+        "narrow_dyt": [2.5, 3.5],
+        "wide_rms_norm": [2.0, 2.0],
+        "wide_dyt": [2.8, 3.0],
+    }  # gaps 1.0 and 0.9, but narrow DyT's seeds differ by 1.0 (std 0.71)
     (line,) = _claims(_results(tmp_path / "noisy", "width", noisy))
-    assert line == ("**inconclusive**: DyT's gap to RMSNorm is 1.000 narrow vs 0.900 wide (the dissection: 4.33 vs "
-                    "0.61); the difference 0.1 is within the spread over seeds 0.707")
+    assert line == (
+        "**inconclusive**: DyT's gap to RMSNorm is 1.000 narrow vs 0.900 wide (the dissection: 4.33 vs "
+        "0.61); the difference 0.1 is within the spread over seeds 0.707"
+    )
     clear = {**noisy, "narrow_dyt": [2.99, 3.01], "wide_dyt": [2.19, 2.21]}  # gaps 1.0 and 0.2, std 0.014
     (line,) = _claims(_results(tmp_path / "clear", "width", clear))
     assert line.startswith("**agrees**: DyT's gap to RMSNorm is 1.000 narrow vs 0.200 wide")
@@ -179,8 +196,10 @@ def test_the_report_states_each_verdict_at_both_budgets(tmp_path):
     short = root("default", {"narrow_rms_norm": 2.0, "narrow_dyt": 3.0, "wide_rms_norm": 2.0, "wide_dyt": 2.9})
     long = root("long", {"narrow_rms_norm": 1.8, "narrow_dyt": 3.0, "wide_rms_norm": 1.8, "wide_dyt": 1.9})
     text = write_report(long, compare=short).read_text()
-    assert "- **agrees**: DyT's gap to RMSNorm is 1.200 narrow vs 0.100 wide (the dissection: 4.33 vs 0.61) " \
-           "[at `default`: disagrees]" in text  # fmt: skip
+    assert (
+        "- **agrees**: DyT's gap to RMSNorm is 1.200 narrow vs 0.100 wide (the dissection: 4.33 vs 0.61) "
+        "[at `default`: disagrees]" in text
+    )
     assert (long / "figures" / "width_loss.png").stat().st_size > 0
     with pytest.raises(FileNotFoundError, match="no index.json"):
         write_report(long, compare=tmp_path / "nowhere")

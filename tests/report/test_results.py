@@ -26,8 +26,22 @@ def test_report_inputs_that_are_not_normlabs(corpus, tmp_path, capsys):
     (root / "index.json").write_text('{"profile": "tiny", "experi')
     with pytest.raises(Exception, match=r"index\.json is unreadable or not JSON"):
         write_report(root)
-    assert main(["sweep", str(write_experiment(tmp_path, corpus, 5, runs=("rms_norm",))), "--profile", "tiny",
-                 "--jobs", "1", "--root", str(tmp_path / "a"), "--no-progress"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "sweep",
+                str(write_experiment(tmp_path, corpus, 5, runs=("rms_norm",))),
+                "--profile",
+                "tiny",
+                "--jobs",
+                "1",
+                "--root",
+                str(tmp_path / "a"),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     other = tmp_path / "b"
     other.mkdir()
     (other / "index.json").write_text(json.dumps({"profile": "tiny", "experiments": [{"name": "else", "runs": []}]}))
@@ -53,8 +67,10 @@ def _report_root(tmp_path) -> tuple[Path, Path]:
     from normlab.sweep import expand, run_sweep, write_index
 
     toml = tmp_path / "one.toml"
-    toml.write_text('name = "one"\nseeds = [0]\n[[runs]]\nname = "a"\nset = { "model.norm" = "rms_norm", '
-                    '"steps" = 4, "eval_every" = 2, "metrics_every" = 2 }\n')  # fmt: skip
+    toml.write_text(
+        'name = "one"\nseeds = [0]\n[[runs]]\nname = "a"\nset = { "model.norm" = "rms_norm", '
+        '"steps" = 4, "eval_every" = 2, "metrics_every" = 2 }\n'
+    )
     exp = load_experiment(str(toml))
     root = tmp_path / "root"
     specs = expand(exp, "tiny", root)

@@ -17,8 +17,6 @@ def test_fit_model_is_the_functional_form():
     assert float(res.param) == pytest.approx(0.7, rel=1e-8)
 
 
-
-
 def test_a_fit_that_overflows_says_so():
     import numpy as np
 

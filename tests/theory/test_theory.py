@@ -210,8 +210,10 @@ def test_pointwise_gain_is_bounded_theorem_1(name, limit):
 
 
 def test_seed_003_jacobian_table():
-    rows = {(r["width"], r["norm"]): r for r in jacobian_table(["rms_norm", "dyt"], [1024, 2048],
-                                                               std=0.02, init={"alpha_init": 1.0})}  # fmt: skip
+    rows = {
+        (r["width"], r["norm"]): r
+        for r in jacobian_table(["rms_norm", "dyt"], [1024, 2048], std=0.02, init={"alpha_init": 1.0})
+    }
     for width, diag in ((1024, 1600), (2048, 2260)):
         r = rows[(width, "rms_norm")]
         assert r["diag"] == pytest.approx(diag, rel=0.03)

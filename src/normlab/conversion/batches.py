@@ -21,8 +21,10 @@ def as_batches(calibrate) -> Iterable:
     if isinstance(calibrate, (torch.Tensor, dict)):
         return [calibrate]
     if isinstance(calibrate, (str, bytes)) or not isinstance(calibrate, Iterable):
-        raise TypeError(f"calibrate: expected a tensor of inputs, a dict of model kwargs, a list of those, or a "
-                        f"dataloader yielding them; got {type(calibrate).__name__}")  # fmt: skip
+        raise TypeError(
+            f"calibrate: expected a tensor of inputs, a dict of model kwargs, a list of those, or a "
+            f"dataloader yielding them; got {type(calibrate).__name__}"
+        )
     return calibrate
 
 
@@ -39,8 +41,10 @@ def run_batch(model: nn.Module, batch, i: int = 0, *, no_cache: bool = False):
     elif isinstance(batch, torch.Tensor):
         args, kwargs = (batch,), {}
     else:
-        raise TypeError(f"calibrate: batch {i} is a {type(batch).__name__}; expected a tensor, a dict of model "
-                        "kwargs, or an (inputs, ...) tuple")  # fmt: skip
+        raise TypeError(
+            f"calibrate: batch {i} is a {type(batch).__name__}; expected a tensor, a dict of model "
+            "kwargs, or an (inputs, ...) tuple"
+        )
     try:
         if no_cache:
             try:

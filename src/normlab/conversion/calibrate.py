@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call
+from tqdm.auto import tqdm
 
 from normlab.conversion.batches import Stop, as_batches, run_batch, swap
 from normlab.conversion.record import Site
@@ -88,9 +89,15 @@ class FitOutcome:
     # explains; None when the target does not vary (e.g. one repeated first token)
 
     def to_dict(self) -> dict:
-        return {"param_name": self.param_name, "value": self.value, "amplitude": self.amplitude,
-                "rel_error": self.rel_error, "start_error": self.start_error, "converged": self.ok,
-                "explained": self.explained}  # fmt: skip
+        return {
+            "param_name": self.param_name,
+            "value": self.value,
+            "amplitude": self.amplitude,
+            "rel_error": self.rel_error,
+            "start_error": self.start_error,
+            "converged": self.ok,
+            "explained": self.explained,
+        }
 
 
 def _param_name(new: nn.Module) -> str:
@@ -143,8 +150,38 @@ def _degenerate(name: str, value: Tensor, x: Tensor) -> list[str]:
     return []
 
 
-def fit_replacement(new: nn.Module, x: Tensor, y: Tensor, *, per_channel: bool = False, fit_amplitude: bool = True,
-                    max_iter: int = 60) -> FitOutcome:  # fmt: skip
+def _lbfgs(loss, p0: Tensor, la0: Tensor, q0: list[Tensor], fit_amplitude: bool, max_iter: int, notes: list):
+    """L-BFGS from the start point over the parameter, the amplitude (if fitted) and the linear extras; returns
+    them and the final loss (NaN, with a note, when L-BFGS fails)."""
+    p = p0.clone().requires_grad_(True)
+    la = la0.clone().requires_grad_(fit_amplitude)
+    qs = [q.clone().requires_grad_(True) for q in q0]
+    opt = torch.optim.LBFGS(
+        [p, la, *qs] if fit_amplitude else [p, *qs],
+        max_iter=max_iter,
+        line_search_fn="strong_wolfe",
+        tolerance_grad=1e-12,
+        tolerance_change=1e-15,
+    )
+
+    def closure():
+        opt.zero_grad()
+        value = loss(p, la, qs)
+        value.backward()
+        return value
+
+    try:
+        opt.step(closure)
+        final = float(loss(p, la, qs).detach())
+    except (RuntimeError, ValueError) as e:  # noqa: PERF203
+        final = math.nan
+        notes.append(f"L-BFGS failed ({e})")
+    return p, la, qs, final
+
+
+def fit_replacement(
+    new: nn.Module, x: Tensor, y: Tensor, *, per_channel: bool = False, fit_amplitude: bool = True, max_iter: int = 60
+) -> FitOutcome:
     """Fit ``new``'s parameter and an amplitude (folded into its weight) so that new(x) reproduces y.
 
     x, y: (N, C), the replacement's input and the original norm's output after its affine. ``new`` is updated
@@ -157,8 +194,15 @@ def fit_replacement(new: nn.Module, x: Tensor, y: Tensor, *, per_channel: bool =
         notes.append(f"{int((~finite).sum())} token(s) with NaN/Inf left out")
         x, y = x[finite], y[finite]
     if len(x) < 2:
-        return FitOutcome(name, math.nan, math.nan, math.nan, math.nan, False,
-                          notes + ["no finite calibration tokens: default init kept"])  # fmt: skip
+        return FitOutcome(
+            name,
+            math.nan,
+            math.nan,
+            math.nan,
+            math.nan,
+            False,
+            notes + ["no finite calibration tokens: default init kept"],
+        )
     x, y = x.double(), y.double()
     w0 = new.weight.detach().double()
     linear = norm_spec(new.registry_name).also_fits  # fitted as they are, from their init (Derf's shift)
@@ -182,24 +226,7 @@ def fit_replacement(new: nn.Module, x: Tensor, y: Tensor, *, per_channel: bool =
         p0, la0 = _coarse_scan(out, x, y, p0, la0, fit_amplitude)
         start_loss = float(loss(p0, la0))
     denom = float(y.pow(2).mean().sqrt()) or 1.0
-    p = p0.clone().requires_grad_(True)
-    la = la0.clone().requires_grad_(fit_amplitude)
-    qs = [q.clone().requires_grad_(True) for q in q0]
-    opt = torch.optim.LBFGS([p, la, *qs] if fit_amplitude else [p, *qs], max_iter=max_iter,
-                            line_search_fn="strong_wolfe", tolerance_grad=1e-12, tolerance_change=1e-15)  # fmt: skip
-
-    def closure():
-        opt.zero_grad()
-        value = loss(p, la, qs)
-        value.backward()
-        return value
-
-    try:
-        opt.step(closure)
-        final = float(loss(p, la, qs).detach())
-    except (RuntimeError, ValueError) as e:  # noqa: PERF203
-        final = math.nan
-        notes.append(f"L-BFGS failed ({e})")
+    p, la, qs, final = _lbfgs(loss, p0, la0, q0, fit_amplitude, max_iter, notes)
     ok = True
     if not math.isfinite(final) or final > start_loss:
         notes.append("fit did not improve on its start (non-finite or worse): start point kept")
@@ -219,8 +246,16 @@ def fit_replacement(new: nn.Module, x: Tensor, y: Tensor, *, per_channel: bool =
             getattr(new, k).copy_(q.detach().to(getattr(new, k)))
     variance = float((y - y.mean(0)).pow(2).mean())
     explained = 1.0 - final / variance if variance > 0 else None
-    return FitOutcome(name.removeprefix("log_"), float(value.mean()), float(la.exp().mean()),
-                      math.sqrt(final) / denom, math.sqrt(start_loss) / denom, ok, notes, explained)  # fmt: skip
+    return FitOutcome(
+        name.removeprefix("log_"),
+        float(value.mean()),
+        float(la.exp().mean()),
+        math.sqrt(final) / denom,
+        math.sqrt(start_loss) / denom,
+        ok,
+        notes,
+        explained,
+    )
 
 
 # --------------------------------------------------------------------------
@@ -265,8 +300,12 @@ class _Rows:
 
 def _pass(model: nn.Module, batch, i: int, hooks: dict[str, Callable], kind: str) -> None:
     """Run batch i with hooks on the named modules ("out": forward hooks, "pre": pre-hooks); a hook may stop it."""
-    handles = [model.get_submodule(n).register_forward_hook(h) if kind == "out" else
-               model.get_submodule(n).register_forward_pre_hook(h) for n, h in hooks.items()]  # fmt: skip
+    handles = [
+        model.get_submodule(n).register_forward_hook(h)
+        if kind == "out"
+        else model.get_submodule(n).register_forward_pre_hook(h)
+        for n, h in hooks.items()
+    ]
     try:
         with torch.no_grad():
             run_batch(model, batch, i)
@@ -278,17 +317,22 @@ def _pass(model: nn.Module, batch, i: int, hooks: dict[str, Callable], kind: str
 
 
 @torch.no_grad()
-def _first_token_decision(ratios: dict[str, list[float]], order: list[str], first_token: str,
-                          massive: float) -> tuple[bool, str]:  # fmt: skip
+def _first_token_decision(
+    ratios: dict[str, list[float]], order: list[str], first_token: str, massive: float
+) -> tuple[bool, str]:
     """Whether the first token gets its own replacement, and the sentence that says why: the largest ratio of the
     first token's RMS to the median token's over the sites (NaN when there is no sequence axis)."""
-    worst = max(((max((r for r in ratios[n] if r == r), default=math.nan), n) for n in order),
-                key=lambda t: -math.inf if t[0] != t[0] else t[0])  # fmt: skip
+    worst = max(
+        ((max((r for r in ratios[n] if r == r), default=math.nan), n) for n in order),
+        key=lambda t: -math.inf if t[0] != t[0] else t[0],
+    )
     own = first_token == "own" or (first_token == "auto" and worst[0] == worst[0] and worst[0] > massive)
     if worst[0] != worst[0]:
         return own, "no sequence axis: one replacement per site"
-    return own, f"first token {'own' if own else 'shared'}: its RMS is up to {worst[0]:.3g}x the median token's " \
-                f"({worst[1]})"  # fmt: skip
+    return (
+        own,
+        f"first token {'own' if own else 'shared'}: its RMS is up to {worst[0]:.3g}x the median token's ({worst[1]})",
+    )
 
 
 def _site_inputs(model: nn.Module, batches: list, name: str, quota: int, channel_dim: int = -1) -> _Rows:
@@ -306,9 +350,48 @@ def _site_inputs(model: nn.Module, batches: list, name: str, quota: int, channel
     return rows
 
 
-def calibrate_sites(model: nn.Module, sites: list[Site], replacements: dict[str, nn.Module], calibrate, *, to: str,
-               per: str, fit_amplitude: bool, first_token: str, massive: float, max_tokens: int,
-               target: str, progress: bool | None, sequential: bool = True) -> str:  # fmt: skip
+def _local_targets(old: nn.Module, xf: Tensor, xr: Tensor) -> tuple[Tensor, Tensor]:
+    """The original norm applied to the site's input in the converted model (``target="local"``)."""
+    ref = next(old.parameters(), xr)
+    return tuple(old(t.to(ref)).float().cpu() if len(t) else t for t in (xf, xr))
+
+
+def _drop_massive(site: Site, x: Tensor, y: Tensor, massive: float) -> tuple[Tensor, Tensor]:
+    """The tokens whose RMS is above ``massive`` x the median left out of the shared fit (noted), unless fewer
+    than two would remain."""
+    rms = x.pow(2).mean(-1).sqrt()
+    keep = ~(rms > massive * rms.nanmedian())
+    if int((~keep).sum()) and int(keep.sum()) >= 2:
+        site.notes.append(f"{int((~keep).sum())} massive token(s) (RMS > {massive:g}x median) left out")
+        x, y = x[keep], y[keep]
+    return x, y
+
+
+def _record(site: Site, out: FitOutcome, out_first: FitOutcome | None, per: str) -> None:
+    """A site's fits (and its first token's) in its record."""
+    site.fit = {**out.to_dict(), "per": per}
+    site.notes += out.notes
+    if out_first is not None:
+        site.fit["first_token"] = out_first.to_dict()
+        site.notes += [f"first token: {m}" for m in out_first.notes]
+
+
+def calibrate_sites(
+    model: nn.Module,
+    sites: list[Site],
+    replacements: dict[str, nn.Module],
+    calibrate,
+    *,
+    to: str,
+    per: str,
+    fit_amplitude: bool,
+    first_token: str,
+    massive: float,
+    max_tokens: int,
+    target: str,
+    progress: bool | None,
+    sequential: bool = True,
+) -> str:
     """Fit and swap every site in the order the model runs them (the module docstring); returns a note.
 
     ``sequential=False`` fits every site on its input in the *original* model instead (one pass for all sites):
@@ -318,8 +401,6 @@ def calibrate_sites(model: nn.Module, sites: list[Site], replacements: dict[str,
     ``sites`` are the conversion's Site records (name, dim, kwargs; this fills in fit, notes and first_token);
     ``replacements`` maps each site's name to its built replacement. On any failure every original is put back.
     """
-    from tqdm.auto import tqdm
-
     batches = list(as_batches(calibrate))
     if not batches:
         raise ValueError("calibrate: the calibration data is empty")
@@ -341,6 +422,7 @@ def calibrate_sites(model: nn.Module, sites: list[Site], replacements: dict[str,
             if inputs is not None:
                 inputs[n].add(args[0].movedim(cd, -1), seen["batch"])
             ratios[n].append(first_token_ratio(args[0].movedim(cd, -1)))
+
         return hook
 
     was_training = model.training
@@ -361,26 +443,17 @@ def calibrate_sites(model: nn.Module, sites: list[Site], replacements: dict[str,
             rows_in = inputs[n] if inputs is not None else _site_inputs(model, batches, n, quota, cd)
             (xf, xr), (yf, yr) = rows_in.tensors(), targets[n].tensors()
             if target == "local":  # the original norm on the converted input: no correction of upstream drift
-                old = model.get_submodule(n)
-                ref = next(old.parameters(), xr)
-                yf, yr = (old(t.to(ref)).float().cpu() if len(t) else t for t in (xf, xr))
+                yf, yr = _local_targets(model.get_submodule(n), xf, xr)
             if own and len(xf):
                 first = _first_copy(new, site, to)
                 out_first = fit_replacement(first, xf, yf, per_channel=True, fit_amplitude=fit_amplitude)
                 site.first_token = True
             else:
                 xr, yr = torch.cat([xf, xr]), torch.cat([yf, yr])
-            rms = xr.pow(2).mean(-1).sqrt()
-            keep = ~(rms > massive * rms.nanmedian())
-            if int((~keep).sum()) and int(keep.sum()) >= 2:
-                site.notes.append(f"{int((~keep).sum())} massive token(s) (RMS > {massive:g}x median) left out")
-                xr, yr = xr[keep], yr[keep]
+            xr, yr = _drop_massive(site, xr, yr, massive)
             out = fit_replacement(new, xr, yr, per_channel=per == "channel", fit_amplitude=fit_amplitude)
-            site.fit = {**out.to_dict(), "per": per}
-            site.notes += out.notes
+            _record(site, out, out_first if site.first_token else None, per)
             if site.first_token:
-                site.fit["first_token"] = out_first.to_dict()
-                site.notes += [f"first token: {m}" for m in out_first.notes]
                 new = FirstToken(new, first)
             swapped[n] = swap(model, n, new)
             bar.set_postfix_str(f"{n}: rel. error {out.rel_error:.3f}")

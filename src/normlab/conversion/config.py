@@ -72,8 +72,9 @@ class HealConfig:
             raise ValueError(f"give one heal budget: {flag('heal.minutes')} or {flag('heal.tokens')}")
         for name in ("minutes", "tokens"):
             v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0
-                                  or not math.isfinite(v)):  # fmt: skip
+            if v is not None and (
+                isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or not math.isfinite(v)
+            ):
                 raise ValueError(f"{flag('heal.' + name)} must be a finite number > 0, got {v!r}")
         if self.tokens is not None and not float(self.tokens).is_integer():
             raise ValueError(f"{flag('heal.tokens')} must be a whole number of tokens, got {self.tokens!r}")
@@ -81,26 +82,42 @@ class HealConfig:
             raise ValueError(f"{flag('heal.objective')} must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
         if self.train not in TRAINS:
             raise ValueError(f"{flag('heal.train')} must be one of {', '.join(TRAINS)}, got {self.train!r}")
-        if self.lr is not None and (isinstance(self.lr, bool) or not isinstance(self.lr, (int, float))
-                                    or not self.lr > 0 or not math.isfinite(self.lr)):  # fmt: skip
-            raise ValueError(f"{flag('heal.lr')} must be a finite number > 0 (or null for the default), got "
-                             f"{self.lr!r}")  # fmt: skip
+        if self.lr is not None and (
+            isinstance(self.lr, bool)
+            or not isinstance(self.lr, (int, float))
+            or not self.lr > 0
+            or not math.isfinite(self.lr)
+        ):
+            raise ValueError(
+                f"{flag('heal.lr')} must be a finite number > 0 (or null for the default), got {self.lr!r}"
+            )
         for name, least in (("batch_size", 1), ("lora_rank", 1), ("eval_every", 1)):
             v = getattr(self, name)
             if v is None and name == "eval_every":
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v < least:
                 raise ValueError(f"{flag('heal.' + name)} must be an int >= {least}, got {v!r}")
-        if self.checkpoint is not None and (not isinstance(self.checkpoint, (str, os.PathLike))
-                                            or not str(self.checkpoint).strip()):  # fmt: skip
+        if self.checkpoint is not None and (
+            not isinstance(self.checkpoint, (str, os.PathLike)) or not str(self.checkpoint).strip()
+        ):
             raise ValueError(f"{flag('heal.checkpoint')} must name a file, got {self.checkpoint!r}")
         if not self.budgeted:
-            given = [flag(f"heal.{n}") for n, default in (("objective", "distill"), ("train", "norms"), ("lr", None),
-                                                          ("resume", False), ("checkpoint", None))
-                     if getattr(self, n) != default]  # fmt: skip
+            given = [
+                flag(f"heal.{n}")
+                for n, default in (
+                    ("objective", "distill"),
+                    ("train", "norms"),
+                    ("lr", None),
+                    ("resume", False),
+                    ("checkpoint", None),
+                )
+                if getattr(self, n) != default
+            ]
             if given:
-                raise ValueError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only to a heal: give "
-                                 f"a budget ({flag('heal.minutes')} or {flag('heal.tokens')}), or drop it")  # fmt: skip
+                raise ValueError(
+                    f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only to a heal: give "
+                    f"a budget ({flag('heal.minutes')} or {flag('heal.tokens')}), or drop it"
+                )
 
 
 @dataclass
@@ -162,8 +179,10 @@ class ConvertConfig:
         if isinstance(c.max_tokens, bool) or not isinstance(c.max_tokens, int) or c.max_tokens < 16:
             raise ValueError(f"{flag('calibrate.max_tokens')}: expected an int >= 16, got {c.max_tokens!r}")
         if isinstance(c.massive, bool) or not isinstance(c.massive, (int, float)) or not c.massive > 1:
-            raise ValueError(f"{flag('calibrate.massive')}: expected a number > 1 (a multiple of the median token RMS), "
-                             f"got {c.massive!r}")  # fmt: skip
+            raise ValueError(
+                f"{flag('calibrate.massive')}: expected a number > 1 (a multiple of the median token RMS), "
+                f"got {c.massive!r}"
+            )
         for name in ("enabled", "fit_amplitude", "sequential"):
             if not isinstance(getattr(c, name), bool):
                 raise ValueError(f"{flag('calibrate.' + name)} must be true or false, got {getattr(c, name)!r}")
@@ -174,16 +193,19 @@ class ConvertConfig:
         if self.budget_nats is not None:
             b = self.budget_nats
             if isinstance(b, bool) or not isinstance(b, (int, float)) or not (b >= 0 and math.isfinite(b)):
-                raise ValueError(f"{flag('budget_nats')} must be a finite number >= 0 (nats of held-out "
-                                 f"cross-entropy), got {b!r}")  # fmt: skip
+                raise ValueError(
+                    f"{flag('budget_nats')} must be a finite number >= 0 (nats of held-out cross-entropy), got {b!r}"
+                )
             if not c.enabled:
                 raise ValueError(f"{flag('budget_nats')} ranks calibrated sites; drop {flag('calibrate.enabled')}")
         from normlab.conversion.convert import CALIBRATABLE
 
         if c.enabled and self.to not in CALIBRATABLE:
-            raise ValueError(f"--to {self.to}: calibration fits the parameter of {', '.join(CALIBRATABLE)}; "
-                             f"{self.to} has none to fit: pass --no-calibrate (the new norms keep their default "
-                             "init)")  # fmt: skip
+            raise ValueError(
+                f"--to {self.to}: calibration fits the parameter of {', '.join(CALIBRATABLE)}; "
+                f"{self.to} has none to fit: pass --no-calibrate (the new norms keep their default "
+                "init)"
+            )
         for what, kwargs in [("--init", self.init), *((f"site_init[{p!r}]", kw) for p, kw in self.site_init.items())]:
             if not isinstance(kwargs, dict):
                 raise ValueError(f"{what} must be a table of init values, got {kwargs!r}")
@@ -198,8 +220,16 @@ class ConvertConfig:
         (not the budget, the output or the checkpoint's place), as dotted keys, plus ``facts`` (the model's
         fingerprint, the text's hash: what only the run knows)."""
         flat = _flatten(self.to_dict())
-        for key in ("model", "text", "out", "overwrite", "heal.minutes", "heal.tokens", "heal.checkpoint",
-                    "heal.resume"):  # fmt: skip
+        for key in (
+            "model",
+            "text",
+            "out",
+            "overwrite",
+            "heal.minutes",
+            "heal.tokens",
+            "heal.checkpoint",
+            "heal.resume",
+        ):
             flat.pop(key)
         return {**flat, **facts}
 
@@ -256,8 +286,9 @@ def identity_difference(saved: dict | None, now: dict, keys=None) -> str | None:
 def resolve_convert_config(overrides: dict | list[str] | None = None, **fields_) -> ConvertConfig:
     """The defaults, then ``fields_`` (dotted or top-level names: ``model="smollm2"``, ``**{"heal.minutes": 5}``),
     then ``overrides`` (``["heal.lr=3e-3"]``, as ``--set`` gives them); validated."""
-    d = apply_overrides(ConvertConfig().to_dict(), {k: v for k, v in fields_.items() if v is not None},
-                        free=FREE_TABLES)  # fmt: skip
+    d = apply_overrides(
+        ConvertConfig().to_dict(), {k: v for k, v in fields_.items() if v is not None}, free=FREE_TABLES
+    )
     if overrides:
         d = apply_overrides(d, overrides, free=FREE_TABLES)
     try:

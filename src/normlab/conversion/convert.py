@@ -98,16 +98,24 @@ def _find(model: nn.Module, extra: dict, include) -> tuple[list[tuple[str, nn.Mo
         kind = _kind(m, extra)
         if kind is None:
             if "Norm" in type(m).__name__ and not any(name.startswith(f[0] + ".") for f in found):
-                skipped.append({"name": name, "class": type(m).__name__,
-                                "reason": "not a known per-token norm (add it with extra_classes=)"})  # fmt: skip
+                skipped.append(
+                    {
+                        "name": name,
+                        "class": type(m).__name__,
+                        "reason": "not a known per-token norm (add it with extra_classes=)",
+                    }
+                )
             continue
         if include is not None and not include(name, m):
             skipped.append({"name": name, "class": type(m).__name__, "reason": "excluded by include="})
             continue
         if _source_dim(m) is None:
             shape = getattr(m, "normalized_shape", None)
-            why = ("normalizes over more than one dimension" if shape is not None else
-                   "its channel count is unknown: no normalized_shape and no 1-d weight")  # fmt: skip
+            why = (
+                "normalizes over more than one dimension"
+                if shape is not None
+                else "its channel count is unknown: no normalized_shape and no 1-d weight"
+            )
             if type(m) in extra:  # the user asked for this class: say so, do not skip it quietly
                 raise ValueError(f"extra_classes[{type(m).__name__}]: cannot convert {name}: {why}")
             skipped.append({"name": name, "class": type(m).__name__, "reason": why})
@@ -163,8 +171,11 @@ def _check_options(model, to, calibrate, per, target, first_token, max_tokens, m
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert_norms: expected an nn.Module, got {type(model).__name__}")
     norm_spec(to)  # an unknown target lists the valid names
-    for arg, value, valid in (("per", per, ("global", "channel")), ("target", target, ("original", "local")),
-                              ("first_token", first_token, ("auto", "own", "shared"))):  # fmt: skip
+    for arg, value, valid in (
+        ("per", per, ("global", "channel")),
+        ("target", target, ("original", "local")),
+        ("first_token", first_token, ("auto", "own", "shared")),
+    ):
         if value not in valid:
             choices = ", ".join(repr(v) for v in valid[:-1]) + f" or {valid[-1]!r}"
             raise ValueError(f"{arg} must be {choices}, got {value!r}")
@@ -173,8 +184,10 @@ def _check_options(model, to, calibrate, per, target, first_token, max_tokens, m
     if isinstance(massive, bool) or not isinstance(massive, (int, float)) or not massive > 1:
         raise ValueError(f"massive: expected a number > 1 (a multiple of the median token RMS), got {massive!r}")
     if calibrate is not None and to not in CALIBRATABLE:
-        raise ValueError(f"calibration fits the parameter of {', '.join(CALIBRATABLE)}; {to!r} has none to fit "
-                         "(convert without calibrate=)")  # fmt: skip
+        raise ValueError(
+            f"calibration fits the parameter of {', '.join(CALIBRATABLE)}; {to!r} has none to fit "
+            "(convert without calibrate=)"
+        )
     for cls, kind in (extra_classes or {}).items():
         if kind not in ("layer_norm", "rms_norm", "rms_norm_offset"):
             raise ValueError(f"extra_classes[{cls.__name__}]: kind must be layer_norm, rms_norm or rms_norm_offset")
@@ -228,10 +241,14 @@ def convert_norms(
 
         ours = [n for n, m in model.named_modules() if isinstance(m, NormModule)]
         if ours:
-            raise ValueError(f"convert_norms: {type(model).__name__} is already converted ({len(ours)} normlab norms, "
-                             f"e.g. {ours[0]}); convert the original model instead")  # fmt: skip
-        raise ValueError(f"convert_norms: found no normalization module to convert in {type(model).__name__} "
-                         f"(known: {', '.join(sorted(KNOWN_NORMS))}; add yours with extra_classes=)")  # fmt: skip
+            raise ValueError(
+                f"convert_norms: {type(model).__name__} is already converted ({len(ours)} normlab norms, "
+                f"e.g. {ours[0]}); convert the original model instead"
+            )
+        raise ValueError(
+            f"convert_norms: found no normalization module to convert in {type(model).__name__} "
+            f"(known: {', '.join(sorted(KNOWN_NORMS))}; add yours with extra_classes=)"
+        )
     unused = [pat for pat in (site_init or {}) if not any(fnmatch.fnmatch(name, pat) for name, _, _ in found)]
     if unused:
         names = ", ".join(name for name, _, _ in found[:4]) + (", ..." if len(found) > 4 else "")
@@ -245,10 +262,23 @@ def convert_norms(
         sites.append(site)
     notes = []
     if calibrate is not None:  # fits and swaps site by site; puts every original back if anything fails
-        notes.append(calibrate_sites(model, sites, replacements, calibrate, to=to, per=per,
-                                     fit_amplitude=fit_amplitude, first_token=first_token, massive=float(massive),
-                                     max_tokens=max_tokens, target=target, progress=progress,
-                                     sequential=sequential))  # fmt: skip
+        notes.append(
+            calibrate_sites(
+                model,
+                sites,
+                replacements,
+                calibrate,
+                to=to,
+                per=per,
+                fit_amplitude=fit_amplitude,
+                first_token=first_token,
+                massive=float(massive),
+                max_tokens=max_tokens,
+                target=target,
+                progress=progress,
+                sequential=sequential,
+            )
+        )
     else:
         for name, new in replacements.items():  # the swap itself
             swap(model, name, new)

@@ -24,8 +24,9 @@ def _logits(out, lm: bool | None):
 
 
 @torch.no_grad()
-def fidelity(original: nn.Module, converted: nn.Module, inputs, record: ConversionRecord | None = None,
-             *, lm: bool | None = None) -> dict:  # fmt: skip
+def fidelity(
+    original: nn.Module, converted: nn.Module, inputs, record: ConversionRecord | None = None, *, lm: bool | None = None
+) -> dict:
     """How close ``converted`` is to ``original`` on held-out ``inputs``.
 
     Per site: the relative error of the norm's output, ||y_conv - y_orig|| / ||y_orig||, both models fed the
@@ -40,8 +41,11 @@ def fidelity(original: nn.Module, converted: nn.Module, inputs, record: Conversi
     handles = []
     for tag, model in (("orig", original), ("conv", converted)):
         for n in sites:
-            handles.append(model.get_submodule(n).register_forward_hook(
-                lambda mod, a, y, n=n, tag=tag: outs[tag][n].append(y.detach().float().cpu())))  # fmt: skip
+            handles.append(
+                model.get_submodule(n).register_forward_hook(
+                    lambda mod, a, y, n=n, tag=tag: outs[tag][n].append(y.detach().float().cpu())
+                )
+            )
     cos, kl, n_tok = 0.0, 0.0, 0
     ce, n_ce = [0.0, 0.0], 0
     has_logits = False
@@ -56,8 +60,9 @@ def fidelity(original: nn.Module, converted: nn.Module, inputs, record: Conversi
             cos += float(torch.nn.functional.cosine_similarity(a, b, dim=-1).sum())
             if is_lm:
                 has_logits = True
-                kl += float(torch.nn.functional.kl_div(b.log_softmax(-1), a.log_softmax(-1), log_target=True,
-                                                       reduction="sum"))  # fmt: skip
+                kl += float(
+                    torch.nn.functional.kl_div(b.log_softmax(-1), a.log_softmax(-1), log_target=True, reduction="sum")
+                )
                 ids = _token_ids(batch)
                 if ids is not None and ids.shape[-1] > 1 and ids.numel() == a.shape[0]:  # next-token cross-entropy
                     for j, logits in enumerate((a, b)):

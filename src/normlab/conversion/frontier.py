@@ -58,16 +58,18 @@ class Frontier:
         return asdict(self)
 
 
-def site_costs(model: nn.Module, fitted: dict[str, nn.Module], batches, *, progress: bool | None = None,
-               base: float | None = None) -> dict[str, float]:  # fmt: skip
+def site_costs(
+    model: nn.Module, fitted: dict[str, nn.Module], batches, *, progress: bool | None = None, base: float | None = None
+) -> dict[str, float]:
     """The cross-entropy rise of each site of ``fitted`` (name -> calibrated replacement) swapped into ``model``
     alone, on ``batches``; ``model`` is left as it was."""
     from tqdm.auto import tqdm
 
     base = cross_entropy(model, batches) if base is None else base
     costs = {}
-    for name in tqdm(list(fitted), desc="cost of each site alone", unit="site",
-                     disable={True: False, False: True}.get(progress)):  # fmt: skip
+    for name in tqdm(
+        list(fitted), desc="cost of each site alone", unit="site", disable={True: False, False: True}.get(progress)
+    ):
         old = swap(model, name, fitted[name])
         try:
             costs[name] = cross_entropy(model, batches) - base
@@ -76,9 +78,36 @@ def site_costs(model: nn.Module, fitted: dict[str, nn.Module], batches, *, progr
     return costs
 
 
-def frontier(model: nn.Module, to: str, calibrate, held, *, rank=None, budget_nats: float | None = None,
-             stop_nats: float | None = None, refit: int = 1, progress: bool | None = None,
-             **convert_kwargs) -> tuple[Frontier, ConversionRecord]:  # fmt: skip
+def _note_budget(record, model, budget_nats: float, order: list, kept: set, costs: dict, originals: dict, ces) -> None:
+    """The record says which sites the budget kept as they were, and why."""
+    left = [n for n in order if n not in kept]
+    record.notes.append(
+        f"--budget-nats {budget_nats:g}: converted {len(kept)} of {len(order)} sites, cheapest "
+        f"first (held-out cross-entropy {ces[0]:.3f} -> {ces[1]:.3f}); {len(left)} kept as they were"
+    )
+    record.skipped += [
+        {
+            "name": n,
+            "class": type(originals.get(n) or model.get_submodule(n)).__name__,
+            "reason": f"over the budget (alone: +{costs[n]:.3g} nats)",
+        }
+        for n in left
+    ]
+
+
+def frontier(
+    model: nn.Module,
+    to: str,
+    calibrate,
+    held,
+    *,
+    rank=None,
+    budget_nats: float | None = None,
+    stop_nats: float | None = None,
+    refit: int = 1,
+    progress: bool | None = None,
+    **convert_kwargs,
+) -> tuple[Frontier, ConversionRecord]:
     """Rank ``model``'s norms by the cost of converting each alone to ``to`` and walk them cheapest first (see
     the module docstring). Returns the :class:`Frontier` and the conversion record of the sites it converted.
 
@@ -92,8 +121,9 @@ def frontier(model: nn.Module, to: str, calibrate, held, *, rank=None, budget_na
 
     from tqdm.auto import tqdm
 
-    if budget_nats is not None and not (isinstance(budget_nats, (int, float)) and budget_nats >= 0
-                                        and math.isfinite(budget_nats)):  # fmt: skip
+    if budget_nats is not None and not (
+        isinstance(budget_nats, (int, float)) and budget_nats >= 0 and math.isfinite(budget_nats)
+    ):
         raise ValueError(f"budget_nats: expected a finite number >= 0 (nats of cross-entropy), got {budget_nats!r}")
     calib = list(as_batches(calibrate))
     held = list(as_batches(held))
@@ -108,21 +138,28 @@ def frontier(model: nn.Module, to: str, calibrate, held, *, rank=None, budget_na
     record = convert_norms(fitted_model, to, calibrate=calib, sequential=False, progress=progress, **convert_kwargs)
     fitted = {s.name: fitted_model.get_submodule(s.name) for s in record.sites}
     costs = site_costs(model, fitted, rank, progress=progress)
-    order = sorted(costs, key=lambda n: (costs[n] if math.isfinite(costs[n]) else math.inf))
+    order = sorted(costs, key=lambda n: costs[n] if math.isfinite(costs[n]) else math.inf)
     ce0 = cross_entropy(model, held)
     curve, done, originals = [ce0], [], {}
     refit_batches = calib[:refit]
     by_name = {s.name: s for s in record.sites}
-    bar = tqdm(order, desc=f"converting cheapest first to {to}", unit="site",
-               disable={True: False, False: True}.get(progress))  # fmt: skip
+    bar = tqdm(
+        order, desc=f"converting cheapest first to {to}", unit="site", disable={True: False, False: True}.get(progress)
+    )
     try:
         for name in bar:
             if refit:  # fitted again on its input in the model as converted so far
                 own = "own" if by_name[name].first_token else "shared"
                 original_norm = model.get_submodule(name)
-                sub = convert_norms(model, to, calibrate=refit_batches, first_token=own, progress=False,
-                                    include=lambda n, m, name=name: n == name,
-                                    **{k: v for k, v in convert_kwargs.items() if k not in ("include", "first_token")})
+                sub = convert_norms(
+                    model,
+                    to,
+                    calibrate=refit_batches,
+                    first_token=own,
+                    progress=False,
+                    include=lambda n, m, name=name: n == name,
+                    **{k: v for k, v in convert_kwargs.items() if k not in ("include", "first_token")},
+                )
                 by_name[name] = sub.sites[0]
                 originals[name] = original_norm
             else:
@@ -144,11 +181,6 @@ def frontier(model: nn.Module, to: str, calibrate, held, *, rank=None, budget_na
     kept = set(done) if budget_nats is not None else set()
     record.sites = [by_name[s.name] for s in record.sites if s.name in kept]
     if budget_nats is not None:
-        left = [n for n in order if n not in kept]
-        record.notes.append(f"--budget-nats {budget_nats:g}: converted {len(done)} of {len(order)} sites, cheapest "
-                            f"first (held-out cross-entropy {ce0:.3f} -> {curve[-1]:.3f}); "
-                            f"{len(left)} kept as they were")  # fmt: skip
-        record.skipped += [{"name": n, "class": type(originals.get(n) or model.get_submodule(n)).__name__,
-                            "reason": f"over the budget (alone: +{costs[n]:.3g} nats)"} for n in left]  # fmt: skip
+        _note_budget(record, model, budget_nats, order, kept, costs, originals, (ce0, curve[-1]))
     front = Frontier(to, ce0, costs, order, curve, budget_nats, done, time.monotonic() - start)
     return front, record

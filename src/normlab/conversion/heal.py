@@ -15,9 +15,10 @@ Objectives (``objective``):
 * ``"blocks"``: block-wise reconstruction, each block in turn (:mod:`normlab.conversion.heal_blocks`).
 
 The settings are a :class:`~normlab.conversion.config.HealConfig` (``cfg``); the keywords of the call before it
-(``minutes=20, objective="blocks"``) still work. What is trained (``train``): ``"norms"`` (the replacements' parameters), ``"lora"`` (the norms, plus low-rank
-adapters on every linear layer of the blocks, merged into the weights when the heal ends:
-:mod:`normlab.conversion.lora`), or ``"all"`` (every weight of the blocks; with ``distill``, every weight of the model).
+(``minutes=20, objective="blocks"``) still work. What is trained (``train``): ``"norms"`` (the replacements'
+parameters), ``"lora"`` (the norms, plus low-rank adapters on every linear layer of the blocks, merged into the
+weights when the heal ends: :mod:`normlab.conversion.lora`), or ``"all"`` (every weight of the blocks; with
+``distill``, every weight of the model).
 
 The curve and the best state. Given ``val`` batches, the heal measures their cross-entropy (and KL to the
 original) at the start, every ``eval_every`` trained tokens (distill) or after each block (blocks), and at the
@@ -42,8 +43,19 @@ from torch import nn
 from normlab.conversion.batches import as_batches, input_ids, run_batch
 from normlab.conversion.config import OBJECTIVES, TRAINS, HealConfig
 from normlab.conversion.heal_blocks import blocks
-from normlab.conversion.heal_run import (Budget, HealReport, HealRun, Validation, frozen, is_ours, load_checkpoint,
-                                         make_optimizer, mean_finite, postfix, trainable)  # fmt: skip
+from normlab.conversion.heal_run import (
+    Budget,
+    HealReport,
+    HealRun,
+    Validation,
+    frozen,
+    is_ours,
+    load_checkpoint,
+    make_optimizer,
+    mean_finite,
+    postfix,
+    trainable,
+)
 from normlab.conversion.hf import TextSplits, TokenStream
 from normlab.conversion.lora import add_lora, merge_lora
 
@@ -62,8 +74,10 @@ def find_blocks(model: nn.Module, site_names: Iterable[str]) -> str:
             if n > count:
                 best, count = name, n
     if best is None:
-        raise ValueError("heal: found no nn.ModuleList of blocks holding the converted norms; block-wise healing "
-                         "needs a model built as a list of blocks (as every Hugging Face transformer is)")  # fmt: skip
+        raise ValueError(
+            "heal: found no nn.ModuleList of blocks holding the converted norms; block-wise healing "
+            "needs a model built as a list of blocks (as every Hugging Face transformer is)"
+        )
     return best
 
 
@@ -74,8 +88,10 @@ def _stream_of(data, seed: int = 0) -> TokenStream:
     for i, b in enumerate(as_batches(data)):
         ids = input_ids(b)
         if not (isinstance(ids, torch.Tensor) and not ids.is_floating_point() and ids.dim() == 2):
-            raise ValueError(f"heal: batch {i} is not a (batch, seq_len) tensor of token ids; the heal draws token "
-                             "sequences (give a TokenStream, or a list of id tensors)")  # fmt: skip
+            raise ValueError(
+                f"heal: batch {i} is not a (batch, seq_len) tensor of token ids; the heal draws token "
+                "sequences (give a TokenStream, or a list of id tensors)"
+            )
         rows.append(ids)
     if not rows:
         raise ValueError("heal: no training data")
@@ -97,15 +113,24 @@ def _settings(cfg: HealConfig | None, options: dict) -> tuple[HealConfig, dict]:
         raise ValueError("heal: resume=True needs checkpoint=PATH")
     for name in ("minutes", "tokens"):  # a budget of the wrong kind is named as the API spells it
         v = getattr(cfg, name)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0
-                              or not math.isfinite(v)):  # fmt: skip
+        if v is not None and (
+            isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or not math.isfinite(v)
+        ):
             raise ValueError(f"heal: the budget must be a number > 0, got {v!r}")
     cfg.validate()
     return cfg, {k: options[k] for k in _RUN_OPTIONS if k in options}
 
 
-def heal(original: nn.Module, converted: nn.Module, data, record=None, cfg: HealConfig | None = None, *,
-         identity: dict | None = None, **options) -> HealReport:  # fmt: skip
+def heal(
+    original: nn.Module,
+    converted: nn.Module,
+    data,
+    record=None,
+    cfg: HealConfig | None = None,
+    *,
+    identity: dict | None = None,
+    **options,
+) -> HealReport:
     """Train ``converted`` toward ``original`` on ``data`` within the budget of ``cfg`` (a HealConfig).
 
     ``data``: a :class:`~normlab.conversion.hf.TextSplits` (its stream, and its validation split for the curve
@@ -121,8 +146,11 @@ def heal(original: nn.Module, converted: nn.Module, data, record=None, cfg: Heal
     if isinstance(data, TextSplits):
         data, val = data.stream, data.val if val is None else val
     stream = _stream_of(data)
-    sites = [s.name for s in record.sites] if record is not None else [
-        n for n, m in converted.named_modules() if is_ours(m)]  # fmt: skip
+    sites = (
+        [s.name for s in record.sites]
+        if record is not None
+        else [n for n, m in converted.named_modules() if is_ours(m)]
+    )
     list_name = find_blocks(converted, sites)
     if cfg.eval_every is None:
         cfg = dataclasses.replace(cfg, eval_every=8 * cfg.batch_size * stream.seq_len)  # a val pass ~ one step
@@ -130,10 +158,14 @@ def heal(original: nn.Module, converted: nn.Module, data, record=None, cfg: Heal
         with torch.no_grad():
             out = run_batch(original, stream.chunks[:1], no_cache=True)
         if not hasattr(out, "logits"):
-            raise ValueError(f"heal: {type(original).__name__} gives no logits, so there is nothing to distill and no "
-                             "validation cross-entropy; heal it with objective='blocks' and no val")  # fmt: skip
+            raise ValueError(
+                f"heal: {type(original).__name__} gives no logits, so there is nothing to distill and no "
+                "validation cross-entropy; heal it with objective='blocks' and no val"
+            )
     ckpt = Path(cfg.checkpoint) if cfg.checkpoint is not None else None
-    report = HealReport(objective=cfg.objective, train=cfg.train, lora_rank=cfg.lora_rank if cfg.train == "lora" else None)
+    report = HealReport(
+        objective=cfg.objective, train=cfg.train, lora_rank=cfg.lora_rank if cfg.train == "lora" else None
+    )
     with frozen(original, converted):
         if cfg.train == "lora":
             add_lora(converted.get_submodule(list_name), cfg.lora_rank)
@@ -149,8 +181,21 @@ def heal(original: nn.Module, converted: nn.Module, data, record=None, cfg: Heal
             if state is not None and state.get("best") is not None:
                 check.best_ce, check.best_point = state["best"]["val_ce"], state["best"]
                 check.best_state = state["best_state"]
-            run = HealRun(original, converted, stream, params, cfg, check, Budget(cfg, report), report, list_name,
-                          ckpt, state, identity, run_options.get("progress"))  # fmt: skip
+            run = HealRun(
+                original,
+                converted,
+                stream,
+                params,
+                cfg,
+                check,
+                Budget(cfg, report),
+                report,
+                list_name,
+                ckpt,
+                state,
+                identity,
+                run_options.get("progress"),
+            )
             (distill if cfg.objective == "distill" else blocks)(run)
             check.restore()
             report.best = check.best_point
@@ -183,8 +228,13 @@ def distill(run: HealRun) -> None:
         run.save(opt)  # from the first moment on, a killed heal can be resumed
     for p in run.params:
         p.requires_grad_(True)
-    bar = tqdm(total=100, desc=f"healing (distill, {report.train})", unit="%", bar_format="{l_bar}{bar}| {postfix}",
-               disable=run.bar_disabled)  # fmt: skip
+    bar = tqdm(
+        total=100,
+        desc=f"healing (distill, {report.train})",
+        unit="%",
+        bar_format="{l_bar}{bar}| {postfix}",
+        disable=run.bar_disabled,
+    )
     bar.set_postfix_str(postfix(report.curve[-1]))
     losses, next_eval = [], report.tokens + cfg.eval_every
     try:

@@ -98,7 +98,7 @@ def blocks(run: HealRun) -> None:
     tenth block, a checkpoint after each."""
     from tqdm.auto import tqdm
 
-    cfg, report, check = run.cfg, run.report, run.check
+    cfg, report = run.cfg, run.report
     blocks_c: nn.ModuleList = run.converted.get_submodule(run.list_name)
     blocks_o: nn.ModuleList = run.original.get_submodule(run.list_name)
     n_blocks = len(blocks_c)
@@ -112,8 +112,12 @@ def blocks(run: HealRun) -> None:
         x_o = [_embed(run.original, blocks_o, ids) for ids in pool]
         x_c = [_embed(run.converted, blocks_c, ids) for ids in pool]
         run.point(math.nan, block=-1)
-    bar = tqdm(range(first, n_blocks), desc=f"healing {run.list_name} (blocks, {report.train})", unit="block",
-               disable=run.bar_disabled)  # fmt: skip
+    bar = tqdm(
+        range(first, n_blocks),
+        desc=f"healing {run.list_name} (blocks, {report.train})",
+        unit="block",
+        disable=run.bar_disabled,
+    )
     bar.set_postfix_str(postfix(report.curve[-1]))
     every, block_losses = max(1, math.ceil(n_blocks / 10)), []
     for k in bar:
@@ -169,9 +173,17 @@ def _train_block(run: HealRun, k: int, block: nn.Module, call, x_c: list, ys: li
             for p, v in zip(block_params, saved):
                 p.copy_(v)
         after = before
-    run.report.blocks.append({"block": f"{run.list_name}.{k}", "loss_before": before, "loss_after": after,
-                              "steps": steps, "pool_passes": steps / max(1, len(x_c)), "kept": kept,
-                              "diverged": diverged})  # fmt: skip
+    run.report.blocks.append(
+        {
+            "block": f"{run.list_name}.{k}",
+            "loss_before": before,
+            "loss_after": after,
+            "steps": steps,
+            "pool_passes": steps / max(1, len(x_c)),
+            "kept": kept,
+            "diverged": diverged,
+        }
+    )
     return before, after, losses
 
 

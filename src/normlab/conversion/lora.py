@@ -25,8 +25,9 @@ class LoRALinear(nn.Module):
         super().__init__()
         self.base, self.scale = base, scale
         w = base.weight
-        self.lora_a = nn.Parameter(torch.randn(rank, base.in_features, dtype=w.dtype, device=w.device)
-                                   / math.sqrt(base.in_features))  # fmt: skip
+        self.lora_a = nn.Parameter(
+            torch.randn(rank, base.in_features, dtype=w.dtype, device=w.device) / math.sqrt(base.in_features)
+        )
         self.lora_b = nn.Parameter(torch.zeros(base.out_features, rank, dtype=w.dtype, device=w.device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

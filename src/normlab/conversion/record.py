@@ -68,8 +68,14 @@ class ConversionRecord:
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
-        return {"format": "normlab-conversion-1", "target": self.target, "per": self.per,
-                "sites": [asdict(s) for s in self.sites], "skipped": self.skipped, "notes": self.notes}  # fmt: skip
+        return {
+            "format": "normlab-conversion-1",
+            "target": self.target,
+            "per": self.per,
+            "sites": [asdict(s) for s in self.sites],
+            "skipped": self.skipped,
+            "notes": self.notes,
+        }
 
     @classmethod
     def from_dict(cls, d: dict) -> ConversionRecord:
@@ -107,8 +113,18 @@ class ConversionRecord:
             value = f.get("value", "-")
             explained = f.get("explained")
             explains = f"{explained:.0%}" if explained is not None else "-"
-            rows.append([s.name, s.source, self.target, param, value, f.get("rel_error", "-"), explains,
-                         "; ".join([fit_status(s.fit)] + s.notes)])
+            rows.append(
+                [
+                    s.name,
+                    s.source,
+                    self.target,
+                    param,
+                    value,
+                    f.get("rel_error", "-"),
+                    explains,
+                    "; ".join([fit_status(s.fit)] + s.notes),
+                ]
+            )
         headers = ["site", "replaced", "with", "param", "value", "fit rel. error", "explains", "status and notes"]
         out = format_table(headers, rows, markdown)
         if self.notes:

@@ -40,8 +40,9 @@ def apply_record(model: nn.Module, record: ConversionRecord) -> nn.Module:
 RECORD_FILE = "normlab_conversion.json"
 
 
-def save_converted(model: nn.Module, record: ConversionRecord, path: str | Path, tokenizer=None,
-                   identity: dict | None = None) -> Path:  # fmt: skip
+def save_converted(
+    model: nn.Module, record: ConversionRecord, path: str | Path, tokenizer=None, identity: dict | None = None
+) -> Path:
     """Weights plus the conversion record. A Hugging Face model is saved with its own save_pretrained (config,
     generation config, weights) and, given its ``tokenizer``, the tokenizer too: a complete folder that
     ``AutoTokenizer.from_pretrained`` and :func:`load_converted` both read."""
@@ -95,8 +96,10 @@ def _check_weights(path: Path, recorded: dict | None) -> None:
         if not f.is_file():
             raise ValueError(f"{path}: the weight file {name} that {RECORD_FILE} records is missing")
         if sha256_file(f) != sha:
-            raise ValueError(f"{f} is not the file {RECORD_FILE} was saved with (its SHA-256 differs): it was "
-                             "replaced or edited; convert the model again")  # fmt: skip
+            raise ValueError(
+                f"{f} is not the file {RECORD_FILE} was saved with (its SHA-256 differs): it was "
+                "replaced or edited; convert the model again"
+            )
 
 
 def _rebuild(path: Path, model_class: str | None) -> nn.Module:
@@ -112,8 +115,10 @@ def _rebuild(path: Path, model_class: str | None) -> nn.Module:
     name = model_class or (config.architectures or [None])[0]
     cls = getattr(transformers, name, None) if isinstance(name, str) else None
     if cls is None:
-        raise ValueError(f"{path / RECORD_FILE}: model_class {name!r} is not a transformers model class; pass the "
-                         "model to load into (load_converted(path, model))")  # fmt: skip
+        raise ValueError(
+            f"{path / RECORD_FILE}: model_class {name!r} is not a transformers model class; pass the "
+            "model to load into (load_converted(path, model))"
+        )
     return cls(config)
 
 
@@ -126,8 +131,10 @@ def _load_state(path: Path) -> dict:
         try:
             return load_file(path / "model.safetensors")
         except Exception as e:  # noqa: BLE001  (safetensors' own error type for a damaged file)
-            raise ValueError(f"{path / 'model.safetensors'} is damaged or truncated ({type(e).__name__}: "
-                             f"{str(e)[:200]}); convert the model again") from None
+            raise ValueError(
+                f"{path / 'model.safetensors'} is damaged or truncated ({type(e).__name__}: "
+                f"{str(e)[:200]}); convert the model again"
+            ) from None
     index = path / "model.safetensors.index.json"
     if index.exists():
         state = {}
@@ -163,18 +170,20 @@ def load_converted(path: str | Path, model: nn.Module | None = None) -> tuple[nn
     apply_record(model, record)
     state = module_names(model, _load_state(path))
     own = model.state_dict()
-    wrong = [(k, tuple(v.shape), tuple(own[k].shape)) for k, v in state.items()
-             if k in own and v.shape != own[k].shape]  # fmt: skip
+    wrong = [(k, tuple(v.shape), tuple(own[k].shape)) for k, v in state.items() if k in own and v.shape != own[k].shape]
     if wrong:
         k, got, want = wrong[0]
-        raise ValueError(f"{path}: the weight {k} has shape {got} where the converted model has {want} (the folder "
-                         "holds another model's weights, or was edited); convert the model again")  # fmt: skip
+        raise ValueError(
+            f"{path}: the weight {k} has shape {got} where the converted model has {want} (the folder "
+            "holds another model's weights, or was edited); convert the model again"
+        )
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = set(getattr(model, "_tied_weights_keys", None) or [])
     missing = [k for k in missing if k not in tied and not any(fnmatch.fnmatch(k, t) for t in tied)]
     if hasattr(model, "tie_weights"):
         model.tie_weights()
     if unexpected or missing:
-        raise ValueError(f"{path}: weights do not match the converted model (missing {missing[:3]}, "
-                         f"unexpected {unexpected[:3]})")  # fmt: skip
+        raise ValueError(
+            f"{path}: weights do not match the converted model (missing {missing[:3]}, unexpected {unexpected[:3]})"
+        )
     return model.eval(), record

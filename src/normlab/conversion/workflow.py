@@ -48,8 +48,10 @@ def check_out(out: str | None, model: str, overwrite: bool) -> None:
         if not o.is_dir():
             raise ValueError(f"--out {out} is a file, not a folder; choose another --out")
         if any(o.iterdir()) and not (o / RECORD_FILE).is_file():
-            raise ValueError(f"--out {out} holds files that normlab did not write (no {RECORD_FILE}); it is never "
-                             "cleared, whatever the flags. Choose another --out")  # fmt: skip
+            raise ValueError(
+                f"--out {out} holds files that normlab did not write (no {RECORD_FILE}); it is never "
+                "cleared, whatever the flags. Choose another --out"
+            )
     check_writable(o, "--out")
 
 
@@ -61,21 +63,26 @@ def _check_checkpoint(cfg: ConvertConfig, inputs: list) -> str | None:
     ckpt = h.checkpoint or (f"{Path(cfg.out)}.heal.pt" if cfg.out else None)  # Path: "DIR/" and "DIR" are one folder
     if ckpt is None:
         if h.resume:
-            raise ValueError("--resume needs the heal checkpoint: pass --checkpoint PATH (or --out, whose default "
-                             "checkpoint is OUT.heal.pt)")  # fmt: skip
+            raise ValueError(
+                "--resume needs the heal checkpoint: pass --checkpoint PATH (or --out, whose default "
+                "checkpoint is OUT.heal.pt)"
+            )
         return None
     hit = inside(ckpt, *inputs, cfg.out)
     if hit is not None:
-        raise ValueError(f"--checkpoint {ckpt} would write over or inside an input or the output ({hit}); choose "
-                         "another path")  # fmt: skip
+        raise ValueError(
+            f"--checkpoint {ckpt} would write over or inside an input or the output ({hit}); choose another path"
+        )
     p = Path(ckpt)
     if p.is_dir():
         raise ValueError(f"--checkpoint {ckpt} is a folder; name a file")
     if h.resume and not p.is_file():
         raise ValueError(f"--resume: there is no heal checkpoint at {ckpt}; drop --resume to start the heal")
     if p.exists() and not h.resume:
-        raise ValueError(f"--checkpoint {ckpt} already exists; pass --resume to continue that heal, or choose "
-                         "another path (it is never overwritten)")  # fmt: skip
+        raise ValueError(
+            f"--checkpoint {ckpt} already exists; pass --resume to continue that heal, or choose "
+            "another path (it is never overwritten)"
+        )
     check_writable(p, "--checkpoint")
     return ckpt
 
@@ -105,8 +112,10 @@ def _check_resume_identity(ckpt: str | None, cfg: ConvertConfig, identity: dict)
         return
     diff = identity_difference(saved, identity, keys=identity)
     if diff:
-        raise ValueError(f"--resume: checkpoint {ckpt} was made from another model, text or settings ({diff}); "
-                         "resume with the same ones, or start afresh with another --checkpoint")  # fmt: skip
+        raise ValueError(
+            f"--resume: checkpoint {ckpt} was made from another model, text or settings ({diff}); "
+            "resume with the same ones, or start afresh with another --checkpoint"
+        )
 
 
 def _file_sha(path) -> str:
@@ -130,11 +139,15 @@ def _resume_command(ckpt: str) -> str:
 
 def heal_summary(rep) -> str:
     """One line on a heal: tokens, minutes, how much of the stream, and the validation curve's start and kept point."""
-    line = (f"healed ({rep.objective}, {rep.train}): {rep.tokens:,} tokens in {rep.seconds / 60:.1f} min, "
-            f"{rep.sequences:,} stream sequences ({rep.stream_passes:.2f} passes)")  # fmt: skip
+    line = (
+        f"healed ({rep.objective}, {rep.train}): {rep.tokens:,} tokens in {rep.seconds / 60:.1f} min, "
+        f"{rep.sequences:,} stream sequences ({rep.stream_passes:.2f} passes)"
+    )
     if rep.curve and rep.best is not None:
-        line += (f"; validation CE {rep.curve[0]['val_ce']:.3f} at the start, best {rep.best['val_ce']:.3f} at "
-                 f"{rep.best['tokens']:,} tokens (kept), last {rep.curve[-1]['val_ce']:.3f}")  # fmt: skip
+        line += (
+            f"; validation CE {rep.curve[0]['val_ce']:.3f} at the start, best {rep.best['val_ce']:.3f} at "
+            f"{rep.best['tokens']:,} tokens (kept), last {rep.curve[-1]['val_ce']:.3f}"
+        )
     return line
 
 
@@ -177,8 +190,10 @@ def write_curve(rep, folder: Path) -> None:
 
 
 def fidelity_line(fid: dict, n: int) -> str:
-    line = (f"\nfidelity on {n} held-out sequences: output cosine {fid['output_cosine']:.4f}, "
-            f"mean site error {fid['mean_site_error']:.4f}")  # fmt: skip
+    line = (
+        f"\nfidelity on {n} held-out sequences: output cosine {fid['output_cosine']:.4f}, "
+        f"mean site error {fid['mean_site_error']:.4f}"
+    )
     if "kl" in fid:
         line += f", KL {fid['kl']:.4g} nats/token"
     if "ce_original" in fid:
@@ -201,8 +216,10 @@ def convert_model(cfg: ConvertConfig, *, progress: bool = True, markdown: bool =
     Every field is checked before the model is loaded; ``out`` (and the heal checkpoint) are owned by this process
     for the whole job, so a second convert to the same place is refused."""
     if not isinstance(cfg, ConvertConfig):
-        raise TypeError(f"convert_model: expected a ConvertConfig (resolve_convert_config(...) builds one), got "
-                        f"{type(cfg).__name__}")  # fmt: skip
+        raise TypeError(
+            f"convert_model: expected a ConvertConfig (resolve_convert_config(...) builds one), got "
+            f"{type(cfg).__name__}"
+        )
     cfg.validate()  # bad input fails before the model is loaded
     model_path = _check_inputs(cfg)
     check_out(cfg.out, model_path, cfg.overwrite)
@@ -264,8 +281,10 @@ def _check_exclude(cfg: ConvertConfig, net) -> None:
     names = [n for n, _ in net.named_modules()]
     idle = [pat for pat in cfg.exclude if not any(fnmatch.fnmatch(n, pat) for n in names)]
     if idle:
-        raise ValueError(f"--exclude {idle[0]!r} matches no module of {cfg.model}; module names look like "
-                         f"{', '.join(n for n in names if n.endswith('norm'))[:200]}")  # fmt: skip
+        raise ValueError(
+            f"--exclude {idle[0]!r} matches no module of {cfg.model}; module names look like "
+            f"{', '.join(n for n in names if n.endswith('norm'))[:200]}"
+        )
 
 
 def _convert_sites(cfg: ConvertConfig, net, calib: list, held: list, progress: bool):
@@ -277,9 +296,11 @@ def _convert_sites(cfg: ConvertConfig, net, calib: list, held: list, progress: b
                "fit_amplitude": c.fit_amplitude, "sequential": c.sequential, "progress": progress}  # fmt: skip
     if cfg.budget_nats is not None:
         front, record = frontier(net, cfg.to, calib, held, budget_nats=cfg.budget_nats, **options)
-        print(f"--budget-nats {cfg.budget_nats:g}: {len(front.converted)} of {len(front.order)} norms fit "
-              f"(held-out cross-entropy {front.ce_original:.3f} -> {front.curve[-1]:.3f}); converted, cheapest "
-              f"first: {', '.join(front.converted) or 'none'}\n")  # fmt: skip
+        print(
+            f"--budget-nats {cfg.budget_nats:g}: {len(front.converted)} of {len(front.order)} norms fit "
+            f"(held-out cross-entropy {front.ce_original:.3f} -> {front.curve[-1]:.3f}); converted, cheapest "
+            f"first: {', '.join(front.converted) or 'none'}\n"
+        )
     else:
         record = convert_norms(net, cfg.to, calibrate=calib if c.enabled else None, **options)
     n_calib = sum(len(b) for b in calib)
@@ -294,8 +315,9 @@ def _heal(cfg: ConvertConfig, original, net, splits, record, ckpt: str | None, i
         rep = heal(original, net, splits, record, heal_cfg, identity=identity, progress=progress)
     except KeyboardInterrupt:
         if ckpt is not None and Path(ckpt).is_file():
-            print(f"\nheal interrupted; its checkpoint is {ckpt}. Continue with: {_resume_command(ckpt)}",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                f"\nheal interrupted; its checkpoint is {ckpt}. Continue with: {_resume_command(ckpt)}", file=sys.stderr
+            )
         raise
     print(f"\n{heal_summary(rep)}")
     return rep

@@ -82,8 +82,10 @@ def select(choice: str, x: torch.Tensor, owner: str, *params: torch.Tensor | Non
         return "reference"
     if choice == "cpu":
         if x.device.type != "cpu" or x.dtype not in cpu.FAST_DTYPES:
-            raise NormlabError(f"{owner}(kernel='cpu'): the fused CPU path takes a CPU tensor of float32, bfloat16 "
-                               f"or float16; got {x.dtype} on {x.device}. Use kernel='auto'")  # fmt: skip
+            raise NormlabError(
+                f"{owner}(kernel='cpu'): the fused CPU path takes a CPU tensor of float32, bfloat16 "
+                f"or float16; got {x.dtype} on {x.device}. Use kernel='auto'"
+            )
         return "cpu" if cpu.usable(x, *params, wait=True) else "reference"
     ok, why = triton_status()
     if choice == "auto":
@@ -93,8 +95,10 @@ def select(choice: str, x: torch.Tensor, owner: str, *params: torch.Tensor | Non
     if not ok:
         raise NormlabError(f"{owner}(kernel='triton'): {why}")
     if not x.is_cuda and not interpreting():
-        raise NormlabError(f"{owner}(kernel='triton'): the input is on {x.device}; the fused kernel needs a CUDA "
-                           "tensor, or TRITON_INTERPRET=1 to run it on the CPU for testing")  # fmt: skip
+        raise NormlabError(
+            f"{owner}(kernel='triton'): the input is on {x.device}; the fused kernel needs a CUDA "
+            "tensor, or TRITON_INTERPRET=1 to run it on the CPU for testing"
+        )
     return "triton"
 
 

@@ -70,10 +70,15 @@ def usable(x: Tensor, *params: Tensor | None, wait: bool = False) -> bool:
     """Whether the fused CPU path applies now: a CPU float tensor of a fast dtype, outside torch.compile and
     torch.func, with parameters of the input's dtype (under autocast the module casts them first), and the
     kernels loaded (``wait``: build them first if needed)."""
-    return (x.device.type == "cpu" and x.dtype in FAST_DTYPES and x.numel() > 0
-            and not torch.compiler.is_compiling() and not _transformed()
-            and all(p is None or (p.device.type == "cpu" and p.dtype == x.dtype) for p in params)
-            and ready(wait))  # fmt: skip
+    return (
+        x.device.type == "cpu"
+        and x.dtype in FAST_DTYPES
+        and x.numel() > 0
+        and not torch.compiler.is_compiling()
+        and not _transformed()
+        and all(p is None or (p.device.type == "cpu" and p.dtype == x.dtype) for p in params)
+        and ready(wait)
+    )
 
 
 # --------------------------------------------------------------------------
@@ -97,8 +102,9 @@ class _PointwiseFn(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         x, weight, bias, p0, p1 = ctx.saved_tensors
-        dx, dp0, dp1, dw, db = torch.ops.normlab_cpu.pointwise_bwd(grad, x, p0, p1, weight, bias, ctx.scale,
-                                                                   _KIND[ctx.kind])  # fmt: skip
+        dx, dp0, dp1, dw, db = torch.ops.normlab_cpu.pointwise_bwd(
+            grad, x, p0, p1, weight, bias, ctx.scale, _KIND[ctx.kind]
+        )
         return dx, dw, None if bias is None else db, None, None, dp0, None if p1 is None else dp1
 
 
@@ -120,8 +126,6 @@ class _RMSNormFn(torch.autograd.Function):
 def _need() -> None:
     if not ready(wait=True):
         raise RuntimeError(f"normlab's CPU kernels are not available on this machine ({cpu_build.failure()})")
-
-
 
 
 # --------------------------------------------------------------------------

@@ -82,10 +82,23 @@ def _torch_paths() -> tuple[Path, Path]:
 def _flags() -> list[str]:
     arch, macros = _isa()
     include, lib = _torch_paths()
-    return ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-w", *arch, *(f"-D{m}" for m in macros),
-            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", f"-I{include}",
-            f"-I{include / 'torch/csrc/api/include'}", f"-L{lib}", "-lc10", "-ltorch_cpu",
-            f"-Wl,-rpath,{lib}"]  # fmt: skip
+    return [
+        "-O3",
+        "-std=c++17",
+        "-shared",
+        "-fPIC",
+        "-fopenmp",
+        "-w",
+        *arch,
+        *(f"-D{m}" for m in macros),
+        f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+        f"-I{include}",
+        f"-I{include / 'torch/csrc/api/include'}",
+        f"-L{lib}",
+        "-lc10",
+        "-ltorch_cpu",
+        f"-Wl,-rpath,{lib}",
+    ]
 
 
 def _compiler_version(cxx: str) -> str:
@@ -156,12 +169,16 @@ def _compile(folder: Path, ident: dict) -> None:
         tmp.unlink(missing_ok=True)
         out = (proc.stderr or proc.stdout).strip().splitlines()
         errors = [line for line in out if "error" in line][:3] or out[-3:]
-        raise BuildError(f"the compiler `{ident['compiler']}` failed: {' | '.join(errors)[:1000]}",
-                         f"check that {ident['compiler']} is a C++17 compiler that can build against torch's headers "
-                         "(g++ >= 9 or clang++ >= 10), or set CXX to one")  # fmt: skip
+        raise BuildError(
+            f"the compiler `{ident['compiler']}` failed: {' | '.join(errors)[:1000]}",
+            f"check that {ident['compiler']} is a C++17 compiler that can build against torch's headers "
+            "(g++ >= 9 or clang++ >= 10), or set CXX to one",
+        )
     if not tmp.is_file():
-        raise BuildError(f"`{ident['compiler']}` exited 0 but wrote no library",
-                         f"CXX={ident['compiler']} is not a C++ compiler: set CXX to one (g++, clang++)")
+        raise BuildError(
+            f"`{ident['compiler']}` exited 0 but wrote no library",
+            f"CXX={ident['compiler']} is not a C++ compiler: set CXX to one (g++, clang++)",
+        )
     rec = {**ident, "flags": flags, "size": tmp.stat().st_size, "sha256": sha256_file(tmp),
            "seconds": round(time.perf_counter() - t0, 1), "built": time.strftime("%Y-%m-%dT%H:%M:%S%z")}  # fmt: skip
     os.replace(tmp, folder / "normlab_cpu.so")
@@ -220,8 +237,12 @@ def _build_and_load() -> None:
             if why is not None:
                 if why != "absent":
                     print(f"normlab: the cached CPU kernels in {folder} are {why}; rebuilding", file=sys.stderr)
-                print(f"normlab: building the CPU kernels for this machine, once (one C++ compile, "
-                      f"about 20-40 s) into {folder}", file=sys.stderr, flush=True)  # fmt: skip
+                print(
+                    f"normlab: building the CPU kernels for this machine, once (one C++ compile, "
+                    f"about 20-40 s) into {folder}",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 _compile(folder, ident)
     torch.ops.load_library(str(folder / "normlab_cpu.so"))
 
@@ -232,7 +253,8 @@ def _attempt() -> None:
     except Exception as e:  # noqa: BLE001  (a missing compiler, a failed compile, an unloadable library)
         _STATE["failure"] = f"{type(e).__name__}: {e}"
         _STATE["advice"] = getattr(e, "advice", None) or (
-            "set NORMLAB_CACHE to a folder you can write" if isinstance(e, PermissionError) else NO_COMPILER)
+            "set NORMLAB_CACHE to a folder you can write" if isinstance(e, PermissionError) else NO_COMPILER
+        )
         return
     _STATE["loaded"] = True
 
@@ -255,9 +277,13 @@ def load(wait: bool = True) -> bool:
         thread.join(timeout=0.05)  # a warm cache loads in milliseconds: take it now
     if _STATE["failure"] and not _STATE.get("warned"):
         _STATE["warned"] = True
-        warnings.warn(f"normlab: the fused CPU kernels cannot be built on this machine ({_STATE['failure'][:300]}); "
-                      f"falling back to the reference math. To fix: {_STATE['advice']}; or pass kernel='reference' "
-                      "(NORMLAB_KERNEL=reference) to silence this.", RuntimeWarning, stacklevel=3)  # fmt: skip
+        warnings.warn(
+            f"normlab: the fused CPU kernels cannot be built on this machine ({_STATE['failure'][:300]}); "
+            f"falling back to the reference math. To fix: {_STATE['advice']}; or pass kernel='reference' "
+            "(NORMLAB_KERNEL=reference) to silence this.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
     return _STATE["loaded"]
 
 
@@ -278,5 +304,8 @@ def status() -> dict:
     ident = _identity(cxx)
     folder = build_dir(ident)
     manifest = folder / "build.json"
-    return {"folder": str(folder), "intact": _intact(folder, ident) is None,
-            "record": json.loads(manifest.read_text()) if manifest.is_file() else None}  # fmt: skip
+    return {
+        "folder": str(folder),
+        "intact": _intact(folder, ident) is None,
+        "record": json.loads(manifest.read_text()) if manifest.is_file() else None,
+    }

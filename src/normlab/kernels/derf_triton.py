@@ -38,12 +38,21 @@ def _alpha_shift(A, S, cols, cmask, PER_CHANNEL: tl.constexpr):
 
 @triton.jit
 def _derf_fwd(
-    X, Y,  # (M, N) input and output, row stride stride_x / stride_y, unit column stride
-    A, S, W, B,  # alpha and shift: (1,) or (N,); weight (N,); bias (N,) or unused when HAS_BIAS is False
-    M, N, stride_x, stride_y,
-    ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-    PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
-):  # fmt: skip
+    X,
+    Y,  # (M, N) input and output, row stride stride_x / stride_y, unit column stride
+    A,
+    S,
+    W,
+    B,  # alpha and shift: (1,) or (N,); weight (N,); bias (N,) or unused when HAS_BIAS is False
+    M,
+    N,
+    stride_x,
+    stride_y,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PER_CHANNEL: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < N
@@ -60,13 +69,26 @@ def _derf_fwd(
 
 @triton.jit
 def _derf_bwd(
-    X, G, DX,  # (M, N) input, upstream gradient, input gradient
-    A, S, W,  # alpha and shift (1,) or (N,), weight (N,)
-    DA_P, DS_P, DW_P, DB_P,  # (programs_m, N) fp32 partial sums of the parameter gradients
-    M, N, stride_x, stride_g, stride_dx,
-    ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-    PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
-):  # fmt: skip
+    X,
+    G,
+    DX,  # (M, N) input, upstream gradient, input gradient
+    A,
+    S,
+    W,  # alpha and shift (1,) or (N,), weight (N,)
+    DA_P,
+    DS_P,
+    DW_P,
+    DB_P,  # (programs_m, N) fp32 partial sums of the parameter gradients
+    M,
+    N,
+    stride_x,
+    stride_g,
+    stride_dx,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PER_CHANNEL: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < N
@@ -105,8 +127,10 @@ class DerfFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, alpha, shift, weight, bias):
         if alpha.shape != shift.shape:
-            raise ValueError(f"derf (fused): alpha {tuple(alpha.shape)} and shift {tuple(shift.shape)} must have "
-                             "one shape, (1,) or (C,)")  # fmt: skip
+            raise ValueError(
+                f"derf (fused): alpha {tuple(alpha.shape)} and shift {tuple(shift.shape)} must have "
+                "one shape, (1,) or (C,)"
+            )
         shape = x.shape
         x2 = as_rows(x, shape[-1])
         m, n = x2.shape
@@ -114,10 +138,22 @@ class DerfFunction(torch.autograd.Function):
         cfg = launch_config(m, n, elementwise=True)
         if m:
             _derf_fwd[grid_2d(m, n, cfg)](
-                x2, y, alpha, shift, weight, bias if bias is not None else weight, m, n, x2.stride(0), y.stride(0),
-                ROWS=cfg.rows, BLOCK_N=cfg.block_n, PER_CHANNEL=alpha.numel() > 1, HAS_BIAS=bias is not None,
+                x2,
+                y,
+                alpha,
+                shift,
+                weight,
+                bias if bias is not None else weight,
+                m,
+                n,
+                x2.stride(0),
+                y.stride(0),
+                ROWS=cfg.rows,
+                BLOCK_N=cfg.block_n,
+                PER_CHANNEL=alpha.numel() > 1,
+                HAS_BIAS=bias is not None,
                 num_warps=cfg.num_warps,
-            )  # fmt: skip
+            )
         ctx.save_for_backward(x2, alpha, shift, weight)  # the input only: z is recomputed in the backward
         ctx.has_bias, ctx.shape = bias is not None, shape
         return y.view(shape)
@@ -133,15 +169,33 @@ class DerfFunction(torch.autograd.Function):
         da_p, ds_p, dw_p, db_p = (torch.zeros((pm, n), dtype=torch.float32, device=x2.device) for _ in range(4))
         if m:
             _derf_bwd[grid_2d(m, n, cfg)](
-                x2, g2, dx, alpha, shift, weight, da_p, ds_p, dw_p, db_p, m, n, x2.stride(0), g2.stride(0),
-                dx.stride(0), ROWS=cfg.rows, BLOCK_N=cfg.block_n, PER_CHANNEL=alpha.numel() > 1,
-                HAS_BIAS=ctx.has_bias, num_warps=cfg.num_warps,
-            )  # fmt: skip
+                x2,
+                g2,
+                dx,
+                alpha,
+                shift,
+                weight,
+                da_p,
+                ds_p,
+                dw_p,
+                db_p,
+                m,
+                n,
+                x2.stride(0),
+                g2.stride(0),
+                dx.stride(0),
+                ROWS=cfg.rows,
+                BLOCK_N=cfg.block_n,
+                PER_CHANNEL=alpha.numel() > 1,
+                HAS_BIAS=ctx.has_bias,
+                num_warps=cfg.num_warps,
+            )
         db = db_p.sum(0).to(weight.dtype) if ctx.has_bias else None
         return dx.view(ctx.shape), _reduce(da_p, alpha), _reduce(ds_p, shift), dw_p.sum(0).to(weight.dtype), db
 
 
-def derf(x: torch.Tensor, alpha: torch.Tensor, shift: torch.Tensor, weight: torch.Tensor,
-         bias: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+def derf(
+    x: torch.Tensor, alpha: torch.Tensor, shift: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """Fused Derf; same contract as :func:`normlab.functional.derf` with a weight."""
     return DerfFunction.apply(x, alpha, shift, weight, bias)

@@ -29,12 +29,21 @@ from normlab.kernels.common import as_rows, grid_2d, launch_config, partial_rows
 
 @triton.jit
 def _dyisru_fwd(
-    X, Y,  # (M, N) input and output, unit column stride
-    BETA, W, B,  # beta: (1,) or (N,), > 0; weight (N,); bias (N,) or unused
-    M, N, stride_x, stride_y, scale,  # scale: sqrt(N) or sqrt(N - 1)
-    ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-    BETA_PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
-):  # fmt: skip
+    X,
+    Y,  # (M, N) input and output, unit column stride
+    BETA,
+    W,
+    B,  # beta: (1,) or (N,), > 0; weight (N,); bias (N,) or unused
+    M,
+    N,
+    stride_x,
+    stride_y,
+    scale,  # scale: sqrt(N) or sqrt(N - 1)
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BETA_PER_CHANNEL: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < N
@@ -56,13 +65,25 @@ def _dyisru_fwd(
 
 @triton.jit
 def _dyisru_bwd(
-    X, G, DX,  # (M, N) input, upstream gradient, input gradient
-    BETA, W,
-    DBETA_P, DW_P, DB_P,  # (programs_m, N) fp32 partial sums
-    M, N, stride_x, stride_g, stride_dx, scale,
-    ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-    BETA_PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
-):  # fmt: skip
+    X,
+    G,
+    DX,  # (M, N) input, upstream gradient, input gradient
+    BETA,
+    W,
+    DBETA_P,
+    DW_P,
+    DB_P,  # (programs_m, N) fp32 partial sums
+    M,
+    N,
+    stride_x,
+    stride_g,
+    stride_dx,
+    scale,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BETA_PER_CHANNEL: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < N
@@ -106,10 +127,22 @@ class DyISRUFunction(torch.autograd.Function):
         cfg = launch_config(m, n, elementwise=True)
         if m:
             _dyisru_fwd[grid_2d(m, n, cfg)](
-                x2, y, beta, weight, bias if bias is not None else weight, m, n, x2.stride(0), y.stride(0), scale,
-                ROWS=cfg.rows, BLOCK_N=cfg.block_n, BETA_PER_CHANNEL=beta.numel() > 1, HAS_BIAS=bias is not None,
+                x2,
+                y,
+                beta,
+                weight,
+                bias if bias is not None else weight,
+                m,
+                n,
+                x2.stride(0),
+                y.stride(0),
+                scale,
+                ROWS=cfg.rows,
+                BLOCK_N=cfg.block_n,
+                BETA_PER_CHANNEL=beta.numel() > 1,
+                HAS_BIAS=bias is not None,
                 num_warps=cfg.num_warps,
-            )  # fmt: skip
+            )
         ctx.save_for_backward(x2, beta, weight)
         ctx.has_bias, ctx.shape, ctx.scale = bias is not None, shape, scale
         return y.view(shape)
@@ -125,10 +158,26 @@ class DyISRUFunction(torch.autograd.Function):
         dbeta_p, dw_p, db_p = (torch.zeros((pm, n), dtype=torch.float32, device=x2.device) for _ in range(3))
         if m:
             _dyisru_bwd[grid_2d(m, n, cfg)](
-                x2, g2, dx, beta, weight, dbeta_p, dw_p, db_p, m, n, x2.stride(0), g2.stride(0), dx.stride(0),
-                ctx.scale, ROWS=cfg.rows, BLOCK_N=cfg.block_n, BETA_PER_CHANNEL=beta.numel() > 1,
-                HAS_BIAS=ctx.has_bias, num_warps=cfg.num_warps,
-            )  # fmt: skip
+                x2,
+                g2,
+                dx,
+                beta,
+                weight,
+                dbeta_p,
+                dw_p,
+                db_p,
+                m,
+                n,
+                x2.stride(0),
+                g2.stride(0),
+                dx.stride(0),
+                ctx.scale,
+                ROWS=cfg.rows,
+                BLOCK_N=cfg.block_n,
+                BETA_PER_CHANNEL=beta.numel() > 1,
+                HAS_BIAS=ctx.has_bias,
+                num_warps=cfg.num_warps,
+            )
         dbeta = dbeta_p.sum(0)
         dbeta = (dbeta if beta.numel() > 1 else dbeta.sum().reshape(beta.shape)).to(beta.dtype)
         dw = dw_p.sum(0).to(weight.dtype)

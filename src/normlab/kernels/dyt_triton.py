@@ -34,13 +34,20 @@ def _tanh(z):
 
 @triton.jit
 def _dyt_fwd(
-    X, Y,  # (M, N) input and output, row stride stride_x / stride_y, unit column stride
-    A, W, B,  # alpha: (1,) or (N,); weight (N,); bias (N,) or unused when HAS_BIAS is False
-    M, N, stride_x, stride_y,
+    X,
+    Y,  # (M, N) input and output, row stride stride_x / stride_y, unit column stride
+    A,
+    W,
+    B,  # alpha: (1,) or (N,); weight (N,); bias (N,) or unused when HAS_BIAS is False
+    M,
+    N,
+    stride_x,
+    stride_y,
     ROWS: tl.constexpr,  # rows handled by one program
     BLOCK_N: tl.constexpr,  # columns handled by one program
-    ALPHA_PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
-):  # fmt: skip
+    ALPHA_PER_CHANNEL: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < N
@@ -57,13 +64,24 @@ def _dyt_fwd(
 
 @triton.jit
 def _dyt_bwd(
-    X, G, DX,  # (M, N) input, upstream gradient, input gradient
-    A, W,  # alpha (1,) or (N,), weight (N,)
-    DA_P, DW_P, DB_P,  # (programs_m, N) fp32 partial sums of the parameter gradients
-    M, N, stride_x, stride_g, stride_dx,
-    ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-    ALPHA_PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
-):  # fmt: skip
+    X,
+    G,
+    DX,  # (M, N) input, upstream gradient, input gradient
+    A,
+    W,  # alpha (1,) or (N,), weight (N,)
+    DA_P,
+    DW_P,
+    DB_P,  # (programs_m, N) fp32 partial sums of the parameter gradients
+    M,
+    N,
+    stride_x,
+    stride_g,
+    stride_dx,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    ALPHA_PER_CHANNEL: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < N
@@ -100,10 +118,21 @@ class DyTFunction(torch.autograd.Function):
         cfg = launch_config(m, n, elementwise=True)
         if m:
             _dyt_fwd[grid_2d(m, n, cfg)](
-                x2, y, alpha, weight, bias if bias is not None else weight, m, n, x2.stride(0), y.stride(0),
-                ROWS=cfg.rows, BLOCK_N=cfg.block_n, ALPHA_PER_CHANNEL=alpha.numel() > 1, HAS_BIAS=bias is not None,
+                x2,
+                y,
+                alpha,
+                weight,
+                bias if bias is not None else weight,
+                m,
+                n,
+                x2.stride(0),
+                y.stride(0),
+                ROWS=cfg.rows,
+                BLOCK_N=cfg.block_n,
+                ALPHA_PER_CHANNEL=alpha.numel() > 1,
+                HAS_BIAS=bias is not None,
                 num_warps=cfg.num_warps,
-            )  # fmt: skip
+            )
         ctx.save_for_backward(x2, alpha, weight)  # the input only: t is recomputed in the backward
         ctx.has_bias, ctx.shape = bias is not None, shape
         return y.view(shape)
@@ -119,10 +148,25 @@ class DyTFunction(torch.autograd.Function):
         da_p, dw_p, db_p = (torch.zeros((pm, n), dtype=torch.float32, device=x2.device) for _ in range(3))
         if m:
             _dyt_bwd[grid_2d(m, n, cfg)](
-                x2, g2, dx, alpha, weight, da_p, dw_p, db_p, m, n, x2.stride(0), g2.stride(0), dx.stride(0),
-                ROWS=cfg.rows, BLOCK_N=cfg.block_n, ALPHA_PER_CHANNEL=alpha.numel() > 1, HAS_BIAS=ctx.has_bias,
+                x2,
+                g2,
+                dx,
+                alpha,
+                weight,
+                da_p,
+                dw_p,
+                db_p,
+                m,
+                n,
+                x2.stride(0),
+                g2.stride(0),
+                dx.stride(0),
+                ROWS=cfg.rows,
+                BLOCK_N=cfg.block_n,
+                ALPHA_PER_CHANNEL=alpha.numel() > 1,
+                HAS_BIAS=ctx.has_bias,
                 num_warps=cfg.num_warps,
-            )  # fmt: skip
+            )
         da = da_p.sum(0)  # second stage: a deterministic reduction over programs
         da = (da if alpha.numel() > 1 else da.sum().reshape(alpha.shape)).to(alpha.dtype)
         dw = dw_p.sum(0).to(weight.dtype)

@@ -27,10 +27,19 @@ MAX_BLOCK = 8192
 
 @triton.jit
 def _rms_fwd(
-    X, Y, W, RSTD,  # (M, N) input, output; weight (N,); rstd (M,) fp32
-    M, N, stride_x, stride_y, eps,
-    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE: tl.constexpr,  # SINGLE: the row fits one block
-):  # fmt: skip
+    X,
+    Y,
+    W,
+    RSTD,  # (M, N) input, output; weight (N,); rstd (M,) fp32
+    M,
+    N,
+    stride_x,
+    stride_y,
+    eps,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SINGLE: tl.constexpr,  # SINGLE: the row fits one block
+):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     for i in range(ROWS):
@@ -61,10 +70,21 @@ def _rms_fwd(
 
 @triton.jit
 def _rms_bwd(
-    X, G, DX, W, RSTD, DW_P,  # DW_P: (programs, N) fp32 partial sums of dw
-    M, N, stride_x, stride_g, stride_dx,
-    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE: tl.constexpr,
-):  # fmt: skip
+    X,
+    G,
+    DX,
+    W,
+    RSTD,
+    DW_P,  # DW_P: (programs, N) fp32 partial sums of dw
+    M,
+    N,
+    stride_x,
+    stride_g,
+    stride_dx,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SINGLE: tl.constexpr,
+):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     if SINGLE:
@@ -125,9 +145,20 @@ class RMSNormFunction(torch.autograd.Function):
         rows, block, single, warps = _config(m, n)
         if m:
             _rms_fwd[(triton.cdiv(m, rows),)](
-                x2, y, weight, rstd, m, n, x2.stride(0), y.stride(0), eps,
-                ROWS=rows, BLOCK_N=block, SINGLE=single, num_warps=warps,
-            )  # fmt: skip
+                x2,
+                y,
+                weight,
+                rstd,
+                m,
+                n,
+                x2.stride(0),
+                y.stride(0),
+                eps,
+                ROWS=rows,
+                BLOCK_N=block,
+                SINGLE=single,
+                num_warps=warps,
+            )
         ctx.save_for_backward(x2, weight, rstd)
         ctx.shape = shape
         return y.view(shape)
@@ -143,9 +174,22 @@ class RMSNormFunction(torch.autograd.Function):
         dw_p = torch.zeros((programs, n), dtype=torch.float32, device=x2.device)
         if m:
             _rms_bwd[(programs,)](
-                x2, g2, dx, weight, rstd, dw_p, m, n, x2.stride(0), g2.stride(0), dx.stride(0),
-                ROWS=rows, BLOCK_N=block, SINGLE=single, num_warps=warps,
-            )  # fmt: skip
+                x2,
+                g2,
+                dx,
+                weight,
+                rstd,
+                dw_p,
+                m,
+                n,
+                x2.stride(0),
+                g2.stride(0),
+                dx.stride(0),
+                ROWS=rows,
+                BLOCK_N=block,
+                SINGLE=single,
+                num_warps=warps,
+            )
         return dx.view(ctx.shape), dw_p.sum(0).to(weight.dtype), None
 
 

@@ -56,8 +56,9 @@ class TrainConfig:
         d = dict(d)
         model = d.pop("model", {})
         if not isinstance(model, dict):
-            raise ValueError(f"model must be a table of model settings (model.width=..., model.norm=...), got "
-                             f"{model!r}")  # fmt: skip
+            raise ValueError(
+                f"model must be a table of model settings (model.width=..., model.norm=...), got {model!r}"
+            )
         model = GPTConfig(**model)
         return cls(model=model, **d)
 
@@ -98,8 +99,9 @@ class TrainConfig:
             raise ValueError(f"val_fraction must be in (0, 1), got {self.val_fraction!r}")
         sites = self.model.site_names()
         if self.jacobian_site not in sites:
-            raise ValueError(f"jacobian_site {self.jacobian_site!r} is not a norm site of this model; "
-                             f"sites: {', '.join(sites)}")  # fmt: skip
+            raise ValueError(
+                f"jacobian_site {self.jacobian_site!r} is not a norm site of this model; sites: {', '.join(sites)}"
+            )
 
 
 PRESETS: dict[str, dict] = {
@@ -172,4 +174,3 @@ def _merge(base: dict, extra: dict) -> dict:
         else:
             out[k] = v
     return out
-

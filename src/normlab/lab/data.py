@@ -65,8 +65,9 @@ def load_corpus(paths: list[str] | None = None, val_fraction: float = 0.1) -> Co
     return Corpus(name, data[:-n_val], data[-n_val:])
 
 
-def get_batch(data: torch.Tensor, batch_size: int, context: int, *, seed: int, step: int, rank: int = 0,
-              salt: int = 0) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def get_batch(
+    data: torch.Tensor, batch_size: int, context: int, *, seed: int, step: int, rank: int = 0, salt: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Inputs and next-byte targets, (B, T) each, drawn from a generator seeded by (seed, step, rank, salt)."""
     if len(data) <= context + 1:
         raise ValueError(f"data split of {len(data)} bytes is shorter than context + 1 = {context + 1}")
@@ -75,4 +76,3 @@ def get_batch(data: torch.Tensor, batch_size: int, context: int, *, seed: int, s
     offsets = torch.arange(context + 1)
     chunk = data[ix[:, None] + offsets].long()  # (B, T + 1)
     return chunk[:, :-1], chunk[:, 1:]
-

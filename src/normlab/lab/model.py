@@ -46,10 +46,15 @@ def check_types(cfg) -> None:
         if kinds is None or (optional and value is None):
             continue
         is_number = bool not in kinds
-        if (not isinstance(value, kinds) or (is_number and isinstance(value, bool))
-                or (declared == "list[str]" and not all(isinstance(v, str) for v in value))):  # fmt: skip
-            raise ValueError(f"{prefix}{f.name} must be {declared.removesuffix(' | None')}"
-                             f"{' or null' if optional else ''}, got {value!r}")  # fmt: skip
+        if (
+            not isinstance(value, kinds)
+            or (is_number and isinstance(value, bool))
+            or (declared == "list[str]" and not all(isinstance(v, str) for v in value))
+        ):
+            raise ValueError(
+                f"{prefix}{f.name} must be {declared.removesuffix(' | None')}"
+                f"{' or null' if optional else ''}, got {value!r}"
+            )
 
 
 @dataclass
@@ -115,8 +120,10 @@ class GPTConfig:
         if self.block not in BLOCKS:
             raise ValueError(f"model.block must be one of {', '.join(BLOCKS)}, got {self.block!r}")
         if self.block == "llama" and (self.width // self.heads) % 2:
-            raise ValueError(f"model.block = 'llama' rotates pairs of channels (RoPE): the head size width / heads "
-                             f"= {self.width // self.heads} must be even")  # fmt: skip
+            raise ValueError(
+                f"model.block = 'llama' rotates pairs of channels (RoPE): the head size width / heads "
+                f"= {self.width // self.heads} must be even"
+            )
         if not (math.isfinite(self.rope_theta) and self.rope_theta > 1):
             raise ValueError(f"model.rope_theta must be a finite number > 1, got {self.rope_theta!r}")
         scale = self.embed_scale
@@ -137,11 +144,15 @@ class GPTConfig:
                 raise ValueError(f"model.{field_name}: {e}") from None
         names = [getattr(self, f"norm_{s}") or self.norm for s in SITES]
         if self.norm_init == "match_rms" and not any(norm_spec(n).pointwise for n in names):
-            raise ValueError(f"model.norm_init = 'match_rms' scales the gamma of point-wise norms; no site of this "
-                             f"model has one ({', '.join(sorted(set(names)))}): drop it, or use a point-wise norm")
+            raise ValueError(
+                f"model.norm_init = 'match_rms' scales the gamma of point-wise norms; no site of this "
+                f"model has one ({', '.join(sorted(set(names)))}): drop it, or use a point-wise norm"
+            )
         if self.alpha_table is not None and not any("alpha_init" in init_kwargs(n) for n in names):
-            raise ValueError(f"model.alpha_table sets alpha_init, which no norm of this model takes "
-                             f"({', '.join(sorted(set(names)))}): drop it, or use DyT / Derf")  # fmt: skip
+            raise ValueError(
+                f"model.alpha_table sets alpha_init, which no norm of this model takes "
+                f"({', '.join(sorted(set(names)))}): drop it, or use DyT / Derf"
+            )
         every = {k for s in SITES for k in init_kwargs(self.site(s)[0])}
         unused = set(self.norm_kwargs) - every
         if unused:

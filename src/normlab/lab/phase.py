@@ -48,8 +48,11 @@ def predict(cfg: GPTConfig, *, seed: int = 0, batch: int = 8) -> dict[str, float
     with torch.device("meta"):  # the size first: a width of 100000 must be refused, not swapped to death
         n = sum(p.numel() for p in GPT(cfg).parameters())
     acts = batch * cfg.context * (cfg.vocab_size + 16 * cfg.width)  # the logits and a block's activations
-    check_memory(4 * (n + acts), f"the model of model.width={cfg.width}, model.depth={cfg.depth} ({n / 1e6:.0f}M "
-                 "parameters) at init", "use a smaller model.width or model.depth")  # fmt: skip
+    check_memory(
+        4 * (n + acts),
+        f"the model of model.width={cfg.width}, model.depth={cfg.depth} ({n / 1e6:.0f}M parameters) at init",
+        "use a smaller model.width or model.depth",
+    )
     torch.manual_seed(seed)
     model = GPT(cfg).eval()
     g = torch.Generator().manual_seed(seed)
@@ -62,6 +65,11 @@ def predict(cfg: GPTConfig, *, seed: int = 0, batch: int = 8) -> dict[str, float
     logit_std = float(logits.float().std())
     gain = logit_std / (GPT2_STD * math.sqrt(cfg.width))
     site = "blocks.0.norm_attn"
-    return {"alpha_rms": tele.get(f"alpha_rms/{site}", math.nan), "rms_out": tele[f"rms_out/{site}"],
-            "rms_in": tele[f"rms_in/{site}"], "logit_std": logit_std, "logit_gain": gain,
-            "predicted_escape": predicted_escape(gain)}  # fmt: skip
+    return {
+        "alpha_rms": tele.get(f"alpha_rms/{site}", math.nan),
+        "rms_out": tele[f"rms_out/{site}"],
+        "rms_in": tele[f"rms_in/{site}"],
+        "logit_std": logit_std,
+        "logit_gain": gain,
+        "predicted_escape": predicted_escape(gain),
+    }

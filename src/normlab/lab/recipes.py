@@ -8,7 +8,7 @@ width (1024) the paper gives no value; ``dyt_alpha0`` then takes the nearest row
 Both the DyT LLaMA code and the Derf nanoGPT patch (Chen et al., arXiv 2512.10938) multiply the token +
 position embedding by a learnable scalar initialised to sqrt(d) before block 0, for DyT and Derf only
 (``model.embed_scale = "sqrt_d"`` in the lab). Neither decays it (nanoGPT decays only matrices), nor the
-norms' alpha, gamma and beta; the lab's AdamW does the same (``normlab.lab.train.build_optimizer``).
+norms' alpha, gamma and beta; the lab's AdamW does the same (``normlab.lab.optim.build_optimizer``).
 """
 
 from __future__ import annotations
@@ -35,16 +35,21 @@ def parse_alpha_table(value: str, width: int) -> dict[str, float]:
     width W, e.g. when a narrow model emulates a wide one's init through ``model.init_std``)."""
     name, sep, at = value.partition("@")
     if sep and not at:
-        raise ValueError(f"model.alpha_table {value!r} names no width after '@': use 'dyt_paper' (this model's width) "
-                         f"or 'dyt_paper@W' with W one of {', '.join(map(str, DYT_PAPER_ALPHA0))}")  # fmt: skip
+        raise ValueError(
+            f"model.alpha_table {value!r} names no width after '@': use 'dyt_paper' (this model's width) "
+            f"or 'dyt_paper@W' with W one of {', '.join(map(str, DYT_PAPER_ALPHA0))}"
+        )
     if name != "dyt_paper":
-        raise ValueError(f"model.alpha_table must be 'dyt_paper' or 'dyt_paper@W' (W one of "
-                         f"{', '.join(map(str, DYT_PAPER_ALPHA0))}), got {value!r}")  # fmt: skip
+        raise ValueError(
+            f"model.alpha_table must be 'dyt_paper' or 'dyt_paper@W' (W one of "
+            f"{', '.join(map(str, DYT_PAPER_ALPHA0))}), got {value!r}"
+        )
     if not at:
         return dyt_alpha0(width)
     if not at.isdigit() or int(at) not in DYT_PAPER_ALPHA0:
-        raise ValueError(f"model.alpha_table {value!r}: the DyT paper's table has the widths "
-                         f"{', '.join(map(str, DYT_PAPER_ALPHA0))}")  # fmt: skip
+        raise ValueError(
+            f"model.alpha_table {value!r}: the DyT paper's table has the widths {', '.join(map(str, DYT_PAPER_ALPHA0))}"
+        )
     return dyt_alpha0(int(at))
 
 

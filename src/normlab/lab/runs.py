@@ -75,8 +75,9 @@ def read_summary(run_dir: str | Path) -> dict | None:
     except json.JSONDecodeError:
         return None
     if summary is not None and not isinstance(summary, dict):
-        raise NormlabError(f"{p} is not a JSON object (a run summary); delete it, and the run resumes from its "
-                           "checkpoint")  # fmt: skip
+        raise NormlabError(
+            f"{p} is not a JSON object (a run summary); delete it, and the run resumes from its checkpoint"
+        )
     return summary
 
 
@@ -101,8 +102,13 @@ def code_version() -> dict:
     info = {"normlab": normlab.__version__, "torch": torch.__version__}
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", str(here.parent)], cwd=here,
-                               capture_output=True, text=True, timeout=5)  # fmt: skip
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", str(here.parent)],
+            cwd=here,
+            capture_output=True,
+            text=True,
+            timeout=5,
+        )
         if commit.returncode == 0:
             info["git_commit"] = commit.stdout.strip()
             info["git_dirty"] = bool(dirty.stdout.strip())
@@ -171,8 +177,9 @@ class RunFolder:
             probe.unlink()
         except OSError as e:
             reason = e.strerror or str(e)
-            raise ValueError(f"out: run directory {str(self.path)!r} is not writable ({reason}); "
-                             "choose another --out") from None  # fmt: skip
+            raise ValueError(
+                f"out: run directory {str(self.path)!r} is not writable ({reason}); choose another --out"
+            ) from None
 
     def write_json(self, name: str, obj) -> None:
         write_json(self.path / name, obj)
@@ -212,13 +219,17 @@ class RunFolder:
         where = str(self.path)
         foreign = self.foreign()
         if foreign:
-            raise ValueError(f"out: {where} is not a normlab run folder: it holds {foreign}, which normlab did not "
-                             "write; nothing there is touched, whatever the flags. Choose another --out")  # fmt: skip
+            raise ValueError(
+                f"out: {where} is not a normlab run folder: it holds {foreign}, which normlab did not "
+                "write; nothing there is touched, whatever the flags. Choose another --out"
+            )
         if not resume:
             if self.used():
                 if not overwrite:
-                    raise ValueError(f"out: {where} already holds a run ({self.describe()}); pass --resume to "
-                                     "continue it, --overwrite to start it over, or choose another --out")  # fmt: skip
+                    raise ValueError(
+                        f"out: {where} already holds a run ({self.describe()}); pass --resume to "
+                        "continue it, --overwrite to start it over, or choose another --out"
+                    )
                 self.clear()
             return False
         if not self.used():
@@ -226,8 +237,10 @@ class RunFolder:
         done = self.summary() or {}
         status, steps_done = done.get("status"), done.get("steps_done") or 0
         if status == "diverged" or (status == "completed" and steps <= steps_done):
-            raise ValueError(f"out: the run in {where} is already {status} at step {steps_done}; its results are "
-                             "kept. To train a completed run longer, resume it with --set steps=N for a larger N")
+            raise ValueError(
+                f"out: the run in {where} is already {status} at step {steps_done}; its results are "
+                "kept. To train a completed run longer, resume it with --set steps=N for a larger N"
+            )
         if not self.checkpoint.exists():  # killed before its first checkpoint: resume means from step 0
             self.truncate_metrics(0)
             return False
@@ -260,8 +273,9 @@ class RunFolder:
         """
         fd = take_lock(self.path / LOCK)  # not on POSIX: no lock (-1), the other rules still hold
         if isinstance(fd, str):
-            raise RunLocked(f"out: {self.path} is in use by a live run ({fd}); wait for it to end, or choose "
-                            "another --out")  # fmt: skip
+            raise RunLocked(
+                f"out: {self.path} is in use by a live run ({fd}); wait for it to end, or choose another --out"
+            )
         self._lock_fd = fd if fd >= 0 else None
         return self
 

@@ -30,25 +30,29 @@ from normlab.lab.config import TrainConfig
 from normlab.lab.data import get_batch, load_corpus
 from normlab.lab.metrics import Probe, init_telemetry, norm_parameters, projection_ranks
 from normlab.lab.model import GPT
+from normlab.lab.optim import build_optimizer, lr_at
 from normlab.lab.runs import CONFIG, METRICS, SUMMARY, VERSION, RunFolder, code_version, escape_step, read_jsonl
 
-__all__ = ["train", "lr_at", "CheckpointError", "check_cpu_bf16", "build_optimizer", "muon_parameters", "Optimizers"]
+__all__ = ["train", "CheckpointError", "check_cpu_bf16"]
 
 # config fields that may change when a run is resumed; every other field must match the checkpoint
-RESUMABLE = {"steps", "eval_every", "log_every", "metrics_every", "checkpoint_every", "out", "tensorboard", "device",
-             "compile", "eval_batches", "jacobian_site"}  # fmt: skip
+RESUMABLE = {
+    "steps",
+    "eval_every",
+    "log_every",
+    "metrics_every",
+    "checkpoint_every",
+    "out",
+    "tensorboard",
+    "device",
+    "compile",
+    "eval_batches",
+    "jacobian_site",
+}
 
 
 class CheckpointError(NormlabError):
     pass
-
-
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warmup to cfg.lr, then cosine decay to cfg.min_lr at cfg.steps."""
-    if step < cfg.warmup:
-        return cfg.lr * (step + 1) / cfg.warmup
-    progress = min(1.0, (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup))
-    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
 
 
 # --------------------------------------------------------------------------
@@ -71,8 +75,10 @@ def save_checkpoint(path: Path, model, opt, step: int, cfg: TrainConfig) -> None
         os.replace(tmp, path)
     except (OSError, RuntimeError) as e:  # a full disk surfaces as either ("unexpected pos ...")
         tmp.unlink(missing_ok=True)
-        raise OSError(f"could not write the checkpoint {path} ({str(e).splitlines()[0][:200]}); is the disk "
-                      "full? The last complete checkpoint is kept") from None  # fmt: skip
+        raise OSError(
+            f"could not write the checkpoint {path} ({str(e).splitlines()[0][:200]}); is the disk "
+            "full? The last complete checkpoint is kept"
+        ) from None
 
 
 def load_checkpoint(path: Path, cfg: TrainConfig) -> dict:
@@ -88,8 +94,10 @@ def load_checkpoint(path: Path, cfg: TrainConfig) -> dict:
         raise CheckpointError(f"{path} is not a normlab checkpoint")
     missing = [k for k in ("step", "config", "model", "optimizer", "rng", "cuda_rng") if k not in state]
     if missing:
-        raise CheckpointError(f"checkpoint {path} lacks {', '.join(missing)} (damaged or hand-edited); pass "
-                              "--overwrite to start the run over")  # fmt: skip
+        raise CheckpointError(
+            f"checkpoint {path} lacks {', '.join(missing)} (damaged or hand-edited); pass "
+            "--overwrite to start the run over"
+        )
     saved, now = state["config"], cfg.to_dict()
     diffs = [k for k in now if k not in RESUMABLE and saved.get(k) != now[k]]
     if diffs:
@@ -114,59 +122,6 @@ def _setup_distributed(cfg: TrainConfig) -> tuple[int, int, torch.device]:
         torch.cuda.set_device(local)
         return rank, world, torch.device("cuda", local)
     return rank, world, torch.device("cpu")
-
-
-def muon_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
-    """The hidden matrices Muon updates: every 2-D weight inside the blocks (attention and MLP projections).
-    The embedding, the head and every vector or scalar stay with AdamW, as in modded-nanogpt."""
-    return [p for p in model.blocks.parameters() if p.dim() == 2]
-
-
-class Optimizers:
-    """Muon and AdamW stepped together: one object to the trainer and to the checkpoint."""
-
-    def __init__(self, *optimizers: torch.optim.Optimizer) -> None:
-        self.optimizers = optimizers
-
-    @property
-    def param_groups(self) -> list[dict]:
-        return [g for o in self.optimizers for g in o.param_groups]
-
-    def step(self) -> None:
-        for o in self.optimizers:
-            o.step()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for o in self.optimizers:
-            o.zero_grad(set_to_none=set_to_none)
-
-    def state_dict(self) -> dict:
-        return {"optimizers": [o.state_dict() for o in self.optimizers]}
-
-    def load_state_dict(self, state: dict) -> None:
-        for o, s in zip(self.optimizers, state["optimizers"], strict=True):
-            o.load_state_dict(s)
-
-
-def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device):
-    """AdamW (weight decay on matrices and embeddings only), or with ``optimizer = "muon"`` torch.optim.Muon for
-    the blocks' matrices (``muon_parameters``) and AdamW for the rest. Each group keeps its peak rate in
-    ``peak_lr``; the schedule (``lr_at``) scales every group alike."""
-    muon = muon_parameters(model) if cfg.optimizer == "muon" else []
-    taken = {id(p) for p in muon}
-    rest = [p for p in model.parameters() if id(p) not in taken]
-    decay = [p for p in rest if p.dim() >= 2]  # matrices and embeddings
-    no_decay = [p for p in rest if p.dim() < 2]  # norm weights, biases, alpha, log_beta
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    adamw = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=device.type == "cuda")
-    for g in adamw.param_groups:
-        g["peak_lr"] = cfg.lr
-    if not muon:
-        return adamw
-    opt = torch.optim.Muon(muon, lr=cfg.muon_lr, weight_decay=cfg.weight_decay, momentum=cfg.muon_momentum)
-    for g in opt.param_groups:
-        g["peak_lr"] = cfg.muon_lr
-    return Optimizers(opt, adamw)
 
 
 @torch.no_grad()
@@ -199,13 +154,17 @@ def check_cpu_bf16(code: str = _BF16_PROBE) -> None:
     """
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     if proc.returncode == -signal.SIGILL:
-        raise NormlabError("amp=bf16 on this CPU dies with SIGILL (Illegal instruction): the CPU advertises "
-                           "instructions (AMX) the machine does not enable, as some virtual machines do. Set "
-                           "ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 in the environment and rerun, or use amp=none")
+        raise NormlabError(
+            "amp=bf16 on this CPU dies with SIGILL (Illegal instruction): the CPU advertises "
+            "instructions (AMX) the machine does not enable, as some virtual machines do. Set "
+            "ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 in the environment and rerun, or use amp=none"
+        )
     if proc.returncode != 0:
         tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        raise NormlabError(f"amp=bf16: a bf16 matmul under CPU autocast fails on this machine "
-                           f"(exit {proc.returncode}: {tail}); use amp=none")  # fmt: skip
+        raise NormlabError(
+            f"amp=bf16: a bf16 matmul under CPU autocast fails on this machine "
+            f"(exit {proc.returncode}: {tail}); use amp=none"
+        )
 
 
 class _Interrupt:
@@ -219,8 +178,10 @@ class _Interrupt:
         if self.signum == signal.SIGINT and signum == signal.SIGINT:
             raise KeyboardInterrupt  # a second Ctrl-C: the user means it
         self.signum = signum
-        tqdm.write(f"\n{signal.Signals(signum).name}: stopping after this step with a checkpoint "
-                   "(Ctrl-C again to stop at once)")  # fmt: skip
+        tqdm.write(
+            f"\n{signal.Signals(signum).name}: stopping after this step with a checkpoint "
+            "(Ctrl-C again to stop at once)"
+        )
 
     def __enter__(self) -> _Interrupt:
         if threading.current_thread() is threading.main_thread():  # handlers can only be set there
@@ -259,8 +220,7 @@ class _Log:
             self.writer.close()
 
 
-def _step(model, fwd, raw_model, opt, cfg: TrainConfig, corpus, step: int, rank: int, device, autocast,
-          probing: bool):  # fmt: skip
+def _step(model, fwd, raw_model, opt, cfg: TrainConfig, corpus, step: int, rank: int, device, autocast, probing: bool):
     """One optimizer step at ``step`` on that step's batch; returns the loss and, when probing, the Probe that
     measured it."""
     lr = lr_at(step, cfg)
@@ -295,9 +255,11 @@ def _model_and_optimizer(cfg: TrainConfig, folder: RunFolder, device, resume: bo
         return model, opt, 0
     state = load_checkpoint(folder.checkpoint, cfg)
     if state["step"] > cfg.steps:
-        raise ValueError(f"--resume: the checkpoint in {folder.path} is at step {state['step']}, beyond steps = "
-                         f"{cfg.steps} (the run was started for {state['config'].get('steps')}); resume with "
-                         f"--set steps=N for N >= {state['step']}")  # fmt: skip
+        raise ValueError(
+            f"--resume: the checkpoint in {folder.path} is at step {state['step']}, beyond steps = "
+            f"{cfg.steps} (the run was started for {state['config'].get('steps')}); resume with "
+            f"--set steps=N for N >= {state['step']}"
+        )
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["optimizer"])
     torch.set_rng_state(state["rng"])
@@ -342,8 +304,10 @@ def _check_buildable(cfg: TrainConfig, corpus) -> None:
     norms' init values, the vocabulary against the corpus's bytes, and the optional packages the config asks for."""
     top = max(int(corpus.train.max()), int(corpus.val.max()))
     if top >= cfg.model.vocab_size:
-        raise ValueError(f"model.vocab_size = {cfg.model.vocab_size} is below the corpus's byte range: {corpus.name} "
-                         f"holds byte {top}; use model.vocab_size >= {top + 1} (256 covers every byte)")  # fmt: skip
+        raise ValueError(
+            f"model.vocab_size = {cfg.model.vocab_size} is below the corpus's byte range: {corpus.name} "
+            f"holds byte {top}; use model.vocab_size >= {top + 1} (256 covers every byte)"
+        )
     try:
         with torch.device("meta"):  # no memory, no time: the constructors' own checks
             n = sum(p.numel() for p in GPT(cfg.model).parameters())
@@ -352,9 +316,11 @@ def _check_buildable(cfg: TrainConfig, corpus) -> None:
     from normlab.errors import check_memory
 
     tokens = cfg.batch_size * cfg.model.context  # weights, gradients, two moments; the activations of a step
-    check_memory(16 * n + 4 * tokens * (cfg.model.vocab_size + 24 * cfg.model.width * cfg.model.depth),
-                 f"training {n / 1e6:.0f}M parameters at batch_size={cfg.batch_size} x context={cfg.model.context}",
-                 "use a smaller model.width, model.depth, batch_size or model.context")  # fmt: skip
+    check_memory(
+        16 * n + 4 * tokens * (cfg.model.vocab_size + 24 * cfg.model.width * cfg.model.depth),
+        f"training {n / 1e6:.0f}M parameters at batch_size={cfg.batch_size} x context={cfg.model.context}",
+        "use a smaller model.width, model.depth, batch_size or model.context",
+    )
     if cfg.tensorboard:
         try:
             import tensorboard  # noqa: F401
@@ -362,8 +328,14 @@ def _check_buildable(cfg: TrainConfig, corpus) -> None:
             raise ValueError("tensorboard=true needs the tensorboard package: pip install tensorboard") from None
 
 
-def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, progress: bool = True,
-          resume_command: str | None = None) -> dict:  # fmt: skip
+def train(
+    cfg: TrainConfig,
+    *,
+    resume: bool = False,
+    overwrite: bool = False,
+    progress: bool = True,
+    resume_command: str | None = None,
+) -> dict:
     """Train one run; returns its summary.
 
     A diverged run returns status 'diverged', it does not raise. SIGINT / SIGTERM return status
@@ -375,9 +347,11 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, pr
     corpus = load_corpus(cfg.data or None, cfg.val_fraction)
     for split, data in (("train", corpus.train), ("validation", corpus.val)):
         if len(data) <= cfg.model.context + 1:
-            raise ValueError(f"data: the {split} split of {corpus.name} has {len(data)} bytes, not more than "
-                             f"model.context + 1 = {cfg.model.context + 1}; use more text, a smaller context, "
-                             "or another val_fraction")  # fmt: skip
+            raise ValueError(
+                f"data: the {split} split of {corpus.name} has {len(data)} bytes, not more than "
+                f"model.context + 1 = {cfg.model.context + 1}; use more text, a smaller context, "
+                "or another val_fraction"
+            )
     _check_buildable(cfg, corpus)
     rank, world, device = _setup_distributed(cfg)
     if device.type == "cpu" and cfg.amp == "bf16":
@@ -394,11 +368,45 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, pr
         except OSError as e:  # a write failed (a full disk, a quota): say so in the summary, if it can be written
             again = resume_command or f"train(cfg, resume=True) with cfg.out = {str(folder.path)!r}"
             try:
-                folder.write_json(SUMMARY, {**(folder.summary() or {}), "status": "failed", "error": str(e),
-                                            "resume": again})  # fmt: skip
+                folder.write_json(
+                    SUMMARY, {**(folder.summary() or {}), "status": "failed", "error": str(e), "resume": again}
+                )
             except OSError:
                 pass
             raise NormlabError(f"{e}. Free space, then resume with: {again}") from None
+
+
+def _wrap(model, cfg: TrainConfig, device, world: int):
+    """The model as the loop runs it: DDP across ranks, compiled if asked; and the autocast context (bf16 when
+    asked, or on CUDA by default)."""
+    if world > 1:
+        model = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None
+        )
+    fwd = torch.compile(model) if cfg.compile else model
+    use_bf16 = cfg.amp == "bf16" or (cfg.amp == "auto" and device.type == "cuda")
+    autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if use_bf16 else contextlib.nullcontext
+    return model, fwd, autocast
+
+
+def _logged_val_loss(folder: RunFolder, step: int) -> float | None:
+    """The validation loss the metrics log holds for ``step``, if any."""
+    found = (
+        r["val_loss"] for r in reversed(folder.metrics()) if r.get("step") == step and r.get("val_loss") is not None
+    )
+    return next(found, None)
+
+
+def _open_run(folder: RunFolder, cfg: TrainConfig, corpus, world: int, device, main: bool) -> dict:
+    """The run's first files (its identity, config and a running summary, on rank 0); returns the summary."""
+    summary = {"status": "running", "name": folder.path.name, "norm": cfg.model.norm,
+               "unigram_entropy": corpus.unigram_entropy, "corpus": corpus.name, "train_bytes": len(corpus.train),
+               "world_size": world, "device": str(device), "steps": cfg.steps}  # fmt: skip
+    if main:
+        folder.write_json(VERSION, code_version())  # first: the identity that marks the folder as a run
+        folder.write_json(CONFIG, cfg.to_dict())
+        folder.write_json(SUMMARY, summary)
+    return summary
 
 
 def _train(cfg, folder: RunFolder, corpus, rank, world, device, resume, progress, resume_command) -> dict:
@@ -407,25 +415,15 @@ def _train(cfg, folder: RunFolder, corpus, rank, world, device, resume, progress
     entropy = corpus.unigram_entropy
     model, opt, start = _model_and_optimizer(cfg, folder, device, resume, main)
     raw_model = model
-    if world > 1:
-        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda"
-                                                          else None)  # fmt: skip
-    fwd = torch.compile(model) if cfg.compile else model
-    use_bf16 = cfg.amp == "bf16" or (cfg.amp == "auto" and device.type == "cuda")
-    autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if use_bf16 else contextlib.nullcontext
+    model, fwd, autocast = _wrap(model, cfg, device, world)
 
-    summary = {"status": "running", "name": out.name, "norm": cfg.model.norm, "unigram_entropy": entropy,
-               "corpus": corpus.name, "train_bytes": len(corpus.train), "world_size": world, "device": str(device),
-               "steps": cfg.steps}  # fmt: skip
-    if main:
-        folder.write_json(VERSION, code_version())  # first: the identity that marks the folder as a run
-        folder.write_json(CONFIG, cfg.to_dict())
-        folder.write_json(SUMMARY, summary)
+    summary = _open_run(folder, cfg, corpus, world, device, main)
     log = _Log(folder, cfg.tensorboard and main, main)
 
     tokens_per_step = cfg.batch_size * cfg.model.context * world
-    bar = tqdm(total=cfg.steps, initial=start, disable=not (main and progress), desc=out.name, unit="step",
-               dynamic_ncols=True)  # fmt: skip
+    bar = tqdm(
+        total=cfg.steps, initial=start, disable=not (main and progress), desc=out.name, unit="step", dynamic_ncols=True
+    )
     if start == 0:
         _begin_fresh_run(raw_model, cfg, corpus, device, rank, world, log)
     train_time, loss_sum, n_loss, last_val, step = 0.0, 0.0, 0, None, start
@@ -466,16 +464,19 @@ def _train(cfg, folder: RunFolder, corpus, rank, world, device, resume, progress
                     dist.barrier()
             bar.update(1)
             if stopping and step < cfg.steps:
-                summary.update(status="interrupted", interrupted_at=step, signal=signal.Signals(interrupt.signum).name,
-                               resume=resume_command or f"train(cfg, resume=True) with cfg.out = {str(out)!r}")
+                summary.update(
+                    status="interrupted",
+                    interrupted_at=step,
+                    signal=signal.Signals(interrupt.signum).name,
+                    resume=resume_command or f"train(cfg, resume=True) with cfg.out = {str(out)!r}",
+                )
                 break
     bar.close()
 
     if summary["status"] == "running":
-        if last_val is None:  # resumed at the final checkpoint: its evaluation is on disk (else made now)
-            last_val = next((r["val_loss"] for r in reversed(folder.metrics()) if r.get("step") == step
-                             and r.get("val_loss") is not None), None) if main else None  # fmt: skip
-            if last_val is None and main:
+        if last_val is None and main:  # resumed at the final checkpoint: its evaluation is on disk (else made now)
+            last_val = _logged_val_loss(folder, step)
+            if last_val is None:
                 last_val = evaluate(fwd, corpus.val, cfg, device, autocast)
         summary.update(status="completed", final_val_loss=last_val, steps_done=step)
     summary["gap_to_unigram_entropy"] = (last_val - entropy) if last_val is not None else None

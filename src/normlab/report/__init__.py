@@ -29,16 +29,21 @@ def read_index(path: Path) -> dict:
     try:
         index = json.loads(path.read_text())
     except (OSError, ValueError) as e:
-        raise NormlabError(f"{path} is unreadable or not JSON ({type(e).__name__}: {e}); write it again with "
-                           "`normlab sweep` (finished runs are skipped)") from None  # fmt: skip
+        raise NormlabError(
+            f"{path} is unreadable or not JSON ({type(e).__name__}: {e}); write it again with "
+            "`normlab sweep` (finished runs are skipped)"
+        ) from None
     if not isinstance(index, dict) or not isinstance(index.get("experiments"), list) or "profile" not in index:
-        raise NormlabError(f"{path} is not a normlab index (no profile and list of experiments); write it again "
-                           "with `normlab sweep`")  # fmt: skip
+        raise NormlabError(
+            f"{path} is not a normlab index (no profile and list of experiments); write it again with `normlab sweep`"
+        )
     for exp in index["experiments"]:
         name = exp.get("name") if isinstance(exp, dict) else None
         if (why := path_segment_error(name)) is not None:  # figures are written as <root>/figures/<name>_*.png
-            raise NormlabError(f"{path}: experiment name {name!r} {why.split(', got')[0]}; fix it in the "
-                               "experiment's TOML and run `normlab sweep` again")  # fmt: skip
+            raise NormlabError(
+                f"{path}: experiment name {name!r} {why.split(', got')[0]}; fix it in the "
+                "experiment's TOML and run `normlab sweep` again"
+            )
     return index
 
 
@@ -68,9 +73,11 @@ def write_report(root: str | Path, *, elapsed_s: float | None = None, compare: s
         raise FileNotFoundError(f"{index_path} not found: {hint}")
     index = read_index(index_path)
     if other_index and not {e["name"] for e in index["experiments"]} & set(others):
-        raise ValueError(f"--compare {compare}: it holds none of this root's experiments "
-                         f"({', '.join(sorted(others)) or 'none'} there, "
-                         f"{', '.join(e['name'] for e in index['experiments'])} here)")  # fmt: skip
+        raise ValueError(
+            f"--compare {compare}: it holds none of this root's experiments "
+            f"({', '.join(sorted(others)) or 'none'} there, "
+            f"{', '.join(e['name'] for e in index['experiments'])} here)"
+        )
     figs = root / "figures"
     figs.mkdir(parents=True, exist_ok=True)
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"

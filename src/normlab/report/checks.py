@@ -40,8 +40,11 @@ def seeded(res: Results, ok: bool, diff: float, names, text: str, metric: str = 
     """A verdict only when the difference it rests on exceeds the spread over seeds; else inconclusive."""
     spread = res.spread(*names, metric=metric)
     if spread > 0 and abs(diff) <= spread:
-        return Verdict(None, f"{text}; the difference {abs(diff):.3g} is within the spread over seeds {spread:.3g}",
-                       {"difference": abs(diff), "spread": spread})  # fmt: skip
+        return Verdict(
+            None,
+            f"{text}; the difference {abs(diff):.3g} is within the spread over seeds {spread:.3g}",
+            {"difference": abs(diff), "spread": spread},
+        )
     return Verdict(ok, text, {"difference": diff, "spread": spread})
 
 
@@ -51,8 +54,12 @@ def _check_band(res: Results, c: dict) -> list[Verdict]:
     if not vals or h is None:
         return [verdict(None, f"{c['what']}: runs missing")]
     spread, dist = max(vals) - min(vals), max(abs(v - h) for v in vals)
-    return [verdict(spread < c["spread"] and dist < c["near_entropy"], f"{c['what']} span {spread:.3f} nats and "
-                     f"sit at most {dist:.3f} from the unigram entropy {h:.3f}")]  # fmt: skip
+    return [
+        verdict(
+            spread < c["spread"] and dist < c["near_entropy"],
+            f"{c['what']} span {spread:.3f} nats and sit at most {dist:.3f} from the unigram entropy {h:.3f}",
+        )
+    ]
 
 
 def _check_below(res: Results, c: dict) -> list[Verdict]:
@@ -61,14 +68,26 @@ def _check_below(res: Results, c: dict) -> list[Verdict]:
     if not vals or base is None:
         return [verdict(None, f"{c['what']}: runs missing")]
     names = [res.exp["baseline"], *res.flagged(c["where"])]
-    return [seeded(res, base < min(vals) - c["margin"], min(vals) - base, names,
-                    f"{res.label(res.exp['baseline'])} reaches {base:.3f}, {min(vals) - base:.2f} below {c['what']}")]
+    return [
+        seeded(
+            res,
+            base < min(vals) - c["margin"],
+            min(vals) - base,
+            names,
+            f"{res.label(res.exp['baseline'])} reaches {base:.3f}, {min(vals) - base:.2f} below {c['what']}",
+        )
+    ]
 
 
 def _check_status(res: Results, c: dict) -> list[Verdict]:
     got = res.status(c["run"])
-    return [verdict(got == c["status"], f"{res.label(c['run'])}: status {got} (the dissection: {c['status']}), "
-                     f"loss {fmt(res.mean(c['run']), '{:.3f}')}")]  # fmt: skip
+    return [
+        verdict(
+            got == c["status"],
+            f"{res.label(c['run'])}: status {got} (the dissection: {c['status']}), "
+            f"loss {fmt(res.mean(c['run']), '{:.3f}')}",
+        )
+    ]
 
 
 def _check_gap_shrinks(res: Results, c: dict) -> list[Verdict]:
@@ -78,8 +97,15 @@ def _check_gap_shrinks(res: Results, c: dict) -> list[Verdict]:
         return [verdict(None, f"{c['what']}: runs missing")]
     p1, p2 = (res.meta(a)["paper"] - res.meta(b)["paper"] for a, b in c["pairs"])
     n1, n2 = c["names"]
-    return [seeded(res, g2 < c["ratio"] * g1, g1 - g2, [a1, b1, a2, b2], f"{c['what']} is {g1:.3f} {n1} vs "
-                    f"{g2:.3f} {n2} (the dissection: {p1:.2f} vs {p2:.2f})")]  # fmt: skip
+    return [
+        seeded(
+            res,
+            g2 < c["ratio"] * g1,
+            g1 - g2,
+            [a1, b1, a2, b2],
+            f"{c['what']} is {g1:.3f} {n1} vs {g2:.3f} {n2} (the dissection: {p1:.2f} vs {p2:.2f})",
+        )
+    ]
 
 
 def _check_fraction(res: Results, c: dict) -> list[Verdict]:
@@ -92,9 +118,17 @@ def _check_fraction(res: Results, c: dict) -> list[Verdict]:
             continue
         works = res.meta(n).get("works", False)
         ok = f < c["works_below"] if works else f > c["fails_above"]
-        out.append(seeded(res, ok, res.mean(n) - base, [n, res.exp["baseline"]], f"{res.label(n)}: "
-                           f"{'works' if works else 'fails'} in the dissection; here it is at {f:.2f} of the way from "
-                           "RMSNorm to the attractor"))  # fmt: skip
+        out.append(
+            seeded(
+                res,
+                ok,
+                res.mean(n) - base,
+                [n, res.exp["baseline"]],
+                f"{res.label(n)}: "
+                f"{'works' if works else 'fails'} in the dissection; here it is at {f:.2f} of the way from "
+                "RMSNorm to the attractor",
+            )
+        )
     return out
 
 
@@ -114,8 +148,17 @@ def _check_greater(res: Results, c: dict) -> list[Verdict]:
     if a is None or b is None:
         return []
     pa, pb = res.meta(c["a"])["paper"][m], res.meta(c["b"])["paper"][m]
-    return [seeded(res, a > b, a - b, [c["a"], c["b"]], f"{m}: {res.label(c['a'])} {a:.1f} vs {res.label(c['b'])} "
-                    f"{b:.1f} (the dissection at width 1024: {pa:g} vs {pb:g})", metric=m)]  # fmt: skip
+    return [
+        seeded(
+            res,
+            a > b,
+            a - b,
+            [c["a"], c["b"]],
+            f"{m}: {res.label(c['a'])} {a:.1f} vs {res.label(c['b'])} "
+            f"{b:.1f} (the dissection at width 1024: {pa:g} vs {pb:g})",
+            metric=m,
+        )
+    ]
 
 
 def _check_orthogonal(res: Results, c: dict) -> list[Verdict]:
@@ -124,8 +167,12 @@ def _check_orthogonal(res: Results, c: dict) -> list[Verdict]:
     if a is None or b is None:
         return []
     pa, pb = res.meta(c["a"])["paper"][m], res.meta(c["b"])["paper"][m]
-    return [verdict(abs(a) < c["below"] and abs(b) > c["factor"] * abs(a), f"{c['what']}: {res.label(c['a'])} "
-                     f"{a:.2e} vs {res.label(c['b'])} {b:.2e} (seed: {pa:.4f} vs {pb:.4f})")]  # fmt: skip
+    return [
+        verdict(
+            abs(a) < c["below"] and abs(b) > c["factor"] * abs(a),
+            f"{c['what']}: {res.label(c['a'])} {a:.2e} vs {res.label(c['b'])} {b:.2e} (seed: {pa:.4f} vs {pb:.4f})",
+        )
+    ]
 
 
 def _check_families(res: Results, c: dict) -> list[Verdict]:
@@ -134,14 +181,19 @@ def _check_families(res: Results, c: dict) -> list[Verdict]:
     for n in res.groups:
         if (f := res.meta(n).get("family")) and res.mean(n) is not None:
             fam.setdefault(f, []).append((res.mean(n), res.label(n)))
-    out = [f"{f}: best {min(rows)[0]:.3f} ({min(rows)[1]}), worst {max(rows)[0]:.3f} ({max(rows)[1]}); "
-           f"init sensitivity (range over inits) {max(rows)[0] - min(rows)[0]:.3f} nats" for f, rows in fam.items()]
+    out = [
+        f"{f}: best {min(rows)[0]:.3f} ({min(rows)[1]}), worst {max(rows)[0]:.3f} ({max(rows)[1]}); "
+        f"init sensitivity (range over inits) {max(rows)[0] - min(rows)[0]:.3f} nats"
+        for f, rows in fam.items()
+    ]
     a, b = c["compare"]
     if a in fam and b in fam:
         va, vb = min(fam[a])[0], min(fam[b])[0]
-        out.append(f"best {c['names'][0]} vs best {c['names'][1]}: {va:.3f} vs {vb:.3f} "
-                   f"({c['names'][0] if va < vb else c['names'][1]} ahead by {abs(va - vb):.3f}); "
-                   f"RMSNorm {fmt(res.baseline(), '{:.3f}')}")  # fmt: skip
+        out.append(
+            f"best {c['names'][0]} vs best {c['names'][1]}: {va:.3f} vs {vb:.3f} "
+            f"({c['names'][0] if va < vb else c['names'][1]} ahead by {abs(va - vb):.3f}); "
+            f"RMSNorm {fmt(res.baseline(), '{:.3f}')}"
+        )
     return [Verdict(None, line, finding=True) for line in out]
 
 

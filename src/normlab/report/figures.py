@@ -10,8 +10,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from normlab.table import format_table  # noqa: E402
 from normlab.report.results import PAPER_ATTRACTOR, PAPER_RMS, Results, fmt, frac  # noqa: E402
+from normlab.table import format_table  # noqa: E402
 
 __all__ = ["FIGURES", "table", "register_figure"]
 
@@ -21,8 +21,9 @@ def table(res: Results) -> str:
     rms = res.baseline()
     metrics = exp.get("metrics", ["final_val_loss"])
     if metrics != ["final_val_loss"]:
-        headers = ["run"] + [h for m in metrics for h in (f"{m} (the dissection)", f"{m} (ours)")] + ["escape step",
-                                                                                                  "status"]
+        headers = (
+            ["run"] + [h for m in metrics for h in (f"{m} (the dissection)", f"{m} (ours)")] + ["escape step", "status"]
+        )
         rows = []
         for n, runs in res.groups.items():
             paper = runs[0]["meta"].get("paper", {})
@@ -40,8 +41,17 @@ def table(res: Results) -> str:
     for n, runs in res.groups.items():
         paper = runs[0]["meta"].get("paper")
         pf = frac(paper, PAPER_RMS, PAPER_ATTRACTOR) if isinstance(paper, (int, float)) else None
-        rows.append([runs[0]["label"], fmt(paper, "{:g}") if not isinstance(paper, str) else paper, fmt(pf),
-                     res.cell(n), fmt(frac(res.mean(n), rms, h)), res.escape(n), res.status(n)])  # fmt: skip
+        rows.append(
+            [
+                runs[0]["label"],
+                fmt(paper, "{:g}") if not isinstance(paper, str) else paper,
+                fmt(pf),
+                res.cell(n),
+                fmt(frac(res.mean(n), rms, h)),
+                res.escape(n),
+                res.status(n),
+            ]
+        )
     return format_table(headers, rows, markdown=True)
 
 
@@ -64,8 +74,15 @@ def _loss_curves(res: Results, path: Path, other: Results | None = None) -> Path
             if rows:
                 per = _tokens_per_step(r2, run)
                 label = runs[0]["label"] + (f" ({r2.profile})" if other is not None else "")
-                ax.plot([r["step"] * per for r in rows], [r["val_loss"] for r in rows], style, marker="o", ms=2,
-                        color=plt.cm.tab20(i % 20), label=label)  # fmt: skip
+                ax.plot(
+                    [r["step"] * per for r in rows],
+                    [r["val_loss"] for r in rows],
+                    style,
+                    marker="o",
+                    ms=2,
+                    color=plt.cm.tab20(i % 20),
+                    label=label,
+                )
                 drawn = True
     if not drawn:
         plt.close(fig)
@@ -157,8 +174,13 @@ def _init_sensitivity(res: Results, path: Path, other: Results | None = None) ->
             ax.errorbar([r[0] for r in rows], [r[1] for r in rows], yerr=[r[2] for r in rows], marker="o", capsize=3)
             for r in rows:
                 if r[3]:  # the run whose beta0 gives RMSNorm's gain (its TOML sets beta_rms_gain)
-                    ax.annotate("C sigma0^2\n(RMSNorm's gain)", (r[0], r[1]), fontsize=7, xytext=(6, 0),
-                                textcoords="offset points")  # fmt: skip
+                    ax.annotate(
+                        "C sigma0^2\n(RMSNorm's gain)",
+                        (r[0], r[1]),
+                        fontsize=7,
+                        xytext=(6, 0),
+                        textcoords="offset points",
+                    )
         ax.set_xscale("log")
         ax.set_xlabel(title)
         refs = [res.exp.get("baseline"), *res.flagged("reference")]  # the TOML's baseline and reference runs
@@ -176,7 +198,6 @@ def _init_sensitivity(res: Results, path: Path, other: Results | None = None) ->
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path
-
 
 
 FIGURES = {"loss": _loss_curves, "dose": _dose_response, "rank": _rank_bars, "init": _init_sensitivity}

@@ -44,8 +44,17 @@ def phase_points(res: Results) -> list[dict]:
                 continue
             pred = _predict(json.dumps(cfg, sort_keys=True))
             gap = s["final_val_loss"] - h
-            pts.append({"name": name, "label": r["label"], "norm": cfg["model"]["norm"], "seed": r["seed"],
-                        "gap": gap, "escaped": gap <= -ESCAPE_MARGIN, **pred})  # fmt: skip
+            pts.append(
+                {
+                    "name": name,
+                    "label": r["label"],
+                    "norm": cfg["model"]["norm"],
+                    "seed": r["seed"],
+                    "gap": gap,
+                    "escaped": gap <= -ESCAPE_MARGIN,
+                    **pred,
+                }
+            )
     return pts
 
 
@@ -77,9 +86,11 @@ def _check_escapes(res: Results, c: dict) -> list[Verdict]:
             out.append(verdict(None, f"{res.label(n)}: runs missing"))
             continue
         escaped = all(v <= h - ESCAPE_MARGIN for v in vals)
-        text = (f"{c['what']}, {res.label(n)}: {statistics.fmean(vals):.3f} "
-                f"({'escapes on every seed' if escaped else 'does not escape on every seed'}; escape step "
-                f"{res.escape(n)}), {statistics.fmean(vals) - base:+.3f} from RMSNorm's {base:.3f}")  # fmt: skip
+        text = (
+            f"{c['what']}, {res.label(n)}: {statistics.fmean(vals):.3f} "
+            f"({'escapes on every seed' if escaped else 'does not escape on every seed'}; escape step "
+            f"{res.escape(n)}), {statistics.fmean(vals) - base:+.3f} from RMSNorm's {base:.3f}"
+        )
         mean = statistics.fmean(vals)
         out.append(Verdict(escaped, text, {"loss": mean, "gap_to_baseline": mean - base}))
     return out
@@ -94,9 +105,12 @@ def _check_same_fate(res: Results, c: dict) -> list[Verdict]:
         return [verdict(None, f"{c['what']}: runs missing")]
     fates = {n: v <= h - ESCAPE_MARGIN for n, v in means.items()}
     span = max(means.values()) - min(means.values())
-    text = f"{c['what']}: " + ", ".join(f"{res.label(n)} {v:.3f}" for n, v in means.items()) + \
-        f"; {'all escape' if all(fates.values()) else 'none escapes' if not any(fates.values()) else 'fates differ'}" \
-        f", span {span:.3f} nats"  # fmt: skip
+    text = (
+        f"{c['what']}: "
+        + ", ".join(f"{res.label(n)} {v:.3f}" for n, v in means.items())
+        + f"; {'all escape' if all(fates.values()) else 'none escapes' if not any(fates.values()) else 'fates differ'}"
+        f", span {span:.3f} nats"
+    )
     ok = len(set(fates.values())) == 1 and span < c["spread"]
     return [Verdict(ok, text, {"span": span})]
 
@@ -121,12 +135,14 @@ def _check_phase_sorts(res: Results, c: dict) -> list[Verdict]:
     frac = sorted_fraction(pts)
     cut, best = best_split(pts, "alpha_rms")
     wrong = sorted({p["label"] for p in pts if (p["logit_gain"] >= ESCAPE_THRESHOLD) != p["escaped"]})
-    text = (f"the predicted boundary (logits at init at least {ESCAPE_THRESHOLD:g} of RMSNorm's scale) puts "
-            f"{frac:.0%} of {len(pts)} runs on the side they ended on (goal {c['goal']:.0%})"
-            + (f"; on the wrong side: {', '.join(wrong)}" if wrong else "")
-            + ". The dissection's alpha0 * RMS(block 0 input), even at its best threshold "
-            + f"({cut:.3g}, chosen after the "
-            f"fact), sorts {best:.0%}")  # fmt: skip
+    text = (
+        f"the predicted boundary (logits at init at least {ESCAPE_THRESHOLD:g} of RMSNorm's scale) puts "
+        f"{frac:.0%} of {len(pts)} runs on the side they ended on (goal {c['goal']:.0%})"
+        + (f"; on the wrong side: {', '.join(wrong)}" if wrong else "")
+        + ". The dissection's alpha0 * RMS(block 0 input), even at its best threshold "
+        + f"({cut:.3g}, chosen after the "
+        f"fact), sorts {best:.0%}"
+    )
     return [Verdict(frac >= c["goal"], text, {"fraction": frac, "alpha_rms_best": best, "runs": len(pts)})]
 
 
@@ -141,13 +157,23 @@ def _phase_map(res: Results, path: Path, other: Results | None = None) -> Path |
     if not pts:
         return None
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.6), sharey=True)
-    panels = (("alpha_rms", "alpha0 x RMS(block 0 input) at init (the dissection's quantity)", None),
-              ("logit_gain", "logit std at init / RMSNorm's at GPT-2 init (predicted)", ESCAPE_THRESHOLD))
+    panels = (
+        ("alpha_rms", "alpha0 x RMS(block 0 input) at init (the dissection's quantity)", None),
+        ("logit_gain", "logit std at init / RMSNorm's at GPT-2 init (predicted)", ESCAPE_THRESHOLD),
+    )
     for ax, (key, xlabel, boundary) in zip(axes, panels):
         for norm in sorted({p["norm"] for p in pts}):
             sub = [p for p in pts if p["norm"] == norm and not math.isnan(p[key])]
-            ax.scatter([p[key] for p in sub], [p["gap"] for p in sub], marker=_MARKERS.get(norm, "x"), s=36,
-                       alpha=0.75, label=norm, edgecolors="k", linewidths=0.4)  # fmt: skip
+            ax.scatter(
+                [p[key] for p in sub],
+                [p["gap"] for p in sub],
+                marker=_MARKERS.get(norm, "x"),
+                s=36,
+                alpha=0.75,
+                label=norm,
+                edgecolors="k",
+                linewidths=0.4,
+            )
         ax.axhline(-ESCAPE_MARGIN, c="gray", ls=":", lw=1, label=f"escaped: {ESCAPE_MARGIN} below the attractor")
         ax.axhline(0, c="k", lw=0.8)
         if boundary is not None:

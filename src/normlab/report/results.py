@@ -182,8 +182,10 @@ def checked(d: dict, where: Path | str, fields: dict) -> dict:
         v = d.get(key)
         if key in d and (not isinstance(v, kinds) or (isinstance(v, bool) and bool not in kinds)):
             names = " or ".join("null" if k is type(None) else k.__name__ for k in kinds)
-            raise NormlabError(f"{where}: {key} must be {names}, got {v!r} (edited or damaged); delete the run "
-                               "folder and run the sweep again")  # fmt: skip
+            raise NormlabError(
+                f"{where}: {key} must be {names}, got {v!r} (edited or damaged); delete the run "
+                "folder and run the sweep again"
+            )
     return d
 
 
@@ -198,11 +200,12 @@ def untrained(res: Results) -> str | None:
     """Why the claims cannot be judged, when the baseline itself has not learned past the attractor."""
     h, base = res.entropy(), res.baseline()
     if h is not None and base is not None and base > h - 0.1:
-        return (f"RMSNorm's loss {base:.3f} is not below the unigram entropy {h:.3f}: at this scale nothing has "
-                "trained past the attractor, so the claims cannot be judged (use the default or full profile)")
+        return (
+            f"RMSNorm's loss {base:.3f} is not below the unigram entropy {h:.3f}: at this scale nothing has "
+            "trained past the attractor, so the claims cannot be judged (use the default or full profile)"
+        )
     return None
 
 
 def fmt(v, spec="{:.2f}"):
     return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else spec.format(v)
-

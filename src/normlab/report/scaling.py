@@ -35,8 +35,10 @@ def sweep_line(res: Results, name: str) -> Verdict:
     meta, vals = res.meta(best), res.values(best)
     grid = [res.meta(v)["lr"] for v in res.sweeps[name]]
     sd = f" ± {statistics.stdev(vals):.3f}" if len(vals) > 1 else ""
-    text = (f"{res.label(name)}: best {meta['lr_field']} {meta['lr']:g} of {', '.join(f'{g:g}' for g in grid)}, "
-            f"val loss {statistics.fmean(vals):.3f}{sd} ({len(vals)} seeds)")  # fmt: skip
+    text = (
+        f"{res.label(name)}: best {meta['lr_field']} {meta['lr']:g} of {', '.join(f'{g:g}' for g in grid)}, "
+        f"val loss {statistics.fmean(vals):.3f}{sd} ({len(vals)} seeds)"
+    )
     if res.at_edge(name):
         return Verdict(None, text + "; **at the edge of the grid**: widen it there", {"lr": meta["lr"], "edge": True})
     return Verdict(None, text, {"lr": meta["lr"], "edge": False}, finding=True)
@@ -69,8 +71,10 @@ def _check_gap(res: Results, c: dict) -> list[Verdict]:
         if d is None:
             out.append(verdict(None, f"{c['what']} at {where}: runs missing"))
             continue
-        text = (f"{c['what']} at {where}: {d['gap']:+.3f} (spread over seeds {d['spread']:.3f}): **{d['word']}** "
-                f"({res.label(a)} {d['a']:.3f} vs {res.label(b)} {d['b']:.3f})")  # fmt: skip
+        text = (
+            f"{c['what']} at {where}: {d['gap']:+.3f} (spread over seeds {d['spread']:.3f}): **{d['word']}** "
+            f"({res.label(a)} {d['a']:.3f} vs {res.label(b)} {d['b']:.3f})"
+        )
         if d["edge"]:
             text += f"; best rate at the grid's edge for {', '.join(d['edge'])}"
         out.append(Verdict(None, text, d, finding=not d["edge"]))
@@ -82,14 +86,16 @@ def _check_verdicts_agree(res: Results, c: dict) -> list[Verdict]:
     """Whether two settings give the same verdict: each of ``compare`` is [[a, b], [a', b'], name, name'], the gap
     a - b in one setting (the LLaMA block, Muon) against a' - b' in the reference one (GPT-2, AdamW)."""
     out = []
-    for (p1, p2, n1, n2) in c["compare"]:
+    for p1, p2, n1, n2 in c["compare"]:
         d1, d2 = gap(res, *p1), gap(res, *p2)
         if d1 is None or d2 is None:
             out.append(verdict(None, f"{c['what']}, {n1} against {n2}: runs missing"))
             continue
         same = d1["word"] == d2["word"]
-        text = (f"{c['what']}, {n1} against {n2}: {d1['word']} ({d1['gap']:+.3f}) against {d2['word']} "
-                f"({d2['gap']:+.3f}): the verdict is {'the same' if same else 'different'}")  # fmt: skip
+        text = (
+            f"{c['what']}, {n1} against {n2}: {d1['word']} ({d1['gap']:+.3f}) against {d2['word']} "
+            f"({d2['gap']:+.3f}): the verdict is {'the same' if same else 'different'}"
+        )
         if d1["edge"] or d2["edge"]:
             out.append(Verdict(None, text + "; a best rate sits at its grid's edge", {"same": same}))
         else:
@@ -132,8 +138,9 @@ def _lr_curves(res: Results, path: Path, other: Results | None = None) -> Path |
             sds = [statistics.stdev(p[1]) if len(p[1]) > 1 else 0.0 for p in pts]
             shown = [min(m, top_of) for m in means]
             label = res.label(name).split(" (")[0].split(", ", 1)[-1]  # the norm, without the cell
-            line = ax.errorbar(lrs, shown, yerr=[min(sd, top_of) for sd in sds], marker="o", ms=3, capsize=2,
-                               label=label)  # fmt: skip
+            line = ax.errorbar(
+                lrs, shown, yerr=[min(sd, top_of) for sd in sds], marker="o", ms=3, capsize=2, label=label
+            )
             color = line[0].get_color()
             off = [(lr, top_of) for lr, m in zip(lrs, means) if m > top_of]
             if off:
@@ -146,8 +153,10 @@ def _lr_curves(res: Results, path: Path, other: Results | None = None) -> Path |
         ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_ylim(top=top_of + 0.05)
         ax.set_title(cell, fontsize=9)
-        ax.set_xlabel(res.meta(res.sweeps[names[0]][0])["lr_field"] + " (circled: best; triangle: above the attractor)",
-                      fontsize=7)  # fmt: skip
+        ax.set_xlabel(
+            res.meta(res.sweeps[names[0]][0])["lr_field"] + " (circled: best; triangle: above the attractor)",
+            fontsize=7,
+        )
         ax.set_ylabel("val loss, mean ± std over seeds", fontsize=7)
         ax.legend(fontsize=6)
     for ax in list(axes.flat)[len(cells) :]:
@@ -186,8 +195,10 @@ ANCHORS = [
 def _trend_series(res: Results) -> tuple[list[tuple[float, dict]], list[tuple[float, dict]]]:
     """The gpt2 / AdamW / depth-4 gaps against tokens (width 64) and against width (1x tokens)."""
     pts = [p for p in gap_points(res) if p["block"] == "gpt2" and p["opt"] == "adamw" and p.get("depth", 4) == 4]
-    return (sorted(((p["budget"], p) for p in pts if p["width"] == 64), key=lambda t: t[0]),
-            sorted(((p["width"], p) for p in pts if p["budget"] == 1), key=lambda t: t[0]))  # fmt: skip
+    return (
+        sorted(((p["budget"], p) for p in pts if p["width"] == 64), key=lambda t: t[0]),
+        sorted(((p["width"], p) for p in pts if p["budget"] == 1), key=lambda t: t[0]),
+    )
 
 
 @register_check("gap_trend")
@@ -207,8 +218,10 @@ def _check_gap_trend(res: Results, c: dict) -> list[Verdict]:
         if at is not None:
             pred = a + b * math.log2(at)
             numbers["prediction"] = pred
-            text += (f"; extended to width {at}, a prediction of {pred:+.3f} at these tokens (published DyT minus "
-                     "LayerNorm at GPT-2 small: " + "; ".join(f"{v:+.3f}, {src}" for src, _, v in ANCHORS) + ")")
+            text += (
+                f"; extended to width {at}, a prediction of {pred:+.3f} at these tokens (published DyT minus "
+                "LayerNorm at GPT-2 small: " + "; ".join(f"{v:+.3f}, {src}" for src, _, v in ANCHORS) + ")"
+            )
         out.append(Verdict(None, text, numbers, finding=True))
     return out
 
@@ -221,8 +234,10 @@ def _gap_trend(res: Results, path: Path, other: Results | None = None) -> Path |
     if len(by_tokens) + len(by_width) == 0:
         return None
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
-    for ax, series, xlabel, extend in ((axes[0], by_tokens, "tokens (x the small preset's 256k)", None),
-                                       (axes[1], by_width, "width (depth 4, 1x tokens)", 768)):  # fmt: skip
+    for ax, series, xlabel, extend in (
+        (axes[0], by_tokens, "tokens (x the small preset's 256k)", None),
+        (axes[1], by_width, "width (depth 4, 1x tokens)", 768),
+    ):
         if not series:
             ax.axis("off")
             continue
@@ -232,12 +247,17 @@ def _gap_trend(res: Results, path: Path, other: Results | None = None) -> Path |
             a, b = trend(xs, ys)
             top = extend or max(xs)
             grid = [min(xs) * (top / min(xs)) ** (i / 40) for i in range(41)]
-            ax.plot(grid, [a + b * math.log2(g) for g in grid], "--", color="gray",
-                    label=f"fit: {b:+.3f} per doubling")  # fmt: skip
+            ax.plot(grid, [a + b * math.log2(g) for g in grid], "--", color="gray", label=f"fit: {b:+.3f} per doubling")
             if extend:
                 ax.plot([extend], [a + b * math.log2(extend)], "s", color="gray", label=f"prediction at {extend}")
-                ax.plot([extend] * len(ANCHORS), [v for *_, v in ANCHORS], "x", color="C3", ms=8,
-                        label="published DyT - LayerNorm, GPT-2 small (5-20B tokens)")  # fmt: skip
+                ax.plot(
+                    [extend] * len(ANCHORS),
+                    [v for *_, v in ANCHORS],
+                    "x",
+                    color="C3",
+                    ms=8,
+                    label="published DyT - LayerNorm, GPT-2 small (5-20B tokens)",
+                )
         ax.axhline(0, color="black", lw=0.6)
         ax.set_xscale("log", base=2)
         ax.set_xlabel(xlabel)

@@ -107,8 +107,15 @@ def _fit_unit(kind: Kind, x: np.ndarray, y: np.ndarray, amp: float | None, max_n
     with np.errstate(over="ignore", invalid="ignore"):
         xx, xy = np.dot(x, x), np.dot(x, y)
     if not (np.isfinite(xx) and np.isfinite(xy)):
-        return math.nan, math.nan, False, (f"the data overflow float64 (largest |x| {np.abs(x).max():.3g}, |y| "
-                                           f"{np.abs(y).max():.3g}): use smaller inputs (a smaller sigma or outlier)")
+        return (
+            math.nan,
+            math.nan,
+            False,
+            (
+                f"the data overflow float64 (largest |x| {np.abs(x).max():.3g}, |y| "
+                f"{np.abs(y).max():.3g}): use smaller inputs (a smaller sigma or outlier)"
+            ),
+        )
     slope = float(xy / xx)  # a linear fit gives the scale of the slope at 0
     if not math.isfinite(slope) or slope <= 0:
         return math.nan, math.nan, False, f"the data have no positive slope (least-squares slope {slope:.3g})"

@@ -48,8 +48,11 @@ def gain_curve(
         raise ValueError(f"expected samples >= 2, got {samples}")
     from normlab.errors import check_memory
 
-    check_memory(5 * 8 * samples * dim, f"--samples {samples} at width {dim}",
-                 f"use --samples <= {max(2, int(0.8 * _total() / (40 * dim)))}")  # the tokens, x, y, two norms
+    check_memory(
+        5 * 8 * samples * dim,
+        f"--samples {samples} at width {dim}",
+        f"use --samples <= {max(2, int(0.8 * _total() / (40 * dim)))}",
+    )  # the tokens, x, y, two norms
     g = torch.Generator().manual_seed(seed)
     p = next(iter(norm.parameters()), None)
     dtype = p.dtype if p is not None else torch.float64
@@ -79,8 +82,15 @@ def pointwise_gain_limit(norm: nn.Module, dim: int) -> float:
     return float(grad.double().pow(2).mean().sqrt())
 
 
-def gain_curves(names: Sequence[str], sigmas: Sequence[float], *, dim: int, init: dict | None = None,
-                samples: int = 256, seed: int = 0) -> tuple[dict, dict]:  # fmt: skip
+def gain_curves(
+    names: Sequence[str],
+    sigmas: Sequence[float],
+    *,
+    dim: int,
+    init: dict | None = None,
+    samples: int = 256,
+    seed: int = 0,
+) -> tuple[dict, dict]:
     """G(sigma) of each registered norm (float64, default init plus the keys of ``init`` it takes), and
     Theorem 1's limit for the point-wise ones (None for the others): ({name: (mean, sem)}, {name: limit})."""
     from normlab.registry import create_norm, norm_spec

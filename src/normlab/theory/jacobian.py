@@ -129,8 +129,9 @@ def scaled_dyt_jacobian(
     return FN.channel_scale(x.shape[0], scale) * dyt_jacobian(x, alpha, weight)
 
 
-def derf_jacobian(x: Tensor, alpha: Tensor | float, shift: Tensor | float = 0.0,
-                  weight: Tensor | None = None) -> Tensor:  # fmt: skip
+def derf_jacobian(
+    x: Tensor, alpha: Tensor | float, shift: Tensor | float = 0.0, weight: Tensor | None = None
+) -> Tensor:
     """Derf is point-wise: J = diag(gamma * alpha * 2 / sqrt(pi) * exp(-(alpha x + s)^2))."""
     _check_token(x)
     a = torch.as_tensor(alpha, dtype=x.dtype, device=x.device)
@@ -213,9 +214,11 @@ def jacobian_table(
             raise ValueError(f"expected widths >= 1, got {width!r}")
         need = 4 * 8 * width**2  # the C x C float64 Jacobian and its parts, a few at a time
         if need > MAX_JACOBIAN_BYTES:
-            raise ValueError(f"width {width}: the Jacobian needs about {need / 2**30:.0f} GiB "
-                             f"(limit {MAX_JACOBIAN_BYTES / 2**30:.0f} GiB); use a width <= "
-                             f"{int((MAX_JACOBIAN_BYTES / 32) ** 0.5)}")  # fmt: skip
+            raise ValueError(
+                f"width {width}: the Jacobian needs about {need / 2**30:.0f} GiB "
+                f"(limit {MAX_JACOBIAN_BYTES / 2**30:.0f} GiB); use a width <= "
+                f"{int((MAX_JACOBIAN_BYTES / 32) ** 0.5)}"
+            )
     rows = []
     for width in widths:
         xs = torch.randn(tokens, width, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * std
@@ -228,11 +231,15 @@ def jacobian_table(
                 jac = autograd_jacobian(m, x)
                 terms = rms_norm_terms(x, m.weight, m.eps) if name == "rms_norm" else None
                 parts.append(decompose(jac, terms=terms))
-            rows.append({
-                "width": width, "norm": name, "init": kwargs,
-                "diag": sum(p.diag for p in parts) / tokens,
-                "coupling": sum(p.coupling for p in parts) / tokens,
-                "total": sum(p.total for p in parts) / tokens,
-                "split": parts[0].split,
-            })  # fmt: skip
+            rows.append(
+                {
+                    "width": width,
+                    "norm": name,
+                    "init": kwargs,
+                    "diag": sum(p.diag for p in parts) / tokens,
+                    "coupling": sum(p.coupling for p in parts) / tokens,
+                    "total": sum(p.total for p in parts) / tokens,
+                    "split": parts[0].split,
+                }
+            )
     return rows

@@ -73,8 +73,15 @@ def plot_outlier_fit(sim: OutlierSimulation, path: str | Path) -> Path:
     return _save(fig, path)
 
 
-def plot_gain(curves: dict, sigmas: np.ndarray, path: str | Path, *, dim: int, limits: dict | None = None,
-              rms_closed_form: np.ndarray | None = None) -> Path:  # fmt: skip
+def plot_gain(
+    curves: dict,
+    sigmas: np.ndarray,
+    path: str | Path,
+    *,
+    dim: int,
+    limits: dict | None = None,
+    rms_closed_form: np.ndarray | None = None,
+) -> Path:
     """The dissection's forward gain: Monte Carlo G(sigma) per norm, log-log, with the closed forms dashed."""
     fig, ax = plt.subplots(figsize=(7, 5))
     for i, (name, (mean, sem)) in enumerate(curves.items()):

@@ -65,8 +65,16 @@ class OutlierSimulation:
 
     def to_dict(self) -> dict:
         return {
-            "config": {"C": self.C, "sigma": self.sigma, "mu": self.mu, "step": self.step, "steps": self.steps,
-                       "norm": self.norm, "scale": self.scale, "seed": self.seed},
+            "config": {
+                "C": self.C,
+                "sigma": self.sigma,
+                "mu": self.mu,
+                "step": self.step,
+                "steps": self.steps,
+                "norm": self.norm,
+                "scale": self.scale,
+                "seed": self.seed,
+            },
             "outlier_index": self.outlier_index,
             "outliers": {"x": self.outlier_x.tolist(), "y": self.outlier_y.tolist()},
             "dyt": self.dyt.summary(),
@@ -74,7 +82,7 @@ class OutlierSimulation:
             "reference_beta": self.reference_beta,
             "reference_mean_abs_residual": self.reference_mean_abs_residual,
             "sample": self.x.tolist(),
-        }  # fmt: skip
+        }
 
 
 def load_vector(path: str | Path) -> np.ndarray:
@@ -92,8 +100,10 @@ def load_vector(path: str | Path) -> np.ndarray:
             v = np.loadtxt(p, delimiter="," if "," in text else None, dtype=float)
         return np.asarray(v, dtype=np.float64)
     except (ValueError, TypeError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"sample file {str(p)!r} is not a list of numbers ({type(e).__name__}: {str(e)[:120]}); "
-                         "give a .npy array, a JSON list, or text with one number per entry") from None
+        raise ValueError(
+            f"sample file {str(p)!r} is not a list of numbers ({type(e).__name__}: {str(e)[:120]}); "
+            "give a .npy array, a JSON list, or text with one number per entry"
+        ) from None
 
 
 def _check(C, sigma, step, steps, x) -> None:
@@ -129,8 +139,9 @@ def simulate_outliers(
 ) -> OutlierSimulation:
     """Run the simulation on a seeded sample, or on a given vector ``x`` (then C, sigma, mu come from it)."""
     if norm not in ("rms_norm", "layer_norm"):
-        raise ValueError(f"norm must be 'rms_norm' (the DyISRU paper) or 'layer_norm' (its LayerNorm version), got "
-                         f"{norm!r}")
+        raise ValueError(
+            f"norm must be 'rms_norm' (the DyISRU paper) or 'layer_norm' (its LayerNorm version), got {norm!r}"
+        )
     scale = scale or ("C" if norm == "rms_norm" else "C-1")
     if scale not in ("C", "C-1"):
         raise ValueError(f"scale must be 'C' (sqrt(C)) or 'C-1' (sqrt(C-1)), got {scale!r}")
@@ -161,8 +172,9 @@ def simulate_outliers(
     if norm == "rms_norm":
         ref_beta = float(np.sum(np.delete(x, o) ** 2))  # Theorem 3: ||x without the outlier||^2
         ref_mar = float(np.mean(np.abs(predict("dyisru", ox, ref_beta, amp) - oy)))
-    return OutlierSimulation(C, sigma, mu, step, steps, norm, scale, seed, x, o, xs, ys,
-                             fits["dyt"], fits["dyisru"], ref_beta, ref_mar)  # fmt: skip
+    return OutlierSimulation(
+        C, sigma, mu, step, steps, norm, scale, seed, x, o, xs, ys, fits["dyt"], fits["dyisru"], ref_beta, ref_mar
+    )
 
 
 def simulate_many(seeds, **kwargs) -> dict:
@@ -174,7 +186,18 @@ def simulate_many(seeds, **kwargs) -> dict:
         "dyt_mean_abs_residual": [s.dyt.mean_abs_residual for s in sims],
         "dyisru_mean_abs_residual": [s.dyisru.mean_abs_residual for s in sims],
     }
-    stats = {k: {"mean": float(np.nanmean(v)), "std": float(np.nanstd(v)), "min": float(np.nanmin(v)),
-                 "max": float(np.nanmax(v))} for k, v in cols.items()}  # fmt: skip
-    return {"seeds": list(seeds), "per_seed": cols, "stats": stats,
-            "failed": [s.seed for s in sims if not (s.dyt.converged and s.dyisru.converged)]}  # fmt: skip
+    stats = {
+        k: {
+            "mean": float(np.nanmean(v)),
+            "std": float(np.nanstd(v)),
+            "min": float(np.nanmin(v)),
+            "max": float(np.nanmax(v)),
+        }
+        for k, v in cols.items()
+    }
+    return {
+        "seeds": list(seeds),
+        "per_seed": cols,
+        "stats": stats,
+        "failed": [s.seed for s in sims if not (s.dyt.converged and s.dyisru.converged)],
+    }

@@ -1,0 +1,61 @@
+"""The ``normlab`` command line. Each subcommand lives in its own small function, filed by area: the theory
+(:mod:`normlab.cli.theory`), the lab (:mod:`normlab.cli.lab`) and conversion (:mod:`normlab.cli.convert`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from normlab.cli.convert import add_build_kernels, add_convert
+from normlab.cli.lab import add_predict, add_report, add_reproduce, add_sweep, add_train
+from normlab.cli.theory import add_demo, add_gain, add_jacobian, add_simulate
+from normlab.errors import NormlabError
+
+__all__ = ["main", "build_parser"]
+
+DESCRIPTION = (
+    "Normalization layers and their element-wise replacements: theory, a training lab, and conversion of real "
+    "models. `normlab COMMAND --help` for each."
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="normlab",
+        description=DESCRIPTION,
+    )
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    commands = (
+        add_demo,
+        add_jacobian,
+        add_gain,
+        add_simulate,
+        add_train,
+        add_predict,
+        add_sweep,
+        add_report,
+        add_reproduce,
+        add_convert,
+        add_build_kernels,
+    )
+    for add in commands:  # one function per command, in the order `normlab --help` lists them
+        add(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(argv)
+    args.argv = argv
+    try:
+        return args.func(args)
+    except (ValueError, TypeError, FileNotFoundError, NormlabError) as e:  # bad input: one clear line
+        print(f"normlab {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # a second Ctrl-C, or one outside a training loop
+        print(f"normlab {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

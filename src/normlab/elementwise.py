@@ -1,0 +1,241 @@
+"""The element-wise replacements as ``nn.Module`` s: the DyT family (DyT, Derf, scaled DyT and variants), the ISRU
+family (DyISRU, ELN), and the other point-wise forms the dissection trains. Conventions as in :mod:`normlab.modules`
+(its docstring gives the parameter names and initial values); the math is in :mod:`normlab.functional`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from normlab import functional as FN
+from normlab import kernels as K
+from normlab.modules import NormModule, check_dim, check_finite, check_flag, check_positive_finite, kernel_choice
+
+__all__ = [
+    "DyT",
+    "Derf",
+    "DyTHardtanh",
+    "DyTSigmoid",
+    "DyTRMSDenominator",
+    "TanhFixed",
+    "LayerScale",
+    "SignSqrt",
+    "ScaledDyT",
+    "DyISRU",
+    "ELN",
+]
+
+
+class _DyTFamily(NormModule):
+    """gamma * f(alpha * x) + beta with a learnable alpha (scalar or per channel)."""
+
+    _fn = staticmethod(FN.dyt)
+
+    def __init__(
+        self,
+        dim: int,
+        *,
+        alpha_init: float = 0.5,
+        per_channel_alpha: bool = False,
+        bias: bool = True,
+        channel_dim: int = -1,
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__(dim, weight=True, bias=bias, channel_dim=channel_dim, device=device, dtype=dtype)
+        self.alpha_init = check_finite(alpha_init, "alpha_init", type(self).__name__)
+        self.per_channel_alpha = check_flag(per_channel_alpha, "per_channel_alpha", type(self).__name__)
+        self.alpha = nn.Parameter(torch.empty(dim if per_channel_alpha else 1, device=device, dtype=dtype))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        nn.init.constant_(self.alpha, self.alpha_init)
+
+    def _forward(self, x: Tensor) -> Tensor:
+        self._check(x)
+        return self._fn(x, self.alpha, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, alpha_init={self.alpha_init}, per_channel_alpha={self.per_channel_alpha}"
+
+
+class DyT(_DyTFamily):
+    """DyT; ``kernel="auto"`` runs the Triton kernel on CUDA tensors and the fused CPU path on CPU tensors."""
+
+    def __init__(self, dim: int, *, kernel: str = "auto", **kwargs) -> None:
+        self.kernel = kernel_choice(kernel, "DyT")
+        super().__init__(dim, **kwargs)
+
+    def _forward(self, x: Tensor) -> Tensor:
+        self._check(x)
+        return K.dyt(x, self.alpha, self.weight, self.bias, kernel=self.kernel)
+
+
+class Derf(_DyTFamily):
+    """Derf: weight * erf(alpha * x + shift) + bias (arXiv 2512.10938), a learnable scalar shift (per channel
+    with ``per_channel_alpha``); alpha0 = 0.5 and shift0 = 0 as published. ``kernel="auto"`` runs the Triton
+    kernel on CUDA tensors and the fused CPU path on CPU tensors."""
+
+    def __init__(self, dim: int, *, shift_init: float = 0.0, kernel: str = "auto", **kwargs) -> None:
+        self.shift_init = check_finite(shift_init, "shift_init", "Derf")
+        self.kernel = kernel_choice(kernel, "Derf")
+        super().__init__(dim, **kwargs)
+        self.shift = nn.Parameter(torch.full_like(self.alpha, self.shift_init))
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        if hasattr(self, "shift"):
+            nn.init.constant_(self.shift, self.shift_init)
+
+    def _forward(self, x: Tensor) -> Tensor:
+        self._check(x)
+        return K.derf(x, self.alpha, self.shift, self.weight, self.bias, kernel=self.kernel)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, shift_init={self.shift_init}"
+
+
+class DyTHardtanh(_DyTFamily):
+    _fn = staticmethod(FN.dyt_hardtanh)
+
+
+class DyTSigmoid(_DyTFamily):
+    _fn = staticmethod(FN.dyt_sigmoid)
+
+
+class DyTRMSDenominator(_DyTFamily):
+    def __init__(self, dim: int, *, eps: float = FN.EPS, **kwargs) -> None:
+        self.eps = check_positive_finite(eps, "eps", "DyTRMSDenominator")
+        super().__init__(dim, **kwargs)
+
+    def _forward(self, x: Tensor) -> Tensor:
+        self._check(x)
+        return FN.dyt_rms_denominator(x, self.alpha, self.weight, self.bias, self.eps)
+
+
+class ScaledDyT(_DyTFamily):
+    """sqrt(C) * tanh(alpha * x) (the DyISRU paper eq. 12), or sqrt(C-1) with ``scale="C-1"``."""
+
+    def __init__(self, dim: int, *, scale: FN.Scale = "C", kernel: str = "auto", **kwargs) -> None:
+        FN.channel_scale(max(check_dim(dim, "ScaledDyT"), 2), scale)  # validates the name
+        self.scale = scale
+        self.kernel = kernel_choice(kernel, "ScaledDyT")
+        super().__init__(dim, **kwargs)
+
+    def _forward(self, x: Tensor) -> Tensor:
+        self._check(x)
+        return K.scaled_dyt(x, self.alpha, self.weight, self.bias, scale=self.scale, kernel=self.kernel)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, scale={self.scale!r}"
+
+
+class TanhFixed(NormModule):
+    def __init__(self, dim: int, *, channel_dim: int = -1, device=None, dtype=None) -> None:
+        super().__init__(dim, weight=True, bias=False, channel_dim=channel_dim, device=device, dtype=dtype)
+        self.reset_parameters()
+
+    def _forward(self, x: Tensor) -> Tensor:
+        self._check(x)
+        return FN.tanh_fixed(x, self.weight)
+
+
+class LayerScale(NormModule):
+    def __init__(self, dim: int, *, bias: bool = True, channel_dim: int = -1, device=None, dtype=None) -> None:
+        super().__init__(dim, weight=True, bias=bias, channel_dim=channel_dim, device=device, dtype=dtype)
+        self.reset_parameters()
+
+    def _forward(self, x: Tensor) -> Tensor:
+        self._check(x)
+        return FN.layer_scale(x, self.weight, self.bias)
+
+
+class SignSqrt(NormModule):
+    def __init__(
+        self, dim: int, *, eps: float = 1e-6, bias: bool = True, channel_dim: int = -1, device=None, dtype=None
+    ) -> None:
+        super().__init__(dim, weight=True, bias=bias, channel_dim=channel_dim, device=device, dtype=dtype)
+        self.eps = check_positive_finite(eps, "eps", "SignSqrt")
+        self.reset_parameters()
+
+    def _forward(self, x: Tensor) -> Tensor:
+        self._check(x)
+        return FN.sign_sqrt(x, self.weight, self.bias, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, eps={self.eps}"
+
+
+class _ISRUFamily(NormModule):
+    """scale * z / sqrt(beta + z^2) with a learnable beta > 0, stored as log_beta."""
+
+    _default_scale: FN.Scale = "C"
+
+    def __init__(
+        self,
+        dim: int,
+        *,
+        beta_init: float = 4.0,
+        per_channel_beta: bool = False,
+        scale: FN.Scale | None = None,
+        bias: bool = True,
+        channel_dim: int = -1,
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__(dim, weight=True, bias=bias, channel_dim=channel_dim, device=device, dtype=dtype)
+        self.beta_init = check_positive_finite(beta_init, "beta_init", type(self).__name__)
+        self.scale = scale or self._default_scale
+        FN.channel_scale(max(dim, 2), self.scale)  # validates the name
+        self.per_channel_beta = check_flag(per_channel_beta, "per_channel_beta", type(self).__name__)
+        self.log_beta = nn.Parameter(torch.empty(dim if per_channel_beta else 1, device=device, dtype=dtype))
+        self.reset_parameters()
+
+    @property
+    def beta(self) -> Tensor:
+        return self.log_beta.exp()
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        nn.init.constant_(self.log_beta, math.log(self.beta_init))
+
+    def extra_repr(self) -> str:
+        return (
+            f"{super().extra_repr()}, beta_init={self.beta_init}, per_channel_beta={self.per_channel_beta}, "
+            f"scale={self.scale!r}"
+        )
+
+
+class DyISRU(_ISRUFamily):
+    """sqrt(C) * x / sqrt(beta + x^2) (the DyISRU paper eq. 16); ``kernel="auto"`` fuses it on CUDA and CPU tensors."""
+
+    _default_scale = "C"
+
+    def __init__(self, dim: int, *, kernel: str = "auto", **kwargs) -> None:
+        self.kernel = kernel_choice(kernel, "DyISRU")
+        super().__init__(dim, **kwargs)
+
+    def _forward(self, x: Tensor) -> Tensor:
+        self._check(x)
+        return K.dyisru(x, self.beta, self.weight, self.bias, scale=self.scale, kernel=self.kernel)
+
+
+class ELN(_ISRUFamily):
+    """sqrt(C-1) * (x - mu) / sqrt(beta + (x - mu)^2) (the ELN paper eq. 13); not point-wise: mu couples channels.
+
+    ``kernel="auto"`` runs the fused CPU path on CPU tensors (there is no Triton kernel for ELN).
+    """
+
+    _default_scale = "C-1"
+
+    def __init__(self, dim: int, *, kernel: str = "auto", **kwargs) -> None:
+        self.kernel = kernel_choice(kernel, "ELN", ("auto", "cpu", "reference"))
+        super().__init__(dim, **kwargs)
+
+    def _forward(self, x: Tensor) -> Tensor:
+        self._check(x)
+        return K.eln(x, self.beta, self.weight, self.bias, scale=self.scale, kernel=self.kernel)
