@@ -74,19 +74,20 @@ def test_train_names_its_folder_after_the_norm_it_trains(tmp_path, capsys, monke
 # 7: only normlab's own errors are the user's fault
 def test_an_internal_runtime_error_keeps_its_traceback(monkeypatch, capsys):
     from normlab import cli
+    from normlab.cli import theory
     from normlab.errors import NormlabError
 
     def boom(args):
         raise RuntimeError("CUDA out of memory (a fault, not bad input)")
 
-    monkeypatch.setattr(cli, "_cmd_demo", boom)
+    monkeypatch.setattr(theory, "_cmd_demo", boom)
     with pytest.raises(RuntimeError, match="out of memory"):
         cli.main(["demo"])
 
     def ours(args):
         raise NormlabError("the folder is locked by pid 1")
 
-    monkeypatch.setattr(cli, "_cmd_demo", ours)
+    monkeypatch.setattr(theory, "_cmd_demo", ours)
     assert cli.main(["demo"]) == 2
     assert "the folder is locked by pid 1" in capsys.readouterr().err
 

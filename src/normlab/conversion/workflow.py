@@ -295,7 +295,14 @@ def _convert_sites(cfg: ConvertConfig, net, calib: list, held: list, progress: b
                "first_token": c.first_token, "max_tokens": c.max_tokens, "massive": c.massive, "target": c.target,
                "fit_amplitude": c.fit_amplitude, "sequential": c.sequential, "progress": progress}  # fmt: skip
     if cfg.budget_nats is not None:
-        front, record = frontier(net, cfg.to, calib, held, budget_nats=cfg.budget_nats, **options)
+        front, record = frontier(
+            net,
+            cfg.to,
+            calib,
+            held,
+            budget_nats=cfg.budget_nats,
+            **{k: v for k, v in options.items() if k != "sequential"},
+        )  # the frontier ranks on independent fits
         print(
             f"--budget-nats {cfg.budget_nats:g}: {len(front.converted)} of {len(front.order)} norms fit "
             f"(held-out cross-entropy {front.ce_original:.3f} -> {front.curve[-1]:.3f}); converted, cheapest "
