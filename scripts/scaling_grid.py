@@ -46,6 +46,11 @@ WIDEN = {
     ("w64_x1_gpt2_adamw", "dyt"): [8e-3, 1.6e-2],
     ("w128_x4_gpt2_adamw", "rms"): [2.5e-4],
     ("w128_x4_gpt2_adamw", "dyt_m"): [2.5e-4],
+    ("w64_x16_gpt2_adamw", "rms"): [8e-3],
+    ("w64_x16_gpt2_adamw", "dyt_m"): [5e-4],
+    ("w128_x1_llama_adamw", "dyt_m"): [2.5e-4],
+    ("w128_x1_gpt2_muon", "rms"): [0.08],
+    ("w128_x1_llama_muon", "rms"): [0.08],
 }
 out = []
 w = out.append
