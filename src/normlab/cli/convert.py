@@ -106,6 +106,11 @@ def add_convert(sub) -> None:
         help="convert only the norms that fit in +X nats of held-out cross-entropy, cheapest first "
         "(each ranked by its cost alone); keep the rest",
     )
+    cv.add_argument(
+        "--eval-text",
+        help="a second text, never calibrated or healed on, measured too: 'docs' (the docutils 0.23 documentation, "
+        f"fetched once from PyPI), a text file, or 'none' (default {d.eval_text})",
+    )
     _add_heal_flags(cv, d)
     cv.add_argument(
         "--out", help="save the converted model here (save_pretrained, normlab_conversion.json, convert_config.json)"
@@ -125,7 +130,7 @@ def add_convert(sub) -> None:
 
 
 def _add_heal_flags(cv, d) -> None:
-    from normlab.conversion.config import OBJECTIVES, TRAINS
+    from normlab.conversion.config import HEAL_TEXTS, OBJECTIVES, TRAINS
 
     cv.add_argument("--heal-minutes", type=float, help="heal for this many minutes on a stream of the text")
     cv.add_argument("--heal-tokens", type=count, help="heal on this many tokens instead")
@@ -140,6 +145,13 @@ def _add_heal_flags(cv, d) -> None:
         choices=list(TRAINS),
         help=f"what healing trains: the replacements' parameters (norms), those plus low-rank adapters "
         f"merged into the linear layers (lora), or every weight (all); default {d.heal.train}",
+    )
+    cv.add_argument(
+        "--heal-text",
+        choices=list(HEAL_TEXTS),
+        help="what the heal trains on: the text (its stream), self (sequences sampled from the original model: "
+        "no corpus needed, cached), or self+text (heal.self_fraction of each batch sampled); default "
+        f"{d.heal.text}",
     )
     cv.add_argument("--checkpoint", help="heal checkpoint (default OUT.heal.pt when --out is given)")
     cv.add_argument("--resume", action="store_true", help="continue a heal from its checkpoint")

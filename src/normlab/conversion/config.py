@@ -24,12 +24,13 @@ from normlab.conversion.lora import LORA_RANK
 from normlab.pairs import apply_overrides
 
 __all__ = ["CalibrateConfig", "HealConfig", "ConvertConfig", "resolve_convert_config", "identity_difference",
-           "SHORTHANDS", "OBJECTIVES", "TRAINS", "HEAL_LEARNING_RATES", "flag"]  # fmt: skip
+           "SHORTHANDS", "OBJECTIVES", "TRAINS", "HEAL_LEARNING_RATES", "HEAL_TEXTS", "flag"]  # fmt: skip
 
 OBJECTIVES = ("distill", "blocks")
 TRAINS = ("norms", "lora", "all")
 FREE_TABLES = ("init", "site_init")  # tables whose keys are the user's (init.alpha_init=0.5)
 HEAL_LEARNING_RATES = {"norms": 1e-3, "lora": 1e-3, "all": 2e-5}  # Adam; the norms' rate also applies under "lora"
+HEAL_TEXTS = ("text", "self", "self+text")  # what the heal trains on (normlab.conversion.samples)
 
 
 @dataclass
@@ -59,6 +60,11 @@ class HealConfig:
     lora_rank: int = LORA_RANK
     checkpoint: str | None = None  # None: OUT.heal.pt when there is an output folder
     resume: bool = False
+    text: str = "text"  # the stream: "text" (the conversion text), "self" (the original's samples) or "self+text"
+    self_sequences: int = 1024  # sequences sampled from the original for "self" / "self+text" (cached on disk)
+    self_fraction: float = 0.5  # of every "self+text" batch, the part drawn from the samples
+    temperature: float = 1.0  # of the sampling
+    seed: int = 0  # of the sampling
 
     @property
     def budgeted(self) -> bool:
@@ -91,12 +97,17 @@ class HealConfig:
             raise ValueError(
                 f"{flag('heal.lr')} must be a finite number > 0 (or null for the default), got {self.lr!r}"
             )
-        for name, least in (("batch_size", 1), ("lora_rank", 1), ("eval_every", 1)):
+        _choice("heal.text", self.text, HEAL_TEXTS)
+        for name, least in (("batch_size", 1), ("lora_rank", 1), ("eval_every", 1), ("self_sequences", 2), ("seed", 0)):
             v = getattr(self, name)
             if v is None and name == "eval_every":
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v < least:
                 raise ValueError(f"{flag('heal.' + name)} must be an int >= {least}, got {v!r}")
+        for name, lo, hi in (("self_fraction", 0.0, 1.0), ("temperature", 0.0, math.inf)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo < v < hi:
+                raise ValueError(f"{flag('heal.' + name)} must be a number in ({lo:g}, {hi:g}), got {v!r}")
         if self.checkpoint is not None and (
             not isinstance(self.checkpoint, (str, os.PathLike)) or not str(self.checkpoint).strip()
         ):
@@ -110,6 +121,7 @@ class HealConfig:
                     ("lr", None),
                     ("resume", False),
                     ("checkpoint", None),
+                    ("text", "text"),
                 )
                 if getattr(self, n) != default
             ]
@@ -134,6 +146,7 @@ class ConvertConfig:
     seq_len: int = 128  # tokens per sequence
     sequences: int = 32  # calibration sequences, and as many held out
     budget_nats: float | None = None  # convert only the sites that fit within this rise of held-out CE
+    eval_text: str | None = "docs"  # a second text, never healed on, measured too: "docs" (docutils 0.23), a file, None
     out: str | None = None
     overwrite: bool = False
     calibrate: CalibrateConfig = field(default_factory=CalibrateConfig)
@@ -166,6 +179,8 @@ class ConvertConfig:
         auto_choice()  # NORMLAB_KERNEL, if set, must be valid
         if self.text is not None and (not isinstance(self.text, str) or not self.text.strip()):
             raise ValueError(f"{flag('text')} must name a text file, got {self.text!r}")
+        if self.eval_text is not None and (not isinstance(self.eval_text, str) or not self.eval_text.strip()):
+            raise ValueError(f"{flag('eval_text')} must be 'docs', a text file, or none, got {self.eval_text!r}")
         if self.out is not None and (not isinstance(self.out, str) or not self.out.strip()):
             raise ValueError(f"{flag('out')} is empty; name a folder")
         _choice("per", self.per, ("global", "channel"))
@@ -223,6 +238,7 @@ class ConvertConfig:
         for key in (
             "model",
             "text",
+            "eval_text",
             "out",
             "overwrite",
             "heal.minutes",
@@ -246,7 +262,7 @@ SHORTHANDS: dict[str, str] = {
     "--out": "out", "--overwrite": "overwrite", "--no-calibrate": "calibrate.enabled",
     "--first-token": "calibrate.first_token", "--heal-minutes": "heal.minutes", "--heal-tokens": "heal.tokens",
     "--heal-objective": "heal.objective", "--heal-train": "heal.train", "--checkpoint": "heal.checkpoint",
-    "--resume": "heal.resume",
+    "--resume": "heal.resume", "--heal-text": "heal.text", "--eval-text": "eval_text",
 }  # fmt: skip
 _FLAG_OF = {v: k for k, v in SHORTHANDS.items()}
 

@@ -58,6 +58,7 @@ from normlab.conversion.heal_run import (
 )
 from normlab.conversion.hf import TextSplits, TokenStream
 from normlab.conversion.lora import add_lora, merge_lora
+from normlab.conversion.samples import MixedStream
 
 __all__ = ["heal", "HealReport", "find_blocks", "OBJECTIVES", "TRAINS", "distill"]
 
@@ -81,8 +82,8 @@ def find_blocks(model: nn.Module, site_names: Iterable[str]) -> str:
     return best
 
 
-def _stream_of(data, seed: int = 0) -> TokenStream:
-    if isinstance(data, TokenStream):
+def _stream_of(data, seed: int = 0) -> TokenStream | MixedStream:
+    if isinstance(data, (TokenStream, MixedStream)):
         return data
     rows = []
     for i, b in enumerate(as_batches(data)):

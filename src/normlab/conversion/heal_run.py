@@ -17,6 +17,7 @@ from normlab.conversion.batches import as_batches, input_ids, run_batch
 from normlab.conversion.config import HEAL_LEARNING_RATES, HealConfig, identity_difference
 from normlab.conversion.hf import TokenStream
 from normlab.conversion.lora import LoRALinear
+from normlab.conversion.samples import MixedStream
 
 __all__ = ["HealReport", "HealRun", "Budget", "Validation", "is_ours", "trainable", "frozen", "make_optimizer",
            "load_checkpoint", "mean_finite", "postfix"]  # fmt: skip
@@ -170,7 +171,7 @@ class HealRun:
 
     original: nn.Module
     converted: nn.Module
-    stream: TokenStream
+    stream: TokenStream | MixedStream
     params: list[nn.Parameter]
     cfg: HealConfig
     check: Validation

@@ -17,13 +17,14 @@ import shutil
 import sys
 from pathlib import Path
 
-from normlab.conversion.config import ConvertConfig, identity_difference
+from normlab.conversion.config import ConvertConfig, flag, identity_difference
 from normlab.conversion.convert import convert_norms, fidelity, save_converted
 from normlab.conversion.frontier import frontier
 from normlab.conversion.heal import heal
 from normlab.conversion.hf import load_model, smollm2, text_batches, text_splits
+from normlab.conversion.samples import heal_splits
 from normlab.conversion.saving import RECORD_FILE
-from normlab.corpus import fetch_shakespeare, sha256_file
+from normlab.corpus import DOCS, fetch_docs, fetch_shakespeare, sha256_file
 from normlab.owner import check_writable, hold, inside
 
 __all__ = ["convert_model", "check_out", "CONFIG_FILE"]
@@ -89,9 +90,10 @@ def _check_checkpoint(cfg: ConvertConfig, inputs: list) -> str | None:
 
 def _check_inputs(cfg: ConvertConfig) -> str:
     """The files the config names, checked before any work; returns the model's path."""
-    if cfg.text is not None and not Path(cfg.text).is_file():
-        what = "is a folder" if Path(cfg.text).is_dir() else "does not exist"
-        raise FileNotFoundError(f"--calibrate {cfg.text} {what}; give a text file")
+    for key, path in (("text", cfg.text), ("eval_text", _eval_file(cfg))):
+        if path is not None and path != "docs" and not Path(path).is_file():
+            what = "is a folder" if Path(path).is_dir() else "does not exist"
+            raise FileNotFoundError(f"{flag(key)} {path} {what}; give a text file")
     model_path = str(smollm2()) if cfg.model == "smollm2" else cfg.model
     if not Path(model_path).exists():
         raise FileNotFoundError(f"--model {cfg.model}: no such folder or .gguf file")
@@ -116,6 +118,39 @@ def _check_resume_identity(ckpt: str | None, cfg: ConvertConfig, identity: dict)
             f"--resume: checkpoint {ckpt} was made from another model, text or settings ({diff}); "
             "resume with the same ones, or start afresh with another --checkpoint"
         )
+
+
+def _eval_file(cfg: ConvertConfig) -> str | None:
+    """The second text's path as given ('docs' for the docutils documentation), or None when it is off."""
+    e = cfg.eval_text
+    return None if e is None or e.strip().lower() == "none" else e
+
+
+def _second_text(cfg: ConvertConfig, tokenizer, vocab: int):
+    """The second text's held-out batches and its name, or (None, None). Only its last sequences are read, and
+    nothing of it reaches calibration or the heal."""
+    e = _eval_file(cfg)
+    if e is None:
+        return None, None
+    path, name = (fetch_docs(), f"{DOCS} documentation") if e == "docs" else (e, Path(e).name)
+    _, held = text_batches(path, tokenizer, vocab, cfg.seq_len, 1, cfg.sequences)
+    return held, name
+
+
+def second_text_line(second: dict) -> str:
+    return (
+        f"second text ({second['name']}, never calibrated or healed on), {second['sequences']} held-out sequences: "
+        f"cross-entropy {second['ce_original']:.3f} (original) -> {second['ce_converted']:.3f}, KL "
+        f"{second['kl']:.4g} nats/token"
+    )
+
+
+def _measure_second(original, net, held2, name: str | None) -> dict | None:
+    if held2 is None:
+        return None
+    f = fidelity(original, net, held2)
+    return {"name": name, "sequences": sum(len(b) for b in held2), "ce_original": f["ce_original"],
+            "ce_converted": f["ce_converted"], "kl": f["kl"]}  # fmt: skip
 
 
 def _file_sha(path) -> str:
@@ -254,24 +289,39 @@ def _convert(cfg: ConvertConfig, model_path: str, ckpt: str | None, progress: bo
     else:
         splits = None
         calib, held = text_batches(text, tokenizer, vocab, cfg.seq_len, cfg.sequences, cfg.sequences)
+    held2, name2 = _second_text(cfg, tokenizer, vocab)
     original = copy.deepcopy(net)
     record = _convert_sites(cfg, net, calib, held, progress)
     print(record.table(markdown=markdown))
-    fid = fidelity(original, net, held, record)
-    n_held = sum(len(b) for b in held)
-    print(fidelity_line(fid, n_held))
+    fid = _measure(original, net, held, record, held2, name2)
     rep = None
     if cfg.heal.budgeted and not record.sites:
         print("\nnothing converted: no heal")
     elif cfg.heal.budgeted:
+        start = getattr(tokenizer, "bos_token_id", None) if tokenizer is not None else None
+        splits = heal_splits(splits, original, cfg.heal, start=start, progress=progress)
         rep = _heal(cfg, original, net, splits, record, ckpt, cfg.identity(**facts), progress)
-        fid = fidelity(original, net, held, record)
+        before = fid
+        fid = _measure(original, net, held, record, held2, name2)
         fid["heal"] = rep.to_dict()
-        print(fidelity_line(fid, n_held))
+        fid["before_heal"] = {k: before[k] for k in ("ce_converted", "kl") if k in before}
+        if "second_text" in before:
+            fid["before_heal"]["second_text"] = before["second_text"]
     if cfg.out:
         _save(cfg, net, record, tokenizer, cfg.identity(**facts), fid, rep)
         if ckpt is not None and cfg.heal.checkpoint is None:  # the default heal checkpoint has served its purpose
             Path(ckpt).unlink(missing_ok=True)
+    return fid
+
+
+def _measure(original, net, held: list, record, held2, name2) -> dict:
+    """Fidelity on the held-out part of the text, and on the second text when there is one; printed."""
+    fid = fidelity(original, net, held, record)
+    print(fidelity_line(fid, sum(len(b) for b in held)))
+    second = _measure_second(original, net, held2, name2)
+    if second is not None:
+        fid["second_text"] = second
+        print(second_text_line(second))
     return fid
 
 

@@ -1,0 +1,189 @@
+"""A heal stream that needs no corpus: sequences sampled from the original model itself.
+
+Distilling on a user's text teaches the converted model to behave like the original *on that text*; distilling on
+the original's own samples teaches it to behave like the original wherever the original puts its probability.
+:func:`self_samples` draws them (ancestral sampling at temperature 1 by default, no top-k, no top-p, the KV cache
+of Hugging Face's ``generate``), each sequence started from the model's BOS token, or, for a model without one,
+from a token drawn uniformly from the vocabulary. They are cached on disk under their identity (the model's
+fingerprint, the count, the length, the seed, the temperature, the start token), so a second heal of the same
+model reads them back, and a changed setting samples afresh.
+
+:class:`MixedStream` draws a fixed fraction of every batch from the samples and the rest from the user's text
+(``heal.text = "self+text"``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from normlab.conversion.hf import TokenStream
+from normlab.corpus import cache_dir
+from normlab.owner import hold
+
+__all__ = ["self_samples", "sample_identity", "weights_fingerprint", "MixedStream", "heal_splits", "SAMPLES_VERSION"]
+
+SAMPLES_VERSION = 1  # bump when the sampling procedure changes, so old caches are not read as new
+
+
+def weights_fingerprint(model: nn.Module) -> str:
+    """A content hash of every parameter and buffer (by name): samples are the model's, so any changed weight,
+    a fine-tune that froze the embedding included, is another model."""
+    h = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def sample_identity(fingerprint: str, n: int, seq_len: int, seed: int, temperature: float, start: int | None) -> dict:
+    """What a cached sample set is: everything that changes the tokens drawn."""
+    return {"model_fingerprint": fingerprint, "n": n, "seq_len": seq_len, "seed": seed, "temperature": temperature,
+            "start": start, "version": SAMPLES_VERSION}  # fmt: skip
+
+
+def _draw(model: nn.Module, n: int, seq_len: int, seed: int, temperature: float, start: int | None,
+          batch_size: int, progress: bool) -> torch.Tensor:  # fmt: skip
+    if not hasattr(model, "generate"):
+        raise ValueError(
+            "heal.text=self samples from the original model with Hugging Face's generate(); "
+            f"{type(model).__name__} has none: heal on a text instead (heal.text=text)"
+        )
+    vocab = model.get_input_embeddings().num_embeddings
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=n, desc="sampling the original", unit="seq", disable=not progress, leave=False)
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        for i in range(0, n, batch_size):
+            b = min(batch_size, n - i)
+            first = (
+                torch.full((b, 1), start, dtype=torch.long)
+                if start is not None
+                else torch.randint(0, vocab, (b, 1), generator=gen)
+            )
+            torch.manual_seed(seed * 1_000_003 + i)  # generate() draws from the global generator: seed it per batch
+            ids = model.generate(
+                first,
+                attention_mask=torch.ones_like(first),
+                do_sample=True,
+                temperature=temperature,
+                top_k=0,
+                top_p=1.0,
+                min_new_tokens=seq_len - 1,
+                max_new_tokens=seq_len - 1,
+                pad_token_id=0,
+                use_cache=True,
+            )
+            out.append(ids[:, :seq_len])
+            bar.update(b)
+    bar.close()
+    return torch.cat(out)
+
+
+def self_samples(
+    model: nn.Module,
+    n: int,
+    seq_len: int,
+    *,
+    fingerprint: str,
+    start: int | None,
+    seed: int = 0,
+    temperature: float = 1.0,
+    batch_size: int = 16,
+    cache: Path | None = None,
+    progress: bool = False,
+) -> torch.Tensor:
+    """``n`` sequences of ``seq_len`` tokens sampled from ``model``, (n, seq_len), read from the cache when a set
+    with the same identity is there (``cache``: default ``<normlab cache>/samples``). ``fingerprint`` names the
+    model (its weights' hash); ``start`` is the first token of every sequence (the BOS id), or None for a
+    uniformly drawn one. The cache file is owned (locked) while it is written and replaced atomically."""
+    ident = sample_identity(fingerprint, n, seq_len, seed, temperature, start)
+    key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+    folder = Path(cache) if cache is not None else cache_dir() / "samples"
+    path = folder / f"samples-{key}.pt"
+    folder.mkdir(parents=True, exist_ok=True)
+    with hold(path, "the sample cache"):
+        if path.is_file():
+            try:
+                saved = torch.load(path, map_location="cpu", weights_only=True)
+                if saved.get("identity") == ident and tuple(saved["tokens"].shape) == (n, seq_len):
+                    return saved["tokens"]
+            except Exception:  # noqa: BLE001  (a damaged cache is drawn again)
+                pass
+        tokens = _draw(model, n, seq_len, seed, temperature, start, batch_size, progress)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        torch.save({"identity": ident, "tokens": tokens}, tmp)
+        os.replace(tmp, path)
+    return tokens
+
+
+class MixedStream:
+    """Two token streams as one: ``fraction`` of every draw (rounded) from ``first``, the rest from ``second``.
+    It has a TokenStream's interface (``next``, ``state``/``load_state``, ``chunks``, ``seq_len``, ``drawn``)."""
+
+    def __init__(self, first: TokenStream, second: TokenStream, fraction: float) -> None:
+        if first.seq_len != second.seq_len:
+            raise ValueError(f"MixedStream: sequence lengths differ ({first.seq_len} vs {second.seq_len})")
+        if not 0.0 < fraction < 1.0:
+            raise ValueError(f"MixedStream: fraction must be in (0, 1), got {fraction!r}")
+        self.first, self.second, self.fraction = first, second, fraction
+        self.chunks = torch.cat([first.chunks, second.chunks])
+
+    def __len__(self) -> int:
+        return len(self.chunks)
+
+    @property
+    def seq_len(self) -> int:
+        return self.first.seq_len
+
+    @property
+    def drawn(self) -> int:
+        return self.first.drawn + self.second.drawn
+
+    def next(self, n: int) -> torch.Tensor:
+        k = round(n * self.fraction)
+        parts = [self.first.next(k)] if k else []
+        if n - k:
+            parts.append(self.second.next(n - k))
+        return torch.cat(parts)
+
+    def state(self) -> dict:
+        return {"first": self.first.state(), "second": self.second.state(), "fraction": self.fraction}
+
+    def load_state(self, state: dict) -> None:
+        if state.get("fraction") != self.fraction or "first" not in state:
+            raise ValueError(
+                f"MixedStream: the saved stream mixed {state.get('fraction')!r} of samples, this one "
+                f"{self.fraction!r}; resume with the same heal.self_fraction"
+            )
+        self.first.load_state(state["first"])
+        self.second.load_state(state["second"])
+
+
+def heal_splits(splits, original: nn.Module, cfg, *, start: int | None, progress: bool = False):
+    """The heal's data for ``cfg.text`` (a :class:`~normlab.conversion.config.HealConfig`): ``splits`` itself for
+    "text"; for "self", the original's samples (the last eighth, at most 8, validate; the rest is the stream),
+    with the calibration and held-out parts of ``splits`` unchanged; for "self+text", a :class:`MixedStream` of
+    both, validated on both. The samples are cached under the original's :func:`weights_fingerprint`."""
+    from normlab.conversion.hf import TextSplits
+
+    if cfg.text == "text":
+        return splits
+    fingerprint = weights_fingerprint(original)
+    samples = self_samples(original, cfg.self_sequences, splits.stream.seq_len, fingerprint=fingerprint,
+                           start=start, seed=cfg.seed, temperature=cfg.temperature, progress=progress)  # fmt: skip
+    n_val = min(8, max(1, len(samples) // 8))
+    own = TokenStream(samples[:-n_val], cfg.seed)
+    own_val = list(samples[-n_val:].split(8))
+    if cfg.text == "self":
+        return TextSplits(splits.calib, splits.held, own_val, own)
+    return TextSplits(
+        splits.calib, splits.held, [*splits.val, *own_val], MixedStream(own, splits.stream, cfg.self_fraction)
+    )

@@ -1,0 +1,139 @@
+"""The heal's own-sample stream (normlab.conversion.samples) and the second text every conversion is measured on:
+samples reproducible from their seed and cached under their identity, the held-out text never in the heal's
+data, a mixed stream that resumes exactly, a second text that never touches the heal."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import tiny_hf
+from normlab.cli import main
+from normlab.conversion.config import resolve_convert_config
+from normlab.conversion.hf import TextSplits, TokenStream
+from normlab.conversion.samples import MixedStream, heal_splits, self_samples
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture()
+def model(tmp_path):
+    return transformers.LlamaForCausalLM.from_pretrained(tiny_hf(tmp_path / "m")).eval()
+
+
+def _samples(model, cache, **kw):
+    args = dict(n=6, seq_len=8, fingerprint="f", start=1, seed=0, batch_size=4, cache=cache)
+    return self_samples(model, **{**args, **kw})
+
+
+def test_samples_are_reproducible_from_their_seed_and_read_back_from_the_cache(model, tmp_path, monkeypatch):
+    a = _samples(model, tmp_path / "c1")
+    assert a.shape == (6, 8) and a.dtype == torch.long and (a[:, 0] == 1).all()
+    assert (a >= 0).all() and (a < 100).all()
+    assert torch.equal(a, _samples(model, tmp_path / "c2"))  # drawn again elsewhere: the same tokens
+    torch.manual_seed(123)
+    outside = torch.rand(3)
+    torch.manual_seed(123)
+    _samples(model, tmp_path / "c3")
+    assert torch.equal(torch.rand(3), outside)  # the caller's random state is left as it was
+    assert not torch.equal(a, _samples(model, tmp_path / "c1", seed=1))  # another seed, other samples
+
+    def refuse(*_a, **_k):
+        raise AssertionError("sampled again instead of reading the cache")
+
+    monkeypatch.setattr(model, "generate", refuse)
+    assert torch.equal(a, _samples(model, tmp_path / "c1"))  # the same identity: read back
+    with pytest.raises(AssertionError, match="sampled again"):
+        _samples(model, tmp_path / "c1", fingerprint="another model")  # another identity is never read as this one
+
+
+def test_a_damaged_sample_cache_is_drawn_again(model, tmp_path):
+    a = _samples(model, tmp_path)
+    (cached,) = tmp_path.glob("samples-*.pt")
+    cached.write_bytes(cached.read_bytes()[:50])
+    assert torch.equal(a, _samples(model, tmp_path))
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_a_model_without_generate_is_refused_with_the_way_out(tmp_path):
+    net = torch.nn.Sequential(torch.nn.Embedding(10, 4))
+    net.get_input_embeddings = lambda: net[0]
+    with pytest.raises(ValueError, match=r"has none: heal on a text instead \(heal.text=text\)"):
+        self_samples(net, 2, 4, fingerprint="f", start=None, cache=tmp_path)
+
+
+def _stream(lo: int, n: int = 8, seq_len: int = 4) -> TokenStream:
+    return TokenStream(torch.arange(lo, lo + n * seq_len).view(n, seq_len), seed=0)
+
+
+def test_a_mixed_stream_draws_its_fraction_and_resumes_exactly():
+    mix = MixedStream(_stream(0), _stream(1000), 0.25)
+    batch = mix.next(8)
+    assert (batch[:2] < 1000).all() and (batch[2:] >= 1000).all() and mix.drawn == 8
+    state = json.loads(json.dumps(mix.state()))
+    ahead = [mix.next(8) for _ in range(3)]
+    again = MixedStream(_stream(0), _stream(1000), 0.25)
+    again.load_state(state)
+    assert all(torch.equal(x, again.next(8)) for x in ahead)
+    with pytest.raises(ValueError, match="resume with the same heal.self_fraction"):
+        MixedStream(_stream(0), _stream(1000), 0.5).load_state(state)
+    with pytest.raises(ValueError, match="sequence lengths differ"):
+        MixedStream(_stream(0), _stream(0, seq_len=2), 0.5)
+
+
+def test_the_held_out_text_never_reaches_the_heal(model, tmp_path):
+    held = [torch.full((2, 8), 7)]
+    splits = TextSplits([torch.zeros(2, 8, dtype=torch.long)], held, [torch.full((2, 8), 5)], _stream(0, seq_len=8))
+    for text in ("self", "self+text"):
+        cfg = resolve_convert_config(["heal.tokens=100", f"heal.text={text}", "heal.self_sequences=16"]).heal
+        got = heal_splits(splits, model, cfg, start=1)
+        assert got.held is held and got.calib is splits.calib  # measured on the same held-out text as before
+        chunks = got.stream.chunks
+        assert not any(torch.equal(row, h) for row in chunks for h in held[0])
+        own = got.stream if text == "self" else got.stream.first
+        assert len(own) == 14 and (own.chunks[:, 0] == 1).all()  # 16 samples, 2 validate
+        val = torch.cat(got.val)
+        assert not any(torch.equal(row, v) for row in own.chunks for v in val)  # validation is not trained on
+        assert len(val) == (2 if text == "self" else 4)  # "self+text" validates on both
+    assert heal_splits(splits, model, resolve_convert_config(["heal.tokens=100"]).heal, start=1) is (splits)
+
+
+@pytest.mark.parametrize(("sets", "match"), [
+    (["heal.text=self"], "--heal-text applies only to a heal"),
+    (["heal.tokens=10", "heal.text=books"], "heal.text"),
+    (["heal.tokens=10", "heal.self_fraction=1"], r"heal.self_fraction must be a number in \(0, 1\)"),
+    (["heal.tokens=10", "heal.temperature=0"], r"heal.temperature must be a number in \(0, inf\)"),
+    (["heal.tokens=10", "heal.self_sequences=1"], "heal.self_sequences must be an int >= 2"),
+    (["eval_text=\"\""], "--eval-text must be 'docs', a text file, or none"),
+])  # fmt: skip
+def test_the_sample_settings_are_checked(sets, match):
+    with pytest.raises(ValueError, match=match):
+        resolve_convert_config(sets)
+
+
+def _convert(models, out, *extra):
+    return [
+        "convert", "--model", str(models["m"]), "--calibrate", str(models["text"]), "--seq-len", "16",
+        "--sequences", "4", "--no-progress", "--to", "dyisru", "--out", str(out), *map(str, extra),
+    ]  # fmt: skip
+
+
+def test_the_second_text_is_measured_and_never_touches_the_heal(models, tmp_path, capsys):
+    heal = ("--heal-tokens", 256, "--heal-text", "self+text", "--set", "heal.self_sequences=16")
+    assert main(_convert(models, tmp_path / "a", *heal, "--eval-text", models["other"])) == 0
+    out = capsys.readouterr().out
+    assert "second text (other.txt, never calibrated or healed on), 4 held-out sequences" in out, out
+    fid = json.loads((tmp_path / "a" / "fidelity.json").read_text())
+    assert fid["second_text"]["name"] == "other.txt" and fid["before_heal"]["second_text"]["sequences"] == 4
+    assert json.loads((tmp_path / "a" / "convert_config.json").read_text())["heal"]["text"] == "self+text"
+    assert main(_convert(models, tmp_path / "b", *heal, "--eval-text", "none")) == 0
+    assert "second_text" not in json.loads((tmp_path / "b" / "fidelity.json").read_text())
+    a, b = ((tmp_path / d / "model.safetensors").read_bytes() for d in "ab")
+    assert a == b  # the same healed weights either way
+
+
+def test_a_missing_second_text_fails_before_any_work(models, tmp_path, capsys):
+    assert main(_convert(models, tmp_path / "o", "--eval-text", tmp_path / "nope.txt")) == 2
+    assert "--eval-text" in capsys.readouterr().err and not (tmp_path / "o").exists()
