@@ -129,3 +129,40 @@ def test_budget_nats_never_ends_above_its_budget(folder, tmp_path, capsys, refit
         _, record = normlab.load_converted(out)
         assert f": {n} of 7 norms fit" in printed and len(record.sites) == n
         assert all(s.name in printed for s in record.sites)
+
+
+def test_the_skip_walk_never_ends_above_its_budget_and_tries_every_site(folder, tmp_path, capsys):
+    """``skip=True`` goes past a site that breaks the budget instead of stopping: for budgets from zero to above
+    the whole walk, the model left is within its budget, every site was tried (kept or passed), the kept sites
+    are at least the stopping walk's, and each passed site was over the budget when its turn came."""
+    from normlab.conversion.fidelity import cross_entropy
+    from normlab.conversion.frontier import frontier
+    from normlab.conversion.hf import text_batches
+
+    _peaked(seed=1).save_pretrained(tmp_path / "m")  # its walk rises, falls, rises: there is something to skip
+    model, _ = normlab.conversion.hf.load_model(tmp_path / "m")
+    calib, held = text_batches(folder / "text.txt", None, 100, 16, 8, 8)
+    walk, _ = frontier(copy.deepcopy(model), "dyisru", calib, held, refit=0, progress=False)
+    went_past = 0
+    for budget in _budgets(walk):
+        m = copy.deepcopy(model)
+        front, record = frontier(m, "dyisru", calib, held, budget_nats=budget, refit=0, skip=True, progress=False)
+        assert cross_entropy(m, held) <= front.ce_original + budget + 1e-9
+        assert sorted(front.converted + front.passed) == sorted(front.order)
+        assert sorted(s.name for s in record.sites) == sorted(front.converted)
+        assert len(front.converted) >= walk.within(budget)
+        assert all(ce <= front.ce_original + budget + 1e-9 for ce in front.curve)
+        went_past += bool(front.passed) and front.converted[-1] != front.order[len(front.converted) - 1]
+    assert went_past, "no budget made the walk keep a site after one it passed: the test exercises nothing"
+    out = tmp_path / "o"
+    budget = 0.0
+    argv = ["convert", "--model", str(tmp_path / "m"), "--calibrate", str(folder / "text.txt"), "--seq-len", "16",
+            "--sequences", "8", "--budget-nats", repr(budget), "--set", "budget_walk=skip", "--out", str(out),
+            "--no-progress", "--eval-text", "none"]  # fmt: skip
+    assert main(argv) == 0
+    assert "over the budget" in capsys.readouterr().out
+    fid = json.loads((out / "fidelity.json").read_text())
+    assert fid["ce_converted"] <= fid["ce_original"] + budget + 1e-9
+    assert json.loads((out / "convert_config.json").read_text())["budget_walk"] == "skip"
+    with pytest.raises(ValueError, match="budget_walk applies only with --budget-nats"):
+        normlab.conversion.config.resolve_convert_config(["budget_walk=skip"])

@@ -146,6 +146,7 @@ class ConvertConfig:
     seq_len: int = 128  # tokens per sequence
     sequences: int = 32  # calibration sequences, and as many held out
     budget_nats: float | None = None  # convert only the sites that fit within this rise of held-out CE
+    budget_walk: str = "stop"  # at the first site over the budget: "stop" there, or "skip" it and go on
     eval_text: str | None = "docs"  # a second text, never healed on, measured too: "docs" (docutils 0.23), a file, None
     out: str | None = None
     overwrite: bool = False
@@ -213,6 +214,9 @@ class ConvertConfig:
                 )
             if not c.enabled:
                 raise ValueError(f"{flag('budget_nats')} ranks calibrated sites; drop {flag('calibrate.enabled')}")
+        _choice("budget_walk", self.budget_walk, ("stop", "skip"))
+        if self.budget_walk != "stop" and self.budget_nats is None:
+            raise ValueError(f"{flag('budget_walk')} applies only with {flag('budget_nats')}")
         from normlab.conversion.convert import CALIBRATABLE
 
         if c.enabled and self.to not in CALIBRATABLE:

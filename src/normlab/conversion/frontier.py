@@ -11,7 +11,9 @@
 3. The sites are converted cheapest first, and the held-out cross-entropy is measured after each. With
    ``budget_nats`` the walk stops before the first site that would take the held-out cross-entropy above the
    original's plus the budget, so the model it leaves never ends above its budget on ``held``. Without a
-   budget it walks all the sites and puts the model back as it was (the study's curve).
+   budget it walks all the sites and puts the model back as it was (the study's curve). With ``skip=True`` a
+   site that would break the budget is put back and the walk goes on to the next one (``Frontier.passed``
+   lists those): every site is tried, and the model still never ends above its budget.
 
 No training: what healing adds comes after. Baroni et al. remove a pretrained model's LayerNorms one at a time
 in a chosen order for the same reason: some norms cost nearly nothing to lose, others nearly everything.
@@ -39,10 +41,13 @@ class Frontier:
     ce_original: float  # on the held-out batches
     costs: dict[str, float]  # site -> cross-entropy rise when converted alone (on the ranking batches)
     order: list[str]  # the sites, cheapest first
-    curve: list[float]  # held-out cross-entropy with the first k sites of ``order`` converted, k = 0, 1, ...
+    curve: list[float]  # held-out cross-entropy with the first k sites of ``converted`` converted, k = 0, 1, ...
     budget_nats: float | None = None
-    converted: list[str] = field(default_factory=list)  # the sites left converted (budget mode)
+    converted: list[str] = field(default_factory=list)  # the sites walked and kept, in order (``order``'s prefix
+    # unless ``skip``)
     seconds: float = 0.0
+    skip: bool = False  # the walk went past a site that broke the budget instead of stopping there
+    passed: list[str] = field(default_factory=list)  # the sites it went past (skip=True)
 
     def within(self, nats: float) -> int:
         """How many sites the greedy walk converts before the held-out cross-entropy first rises above
@@ -105,6 +110,7 @@ def frontier(
     budget_nats: float | None = None,
     stop_nats: float | None = None,
     refit: int = 1,
+    skip: bool = False,
     progress: bool | None = None,
     **convert_kwargs,
 ) -> tuple[Frontier, ConversionRecord]:
@@ -115,7 +121,9 @@ def frontier(
     unchanged. ``budget_nats=X``: ``model`` keeps the sites that fit in +X nats on ``held`` (possibly none),
     converted in place. ``refit=N``: each site, when its turn comes, is fitted again on its input in the model
     as converted so far (on the first N calibration batches), as sequential calibration does; 0 keeps the
-    independent fits. ``convert_kwargs`` go to :func:`convert_norms` (per, init, include, first_token, ...).
+    independent fits. ``skip=True``: a site that breaks the budget (or ``stop_nats``) is put back and the walk
+    goes on, instead of stopping there. ``convert_kwargs`` go to :func:`convert_norms` (per, init, include,
+    first_token, ...).
     """
     import time
 
@@ -140,7 +148,7 @@ def frontier(
     costs = site_costs(model, fitted, rank, progress=progress)
     order = sorted(costs, key=lambda n: costs[n] if math.isfinite(costs[n]) else math.inf)
     ce0 = cross_entropy(model, held)
-    curve, done, originals = [ce0], [], {}
+    curve, done, passed, originals = [ce0], [], [], {}
     refit_batches = calib[:refit]
     by_name = {s.name: s for s in record.sites}
     bar = tqdm(
@@ -166,11 +174,16 @@ def frontier(
                 originals[name] = swap(model, name, fitted[name])
             ce = cross_entropy(model, held)
             if stop_nats is not None and not ce <= ce0 + stop_nats:
-                swap(model, name, originals.pop(name))  # this one would break the budget: put it back, stop
-                break
+                swap(model, name, originals.pop(name))  # this one would break the budget: put it back
+                if not skip:
+                    break
+                passed.append(name)
+                continue
             curve.append(ce)
             done.append(name)
-            bar.set_postfix_str(f"{len(done)} sites, CE {ce:.3f} (+{ce - ce0:.3f})")
+            bar.set_postfix_str(
+                f"{len(done)} sites, CE {ce:.3f} (+{ce - ce0:.3f})" + (f", {len(passed)} passed" if passed else "")
+            )
     except BaseException:
         for name, old in originals.items():
             swap(model, name, old)
@@ -182,5 +195,5 @@ def frontier(
     record.sites = [by_name[s.name] for s in record.sites if s.name in kept]
     if budget_nats is not None:
         _note_budget(record, model, budget_nats, order, kept, costs, originals, (ce0, curve[-1]))
-    front = Frontier(to, ce0, costs, order, curve, budget_nats, done, time.monotonic() - start)
+    front = Frontier(to, ce0, costs, order, curve, budget_nats, done, time.monotonic() - start, skip, passed)
     return front, record

@@ -351,12 +351,15 @@ def _convert_sites(cfg: ConvertConfig, net, calib: list, held: list, progress: b
             calib,
             held,
             budget_nats=cfg.budget_nats,
+            skip=cfg.budget_walk == "skip",
             **{k: v for k, v in options.items() if k != "sequential"},
         )  # the frontier ranks on independent fits
         print(
             f"--budget-nats {cfg.budget_nats:g}: {len(front.converted)} of {len(front.order)} norms fit "
             f"(held-out cross-entropy {front.ce_original:.3f} -> {front.curve[-1]:.3f}); converted, cheapest "
-            f"first: {', '.join(front.converted) or 'none'}\n"
+            f"first: {', '.join(front.converted) or 'none'}"
+            + (f"; went past {len(front.passed)} over the budget" if front.passed else "")
+            + "\n"
         )
     else:
         record = convert_norms(net, cfg.to, calibrate=calib if c.enabled else None, **options)
