@@ -100,6 +100,37 @@ def _note_budget(record, model, budget_nats: float, order: list, kept: set, cost
     ]
 
 
+def _checked(calibrate, held, rank, budget_nats, refit) -> tuple[list, list, list]:
+    """The frontier's arguments checked before any work, and its batches as lists."""
+    if budget_nats is not None and not (
+        isinstance(budget_nats, (int, float)) and budget_nats >= 0 and math.isfinite(budget_nats)
+    ):
+        raise ValueError(f"budget_nats: expected a finite number >= 0 (nats of cross-entropy), got {budget_nats!r}")
+    calib = list(as_batches(calibrate))
+    held = list(as_batches(held))
+    rank = calib[:1] if rank is None else list(as_batches(rank))
+    if not calib or not held or not rank:
+        raise ValueError("frontier: the calibration, ranking and held-out batches must not be empty")
+    if refit is None or isinstance(refit, bool) or not isinstance(refit, int) or refit < 0:
+        raise ValueError(f"refit: expected an int >= 0 (calibration batches), got {refit!r}")
+    return calib, held, rank
+
+
+def _refit(model, name: str, to: str, site, batches: list, convert_kwargs: dict):
+    """Convert the one site ``name`` of ``model`` in place, fitted on its input in the model as it is now;
+    returns the new site record."""
+    sub = convert_norms(
+        model,
+        to,
+        calibrate=batches,
+        first_token="own" if site.first_token else "shared",
+        progress=False,
+        include=lambda n, m: n == name,
+        **{k: v for k, v in convert_kwargs.items() if k not in ("include", "first_token")},
+    )
+    return sub.sites[0]
+
+
 def frontier(
     model: nn.Module,
     to: str,
@@ -129,17 +160,7 @@ def frontier(
 
     from tqdm.auto import tqdm
 
-    if budget_nats is not None and not (
-        isinstance(budget_nats, (int, float)) and budget_nats >= 0 and math.isfinite(budget_nats)
-    ):
-        raise ValueError(f"budget_nats: expected a finite number >= 0 (nats of cross-entropy), got {budget_nats!r}")
-    calib = list(as_batches(calibrate))
-    held = list(as_batches(held))
-    rank = calib[:1] if rank is None else list(as_batches(rank))
-    if not calib or not held or not rank:
-        raise ValueError("frontier: the calibration, ranking and held-out batches must not be empty")
-    if refit is None or isinstance(refit, bool) or not isinstance(refit, int) or refit < 0:
-        raise ValueError(f"refit: expected an int >= 0 (calibration batches), got {refit!r}")
+    calib, held, rank = _checked(calibrate, held, rank, budget_nats, refit)
     stop_nats = budget_nats if budget_nats is not None else stop_nats
     start = time.monotonic()
     fitted_model = copy.deepcopy(model)
@@ -157,19 +178,8 @@ def frontier(
     try:
         for name in bar:
             if refit:  # fitted again on its input in the model as converted so far
-                own = "own" if by_name[name].first_token else "shared"
-                original_norm = model.get_submodule(name)
-                sub = convert_norms(
-                    model,
-                    to,
-                    calibrate=refit_batches,
-                    first_token=own,
-                    progress=False,
-                    include=lambda n, m, name=name: n == name,
-                    **{k: v for k, v in convert_kwargs.items() if k not in ("include", "first_token")},
-                )
-                by_name[name] = sub.sites[0]
-                originals[name] = original_norm
+                originals[name] = model.get_submodule(name)
+                by_name[name] = _refit(model, name, to, by_name[name], refit_batches, convert_kwargs)
             else:
                 originals[name] = swap(model, name, fitted[name])
             ce = cross_entropy(model, held)
