@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.normlab-installed
 
-.PHONY: setup test lint demo clean
+.PHONY: setup test lint demo docs clean
 
 setup: $(STAMP)
 
@@ -27,5 +27,9 @@ test: lint
 demo: setup
 	$(VENV)/bin/normlab reproduce
 
+# the documentation site, into site/; --strict fails on a broken link or a missing API reference
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
+
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) site build *.egg-info src/*.egg-info .pytest_cache .ruff_cache

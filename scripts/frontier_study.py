@@ -8,7 +8,7 @@ For each target (normlab.conversion.frontier): every site calibrated on the orig
 alone measured on the first calibration batch (8 sequences), then the sites converted cheapest first, each fitted
 again on its input in the model converted so far (``--refit``), the held-out cross-entropy measured after each
 until it rises above the original's by ``--stop`` nats (SmolLM2's 32 held-out Shakespeare sequences of 128 tokens, the
-numbers of the README's real-model table). No training. Each target's result is written to bench/frontier.json as
+numbers of docs/conversion.md). No training. Each target's result is written to bench/frontier.json as
 soon as it is done (with the commit, the date and the machine); docs/figures/frontier.png plots CE against the
 number of converted sites.
 """

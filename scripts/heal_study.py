@@ -8,7 +8,7 @@ SmolLM2-135M-Instruct, every site converted to DyISRU and calibrated exactly as 
 sequences of 128 tokens from the start of the Shakespeare corpus), then healed from the stream of the text
 (normlab.conversion.hf.text_splits: every sequence but the 32 held out at the end and the 8 of the validation
 split) for the same wall time on the same machine, one combination after another, nothing else running. Each row
-of bench/heal_study.csv: the held-out cross-entropy of the kept state (the README's 32 held-out sequences), the
+of bench/heal_study.csv: the held-out cross-entropy of the kept state (the 32 held-out sequences), the
 tokens, the minutes, the stream sequences drawn, and the validation curve (JSON). The calibrated model is cached
 under $NORMLAB_CACHE/heal_study/ so that each combination starts from the same state.
 """

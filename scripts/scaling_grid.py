@@ -57,12 +57,12 @@ w = out.append
 w("""# Is the one-batch gamma init (model.norm_init = "match_rms") a real win over RMSNorm, or a small-scale artifact?
 # Each norm at its best learning rate of a grid (lrs), two seeds, at widths 64 / 128 / 256, budgets 1x / 4x / 16x the
 # small preset's tokens, the GPT-2 and the LLaMA block, AdamW and Muon. The cells that decide a verdict come first.
-# The grids were set from single-seed pilots at width 64 (README, "Does matched DyT beat RMSNorm?"); a best rate at
+# The grids were set from single-seed pilots at width 64 (docs/results.md, the scaling study); a best rate at
 # a grid's edge is flagged by the report. Run with `python scripts/scaling_study.py` (resumable; results in
 # bench/scaling.jsonl), not in `make demo`. Written by scripts/scaling_grid.py: edit the grid there.
 name = "scaling"
 title = "Matched DyT against RMSNorm at tuned learning rates: width, tokens, block, optimizer"
-source = "normlab's own question (README); published anchors: the DyISRU paper's GPT-2 runs, the Derf paper"
+source = "normlab's own question (docs/results.md); published anchors: the DyISRU paper's GPT-2 runs, the Derf paper"
 claim = "published comparisons at GPT-2 size put RMSNorm/LayerNorm ahead of DyT; at 4 x 64 matched DyT was ahead"
 seeds = [0, 1]
 profiles = ["scaling"]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 
 def test_no_source_document_numbers_are_left():
     """A user who clones normlab has no `shared/seeds` folder: the papers are cited by name (README, References),
@@ -22,4 +24,185 @@ def test_no_source_document_numbers_are_left():
         if pattern.search(line)
     ]
     assert not hits, hits[:10]
-    assert "## References" in (repo / "README.md").read_text()
+    refs = (repo / "docs" / "references.md").read_text()
+    for arxiv in ("2503.10622", "2503.21708", "2512.10938", "2604.01563", "2604.23434"):
+        assert refs.count(arxiv) >= 1, arxiv  # every paper is in the one references section
+    rows = [line.split("|")[1].strip() for line in refs.splitlines() if line.startswith("| the ")]
+    assert len(rows) == len(set(rows)) >= 6, rows  # each work once
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The docs cannot rot: every Python block runs, every command's flags exist, every relative link resolves.
+
+REPO = Path(__file__).resolve().parents[1]
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+MARK = "<!-- docs-test:"  # before a block: "skip: why" (illustrative only) or "replace OLD => NEW; ..." (tiny sizes)
+
+
+def _blocks(path: Path):
+    """(language, first line number, code, the docs-test mark before it or "") of every fenced block of ``path``."""
+    lines, out, i = path.read_text().splitlines(), [], 0
+    while i < len(lines):
+        if lines[i].startswith("```"):
+            lang, start = lines[i][3:].strip(), i
+            j = i + 1
+            while not lines[j].startswith("```"):
+                j += 1
+            mark = lines[i - 1].strip() if i and lines[i - 1].strip().startswith(MARK) else ""
+            out.append((lang, start + 1, "\n".join(lines[i + 1 : j]), mark))
+            i = j
+        i += 1
+    return out
+
+
+def _python_blocks():
+    return [
+        pytest.param(code, mark, id=f"{p.relative_to(REPO)}:{line}")
+        for p in PAGES
+        for lang, line, code, mark in _blocks(p)
+        if lang == "python"
+    ]
+
+
+def _tiny_llama(path: Path) -> Path:
+    """A tiny random Llama with a byte vocabulary, saved without a tokenizer (so text is read as bytes)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    transformers.LlamaForCausalLM(cfg).eval().save_pretrained(path)
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("code, mark", _python_blocks())
+def test_every_python_block_of_the_docs_runs(code, mark, tmp_path, monkeypatch):
+    """Each ``python`` block of README.md and docs/ runs as printed, in a fresh folder that holds ``my_text.txt``
+    (the start of the Shakespeare corpus). A block that names a large model says, in a mark just above it, what
+    the test puts in its place; a block marked ``skip`` is illustrative only (none today)."""
+    from normlab.corpus import fetch_shakespeare
+
+    if mark.startswith(f"{MARK} skip"):
+        pytest.skip(mark)
+    (tmp_path / "my_text.txt").write_text(Path(fetch_shakespeare()).read_text()[:200_000])
+    names = {}
+    if mark.startswith(f"{MARK} replace"):
+        for pair in mark.removeprefix(f"{MARK} replace").removesuffix("-->").split(";"):
+            old, new = (s.strip() for s in pair.split("=>"))
+            assert old in code, f"the mark replaces {old!r}, which the block does not contain"
+            code = code.replace(old, new)
+        if "TINY_LLAMA" in code:
+            names["TINY_LLAMA"] = str(_tiny_llama(tmp_path / "tiny-llama"))
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code, "<docs block>", "exec"), names)
+
+
+def _commands():
+    """Every ``normlab ...`` (or ``python scripts/X.py ...``) command shown in a bash block, as its words."""
+    import shlex
+
+    found = []
+    for p in PAGES:
+        for lang, line, code, _ in _blocks(p):
+            if lang != "bash":
+                continue
+            for text in code.replace("\\\n", " ").splitlines():
+                text = text.split(" #")[0].strip()
+                if not text or text.startswith("#"):
+                    continue
+                words = shlex.split(text)
+                for k, w in enumerate(words):
+                    if (w == "normlab" and k == 0) or (w == "normlab.cli" and words[k - 1] == "-m"):
+                        found.append((f"{p.relative_to(REPO)}:{line}", ["normlab", *words[k + 1 :]]))
+                        break
+                    if w.startswith("scripts/") and w.endswith(".py") and words[k - 1].startswith("python"):
+                        found.append((f"{p.relative_to(REPO)}:{line}", words[k:]))
+                        break
+    return found
+
+
+def test_every_flag_a_docs_command_shows_exists():
+    """Each command of a bash block, run with ``--help`` as a real process: the command exists, and every
+    ``--flag`` the docs show for it is in its help."""
+    import re
+    import subprocess
+    import sys
+
+    helps, missing = {}, []
+    cmds = _commands()
+    assert len(cmds) >= 15, cmds  # the parser found the commands of the pages
+    for where, words in cmds:
+        if words[0] == "normlab":
+            key = ("normlab", words[1])
+            argv = [sys.executable, "-m", "normlab.cli", words[1], "--help"]
+        else:
+            key = (words[0],)
+            argv = [sys.executable, str(REPO / words[0]), "--help"]
+        if key not in helps:
+            run = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, timeout=120)
+            assert run.returncode == 0, f"{where}: {' '.join(key)} --help failed: {run.stderr[-500:]}"
+            helps[key] = run.stdout
+        flags = {w.split("=")[0] for w in words if w.startswith("--")}
+        missing += [
+            f"{where}: {' '.join(key)} {f}"
+            for f in sorted(flags)
+            if not re.search(re.escape(f) + r"(?![\w-])", helps[key])  # the whole flag, not a prefix of one
+        ]
+    assert not missing, missing
+
+
+def test_every_relative_link_and_image_of_the_docs_exists():
+    """Every ``[text](target)`` and ``![alt](target)`` in README.md and docs/ that is not a web address points at
+    a file of the repository."""
+    import re
+
+    broken = []
+    for p in PAGES:
+        text = re.sub(r"```.*?```", "", p.read_text(), flags=re.S)  # links inside code are not links
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target) or target.startswith("#"):
+                continue
+            if not (p.parent / target.split("#")[0]).exists():
+                broken.append(f"{p.relative_to(REPO)}: {target}")
+    assert not broken, broken
+
+
+def test_every_command_has_help_on_every_flag_and_ends_with_its_docs_page():
+    import argparse
+
+    from normlab.cli import DOCS, build_parser
+
+    parser = build_parser()
+    (sub,) = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    silent = [
+        f"{name} {a.option_strings or a.dest}"
+        for name, cmd in sub.choices.items()
+        for a in cmd._actions
+        if not isinstance(a, argparse._HelpAction) and not a.help
+    ]
+    assert not silent, silent
+    for name, cmd in sub.choices.items():
+        page = DOCS[name]
+        assert cmd.format_help().rstrip().endswith("in the normlab repository."), name
+        assert page in cmd.format_help() and (REPO / page).exists(), (name, page)
+    assert DOCS[None] in parser.format_help()
+
+
+def test_the_site_builds_with_strict_checks(tmp_path):
+    """``make docs``: MkDocs with --strict, so that a broken link or an API reference to a missing name fails."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("mkdocs")
+    pytest.importorskip("mkdocstrings")
+    run = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(tmp_path / "site")],
+                         capture_output=True, text=True, cwd=REPO, timeout=600, env={**__import__("os").environ,
+                         "NO_MKDOCS_2_WARNING": "1"})  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert (tmp_path / "site" / "api" / "conversion" / "index.html").exists()
+
+
+def test_the_readme_is_a_front_page():
+    assert len((REPO / "README.md").read_text().splitlines()) <= 200

@@ -3,7 +3,7 @@
 This module is normlab's single source of truth for every formula. Modules,
 kernels, theory tools and experiments call these functions or are tested
 against them. Each docstring gives the formula and the equation of
-`the papers (README, References)` it implements:
+`the papers (docs/references.md)` it implements:
 
 * the DyISRU paper: Stollenwerk, "On the Mathematical Relationship Between Layer
   Normalization and Dynamic Activation Functions" (RMSNorm, scaled DyT,
@@ -23,7 +23,7 @@ Conventions
 Non-finite inputs
 -----------------
 One rule, followed by these functions and by every fused kernel (tested in
-``tests/test_kernels_cpu.py``), so that an answer never depends on the path or
+``tests/kernels/test_kernels_cpu.py``), so that an answer never depends on the path or
 the batch size: +-inf gives the function's limit with gradient 0 (tanh, erf
 and the ISRU of DyISRU saturate at +-1); NaN stays NaN at its element. A norm
 that reduces over the row takes its statistic in floating point: a row holding

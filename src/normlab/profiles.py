@@ -10,7 +10,7 @@ from __future__ import annotations
 __all__ = ["PROFILES"]
 
 # The CPU profiles use lr 1e-3 (with min_lr 1e-4), as the lab's cpu preset does: usual for models this small,
-# and it lets a 250-step run separate the norms (at 3e-4 RMSNorm stays above 2.4 in 600 steps; README).
+# and it lets a 250-step run separate the norms (at 3e-4 RMSNorm stays above 2.4 in 600 steps; docs/lab.md).
 _STEPS = {"warmup": 10, "eval_batches": 8, "log_every": 10, "lr": 1e-3, "min_lr": 1e-4}
 PROFILES: dict[str, dict] = {
     # seconds: for tests and smoke runs

@@ -14,8 +14,10 @@ def dynamic_tanh(x, alpha: float, gamma, beta) -> list:
     over the last (channel) axis; ``alpha`` is a scalar. Rounding is NumPy's
     (round half to even), applied once to the final value.
 
-    >>> dynamic_tanh([[[0.14115588, 0.00372817, 0.24126647, 0.22183601]]], 0.5, [1, 1, 1, 1], [0, 0, 0, 0])
-    [[[0.0705, 0.0019, 0.1201, 0.1105]]]
+    ```python
+    dynamic_tanh([[[0.14115588, 0.00372817, 0.24126647, 0.22183601]]], 0.5, [1, 1, 1, 1], [0, 0, 0, 0])
+    # [[[0.0705, 0.0019, 0.1201, 0.1105]]]
+    ```
     """
     if not isinstance(alpha, (int, float, np.integer, np.floating)) or isinstance(alpha, bool):
         raise ValueError(f"dynamic_tanh: expected alpha to be a real number, got {alpha!r}")

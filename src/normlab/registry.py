@@ -1,9 +1,10 @@
 """One name-to-layer map. Models, experiments and the command line take a name.
 
->>> import normlab
->>> normlab.list_norms()[:3]
-['dyisru', 'dyt', 'dyt_hardtanh']
->>> norm = normlab.create_norm("dyt", 64, alpha_init=1.0)
+```python
+import normlab
+normlab.list_norms()[:3]  # ['dyisru', 'dyt', 'dyt_hardtanh']
+norm = normlab.create_norm("dyt", 64, alpha_init=1.0)
+```
 """
 
 from __future__ import annotations

@@ -18,12 +18,29 @@ DESCRIPTION = (
     "models. `normlab COMMAND --help` for each."
 )
 
+# The page of the documentation (docs/ in the repository; `make docs` builds the site) that explains each command.
+DOCS = {
+    None: "docs/index.md",
+    "demo": "docs/norms.md",
+    "jacobian": "docs/theory.md",
+    "gain": "docs/theory.md",
+    "simulate": "docs/theory.md",
+    "train": "docs/lab.md",
+    "predict": "docs/results.md",
+    "sweep": "docs/lab.md",
+    "report": "docs/results.md",
+    "reproduce": "docs/results.md",
+    "convert": "docs/conversion.md",
+    "build-kernels": "docs/kernels.md",
+}
+
+
+def _docs_line(command: str | None) -> str:
+    return f"Documentation: {DOCS[command]} in the normlab repository."
+
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="normlab",
-        description=DESCRIPTION,
-    )
+    p = argparse.ArgumentParser(prog="normlab", description=DESCRIPTION, epilog=_docs_line(None))
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     commands = (
         add_demo,
@@ -40,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     for add in commands:  # one function per command, in the order `normlab --help` lists them
         add(sub)
+    for name, command in sub.choices.items():  # every command's --help ends with its page of the docs
+        command.epilog = "\n\n".join(filter(None, [command.epilog, _docs_line(name)]))
     return p
 
 

@@ -125,7 +125,7 @@ def add_convert(sub) -> None:
         help="any config field, e.g. heal.lr=3e-3 calibrate.max_tokens=8192 site_init='{...}'",
     )
     cv.add_argument("--no-progress", action="store_true", help="no progress bars")
-    cv.add_argument("--markdown", action="store_true")
+    cv.add_argument("--markdown", action="store_true", help="print the tables as Markdown")
     cv.set_defaults(func=_cmd_convert)
 
 

@@ -68,7 +68,7 @@ def _cmd_predict(args: argparse.Namespace) -> int:
     print(
         f"predicted boundary, for a short budget (the default profile's 250 steps): the logits' std at init at "
         f"least {ESCAPE_THRESHOLD:g} x RMSNorm's at GPT-2 init (0.02 sqrt(C)). A run below it sits on the attractor "
-        "longer, not forever: see the phase experiment of `normlab reproduce` and the README"
+        "longer, not forever: see the phase experiment of `normlab reproduce` and docs/results.md"
     )
     return 0
 
@@ -164,8 +164,13 @@ def add_predict(sub) -> None:
     from normlab.lab.config import PRESETS
 
     pr = sub.add_parser("predict", help="will a point-wise norm leave the unigram attractor? its signal scale at init")
-    pr.add_argument("--norm", nargs="+", default=["rms_norm", "dyt", "derf", "scaled_dyt", "dyisru"])
-    pr.add_argument("--preset", default="cpu", choices=list(PRESETS))
+    pr.add_argument(
+        "--norm",
+        nargs="+",
+        default=["rms_norm", "dyt", "derf", "scaled_dyt", "dyisru"],
+        help="registered norm names, each predicted in turn",
+    )
+    pr.add_argument("--preset", default="cpu", choices=list(PRESETS), help="the lab preset whose model is built")
     pr.add_argument(
         "--set",
         nargs="*",
@@ -187,13 +192,13 @@ def add_sweep(sub) -> None:
     sw.add_argument("--root", default="runs/sweep", help="folder for runs/, index.json and the report")
     sw.add_argument("--shard", help="i/n: run only every n-th run starting at i (job arrays, several GPUs)")
     sw.add_argument("--jobs", type=count, default=default_jobs(), help="runs at a time (default: CPU cores; 1 on GPU)")
-    sw.add_argument("--no-progress", action="store_true")
+    sw.add_argument("--no-progress", action="store_true", help="no progress bar")
     sw.set_defaults(func=_cmd_sweep)
 
 
 def add_report(sub) -> None:
     rp = sub.add_parser("report", help="write REPORT.md with tables and figures from a sweep root")
-    rp.add_argument("--root", default="runs/reproduce-default")
+    rp.add_argument("--root", default="runs/reproduce-default", help="the sweep root to report on")
     rp.add_argument("--compare", help="root of the same experiments at another budget: state each verdict at both")
     rp.set_defaults(func=_cmd_report)
 
@@ -219,5 +224,5 @@ def add_reproduce(sub) -> None:
     rr.add_argument("--compare", help="root of another budget's runs (--long: runs/reproduce-default if present)")
     rr.add_argument("--shard", help="i/n, as for sweep")
     rr.add_argument("--jobs", type=count, default=default_jobs(), help="runs at a time")
-    rr.add_argument("--no-progress", action="store_true")
+    rr.add_argument("--no-progress", action="store_true", help="no progress bar")
     rr.set_defaults(func=_cmd_reproduce)

@@ -182,7 +182,7 @@ def add_jacobian(sub) -> None:
         help="init values, for each norm that takes them (default: alpha_init=1.0, as the dissection)",
     )
     j.add_argument("--tokens", type=count, default=4, help="tokens to average over")
-    j.add_argument("--seed", type=int, default=0)
+    j.add_argument("--seed", type=int, default=0, help="random seed of the input")
     j.add_argument("--json", help="also write the rows to this JSON file")
     j.add_argument("--markdown", action="store_true", help="print a Markdown table")
     j.set_defaults(func=_cmd_jacobian)
@@ -197,8 +197,8 @@ def add_gain(sub) -> None:
         help="registered norm names",
     )
     g.add_argument("--width", type=count, default=1024, help="channels d")
-    g.add_argument("--sigma-min", type=positive, default=1e-3)
-    g.add_argument("--sigma-max", type=positive, default=10.0)
+    g.add_argument("--sigma-min", type=positive, default=1e-3, help="smallest input std of the curve")
+    g.add_argument("--sigma-max", type=positive, default=10.0, help="largest input std of the curve")
     g.add_argument("--points", type=count, default=17, help="sigmas on the log grid")
     g.add_argument("--samples", type=count, default=64, help="Monte Carlo tokens per sigma")
     g.add_argument(
@@ -208,10 +208,10 @@ def add_gain(sub) -> None:
         metavar="KEY=VALUE",
         help="init values, applied to each norm that takes them (default alpha_init=1.0)",
     )
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0, help="random seed of the Monte Carlo samples")
     g.add_argument("--out", default="out/gain.png", help="PNG to write")
     g.add_argument("--json", help="also write the curves to this JSON file")
-    g.add_argument("--markdown", action="store_true")
+    g.add_argument("--markdown", action="store_true", help="print a Markdown table")
     g.set_defaults(func=_cmd_gain)
 
 
@@ -237,5 +237,5 @@ def add_simulate(sub) -> None:
     s.add_argument("--x", help="use this sample instead (.npy, .json or text: C numbers); overrides C/sigma/mu/seed")
     s.add_argument("--seeds", type=count, default=1, help="also report the spread of the fits over this many seeds")
     s.add_argument("--out", default="out/simulate", help="folder for figures, sample.npy and simulate.json")
-    s.add_argument("--markdown", action="store_true")
+    s.add_argument("--markdown", action="store_true", help="print a Markdown table")
     s.set_defaults(func=_cmd_simulate)

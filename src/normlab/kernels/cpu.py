@@ -9,7 +9,7 @@ order, so a result is the same on every run with the same thread count). Only x 
 keeps its fp32 per-row rstd); tanh(alpha x) and the like are recomputed. Arithmetic is float32 for every
 input dtype (float32, bfloat16, float16).
 
-The mechanism was chosen by measurement (``scripts/bench_kernels.py --cpu``, README "Fused kernels"): the
+The mechanism was chosen by measurement (``scripts/bench_kernels.py --cpu``, docs/kernels.md): the
 TorchInductor paths it replaces ran at the same or lower speed, wrote the parameter-gradient column sums
 as a second pass over x and dy, and compiled every op again in every fresh process (4-18 s for the first
 call). The C++ library is compiled once per machine (about 25 s) and loads in milliseconds.
@@ -45,7 +45,7 @@ FAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # kernel="auto" fuses inputs of at least this many elements. Below it a call's fixed cost (about 0.1 ms: the
 # module, the autograd function, the parameters' float32 copies) exceeds what fusing saves: forward + backward
 # of DyT took 314 against 201 us at 2 x 8 x 64 (2 threads) and 486 against 620 us at 16 x 64 x 64 (1 thread,
-# as a sweep worker runs) (README "Fused kernels").
+# as a sweep worker runs) (docs/kernels.md).
 MIN_FUSED = 1 << 16
 _KIND = {"dyt": 0, "derf": 1, "dyisru": 2, "eln": 3}
 

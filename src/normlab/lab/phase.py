@@ -15,7 +15,7 @@ measured here on the model at init (random bytes, no data, no training):
 
 The prediction: a run escapes the attractor within the default budget when ``logit_gain`` reaches
 ``ESCAPE_THRESHOLD``. The threshold was set at half of RMSNorm's scale before the phase grid was run, from
-a pilot of 18 single-seed runs (README, "When does a point-wise norm train?"); the report states how many
+a pilot of 18 single-seed runs (docs/results.md, "When does a point-wise norm train?"); the report states how many
 runs of the grid fall on the predicted side, for this quantity and for ``alpha_rms``.
 """
 
