@@ -98,6 +98,27 @@ def test_tanh_is_accurate_over_the_whole_range():
     assert torch.equal(torch.signbit(got)[nonzero], torch.signbit(want.float())[nonzero])
 
 
+@pytest.mark.parametrize("fn, name", [(0, "tanh"), (1, "erf")])
+@pytest.mark.parametrize("half", [False, True], ids=["float32", "bf16_fp16"])
+def test_each_dtype_form_of_tanh_and_erf_holds_its_stated_bound(fn, name, half):
+    """The kernels' tanh and erf before any rounding to the output dtype (``normlab_cpu::approx``), against float64
+    from denormals to infinity: within 4 eps for float32 inputs and within 2^-12 for bfloat16 / float16 ones (the
+    bounds stated in cpu_norms.cpp); |f| never above 1, exactly sign(z) in saturation, NaN in gives NaN out."""
+    assert cpu.ready(wait=True)
+    z = torch.cat([torch.logspace(-40, 2, 40000), torch.rand(100000) * 10, torch.tensor([0.0, 3e38, math.inf])])
+    z = torch.cat([z, -z, torch.tensor([math.nan])]).float()
+    got = torch.ops.normlab_cpu.approx(z, fn, half).double()
+    want = (torch.tanh if fn == 0 else torch.special.erf)(z.double())
+    assert torch.isnan(got[-1])
+    got, want, zz = got[:-1], want[:-1], z[:-1].double()
+    relative = (got - want).abs() / want.abs().clamp_min(torch.finfo(torch.float32).tiny)
+    bound = 2.0**-12 if half else 4 * torch.finfo(torch.float32).eps
+    assert float(relative.max()) <= bound, f"{name}: {float(relative.max()):.3g} > {bound:.3g}"
+    assert float(got.abs().max()) <= 1.0
+    big = zz.abs() >= 10
+    assert torch.equal(got[big], torch.sign(zz[big]))  # saturated: 1 - f^2 is exactly 0 there
+
+
 def test_huge_inputs_saturate_dyisru_and_eln():
     """|x| beyond float32's square root of its largest value: sign(x), never NaN (the reference uses hypot)."""
     one, w = torch.ones(1) * 4, torch.ones(8)

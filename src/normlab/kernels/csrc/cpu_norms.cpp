@@ -106,23 +106,57 @@ inline Vec rsqrt_(const Vec& v) {
 #endif
 }
 
-// tanh to a few float32 ulp: the odd Taylor series through z^17 for |z| < 0.55 (its next term is below
-// 2.5e-8 there), else sign(z) (1 - e) / (1 + e) with e = exp(-2|z|), free of cancellation (e <= 0.33) and
-// saturating without overflow; exactly sign(z) from |z| >= 9, where 1 - tanh(z) < 3e-8 is below half an ulp
-// of 1 (so the derivative 1 - f^2 is exactly 0 there, as the reference's). c_k = 2^(2n) (2^(2n) - 1) B_(2n) / (2n)!
-// with n = k + 1.
+// tanh and erf as odd rationals, z P(z^2) / Q(z^2), one accuracy per storage dtype. The coefficients were fitted
+// by scripts/fit_rationals.py (Lawson's algorithm on the maximum relative error; P(0) is the exact slope at 0, so
+// a tiny z keeps full relative accuracy down to the denormals), and the bounds below are what
+// tests/kernels/test_kernels_cpu.py measures against float64 from denormals to infinity, as relative errors of
+// the float32 result before any rounding to the output dtype (eps = 2^-23):
+//
+//   float32 input          tanh: [4/4] rational on |z| < 9,    exactly sign(z) beyond   bound 4 eps (fit: 2.2)
+//                          erf:  [5/5] rational on |z| < 3.92, exactly sign(z) beyond   bound 4 eps (fit: 2.7)
+//   bfloat16 / float16     tanh: [2/3] rational on |z| < 6,    exactly sign(z) beyond   bound 2^-12 (fit: 1.2e-5)
+//                          erf:  [3/3] rational on |z| < 3.3,  exactly sign(z) beyond   bound 2^-12 (fit: 3.1e-6)
+//
+// A bfloat16 or float16 output cannot hold more than 8 or 11 bits, so its cheaper forms stay well inside the
+// output's own rounding; they are kept a decade below 2^-12 because a parameter's gradient sums 1 - f^2 over
+// every element, where an error of one sign would add up (a [2/2] tanh at 9e-5 broke the bf16 alpha gradient). Saturation is exact: beyond the cut f is +-1 itself, so the derivative 1 - f^2 (computed
+// from the same f, as in the backward) is exactly 0 there, as the reference's. NaN stays NaN; +-inf gives +-1.
+template <size_t NP, size_t NQ>
+inline Vec odd_rational(const Vec& z, const float (&p)[NP], const float (&q)[NQ], bool exact_division) {
+  const Vec s = z * z;
+  Vec num(p[NP - 1]), den(q[NQ - 1]);
+  for (size_t k = NP - 1; k-- > 0;) num = at::vec::fmadd(num, s, Vec(p[k]));
+  for (size_t k = NQ - 1; k-- > 0;) den = at::vec::fmadd(den, s, Vec(q[k]));
+  return exact_division ? z * num / den : z * num * recip(den);
+}
+
+inline Vec saturate(const Vec& z, const Vec& f, float cut) {
+  const Vec sign = Vec::blendv(Vec(1.0f), Vec(-1.0f), z < Vec(0.0f));
+  // a huge z gives inf / inf = NaN in f, and the last ulps below the cut may round above 1: both are replaced by
+  // sign(z), so |f| <= 1 everywhere and 1 - f^2 is never negative. A NaN z fails both tests and stays NaN.
+  return Vec::blendv(f, sign, (z.abs() >= Vec(cut)) | (f.abs() > Vec(1.0f)));
+}
+
+constexpr float TANH32_P[] = {1.0f, 0.133839697f, 0.00349898427f, 2.06610675e-05f, 1.34195481e-08f};
+constexpr float TANH32_Q[] = {1.0f, 0.467172921f, 0.0258901622f, 0.000329101895f, 7.80461789e-07f};
+constexpr float TANH16_P[] = {1.0f, 0.114983276f, 0.00152281439f};
+constexpr float TANH16_Q[] = {1.0f, 0.448282331f, 0.017664345f, 5.67450734e-05f};
+constexpr float ERF32_P[] = {1.12837923f,     0.189880744f,    0.0526794307f,
+                             0.00374288228f, 0.000284338428f, 2.05385072e-06f};
+constexpr float ERF32_Q[] = {1.0f, 0.501610398f, 0.113891855f, 0.0149240913f, 0.00115693919f, 3.81018981e-05f};
+constexpr float ERF16_P[] = {1.12837923f, 0.154685035f, 0.0431260765f, 0.000744810852f};
+constexpr float ERF16_Q[] = {1.0f, 0.470437378f, 0.0949267671f, 0.00925597362f};
+
+template <typename T>
 inline Vec tanh_(const Vec& z) {
-  const Vec a = z.abs();
-  const Vec z2 = z * z;
-  Vec poly(6404582.0f / 10854718875.0f);
-  const float c[] = {-929569.0f / 638512875.0f, 21844.0f / 6081075.0f, -1382.0f / 155925.0f, 62.0f / 2835.0f,
-                     -17.0f / 315.0f,           2.0f / 15.0f,          -1.0f / 3.0f,          1.0f};
-  for (float ck : c) poly = at::vec::fmadd(poly, z2, Vec(ck));
-  const Vec e = (a * Vec(-2.0f)).exp_u20();
-  const Vec r = (Vec(1.0f) - e) * recip(Vec(1.0f) + e);
-  const Vec sat = Vec::blendv(r, Vec(1.0f), a >= Vec(9.0f));
-  const Vec outer = Vec::blendv(sat, -sat, z < Vec(0.0f));
-  return Vec::blendv(outer, z * poly, a < Vec(0.55f));
+  if constexpr (std::is_same_v<T, float>) return saturate(z, odd_rational(z, TANH32_P, TANH32_Q, true), 9.0f);
+  return saturate(z, odd_rational(z, TANH16_P, TANH16_Q, false), 6.0f);
+}
+
+template <typename T>
+inline Vec erf_(const Vec& z) {
+  if constexpr (std::is_same_v<T, float>) return saturate(z, odd_rational(z, ERF32_P, ERF32_Q, true), 3.92f);
+  return saturate(z, odd_rational(z, ERF16_P, ERF16_Q, false), 3.3f);
 }
 
 // DyISRU's pieces: f = u h, h = (beta + u^2)^(-1/2), slope = beta h^3. Beyond float32's square root of its
@@ -204,9 +238,9 @@ void pointwise_fwd_impl(const T* x, T* y, const float* p0, const float* p1, cons
                   bv = Vec::loadu(b + j, m);
         Vec f;
         if constexpr (K == DYT) {
-          f = tanh_(a * xv);
+          f = tanh_<T>(a * xv);
         } else if constexpr (K == DERF) {
-          f = at::vec::fmadd(a, xv, Vec::loadu(p1 + j, m)).erf();
+          f = erf_<T>(at::vec::fmadd(a, xv, Vec::loadu(p1 + j, m)));
         } else {
           f = isru(K == ELN ? xv - mean : xv, a).f;
         }
@@ -245,13 +279,13 @@ void pointwise_bwd_impl(const T* g, const T* x, T* dx, const float* p0, const fl
           const Vec gw = gv * wv;  // zero in the tail lanes: g loads as zeros there
           Vec d, f;
           if constexpr (K == DYT) {
-            f = tanh_(a * xv);
+            f = tanh_<T>(a * xv);
             const Vec dz = gw * (Vec(1.0f) - f * f);
             d = dz * a;
             acc0 = at::vec::fmadd(dz, xv, acc0);
           } else if constexpr (K == DERF) {
             const Vec z = at::vec::fmadd(a, xv, shift);
-            f = z.erf();
+            f = erf_<T>(z);
             const Vec e = (-(z * z)).exp_u20();  // the fast exp gives inf for a NaN z: NaN in, NaN out
             const Vec dz = gw * Vec(TWO_OVER_SQRT_PI) * Vec::blendv(e, z, z.isnan());
             d = dz * a;
@@ -494,7 +528,25 @@ std::vector<Tensor> rms_bwd(const Tensor& g, const Tensor& x, const Tensor& rstd
 
 }  // namespace
 
+// The kernels' tanh (fn 0) or erf (fn 1) of a float32 (N,) tensor, in float32 before any rounding: the form used
+// for float32 inputs, or (half = true) the one used for bfloat16 and float16. For the accuracy tests.
+Tensor approx(const Tensor& z, int64_t fn, bool half) {
+  TORCH_CHECK(z.scalar_type() == at::kFloat && z.dim() == 1 && z.is_contiguous(), "approx: a float32 (N,) tensor");
+  Tensor out = at::empty_like(z);
+  const float* zp = z.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  for (int64_t j = 0; j < z.numel(); j += VL) {
+    const int64_t m = std::min(VL, z.numel() - j);
+    const Vec v = Vec::loadu(zp + j, m);
+    const Vec f = fn == 0 ? (half ? tanh_<c10::BFloat16>(v) : tanh_<float>(v))
+                          : (half ? erf_<c10::BFloat16>(v) : erf_<float>(v));
+    f.store(op + j, m);
+  }
+  return out;
+}
+
 TORCH_LIBRARY(normlab_cpu, m) {
+  m.def("approx(Tensor z, int fn, bool half) -> Tensor");
   m.def("pointwise_fwd(Tensor x, Tensor p0, Tensor? p1, Tensor w, Tensor? b, float scale, int kind) -> Tensor");
   m.def("pointwise_bwd(Tensor g, Tensor x, Tensor p0, Tensor? p1, Tensor w, Tensor? b, float scale, int kind) -> "
         "Tensor[]");
@@ -503,6 +555,7 @@ TORCH_LIBRARY(normlab_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(normlab_cpu, CPU, m) {
+  m.impl("approx", &approx);
   m.impl("pointwise_fwd", &pointwise_fwd);
   m.impl("pointwise_bwd", &pointwise_bwd);
   m.impl("rms_fwd", &rms_fwd);

@@ -1,0 +1,79 @@
+"""Fit the CPU kernels' tanh and erf: odd rationals z P(z^2) / Q(z^2), one accuracy per storage dtype.
+
+    python scripts/fit_rationals.py
+
+Each function is fitted on (0, cut] by Lawson's algorithm (iteratively reweighted least squares on the linearised
+relative error, keeping the best maximum), with P(0) fixed at the function's exact slope at 0 and Q(0) = 1. Beyond
+the cut the kernel returns sign(z) itself. The script prints the coefficients as C++ arrays for
+src/normlab/kernels/csrc/cpu_norms.cpp and the maximum relative error of the whole function (the rational
+evaluated in float32 with fused multiply-adds, plus the saturation's own error beyond the cut) over a million
+points from 1e-30 to past the cut. tests/kernels/test_kernels_cpu.py measures the compiled kernels the same way.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numpy.polynomial import polynomial as P
+from scipy.special import erf
+
+# name: (function, slope at 0, degree of P and of Q in z^2, cut), for float32 and for bfloat16 / float16 inputs
+FITS = {
+    "TANH32": (np.tanh, 1.0, 4, 4, 9.0),
+    "TANH16": (np.tanh, 1.0, 2, 3, 6.0),
+    "ERF32": (erf, 2 / math.sqrt(math.pi), 5, 5, 3.92),
+    "ERF16": (erf, 2 / math.sqrt(math.pi), 3, 3, 3.3),
+}
+
+
+def fit(f, slope: float, n_p: int, n_q: int, cut: float, iters: int = 200) -> tuple[np.ndarray, np.ndarray]:
+    z = np.sort(np.concatenate([np.linspace(1e-3, cut, 6000), np.geomspace(1e-3, 0.5, 500)]))
+    s, t = z * z, f(z)
+    weights, best = np.ones_like(z), None
+    for _ in range(iters):
+        # z P(s) / Q(s) = t  <=>  z (P(s) - slope) / t - (Q(s) - 1) = 1 - slope z / t, linear in the unknowns
+        a = np.hstack([(z[:, None] * s[:, None] ** np.arange(1, n_p + 1)) / t[:, None],
+                       -(s[:, None] ** np.arange(1, n_q + 1))])  # fmt: skip
+        w = np.sqrt(weights)[:, None]
+        coef = np.linalg.lstsq(a * w, (1 - slope * z / t) * w[:, 0], rcond=None)[0]
+        p, q = np.concatenate([[slope], coef[:n_p]]), np.concatenate([[1.0], coef[n_p:]])
+        err = np.abs(z * P.polyval(s, p) / P.polyval(s, q) / t - 1)
+        if best is None or err.max() < best[0]:
+            best = (err.max(), p, q)
+        weights = weights * (err + 1e-30)
+        weights /= weights.sum()
+    return best[1].astype(np.float32), best[2].astype(np.float32)
+
+
+def horner(c: np.ndarray, s: np.ndarray) -> np.ndarray:
+    acc = np.full_like(s, c[-1])
+    for ck in c[-2::-1]:  # a fused multiply-add: one rounding of the exact product and sum
+        acc = (acc.astype(np.float64) * s + np.float64(ck)).astype(np.float32)
+    return acc
+
+
+def max_relative_error(f, p, q, cut: float) -> float:
+    z = np.geomspace(1e-30, 2 * cut, 1_000_000).astype(np.float32)
+    s = (z * z).astype(np.float32)
+    got = np.where(z < cut, (z * horner(p, s) / horner(q, s)).astype(np.float32), np.float32(1.0))
+    want = f(z.astype(np.float64))
+    return float(np.max(np.abs(got / want - 1)))
+
+
+def literal(v: float) -> str:
+    text = f"{v:.9g}"
+    return f"{text}f" if any(ch in text for ch in ".e") else f"{text}.0f"
+
+
+def main() -> None:
+    for name, (f, slope, n_p, n_q, cut) in FITS.items():
+        p, q = fit(f, slope, n_p, n_q, cut)
+        err = max_relative_error(f, p, q, cut)
+        print(f"// {name}: [{n_p}/{n_q}] on |z| < {cut}: max relative error {err:.3g} ({err / 2**-23:.2f} eps)")
+        for part, c in (("P", p), ("Q", q)):
+            print(f"constexpr float {name}_{part}[] = {{{', '.join(literal(v) for v in c)}}};")
+
+
+if __name__ == "__main__":
+    main()
