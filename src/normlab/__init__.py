@@ -2,6 +2,7 @@
 
 from normlab import functional
 from normlab.conversion.convert import ConversionRecord, convert_norms, fidelity, load_converted, save_converted
+from normlab.conversion.fold import FoldReport, fold
 from normlab.conversion.heal import HealReport, heal
 from normlab.elementwise import *  # noqa: F401,F403
 from normlab.elementwise import __all__ as _elementwise_names
@@ -21,6 +22,6 @@ from normlab.registry import create_norm, list_norms, norm_spec
 __version__ = "0.1.0"
 __all__ = [
     "functional", "create_norm", "list_norms", "norm_spec", "ConversionRecord", "convert_norms", "fidelity",
-    "load_converted", "save_converted", "heal", "HealReport", "prime_running_stats", "LayerNorm", "RMSNorm", "L1Norm",
-    "LMaxNorm", "GroupRMS", "RMSDetached", "RMSEMA", "RMSPartialCoupling", *_elementwise_names,
+    "load_converted", "save_converted", "heal", "HealReport", "fold", "FoldReport", "prime_running_stats", "LayerNorm",
+    "RMSNorm", "L1Norm", "LMaxNorm", "GroupRMS", "RMSDetached", "RMSEMA", "RMSPartialCoupling", *_elementwise_names,
 ]  # fmt: skip

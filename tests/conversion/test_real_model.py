@@ -143,3 +143,21 @@ def test_smollm2_heal_on_the_stream_keeps_its_best_state(smollm2):
     assert len(ces) == 4 and rep.best["val_ce"] == min(ces)
     assert cross_entropy(conv, sp.val) == pytest.approx(min(ces), rel=1e-4)
     assert not any("lora" in n for n, _ in conv.named_modules())
+
+
+def test_smollm2_folded_gives_the_same_logits_on_real_text(smollm2):
+    """normlab.fold on the real model, every site converted to DyT with SmolLM2's own gammas: the 61 gammas go into
+    q/k/v, gate/up and the tied head (untied first), and the held-out logits do not move. In float64: uncalibrated,
+    this model is so ill-conditioned that a relative change of 1e-7 in one weight of layer 0 moves its float32
+    logits by 2.6%, so float32 rounding alone would hide what the test checks."""
+    model, _, held, _ = smollm2
+    conv = copy.deepcopy(model).double()
+    normlab.convert_norms(conv, "dyt", progress=False)
+    with torch.no_grad():
+        want = conv(held[0]).logits
+    report = normlab.fold(conv, held[0])
+    assert len(report.folded) == 61 and not report.skipped, report.table()
+    assert report.untied == ["lm_head"] and not conv.config.tie_word_embeddings
+    with torch.no_grad():
+        got = conv(held[0]).logits
+    assert float((got - want).abs().max()) <= 1e-4 * float(want.abs().max())

@@ -9,6 +9,17 @@ from normlab.conversion.convert import (
     load_converted,
     save_converted,
 )
+from normlab.conversion.fold import FoldReport, fold
 from normlab.conversion.heal import HealReport, heal
 
-__all__ = ["ConversionRecord", "convert_norms", "fidelity", "load_converted", "save_converted", "HealReport", "heal"]
+__all__ = [
+    "ConversionRecord",
+    "convert_norms",
+    "fidelity",
+    "load_converted",
+    "save_converted",
+    "HealReport",
+    "heal",
+    "FoldReport",
+    "fold",
+]

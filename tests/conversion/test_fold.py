@@ -1,0 +1,119 @@
+"""normlab.fold: every site's gamma (and beta) moved into the linear layers that read it, checked on a probe."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import normlab
+from normlab.conversion.calibrate import FirstToken
+
+transformers = pytest.importorskip("transformers")
+
+
+def _tiny_llama(tied: bool) -> nn.Module:
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)  # fmt: skip
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def _converted(tied: bool, first_token: str = "shared"):
+    model = _tiny_llama(tied)
+    calib = [torch.randint(0, 100, (4, 16), generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    record = normlab.convert_norms(model, "dyisru", calibrate=calib, first_token=first_token, progress=False)
+    g = torch.Generator().manual_seed(1)
+    for m in model.modules():  # gammas far from 1, so that a fold that drops one shows
+        if isinstance(m, normlab.DyISRU):
+            with torch.no_grad():
+                m.weight.mul_(torch.rand(m.weight.shape, generator=g) + 0.5)
+    return model, record
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied_head", "untied_head"])
+def test_folded_model_gives_the_same_logits_saves_and_loads(tied, tmp_path):
+    model, record = _converted(tied)
+    x = torch.randint(0, 100, (3, 20), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = model(x).logits
+    report = normlab.fold(model)
+    assert len(report.folded) == 5 and not report.skipped  # 2 x (input, post-attention) + the final norm
+    assert report.folded["model.layers.0.input_layernorm"] == [f"model.layers.0.self_attn.{p}_proj" for p in "qkv"]
+    assert report.folded["model.norm"] == ["lm_head"]
+    assert report.untied == (["lm_head"] if tied else [])
+    assert model.lm_head.weight is not model.model.embed_tokens.weight and not model.config.tie_word_embeddings
+    for m in model.modules():
+        if isinstance(m, normlab.DyISRU):
+            assert torch.equal(m.weight, torch.ones_like(m.weight))  # a bare f at every site
+    with torch.no_grad():
+        got = model(x).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+    normlab.save_converted(model, record, tmp_path / "out")
+    loaded, _ = normlab.load_converted(tmp_path / "out")
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x).logits, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+
+
+def test_first_token_sites_keep_both_copies_exact():
+    model, _ = _converted(tied=False, first_token="own")
+    sites = [m for m in model.modules() if isinstance(m, FirstToken)]
+    assert sites
+    for s in sites:  # a first-token copy with its own bias, so that (b1 - b) / w is exercised
+        with torch.no_grad():
+            s.first.bias.normal_()
+            s.main.bias.zero_()  # the readers have no bias: only the first copy may carry one
+    x = torch.randint(0, 100, (2, 10), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = model(x).logits
+    report = normlab.fold(model)
+    assert not report.skipped
+    with torch.no_grad():
+        got, step = model(x).logits, model(x[:, :1]).logits  # a single token takes the main copy alone
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+    assert torch.isfinite(step).all()
+
+
+class _Reused(nn.Module):
+    """A norm whose output goes into a linear layer and also straight into the sum: not foldable."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm, self.lin = normlab.DyT(8), nn.Linear(8, 8)
+        with torch.no_grad():
+            self.norm.weight.uniform_(0.5, 2.0)
+
+    def forward(self, x):
+        y = self.norm(x)
+        return self.lin(y) + y
+
+
+def test_a_site_read_by_more_than_linear_layers_is_refused_and_nothing_changes():
+    model = _Reused()
+    before = copy.deepcopy(model.state_dict())
+    x = torch.randn(4, 8)
+    with pytest.raises(ValueError, match="read by more than linear layers; nothing was changed"):
+        normlab.fold(model, x)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_a_site_with_a_bias_and_a_bias_free_reader_is_left_with_the_reason():
+    model = nn.Sequential(normlab.DyT(8), nn.Linear(8, 4, bias=False), normlab.DyT(4, bias=False), nn.Linear(4, 2))
+    with torch.no_grad():
+        model[0].bias.fill_(0.3)
+    x = torch.randn(5, 8)
+    want = model(x)
+    report = normlab.fold(model, x)
+    assert report.skipped == {"0": "a nonzero bias, and a reader without one"}
+    assert report.folded == {"2": ["3"]}
+    torch.testing.assert_close(model(x), want)
+
+
+def test_fold_needs_a_probe_or_a_vocabulary_and_a_site():
+    with pytest.raises(ValueError, match="pass probe="):
+        normlab.fold(nn.Sequential(normlab.DyT(8), nn.Linear(8, 2)))
+    with pytest.raises(ValueError, match="no normlab norm sites"):
+        normlab.fold(nn.Sequential(nn.Linear(8, 2)), torch.randn(1, 8))
