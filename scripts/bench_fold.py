@@ -1,0 +1,86 @@
+"""Inference speed on the CPU: SmolLM2-135M as shipped (RMSNorm), converted (every site element-wise), and folded.
+
+    python scripts/bench_fold.py                        # DyT and DyISRU, prompt 128 tokens, 32 decoded
+    python scripts/bench_fold.py --to dyt --rounds 5
+
+Three models in one process: the original, a copy with every norm converted to the target (default init: speed
+does not depend on the fitted values), and a copy of that folded with normlab.fold (gamma in the linear layers,
+each site a bare f). Each round times every model in turn (alternating, so that the machine's drift hits all
+alike): prompt processing (one forward of a batch-1 prompt, tokens/s) and decoding (greedy, KV cache, tokens/s
+of the new tokens). The median over rounds is reported, with the hardware, and rows go to bench/fold.csv.
+
+The fold is checked on a probe in the model's float32, and an uncalibrated conversion is so ill-conditioned
+that float32 rounding moves its logits by percents (tests/conversion/test_real_model.py checks the fold in
+float64), so this script loosens the check and prints the probe's difference instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import platform
+import statistics
+import time
+
+import torch
+
+import normlab
+from normlab.conversion.hf import load_model, smollm2
+from normlab.lab.runs import code_version
+from normlab.table import append_csv, format_table
+
+
+def timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--to", nargs="+", default=["dyt", "dyisru"], help="conversion targets")
+    ap.add_argument("--prompt", type=int, default=128, help="prompt length in tokens")
+    ap.add_argument("--new", type=int, default=32, help="tokens decoded per round")
+    ap.add_argument("--rounds", type=int, default=5, help="rounds; every model is timed once per round")
+    ap.add_argument("--csv", default="bench/fold.csv", help="where rows are appended")
+    args = ap.parse_args()
+
+    original, _ = load_model(smollm2())
+    models = {"original (RMSNorm)": original}
+    differences = {}
+    for to in args.to:
+        conv = copy.deepcopy(original)
+        normlab.convert_norms(conv, to, progress=False)
+        folded = copy.deepcopy(conv)
+        differences[to] = normlab.fold(folded, tolerance=float("inf")).max_difference
+        models[f"{to}, converted"] = conv
+        models[f"{to}, folded"] = folded
+    prompt = torch.randint(0, original.config.vocab_size, (1, args.prompt), generator=torch.Generator().manual_seed(0))
+    times = {name: {"prompt": [], "decode": []} for name in models}
+    gen = dict(max_new_tokens=args.new, min_new_tokens=args.new, do_sample=False, pad_token_id=0)
+    with torch.inference_mode():
+        for m in models.values():  # warm-up
+            m(prompt[:, :8])
+        for _ in range(args.rounds):
+            for name, m in models.items():
+                times[name]["prompt"].append(args.prompt / timed(lambda m=m: m(prompt)))
+                times[name]["decode"].append(args.new / timed(lambda m=m: m.generate(prompt, **gen)))
+    machine = f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+    rows, records = [], []
+    base = {k: statistics.median(v) for k, v in times["original (RMSNorm)"].items()}
+    for name, t in times.items():
+        p, d = statistics.median(t["prompt"]), statistics.median(t["decode"])
+        rows.append([name, f"{p:,.0f}", f"{p / base['prompt']:.3f}", f"{d:,.1f}", f"{d / base['decode']:.3f}"])
+        records.append({"model": name, "prompt_tok_s": round(p, 1), "decode_tok_s": round(d, 2),
+                        "prompt_tokens": args.prompt, "new_tokens": args.new, "rounds": args.rounds,
+                        "commit": code_version()["commit"], "date": datetime.date.today().isoformat(),
+                        "machine": machine})  # fmt: skip
+    print(format_table(["model", "prompt tok/s", "vs original", "decode tok/s", "vs original"], rows, markdown=True))
+    print(f"\nmedian of {args.rounds} alternating rounds; prompt {args.prompt} tokens, {args.new} decoded; {machine}")
+    print("probe difference of each fold (float32, uncalibrated):", {k: f"{v:.3g}" for k, v in differences.items()})
+    append_csv(args.csv, records)
+
+
+if __name__ == "__main__":
+    main()
