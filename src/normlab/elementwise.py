@@ -1,6 +1,6 @@
 """The element-wise replacements as ``nn.Module`` s: the DyT family (DyT, Derf, scaled DyT and variants), the ISRU
-family (DyISRU, ELN), and the other point-wise forms the dissection trains. Conventions as in :mod:`normlab.modules`
-(its docstring gives the parameter names and initial values); the math is in :mod:`normlab.functional`.
+family (DyISRU, ELN), and the other point-wise forms the dissection trains. Conventions as in `normlab.modules`
+(its docstring gives the parameter names and initial values); the math is in `normlab.functional`.
 """
 
 from __future__ import annotations

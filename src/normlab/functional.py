@@ -240,7 +240,7 @@ def rms_detached(x: Tensor, weight: Tensor | None = None, eps: float = EPS) -> T
 def rms_ema(x: Tensor, running_ms: Tensor, weight: Tensor | None = None, eps: float = EPS) -> Tensor:
     r"""RMS EMA: y = weight * x / sqrt(m + eps) with m a running mean of x^2 over steps.
 
-    ``running_ms`` (a scalar buffer kept by :class:`normlab.modules.RMSEMA`) replaces
+    ``running_ms`` (a scalar buffer kept by `normlab.modules.RMSEMA`) replaces
     the per-token statistic: there is no per-token adaptation and no gradient
     through the denominator.  The dissection, "RMS EMA (running average)".
     """
@@ -280,7 +280,7 @@ def rms_partial_coupling(x: Tensor, weight: Tensor | None = None, lam: float = 1
 
         dL/dx_i = weight_i / r * dL/dy_i  -  lam * x_i / (C r^3) * sum_j weight_j x_j dL/dy_j
 
-    ``lam = 1`` is RMSNorm's exact gradient, ``lam = 0`` is :func:`rms_detached`.
+    ``lam = 1`` is RMSNorm's exact gradient, ``lam = 0`` is `rms_detached`.
     For 0 < lam < 1 the gradient is deliberately not the derivative of the forward.
     """
     _check_param(weight, "weight", x, "rms_partial_coupling")

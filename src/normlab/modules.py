@@ -1,10 +1,10 @@
-"""Thin ``nn.Module`` wrappers, one per function of :mod:`normlab.functional`: the base class and the norms that
-normalize (LayerNorm, RMSNorm and its variants). The element-wise ones are in :mod:`normlab.elementwise`.
+"""Thin ``nn.Module`` wrappers, one per function of `normlab.functional`: the base class and the norms that
+normalize (LayerNorm, RMSNorm and its variants). The element-wise ones are in `normlab.elementwise`.
 
 Every module reads ``Name(dim, *, ..., device=None, dtype=None)``: it owns its
 parameters, checks that the input's last dimension is ``dim``, and calls the
 functional form. The math lives there; the one exception is RMSEMA, whose forward updates its
-running mean of x^2 (a buffer) in training mode before it calls :func:`normlab.functional.rms_ema`.
+running mean of x^2 (a buffer) in training mode before it calls `normlab.functional.rms_ema`.
 
 Parameter names follow PyTorch so that a converted ``nn.LayerNorm`` can copy
 its affine: ``weight`` (gamma) and ``bias`` (beta of DyT). The papers' own

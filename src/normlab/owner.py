@@ -1,6 +1,6 @@
 """Owners for what normlab writes outside a training run: a lock that names its holder, and write checks.
 
-A training run's folder has its own lock (:class:`normlab.lab.runs.RunFolder`). A conversion's output and a
+A training run's folder has its own lock (`normlab.lab.runs.RunFolder`). A conversion's output and a
 heal checkpoint are held here, under a lock file beside them (``.<name>.lock``): an OS advisory lock, so it dies
 with its process and a killed job never leaves a stale owner. The lock file itself is left in place (removing
 it would race with a second process opening it); it holds only the last holder's pid and command.

@@ -1,4 +1,4 @@
-"""Profiles: how big every experiment's runs are on a given machine (:mod:`normlab.sweep` applies them).
+"""Profiles: how big every experiment's runs are on a given machine (`normlab.sweep` applies them).
 
 ``tiny`` (seconds, for tests), ``quick`` (minutes), ``default`` (the CPU subset of ``normlab reproduce``), ``long``
 (the default at 4x its tokens), ``full`` (the lab's ``cpu`` preset), ``gpu`` (the dissection's shapes) and

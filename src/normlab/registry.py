@@ -100,7 +100,7 @@ def list_norms() -> list[str]:
 
 
 def norm_spec(name: str) -> NormSpec:
-    """The :class:`NormSpec` of ``name``; an unknown name raises a ValueError listing the valid ones."""
+    """The `NormSpec` of ``name``; an unknown name raises a ValueError listing the valid ones."""
     if not isinstance(name, str) or name not in _REGISTRY:
         close = difflib.get_close_matches(str(name), _REGISTRY, n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""

@@ -52,7 +52,7 @@ def reproduce(
     """Theory, then every experiment at ``profile``, then REPORT.md. Returns the report's path.
 
     ``compare``: the root of the same experiments at another budget; the report then states each verdict
-    at both (see :func:`normlab.report.write_report`).
+    at both (see `normlab.report.write_report`).
     """
     from normlab.report import write_report
 

@@ -1,5 +1,5 @@
 """The ``normlab`` command line. Each subcommand lives in its own small function, filed by area: the theory
-(:mod:`normlab.cli.theory`), the lab (:mod:`normlab.cli.lab`) and conversion (:mod:`normlab.cli.convert`)."""
+(`normlab.cli.theory`), the lab (`normlab.cli.lab`) and conversion (`normlab.cli.convert`)."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ amplitude scan and L-BFGS follow.
 Massive activations. Real LLMs give a few tokens, above all the first one, an RMS 30-200x the median (the
 attention sink). No element-wise function maps both those and ordinary tokens, so:
 
-* the first token gets its own replacement (:class:`FirstToken`, ``first_token="own"``; ``"auto"`` turns it on
+* the first token gets its own replacement (`FirstToken`, ``first_token="own"``; ``"auto"`` turns it on
   when the first token's RMS is a massive outlier at some site). Its fit is per channel: the sink token has a
   fixed shape, so ||x without channel i|| hardly varies across sequences, and Theorem 3 makes DyISRU nearly exact;
 * other massive tokens are left out of the fit of the shared replacement (``massive=10``: RMS above 10x the
@@ -396,7 +396,7 @@ def calibrate_sites(
 
     ``sequential=False`` fits every site on its input in the *original* model instead (one pass for all sites):
     each fit is then exact for that site converted alone, which is what ranking the sites one by one needs
-    (:mod:`normlab.conversion.frontier`); errors compound when many such fits are used together.
+    (`normlab.conversion.frontier`); errors compound when many such fits are used together.
 
     ``sites`` are the conversion's Site records (name, dim, kwargs; this fills in fit, notes and first_token);
     ``replacements`` maps each site's name to its built replacement. On any failure every original is put back.

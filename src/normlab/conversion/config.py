@@ -4,14 +4,14 @@
     cfg = resolve_convert_config(["heal.minutes=10", "heal.lr=3e-3"], model="smollm2", to="dyisru")
     normlab.conversion.workflow.convert_model(cfg)
 
-The lab's pattern (:mod:`normlab.lab.config`): a dataclass of sections, ``to_dict``/``from_dict``, one ``validate``
-that fails before any work, and dotted ``--set`` overrides through :func:`normlab.pairs.apply_overrides`.
-``normlab convert`` keeps its flags as shorthands for fields (:data:`SHORTHANDS`) and writes the resolved config
+The lab's pattern (`normlab.lab.config`): a dataclass of sections, ``to_dict``/``from_dict``, one ``validate``
+that fails before any work, and dotted ``--set`` overrides through `normlab.pairs.apply_overrides`.
+``normlab convert`` keeps its flags as shorthands for fields (`SHORTHANDS`) and writes the resolved config
 to ``OUT/convert_config.json``.
 
-The heal checkpoint's identity is :meth:`ConvertConfig.identity`: every field that shapes the converted model or
+The heal checkpoint's identity is `ConvertConfig.identity`: every field that shapes the converted model or
 the heal, flattened to dotted keys, plus the facts only the run knows (the model's fingerprint, the text's
-hash). A resume whose identity differs is refused, naming the fields (:meth:`ConvertConfig.difference`).
+hash). A resume whose identity differs is refused, naming the fields (`ConvertConfig.difference`).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ HEAL_TEXTS = ("text", "self", "self+text")  # what the heal trains on (normlab.c
 
 @dataclass
 class CalibrateConfig:
-    """Fitting each replacement to the model's own activations (:mod:`normlab.conversion.calibrate`)."""
+    """Fitting each replacement to the model's own activations (`normlab.conversion.calibrate`)."""
 
     enabled: bool = True  # False: the new norms keep their default init (--no-calibrate)
     first_token: str = "auto"  # "own", "shared", or "auto": own when the first token's RMS is a massive outlier
@@ -48,7 +48,7 @@ class CalibrateConfig:
 
 @dataclass
 class HealConfig:
-    """Training the converted model toward the original within a budget (:mod:`normlab.conversion.heal`)."""
+    """Training the converted model toward the original within a budget (`normlab.conversion.heal`)."""
 
     minutes: float | None = None  # the budget: wall-clock minutes, or
     tokens: int | None = None  # tokens through a trained forward and backward

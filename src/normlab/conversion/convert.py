@@ -13,7 +13,7 @@ with the reason; nothing is skipped silently.
 
 Calibration (``calibrate=`` sample inputs or a dataloader) fits each replacement, site by site in the order the
 model runs them, on the activations of the model as converted so far, so that its output after the affine
-matches the original norm's; the first token can get its own replacement (:mod:`normlab.conversion.calibrate`). Every
+matches the original norm's; the first token can get its own replacement (`normlab.conversion.calibrate`). Every
 target is fitted with the same two degrees of freedom, its parameter (DyISRU/ELN beta, DyT alpha) and an
 amplitude folded into the copied weight. ``per="channel"`` fits one of each per channel.
 
@@ -217,11 +217,11 @@ def convert_norms(
     site_init:  {fnmatch pattern on the module name: kwargs}, e.g. DyT's LLaMA recipe
                 {"*input_layernorm": {"alpha_init": 0.8}, "*post_attention_layernorm": {"alpha_init": 0.2}};
     calibrate:  sample inputs (tensor, dict of kwargs, list, or dataloader) to fit the new parameters, site by
-                site in the order the model runs them (:mod:`normlab.conversion.calibrate`);
+                site in the order the model runs them (`normlab.conversion.calibrate`);
     per:        "global" or "channel" (one fitted parameter per channel);
     fit_amplitude: also fit an amplitude, folded into the weight (default); False keeps the module's own
                 (sqrt(C) for DyISRU and scaled DyT, as in the papers; 1 for DyT);
-    first_token: "own" gives the first token of each sequence its own replacement (:class:`FirstToken`),
+    first_token: "own" gives the first token of each sequence its own replacement (`FirstToken`),
                 "shared" does not, "auto" (default) does when its RMS is a massive outlier (> ``massive`` x the
                 median token's) at some site, as in real LLMs;
     massive:    tokens with an RMS above this multiple of the median are left out of the shared fit;

@@ -22,7 +22,7 @@ The check is in the model's own dtype. A badly conditioned model can fail it in 
 fold: SmolLM2 converted to DyT without calibration moves its logits by 2.6% when one weight of its first layer
 changes by 1e-7. Check such a model in float64 (``model.double()``), or pass a larger ``tolerance``.
 
-A first-token site (:class:`~normlab.conversion.calibrate.FirstToken`) folds its main copy's ``w``; its first-token
+A first-token site (`normlab.conversion.calibrate.FirstToken`) folds its main copy's ``w``; its first-token
 copy keeps ``w1 / w`` and ``(b1 - b) / w``, so both stay exact.
 """
 
@@ -42,7 +42,7 @@ __all__ = ["fold", "FoldReport"]
 
 @dataclass
 class FoldReport:
-    """What :func:`fold` did: per folded site, the linear layers that took its gamma; the sites left as they
+    """What `fold` did: per folded site, the linear layers that took its gamma; the sites left as they
     were, with the reason; the heads untied; the probe's largest logit difference, relative to the logits' scale."""
 
     folded: dict[str, list[str]] = field(default_factory=dict)
@@ -184,7 +184,7 @@ def fold(model: nn.Module, probe=None, *, tolerance: float = 1e-4) -> FoldReport
     docstring). ``probe``: an input of the model (token ids, a dict of keyword inputs, or a tensor); default, two
     random sequences of 16 tokens for a model with ``config.vocab_size``. The probe's logits must agree before
     and after to ``tolerance`` relative to their largest magnitude, or every change is undone and ValueError
-    raised. Returns a :class:`FoldReport`."""
+    raised. Returns a `FoldReport`."""
     probe = _default_probe(model) if probe is None else probe
     sites = _sites(model)
     if not sites:

@@ -146,14 +146,14 @@ def frontier(
     **convert_kwargs,
 ) -> tuple[Frontier, ConversionRecord]:
     """Rank ``model``'s norms by the cost of converting each alone to ``to`` and walk them cheapest first (see
-    the module docstring). Returns the :class:`Frontier` and the conversion record of the sites it converted.
+    the module docstring). Returns the `Frontier` and the conversion record of the sites it converted.
 
     ``budget_nats=None``: the curve (up to ``stop_nats`` above the original, if given); ``model`` is left
     unchanged. ``budget_nats=X``: ``model`` keeps the sites that fit in +X nats on ``held`` (possibly none),
     converted in place. ``refit=N``: each site, when its turn comes, is fitted again on its input in the model
     as converted so far (on the first N calibration batches), as sequential calibration does; 0 keeps the
     independent fits. ``skip=True``: a site that breaks the budget (or ``stop_nats``) is put back and the walk
-    goes on, instead of stopping there. ``convert_kwargs`` go to :func:`convert_norms` (per, init, include,
+    goes on, instead of stopping there. ``convert_kwargs`` go to `convert_norms` (per, init, include,
     first_token, ...).
     """
     import time

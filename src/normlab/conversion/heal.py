@@ -4,7 +4,7 @@
     record = normlab.convert_norms(model, "dyisru", calibrate=splits.calib)
     report = normlab.heal(original, model, splits, record, HealConfig(minutes=20))
 
-Data. The heal trains on a :class:`~normlab.conversion.hf.TokenStream`: fresh sequences of the text, in a random
+Data. The heal trains on a `normlab.conversion.hf.TokenStream`: fresh sequences of the text, in a random
 order, none repeated before all have been used, and never the held-out part nor the validation split. (A list
 of token batches is accepted too and becomes such a stream: the old heal on the calibration batches, which
 memorized them; keep it for tests and tiny texts.)
@@ -12,12 +12,12 @@ memorized them; keep it for tests and tiny texts.)
 Objectives (``objective``):
 
 * ``"distill"``: end to end, KL(original || converted) of the next-token distributions on each fresh batch.
-* ``"blocks"``: block-wise reconstruction, each block in turn (:mod:`normlab.conversion.heal_blocks`).
+* ``"blocks"``: block-wise reconstruction, each block in turn (`normlab.conversion.heal_blocks`).
 
-The settings are a :class:`~normlab.conversion.config.HealConfig` (``cfg``); the keywords of the call before it
+The settings are a `normlab.conversion.config.HealConfig` (``cfg``); the keywords of the call before it
 (``minutes=20, objective="blocks"``) still work. What is trained (``train``): ``"norms"`` (the replacements'
 parameters), ``"lora"`` (the norms, plus low-rank adapters on every linear layer of the blocks, merged into the
-weights when the heal ends: :mod:`normlab.conversion.lora`), or ``"all"`` (every weight of the blocks; with
+weights when the heal ends: `normlab.conversion.lora`), or ``"all"`` (every weight of the blocks; with
 ``distill``, every weight of the model).
 
 The curve and the best state. Given ``val`` batches, the heal measures their cross-entropy (and KL to the
@@ -134,12 +134,12 @@ def heal(
 ) -> HealReport:
     """Train ``converted`` toward ``original`` on ``data`` within the budget of ``cfg`` (a HealConfig).
 
-    ``data``: a :class:`~normlab.conversion.hf.TextSplits` (its stream, and its validation split for the curve
+    ``data``: a `normlab.conversion.hf.TextSplits` (its stream, and its validation split for the curve
     and the best state), a TokenStream, or token batches. ``record`` (from convert_norms) names the converted
     sites; without it every normlab module counts. ``identity`` (what the heal was made from) is stored in the
     checkpoint; a resume from another is refused. ``options``: ``val=`` (validation batches, when ``data`` is not
     a TextSplits), ``progress=`` (a bar: True, False, or None for a terminal only), and any HealConfig field
-    (``minutes=20``), applied over ``cfg``. Returns a :class:`HealReport`; ``converted`` is updated in place (LoRA
+    (``minutes=20``), applied over ``cfg``. Returns a `HealReport`; ``converted`` is updated in place (LoRA
     merged).
     """
     cfg, run_options = _settings(cfg, options)

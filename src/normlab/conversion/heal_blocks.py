@@ -1,7 +1,7 @@
 """Block-wise healing: the blocks are trained one at a time, in order, each to reproduce the original block's output
 (per-token relative squared error of the residual stream) from its input in the converted model, so that it also
 undoes the drift it inherits. A pool of fresh sequences, sized to the budget, is carried through the blocks: each
-block trains on its own depth's view of the pool. :func:`normlab.conversion.heal.heal` with ``objective="blocks"``.
+block trains on its own depth's view of the pool. `normlab.conversion.heal.heal` with ``objective="blocks"``.
 """
 
 from __future__ import annotations

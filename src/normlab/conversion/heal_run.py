@@ -1,5 +1,5 @@
 """What both heal objectives share: the report, the run's state, the budget, the validation curve, the optimizer
-and the checkpoint. :mod:`normlab.conversion.heal` is the entry point; this module is its parts."""
+and the checkpoint. `normlab.conversion.heal` is the entry point; this module is its parts."""
 
 from __future__ import annotations
 
@@ -167,7 +167,7 @@ class Validation:
 @dataclass
 class HealRun:
     """One heal in progress: the two models, the data, what is trained and how, and where it is saved. Both
-    objectives (:func:`normlab.conversion.heal.distill`, :func:`normlab.conversion.heal_blocks.blocks`) read it."""
+    objectives (`normlab.conversion.heal.distill`, `normlab.conversion.heal_blocks.blocks`) read it."""
 
     original: nn.Module
     converted: nn.Module

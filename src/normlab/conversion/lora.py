@@ -41,7 +41,7 @@ class LoRALinear(nn.Module):
 
 
 def add_lora(module: nn.Module, rank: int = LORA_RANK) -> list[LoRALinear]:
-    """Wrap every ``nn.Linear`` inside ``module`` in a :class:`LoRALinear`; returns the wrappers."""
+    """Wrap every ``nn.Linear`` inside ``module`` in a `LoRALinear`; returns the wrappers."""
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
         raise ValueError(f"LoRA rank: expected an int >= 1, got {rank!r}")
     wrapped = []
@@ -55,7 +55,7 @@ def add_lora(module: nn.Module, rank: int = LORA_RANK) -> list[LoRALinear]:
 
 
 def merge_lora(module: nn.Module) -> int:
-    """Fold every :class:`LoRALinear` inside ``module`` into its base layer, in place; returns how many."""
+    """Fold every `LoRALinear` inside ``module`` into its base layer, in place; returns how many."""
     n = 0
     for m in list(module.modules()):
         for child_name, child in list(m.named_children()):

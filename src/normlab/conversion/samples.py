@@ -2,13 +2,13 @@
 
 Distilling on a user's text teaches the converted model to behave like the original *on that text*; distilling on
 the original's own samples teaches it to behave like the original wherever the original puts its probability.
-:func:`self_samples` draws them (ancestral sampling at temperature 1 by default, no top-k, no top-p, the KV cache
+`self_samples` draws them (ancestral sampling at temperature 1 by default, no top-k, no top-p, the KV cache
 of Hugging Face's ``generate``), each sequence started from the model's BOS token, or, for a model without one,
 from a token drawn uniformly from the vocabulary. They are cached on disk under their identity (the model's
 fingerprint, the count, the length, the seed, the temperature, the start token), so a second heal of the same
 model reads them back, and a changed setting samples afresh.
 
-:class:`MixedStream` draws a fixed fraction of every batch from the samples and the rest from the user's text
+`MixedStream` draws a fixed fraction of every batch from the samples and the rest from the user's text
 (``heal.text = "self+text"``).
 """
 
@@ -168,10 +168,10 @@ class MixedStream:
 
 
 def heal_splits(splits, original: nn.Module, cfg, *, start: int | None, progress: bool = False):
-    """The heal's data for ``cfg.text`` (a :class:`~normlab.conversion.config.HealConfig`): ``splits`` itself for
+    """The heal's data for ``cfg.text`` (a `normlab.conversion.config.HealConfig`): ``splits`` itself for
     "text"; for "self", the original's samples (the last eighth, at most 8, validate; the rest is the stream),
-    with the calibration and held-out parts of ``splits`` unchanged; for "self+text", a :class:`MixedStream` of
-    both, validated on both. The samples are cached under the original's :func:`weights_fingerprint`."""
+    with the calibration and held-out parts of ``splits`` unchanged; for "self+text", a `MixedStream` of
+    both, validated on both. The samples are cached under the original's `weights_fingerprint`."""
     from normlab.conversion.hf import TextSplits
 
     if cfg.text == "text":

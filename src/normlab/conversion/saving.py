@@ -45,7 +45,7 @@ def save_converted(
 ) -> Path:
     """Weights plus the conversion record. A Hugging Face model is saved with its own save_pretrained (config,
     generation config, weights) and, given its ``tokenizer``, the tokenizer too: a complete folder that
-    ``AutoTokenizer.from_pretrained`` and :func:`load_converted` both read."""
+    ``AutoTokenizer.from_pretrained`` and `load_converted` both read."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     if tokenizer is not None:
@@ -145,7 +145,7 @@ def _load_state(path: Path) -> dict:
 
 
 def load_converted(path: str | Path, model: nn.Module | None = None) -> tuple[nn.Module, ConversionRecord]:
-    """Load a model saved by :func:`save_converted`.
+    """Load a model saved by `save_converted`.
 
     For a Hugging Face model, ``model`` may be omitted: it is rebuilt from the saved config. For a plain
     PyTorch model pass a freshly constructed instance of the original architecture.

@@ -1,7 +1,7 @@
 """``normlab convert`` as one function: check every input, load, convert and calibrate, measure, heal, save.
 
-The command line only resolves its flags and ``--set`` pairs into a :class:`~normlab.conversion.config.ConvertConfig`
-and calls :func:`convert_model`; a script can call it the same way.
+The command line only resolves its flags and ``--set`` pairs into a `normlab.conversion.config.ConvertConfig`
+and calls `convert_model`; a script can call it the same way.
 """
 
 from __future__ import annotations
@@ -239,11 +239,11 @@ def fidelity_line(fid: dict, n: int) -> str:
 def convert_model(cfg: ConvertConfig, *, progress: bool = True, markdown: bool = False) -> dict:
     """Convert the norms of ``cfg.model`` (a Hugging Face folder, a .gguf file, or 'smollm2') to ``cfg.to``; print
     the per-site table and the fidelity; heal within a budget if one is given; save to ``cfg.out``. Returns the
-    fidelity. ``cfg``: a :class:`~normlab.conversion.config.ConvertConfig` (``resolve_convert_config`` builds one
+    fidelity. ``cfg``: a `normlab.conversion.config.ConvertConfig` (``resolve_convert_config`` builds one
     from fields and ``--set`` overrides).
 
     ``budget_nats``: convert only the sites that fit, cheapest first, within that rise of the held-out
-    cross-entropy (:mod:`normlab.conversion.frontier`); the others stay as they are. The heal trains on a
+    cross-entropy (`normlab.conversion.frontier`); the others stay as they are. The heal trains on a
     stream of the text (every sequence but the held-out and validation ones) and keeps its best state on the
     validation split; its curve is written to OUT/heal_curve.csv and OUT/heal_curve.png, the resolved config to
     OUT/convert_config.json.

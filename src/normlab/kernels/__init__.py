@@ -1,15 +1,15 @@
 """Fused kernels (DyT, Derf, DyISRU, RMSNorm in Triton; more on the CPU), each checked against
-:mod:`normlab.functional`: Triton on GPUs, C++ kernels built once per machine on CPUs.
+`normlab.functional`: Triton on GPUs, C++ kernels built once per machine on CPUs.
 
 The one place that picks a path: one function per fused norm (``dyt``, ``derf``, ``scaled_dyt``, ``dyisru``,
 ``eln``, ``rms_norm``), each taking the tensors and ``kernel=``. A module's forward checks its input and
-calls one of them. The Triton entry points themselves are :mod:`normlab.kernels.fused`, the CPU paths
-:mod:`normlab.kernels.cpu`.
+calls one of them. The Triton entry points themselves are `normlab.kernels.fused`, the CPU paths
+`normlab.kernels.cpu`.
 
 ``kernel=`` chooses:
     "auto"       CUDA tensors: the Triton kernel when Triton is installed. CPU tensors (float32, bfloat16,
                  float16) of at least ``cpu.MIN_FUSED`` (65,536) elements: the fused CPU path of
-                 :mod:`normlab.kernels.cpu` (PyTorch's own fused op for LayerNorm) once its library is
+                 `normlab.kernels.cpu` (PyTorch's own fused op for LayerNorm) once its library is
                  loaded (a smaller input takes the reference, cheaper there); until then the reference,
                  while a background
                  thread builds it (once per machine), so no call waits. Otherwise, inside torch.compile
@@ -17,7 +17,7 @@ calls one of them. The Triton entry points themselves are :mod:`normlab.kernels.
     "triton"     always the Triton kernel (on CPU only under TRITON_INTERPRET=1, for testing);
     "cpu"        always the fused CPU path (a CPU tensor of a supported dtype, else a clear error),
                  waiting for the one-time build if needed;
-    "reference"  always :mod:`normlab.functional`.
+    "reference"  always `normlab.functional`.
 
 The environment variable ``NORMLAB_KERNEL=reference`` makes every ``"auto"`` take the reference math (to
 compare, or to rule the fused paths out); unset or ``auto``, it changes nothing.

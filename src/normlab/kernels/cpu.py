@@ -1,5 +1,5 @@
 """Fused CPU paths for the element-wise norms (DyT, Derf, DyISRU, ELN) and RMSNorm: C++ kernels built once
-per machine (``csrc/cpu_norms.cpp``, built and cached by :mod:`normlab.kernels.cpu_build`).
+per machine (``csrc/cpu_norms.cpp``, built and cached by `normlab.kernels.cpu_build`).
 
 Each op is an ``autograd.Function`` over two kernels written with ATen's vector types and
 ``at::parallel_for``, as PyTorch's own CPU LayerNorm is. The forward reads x once and writes y once. The
@@ -23,7 +23,7 @@ Formulas, with s the channel scale folded into the weight (w' = s * w) and g = d
 and dw = sum over rows of g times the normalized value, db = sum over rows of g.
 
 Under ``kernel="auto"`` no call waits for the build: until the library is loaded, calls take the reference
-math while a background thread builds it (:func:`ready`). Long jobs (``train``, ``convert``,
+math while a background thread builds it (`ready`). Long jobs (``train``, ``convert``,
 ``reproduce``) and ``kernel="cpu"`` wait for it instead, so that a run uses one path from its first step.
 A machine without a C++ compiler falls back to the reference, with one warning. Double backward is not
 supported (``kernel="reference"`` supports it); under ``torch.func`` transforms (vmap, grad, jacrev) the
@@ -90,7 +90,7 @@ class _PointwiseFn(torch.autograd.Function):
     The forward takes ``ctx`` (the older style): with a separate ``setup_context``, ``Function.apply`` binds
     the signature with ``inspect`` on every call, which cost more than the kernel on small inputs (measured:
     120 against 40 us for RMSNorm on 16 x 64 x 64). torch.func transforms take the reference instead
-    (:func:`usable`)."""
+    (`usable`)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, scale: float, kind: str, p0, p1):

@@ -1,6 +1,6 @@
 """Fused Derf in Triton: forward and backward in one pass over memory each.
 
-Formula (reference: :func:`normlab.functional.derf`), for x of shape (M, N):
+Formula (reference: `normlab.functional.derf`), for x of shape (M, N):
 
     y[m, n] = w[n] * erf(a[n] * x[m, n] + s[n]) + b[n]        a and s scalar or per channel
 
@@ -197,5 +197,5 @@ class DerfFunction(torch.autograd.Function):
 def derf(
     x: torch.Tensor, alpha: torch.Tensor, shift: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Fused Derf; same contract as :func:`normlab.functional.derf` with a weight."""
+    """Fused Derf; same contract as `normlab.functional.derf` with a weight."""
     return DerfFunction.apply(x, alpha, shift, weight, bias)

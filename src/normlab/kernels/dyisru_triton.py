@@ -1,6 +1,6 @@
 """Fused DyISRU in Triton (no public kernel existed before this one).
 
-Formula (reference: :func:`normlab.functional.dyisru`), for x of shape (M, N) and s = sqrt(N)
+Formula (reference: `normlab.functional.dyisru`), for x of shape (M, N) and s = sqrt(N)
 (or sqrt(N-1) for scale "C-1"):
 
     y[m, n] = w[n] * s * x * r + b[n],   r = 1 / sqrt(beta[n] + x^2)       beta scalar or per channel
@@ -186,5 +186,5 @@ class DyISRUFunction(torch.autograd.Function):
 
 
 def dyisru(x, beta, weight, bias=None, scale: float | None = None):
-    """Fused DyISRU; ``scale`` defaults to sqrt(C) as in :func:`normlab.functional.dyisru`."""
+    """Fused DyISRU; ``scale`` defaults to sqrt(C) as in `normlab.functional.dyisru`."""
     return DyISRUFunction.apply(x, beta, weight, bias, float(scale if scale is not None else x.shape[-1] ** 0.5))

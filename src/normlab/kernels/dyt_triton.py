@@ -1,6 +1,6 @@
 """Fused DyT in Triton: forward and backward in one pass over memory each.
 
-Formula (reference: :func:`normlab.functional.dyt`), for x of shape (M, N):
+Formula (reference: `normlab.functional.dyt`), for x of shape (M, N):
 
     y[m, n] = w[n] * tanh(a[n] * x[m, n]) + b[n]        a scalar or per channel
 
@@ -175,5 +175,5 @@ class DyTFunction(torch.autograd.Function):
 
 
 def dyt(x: torch.Tensor, alpha: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Fused DyT; same contract as :func:`normlab.functional.dyt` with a weight."""
+    """Fused DyT; same contract as `normlab.functional.dyt` with a weight."""
     return DyTFunction.apply(x, alpha, weight, bias)

@@ -1,7 +1,7 @@
 """The Triton entry points, each behind one check of its operands: no bad launch, a clear error instead.
 
 These always run Triton (on a CPU only under ``TRITON_INTERPRET=1``, for tests). Models and modules call the
-dispatchers of :mod:`normlab.kernels`, which choose Triton, the CPU path or the reference.
+dispatchers of `normlab.kernels`, which choose Triton, the CPU path or the reference.
 """
 
 from __future__ import annotations

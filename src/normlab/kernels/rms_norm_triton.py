@@ -1,6 +1,6 @@
 """Fused RMSNorm in Triton.
 
-Formula (reference: :func:`normlab.functional.rms_norm`), per row x of length N:
+Formula (reference: `normlab.functional.rms_norm`), per row x of length N:
 
     rstd = 1 / sqrt(mean(x^2) + eps),   y = x * rstd * w
 
@@ -194,5 +194,5 @@ class RMSNormFunction(torch.autograd.Function):
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Fused RMSNorm; same contract as :func:`normlab.functional.rms_norm` with a weight."""
+    """Fused RMSNorm; same contract as `normlab.functional.rms_norm` with a weight."""
     return RMSNormFunction.apply(x, weight, float(eps))

@@ -1,5 +1,5 @@
 """The lab's optimizers and schedule: AdamW, or torch.optim.Muon for the blocks' matrices beside AdamW, and warmup
-plus cosine decay. The trainer (:mod:`normlab.lab.train`) builds them with :func:`build_optimizer`."""
+plus cosine decay. The trainer (`normlab.lab.train`) builds them with `build_optimizer`."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ The models are the papers' element-wise forms with an amplitude a:
 ``a`` is fixed (``scale=`` a number, or "C" / "C-1" for sqrt(C) / sqrt(C-1) of
 the channel count) or fitted along with the parameter (``scale=None``). The fit
 is by least squares (scipy), globally, per channel, or per group of channels.
-The formulas themselves come from :mod:`normlab.functional`.
+The formulas themselves come from `normlab.functional`.
 
 A fit that does not converge is reported in the result (``converged=False``
 with a message), never raised, so that a caller fitting many sites goes on.
@@ -33,7 +33,7 @@ Per = Literal["global", "channel", "group"]
 
 
 def predict(kind: Kind, x: np.ndarray, param: np.ndarray | float, amplitude: np.ndarray | float) -> np.ndarray:
-    """The fitted model's output, through the reference functions of :mod:`normlab.functional`."""
+    """The fitted model's output, through the reference functions of `normlab.functional`."""
     xt = torch.as_tensor(np.asarray(x, dtype=np.float64))
     p = torch.as_tensor(np.asarray(param, dtype=np.float64))
     a = np.asarray(amplitude, dtype=np.float64)
@@ -46,7 +46,7 @@ def predict(kind: Kind, x: np.ndarray, param: np.ndarray | float, amplitude: np.
 
 @dataclass
 class FitResult:
-    """The outcome of :func:`fit_elementwise`.
+    """The outcome of `fit_elementwise`.
 
     ``param`` is alpha (dyt) or beta (dyisru): a 0-d array for a global fit,
     shape (C,) per channel, or (n_groups,) per group; ``amplitude`` likewise.

@@ -6,8 +6,8 @@ rank-1 coupling term:
 
     J_ij = gamma_i / r * delta_ij  -  gamma_i x_i x_j / (C r^3),   r = sqrt(mean x^2 + eps).
 
-For any registered norm, :func:`decompose` splits J into its diagonal and its
-off-diagonal part; for RMSNorm, :func:`rms_norm_terms` gives the dissection's split.
+For any registered norm, `decompose` splits J into its diagonal and its
+off-diagonal part; for RMSNorm, `rms_norm_terms` gives the dissection's split.
 The two agree up to the C diagonal entries of the rank-1 term (O(1/sqrt(C))).
 """
 
@@ -91,7 +91,7 @@ def rms_norm_terms(x: Tensor, weight: Tensor | None = None, eps: float = FN.EPS)
 
 
 def rms_norm_jacobian(x: Tensor, weight: Tensor | None = None, eps: float = FN.EPS) -> Tensor:
-    """RMSNorm's Jacobian, D + K of :func:`rms_norm_terms`."""
+    """RMSNorm's Jacobian, D + K of `rms_norm_terms`."""
     d, k = rms_norm_terms(x, weight, eps)
     return d + k
 
@@ -163,7 +163,7 @@ class JacobianNorms:
 def decompose(jac: Tensor, *, terms: tuple[Tensor, Tensor] | None = None) -> JacobianNorms:
     """Frobenius norms of J, its diagonal part and its coupling part.
 
-    With ``terms=(D, K)`` (e.g. from :func:`rms_norm_terms`) the split is the
+    With ``terms=(D, K)`` (e.g. from `rms_norm_terms`) the split is the
     seed's; otherwise D = diag(J) and K = J - diag(J), which is exactly zero for
     a point-wise norm.
     """

@@ -178,7 +178,7 @@ def simulate_outliers(
 
 
 def simulate_many(seeds, **kwargs) -> dict:
-    """Run :func:`simulate_outliers` for each seed; the spread of alpha, beta and the residuals."""
+    """Run `simulate_outliers` for each seed; the spread of alpha, beta and the residuals."""
     sims = [simulate_outliers(seed=s, **kwargs) for s in seeds]
     cols = {
         "alpha": [s.dyt.param.item() for s in sims],
