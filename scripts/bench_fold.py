@@ -19,13 +19,13 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
-import platform
 import statistics
 import time
 
 import torch
 
 import normlab
+from bench_kernels import cpu_name  # scripts/ is on the path when a script runs
 from normlab.conversion.hf import load_model, smollm2
 from normlab.lab.runs import code_version
 from normlab.table import append_csv, format_table
@@ -66,7 +66,8 @@ def main() -> None:
             for name, m in models.items():
                 times[name]["prompt"].append(args.prompt / timed(lambda m=m: m(prompt)))
                 times[name]["decode"].append(args.new / timed(lambda m=m: m.generate(prompt, **gen)))
-    machine = f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+    machine = f"{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+    commit = code_version().get("git_commit", "unknown")[:12]
     rows, records = [], []
     base = {k: statistics.median(v) for k, v in times["original (RMSNorm)"].items()}
     for name, t in times.items():
@@ -74,7 +75,7 @@ def main() -> None:
         rows.append([name, f"{p:,.0f}", f"{p / base['prompt']:.3f}", f"{d:,.1f}", f"{d / base['decode']:.3f}"])
         records.append({"model": name, "prompt_tok_s": round(p, 1), "decode_tok_s": round(d, 2),
                         "prompt_tokens": args.prompt, "new_tokens": args.new, "rounds": args.rounds,
-                        "commit": code_version()["commit"], "date": datetime.date.today().isoformat(),
+                        "commit": commit, "date": datetime.date.today().isoformat(),
                         "machine": machine})  # fmt: skip
     print(format_table(["model", "prompt tok/s", "vs original", "decode tok/s", "vs original"], rows, markdown=True))
     print(f"\nmedian of {args.rounds} alternating rounds; prompt {args.prompt} tokens, {args.new} decoded; {machine}")

@@ -337,7 +337,9 @@ def test_modules_take_the_cpu_path_under_auto_and_match_the_reference(name, monk
     assert len(calls) == (0 if name == "layer_norm" else 1)  # LayerNorm: PyTorch's own fused op
     calls.clear()
     KC.close(auto(x[:5]), ref(x[:5]), 1e-5, f"{name} module, small input")
-    assert calls == []  # below MIN_FUSED elements: the reference, cheaper there
+    # below MIN_FUSED elements the reference, cheaper there; DyISRU and ELN fuse every size (MIN_FUSED_ISRU)
+    assert len(calls) == (1 if name in ("dyisru", "eln") else 0)
+    calls.clear()
     auto.double()(x.double())  # float64 (the theory tools): the reference, exactly
     assert calls == []
 

@@ -8,12 +8,12 @@ calls one of them. The Triton entry points themselves are `normlab.kernels.fused
 
 ``kernel=`` chooses:
     "auto"       CUDA tensors: the Triton kernel when Triton is installed. CPU tensors (float32, bfloat16,
-                 float16) of at least ``cpu.MIN_FUSED`` (65,536) elements: the fused CPU path of
-                 `normlab.kernels.cpu` (PyTorch's own fused op for LayerNorm) once its library is
-                 loaded (a smaller input takes the reference, cheaper there); until then the reference,
-                 while a background
-                 thread builds it (once per machine), so no call waits. Otherwise, inside torch.compile
-                 (which fuses the reference itself) and under torch.func transforms, the reference;
+                 float16): the fused CPU path of `normlab.kernels.cpu` (PyTorch's own fused op for
+                 LayerNorm) once its library is loaded, for DyISRU and ELN at every size and for the
+                 others from ``cpu.MIN_FUSED`` (65,536) elements (a smaller input takes the reference,
+                 cheaper there); until then the reference, while a background thread builds it (once
+                 per machine), so no call waits. Otherwise, inside torch.compile (which fuses the
+                 reference itself) and under torch.func transforms, the reference;
     "triton"     always the Triton kernel (on CPU only under TRITON_INTERPRET=1, for testing);
     "cpu"        always the fused CPU path (a CPU tensor of a supported dtype, else a clear error),
                  waiting for the one-time build if needed;
@@ -72,8 +72,9 @@ def auto_choice() -> str:
     return value
 
 
-def select(choice: str, x: torch.Tensor, owner: str, *params: torch.Tensor | None) -> str:
-    """The path ``owner`` takes on ``x`` for the module setting ``choice``: 'triton', 'cpu' or 'reference'."""
+def select(choice: str, x: torch.Tensor, owner: str, *params: torch.Tensor | None, min_fused: int | None = None) -> str:
+    """The path ``owner`` takes on ``x`` for the module setting ``choice``: 'triton', 'cpu' or 'reference'.
+    ``min_fused``: the smallest CPU input ``auto`` fuses (default ``cpu.MIN_FUSED``)."""
     from normlab.kernels import cpu
 
     if choice == "auto":
@@ -91,7 +92,8 @@ def select(choice: str, x: torch.Tensor, owner: str, *params: torch.Tensor | Non
     if choice == "auto":
         if on_cuda(x):  # the Triton kernels take float32, bfloat16 and float16; float64 takes the reference
             return "triton" if ok and x.dtype in TRITON_DTYPES else "reference"
-        return "cpu" if x.numel() >= cpu.MIN_FUSED and cpu.usable(x, *params) else "reference"
+        least = cpu.MIN_FUSED if min_fused is None else min_fused
+        return "cpu" if x.numel() >= least and cpu.usable(x, *params) else "reference"
     if not ok:
         raise NormlabError(f"{owner}(kernel='triton'): {why}")
     if not x.is_cuda and not interpreting():
@@ -109,9 +111,9 @@ def autocast_params(x: torch.Tensor, *params: torch.Tensor | None) -> tuple:
     return params
 
 
-def _route(kernel: str, owner: str, x: torch.Tensor, *params: torch.Tensor | None) -> tuple[str, tuple]:
+def _route(kernel: str, owner: str, x: torch.Tensor, *params: torch.Tensor | None, min_fused: int | None = None):
     cast = autocast_params(x, *params)
-    return select(kernel, x, owner, *cast), cast
+    return select(kernel, x, owner, *cast, min_fused=min_fused), cast
 
 
 def dyt(x, alpha, weight, bias=None, *, kernel: str = "auto", owner: str = "DyT"):
@@ -157,9 +159,15 @@ def derf(x, alpha, shift, weight, bias=None, *, kernel: str = "auto", owner: str
     return FN.derf(x, alpha, shift, weight, bias)
 
 
+def _isru_min_fused() -> int:
+    from normlab.kernels import cpu
+
+    return cpu.MIN_FUSED_ISRU
+
+
 def dyisru(x, beta, weight, bias=None, *, scale: FN.Scale = "C", kernel: str = "auto", owner: str = "DyISRU"):
     """sqrt(C) weight * x / sqrt(beta + x^2) + bias on the path ``kernel`` picks."""
-    path, (be, w, b) = _route(kernel, owner, x, beta, weight, bias)
+    path, (be, w, b) = _route(kernel, owner, x, beta, weight, bias, min_fused=_isru_min_fused())
     s = FN.channel_scale(x.shape[-1], scale)
     if path == "triton":
         from normlab.kernels import fused
@@ -175,7 +183,7 @@ def dyisru(x, beta, weight, bias=None, *, scale: FN.Scale = "C", kernel: str = "
 def eln(x, beta, weight, bias=None, *, scale: FN.Scale = "C-1", kernel: str = "auto", owner: str = "ELN"):
     """ELN on the CPU path or the reference (there is no Triton kernel for ELN: on CUDA, the reference)."""
     kernel = "reference" if kernel == "auto" and on_cuda(x) else kernel
-    path, (be, w, b) = _route(kernel, owner, x, beta, weight, bias)
+    path, (be, w, b) = _route(kernel, owner, x, beta, weight, bias, min_fused=_isru_min_fused())
     if path == "cpu":
         from normlab.kernels import cpu
 

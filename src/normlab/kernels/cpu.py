@@ -47,6 +47,10 @@ FAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # of DyT took 314 against 201 us at 2 x 8 x 64 (2 threads) and 486 against 620 us at 16 x 64 x 64 (1 thread,
 # as a sweep worker runs) (docs/kernels.md).
 MIN_FUSED = 1 << 16
+# DyISRU and ELN fuse at every size: their reference is a chain of small ops whose fixed cost exceeds the fused
+# call's (forward + backward at 2 x 8 x 64: 122 against 184 us for DyISRU, 122 against 236 us for ELN; one
+# decode step of SmolLM2, 1 x 576, inference: 32 against 48 and 64 us; Xeon, 2 threads, docs/kernels.md).
+MIN_FUSED_ISRU = 0
 _KIND = {"dyt": 0, "derf": 1, "dyisru": 2, "eln": 3}
 
 
