@@ -87,19 +87,21 @@ def test_budget_nats_never_ends_above_its_budget(folder, tmp_path, capsys, refit
     first step over the budget (the study's ``within``), so partial conversions are exercised."""
     from normlab.conversion.fidelity import cross_entropy
     from normlab.conversion.frontier import frontier
-    from normlab.conversion.hf import text_batches
+    from normlab.conversion.hf import text_splits
 
     model, _ = normlab.conversion.hf.load_model(folder / "m")
-    calib, held = text_batches(folder / "text.txt", None, 100, 16, 8, 8)
-    walk, _ = frontier(copy.deepcopy(model), "dyisru", calib, held, refit=refit, progress=False)
+    splits = text_splits(folder / "text.txt", None, 100, 16, 8, 8)
+    calib, select = splits.calib, splits.val  # the CLI selects on the validation split, never on the held-out one
+    assert not {tuple(r.tolist()) for b in select for r in b} & {tuple(r.tolist()) for b in splits.held for r in b}
+    walk, _ = frontier(copy.deepcopy(model), "dyisru", calib, select, refit=refit, progress=False)
     budgets = _budgets(walk)
     expected = [walk.within(b) for b in budgets]
     assert len(set(expected)) >= 2 and any(0 < c < 7 for c in expected), (walk.curve, expected)
     for budget, n in zip(budgets, expected):
         if refit == 0:  # the library call
             m = copy.deepcopy(model)
-            front, record = frontier(m, "dyisru", calib, held, budget_nats=budget, refit=0, progress=False)
-            assert cross_entropy(m, held) <= front.ce_original + budget + 1e-9
+            front, record = frontier(m, "dyisru", calib, select, budget_nats=budget, refit=0, progress=False)
+            assert cross_entropy(m, select) <= front.ce_original + budget + 1e-9
             assert len(record.sites) == len(front.converted) == n
             assert set(front.converted) == set(walk.order[:n])
             continue
@@ -125,7 +127,11 @@ def test_budget_nats_never_ends_above_its_budget(folder, tmp_path, capsys, refit
         printed = capsys.readouterr().out
         assert rc == 0, printed
         fid = json.loads((out / "fidelity.json").read_text())
-        assert fid["ce_converted"] <= fid["ce_original"] + budget + 1e-9, (budget, fid)
+        sel = fid["budget_walk"]  # what the walk saw, on the validation split; the held-out one is measured apart
+        assert sel["ce_converted"] <= sel["ce_original"] + budget + 1e-9, (budget, fid)
+        assert sel["selection_sequences"] == sum(len(b) for b in select) and sel["converted"] == n
+        m, _ = normlab.load_converted(out)
+        assert abs(cross_entropy(m, select) - sel["ce_converted"]) < 1e-5
         _, record = normlab.load_converted(out)
         assert f": {n} of 7 norms fit" in printed and len(record.sites) == n
         assert all(s.name in printed for s in record.sites)
@@ -161,8 +167,8 @@ def test_the_skip_walk_never_ends_above_its_budget_and_tries_every_site(folder, 
             "--no-progress", "--eval-text", "none"]  # fmt: skip
     assert main(argv) == 0
     assert "over the budget" in capsys.readouterr().out
-    fid = json.loads((out / "fidelity.json").read_text())
-    assert fid["ce_converted"] <= fid["ce_original"] + budget + 1e-9
+    sel = json.loads((out / "fidelity.json").read_text())["budget_walk"]
+    assert sel["ce_converted"] <= sel["ce_original"] + budget + 1e-9
     assert json.loads((out / "convert_config.json").read_text())["budget_walk"] == "skip"
     with pytest.raises(ValueError, match="budget_walk applies only with --budget-nats"):
         normlab.conversion.config.resolve_convert_config(["budget_walk=skip"])

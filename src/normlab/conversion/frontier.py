@@ -13,7 +13,8 @@
    original's plus the budget, so the model it leaves never ends above its budget on ``held``. Without a
    budget it walks all the sites and puts the model back as it was (the study's curve). With ``skip=True`` a
    site that would break the budget is put back and the walk goes on to the next one (``Frontier.passed``
-   lists those): every site is tried, and the model still never ends above its budget.
+   lists those): every site is tried, and the model still never ends above its budget. ``normlab convert
+   --budget-nats`` passes its validation split as ``held``, so the held-out text it reports chose nothing.
 
 No training: what healing adds comes after. Baroni et al. remove a pretrained model's LayerNorms one at a time
 in a chosen order for the same reason: some norms cost nearly nothing to lose, others nearly everything.
@@ -88,7 +89,8 @@ def _note_budget(record, model, budget_nats: float, order: list, kept: set, cost
     left = [n for n in order if n not in kept]
     record.notes.append(
         f"--budget-nats {budget_nats:g}: converted {len(kept)} of {len(order)} sites, cheapest "
-        f"first (held-out cross-entropy {ces[0]:.3f} -> {ces[1]:.3f}); {len(left)} kept as they were"
+        f"first (cross-entropy on the batches that select them {ces[0]:.3f} -> {ces[1]:.3f}); {len(left)} kept "
+        "as they were"
     )
     record.skipped += [
         {

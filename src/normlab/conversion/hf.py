@@ -312,9 +312,9 @@ def text_splits(
     chunks = token_chunks(rest, tokenizer, vocab_size, seq_len) if isinstance(rest, str) else rest
     if len(chunks) < 2:
         raise ValueError(
-            f"{path}: healing needs at least two sequences of {seq_len} tokens before the held-out "
-            f"part (one to train on, one to validate), found {len(chunks)}; give a longer text or a "
-            "smaller --seq-len"
+            f"{path}: healing and --budget-nats need at least two sequences of {seq_len} tokens before the "
+            f"held-out part (one to train on, one to validate and select on), found {len(chunks)}; give a longer "
+            "text or a smaller --seq-len"
         )
     n_val = min(n_val, max(1, len(chunks) // 4))
     val, train = chunks[len(chunks) - n_val :], chunks[: len(chunks) - n_val]

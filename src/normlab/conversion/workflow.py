@@ -283,7 +283,7 @@ def _convert(cfg: ConvertConfig, model_path: str, ckpt: str | None, progress: bo
     vocab = net.get_input_embeddings().num_embeddings
     if tokenizer is None:
         print(f"{cfg.model} has no tokenizer: using byte values mod {vocab} as token ids")
-    if cfg.heal.budgeted:
+    if cfg.heal.budgeted or cfg.budget_nats is not None:
         splits = text_splits(text, tokenizer, vocab, cfg.seq_len, cfg.sequences, cfg.sequences)
         calib, held = splits.calib, splits.held
     else:
@@ -291,9 +291,11 @@ def _convert(cfg: ConvertConfig, model_path: str, ckpt: str | None, progress: bo
         calib, held = text_batches(text, tokenizer, vocab, cfg.seq_len, cfg.sequences, cfg.sequences)
     held2, name2 = _second_text(cfg, tokenizer, vocab)
     original = copy.deepcopy(net)
-    record = _convert_sites(cfg, net, calib, held, progress)
+    record, walk = _convert_sites(cfg, net, calib, held, splits.val if splits is not None else None, progress)
     print(record.table(markdown=markdown))
     fid = _measure(original, net, held, record, held2, name2)
+    if walk is not None:
+        fid["budget_walk"] = walk
     rep = None
     if cfg.heal.budgeted and not record.sites:
         print("\nnothing converted: no heal")
@@ -337,8 +339,11 @@ def _check_exclude(cfg: ConvertConfig, net) -> None:
         )
 
 
-def _convert_sites(cfg: ConvertConfig, net, calib: list, held: list, progress: bool):
-    """The conversion itself (every site, or the frontier's within ``budget_nats``); prints what it did."""
+def _convert_sites(cfg: ConvertConfig, net, calib: list, held: list, select: list | None, progress: bool):
+    """The conversion itself (every site, or the frontier's within ``budget_nats``); prints what it did. Returns
+    the record and, for a budget, what the walk saw. The budget walk decides on ``select`` (the validation split,
+    text the heal never trains on and the held-out measurement never reuses), so the held-out cross-entropy
+    printed after it is an honest estimate, not the number the walk was chosen to keep under the budget."""
     c = cfg.calibrate
     include = (lambda name, m: not any(fnmatch.fnmatch(name, pat) for pat in cfg.exclude)) if cfg.exclude else None
     options = {"per": cfg.per, "init": cfg.init, "site_init": cfg.site_init, "include": include,
@@ -349,24 +354,29 @@ def _convert_sites(cfg: ConvertConfig, net, calib: list, held: list, progress: b
             net,
             cfg.to,
             calib,
-            held,
+            select,
             budget_nats=cfg.budget_nats,
             skip=cfg.budget_walk == "skip",
             **{k: v for k, v in options.items() if k != "sequential"},
         )  # the frontier ranks on independent fits
+        n_select = sum(len(b) for b in select)
         print(
             f"--budget-nats {cfg.budget_nats:g}: {len(front.converted)} of {len(front.order)} norms fit "
-            f"(held-out cross-entropy {front.ce_original:.3f} -> {front.curve[-1]:.3f}); converted, cheapest "
+            f"(cross-entropy on the {n_select} validation sequences that select them {front.ce_original:.3f} -> "
+            f"{front.curve[-1]:.3f}; the held-out sequences below decide nothing); converted, cheapest "
             f"first: {', '.join(front.converted) or 'none'}"
             + (f"; went past {len(front.passed)} over the budget" if front.passed else "")
             + "\n"
         )
+        walk = {"budget_nats": cfg.budget_nats, "selection_sequences": n_select,
+                "ce_original": front.ce_original, "ce_converted": front.curve[-1],
+                "converted": len(front.converted), "sites": len(front.order)}  # fmt: skip
     else:
-        record = convert_norms(net, cfg.to, calibrate=calib if c.enabled else None, **options)
+        record, walk = convert_norms(net, cfg.to, calibrate=calib if c.enabled else None, **options), None
     n_calib = sum(len(b) for b in calib)
     how = f"calibrated on {n_calib} sequences" if c.enabled else "default init"
     print(f"converted {len(record.sites)} norms of {type(net).__name__} to {cfg.to} ({how})\n")
-    return record
+    return record, walk
 
 
 def _heal(cfg: ConvertConfig, original, net, splits, record, ckpt: str | None, identity: dict, progress: bool):
