@@ -13,7 +13,7 @@ from conftest import tiny_hf
 from normlab.cli import main
 from normlab.conversion.config import resolve_convert_config
 from normlab.conversion.hf import TextSplits, TokenStream
-from normlab.conversion.samples import MixedStream, heal_splits, self_samples
+from normlab.conversion.samples import MixedStream, calibration_samples, heal_splits, self_samples
 
 transformers = pytest.importorskip("transformers")
 
@@ -107,6 +107,9 @@ def test_the_held_out_text_never_reaches_the_heal(model, tmp_path):
     (["heal.tokens=10", "heal.temperature=0"], r"heal.temperature must be a number in \(0, inf\)"),
     (["heal.tokens=10", "heal.self_sequences=1"], "heal.self_sequences must be an int >= 2"),
     (["eval_text=\"\""], "--eval-text must be 'docs', a text file, or none"),
+    (["calibrate.source=books"], "--calibrate-on must be 'text' or 'self'"),
+    (["calibrate.source=self", "calibrate.enabled=false"], "drop --no-calibrate"),
+    (["calibrate.source=self", "heal.self_sequences=32"], "of the original's 32 samples, of which 28 are not"),
 ])  # fmt: skip
 def test_the_sample_settings_are_checked(sets, match):
     with pytest.raises(ValueError, match=match):
@@ -137,3 +140,31 @@ def test_the_second_text_is_measured_and_never_touches_the_heal(models, tmp_path
 def test_a_missing_second_text_fails_before_any_work(models, tmp_path, capsys):
     assert main(_convert(models, tmp_path / "o", "--eval-text", tmp_path / "nope.txt")) == 2
     assert "--eval-text" in capsys.readouterr().err and not (tmp_path / "o").exists()
+
+
+def test_calibration_on_the_models_own_samples_fits_on_them_and_is_measured_on_the_text(models, tmp_path, capsys):
+    """``--calibrate-on self``: the sites are fitted on the first sequences of the original's samples (the set the
+    heal's ``self`` stream reads), not on the text, and the text's held-out end still measures."""
+    from normlab.conversion.convert import convert_norms
+    from normlab.conversion.hf import load_model
+    from normlab.conversion.saving import load_converted
+
+    sets = ("--set", "heal.self_sequences=16")
+    assert main(_convert(models, tmp_path / "own", "--calibrate-on", "self", *sets)) == 0
+    out = capsys.readouterr().out
+    assert "calibrated on 4 sequences of the original's own samples" in out, out
+    assert main(_convert(models, tmp_path / "text")) == 0
+    assert "calibrated on 4 sequences from the text's start" in capsys.readouterr().out
+    net, tok = load_model(str(models["m"]))
+    cfg = resolve_convert_config(["heal.self_sequences=16"], model=str(models["m"]), seq_len=16, sequences=4)
+    calib = calibration_samples(net, cfg.heal, 16, 4, start=getattr(tok, "bos_token_id", None))
+    assert sum(len(b) for b in calib) == 4
+    convert_norms(net, "dyisru", calibrate=calib, progress=False)
+    own = load_converted(tmp_path / "own")[0].state_dict()
+    text = load_converted(tmp_path / "text")[0].state_dict()
+    fitted = [k for k in own if "layernorm" in k or k.startswith("model.norm")]
+    assert fitted and all(torch.equal(own[k], net.state_dict()[k]) for k in fitted)  # fitted on those samples
+    assert any(not torch.equal(own[k], text[k]) for k in fitted)  # and not on the text
+    fids = [json.loads((tmp_path / d / "fidelity.json").read_text()) for d in ("own", "text")]
+    assert fids[0]["ce_original"] == fids[1]["ce_original"]  # the text's held-out end measures both
+    assert json.loads((tmp_path / "own" / "convert_config.json").read_text())["calibrate"]["source"] == "self"

@@ -70,18 +70,7 @@ def add_convert(sub) -> None:
         "fetched once from PyPI)",
     )
     cv.add_argument("--to", help=f"registered norm to convert to (default {d.to})")
-    cv.add_argument(
-        "--calibrate",
-        help="text file: sequences from its start calibrate, from its end measure "
-        "(default: the Shakespeare corpus); the field text",
-    )
-    cv.add_argument("--no-calibrate", action="store_true", help="keep the default init (calibrate.enabled=false)")
-    cv.add_argument("--per", choices=["global", "channel"], help="one fitted parameter per site, or one per channel")
-    cv.add_argument(
-        "--first-token",
-        choices=["auto", "own", "shared"],
-        help="give the first token its own replacement (auto: when its RMS is a massive outlier)",
-    )
+    _add_calibrate_flags(cv, d)
     cv.add_argument(
         "--exclude",
         nargs="*",
@@ -127,6 +116,28 @@ def add_convert(sub) -> None:
     cv.add_argument("--no-progress", action="store_true", help="no progress bars")
     cv.add_argument("--markdown", action="store_true", help="print the tables as Markdown")
     cv.set_defaults(func=_cmd_convert)
+
+
+def _add_calibrate_flags(cv, d) -> None:
+    cv.add_argument(
+        "--calibrate",
+        help="text file: sequences from its start calibrate, from its end measure "
+        "(default: the Shakespeare corpus); the field text",
+    )
+    cv.add_argument(
+        "--calibrate-on",
+        choices=["text", "self"],
+        help="what calibration fits on: the text's first sequences, or self (the first of the original's own "
+        "samples, the heal's self set; the text still measures); the field calibrate.source "
+        f"(default {d.calibrate.source})",
+    )
+    cv.add_argument("--no-calibrate", action="store_true", help="keep the default init (calibrate.enabled=false)")
+    cv.add_argument("--per", choices=["global", "channel"], help="one fitted parameter per site, or one per channel")
+    cv.add_argument(
+        "--first-token",
+        choices=["auto", "own", "shared"],
+        help="give the first token its own replacement (auto: when its RMS is a massive outlier)",
+    )
 
 
 def _add_heal_flags(cv, d) -> None:

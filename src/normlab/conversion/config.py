@@ -31,6 +31,7 @@ TRAINS = ("norms", "lora", "all")
 FREE_TABLES = ("init", "site_init")  # tables whose keys are the user's (init.alpha_init=0.5)
 HEAL_LEARNING_RATES = {"norms": 1e-3, "lora": 1e-3, "all": 2e-5}  # Adam; the norms' rate also applies under "lora"
 HEAL_TEXTS = ("text", "self", "self+text")  # what the heal trains on (normlab.conversion.samples)
+CALIBRATE_SOURCES = ("text", "self")  # what calibration fits on: the text's first sequences, or the model's samples
 
 
 @dataclass
@@ -38,6 +39,7 @@ class CalibrateConfig:
     """Fitting each replacement to the model's own activations (`normlab.conversion.calibrate`)."""
 
     enabled: bool = True  # False: the new norms keep their default init (--no-calibrate)
+    source: str = "text"  # "self": fit on the original's own samples (the heal's "self" set), not the text's start
     first_token: str = "auto"  # "own", "shared", or "auto": own when the first token's RMS is a massive outlier
     target: str = "original"  # fit each site to the original model's output there, or "local" (its own norm)
     max_tokens: int = 4096  # calibration tokens kept per site (besides every first token)
@@ -156,6 +158,22 @@ class ConvertConfig:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def _validate_source(self) -> None:
+        c, h = self.calibrate, self.heal
+        if c.source != "self":
+            return
+        if not c.enabled:
+            raise ValueError(
+                f"{flag('calibrate.source')} self picks what calibration fits on; drop {flag('calibrate.enabled')}"
+            )
+        room = h.self_sequences - min(8, max(1, h.self_sequences // 8))  # the samples' validation part stays out
+        if self.sequences > room:
+            raise ValueError(
+                f"{flag('calibrate.source')} self fits on the first {flag('sequences')} ({self.sequences}) of "
+                f"the original's {h.self_sequences} samples, of which {room} are not validation: raise "
+                f"{flag('heal.self_sequences')} or lower {flag('sequences')}"
+            )
+
     @classmethod
     def from_dict(cls, d: dict) -> ConvertConfig:
         """A config from a dict such as ``to_dict()`` gives (or ``convert_config.json`` holds); unknown fields
@@ -187,6 +205,7 @@ class ConvertConfig:
         _choice("per", self.per, ("global", "channel"))
         _choice("calibrate.first_token", self.calibrate.first_token, ("auto", "own", "shared"))
         _choice("calibrate.target", self.calibrate.target, ("original", "local"))
+        _choice("calibrate.source", self.calibrate.source, CALIBRATE_SOURCES)
         for name, least in (("seq_len", 2), ("sequences", 1)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < least:
@@ -233,6 +252,7 @@ class ConvertConfig:
             except (TypeError, ValueError) as e:
                 raise ValueError(f"{what} {' '.join(f'{k}={v}' for k, v in kwargs.items())}: {e}") from None
         self.heal.validate()
+        self._validate_source()
 
     def identity(self, **facts) -> dict:
         """What a heal checkpoint must share to be resumed: every field that shapes the converted model or the heal
@@ -267,6 +287,7 @@ SHORTHANDS: dict[str, str] = {
     "--first-token": "calibrate.first_token", "--heal-minutes": "heal.minutes", "--heal-tokens": "heal.tokens",
     "--heal-objective": "heal.objective", "--heal-train": "heal.train", "--checkpoint": "heal.checkpoint",
     "--resume": "heal.resume", "--heal-text": "heal.text", "--eval-text": "eval_text",
+    "--calibrate-on": "calibrate.source",
 }  # fmt: skip
 _FLAG_OF = {v: k for k, v in SHORTHANDS.items()}
 

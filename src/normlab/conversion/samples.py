@@ -26,7 +26,8 @@ from normlab.conversion.hf import TokenStream
 from normlab.corpus import cache_dir
 from normlab.owner import hold
 
-__all__ = ["self_samples", "sample_identity", "weights_fingerprint", "MixedStream", "heal_splits", "SAMPLES_VERSION"]
+__all__ = ["self_samples", "own_samples", "calibration_samples", "sample_identity", "weights_fingerprint",
+           "MixedStream", "heal_splits", "SAMPLES_VERSION"]  # fmt: skip
 
 SAMPLES_VERSION = 1  # bump when the sampling procedure changes, so old caches are not read as new
 
@@ -167,6 +168,21 @@ class MixedStream:
         self.second.load_state(state["second"])
 
 
+def own_samples(original: nn.Module, cfg, seq_len: int, *, start: int | None, progress: bool = False) -> torch.Tensor:
+    """The original's sample set that ``cfg`` (a `normlab.conversion.config.HealConfig`) names: its
+    ``self_sequences`` count, seed and temperature, cached under the original's `weights_fingerprint`. The heal's
+    ``self`` stream and ``calibrate.source = "self"`` read the same set."""
+    return self_samples(original, cfg.self_sequences, seq_len, fingerprint=weights_fingerprint(original),
+                        start=start, seed=cfg.seed, temperature=cfg.temperature, progress=progress)  # fmt: skip
+
+
+def calibration_samples(original: nn.Module, cfg, seq_len: int, n: int, *, start: int | None,
+                        progress: bool = False, batch_size: int = 8) -> list[torch.Tensor]:  # fmt: skip
+    """The first ``n`` of the original's own samples (`own_samples`) as calibration batches, (batch, seq_len):
+    calibration that needs no text. They are drawn before the heal's validation part, which they never reach."""
+    return list(own_samples(original, cfg, seq_len, start=start, progress=progress)[:n].split(batch_size))
+
+
 def heal_splits(splits, original: nn.Module, cfg, *, start: int | None, progress: bool = False):
     """The heal's data for ``cfg.text`` (a `normlab.conversion.config.HealConfig`): ``splits`` itself for
     "text"; for "self", the original's samples (the last eighth, at most 8, validate; the rest is the stream),
@@ -176,9 +192,7 @@ def heal_splits(splits, original: nn.Module, cfg, *, start: int | None, progress
 
     if cfg.text == "text":
         return splits
-    fingerprint = weights_fingerprint(original)
-    samples = self_samples(original, cfg.self_sequences, splits.stream.seq_len, fingerprint=fingerprint,
-                           start=start, seed=cfg.seed, temperature=cfg.temperature, progress=progress)  # fmt: skip
+    samples = own_samples(original, cfg, splits.stream.seq_len, start=start, progress=progress)
     n_val = min(8, max(1, len(samples) // 8))
     own = TokenStream(samples[:-n_val], cfg.seed)
     own_val = list(samples[-n_val:].split(8))

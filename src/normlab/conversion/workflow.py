@@ -22,7 +22,7 @@ from normlab.conversion.convert import convert_norms, fidelity, save_converted
 from normlab.conversion.frontier import frontier
 from normlab.conversion.heal import heal
 from normlab.conversion.hf import load_model, smollm2, text_batches, text_splits
-from normlab.conversion.samples import heal_splits
+from normlab.conversion.samples import calibration_samples, heal_splits
 from normlab.conversion.saving import RECORD_FILE
 from normlab.corpus import DOCS, fetch_docs, fetch_shakespeare, sha256_file
 from normlab.owner import check_writable, hold, inside
@@ -290,6 +290,11 @@ def _convert(cfg: ConvertConfig, model_path: str, ckpt: str | None, progress: bo
         splits = None
         calib, held = text_batches(text, tokenizer, vocab, cfg.seq_len, cfg.sequences, cfg.sequences)
     held2, name2 = _second_text(cfg, tokenizer, vocab)
+    start = getattr(tokenizer, "bos_token_id", None) if tokenizer is not None else None
+    if cfg.calibrate.source == "self":
+        calib = calibration_samples(net, cfg.heal, cfg.seq_len, cfg.sequences, start=start, progress=progress)
+        if splits is not None:
+            splits = dataclasses.replace(splits, calib=calib)
     original = copy.deepcopy(net)
     record, walk = _convert_sites(cfg, net, calib, held, splits.val if splits is not None else None, progress)
     print(record.table(markdown=markdown))
@@ -300,7 +305,6 @@ def _convert(cfg: ConvertConfig, model_path: str, ckpt: str | None, progress: bo
     if cfg.heal.budgeted and not record.sites:
         print("\nnothing converted: no heal")
     elif cfg.heal.budgeted:
-        start = getattr(tokenizer, "bos_token_id", None) if tokenizer is not None else None
         splits = heal_splits(splits, original, cfg.heal, start=start, progress=progress)
         rep = _heal(cfg, original, net, splits, record, ckpt, cfg.identity(**facts), progress)
         before = fid
@@ -374,7 +378,8 @@ def _convert_sites(cfg: ConvertConfig, net, calib: list, held: list, select: lis
     else:
         record, walk = convert_norms(net, cfg.to, calibrate=calib if c.enabled else None, **options), None
     n_calib = sum(len(b) for b in calib)
-    how = f"calibrated on {n_calib} sequences" if c.enabled else "default init"
+    where = "of the original's own samples" if c.source == "self" else "from the text's start"
+    how = f"calibrated on {n_calib} sequences {where}" if c.enabled else "default init"
     print(f"converted {len(record.sites)} norms of {type(net).__name__} to {cfg.to} ({how})\n")
     return record, walk
 
