@@ -1,7 +1,9 @@
-"""Which heal, at equal CPU minutes: objective (distill | blocks) x what is trained (norms | lora | all).
+"""Which heal: objective (distill | blocks) x what is trained (norms | lora | all), at equal CPU minutes; and
+the learning rate and its schedule, at equal tokens.
 
     python scripts/heal_study.py --minutes 4                   # the six combinations, 4 min each, DyISRU
     python scripts/heal_study.py --minutes 4 --only distill:lora blocks:norms
+    python scripts/heal_study.py --tokens 40960 --only distill:norms --lr 1e-3 3e-3 1e-2 --schedule constant cosine
     python scripts/heal_study.py --replot                      # redraw docs/figures/heal_curves.png
 
 SmolLM2-135M-Instruct, every site converted to DyISRU and calibrated exactly as ``normlab convert`` does (32
@@ -28,7 +30,8 @@ from _study import ROOT, commit, machine, save
 CSV = ROOT / "bench" / "heal_study.csv"
 FIG = ROOT / "docs" / "figures" / "heal_curves.png"
 FIELDS = ["commit", "date", "machine", "to", "objective", "train", "minutes", "tokens", "sequences", "seconds",
-          "ce_original", "ce_calibrated", "ce_healed", "val_start", "val_best", "curve"]  # fmt: skip
+          "ce_original", "ce_calibrated", "ce_healed", "val_start", "val_best", "curve", "lr", "schedule", "text",
+          "budget_tokens", "ce_second", "ce_second_original"]  # fmt: skip
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -40,7 +43,8 @@ def plot(rows: list[dict], path: Path) -> None:
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.2))
     for r in rows:
         curve = json.loads(r["curve"])
-        label = f"{r['objective']}, {r['train']} ({float(r['minutes']):g} min): held-out {float(r['ce_healed']):.2f}"
+        how = f"lr {float(r['lr']):g} {r['schedule']}" if r.get("lr") else f"{float(r['minutes']):g} min"
+        label = f"{r['objective']}, {r['train']} ({how}): held-out {float(r['ce_healed']):.2f}"
         ax.plot([max(p["tokens"], 1000) for p in curve], [p["val_ce"] for p in curve], marker=".", label=label)
         tl = [(p["tokens"], p["train_loss"]) for p in curve if p["train_loss"] == p["train_loss"]]
         if tl:
@@ -49,11 +53,11 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.axhline(float(rows[-1]["ce_original"]), color="black", lw=0.8, ls="--", label="original")
     threads = sorted({r["machine"].split(", ")[1] for r in rows if ", " in r["machine"]})
     ax.set_xscale("log")
-    ax.set_xlabel(
-        f"tokens trained (the start drawn at 1,000; {float(rows[0]['minutes']):g} min each, {' / '.join(threads)})"
-        if rows
-        else "tokens trained"
-    )
+    each = ""
+    if rows:
+        r0 = rows[0]
+        each = f"{float(r0['minutes']):g} min each" if r0["minutes"] else f"{int(r0['tokens']):,} tokens each"
+    ax.set_xlabel(f"tokens trained (the start drawn at 1,000; {each}, {' / '.join(threads)})")
     ax.set_ylabel("validation CE (nats/token)")
     ax.set_title("SmolLM2-135M, every norm DyISRU: healing from the stream")
     ax.legend(fontsize=7)
@@ -68,87 +72,111 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--minutes", type=float, default=4.0)
+    budget = ap.add_mutually_exclusive_group()
+    budget.add_argument("--minutes", type=float, default=None, help="each heal's budget in minutes (default 4)")
+    budget.add_argument("--tokens", type=int, default=None, help="each heal's budget in tokens (equal work)")
     ap.add_argument("--to", default="dyisru")
     ap.add_argument("--only", nargs="*", help="objective:train pairs (default: all six)")
+    ap.add_argument("--lr", nargs="*", type=float, default=[None], help="rates to try (default: HealConfig's)")
+    ap.add_argument("--schedule", nargs="*", default=["constant"], help="schedules to try: constant, cosine")
+    ap.add_argument("--text", default="text", help="the heal's stream: text, self or self+text")
+    ap.add_argument("--self-sequences", type=int, default=512, help="samples for self / self+text")
     ap.add_argument("--replot", action="store_true")
     ap.add_argument("--last", type=int, default=6, help="with --replot: the newest N rows (default 6: one study)")
     args = ap.parse_args()
     if args.replot:
         plot(list(csv.DictReader(CSV.open()))[-args.last :], FIG)
         return
+    if args.minutes is None and args.tokens is None:
+        args.minutes = 4.0
 
     import torch
 
-    import normlab
+    from normlab.conversion.config import HealConfig
     from normlab.conversion.fidelity import cross_entropy
     from normlab.conversion.heal import OBJECTIVES, TRAINS, heal
-    from normlab.conversion.hf import load_model, smollm2, text_splits
-    from normlab.corpus import cache_dir, fetch_shakespeare
+    from normlab.conversion.hf import load_model, smollm2, text_batches, text_splits
+    from normlab.conversion.samples import heal_splits
+    from normlab.corpus import fetch_docs, fetch_shakespeare
 
     combos = [tuple(c.split(":")) for c in args.only] if args.only else [(o, t) for o in OBJECTIVES for t in TRAINS]
+    trials = [(o, t, lr, sch) for o, t in combos for lr in args.lr for sch in args.schedule]
     torch.manual_seed(0)
     original, tok = load_model(smollm2())
     splits = text_splits(fetch_shakespeare(), tok, original.config.vocab_size, 128, 32, 32)
+    _, held2 = text_batches(fetch_docs(), tok, original.config.vocab_size, 128, 1, 32)
     print(
         f"stream: {len(splits.stream):,} sequences of 128 tokens; validation {sum(len(b) for b in splits.val)}; "
         f"held out {sum(len(b) for b in splits.held)}",
         flush=True,
     )
-    saved = cache_dir() / "heal_study" / f"{args.to}_calibrated.pt"
+    converted, record = calibrated(original, splits, args.to)
+    ce0, ce1 = cross_entropy(original, splits.held), cross_entropy(converted, splits.held)
+    ce2_0 = cross_entropy(original, held2)
+    print(f"held-out CE: original {ce0:.3f}, calibrated {args.to} {ce1:.3f}", flush=True)
+    where = machine()
+    for objective, train, lr, schedule in trials:
+        model = copy.deepcopy(converted)
+        cfg = HealConfig(minutes=args.minutes, tokens=args.tokens, objective=objective, train=train, lr=lr,
+                         schedule=schedule, text=args.text, self_sequences=args.self_sequences)  # fmt: skip
+        splits.stream.load_state({**splits.stream.state(), "epoch": 0, "pos": 0, "drawn": 0})
+        data = heal_splits(splits, original, cfg, start=tok.bos_token_id, progress=True)
+        t = time.monotonic()
+        rep = heal(original, model, data, record, cfg, progress=True)
+        seconds = time.monotonic() - t
+        ce, ce2 = cross_entropy(model, splits.held), cross_entropy(model, held2)
+        row = {"commit": commit(), "date": datetime.date.today().isoformat(), "machine": where, "to": args.to,
+               "objective": objective, "train": train, "minutes": args.minutes or "", "tokens": rep.tokens,
+               "sequences": rep.sequences, "seconds": round(seconds, 1), "ce_original": round(ce0, 4),
+               "ce_calibrated": round(ce1, 4), "ce_healed": round(ce, 4), "val_start": rep.curve[0]["val_ce"],
+               "val_best": rep.best["val_ce"] if rep.best else "", "curve": json.dumps(rep.curve),
+               "lr": cfg.rate(), "schedule": schedule, "text": args.text, "budget_tokens": args.tokens or "",
+               "ce_second": round(ce2, 4), "ce_second_original": round(ce2_0, 4)}  # fmt: skip
+        print(
+            f"{objective:8s} {train:6s} lr {cfg.rate():g} {schedule:8s}: held-out CE {ce:.3f} (+{ce - ce0:.3f}), "
+            f"second text +{ce2 - ce2_0:.3f}; {rep.tokens:,} tokens, {seconds / 60:.1f} min "
+            f"({rep.tokens / seconds:.0f} tokens/s); validation {rep.curve[0]['val_ce']:.3f} -> best "
+            f"{row['val_best'] if row['val_best'] == '' else round(row['val_best'], 3)}",
+            flush=True,
+        )
+        append(row)
+        del model
+    plot(list(csv.DictReader(CSV.open()))[-len(trials) :], FIG)
+
+
+def append(row: dict) -> None:
+    """One row onto bench/heal_study.csv, rewritten atomically under the current header (older rows keep the
+    columns added since empty)."""
+    old = list(csv.DictReader(CSV.open())) if CSV.exists() else []
+    CSV.parent.mkdir(parents=True, exist_ok=True)
+    tmp = CSV.with_suffix(".csv.tmp")
+    with tmp.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=FIELDS, restval="")
+        w.writeheader()
+        w.writerows([*old, row])
+    tmp.replace(CSV)
+
+
+def calibrated(original, splits, to: str):
+    """The converted, calibrated model as ``normlab convert`` makes it, cached under $NORMLAB_CACHE/heal_study/."""
+    import torch
+
+    import normlab
+    from normlab.conversion.saving import apply_record
+    from normlab.corpus import cache_dir
+
+    saved = cache_dir() / "heal_study" / f"{to}_calibrated.pt"
     converted = copy.deepcopy(original)
     if saved.exists():
         state = torch.load(saved, weights_only=False)
         record = normlab.ConversionRecord.from_dict(state["record"])
-        from normlab.conversion.saving import apply_record
-
         apply_record(converted, record)
         converted.load_state_dict(state["model"])
-    else:
-        record = normlab.convert_norms(converted, args.to, calibrate=splits.calib, progress=True)
-        saved.parent.mkdir(parents=True, exist_ok=True)
-        torch.save({"record": record.to_dict(), "model": converted.state_dict()}, saved)
-    ce0, ce1 = cross_entropy(original, splits.held), cross_entropy(converted, splits.held)
-    print(f"held-out CE: original {ce0:.3f}, calibrated {args.to} {ce1:.3f}", flush=True)
-    where = machine()
-    new = not CSV.exists()
-    CSV.parent.mkdir(parents=True, exist_ok=True)
-    for objective, train in combos:
-        model = copy.deepcopy(converted)
-        splits.stream.load_state({**splits.stream.state(), "epoch": 0, "pos": 0, "drawn": 0})
-        t = time.monotonic()
-        rep = heal(
-            original,
-            model,
-            splits.stream,
-            record,
-            val=splits.val,
-            minutes=args.minutes,
-            objective=objective,
-            train=train,
-            progress=True,
-        )
-        seconds = time.monotonic() - t
-        ce = cross_entropy(model, splits.held)
-        row = {"commit": commit(), "date": datetime.date.today().isoformat(), "machine": where, "to": args.to,
-               "objective": objective, "train": train, "minutes": args.minutes, "tokens": rep.tokens,
-               "sequences": rep.sequences, "seconds": round(seconds, 1), "ce_original": round(ce0, 4),
-               "ce_calibrated": round(ce1, 4), "ce_healed": round(ce, 4), "val_start": rep.curve[0]["val_ce"],
-               "val_best": rep.best["val_ce"] if rep.best else "", "curve": json.dumps(rep.curve)}  # fmt: skip
-        print(
-            f"{objective:8s} {train:6s}: held-out CE {ce:.3f} (+{ce - ce0:.3f}); {rep.tokens:,} tokens, "
-            f"{seconds / 60:.1f} min; validation {rep.curve[0]['val_ce']:.3f} -> best "
-            f"{row['val_best'] if row['val_best'] == '' else round(row['val_best'], 3)}",
-            flush=True,
-        )
-        with CSV.open("a", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=FIELDS)
-            if new:
-                w.writeheader()
-                new = False
-            w.writerow(row)
-        del model
-    plot(list(csv.DictReader(CSV.open()))[-len(combos) :], FIG)
+        return converted, record
+    record = normlab.convert_norms(converted, to, calibrate=splits.calib, progress=True)
+    saved.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"record": record.to_dict(), "model": converted.state_dict()}, saved)
+    return converted, record
 
 
 if __name__ == "__main__":

@@ -312,6 +312,29 @@ def test_heal_distillation_lowers_validation_kl(train):
     assert not any("lora" in n for n, _ in model.named_modules())  # LoRA merged into the weights
 
 
+def test_the_cosine_schedule_warms_up_then_falls_to_a_tenth():
+    from normlab.conversion.heal_run import lr_factor
+
+    assert lr_factor("constant", 0.0) == lr_factor("constant", 0.7) == 1.0
+    f = [lr_factor("cosine", i / 200) for i in range(201)]
+    assert 0 < f[0] < 0.25 and f[10] == pytest.approx(1.0)  # the warmup ends at 5% of the budget
+    assert all(a < b for a, b in zip(f[:10], f[1:11]))  # rises
+    assert all(a > b for a, b in zip(f[10:], f[11:]))  # then falls
+    assert f[-1] == pytest.approx(0.1) and lr_factor("cosine", 1.5) == pytest.approx(0.1)
+
+
+def test_a_cosine_heal_records_its_rate_as_it_falls():
+    original = _peaked(0)
+    model = copy.deepcopy(original)
+    rec = normlab.convert_norms(model, "dyt")
+    rep = normlab.heal(original, model, _stream(), rec, val=_batches(1, seed=9), tokens=4000, lr=1e-2,
+                       schedule="cosine", eval_every=640, progress=False)  # fmt: skip
+    lrs = [p["lr"] for p in rep.curve[1:]]
+    assert len(lrs) >= 6 and all(a > b for a, b in zip(lrs, lrs[1:]))  # past the warmup: falling at every point
+    assert 1e-3 <= lrs[-1] < 1.2e-3  # a tenth of the rate at the budget's end (the last step's)
+    assert min(p["val_kl"] for p in rep.curve[1:]) < rep.curve[0]["val_kl"]
+
+
 def test_lora_merged_into_the_weights_gives_the_same_outputs():
     from normlab.conversion.lora import add_lora, merge_lora
 
@@ -368,6 +391,9 @@ def test_the_stream_never_repeats_before_it_has_used_every_sequence_and_never_to
                                       ({}, "exactly one budget"), ({"minutes": 1, "tokens": 5}, "exactly one budget"),
                                       ({"tokens": 5, "train": "everything"}, "train must be"),
                                       ({"tokens": 5, "objective": "mse"}, "objective must be"),
+                                      ({"tokens": 5, "schedule": "linear"}, "schedule must be"),
+                                      ({"tokens": 5, "objective": "blocks", "schedule": "cosine"},
+                                       "applies to the distill objective"),
                                       ({"tokens": 5, "resume": True}, "resume=True needs checkpoint")])  # fmt: skip
 def test_heal_bad_input_is_clear(kw, match):
     original = _llama()

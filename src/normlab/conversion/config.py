@@ -31,6 +31,7 @@ TRAINS = ("norms", "lora", "all")
 FREE_TABLES = ("init", "site_init")  # tables whose keys are the user's (init.alpha_init=0.5)
 HEAL_LEARNING_RATES = {"norms": 1e-3, "lora": 1e-3, "all": 2e-5}  # Adam; the norms' rate also applies under "lora"
 HEAL_TEXTS = ("text", "self", "self+text")  # what the heal trains on (normlab.conversion.samples)
+HEAL_SCHEDULES = ("constant", "cosine")  # the heal's learning rate over its budget (normlab.conversion.heal_run)
 CALIBRATE_SOURCES = ("text", "self")  # what calibration fits on: the text's first sequences, or the model's samples
 
 
@@ -57,6 +58,7 @@ class HealConfig:
     objective: str = "distill"  # "distill" (KL to the original's logits) or "blocks" (block-wise reconstruction)
     train: str = "norms"  # "norms", "lora" (norms + low-rank adapters, merged at the end) or "all"
     lr: float | None = None  # Adam's rate; None: HEAL_LEARNING_RATES[train]
+    schedule: str = "constant"  # or "cosine": 5% linear warmup, then down to a tenth of lr at the budget's end
     batch_size: int = 8
     eval_every: int | None = None  # trained tokens between validation points; None: every 8 steps
     lora_rank: int = LORA_RANK
@@ -100,6 +102,12 @@ class HealConfig:
                 f"{flag('heal.lr')} must be a finite number > 0 (or null for the default), got {self.lr!r}"
             )
         _choice("heal.text", self.text, HEAL_TEXTS)
+        _choice("heal.schedule", self.schedule, HEAL_SCHEDULES)
+        if self.schedule != "constant" and self.objective != "distill":
+            raise ValueError(
+                f"{flag('heal.schedule')} {self.schedule} applies to the distill objective; the blocks objective "
+                "splits its budget per block with a constant rate"
+            )
         for name, least in (("batch_size", 1), ("lora_rank", 1), ("eval_every", 1), ("self_sequences", 2), ("seed", 0)):
             v = getattr(self, name)
             if v is None and name == "eval_every":
@@ -124,6 +132,7 @@ class HealConfig:
                     ("resume", False),
                     ("checkpoint", None),
                     ("text", "text"),
+                    ("schedule", "constant"),
                 )
                 if getattr(self, n) != default
             ]

@@ -26,7 +26,9 @@ end; it shows the last one on the progress bar, records every point in ``report.
 the state with the lowest validation cross-entropy it saw, the start included: a heal never ends worse on its
 validation split than it began.
 
-Budget: ``minutes`` (wall time) or ``tokens`` (tokens through a trained forward/backward). ``checkpoint``
+Budget: ``minutes`` (wall time) or ``tokens`` (tokens through a trained forward/backward). The rate is constant,
+or (``schedule="cosine"``, distill) warmed up over the first 5% of the budget and lowered to a tenth by its end,
+as a function of the budget spent; each curve point records the rate (``lr``). ``checkpoint``
 saves the heal (atomically) after each block or evaluation; ``resume`` continues from it.
 """
 
@@ -51,9 +53,11 @@ from normlab.conversion.heal_run import (
     frozen,
     is_ours,
     load_checkpoint,
+    lr_factor,
     make_optimizer,
     mean_finite,
     postfix,
+    set_lr,
     trainable,
 )
 from normlab.conversion.hf import TextSplits, TokenStream
@@ -238,6 +242,7 @@ def distill(run: HealRun) -> None:
     )
     bar.set_postfix_str(postfix(report.curve[-1]))
     losses, next_eval = [], report.tokens + cfg.eval_every
+    lr = set_lr(opt, lr_factor(cfg.schedule, budget.used()))
     try:
         while budget.used() < 1.0:
             ids = run.stream.next(cfg.batch_size)
@@ -249,17 +254,18 @@ def distill(run: HealRun) -> None:
                 continue
             opt.zero_grad(set_to_none=True)
             loss.backward()
+            lr = set_lr(opt, lr_factor(cfg.schedule, budget.used()))
             opt.step()
             losses.append(float(loss.detach()))
             report.tokens += ids.numel()
             bar.n = min(100, int(100 * budget.used()))
             if report.tokens >= next_eval or budget.used() >= 1.0:
-                point = run.point(mean_finite(losses))
+                point = run.point(mean_finite(losses), lr=lr)
                 losses, next_eval = [], report.tokens + cfg.eval_every
                 bar.set_postfix_str(postfix(point))
                 run.save(opt)
         if losses:
-            run.point(mean_finite(losses))
+            run.point(mean_finite(losses), lr=lr)
             run.save(opt)
     finally:
         bar.close()

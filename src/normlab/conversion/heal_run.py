@@ -20,7 +20,7 @@ from normlab.conversion.lora import LoRALinear
 from normlab.conversion.samples import MixedStream
 
 __all__ = ["HealReport", "HealRun", "Budget", "Validation", "is_ours", "trainable", "frozen", "make_optimizer",
-           "load_checkpoint", "mean_finite", "postfix"]  # fmt: skip
+           "load_checkpoint", "mean_finite", "postfix", "lr_factor", "set_lr"]  # fmt: skip
 
 
 @dataclass
@@ -91,6 +91,29 @@ def make_optimizer(params: list, lr: float, converted: nn.Module) -> torch.optim
         {"params": [p], "lr": lr * float(p.detach().abs().mean().clamp_min(1e-12))} for p in params if id(p) in alphas
     ]
     return torch.optim.Adam([g for g in groups if g["params"]])
+
+
+def lr_factor(schedule: str, used: float) -> float:
+    """The multiple of the base rate at ``used`` (the fraction of the budget spent): 1 for "constant"; for
+    "cosine", a linear warmup over the first 5% of the budget, then a cosine down to 0.1 at its end."""
+    if schedule == "constant":
+        return 1.0
+    used = min(max(used, 0.0), 1.0)
+    if used < WARMUP:
+        return (used + 0.01) / (WARMUP + 0.01)  # never 0: the first step moves
+    t = (used - WARMUP) / (1.0 - WARMUP)
+    return FLOOR + (1.0 - FLOOR) * 0.5 * (1.0 + math.cos(math.pi * t))
+
+
+WARMUP, FLOOR = 0.05, 0.1  # the cosine schedule's warmup fraction and final multiple
+
+
+def set_lr(opt: torch.optim.Optimizer, factor: float) -> float:
+    """Every group's rate at ``factor`` times its base (recorded in the group on the first call, so it survives a
+    checkpoint); returns the first group's rate."""
+    for g in opt.param_groups:
+        g["lr"] = g.setdefault("base_lr", g["lr"]) * factor
+    return opt.param_groups[0]["lr"]
 
 
 def postfix(point: dict) -> str:
