@@ -175,8 +175,9 @@ def _resume_command(ckpt: str) -> str:
 def heal_summary(rep) -> str:
     """One line on a heal: tokens, minutes, how much of the stream, and the validation curve's start and kept point."""
     line = (
-        f"healed ({rep.objective}, {rep.train}): {rep.tokens:,} tokens in {rep.seconds / 60:.1f} min, "
-        f"{rep.sequences:,} stream sequences ({rep.stream_passes:.2f} passes)"
+        f"healed ({rep.objective}, {rep.train}): {rep.tokens:,} tokens in {rep.seconds / 60:.1f} min "
+        f"({rep.tokens / max(rep.seconds, 1e-9):.0f} tokens/s), {rep.sequences:,} stream sequences "
+        f"({rep.stream_passes:.2f} passes)"
     )
     if rep.curve and rep.best is not None:
         line += (
@@ -217,7 +218,7 @@ def write_curve(rep, folder: Path) -> None:
         handles = [a + b for a, b in zip(handles, ax2.get_legend_handles_labels())]
     ax.set_xlabel("tokens trained")
     ax.set_ylabel("validation CE (nats/token)")
-    ax.set_title(f"heal: {rep.objective}, {rep.train}")
+    ax.set_title(f"heal: {rep.objective}, {rep.train}; {rep.tokens / max(rep.seconds, 1e-9):.0f} tokens/s")
     ax.legend(*handles, fontsize=8, loc="upper right")
     fig.tight_layout()
     fig.savefig(folder / "heal_curve.png", dpi=110)
