@@ -2,6 +2,7 @@
 
     python scripts/frontier_study.py                      # DyISRU, DyT, Derf (about 15 min each on 2 CPU cores)
     python scripts/frontier_study.py --to dyisru          # one target
+    python scripts/frontier_study.py --to dyisru --refit-every 4 --skip   # refit all every 4 sites; go past
     python scripts/frontier_study.py --replot             # redraw the figure from bench/frontier.json
 
 For each target (normlab.conversion.frontier): every site calibrated on the original model's activations, its cost
@@ -56,6 +57,10 @@ def main() -> None:
     ap.add_argument("--to", nargs="+", default=["dyisru", "dyt", "derf"])
     ap.add_argument("--stop", type=float, default=1.0, help="end the walk at this rise in nats (default 1.0)")
     ap.add_argument("--refit", type=int, default=1, help="calibration batches each site is refitted on (0: none)")
+    ap.add_argument(
+        "--refit-every", type=int, default=0, help="refit every converted site after each K kept (0: never)"
+    )
+    ap.add_argument("--skip", action="store_true", help="go past a site over --stop instead of ending the walk")
     ap.add_argument("--replot", action="store_true")
     args = ap.parse_args()
     results = json.loads(OUT.read_text())["targets"] if OUT.exists() else {}
@@ -73,13 +78,17 @@ def main() -> None:
     model, tok = load_model(smollm2())
     calib, held = text_batches(fetch_shakespeare(), tok, model.config.vocab_size, 128, 32, 32)
     for to in args.to:
-        front, _ = frontier(model, to, calib, held, stop_nats=args.stop, refit=args.refit, progress=True)
+        front, _ = frontier(model, to, calib, held, stop_nats=args.stop, refit=args.refit,
+                            refit_every=args.refit_every, skip=args.skip, progress=True)  # fmt: skip
         r = front.to_dict()
         r["within_0.1"], r["within_0.5"] = front.within(0.1), front.within(0.5)
-        r["stop_nats"], r["refit"] = args.stop, args.refit
-        results[to] = r
+        r["stop_nats"], r["refit"], r["refit_every"] = args.stop, args.refit, args.refit_every
+        r.update(commit=commit(), date=datetime.date.today().isoformat(), machine=machine())
+        variant = [f"refit all every {args.refit_every}"] * bool(args.refit_every) + ["skip"] * args.skip
+        key = f"{to} ({', '.join(variant)})" if variant else to  # the plain walk keeps its old key
+        results[key] = r
         print(
-            f"{to}: {r['within_0.1']} sites within +0.1 nats, {r['within_0.5']} within +0.5 "
+            f"{key}: {r['within_0.1']} sites within +0.1 nats, {r['within_0.5']} within +0.5 "
             f"(of {len(front.order)}; original CE {front.ce_original:.3f}, {front.curve[-1]:.3f} with "
             f"{len(front.curve) - 1} converted where the walk stopped; "
             f"{front.seconds / 60:.1f} min)",

@@ -17,7 +17,8 @@ and with all but the final norm (``model.norm``).
 ``--calibrate-on self`` fits on the first 32 of the original's own samples instead of the text's start.
 Rows are appended to bench/real_model.csv as they are measured (with the commit, the date and the machine), then
 printed as Markdown;
-docs/figures/real_model.png plots them. ``--replot`` redraws the figure from the CSV's newest commit.
+docs/figures/real_model.png plots them. ``--replot [COMMIT ...]`` redraws the figure from the CSV's rows of those
+commits (default: the newest).
 """
 
 from __future__ import annotations
@@ -113,12 +114,14 @@ def main() -> None:
     ap.add_argument("--skip-default-init", action="store_true", help="do not measure the uncalibrated conversion")
     ap.add_argument("--csv", default=str(ROOT / "bench" / "real_model.csv"))
     ap.add_argument("--figure", default=str(ROOT / "docs" / "figures" / "real_model.png"))
-    ap.add_argument("--replot", action="store_true", help="only redraw the figure from the CSV's newest commit")
+    ap.add_argument("--replot", nargs="*", metavar="COMMIT",
+                    help="only redraw the figure: from the rows of these commits (none: the CSV's newest)")  # fmt: skip
     args = ap.parse_args()
-    if args.replot:
+    if args.replot is not None:
         with open(args.csv, newline="") as f:
             saved = list(csv.DictReader(f))
-        plot([r for r in saved if r["commit"] == saved[-1]["commit"]], Path(args.figure))
+        commits = args.replot or [saved[-1]["commit"]]
+        plot([r for r in saved if r["commit"] in commits], Path(args.figure))
         return
 
     meta = {"commit": commit(), "date": datetime.date.today().isoformat(), "machine": machine()}

@@ -172,3 +172,29 @@ def test_the_skip_walk_never_ends_above_its_budget_and_tries_every_site(folder, 
     assert json.loads((out / "convert_config.json").read_text())["budget_walk"] == "skip"
     with pytest.raises(ValueError, match="budget_walk applies only with --budget-nats"):
         normlab.conversion.config.resolve_convert_config(["budget_walk=skip"])
+
+
+def test_refitting_every_converted_site_keeps_what_lowers_the_cross_entropy_and_the_budget_holds():
+    """``refit_every=K``: after every K sites kept, all the converted sites are fitted again on their inputs as
+    they are now; the refit is kept only where it lowers the cross-entropy, so the walk is never above the plain
+    one at the point of the refit, and a budget still holds."""
+    from normlab.conversion.fidelity import cross_entropy
+    from normlab.conversion.frontier import frontier
+
+    model = _peaked()
+    before = copy.deepcopy(model.state_dict())
+    calib, held = _batches(2, 1), _batches(2, 2)
+    plain, _ = frontier(model, "dyisru", calib, held, refit=1, progress=False)
+    walk, _ = frontier(model, "dyisru", calib, held, refit=1, refit_every=2, progress=False)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())  # the study leaves it as it was
+    assert walk.order == plain.order and len(walk.curve) == len(plain.curve)
+    assert walk.curve[:2] == pytest.approx(plain.curve[:2])  # the same walk up to the first refit
+    assert walk.curve[2] <= plain.curve[2] + 1e-9  # a refit is kept only when it lowers the cross-entropy
+    for budget in _budgets(walk):
+        m = copy.deepcopy(model)
+        front, record = frontier(m, "dyisru", calib, held, budget_nats=budget, refit_every=2, progress=False)
+        ce = cross_entropy(m, held)
+        assert ce == pytest.approx(front.curve[-1], abs=1e-5) and ce <= front.ce_original + budget + 1e-5
+        assert len(record.sites) == len(front.converted)
+    with pytest.raises(ValueError, match="refit_every: expected an int >= 0"):
+        frontier(model, "dyisru", calib, held, refit_every=-1, progress=False)

@@ -133,6 +133,25 @@ def _refit(model, name: str, to: str, site, batches: list, convert_kwargs: dict)
     return sub.sites[0]
 
 
+def _refit_all(model, done: list, walk: dict, held: list, ce: float) -> float:
+    """Fit every converted site of ``done`` again, in the model's order, each on its input in the model as it is
+    now (``walk``: the originals, the site records, the target, the batches, the convert kwargs). Kept when the
+    cross-entropy on ``held`` falls, undone otherwise; returns the cross-entropy the model is left at."""
+    names = [n for n in walk["by_name"] if n in set(done)]  # the model's order
+    before = {n: model.get_submodule(n) for n in names}
+    records = {n: walk["by_name"][n] for n in names}
+    for n in names:
+        swap(model, n, walk["originals"][n])
+        walk["by_name"][n] = _refit(model, n, walk["to"], records[n], walk["batches"], walk["kwargs"])
+    new = cross_entropy(model, held)
+    if new < ce:
+        return new
+    for n in names:
+        swap(model, n, before[n])
+    walk["by_name"].update(records)
+    return ce
+
+
 def frontier(
     model: nn.Module,
     to: str,
@@ -143,6 +162,7 @@ def frontier(
     budget_nats: float | None = None,
     stop_nats: float | None = None,
     refit: int = 1,
+    refit_every: int = 0,
     skip: bool = False,
     progress: bool | None = None,
     **convert_kwargs,
@@ -154,8 +174,10 @@ def frontier(
     unchanged. ``budget_nats=X``: ``model`` keeps the sites that fit in +X nats on ``held`` (possibly none),
     converted in place. ``refit=N``: each site, when its turn comes, is fitted again on its input in the model
     as converted so far (on the first N calibration batches), as sequential calibration does; 0 keeps the
-    independent fits. ``skip=True``: a site that breaks the budget (or ``stop_nats``) is put back and the walk
-    goes on, instead of stopping there. ``convert_kwargs`` go to `convert_norms` (per, init, include,
+    independent fits. ``refit_every=K``: after every K sites kept, every converted site is fitted again on its
+    input in the model as it is now, and the refit is kept only where it lowers the cross-entropy on ``held``
+    (so the budget still holds); 0 never. ``skip=True``: a site that breaks the budget (or ``stop_nats``) is put
+    back and the walk goes on, instead of stopping there. ``convert_kwargs`` go to `convert_norms` (per, init, include,
     first_token, ...).
     """
     import time
@@ -163,6 +185,8 @@ def frontier(
     from tqdm.auto import tqdm
 
     calib, held, rank = _checked(calibrate, held, rank, budget_nats, refit)
+    if isinstance(refit_every, bool) or not isinstance(refit_every, int) or refit_every < 0:
+        raise ValueError(f"refit_every: expected an int >= 0 (sites between refits of all), got {refit_every!r}")
     stop_nats = budget_nats if budget_nats is not None else stop_nats
     start = time.monotonic()
     fitted_model = copy.deepcopy(model)
@@ -174,6 +198,7 @@ def frontier(
     curve, done, passed, originals = [ce0], [], [], {}
     refit_batches = calib[:refit]
     by_name = {s.name: s for s in record.sites}
+    walk = {"by_name": by_name, "originals": originals, "to": to, "batches": refit_batches, "kwargs": convert_kwargs}
     bar = tqdm(
         order, desc=f"converting cheapest first to {to}", unit="site", disable={True: False, False: True}.get(progress)
     )
@@ -191,8 +216,10 @@ def frontier(
                     break
                 passed.append(name)
                 continue
-            curve.append(ce)
             done.append(name)
+            if refit_every and refit and len(done) % refit_every == 0:
+                ce = _refit_all(model, done, walk, held, ce)
+            curve.append(ce)
             bar.set_postfix_str(
                 f"{len(done)} sites, CE {ce:.3f} (+{ce - ce0:.3f})" + (f", {len(passed)} passed" if passed else "")
             )
