@@ -5,6 +5,7 @@ the learning rate and its schedule, at equal tokens.
     python scripts/heal_study.py --minutes 4 --only distill:lora blocks:norms
     python scripts/heal_study.py --tokens 40960 --only distill:norms --lr 1e-3 3e-3 1e-2 --schedule constant cosine
     python scripts/heal_study.py --replot                      # redraw docs/figures/heal_curves.png
+    python scripts/heal_study.py --replot --last 6 --figure docs/figures/heal_lr.png   # the rate study
 
 SmolLM2-135M-Instruct, every site converted to DyISRU and calibrated exactly as ``normlab convert`` does (32
 sequences of 128 tokens from the start of the Shakespeare corpus), then healed from the stream of the text
@@ -48,7 +49,7 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.plot([max(p["tokens"], 1000) for p in curve], [p["val_ce"] for p in curve], marker=".", label=label)
         tl = [(p["tokens"], p["train_loss"]) for p in curve if p["train_loss"] == p["train_loss"]]
         if tl:
-            bx.plot(*zip(*tl), marker=".", label=f"{r['objective']}, {r['train']}")
+            bx.plot(*zip(*tl), marker=".", label=f"{r['objective']}, {r['train']} ({how})")
     if rows:
         ax.axhline(float(rows[-1]["ce_original"]), color="black", lw=0.8, ls="--", label="original")
     threads = sorted({r["machine"].split(", ")[1] for r in rows if ", " in r["machine"]})
@@ -65,7 +66,9 @@ def plot(rows: list[dict], path: Path) -> None:
     bx.set_xscale("log")
     bx.set_ylabel("KL (distill); block rel. error (blocks)")
     bx.set_yscale("log")
-    bx.set_title("train loss (the block error rises with depth)")
+    bx.set_title(
+        "train loss" + (" (the block error rises with depth)" if any(r["objective"] == "blocks" for r in rows) else "")
+    )
     bx.legend(fontsize=7)
     save(fig, path)
 
@@ -81,11 +84,12 @@ def main() -> None:
     ap.add_argument("--schedule", nargs="*", default=["constant"], help="schedules to try: constant, cosine")
     ap.add_argument("--text", default="text", help="the heal's stream: text, self or self+text")
     ap.add_argument("--self-sequences", type=int, default=512, help="samples for self / self+text")
+    ap.add_argument("--figure", default=str(FIG), help="where the curves go (default docs/figures/heal_curves.png)")
     ap.add_argument("--replot", action="store_true")
     ap.add_argument("--last", type=int, default=6, help="with --replot: the newest N rows (default 6: one study)")
     args = ap.parse_args()
     if args.replot:
-        plot(list(csv.DictReader(CSV.open()))[-args.last :], FIG)
+        plot(list(csv.DictReader(CSV.open()))[-args.last :], Path(args.figure))
         return
     if args.minutes is None and args.tokens is None:
         args.minutes = 4.0
@@ -141,7 +145,7 @@ def main() -> None:
         )
         append(row)
         del model
-    plot(list(csv.DictReader(CSV.open()))[-len(trials) :], FIG)
+    plot(list(csv.DictReader(CSV.open()))[-len(trials) :], Path(args.figure))
 
 
 def append(row: dict) -> None:
