@@ -1,0 +1,58 @@
+"""Heal curves side by side: validation cross-entropy against minutes and against tokens, one line per heal_curve.csv.
+
+    python scripts/plot_heal_curves.py bench/heal_30min_dyisru.csv "one core" \
+        bench/heal_30min_dyisru_2threads.csv "two threads" --out docs/figures/heal_30min.png
+
+Each CSV is what `normlab convert --heal-minutes N --out DIR` writes as DIR/heal_curve.csv (columns tokens,
+seconds, val_ce, ...). The kept point (the best validation CE) is circled on each line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+from pathlib import Path
+
+from _study import save
+
+
+def read_curve(path: Path) -> dict[str, list[float]]:
+    with path.open() as f:
+        rows = list(csv.DictReader(f))
+    missing = {"tokens", "seconds", "val_ce"} - set(rows[0] if rows else {})
+    if missing:
+        raise SystemExit(f"{path}: not a heal curve (no {', '.join(sorted(missing))} column)")
+    return {k: [float(r[k]) for r in rows] for k in ("tokens", "seconds", "val_ce")}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("pairs", nargs="+", help="CSV LABEL [CSV LABEL ...]")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--title", default="SmolLM2-135M, DyISRU at all 61 sites: the stream heal")
+    args = ap.parse_args()
+    if len(args.pairs) % 2:
+        ap.error("give each CSV a label: CSV LABEL [CSV LABEL ...]")
+    curves = [(read_curve(Path(p)), label) for p, label in zip(args.pairs[::2], args.pairs[1::2], strict=True)]
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    for c, label in curves:
+        best = min(range(len(c["val_ce"])), key=c["val_ce"].__getitem__)
+        for ax, x in zip(axes, ([s / 60 for s in c["seconds"]], c["tokens"]), strict=True):
+            (line,) = ax.plot(x, c["val_ce"], marker=".", label=f"{label}: {int(c['tokens'][-1]):,} tokens")
+            ax.plot(x[best], c["val_ce"][best], "o", mfc="none", ms=10, color=line.get_color())
+    axes[0].set_xlabel("minutes of healing")
+    axes[1].set_xlabel("tokens healed on")
+    axes[0].set_ylabel("validation CE (nats/token)")
+    axes[0].legend(fontsize=8)
+    fig.suptitle(args.title)
+    save(fig, args.out)
+
+
+if __name__ == "__main__":
+    main()
