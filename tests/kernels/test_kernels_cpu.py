@@ -324,6 +324,30 @@ def test_saves_only_its_input(op):
     assert sorted(sizes)[-1] == n * c and all(s <= max(n, c) for s in sorted(sizes)[:-1]), sizes
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n", [7, 1023])
+@pytest.mark.parametrize("op", ["dyt", "derf"])
+def test_a_backward_that_reads_the_saved_f_matches_the_reference(op, n, dtype, monkeypatch):
+    """BACKWARD_SAVES = "x_and_f": the forward writes f in x's dtype and the backward reads it; the same
+    tolerances against the reference as the recomputing path, and in float32 the very same gradients."""
+    x, dy, w, b, g = _inputs(37, n, dtype)
+    alpha = (0.3 + torch.rand(n, generator=g)).to(dtype)
+    shift = (0.3 * torch.randn(n, generator=g)).to(dtype)
+    fast, ref = (cpu.dyt, FN.dyt) if op == "dyt" else (cpu.derf, FN.derf)
+    tensors = [x, alpha, w, b] if op == "dyt" else [x, alpha, shift, w, b]
+    recomputed = _grads(fast, *tensors) if dtype == torch.float32 else None
+    monkeypatch.setitem(cpu.BACKWARD_SAVES, op, "x_and_f")
+    KC.check(fast, ref, tensors, dy, dtype, f"{op} (saved f)")
+    if recomputed is not None:
+        y, dx, dps = _grads(fast, *tensors)
+        for a, c in zip([recomputed[0], recomputed[1], *recomputed[2]], [y, dx, *dps], strict=True):
+            assert torch.equal(a, c), f"{op}: float32 results differ between the two backward modes"
+    sizes = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: sizes.append(t.numel()) or t, lambda t: t):
+        fast(*[t.detach().requires_grad_() for t in tensors])
+    assert sorted(sizes)[-2:] == [37 * n, 37 * n], sizes  # x and f
+
+
 @pytest.mark.parametrize("name", ["layer_norm", "rms_norm", "dyt", "scaled_dyt", "derf", "dyisru", "eln"])
 def test_modules_take_the_cpu_path_under_auto_and_match_the_reference(name, monkeypatch):
     calls = []

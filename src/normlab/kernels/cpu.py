@@ -6,7 +6,8 @@ Each op is an ``autograd.Function`` over two kernels written with ATen's vector 
 backward is one pass: it reads x and dy once, writes dx, and adds the parameter-gradient terms into
 per-task partial sums in the same sweep (each task owns a block of rows; the partials are added in task
 order, so a result is the same on every run with the same thread count). Only x is saved (RMSNorm also
-keeps its fp32 per-row rstd); tanh(alpha x) and the like are recomputed. Arithmetic is float32 for every
+keeps its fp32 per-row rstd); tanh(alpha x) and the like are recomputed (`BACKWARD_SAVES`: measured cheaper than
+saving f for DyT and Derf). Arithmetic is float32 for every
 input dtype (float32, bfloat16, float16).
 
 The mechanism was chosen by measurement (``scripts/bench_kernels.py --cpu``, docs/kernels.md): the
@@ -52,6 +53,10 @@ MIN_FUSED = 1 << 16
 # decode step of SmolLM2, 1 x 576, inference: 32 against 48 and 64 us; Xeon, 2 threads, docs/kernels.md).
 MIN_FUSED_ISRU = 0
 _KIND = {"dyt": 0, "derf": 1, "dyisru": 2, "eln": 3}
+# What the backward of DyT and Derf reads: "x" (the default: only x is saved and tanh or erf is computed again) or
+# "x_and_f" (the forward also writes f = tanh(alpha x) or erf(alpha x + s) in x's dtype, and the backward reads it
+# instead). Chosen by measurement, `python scripts/bench_kernels.py --cpu --saves` (docs/kernels.md).
+BACKWARD_SAVES = {"dyt": "x", "derf": "x"}
 
 
 def ready(wait: bool = False) -> bool:
@@ -98,16 +103,20 @@ class _PointwiseFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, scale: float, kind: str, p0, p1):
-        ctx.save_for_backward(x, weight, bias, p0, p1)  # only x is (N, C); the rest are (C,) or (1,)
         ctx.scale, ctx.kind = scale, kind
+        if BACKWARD_SAVES.get(kind, "x") == "x_and_f":
+            y, f = torch.ops.normlab_cpu.pointwise_fwd_saving(x, p0, p1, weight, bias, scale, _KIND[kind])
+            ctx.save_for_backward(x, weight, bias, p0, p1, f)
+            return y
+        ctx.save_for_backward(x, weight, bias, p0, p1, None)  # only x is (N, C); the rest are (C,) or (1,)
         return torch.ops.normlab_cpu.pointwise_fwd(x, p0, p1, weight, bias, scale, _KIND[kind])
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
-        x, weight, bias, p0, p1 = ctx.saved_tensors
+        x, weight, bias, p0, p1, f = ctx.saved_tensors
         dx, dp0, dp1, dw, db = torch.ops.normlab_cpu.pointwise_bwd(
-            grad, x, p0, p1, weight, bias, ctx.scale, _KIND[ctx.kind]
+            grad, x, f, p0, p1, weight, bias, ctx.scale, _KIND[ctx.kind]
         )
         return dx, dw, None if bias is None else db, None, None, dp0, None if p1 is None else dp1
 

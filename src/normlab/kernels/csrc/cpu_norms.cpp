@@ -225,8 +225,9 @@ void check_vec(const Tensor& t, int64_t c, const char* what) {
 // the element-wise family: y = w f(x; p0, p1) + b
 // ---------------------------------------------------------------------------------------------------------
 template <typename T, int64_t K>
-void pointwise_fwd_impl(const T* x, T* y, const float* p0, const float* p1, const float* w, const float* b,
+void pointwise_fwd_impl(const T* x, T* y, T* fo, const float* p0, const float* p1, const float* w, const float* b,
                         int64_t n, int64_t c) {
+  // fo: where f (before w and b) is kept for the backward, or nullptr (the backward recomputes it from x)
   for_blocks(n, n_blocks(n, c), [&](int64_t, int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const T* xr = x + r * c;
@@ -245,6 +246,7 @@ void pointwise_fwd_impl(const T* x, T* y, const float* p0, const float* p1, cons
           f = isru(K == ELN ? xv - mean : xv, a).f;
         }
         store(yr + j, at::vec::fmadd(wv, f, bv), m);
+        if (fo != nullptr) store(fo + r * c + j, f, m);
       }
     }
   });
@@ -255,8 +257,9 @@ void pointwise_fwd_impl(const T* x, T* y, const float* p0, const float* p1, cons
 constexpr int64_t ROWS = 4;
 
 template <typename T, int64_t K>
-void pointwise_bwd_impl(const T* g, const T* x, T* dx, const float* p0, const float* p1, const float* w,
+void pointwise_bwd_impl(const T* g, const T* x, const T* fs, T* dx, const float* p0, const float* p1, const float* w,
                         float* partials, int64_t n, int64_t c, int64_t blocks) {
+  // fs: f as the forward kept it (DyT, Derf), or nullptr: recomputed from x
   for_blocks(n, blocks, [&](int64_t blk, int64_t r0, int64_t r1) {
     float* dp0 = partials + blk * 4 * c;
     float *dp1 = dp0 + c, *dw = dp0 + 2 * c, *db = dp0 + 3 * c;
@@ -279,13 +282,13 @@ void pointwise_bwd_impl(const T* g, const T* x, T* dx, const float* p0, const fl
           const Vec gw = gv * wv;  // zero in the tail lanes: g loads as zeros there
           Vec d, f;
           if constexpr (K == DYT) {
-            f = tanh_<T>(a * xv);
+            f = fs != nullptr ? load(fs + off, m) : tanh_<T>(a * xv);
             const Vec dz = gw * (Vec(1.0f) - f * f);
             d = dz * a;
             acc0 = at::vec::fmadd(dz, xv, acc0);
           } else if constexpr (K == DERF) {
             const Vec z = at::vec::fmadd(a, xv, shift);
-            f = erf_<T>(z);
+            f = fs != nullptr ? load(fs + off, m) : erf_<T>(z);
             const Vec e = (-(z * z)).exp_u20();  // the fast exp gives inf for a NaN z: NaN in, NaN out
             const Vec dz = gw * Vec(TWO_OVER_SQRT_PI) * Vec::blendv(e, z, z.isnan());
             d = dz * a;
@@ -348,21 +351,22 @@ void dispatch_dtype(at::ScalarType t, const F& f) {
   }
 }
 
-Tensor pointwise_fwd_rows(const Tensor& x, const Tensor& p0, const Tensor& p1, const Tensor& w, const Tensor& b,
-                          int64_t kind) {
+std::vector<Tensor> pointwise_fwd_rows(const Tensor& x, const Tensor& p0, const Tensor& p1, const Tensor& w,
+                                       const Tensor& b, int64_t kind, bool save) {
   check_rows(x, "x");
   const int64_t n = x.size(0), c = x.size(1);
   for (const Tensor* t : {&p0, &p1, &w, &b}) check_vec(*t, c, "a parameter");
   Tensor y = at::empty_like(x);
+  Tensor f = save ? at::empty_like(x) : Tensor();
   dispatch_dtype(x.scalar_type(), [&](auto t) {
     using T = decltype(t);
     dispatch_kind(kind, [&](auto k) {
-      pointwise_fwd_impl<T, decltype(k)::value>(x.data_ptr<T>(), y.data_ptr<T>(), p0.data_ptr<float>(),
-                                                p1.data_ptr<float>(), w.data_ptr<float>(), b.data_ptr<float>(), n,
-                                                c);
+      pointwise_fwd_impl<T, decltype(k)::value>(x.data_ptr<T>(), y.data_ptr<T>(), save ? f.data_ptr<T>() : nullptr,
+                                                p0.data_ptr<float>(), p1.data_ptr<float>(), w.data_ptr<float>(),
+                                                b.data_ptr<float>(), n, c);
     });
   });
-  return y;
+  return {y, f};
 }
 
 std::vector<Tensor> sum_partials(const Tensor& partials) {
@@ -382,12 +386,18 @@ std::vector<Tensor> sum_partials(const Tensor& partials) {
   return out;
 }
 
-std::vector<Tensor> pointwise_bwd_rows(const Tensor& g, const Tensor& x, const Tensor& p0, const Tensor& p1,
-                                  const Tensor& w, int64_t kind) {
+std::vector<Tensor> pointwise_bwd_rows(const Tensor& g, const Tensor& x, const Tensor& fs, const Tensor& p0,
+                                       const Tensor& p1, const Tensor& w, int64_t kind) {
   check_rows(x, "x");
   check_rows(g, "the gradient");
   TORCH_CHECK(g.sizes() == x.sizes() && g.scalar_type() == x.scalar_type(),
               "normlab cpu kernel: the gradient must match x in shape and dtype");
+  const bool saved = fs.defined();
+  if (saved) {
+    check_rows(fs, "the saved f");
+    TORCH_CHECK(fs.sizes() == x.sizes() && fs.scalar_type() == x.scalar_type() && (kind == DYT || kind == DERF),
+                "normlab cpu kernel: a saved f must match x in shape and dtype, for DyT or Derf");
+  }
   const int64_t n = x.size(0), c = x.size(1);
   for (const Tensor* t : {&p0, &p1, &w}) check_vec(*t, c, "a parameter");
   const int64_t blocks = n_blocks(n, c);
@@ -396,7 +406,8 @@ std::vector<Tensor> pointwise_bwd_rows(const Tensor& g, const Tensor& x, const T
   dispatch_dtype(x.scalar_type(), [&](auto t) {
     using T = decltype(t);
     dispatch_kind(kind, [&](auto k) {
-      pointwise_bwd_impl<T, decltype(k)::value>(g.data_ptr<T>(), x.data_ptr<T>(), dx.data_ptr<T>(),
+      pointwise_bwd_impl<T, decltype(k)::value>(g.data_ptr<T>(), x.data_ptr<T>(),
+                                                saved ? fs.data_ptr<T>() : nullptr, dx.data_ptr<T>(),
                                                 p0.data_ptr<float>(), p1.data_ptr<float>(), w.data_ptr<float>(),
                                                 partials.data_ptr<float>(), n, c, blocks);
     });
@@ -501,16 +512,29 @@ Tensor reduce_like(const Tensor& grad_c, const Tensor& p, double scale = 1.0) {
 Tensor pointwise_fwd(const Tensor& x, const Tensor& p0, const c10::optional<Tensor>& p1, const Tensor& w,
                      const c10::optional<Tensor>& b, double scale, int64_t kind) {
   const int64_t c = x.size(-1);
-  return pointwise_fwd_rows(rows(x), channel(p0, c), channel(p1, c), channel(w, c, scale), channel(b, c), kind)
+  return pointwise_fwd_rows(rows(x), channel(p0, c), channel(p1, c), channel(w, c, scale), channel(b, c), kind,
+                            false)[0]
       .view(x.sizes());
 }
 
-// [dx, dp0, dp1 (empty without p1), dw, db (empty without b)], each in its input's shape and dtype
-std::vector<Tensor> pointwise_bwd(const Tensor& g, const Tensor& x, const Tensor& p0, const c10::optional<Tensor>& p1,
-                                  const Tensor& w, const c10::optional<Tensor>& b, double scale, int64_t kind) {
+// [y, f]: the output and f before the weight and the bias (DyT's tanh(alpha x), Derf's erf(alpha x + s)), kept for
+// a backward that reads it instead of recomputing it
+std::vector<Tensor> pointwise_fwd_saving(const Tensor& x, const Tensor& p0, const c10::optional<Tensor>& p1,
+                                         const Tensor& w, const c10::optional<Tensor>& b, double scale, int64_t kind) {
   const int64_t c = x.size(-1);
-  std::vector<Tensor> r = pointwise_bwd_rows(rows(g.to(x.scalar_type())), rows(x), channel(p0, c), channel(p1, c),
-                                             channel(w, c, scale), kind);
+  std::vector<Tensor> r =
+      pointwise_fwd_rows(rows(x), channel(p0, c), channel(p1, c), channel(w, c, scale), channel(b, c), kind, true);
+  return {r[0].view(x.sizes()), r[1].view(x.sizes())};
+}
+
+// [dx, dp0, dp1 (empty without p1), dw, db (empty without b)], each in its input's shape and dtype
+std::vector<Tensor> pointwise_bwd(const Tensor& g, const Tensor& x, const c10::optional<Tensor>& f, const Tensor& p0,
+                                  const c10::optional<Tensor>& p1, const Tensor& w, const c10::optional<Tensor>& b,
+                                  double scale, int64_t kind) {
+  const int64_t c = x.size(-1);
+  const Tensor fs = f.has_value() && f->defined() ? rows(*f) : Tensor();
+  std::vector<Tensor> r = pointwise_bwd_rows(rows(g.to(x.scalar_type())), rows(x), fs, channel(p0, c),
+                                             channel(p1, c), channel(w, c, scale), kind);
   const bool has_p1 = p1.has_value() && p1->defined(), has_b = b.has_value() && b->defined();
   return {r[0].view(x.sizes()), reduce_like(r[1], p0), has_p1 ? reduce_like(r[2], *p1) : at::empty({0}),
           reduce_like(r[3], w, scale), has_b ? reduce_like(r[4], *b) : at::empty({0})};
@@ -548,8 +572,10 @@ Tensor approx(const Tensor& z, int64_t fn, bool half) {
 TORCH_LIBRARY(normlab_cpu, m) {
   m.def("approx(Tensor z, int fn, bool half) -> Tensor");
   m.def("pointwise_fwd(Tensor x, Tensor p0, Tensor? p1, Tensor w, Tensor? b, float scale, int kind) -> Tensor");
-  m.def("pointwise_bwd(Tensor g, Tensor x, Tensor p0, Tensor? p1, Tensor w, Tensor? b, float scale, int kind) -> "
+  m.def("pointwise_fwd_saving(Tensor x, Tensor p0, Tensor? p1, Tensor w, Tensor? b, float scale, int kind) -> "
         "Tensor[]");
+  m.def("pointwise_bwd(Tensor g, Tensor x, Tensor? f, Tensor p0, Tensor? p1, Tensor w, Tensor? b, float scale, "
+        "int kind) -> Tensor[]");
   m.def("rms_fwd(Tensor x, Tensor w, float eps) -> Tensor[]");
   m.def("rms_bwd(Tensor g, Tensor x, Tensor rstd, Tensor w) -> Tensor[]");
 }
@@ -557,6 +583,7 @@ TORCH_LIBRARY(normlab_cpu, m) {
 TORCH_LIBRARY_IMPL(normlab_cpu, CPU, m) {
   m.impl("approx", &approx);
   m.impl("pointwise_fwd", &pointwise_fwd);
+  m.impl("pointwise_fwd_saving", &pointwise_fwd_saving);
   m.impl("pointwise_bwd", &pointwise_bwd);
   m.impl("rms_fwd", &rms_fwd);
   m.impl("rms_bwd", &rms_bwd);
