@@ -12,9 +12,13 @@ two sweep workers of `normlab reproduce` runs on a 2-core machine. The candidate
 - ``compile``: `torch.compile` of the model (its compile time is reported apart, as setup);
 - ``vmapN``: N models of the same shape trained as one (`torch.func.stack_module_state` + `vmap`), as the runs
   of one experiment that differ only in seed would be; its time is per model;
-- ``threads2``: one model at 2 threads. Two workers at one thread each train two models in the time of
-  ``eager``; one worker at two threads, one model in the time of ``threads2``: its ``vs_eager`` is per model too
-  (halved), so a value below 1 would favour one worker of two threads.
+- ``threads2``: one model at 2 threads (one sweep worker that uses both cores);
+- ``two_workers``: what `normlab reproduce` does today: two processes at one thread each, stepping at the same
+  time (``--worker-steps`` each, after the other candidates); its time is a worker's median step halved, the
+  time per model when two train at once.
+
+``vs_eager`` is the time per model-step against ``eager`` alone on an idle machine; between ``threads2`` and
+``two_workers`` the lower one is the better use of two cores.
 
 Every candidate trains its own copy of the same model (the same init, the same batches, model 0 of a ``vmap``);
 ``loss_diff`` is its last loss against eager's, so that a faster path that changes the numbers shows it. The
@@ -91,7 +95,7 @@ class Candidate:
         return value
 
 
-def measure(norm: str, names: list[str], rounds: int, steps_per_turn: int, preset: str) -> list[dict]:
+def measure(norm: str, names: list[str], rounds: int, turn: int, preset: str, workers: int) -> list[dict]:
     cfg = resolve_config(preset, {"model.norm": norm})
     corpus = load_corpus(cfg.data or None, cfg.val_fraction)
     torch.set_num_threads(1)
@@ -106,31 +110,58 @@ def measure(norm: str, names: list[str], rounds: int, steps_per_turn: int, prese
     step = 1
     for _ in range(rounds):
         for c in cands:
-            for k in range(steps_per_turn):
+            for k in range(turn):
                 last[c.name] = c.step(corpus, step + k)
-        step += steps_per_turn  # every candidate sees the same batches in the same order
+        step += turn  # every candidate sees the same batches in the same order
     eager = statistics.median(next(c for c in cands if c.name == "eager").times)
     rows = []
     for c in cands:
         med = statistics.median(c.times)
-        per_model = med / 2 if c.name == "threads2" else med  # vs two 1-thread workers
         rows.append({"date": datetime.date.today().isoformat(), "commit": commit(), "machine": machine(),
                      "preset": preset, "norm": norm, "candidate": c.name, "steps": step,
-                     "ms_per_model_step": round(1e3 * med, 2), "vs_eager": round(per_model / eager, 3),
+                     "ms_per_model_step": round(1e3 * med, 2), "vs_eager": round(med / eager, 3),
                      "setup_s": round(c.setup_s, 2), "last_loss": round(last[c.name], 5),
                      "loss_diff": round(last[c.name] - last["eager"], 5)})  # fmt: skip
+    if workers:
+        med = two_workers(norm, preset, workers) / 2
+        rows.append({**rows[0], "candidate": "two_workers", "steps": workers,
+                     "ms_per_model_step": round(1e3 * med, 2), "vs_eager": round(med / eager, 3), "setup_s": None,
+                     "last_loss": None, "loss_diff": None})  # fmt: skip
     return rows
+
+
+def _worker(norm: str, preset: str, steps: int, barrier) -> float:
+    """One sweep worker's eager steps at one thread, started with the other worker's; its median step seconds."""
+    cfg = resolve_config(preset, {"model.norm": norm})
+    corpus = load_corpus(cfg.data or None, cfg.val_fraction)
+    torch.set_num_threads(1)
+    c = Candidate("eager", cfg)
+    c.step(corpus, 0)
+    c.times.clear()
+    barrier.wait()
+    for step in range(1, steps + 1):
+        c.step(corpus, step)
+    return statistics.median(c.times)
+
+
+def two_workers(norm: str, preset: str, steps: int) -> float:
+    """The mean of two concurrent workers' median step seconds (spawned, as `normlab.sweep` spawns them)."""
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    ctx = mp.get_context("spawn")
+    with ctx.Manager() as manager, ProcessPoolExecutor(2, mp_context=ctx) as pool:
+        barrier = manager.Barrier(2)
+        futures = [pool.submit(_worker, norm, preset, steps, barrier) for _ in range(2)]
+        return statistics.mean(f.result() for f in futures)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--norm", nargs="+", default=["rms_norm", "dyt"])
     ap.add_argument("--preset", default="small")
-    ap.add_argument(
-        "--candidates",
-        nargs="+",
-        default=["eager", "adamw_fused", "sdpa_math", "compile", "vmap2", "vmap4", "threads2"],
-    )
+    ap.add_argument("--candidates", nargs="+", default=CANDIDATES, choices=CANDIDATES)
+    ap.add_argument("--worker-steps", type=int, default=60, help="steps of each of the two workers (0: skip them)")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--steps-per-turn", type=int, default=5)
     ap.add_argument("--csv", default=str(ROOT / "bench" / "lab_step.csv"))
@@ -138,10 +169,11 @@ def main() -> None:
     if "eager" not in args.candidates:
         ap.error("--candidates must include eager, the reference every other is compared with")
     for norm in args.norm:
-        rows = measure(norm, args.candidates, args.rounds, args.steps_per_turn, args.preset)
+        rows = measure(norm, args.candidates, args.rounds, args.steps_per_turn, args.preset, args.worker_steps)
         for r in rows:
             print(f"{norm:9s} {r['candidate']:12s} {r['ms_per_model_step']:7.2f} ms/model-step  "
-                  f"x{r['vs_eager']:.3f} of eager  setup {r['setup_s']:6.2f} s  loss diff {r['loss_diff']:+.5f}",
+                  f"x{r['vs_eager']:.3f} of eager  setup {r['setup_s'] or 0:6.2f} s  "
+                  f"loss diff {r['loss_diff'] or 0:+.5f}",
                   flush=True)  # fmt: skip
         append_csv(args.csv, rows)
     print(f"appended to {args.csv}")
