@@ -6,9 +6,8 @@ Each op is an ``autograd.Function`` over two kernels written with ATen's vector 
 backward is one pass: it reads x and dy once, writes dx, and adds the parameter-gradient terms into
 per-task partial sums in the same sweep (each task owns a block of rows; the partials are added in task
 order, so a result is the same on every run with the same thread count). Only x is saved (RMSNorm also
-keeps its fp32 per-row rstd); tanh(alpha x) and the like are recomputed (`BACKWARD_SAVES`: measured cheaper than
-saving f for DyT and Derf). Arithmetic is float32 for every
-input dtype (float32, bfloat16, float16).
+keeps its fp32 per-row rstd); tanh(alpha x) and the like are recomputed (`BACKWARD_SAVES`: measured better than
+saving f for DyT and Derf). Arithmetic is float32 for every input dtype (float32, bfloat16, float16).
 
 The mechanism was chosen by measurement (``scripts/bench_kernels.py --cpu``, docs/kernels.md): the
 TorchInductor paths it replaces ran at the same or lower speed, wrote the parameter-gradient column sums
@@ -55,7 +54,8 @@ MIN_FUSED_ISRU = 0
 _KIND = {"dyt": 0, "derf": 1, "dyisru": 2, "eln": 3}
 # What the backward of DyT and Derf reads: "x" (the default: only x is saved and tanh or erf is computed again) or
 # "x_and_f" (the forward also writes f = tanh(alpha x) or erf(alpha x + s) in x's dtype, and the backward reads it
-# instead). Chosen by measurement, `python scripts/bench_kernels.py --cpu --saves` (docs/kernels.md).
+# instead). Chosen by measurement, `python scripts/bench_saves.py` (docs/kernels.md): saving was slower in fp32 and, in
+# bf16, barely faster for 5x the gradient error of DyT.
 BACKWARD_SAVES = {"dyt": "x", "derf": "x"}
 
 
