@@ -149,14 +149,21 @@ _EDGE_OPS = {  # name: (fused, reference, parameters), the parameters as the mod
     "eln": (lambda x, be, w, b: cpu.eln(x, be, w, b, scale=math.sqrt(7)), FN.eln,
             lambda: [torch.tensor([4.0]), torch.rand(8) + 0.5, torch.randn(8)]),
 }  # fmt: skip
+# each edge op, and DyT's and Derf's backward that reads the saved f (cpu.BACKWARD_SAVES) too
+_EDGE_CASES = [(op, "x") for op in _EDGE_OPS] + [("dyt", "x_and_f"), ("scaled_dyt", "x_and_f"), ("derf", "x_and_f")]
+
+
+def _saving(op: str, saves: str, monkeypatch) -> None:
+    monkeypatch.setitem(cpu.BACKWARD_SAVES, "derf" if op == "derf" else "dyt", saves)
 
 
 @pytest.mark.parametrize("magnitude", [1e4, 1e8, 1e18, 1e30])
-@pytest.mark.parametrize("op", list(_EDGE_OPS))
-def test_every_gradient_matches_the_reference_on_huge_inputs(op, magnitude):
+@pytest.mark.parametrize("op, saves", _EDGE_CASES)
+def test_every_gradient_matches_the_reference_on_huge_inputs(op, saves, magnitude, monkeypatch):
     """Issue 29, defect 1: the fused tanh stopped at 0.99999994, so every saturated element kept adding to
     alpha's gradient (9.5e23 instead of 0 at |x| = 1e30 for DyT). Rows of huge values, one sign or mixed with
     ordinary ones: the output and every gradient as the reference's (float64), saturation exactly +-1."""
+    _saving(op, saves, monkeypatch)
     fast, ref, params = _EDGE_OPS[op]
     torch.manual_seed(0)
     x = torch.randn(6, 8)
@@ -183,13 +190,14 @@ def _same(a, b, what):
     assert torch.allclose(a.double(), b.double(), rtol=1e-4, atol=1e-5, equal_nan=True), f"{what}: {a} vs {b}"
 
 
-@pytest.mark.parametrize("op", list(_EDGE_OPS))
-def test_non_finite_inputs_follow_one_rule_on_every_path(op):
+@pytest.mark.parametrize("op, saves", _EDGE_CASES)
+def test_non_finite_inputs_follow_one_rule_on_every_path(op, saves, monkeypatch):
     """Issue 29: the paths disagreed on NaN and inf (Derf's gradients +inf where the reference's are NaN, DyISRU
     saturating at inf where the reference gave NaN, ELN's NaN kept to one channel), so `kernel="auto"` answered
     differently for the same row by batch size. The rule (normlab.functional, "Non-finite inputs"): +-inf gives the
     function's limit with gradient 0 (tanh, erf, ISRU: +-1); NaN stays NaN at its element; a row holding inf or
     NaN is NaN where the norm centres it (ELN). Every gradient included."""
+    _saving(op, saves, monkeypatch)
     fast, ref, params = _EDGE_OPS[op]
     x = torch.tensor(
         [
