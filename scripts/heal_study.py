@@ -84,7 +84,7 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", help="objective:train pairs (default: all six)")
     ap.add_argument("--lr", nargs="*", type=float, default=[None], help="rates to try (default: HealConfig's)")
     ap.add_argument("--schedule", nargs="*", default=["constant"], help="schedules to try: constant, cosine")
-    ap.add_argument("--batch", nargs="*", type=int, default=[8], help="sequences per heal step to try (default 8)")
+    ap.add_argument("--batch", nargs="*", type=int, help="sequences per heal step to try (default: HealConfig's)")
     ap.add_argument("--text", default="text", help="the heal's stream: text, self or self+text")
     ap.add_argument("--self-sequences", type=int, default=512, help="samples for self / self+text")
     ap.add_argument("--figure", default=str(FIG), help="where the curves go (default docs/figures/heal_curves.png)")
@@ -107,7 +107,8 @@ def main() -> None:
     from normlab.corpus import fetch_docs, fetch_shakespeare
 
     combos = [tuple(c.split(":")) for c in args.only] if args.only else [(o, t) for o in OBJECTIVES for t in TRAINS]
-    trials = [(o, t, lr, sch, b) for o, t in combos for lr in args.lr for sch in args.schedule for b in args.batch]
+    batches = args.batch or [HealConfig.batch_size]
+    trials = [(o, t, lr, sch, b) for o, t in combos for lr in args.lr for sch in args.schedule for b in batches]
     torch.manual_seed(0)
     original, tok = load_model(smollm2())
     splits = text_splits(fetch_shakespeare(), tok, original.config.vocab_size, 128, 32, 32)
