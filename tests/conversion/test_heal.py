@@ -253,6 +253,7 @@ def test_a_heal_whose_validation_worsens_keeps_its_earlier_state(objective):
         train="norms",
         lr=1e-2,
         eval_every=500,
+        rollback_nats=None,  # the best-state rule alone (rollbacks would pull later points back toward the start)
         progress=False,
     )
     later = [p["val_ce"] for p in rep.curve[1:]]
@@ -288,6 +289,31 @@ def test_a_heal_keeps_its_best_point_not_its_last():
     assert min(ces) < ces[0]  # it learned
     assert rep.best["val_ce"] == min(ces) and [p["best"] for p in rep.curve].count(True) >= 1
     assert cross_entropy(model, val) == pytest.approx(min(ces), rel=1e-5)
+
+
+@pytest.mark.parametrize("rollback_nats", [0.5, None])
+def test_a_spike_rolls_back_to_the_best_state_and_halves_the_rate(rollback_nats):
+    """A rate far too high makes the validation CE jump. With ``rollback_nats`` set, a point that far above the best
+    restores the best state and halves the rate: the point is marked, the report counts it, and every later point
+    records the halved rate; with None the heal never rolls back and keeps its rate."""
+    original = _peaked(0)
+    model = copy.deepcopy(original)
+    rec = normlab.convert_norms(model, "dyt", calibrate=_batches(2))
+    lr = 0.1
+    rep = normlab.heal(original, model, _stream(), rec, val=_batches(1, seed=9), tokens=3000, train="norms", lr=lr,
+                       eval_every=128, rollback_nats=rollback_nats, progress=False)  # fmt: skip
+    marked = [i for i, p in enumerate(rep.curve) if p.get("rollback")]
+    assert rep.rollbacks == len(marked)
+    best = [p["val_ce"] for p in rep.curve]
+    for i in marked:
+        assert rep.curve[i]["val_ce"] > min(best[:i]) + rollback_nats
+    for i, p in enumerate(rep.curve[1:], 1):
+        assert p["lr"] == pytest.approx(lr * 0.5 ** sum(j < i for j in marked))
+    if rollback_nats is None:
+        assert not marked
+        assert max(best[1:]) > min(best) + 0.5  # the rate does spike: the rolled-back run is tested on a real spike
+    else:
+        assert marked
 
 
 @pytest.mark.parametrize("train", ["norms", "lora", "all"])
@@ -394,6 +420,9 @@ def test_the_stream_never_repeats_before_it_has_used_every_sequence_and_never_to
                                       ({"tokens": 5, "schedule": "linear"}, "schedule must be"),
                                       ({"tokens": 5, "objective": "blocks", "schedule": "cosine"},
                                        "applies to the distill objective"),
+                                      ({"tokens": 5, "rollback_nats": 0}, "rollback_nats must be a finite number"),
+                                      ({"tokens": 5, "rollback_nats": "1"}, "rollback_nats must be a finite number"),
+                                      ({"tokens": 5, "rollback_nats": math.inf}, "rollback_nats must be a finite"),
                                       ({"tokens": 5, "resume": True}, "resume=True needs checkpoint")])  # fmt: skip
 def test_heal_bad_input_is_clear(kw, match):
     original = _llama()

@@ -60,6 +60,7 @@ class HealConfig:
     lr: float | None = None  # Adam's rate; None: HEAL_LEARNING_RATES[train]
     schedule: str = "constant"  # or "cosine": 5% linear warmup, then down to a tenth of lr at the budget's end
     batch_size: int = 8
+    rollback_nats: float | None = 0.5  # a validation point this far above the best: back to the best, half the rate
     eval_every: int | None = None  # trained tokens between validation points; None: every 8 steps
     lora_rank: int = LORA_RANK
     checkpoint: str | None = None  # None: OUT.heal.pt when there is an output folder
@@ -114,6 +115,15 @@ class HealConfig:
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v < least:
                 raise ValueError(f"{flag('heal.' + name)} must be an int >= {least}, got {v!r}")
+        if self.rollback_nats is not None and (
+            isinstance(self.rollback_nats, bool)
+            or not isinstance(self.rollback_nats, (int, float))
+            or not 0 < self.rollback_nats < math.inf
+        ):
+            raise ValueError(
+                f"{flag('heal.rollback_nats')} must be a finite number > 0 (nats above the best validation point), "
+                f"or null to never roll back; got {self.rollback_nats!r}"
+            )
         for name, lo, hi in (("self_fraction", 0.0, 1.0), ("temperature", 0.0, math.inf)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo < v < hi:

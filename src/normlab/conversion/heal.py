@@ -54,7 +54,6 @@ from normlab.conversion.heal_run import (
     is_ours,
     load_checkpoint,
     lr_factor,
-    make_optimizer,
     mean_finite,
     postfix,
     set_lr,
@@ -225,7 +224,7 @@ def distill(run: HealRun) -> None:
     from tqdm.auto import tqdm
 
     cfg, report, check, budget = run.cfg, run.report, run.check, run.budget
-    opt = make_optimizer(run.params, cfg.rate(), run.converted)
+    opt = run.optimizer()
     if run.state is not None and run.state.get("optimizer") is not None:
         opt.load_state_dict(run.state["optimizer"])
     if not report.curve:
@@ -249,7 +248,7 @@ def distill(run: HealRun) -> None:
             loss = _kl(run.original, run.converted, ids)
             if not torch.isfinite(loss):
                 check.restore()  # back to the best state; a fresh optimizer; carry on
-                opt = make_optimizer(run.params, cfg.rate(), run.converted)
+                opt = run.optimizer()
                 losses.append(math.nan)
                 continue
             opt.zero_grad(set_to_none=True)
@@ -263,6 +262,13 @@ def distill(run: HealRun) -> None:
                 point = run.point(mean_finite(losses), lr=lr)
                 losses, next_eval = [], report.tokens + cfg.eval_every
                 bar.set_postfix_str(postfix(point))
+                if run.diverged(point):  # a spike: back to the best state, on at half the rate
+                    opt = run.optimizer()
+                    lr = set_lr(opt, lr_factor(cfg.schedule, budget.used()))
+                    bar.write(
+                        f"heal: validation CE {point['val_ce']:.3f} is more than {cfg.rollback_nats:g} nats above "
+                        f"the best ({check.best_ce:.3f}): back to that state, rate halved to {lr:.3g}"
+                    )
                 run.save(opt)
         if losses:
             run.point(mean_finite(losses), lr=lr)

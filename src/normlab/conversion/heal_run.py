@@ -36,6 +36,7 @@ class HealReport:
     seconds: float = 0.0
     resumed_from: int = 0
     lora_rank: int | None = None
+    rollbacks: int = 0  # times the heal went back to its best state and halved its rate (HealConfig.rollback_nats)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -76,17 +77,18 @@ def frozen(original: nn.Module, converted: nn.Module):
                 p.requires_grad_(flag)
 
 
-def make_optimizer(params: list, lr: float, converted: nn.Module) -> torch.optim.Optimizer:
+def make_optimizer(params: list, lr: float, converted: nn.Module, scale: float = 1.0) -> torch.optim.Optimizer:
     """Adam over ``params``. DyT's alpha is stored as is and can sit anywhere from 1e-4 to 10 after calibration,
     and Adam's steps are absolute, so each alpha gets a rate relative to its own size (log_beta is already a
-    log); LoRA's adapters get their own rate."""
+    log); LoRA's adapters get their own rate. ``scale`` multiplies every group's rate (after a rollback)."""
     alphas = {
         id(m.alpha) for m in converted.modules() if is_ours(m) and isinstance(getattr(m, "alpha", None), nn.Parameter)
     }
     lora = {id(p) for m in converted.modules() if isinstance(m, LoRALinear) for p in (m.lora_a, m.lora_b)}
     plain = [p for p in params if id(p) not in alphas and id(p) not in lora]
+    lr = lr * scale
     groups = [{"params": plain, "lr": lr},
-              {"params": [p for p in params if id(p) in lora], "lr": HEAL_LEARNING_RATES["lora"]}]  # fmt: skip
+              {"params": [p for p in params if id(p) in lora], "lr": HEAL_LEARNING_RATES["lora"] * scale}]  # fmt: skip
     groups += [
         {"params": [p], "lr": lr * float(p.detach().abs().mean().clamp_min(1e-12))} for p in params if id(p) in alphas
     ]
@@ -218,6 +220,24 @@ class HealRun:
         point["best"] = self.check.offer(point)
         self.report.curve.append(point)
         return point
+
+    def optimizer(self) -> torch.optim.Optimizer:
+        """A fresh optimizer at the configured rate, halved once per rollback so far."""
+        return make_optimizer(self.params, self.cfg.rate(), self.converted, 0.5**self.report.rollbacks)
+
+    def diverged(self, point: dict) -> bool:
+        """Whether ``point`` is more than ``rollback_nats`` above the best validation point (or not finite): then
+        the best state is restored and the rollback counted; the caller takes a fresh `optimizer`."""
+        nats = self.cfg.rollback_nats
+        ce, best = point["val_ce"], self.check.best_ce
+        if nats is None or self.check.best_state is None or not (math.isfinite(best) and self.check.batches):
+            return False
+        if math.isfinite(ce) and ce <= best + nats:
+            return False
+        self.check.restore()
+        self.report.rollbacks += 1
+        point["rollback"] = True
+        return True
 
     def save(self, opt: torch.optim.Optimizer | None = None, **extra) -> None:
         """Write the checkpoint (atomically), if the heal has one."""

@@ -184,6 +184,8 @@ def heal_summary(rep) -> str:
             f"; validation CE {rep.curve[0]['val_ce']:.3f} at the start, best {rep.best['val_ce']:.3f} at "
             f"{rep.best['tokens']:,} tokens (kept), last {rep.curve[-1]['val_ce']:.3f}"
         )
+    if rep.rollbacks:
+        line += f"; rolled back to the best state {rep.rollbacks} time(s), each halving the rate"
     return line
 
 
@@ -208,6 +210,10 @@ def write_curve(rep, folder: Path) -> None:
     ax.plot(toks, [p["val_ce"] for p in rep.curve], marker=".", label="validation CE")
     if rep.best is not None:
         ax.axvline(rep.best["tokens"], color="green", ls=":", label="kept")
+    back = [p for p in rep.curve if p.get("rollback")]
+    if back:
+        ax.scatter([p["tokens"] for p in back], [p["val_ce"] for p in back], color="red", marker="x", zorder=3,
+                   label="rolled back to the best, rate halved")  # fmt: skip
     handles = ax.get_legend_handles_labels()
     tl = [(p["tokens"], p["train_loss"]) for p in rep.curve if p["train_loss"] == p["train_loss"]]
     if tl:
