@@ -136,6 +136,19 @@ class _RMSNormFn(torch.autograd.Function):
         return dx, dw, None
 
 
+def _differentiable(*tensors: Tensor | None) -> bool:
+    """Whether autograd records this call; when it does not (inference, ``torch.no_grad``, frozen parameters and
+    input), the ops are called directly: the autograd function's own cost is most of a small call's (a decode
+    step's norm is one row)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _pointwise(x: Tensor, weight: Tensor, bias: Tensor | None, scale: float, kind: str, p0: Tensor, p1: Tensor | None):
+    if _differentiable(x, weight, bias, p0, p1):
+        return _PointwiseFn.apply(x, weight, bias, scale, kind, p0, p1)
+    return torch.ops.normlab_cpu.pointwise_fwd(x, p0, p1, weight, bias, scale, _KIND[kind])
+
+
 def _need() -> None:
     if not ready(wait=True):
         raise RuntimeError(f"normlab's CPU kernels are not available on this machine ({cpu_build.failure()})")
@@ -147,28 +160,31 @@ def _need() -> None:
 def dyt(x: Tensor, alpha: Tensor, weight: Tensor | None, bias: Tensor | None = None, scale: float = 1.0) -> Tensor:
     """scale * weight * tanh(alpha x) + bias (scale sqrt(C) gives scaled DyT); alpha of shape (1,) or (C,)."""
     _need()
-    return _PointwiseFn.apply(x, unit_weight(weight, x), bias, float(scale), "dyt", alpha, None)
+    return _pointwise(x, unit_weight(weight, x), bias, float(scale), "dyt", alpha, None)
 
 
 def derf(x: Tensor, alpha: Tensor, shift: Tensor, weight: Tensor | None, bias: Tensor | None = None) -> Tensor:
     """weight * erf(alpha x + shift) + bias; alpha and shift of shape (1,) or (C,)."""
     _need()
-    return _PointwiseFn.apply(x, unit_weight(weight, x), bias, 1.0, "derf", alpha, shift)
+    return _pointwise(x, unit_weight(weight, x), bias, 1.0, "derf", alpha, shift)
 
 
 def dyisru(x: Tensor, beta: Tensor, weight: Tensor | None, bias: Tensor | None = None, scale: float = 1.0) -> Tensor:
     """scale * weight * x / sqrt(beta + x^2) + bias; beta of shape (1,) or (C,)."""
     _need()
-    return _PointwiseFn.apply(x, unit_weight(weight, x), bias, float(scale), "dyisru", beta, None)
+    return _pointwise(x, unit_weight(weight, x), bias, float(scale), "dyisru", beta, None)
 
 
 def eln(x: Tensor, beta: Tensor, weight: Tensor | None, bias: Tensor | None = None, scale: float = 1.0) -> Tensor:
     """scale * weight * u / sqrt(beta + u^2) + bias with u = x - mean(x); beta of shape (1,) or (C,)."""
     _need()
-    return _PointwiseFn.apply(x, unit_weight(weight, x), bias, float(scale), "eln", beta, None)
+    return _pointwise(x, unit_weight(weight, x), bias, float(scale), "eln", beta, None)
 
 
 def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
     """weight * x / sqrt(mean(x^2) + eps), fp32 statistics."""
     _need()
-    return _RMSNormFn.apply(x, unit_weight(weight, x), float(eps))
+    weight = unit_weight(weight, x)
+    if _differentiable(x, weight):
+        return _RMSNormFn.apply(x, weight, float(eps))
+    return torch.ops.normlab_cpu.rms_fwd(x, weight, float(eps))[0]
