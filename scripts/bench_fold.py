@@ -2,6 +2,7 @@
 
     python scripts/bench_fold.py                        # DyT and DyISRU, prompt 128 tokens, 32 decoded
     python scripts/bench_fold.py --to dyt --rounds 5
+    python scripts/bench_fold.py --to dyisru --converted OUT   # and a conversion saved by normlab convert --out OUT
 
 Three models in one process: the original, a copy with every norm converted to the target (default init: speed
 does not depend on the fitted values), and a copy of that folded with normlab.fold (gamma in the linear layers,
@@ -21,12 +22,14 @@ import copy
 import datetime
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
 import normlab
 from bench_kernels import cpu_name  # scripts/ is on the path when a script runs
 from normlab.conversion.hf import load_model, smollm2
+from normlab.conversion.saving import load_converted
 from normlab.lab.runs import code_version
 from normlab.table import append_csv, format_table
 
@@ -44,6 +47,14 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=32, help="tokens decoded per round")
     ap.add_argument("--rounds", type=int, default=5, help="rounds; every model is timed once per round")
     ap.add_argument("--csv", default="bench/fold.csv", help="where rows are appended")
+    ap.add_argument(
+        "--converted",
+        nargs="+",
+        default=[],
+        metavar="DIR",
+        help="also time these saved conversions (normlab convert --out DIR), converted and folded: fitted values, "
+        "not the default init",
+    )
     args = ap.parse_args()
 
     original, _ = load_model(smollm2())
@@ -56,6 +67,13 @@ def main() -> None:
         differences[to] = normlab.fold(folded, tolerance=float("inf")).max_difference
         models[f"{to}, converted"] = conv
         models[f"{to}, folded"] = folded
+    for folder in args.converted:
+        conv, record = load_converted(folder)
+        folded = copy.deepcopy(conv.float().eval())
+        name = f"{record.target} from {Path(folder).name}"
+        differences[name] = normlab.fold(folded, tolerance=float("inf")).max_difference
+        models[f"{name}, converted"] = conv
+        models[f"{name}, folded"] = folded
     prompt = torch.randint(0, original.config.vocab_size, (1, args.prompt), generator=torch.Generator().manual_seed(0))
     times = {name: {"prompt": [], "decode": []} for name in models}
     gen = dict(max_new_tokens=args.new, min_new_tokens=args.new, do_sample=False, pad_token_id=0)

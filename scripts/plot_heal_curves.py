@@ -2,6 +2,7 @@
 
     python scripts/plot_heal_curves.py bench/heal_30min_dyisru.csv "one core" \
         bench/heal_30min_dyisru_2threads.csv "two threads" --out docs/figures/heal_30min.png
+    python scripts/plot_heal_curves.py A.csv "batch 8" B.csv "batch 4" --ylim 4.8 9.5 --out FIG.png   # clip a spike
 
 Each CSV is what `normlab convert --heal-minutes N --out DIR` writes as DIR/heal_curve.csv (columns tokens,
 seconds, val_ce, ...). The kept point (the best validation CE) is circled on each line.
@@ -30,6 +31,7 @@ def main() -> None:
     ap.add_argument("pairs", nargs="+", help="CSV LABEL [CSV LABEL ...]")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--title", default="SmolLM2-135M, DyISRU at all 61 sites: the stream heal")
+    ap.add_argument("--ylim", type=float, nargs=2, metavar=("LOW", "HIGH"), help="the CE axis (a diverged curve)")
     args = ap.parse_args()
     if len(args.pairs) % 2:
         ap.error("give each CSV a label: CSV LABEL [CSV LABEL ...]")
@@ -50,6 +52,8 @@ def main() -> None:
     axes[1].set_xlabel("tokens healed on")
     axes[0].set_ylabel("validation CE (nats/token)")
     axes[0].legend(fontsize=8)
+    if args.ylim:
+        axes[0].set_ylim(*args.ylim)
     fig.suptitle(args.title)
     save(fig, args.out)
 
