@@ -313,37 +313,6 @@ def test_gradients_are_deterministic_at_one_and_two_threads(op):
         KC.close(g2, g1, 1e-5, f"{op}: 2 threads against 1")
 
 
-@pytest.mark.parametrize("op", ["dyt", "derf", "dyisru", "eln", "rms_norm"])
-def test_a_call_autograd_does_not_record_skips_the_autograd_function_and_gives_the_same_bits(op, monkeypatch):
-    """Inference (inference_mode, no_grad, or nothing requiring a gradient) calls the op directly: the same output,
-    bit for bit, as the recorded call, and the autograd function never runs; a call that autograd records still goes
-    through it, whichever single tensor requires the gradient."""
-    x, _, w, b, _ = _inputs(1, 576, torch.float32)
-    p = torch.full((1,), 0.6)
-    call = {
-        "dyt": lambda x, p, w, b: cpu.dyt(x, p, w, b),
-        "derf": lambda x, p, w, b: cpu.derf(x, p, 0.1 * p.detach(), w, b),
-        "dyisru": lambda x, p, w, b: cpu.dyisru(x, p, w, b),
-        "eln": lambda x, p, w, b: cpu.eln(x, p, w, b),
-        "rms_norm": lambda x, p, w, b: cpu.rms_norm(x, w, 1e-6),
-    }[op]
-    recorded = call(*(t.clone().requires_grad_(True) for t in (x, p, w, b)))
-    fn = cpu._RMSNormFn if op == "rms_norm" else cpu._PointwiseFn
-    applied = []
-    real_apply = fn.apply
-    monkeypatch.setattr(fn, "apply", lambda *a: applied.append(1) or real_apply(*a))
-    for context in (torch.inference_mode, torch.no_grad):
-        with context():
-            assert torch.equal(call(x, p, w, b), recorded.detach())
-    assert torch.equal(call(x, p, w, b), recorded.detach()) and not applied
-    for i in (0, 2) if op == "rms_norm" else (0, 1, 2, 3):
-        leaves = [t.clone().requires_grad_(j == i) for j, t in enumerate((x, p, w, b))]
-        y = call(*leaves)
-        y.sum().backward()
-        assert leaves[i].grad is not None and torch.isfinite(leaves[i].grad).all(), (op, i)
-    assert len(applied) == (2 if op == "rms_norm" else 4)
-
-
 @pytest.mark.parametrize("op", ["dyt", "dyisru", "rms_norm"])
 def test_saves_only_its_input(op):
     """Activation memory: the backward keeps x and per-channel (or per-row) vectors, no other (N, C) tensor."""

@@ -60,7 +60,7 @@ class HealConfig:
     lr: float | None = None  # Adam's rate; None: HEAL_LEARNING_RATES[train]
     schedule: str = "constant"  # or "cosine": 5% linear warmup, then down to a tenth of lr at the budget's end
     batch_size: int = 4  # sequences per step: 4 beat 8 per token and per minute (docs/conversion.md, "The batch")
-    rollback_nats: float | None = 0.5  # a validation point this far above the best: back to the best, half the rate
+    rollback_nats: float | None = 0.5  # distill: a validation point this far above the best: back to it, half the rate
     eval_every: int | None = None  # trained tokens between validation points; None: every 8 steps
     lora_rank: int = LORA_RANK
     checkpoint: str | None = None  # None: OUT.heal.pt when there is an output folder

@@ -262,7 +262,7 @@ def distill(run: HealRun) -> None:
                 point = run.point(mean_finite(losses), lr=lr)
                 losses, next_eval = [], report.tokens + cfg.eval_every
                 bar.set_postfix_str(postfix(point))
-                if run.diverged(point):  # a spike: back to the best state, on at half the rate
+                if run.rolled_back(point):  # a spike: back to the best state, on at half the rate
                     opt = run.optimizer()
                     lr = set_lr(opt, lr_factor(cfg.schedule, budget.used()))
                     bar.write(

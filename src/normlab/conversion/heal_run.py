@@ -225,9 +225,9 @@ class HealRun:
         """A fresh optimizer at the configured rate, halved once per rollback so far."""
         return make_optimizer(self.params, self.cfg.rate(), self.converted, 0.5**self.report.rollbacks)
 
-    def diverged(self, point: dict) -> bool:
-        """Whether ``point`` is more than ``rollback_nats`` above the best validation point (or not finite): then
-        the best state is restored and the rollback counted; the caller takes a fresh `optimizer`."""
+    def rolled_back(self, point: dict) -> bool:
+        """Roll back when ``point`` is more than ``rollback_nats`` above the best validation point (or not finite):
+        the best state is restored, the rollback counted, and True returned; the caller takes a fresh `optimizer`."""
         nats = self.cfg.rollback_nats
         ce, best = point["val_ce"], self.check.best_ce
         if nats is None or self.check.best_state is None or not (math.isfinite(best) and self.check.batches):
