@@ -47,16 +47,24 @@ def test_a_bad_recipe_value_fails_before_any_folder_exists(corpus_file, tmp_path
 
 
 def test_default_config_trains_as_before(corpus_file, tmp_path):
-    """The knobs at their defaults change nothing: the same train losses, bit for bit, as the code before them
-    (tests/data/losses_before_recipe_knobs.json, made on the same kind of machine). Both on the reference math:
-    the fused CPU kernels round differently, and their changes are not what this test guards."""
+    """The knobs at their defaults change nothing: the same train losses as the code before them
+    (tests/data/losses_before_recipe_knobs.json). Both on the reference math: the fused CPU kernels round
+    differently, and their changes are not what this test guards.
+
+    The first loss (the forward at init: the init and the data order) must match bit for bit. The later ones match bit
+    for bit on the CPUs that made and checked the file, but not on every CPU: on an AMD EPYC with AVX-512 (2026-11-25)
+    PyTorch's float32 matmuls round differently in the last bits, and the code from before this session differed
+    from the file by up to 1.7e-7 relative (step 4 of rms_norm; 8.6e-8 for dyt), as the current code does. So the rest
+    must agree to 1e-5 relative: 60 times that, and orders of magnitude below what a changed default would move."""
     before = json.loads((DATA / "losses_before_recipe_knobs.json").read_text())["train_loss"]
     for norm, losses in before.items():
         knobs = {"steps": 20, "log_every": 1, "eval_every": 10, "model.norm_kwargs": {"kernel": "reference"}}
         cfg = resolve_config("tiny", knobs, data=[corpus_file], out=str(tmp_path / norm), norm=norm)
         train(cfg, progress=False)
         now = [r["train_loss"] for r in RunFolder(tmp_path / norm).metrics() if r.get("train_loss") is not None]
-        assert now == losses, norm
+        assert len(now) == len(losses) and now[0] == losses[0], norm
+        worst = max(abs(a - b) / abs(b) for a, b in zip(now, losses))
+        assert worst <= 1e-5, f"{norm}: the losses moved by {worst:.2e} relative"
 
 
 def test_embed_scale_is_a_learnable_scalar_without_weight_decay():
