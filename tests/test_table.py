@@ -23,3 +23,42 @@ def test_the_shipped_lab_csv_has_one_width():
 
     rows = list(csv.reader((Path(__file__).parents[1] / "bench" / "lab.csv").open()))
     assert len({len(r) for r in rows}) == 1
+
+
+def test_append_csv_waits_for_another_process_appending(tmp_path):
+    """A second writer of the same table waits for the first (a real process holding the table's lock) and then
+    appends after its rows, instead of writing over them."""
+    import subprocess
+    import sys
+    import time
+
+    path = tmp_path / "bench.csv"
+    ready = tmp_path / "ready"
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time, pathlib\n"
+            "from normlab.owner import hold\n"
+            "from normlab.table import _append\n"
+            "p = pathlib.Path(sys.argv[1])\n"
+            "with hold(p, 'benchmark table'):\n"
+            "    pathlib.Path(sys.argv[2]).touch()\n"
+            "    time.sleep(1.5)\n"
+            "    _append(p, [{'a': 1, 'b': 2}])\n",
+            str(path),
+            str(ready),
+        ]
+    )
+    try:
+        while not ready.exists():
+            assert holder.poll() is None, "the process holding the lock died"
+            time.sleep(0.02)
+        start = time.monotonic()
+        append_csv(path, [{"a": 3, "b": 4, "c": 5}])
+        waited = time.monotonic() - start
+    finally:
+        holder.wait(timeout=30)
+    assert waited > 0.5, f"append_csv did not wait for the holder ({waited:.2f} s)"
+    rows = list(csv.reader(path.open()))
+    assert rows == [["a", "b", "c"], ["1", "2", ""], ["3", "4", "5"]]

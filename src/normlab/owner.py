@@ -23,17 +23,17 @@ class Locked(NormlabError):
     """Another live process owns the output."""
 
 
-def take_lock(lock: Path) -> int | str:
+def take_lock(lock: Path, wait: bool = False) -> int | str:
     """Take the OS advisory lock on the file ``lock`` (made if absent) and write this process into it: the
-    open descriptor (close it to release), or, when a live process holds it, that holder's line. On a system
-    without ``fcntl`` (not POSIX) there is no lock: -1."""
+    open descriptor (close it to release), or, when a live process holds it, that holder's line (``wait=True``:
+    wait for it instead). On a system without ``fcntl`` (not POSIX) there is no lock: -1."""
     try:
         import fcntl
     except ImportError:
         return -1
     fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
     except OSError:
         holder = os.read(fd, 4096).decode(errors="replace").strip() or "another process"
         os.close(fd)
@@ -44,14 +44,15 @@ def take_lock(lock: Path) -> int | str:
 
 
 @contextlib.contextmanager
-def hold(target: str | Path, what: str):
+def hold(target: str | Path, what: str, wait: bool = False):
     """Own ``target`` (a file or folder, existing or not) for the duration: a second process is refused with the
-    first one's pid and command. The lock file is ``.<name>.lock`` beside the target."""
+    first one's pid and command, or with ``wait=True`` waits its turn (for short writes such as a table's
+    append). The lock file is ``.<name>.lock`` beside the target."""
     target = Path(target)
     lock = target.parent / f".{target.name}.lock"
     check_writable(lock, what)
     lock.parent.mkdir(parents=True, exist_ok=True)
-    fd = take_lock(lock)
+    fd = take_lock(lock, wait)
     if isinstance(fd, str):
         raise Locked(f"{what} {target} is in use by a live process ({fd}); wait for it to end, or choose another path")
     try:

@@ -32,9 +32,18 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence], markdown: boo
 def append_csv(path: str | Path, rows: list[dict]) -> Path:
     """Append rows to a CSV: benchmarks keep one growing table. When the rows bring columns the file lacks,
     the file is rewritten under the union of the columns (older rows leave the new cells empty), so that
-    every row has as many cells as the header."""
+    every row has as many cells as the header. Two benchmarks appending to one table take turns (a lock beside it,
+    ``.<name>.lock``), so neither loses the other's rows."""
+    from normlab.owner import hold
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    with hold(path, "benchmark table", wait=True):
+        _append(path, rows)
+    return path
+
+
+def _append(path: Path, rows: list[dict]) -> None:
     old_rows, columns = [], []
     if path.exists() and path.stat().st_size:
         with path.open(newline="") as f:
@@ -52,4 +61,3 @@ def append_csv(path: str | Path, rows: list[dict]) -> Path:
     else:
         with path.open("a", newline="") as f:
             csv.DictWriter(f, fieldnames=columns, restval="").writerows(rows)
-    return path
