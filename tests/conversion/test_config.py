@@ -77,6 +77,20 @@ def test_identity_names_the_field_that_differs_and_ignores_the_budget():
     assert identity_difference(None, {}).startswith("it records no identity")
 
 
+def test_a_checkpoint_from_before_a_new_default_is_refused_naming_it_and_resumes_with_the_old_value():
+    """A heal checkpoint written before ``heal.batch_size`` became 4 and ``heal.rollback_nats`` existed (its
+    identity: batch 8, no rollback key) is refused with both fields named; setting the old values resumes it
+    (an absent rollback_nats and null both mean no rollback)."""
+    old = resolve_convert_config(["heal.minutes=30"]).identity()
+    old["heal.batch_size"] = 8
+    del old["heal.rollback_nats"]
+    now = resolve_convert_config(["heal.minutes=30"])
+    assert now.difference(old) == (
+        "heal.batch_size: checkpoint 8 vs now 4; heal.rollback_nats: checkpoint None vs now 0.5"
+    )
+    assert resolve_convert_config(["heal.batch_size=8", "heal.rollback_nats=null"]).difference(old) is None
+
+
 def test_every_knob_reachable_from_python_has_a_field():
     """convert_norms' and heal's keywords (beyond the model and the data) are all fields, so --set reaches them."""
     fields = set(_flat_keys(ConvertConfig().to_dict()))
