@@ -44,22 +44,30 @@ def corpus(tmp_path) -> Path:
     return p
 
 
-def tiny_hf(path: Path, family: str = "Llama", seed: int = 0) -> Path:
-    """A tiny random Hugging Face causal LM of ``family`` (Llama, Qwen2, Qwen3, Gemma) saved to ``path``."""
+def tiny_lm(family: str = "Llama", seed: int = 0, layers: int = 2, **config):
+    """A tiny random Hugging Face causal LM of ``family`` (Llama, Qwen2, Qwen3, Gemma) in eval mode: vocabulary 100,
+    width 32, 4 heads (2 key-value heads), ``layers`` blocks, its weights drawn after ``torch.manual_seed(seed)``;
+    ``config`` overrides any field (``initializer_range=0.5`` for peaked next-token distributions,
+    ``tie_word_embeddings=True``)."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(seed)
     kw = dict(
         vocab_size=100,
         hidden_size=32,
         intermediate_size=64,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
     )
     if family == "Gemma":
         kw["head_dim"] = 8
-    cfg = getattr(transformers, f"{family}Config")(**kw)
-    getattr(transformers, f"{family}ForCausalLM")(cfg).eval().save_pretrained(path)
+    cfg = getattr(transformers, f"{family}Config")(**{**kw, **config})
+    return getattr(transformers, f"{family}ForCausalLM")(cfg).eval()
+
+
+def tiny_hf(path: Path, family: str = "Llama", seed: int = 0) -> Path:
+    """`tiny_lm` saved to ``path``."""
+    tiny_lm(family, seed).save_pretrained(path)
     return path
 
 

@@ -7,9 +7,9 @@ import inspect
 import json
 
 import pytest
-import torch
 
 import normlab
+from conftest import tiny_hf
 from normlab.cli import main
 from normlab.conversion.config import (
     SHORTHANDS,
@@ -26,16 +26,7 @@ transformers = pytest.importorskip("transformers")
 
 @pytest.fixture()
 def tiny(tmp_path):
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=100,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    transformers.LlamaForCausalLM(cfg).eval().save_pretrained(tmp_path / "m")
+    tiny_hf(tmp_path / "m")
     text = tmp_path / "calib.txt"
     text.write_text("The quick brown fox jumps over the lazy dog. " * 200)
     return {"model": str(tmp_path / "m"), "text": str(text)}

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import normlab
+from conftest import tiny_lm
 from normlab.cli import main
 from normlab.lab import resolve_config, train
 
@@ -21,16 +22,7 @@ def _hf_models() -> dict:
     torch.manual_seed(0)
     return {
         "llama": (
-            t.LlamaForCausalLM(
-                t.LlamaConfig(
-                    vocab_size=100,
-                    hidden_size=32,
-                    intermediate_size=64,
-                    num_hidden_layers=2,
-                    num_attention_heads=4,
-                    num_key_value_heads=2,
-                )
-            ),
+            tiny_lm(),
             "LlamaRMSNorm",
             5,
         ),

@@ -9,16 +9,14 @@ import torch
 from torch import nn
 
 import normlab
+from conftest import tiny_lm
 from normlab.conversion.calibrate import FirstToken
 
 transformers = pytest.importorskip("transformers")
 
 
 def _tiny_llama(tied: bool) -> nn.Module:
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)  # fmt: skip
-    return transformers.LlamaForCausalLM(cfg).eval()
+    return tiny_lm(tie_word_embeddings=tied)
 
 
 def _converted(tied: bool, first_token: str = "shared"):

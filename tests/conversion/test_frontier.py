@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import normlab
+from conftest import tiny_lm
 from normlab.cli import main
 
 transformers = pytest.importorskip("transformers")
@@ -23,17 +24,7 @@ TEXT = " ".join(WORDS[(i * 7) % len(WORDS)] for i in range(30_000))
 
 def _peaked(seed: int = 0, layers: int = 3):
     """A tiny Llama with a large init: peaked next-token distributions, so that converting a norm costs something."""
-    torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(
-        vocab_size=100,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        initializer_range=0.3,
-    )
-    return transformers.LlamaForCausalLM(cfg).eval()
+    return tiny_lm(seed=seed, layers=layers, initializer_range=0.3)
 
 
 def _batches(n: int, seed: int):

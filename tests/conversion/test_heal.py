@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import normlab
+from conftest import tiny_lm
 from normlab.cli import main
 from normlab.conversion.calibrate import FirstToken, fit_replacement
 
@@ -20,16 +21,7 @@ transformers = pytest.importorskip("transformers")
 
 
 def _llama(seed: int = 0, layers: int = 2):
-    torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(
-        vocab_size=100,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    return transformers.LlamaForCausalLM(cfg).eval()
+    return tiny_lm(seed=seed, layers=layers)
 
 
 def _batches(n: int, seed: int = 1, t: int = 16):
@@ -213,17 +205,7 @@ def test_a_diverging_block_is_put_back():
 
 def _peaked(seed: int):
     """A tiny Llama with a large init: peaked next-token distributions, each seed its own preferences."""
-    torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(
-        vocab_size=100,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        initializer_range=0.5,
-    )
-    return transformers.LlamaForCausalLM(cfg).eval()
+    return tiny_lm(seed=seed, initializer_range=0.5)
 
 
 @pytest.mark.parametrize("objective", ["distill", "blocks"])

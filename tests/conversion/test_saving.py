@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import normlab
+from conftest import tiny_lm
 
 transformers = pytest.importorskip("transformers")
 
@@ -40,17 +41,8 @@ def test_defect_4_a_converted_vit_saved_by_transformers_reloads_exactly(tmp_path
     assert rec2.target == target
 
 
-def _saved_conversion(tmp_path) -> Path:
-    model = transformers.LlamaForCausalLM(
-        transformers.LlamaConfig(
-            vocab_size=100,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-        )
-    ).eval()
+def _saved_conversion(tmp_path, seed: int = 0) -> Path:
+    model = tiny_lm(seed=seed)
     rec = normlab.convert_norms(model, "dyt")
     return normlab.save_converted(model, rec, tmp_path / "conv")
 
@@ -92,8 +84,7 @@ def test_load_converted_refuses_edited_and_foreign_folders(tmp_path):
     weights = folder / "model.safetensors"
     state = load_file(weights)
     # another converted model of the same shape: its weights used to load silently
-    torch.manual_seed(1)
-    other = _saved_conversion(tmp_path / "b")
+    other = _saved_conversion(tmp_path / "b", seed=1)
     (folder / "model.safetensors").write_bytes((other / "model.safetensors").read_bytes())
     with pytest.raises(ValueError, match="is not the file normlab_conversion.json was saved with"):
         normlab.load_converted(folder)
