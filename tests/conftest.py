@@ -65,6 +65,12 @@ def tiny_lm(family: str = "Llama", seed: int = 0, layers: int = 2, **config):
     return getattr(transformers, f"{family}ForCausalLM")(cfg).eval()
 
 
+def id_batches(n: int, seed: int = 1, t: int = 16, batch: int = 4, vocab: int = 100) -> list[torch.Tensor]:
+    """``n`` batches of random token ids (batch, t) below ``vocab``, from their own generator seeded with ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (batch, t), generator=g) for _ in range(n)]
+
+
 def tiny_hf(path: Path, family: str = "Llama", seed: int = 0) -> Path:
     """`tiny_lm` saved to ``path``."""
     tiny_lm(family, seed).save_pretrained(path)

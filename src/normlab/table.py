@@ -6,6 +6,8 @@ import csv
 from collections.abc import Sequence
 from pathlib import Path
 
+from normlab.owner import hold
+
 
 def _cell(v) -> str:
     if isinstance(v, float):
@@ -34,8 +36,6 @@ def append_csv(path: str | Path, rows: list[dict]) -> Path:
     the file is rewritten under the union of the columns (older rows leave the new cells empty), so that
     every row has as many cells as the header. Two benchmarks appending to one table take turns (a lock beside it,
     ``.<name>.lock``), so neither loses the other's rows."""
-    from normlab.owner import hold
-
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with hold(path, "benchmark table", wait=True):

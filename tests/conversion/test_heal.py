@@ -1,4 +1,5 @@
-"""Sequential calibration's machinery, the first token's own replacement, healing, and their bad input.
+"""Healing (normlab.conversion.heal, heal_run, heal_blocks, lora) and loading real models' files: mechanics and bad
+input. Calibration's own tests are in test_calibrate.py.
 
 The mechanics run on tiny random Hugging Face models (no downloads); tests/conversion/test_real_model.py checks the
 same code on a real pretrained model.
@@ -13,112 +14,10 @@ import pytest
 import torch
 
 import normlab
-from conftest import tiny_lm
+from conftest import id_batches, tiny_lm
 from normlab.cli import main
-from normlab.conversion.calibrate import FirstToken, fit_replacement
 
 transformers = pytest.importorskip("transformers")
-
-
-def _llama(seed: int = 0, layers: int = 2):
-    return tiny_lm(seed=seed, layers=layers)
-
-
-def _batches(n: int, seed: int = 1, t: int = 16):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 100, (4, t), generator=g) for _ in range(n)]
-
-
-def _with_sink(model):
-    """Give the first position a massive activation, as real LLMs have: a huge embedding channel for token 0."""
-    with torch.no_grad():
-        model.model.embed_tokens.weight[0, :2] = 400.0
-    return model
-
-
-def test_first_token_module_routes_index_zero_only():
-    main, first = normlab.create_norm("dyisru", 8, beta_init=1.0), normlab.create_norm("dyisru", 8, beta_init=100.0)
-    ft = FirstToken(main, first)
-    x = torch.randn(2, 5, 8)
-    y = ft(x)
-    torch.testing.assert_close(y[:, :1], first(x[:, :1]))
-    torch.testing.assert_close(y[:, 1:], main(x[:, 1:]))
-    torch.testing.assert_close(ft(x[:, 2:3]), main(x[:, 2:3]))  # one decoding step is a later token
-
-
-def test_sequential_calibration_gives_the_sink_token_its_own_norm_and_round_trips(tmp_path):
-    model = _with_sink(_llama())
-    calib = [torch.cat([torch.zeros(4, 1, dtype=torch.long), b[:, 1:]], 1) for b in _batches(2)]
-    rec = normlab.convert_norms(model, "dyisru", calibrate=calib)
-    assert any("first token own" in n for n in rec.notes)
-    assert all(s.first_token for s in rec.sites)
-    assert isinstance(model.model.norm, FirstToken)
-    assert model.model.norm.first.log_beta.shape == (32,)  # the first token's fit is per channel
-    normlab.save_converted(model, rec, tmp_path / "m")
-    loaded, rec2 = normlab.load_converted(tmp_path / "m")
-    with torch.no_grad():
-        torch.testing.assert_close(loaded(calib[0]).logits, model(calib[0]).logits)
-    assert rec2.to_dict() == rec.to_dict()
-
-
-def test_theorem3_start_is_exact_for_a_fixed_norm_outside_each_channel():
-    """Tokens whose ||x without channel i|| is the same (the sink token's shape): DyISRU fits RMSNorm exactly."""
-    g = torch.Generator().manual_seed(0)
-    bulk = torch.randn(64, 15, generator=g)
-    x = torch.cat([torch.linspace(-50, 50, 64)[:, None], 3 * bulk / bulk.norm(dim=1, keepdim=True)], 1)
-    w = torch.rand(16, generator=g) + 0.5
-    y = torch.nn.functional.rms_norm(x, (16,), w, eps=0.0)
-    new = normlab.create_norm("dyisru", 16, per_channel_beta=True)
-    with torch.no_grad():
-        new.weight.copy_(w)
-    out = fit_replacement(new, x, y, per_channel=True)
-    with torch.no_grad():
-        err0 = float((new(x)[:, 0] - y[:, 0]).norm() / y[:, 0].norm())
-    assert err0 < 1e-6 and out.ok
-    assert math.isclose(float(new.beta[0].detach()), 9.0, rel_tol=1e-5)  # ||x without channel 0||^2 = 3^2
-
-
-def test_a_fit_on_nan_activations_is_flagged_never_ok():
-    x = torch.full((32, 8), math.nan)
-    new = normlab.create_norm("dyisru", 8)
-    out = fit_replacement(new, x, x.clone())
-    assert not out.ok and any("NaN" in n for n in out.notes)
-    model = _llama()
-    with torch.no_grad():
-        model.model.layers[1].mlp.down_proj.weight.fill_(math.nan)  # NaN from block 1 on
-    rec = normlab.convert_norms(model, "dyt", calibrate=_batches(1))
-    flagged = [s for s in rec.sites if not s.fit["converged"]]
-    assert flagged and "ok" not in rec.table().split(flagged[0].name)[1].splitlines()[0].split()[-1:]
-    assert all("FLAGGED" in line for line in rec.table().splitlines() if any(s.name + " " in line for s in flagged))
-
-
-@pytest.mark.parametrize("bad,match", [(0, "max_tokens"), (-1, "max_tokens"), (1, "max_tokens"), (True, "max_tokens")])
-def test_max_tokens_is_checked_at_the_boundary(bad, match):
-    with pytest.raises(ValueError, match=match):
-        normlab.convert_norms(_llama(), "dyisru", calibrate=_batches(1), max_tokens=bad)
-
-
-def test_a_site_init_pattern_that_matches_nothing_is_an_error():
-    with pytest.raises(ValueError, match="pattern '\\*attn_norm' matches no converted site"):
-        normlab.convert_norms(_llama(), "dyt", site_init={"*attn_norm": {"alpha_init": 0.8}})
-
-
-def test_a_failed_calibration_puts_every_norm_back():
-    model = _llama()
-    before = copy.deepcopy(model.state_dict())
-    calls = {"n": 0}
-
-    def fault(module, args):  # block 1 fails on its 4th call: after the original pass and some fitted sites
-        calls["n"] += 1
-        if calls["n"] == 4:
-            raise RuntimeError("injected fault")
-
-    handle = model.model.layers[1].register_forward_pre_hook(fault)
-    with pytest.raises(ValueError, match="calibration batch 0 could not be run.*injected fault"):
-        normlab.convert_norms(model, "dyisru", calibrate=_batches(1))
-    handle.remove()
-    assert not any(type(m).__module__.startswith("normlab") for m in model.modules())
-    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
 # ------------------------------------------------------------------ healing
@@ -129,9 +28,9 @@ def _stream(n: int = 64, seed: int = 5, t: int = 16):
 
 
 def test_heal_blocks_reduces_every_block_error_and_resumes(tmp_path):
-    original = _llama(layers=3)
+    original = tiny_lm(layers=3)
     model = copy.deepcopy(original)
-    calib = _batches(3)
+    calib = id_batches(3)
     rec = normlab.convert_norms(model, "dyt", calibrate=calib)
     ckpt = tmp_path / "heal.pt"
     budget = 3 * 3 * 64 * 30
@@ -140,7 +39,7 @@ def test_heal_blocks_reduces_every_block_error_and_resumes(tmp_path):
         model,
         _stream(),
         rec,
-        val=_batches(1, seed=9),
+        val=id_batches(1, seed=9),
         tokens=budget,
         objective="blocks",
         train="norms",
@@ -165,7 +64,7 @@ def test_heal_blocks_reduces_every_block_error_and_resumes(tmp_path):
         again,
         _stream(),
         rec,
-        val=_batches(1, seed=9),
+        val=id_batches(1, seed=9),
         tokens=budget,
         objective="blocks",
         train="norms",
@@ -178,9 +77,9 @@ def test_heal_blocks_reduces_every_block_error_and_resumes(tmp_path):
 
 
 def test_a_diverging_block_is_put_back():
-    original = _llama()
+    original = tiny_lm()
     model = copy.deepcopy(original)
-    rec = normlab.convert_norms(model, "dyisru", calibrate=_batches(2))
+    rec = normlab.convert_norms(model, "dyisru", calibrate=id_batches(2))
     before = copy.deepcopy(model.state_dict())
     rep = normlab.heal(
         original,
@@ -214,7 +113,7 @@ def test_a_heal_whose_validation_worsens_keeps_its_earlier_state(objective):
     and the heal pulls it toward another model with other preferences: every later validation point is worse
     than the start, so the heal ends in the start state and its report says the start was kept."""
     model = _peaked(0)
-    rec = normlab.convert_norms(model, "dyt", calibrate=_batches(2))
+    rec = normlab.convert_norms(model, "dyt", calibrate=id_batches(2))
     with torch.no_grad():
         own = model.generate(
             torch.arange(4)[:, None] * 11,
@@ -250,10 +149,10 @@ def test_a_heal_keeps_its_best_point_not_its_last():
     the model's validation CE after the heal is that minimum's."""
     from normlab.conversion.fidelity import cross_entropy
 
-    original = _llama()
+    original = tiny_lm()
     model = copy.deepcopy(original)
     rec = normlab.convert_norms(model, "dyt")  # default init: far from the original
-    val = _batches(1, seed=9)
+    val = id_batches(1, seed=9)
     rep = normlab.heal(
         original,
         model,
@@ -280,9 +179,9 @@ def test_a_spike_rolls_back_to_the_best_state_and_halves_the_rate(rollback_nats)
     records the halved rate; with None the heal never rolls back and keeps its rate."""
     original = _peaked(0)
     model = copy.deepcopy(original)
-    rec = normlab.convert_norms(model, "dyt", calibrate=_batches(2))
+    rec = normlab.convert_norms(model, "dyt", calibrate=id_batches(2))
     lr = 0.1
-    rep = normlab.heal(original, model, _stream(), rec, val=_batches(1, seed=9), tokens=3000, train="norms", lr=lr,
+    rep = normlab.heal(original, model, _stream(), rec, val=id_batches(1, seed=9), tokens=3000, train="norms", lr=lr,
                        eval_every=128, rollback_nats=rollback_nats, progress=False)  # fmt: skip
     marked = [i for i, p in enumerate(rep.curve) if p.get("rollback")]
     assert rep.rollbacks == len(marked)
@@ -308,7 +207,7 @@ def test_heal_distillation_lowers_validation_kl(train):
         model,
         _stream(),
         rec,
-        val=_batches(1, seed=9),
+        val=id_batches(1, seed=9),
         tokens=4000,
         objective="distill",
         train=train,
@@ -335,7 +234,7 @@ def test_a_cosine_heal_records_its_rate_as_it_falls():
     original = _peaked(0)
     model = copy.deepcopy(original)
     rec = normlab.convert_norms(model, "dyt")
-    rep = normlab.heal(original, model, _stream(), rec, val=_batches(1, seed=9), tokens=4000, lr=1e-2,
+    rep = normlab.heal(original, model, _stream(), rec, val=id_batches(1, seed=9), tokens=4000, lr=1e-2,
                        schedule="cosine", eval_every=640, progress=False)  # fmt: skip
     lrs = [p["lr"] for p in rep.curve[1:]]
     assert len(lrs) >= 6 and all(a > b for a, b in zip(lrs, lrs[1:]))  # past the warmup: falling at every point
@@ -346,10 +245,10 @@ def test_a_cosine_heal_records_its_rate_as_it_falls():
 def test_lora_merged_into_the_weights_gives_the_same_outputs():
     from normlab.conversion.lora import add_lora, merge_lora
 
-    model = _llama()
+    model = tiny_lm()
     wrapped = add_lora(model.model.layers, rank=4)
     assert len(wrapped) == 2 * 7  # q, k, v, o, gate, up, down in each of two blocks
-    ids = _batches(1)[0]
+    ids = id_batches(1)[0]
     with torch.no_grad():
         plain = model(ids).logits
         for w in wrapped:  # a nonzero update, as after training (B starts at zero)
@@ -407,18 +306,18 @@ def test_the_stream_never_repeats_before_it_has_used_every_sequence_and_never_to
                                       ({"tokens": 5, "rollback_nats": math.inf}, "rollback_nats must be a finite"),
                                       ({"tokens": 5, "resume": True}, "resume=True needs checkpoint")])  # fmt: skip
 def test_heal_bad_input_is_clear(kw, match):
-    original = _llama()
+    original = tiny_lm()
     model = copy.deepcopy(original)
     rec = normlab.convert_norms(model, "dyt")
     with pytest.raises(ValueError, match=match):
-        normlab.heal(original, model, _batches(1), rec, **kw)
+        normlab.heal(original, model, id_batches(1), rec, **kw)
 
 
 # ------------------------------------------------------------------ real-model loading: bad input
 def test_model_folder_without_weights_gguf_without_tokenizer_and_short_text(tmp_path):
     from normlab.conversion.hf import load_model, text_batches
 
-    _llama().config.save_pretrained(tmp_path / "noweights")
+    tiny_lm().config.save_pretrained(tmp_path / "noweights")
     with pytest.raises(ValueError, match="no weights"):
         load_model(tmp_path / "noweights")
     fake = tmp_path / "broken.gguf"
@@ -434,7 +333,7 @@ def test_model_folder_without_weights_gguf_without_tokenizer_and_short_text(tmp_
 
 
 def test_convert_command_never_writes_over_its_source(tmp_path, capsys):
-    _llama().save_pretrained(tmp_path / "llama")
+    tiny_lm().save_pretrained(tmp_path / "llama")
     text = tmp_path / "calib.txt"
     text.write_text("The quick brown fox jumps over the lazy dog. " * 100)
     args = ["convert", "--model", str(tmp_path / "llama"), "--calibrate", str(text), "--seq-len", "16"]
@@ -477,7 +376,7 @@ def test_heal_runs_on_other_block_layouts(name):
         )
     original.eval()
     model = copy.deepcopy(original)
-    calib = _batches(2)
+    calib = id_batches(2)
     rec = normlab.convert_norms(model, "dyt", calibrate=calib)
     rep = normlab.heal(
         original, model, _stream(), rec, tokens=2 * 64 * 20, objective="blocks", train="norms", progress=False
@@ -485,20 +384,3 @@ def test_heal_runs_on_other_block_layouts(name):
     assert len(rep.blocks) == 2
     assert all(b["loss_after"] <= b["loss_before"] for b in rep.blocks)
     assert any(b["loss_after"] < b["loss_before"] for b in rep.blocks)
-
-
-def test_first_token_split_agrees_with_and_without_a_kv_cache():
-    """Greedy decoding of a converted model with FirstToken: the cached path (one token per call) and the
-    uncached path (the whole sequence every call) give the same tokens and logits."""
-    model = _with_sink(_llama())
-    calib = [torch.cat([torch.zeros(4, 1, dtype=torch.long), b[:, 1:]], 1) for b in _batches(2)]
-    normlab.convert_norms(model, "dyisru", calibrate=calib, first_token="own")
-    prompt = calib[0][:1, :5]
-    kw = {"max_new_tokens": 6, "do_sample": False, "output_scores": True, "return_dict_in_generate": True,
-          "pad_token_id": 0}  # fmt: skip
-    with torch.no_grad():
-        cached = model.generate(prompt, use_cache=True, **kw)
-        uncached = model.generate(prompt, use_cache=False, **kw)
-    assert torch.equal(cached.sequences, uncached.sequences)
-    for a, b in zip(cached.scores, uncached.scores):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
