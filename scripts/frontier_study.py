@@ -92,10 +92,10 @@ def main() -> None:
 
     torch.manual_seed(0)
     model, tok = load_model(smollm2())
-    calib, held = text_batches(fetch_shakespeare(), tok, model.config.vocab_size, 128, 32, 32)
     if args.select_on == "validation":
-        honest(model, tok, args, results)
+        honest(model, tok, args)
         return
+    calib, held = text_batches(fetch_shakespeare(), tok, model.config.vocab_size, 128, 32, 32)
     for to in args.to:
         front, _ = frontier(model, to, calib, held, stop_nats=args.stop, refit=args.refit,
                             refit_every=args.refit_every, skip=args.skip, progress=True)  # fmt: skip
@@ -103,9 +103,8 @@ def main() -> None:
         r["within_0.1"], r["within_0.5"] = front.within(0.1), front.within(0.5)
         r["stop_nats"], r["refit"], r["refit_every"] = args.stop, args.refit, args.refit_every
         r.update(commit=commit(), date=datetime.date.today().isoformat(), machine=machine())
-        variant = [f"refit all every {args.refit_every}"] * bool(args.refit_every) + ["skip"] * args.skip
-        key = f"{to} ({', '.join(variant)})" if variant else to  # the plain walk keeps its old key
-        results[key] = r
+        key = f"{to} ({', '.join(variant(args))})" if variant(args) else to  # the plain walk keeps its old key
+        results = write(key, r)
         print(
             f"{key}: {r['within_0.1']} sites within +0.1 nats, {r['within_0.5']} within +0.5 "
             f"(of {len(front.order)}; original CE {front.ce_original:.3f}, {front.curve[-1]:.3f} with "
@@ -113,17 +112,29 @@ def main() -> None:
             f"{front.seconds / 60:.1f} min)",
             flush=True,
         )
-        write(results)
     plot(results, FIG)
 
 
-def write(results: dict) -> None:
+def variant(args) -> list[str]:
+    """What the walk did beyond the plain one, for the result's key."""
+    return [f"refit all every {args.refit_every}"] * bool(args.refit_every) + ["skip"] * args.skip
+
+
+def write(key: str, entry: dict) -> dict:
+    """Put one target's result into bench/frontier.json under its lock, read afresh there so that a study running
+    beside this one keeps its entries; returns every target's result."""
+    from normlab.owner import hold
+
     OUT.parent.mkdir(parents=True, exist_ok=True)
-    stamp = {"commit": commit(), "date": datetime.date.today().isoformat(), "machine": machine()}
-    OUT.write_text(json.dumps({**stamp, "targets": results}, indent=1) + "\n")
+    with hold(OUT, "the frontier results", wait=True):
+        results = json.loads(OUT.read_text())["targets"] if OUT.exists() else {}
+        results[key] = entry
+        stamp = {"commit": commit(), "date": datetime.date.today().isoformat(), "machine": machine()}
+        OUT.write_text(json.dumps({**stamp, "targets": results}, indent=1) + "\n")
+    return results
 
 
-def honest(model, tok, args, results: dict) -> None:
+def honest(model, tok, args) -> None:
     """Select on a validation split under ``args.budget``, measure the kept model on the held-out sequences."""
     import copy
 
@@ -139,9 +150,8 @@ def honest(model, tok, args, results: dict) -> None:
         front, _ = frontier(kept, to, splits.calib, splits.val, budget_nats=args.budget, refit=args.refit,
                             refit_every=args.refit_every, skip=args.skip, progress=True)  # fmt: skip
         held = cross_entropy(kept, splits.held)
-        variant = [f"refit all every {args.refit_every}"] * bool(args.refit_every) + ["skip"] * args.skip
-        key = f"{to} ({', '.join(variant + [f'selected on validation, budget {args.budget:g}'])})"
-        results[key] = {
+        key = f"{to} ({', '.join(variant(args) + [f'selected on validation, budget {args.budget:g}'])})"
+        entry = {
             "target": to,
             "sites_kept": len(front.converted),
             "budget_nats": args.budget,
@@ -165,7 +175,7 @@ def honest(model, tok, args, results: dict) -> None:
             f"{front.seconds / 60:.1f} min",
             flush=True,
         )
-        write(results)
+        write(key, entry)
 
 
 if __name__ == "__main__":
