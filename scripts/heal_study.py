@@ -83,7 +83,7 @@ def main() -> None:
     ap.add_argument("--to", default="dyisru")
     ap.add_argument("--only", nargs="*", help="objective:train pairs (default: all six)")
     ap.add_argument("--lr", nargs="*", type=float, default=[None], help="rates to try (default: HealConfig's)")
-    ap.add_argument("--schedule", nargs="*", default=["constant"], help="schedules to try: constant, cosine")
+    ap.add_argument("--schedule", nargs="*", default=["constant"], help="schedules to try: constant, cosine, cooldown")
     ap.add_argument("--batch", nargs="*", type=int, help="sequences per heal step to try (default: HealConfig's)")
     ap.add_argument("--text", default="text", help="the heal's stream: text, self or self+text")
     ap.add_argument("--self-sequences", type=int, default=512, help="samples for self / self+text")

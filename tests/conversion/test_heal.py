@@ -230,6 +230,32 @@ def test_the_cosine_schedule_warms_up_then_falls_to_a_tenth():
     assert f[-1] == pytest.approx(0.1) and lr_factor("cosine", 1.5) == pytest.approx(0.1)
 
 
+def test_the_cooldown_schedule_holds_the_rate_then_falls_to_zero():
+    from normlab.conversion.heal_run import COOLDOWN, lr_factor
+
+    f = [lr_factor("cooldown", i / 200) for i in range(201)]
+    start = round(200 * (1 - COOLDOWN))  # the step where the cooldown begins
+    assert all(v == 1.0 for v in f[:start]) and f[start] == pytest.approx(1.0)  # the full rate until the last 20%
+    assert all(a > b for a, b in zip(f[start:], f[start + 1 :]))  # then falling at every step
+    assert f[start + (200 - start) // 2] == pytest.approx(0.5)  # along a straight line
+    assert f[-1] == 0.0 and lr_factor("cooldown", 1.5) == 0.0 and lr_factor("cooldown", -0.1) == 1.0
+
+
+def test_a_cooldown_heal_records_the_rate_then_its_fall():
+    original = _peaked(0)
+    model = copy.deepcopy(original)
+    rec = normlab.convert_norms(model, "dyt")
+    rep = normlab.heal(original, model, _stream(), rec, val=id_batches(1, seed=9), tokens=4000, lr=1e-2,
+                       schedule="cooldown", eval_every=320, progress=False)  # fmt: skip
+    lrs = [p["lr"] for p in rep.curve[1:]]
+    assert lrs[0] == pytest.approx(1e-2)  # no warmup
+    held = [lr for lr, p in zip(lrs, rep.curve[1:]) if p["tokens"] < 0.8 * 4000 - 320]
+    assert held and all(lr == pytest.approx(1e-2) for lr in held)
+    assert all(a > b for a, b in zip(lrs[len(held) + 1 :], lrs[len(held) + 2 :]))  # falling through the cooldown
+    assert lrs[-1] < 1e-3  # near 0 at the budget's end (the last step's rate)
+    assert min(p["val_kl"] for p in rep.curve[1:]) < rep.curve[0]["val_kl"]
+
+
 def test_a_cosine_heal_records_its_rate_as_it_falls():
     original = _peaked(0)
     model = copy.deepcopy(original)

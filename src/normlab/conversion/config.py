@@ -31,7 +31,7 @@ TRAINS = ("norms", "lora", "all")
 FREE_TABLES = ("init", "site_init")  # tables whose keys are the user's (init.alpha_init=0.5)
 HEAL_LEARNING_RATES = {"norms": 1e-3, "lora": 1e-3, "all": 2e-5}  # Adam; the norms' rate also applies under "lora"
 HEAL_TEXTS = ("text", "self", "self+text")  # what the heal trains on (normlab.conversion.samples)
-HEAL_SCHEDULES = ("constant", "cosine")  # the heal's learning rate over its budget (normlab.conversion.heal_run)
+HEAL_SCHEDULES = ("constant", "cosine", "cooldown")  # the heal's rate over its budget (heal_run.lr_factor)
 CALIBRATE_SOURCES = ("text", "self")  # what calibration fits on: the text's first sequences, or the model's samples
 
 
@@ -58,7 +58,7 @@ class HealConfig:
     objective: str = "distill"  # "distill" (KL to the original's logits) or "blocks" (block-wise reconstruction)
     train: str = "norms"  # "norms", "lora" (norms + low-rank adapters, merged at the end) or "all"
     lr: float | None = None  # Adam's rate; None: HEAL_LEARNING_RATES[train]
-    schedule: str = "constant"  # or "cosine": 5% linear warmup, then down to a tenth of lr at the budget's end
+    schedule: str = "constant"  # "cosine": 5% warmup, down to lr/10; "cooldown": lr, then to 0 over the last 20%
     batch_size: int = 4  # sequences per step: 4 beat 8 per token and per minute (docs/conversion.md, "The batch")
     rollback_nats: float | None = 0.5  # distill: a validation point this far above the best: back to it, half the rate
     eval_every: int | None = None  # trained tokens between validation points; None: every 8 steps

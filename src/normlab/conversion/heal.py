@@ -26,10 +26,11 @@ end; it shows the last one on the progress bar, records every point in ``report.
 the state with the lowest validation cross-entropy it saw, the start included: a heal never ends worse on its
 validation split than it began.
 
-Budget: ``minutes`` (wall time) or ``tokens`` (tokens through a trained forward/backward). The rate is constant,
-or (``schedule="cosine"``, distill) warmed up over the first 5% of the budget and lowered to a tenth by its end,
-as a function of the budget spent; each curve point records the rate (``lr``). ``checkpoint``
-saves the heal (atomically) after each block or evaluation; ``resume`` continues from it.
+Budget: ``minutes`` (wall time) or ``tokens`` (tokens through a trained forward/backward). The rate is constant;
+or (``schedule="cosine"``, distill) warmed up over the first 5% of the budget and lowered to a tenth by its end;
+or (``schedule="cooldown"``, distill) constant, then lowered in a straight line to 0 over the last 20%; always as
+a function of the budget spent (`normlab.conversion.heal_run.lr_factor`); each curve point records the rate
+(``lr``). ``checkpoint`` saves the heal (atomically) after each block or evaluation; ``resume`` continues from it.
 """
 
 from __future__ import annotations

@@ -97,10 +97,15 @@ def make_optimizer(params: list, lr: float, converted: nn.Module, scale: float =
 
 def lr_factor(schedule: str, used: float) -> float:
     """The multiple of the base rate at ``used`` (the fraction of the budget spent): 1 for "constant"; for
-    "cosine", a linear warmup over the first 5% of the budget, then a cosine down to 0.1 at its end."""
+    "cosine", a linear warmup over the first 5% of the budget, then a cosine down to 0.1 at its end; for
+    "cooldown", 1 until the last 20% of the budget, then a straight line down to 0 at its end (the constant
+    rate's noise averaged away at the end, as in a warmup-stable-decay schedule: Hägele et al. 2024, "Scaling Laws
+    and Compute-Optimal Training Beyond Fixed Training Durations", arXiv 2405.18392)."""
     if schedule == "constant":
         return 1.0
     used = min(max(used, 0.0), 1.0)
+    if schedule == "cooldown":
+        return min(1.0, (1.0 - used) / COOLDOWN)
     if used < WARMUP:
         return (used + 0.01) / (WARMUP + 0.01)  # never 0: the first step moves
     t = (used - WARMUP) / (1.0 - WARMUP)
@@ -108,6 +113,7 @@ def lr_factor(schedule: str, used: float) -> float:
 
 
 WARMUP, FLOOR = 0.05, 0.1  # the cosine schedule's warmup fraction and final multiple
+COOLDOWN = 0.2  # the cooldown schedule's last part of the budget, over which the rate falls to 0
 
 
 def set_lr(opt: torch.optim.Optimizer, factor: float) -> float:
