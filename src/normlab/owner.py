@@ -46,13 +46,16 @@ def take_lock(lock: Path, wait: bool = False) -> int | str:
 @contextlib.contextmanager
 def hold(target: str | Path, what: str, wait: bool = False):
     """Own ``target`` (a file or folder, existing or not) for the duration: a second process is refused with the
-    first one's pid and command, or with ``wait=True`` waits its turn (for short writes such as a table's
-    append). The lock file is ``.<name>.lock`` beside the target."""
+    first one's pid and command, or with ``wait=True`` waits its turn (a table's append; a sample set that another
+    process is drawing), saying on stderr whom it waits for. The lock file is ``.<name>.lock`` beside the target."""
     target = Path(target)
     lock = target.parent / f".{target.name}.lock"
     check_writable(lock, what)
     lock.parent.mkdir(parents=True, exist_ok=True)
-    fd = take_lock(lock, wait)
+    fd = take_lock(lock)
+    if isinstance(fd, str) and wait:  # say whom we wait for (a sample set can take minutes), then wait
+        print(f"waiting for {what} {target}, held by {fd}", file=sys.stderr, flush=True)
+        fd = take_lock(lock, wait=True)
     if isinstance(fd, str):
         raise Locked(f"{what} {target} is in use by a live process ({fd}); wait for it to end, or choose another path")
     try:

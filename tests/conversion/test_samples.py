@@ -49,6 +49,44 @@ def test_samples_are_reproducible_from_their_seed_and_read_back_from_the_cache(m
         _samples(model, tmp_path / "c1", fingerprint="another model")  # another identity is never read as this one
 
 
+def test_a_second_process_waits_for_the_samples_being_drawn_and_reads_them(model, tmp_path, monkeypatch, capfd):
+    """A heal started while another process draws the same sample set (a real process holding the cache's lock)
+    waits for it, says so, and reads what it wrote: it neither fails after its calibration nor samples again."""
+    import subprocess
+    import sys
+    import time
+
+    a = _samples(model, tmp_path / "drawn")  # the set the other process will "finish" writing
+    (drawn,) = (tmp_path / "drawn").glob("samples-*.pt")
+    cache = tmp_path / "c"
+    cache.mkdir()
+    target, ready = cache / drawn.name, tmp_path / "ready"
+    holder = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sys, time, shutil, pathlib\n"
+         "from normlab.owner import hold\n"
+         "src, dst, ready = map(pathlib.Path, sys.argv[1:])\n"
+         "with hold(dst, 'the sample cache'):\n"
+         "    ready.touch()\n"
+         "    time.sleep(1.5)\n"
+         "    shutil.copy(src, dst)\n",
+         str(drawn), str(target), str(ready)]
+    )  # fmt: skip
+    monkeypatch.setattr(model, "generate", lambda *a, **k: pytest.fail("sampled again instead of waiting"))
+    try:
+        while not ready.exists():
+            assert holder.poll() is None, "the process holding the lock died"
+            time.sleep(0.02)
+        start = time.monotonic()
+        b = _samples(model, cache)
+        waited = time.monotonic() - start
+    finally:
+        holder.wait(timeout=30)
+    assert waited > 0.5, f"did not wait for the process drawing the samples ({waited:.2f} s)"
+    assert torch.equal(a, b)
+    assert "waiting for the sample cache" in capfd.readouterr().err
+
+
 def test_a_damaged_sample_cache_is_drawn_again(model, tmp_path):
     a = _samples(model, tmp_path)
     (cached,) = tmp_path.glob("samples-*.pt")

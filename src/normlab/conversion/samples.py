@@ -104,13 +104,15 @@ def self_samples(
     """``n`` sequences of ``seq_len`` tokens sampled from ``model``, (n, seq_len), read from the cache when a set
     with the same identity is there (``cache``: default ``<normlab cache>/samples``). ``fingerprint`` names the
     model (its weights' hash); ``start`` is the first token of every sequence (the BOS id), or None for a
-    uniformly drawn one. The cache file is owned (locked) while it is written and replaced atomically."""
+    uniformly drawn one. The cache file is owned (locked) while it is written and replaced atomically; a second
+    process that asks for the same set meanwhile waits for it and reads it, rather than failing after its own
+    calibration or drawing it twice."""
     ident = sample_identity(fingerprint, n, seq_len, seed, temperature, start)
     key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
     folder = Path(cache) if cache is not None else cache_dir() / "samples"
     path = folder / f"samples-{key}.pt"
     folder.mkdir(parents=True, exist_ok=True)
-    with hold(path, "the sample cache"):
+    with hold(path, "the sample cache", wait=True):  # another process drawing this set: wait, then read it
         if path.is_file():
             try:
                 saved = torch.load(path, map_location="cpu", weights_only=True)
