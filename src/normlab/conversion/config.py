@@ -70,6 +70,9 @@ class HealConfig:
     self_fraction: float = 0.5  # of every "self+text" batch, the part drawn from the samples
     temperature: float = 1.0  # of the sampling
     seed: int = 0  # of the sampling
+    teacher_top_k: int | None = (
+        None  # distill: cache the original's top k per sequence (conversion.teacher); None: live
+    )
 
     @property
     def budgeted(self) -> bool:
@@ -115,6 +118,16 @@ class HealConfig:
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v < least:
                 raise ValueError(f"{flag('heal.' + name)} must be an int >= {least}, got {v!r}")
+        if self.teacher_top_k is not None:
+            v = self.teacher_top_k
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(
+                    f"{flag('heal.teacher_top_k')} must be an int >= 1, or null for the live teacher; got {v!r}"
+                )
+            if self.objective != "distill":
+                raise ValueError(
+                    f"{flag('heal.teacher_top_k')} caches the teacher of the distill objective; blocks has none"
+                )
         if self.rollback_nats is not None and (
             isinstance(self.rollback_nats, bool)
             or not isinstance(self.rollback_nats, (int, float))

@@ -11,7 +11,9 @@ memorized them; keep it for tests and tiny texts.)
 
 Objectives (``objective``):
 
-* ``"distill"``: end to end, KL(original || converted) of the next-token distributions on each fresh batch.
+* ``"distill"``: end to end, KL(original || converted) of the next-token distributions on each fresh batch; with
+  ``teacher_top_k=k``, the KL over the original's top k and the rest, its side computed once per sequence and
+  cached (`normlab.conversion.teacher`: it pays when the stream is passed more than once, as the samples are).
 * ``"blocks"``: block-wise reconstruction, each block in turn (`normlab.conversion.heal_blocks`).
 
 The settings are a `normlab.conversion.config.HealConfig` (``cfg``); the keywords of the call before it
@@ -63,6 +65,7 @@ from normlab.conversion.heal_run import (
 from normlab.conversion.hf import TextSplits, TokenStream
 from normlab.conversion.lora import add_lora, merge_lora
 from normlab.conversion.samples import MixedStream
+from normlab.conversion.teacher import TeacherCache
 
 __all__ = ["heal", "HealReport", "find_blocks", "OBJECTIVES", "TRAINS", "distill"]
 
@@ -243,10 +246,19 @@ def distill(run: HealRun) -> None:
     bar.set_postfix_str(postfix(report.curve[-1]))
     losses, next_eval = [], report.tokens + cfg.eval_every
     lr = set_lr(opt, lr_factor(cfg.schedule, budget.used()))
+    teacher = TeacherCache(run.original, cfg.teacher_top_k) if cfg.teacher_top_k is not None else None
+    counted = report.teacher_computed, report.teacher_reused  # from before a resume (the cache itself is not saved)
     try:
         while budget.used() < 1.0:
             ids = run.stream.next(cfg.batch_size)
-            loss = _kl(run.original, run.converted, ids)
+            if teacher is None:
+                loss = _kl(run.original, run.converted, ids)
+            else:
+                loss = teacher.loss(run.converted, ids)
+                report.teacher_computed, report.teacher_reused = (
+                    counted[0] + teacher.computed,
+                    counted[1] + teacher.reused,
+                )
             if not torch.isfinite(loss):
                 check.restore()  # back to the best state; a fresh optimizer; carry on
                 opt = run.optimizer()
