@@ -67,7 +67,7 @@ from normlab.conversion.lora import add_lora, merge_lora
 from normlab.conversion.samples import MixedStream
 from normlab.conversion.teacher import TeacherCache
 
-__all__ = ["heal", "HealReport", "find_blocks", "OBJECTIVES", "TRAINS", "distill"]
+__all__ = ["heal", "HealReport", "find_blocks", "OBJECTIVES", "TRAINS", "distill", "distill_loss"]
 
 _RUN_OPTIONS = ("val", "progress")  # the call's own keywords besides HealConfig's fields
 
@@ -216,7 +216,9 @@ def heal(
     return report
 
 
-def _kl(original: nn.Module, converted: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+def distill_loss(original: nn.Module, converted: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """KL(original || converted) of the next-token distributions on ``ids`` (B, T), averaged over tokens: the
+    distill objective with the live teacher."""
     with torch.no_grad():
         target = run_batch(original, ids, no_cache=True).logits.float().log_softmax(-1)
     logp = run_batch(converted, ids, no_cache=True).logits.float().log_softmax(-1)
@@ -252,7 +254,7 @@ def distill(run: HealRun) -> None:
         while budget.used() < 1.0:
             ids = run.stream.next(cfg.batch_size)
             if teacher is None:
-                loss = _kl(run.original, run.converted, ids)
+                loss = distill_loss(run.original, run.converted, ids)
             else:
                 loss = teacher.loss(run.converted, ids)
                 report.teacher_computed, report.teacher_reused = (
