@@ -18,6 +18,12 @@ from normlab.conversion.samples import MixedStream, calibration_samples, heal_sp
 transformers = pytest.importorskip("transformers")
 
 
+@pytest.fixture(autouse=True)
+def _own_sample_cache(tmp_path, monkeypatch):
+    """The tiny models' sample sets go to the test's folder, never into the user's cache."""
+    monkeypatch.setattr("normlab.conversion.samples.cache_dir", lambda: tmp_path / "normlab-cache")
+
+
 @pytest.fixture()
 def model(tmp_path):
     return transformers.LlamaForCausalLM.from_pretrained(tiny_hf(tmp_path / "m")).eval()
