@@ -14,6 +14,7 @@ from conftest import id_batches, tiny_lm
 from normlab.conversion.config import HealConfig
 from normlab.conversion.hf import TokenStream
 from normlab.conversion.teacher import TeacherCache, teacher_top_k, top_k_kl
+from normlab.conversion.workflow import heal_summary
 
 
 def _logps(seed: int, shape=(3, 5, 40), scale: float = 3.0) -> torch.Tensor:
@@ -79,6 +80,7 @@ def test_a_heal_with_the_teacher_cache_computes_each_sequence_once_and_heals():
                        val=id_batches(1, seed=9), eval_every=320, progress=False)  # fmt: skip
     assert rep.teacher_computed == 8 and rep.teacher_reused == 4 * 20 - 8  # 20 steps of 4 over 8 sequences
     assert rep.to_dict()["teacher_reused"] == rep.teacher_reused
+    assert "teacher cache: the original ran on 8 sequences, 72 were read back" in heal_summary(rep)
     assert min(p["val_kl"] for p in rep.curve[1:]) < rep.curve[0]["val_kl"]  # judged by the full KL
 
 

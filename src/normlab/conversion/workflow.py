@@ -186,6 +186,11 @@ def heal_summary(rep) -> str:
         )
     if rep.rollbacks:
         line += f"; rolled back to the best state {rep.rollbacks} time(s), each halving the rate"
+    if rep.teacher_computed:
+        line += (
+            f"; teacher cache: the original ran on {rep.teacher_computed:,} sequences, "
+            f"{rep.teacher_reused:,} were read back"
+        )
     return line
 
 
