@@ -70,9 +70,7 @@ class HealConfig:
     self_fraction: float = 0.5  # of every "self+text" batch, the part drawn from the samples
     temperature: float = 1.0  # of the sampling
     seed: int = 0  # of the sampling
-    teacher_top_k: int | None = (
-        None  # distill: cache the original's top k per sequence (conversion.teacher); None: live
-    )
+    teacher_top_k: int | None = None  # distill: the original's top k, cached per sequence (teacher.py); None: live
 
     @property
     def budgeted(self) -> bool:
