@@ -241,12 +241,17 @@ def test_the_cooldown_schedule_holds_the_rate_then_falls_to_zero():
     assert f[-1] == 0.0 and lr_factor("cooldown", 1.5) == 0.0 and lr_factor("cooldown", -0.1) == 1.0
 
 
-def test_a_cooldown_heal_records_the_rate_then_its_fall():
+def _scheduled_heal(schedule: str, eval_every: int):
+    """A 4,000-token DyT heal of a peaked tiny Llama at 1e-2 under ``schedule``, a curve point every ``eval_every``."""
     original = _peaked(0)
     model = copy.deepcopy(original)
     rec = normlab.convert_norms(model, "dyt")
-    rep = normlab.heal(original, model, _stream(), rec, val=id_batches(1, seed=9), tokens=4000, lr=1e-2,
-                       schedule="cooldown", eval_every=320, progress=False)  # fmt: skip
+    return normlab.heal(original, model, _stream(), rec, val=id_batches(1, seed=9), tokens=4000, lr=1e-2,
+                        schedule=schedule, eval_every=eval_every, progress=False)  # fmt: skip
+
+
+def test_a_cooldown_heal_records_the_rate_then_its_fall():
+    rep = _scheduled_heal("cooldown", eval_every=320)
     lrs = [p["lr"] for p in rep.curve[1:]]
     assert lrs[0] == pytest.approx(1e-2)  # no warmup
     held = [lr for lr, p in zip(lrs, rep.curve[1:]) if p["tokens"] < 0.8 * 4000 - 320]
@@ -257,11 +262,7 @@ def test_a_cooldown_heal_records_the_rate_then_its_fall():
 
 
 def test_a_cosine_heal_records_its_rate_as_it_falls():
-    original = _peaked(0)
-    model = copy.deepcopy(original)
-    rec = normlab.convert_norms(model, "dyt")
-    rep = normlab.heal(original, model, _stream(), rec, val=id_batches(1, seed=9), tokens=4000, lr=1e-2,
-                       schedule="cosine", eval_every=640, progress=False)  # fmt: skip
+    rep = _scheduled_heal("cosine", eval_every=640)
     lrs = [p["lr"] for p in rep.curve[1:]]
     assert len(lrs) >= 6 and all(a > b for a, b in zip(lrs, lrs[1:]))  # past the warmup: falling at every point
     assert 1e-3 <= lrs[-1] < 1.2e-3  # a tenth of the rate at the budget's end (the last step's)
