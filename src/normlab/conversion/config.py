@@ -110,22 +110,15 @@ class HealConfig:
                 f"{flag('heal.schedule')} {self.schedule} applies to the distill objective; the blocks objective "
                 "splits its budget per block with a constant rate"
             )
-        for name, least in (("batch_size", 1), ("lora_rank", 1), ("eval_every", 1), ("self_sequences", 2), ("seed", 0)):
+        for name, least in (("batch_size", 1), ("lora_rank", 1), ("eval_every", 1), ("self_sequences", 2), ("seed", 0),
+                            ("teacher_top_k", 1)):  # fmt: skip
             v = getattr(self, name)
-            if v is None and name == "eval_every":
+            if v is None and name in ("eval_every", "teacher_top_k"):  # None: every 8 steps; the live teacher
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v < least:
                 raise ValueError(f"{flag('heal.' + name)} must be an int >= {least}, got {v!r}")
-        if self.teacher_top_k is not None:
-            v = self.teacher_top_k
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(
-                    f"{flag('heal.teacher_top_k')} must be an int >= 1, or null for the live teacher; got {v!r}"
-                )
-            if self.objective != "distill":
-                raise ValueError(
-                    f"{flag('heal.teacher_top_k')} caches the teacher of the distill objective; blocks has none"
-                )
+        if self.teacher_top_k is not None and self.objective != "distill":
+            raise ValueError(f"{flag('heal.teacher_top_k')} caches the distill objective's teacher; blocks has none")
         if self.rollback_nats is not None and (
             isinstance(self.rollback_nats, bool)
             or not isinstance(self.rollback_nats, (int, float))
