@@ -63,7 +63,11 @@ inline void store(T* p, const Vec& v, int64_t n) {
     v.store(p, n);
   } else {
     if (n == VL) {
-#if defined(CPU_CAPABILITY_AVX2)
+#if defined(CPU_CAPABILITY_AVX512)
+      const __m256i h = std::is_same_v<T, c10::BFloat16> ? at::vec::cvtfp32_bf16(__m512(v))
+                                                         : at::vec::cvtfp32_fp16(__m512(v));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), h);
+#elif defined(CPU_CAPABILITY_AVX2)
       const __m128i h = std::is_same_v<T, c10::BFloat16> ? at::vec::cvtfp32_bf16(__m256(v))
                                                          : at::vec::cvtfp32_fp16(__m256(v));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(p), h);
@@ -81,10 +85,13 @@ inline void store(T* p, const Vec& v, int64_t n) {
 // ---------------------------------------------------------------------------------------------------------
 // the functions
 // ---------------------------------------------------------------------------------------------------------
-// 1 / d and 1 / sqrt(v) to about 1 float32 ulp: the hardware estimate (12 bits) and one Newton step, a few
-// times cheaper than a division. Used where the operand is finite and positive.
+// 1 / d and 1 / sqrt(v) to about 1 float32 ulp: the hardware estimate (12 bits on AVX2, 14 on AVX-512) and one
+// Newton step, a few times cheaper than a division (or than ATen's AVX-512 rsqrt, a square root and a division). Used where the operand is finite and positive.
 inline Vec recip(const Vec& d) {
-#if defined(CPU_CAPABILITY_AVX2)
+#if defined(CPU_CAPABILITY_AVX512)
+  const Vec r(_mm512_rcp14_ps(d));
+  return r * (Vec(2.0f) - d * r);
+#elif defined(CPU_CAPABILITY_AVX2)
   const Vec r(_mm256_rcp_ps(d));
   return r * (Vec(2.0f) - d * r);
 #else
@@ -95,10 +102,14 @@ inline Vec recip(const Vec& d) {
 // The estimate reads a denormal operand as 0 (and gives inf): below float32's smallest normal the operand is
 // scaled by 2^64 first and the result by 2^32, so a denormal beta (which init accepts) gives the reference's answer.
 inline Vec rsqrt_(const Vec& v) {
-#if defined(CPU_CAPABILITY_AVX2)
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
   const Vec tiny = v < Vec(1.17549435e-38f);
   const Vec vs = Vec::blendv(v, v * Vec(18446744073709551616.0f), tiny);
+#if defined(CPU_CAPABILITY_AVX512)
+  const Vec r(_mm512_rsqrt14_ps(vs));
+#else
   const Vec r(_mm256_rsqrt_ps(vs));
+#endif
   const Vec y = r * (Vec(1.5f) - Vec(0.5f) * vs * r * r);
   return Vec::blendv(y, y * Vec(4294967296.0f), tiny);
 #else
@@ -112,22 +123,25 @@ inline Vec rsqrt_(const Vec& v) {
 // tests/kernels/test_kernels_cpu.py measures against float64 from denormals to infinity, as relative errors of
 // the float32 result before any rounding to the output dtype (eps = 2^-23):
 //
-//   float32 input          tanh: [4/4] rational on |z| < 9,    exactly sign(z) beyond   bound 4 eps (fit: 2.2)
-//                          erf:  [5/5] rational on |z| < 3.92, exactly sign(z) beyond   bound 4 eps (fit: 2.7)
-//   bfloat16 / float16     tanh: [2/3] rational on |z| < 6,    exactly sign(z) beyond   bound 2^-12 (fit: 1.2e-5)
-//                          erf:  [3/3] rational on |z| < 3.3,  exactly sign(z) beyond   bound 2^-12 (fit: 3.1e-6)
+//   float32 input          tanh: [4/4] rational on |z| < 9,    exactly sign(z) beyond   bound 4 eps (AVX-512 2.9, AVX2 3.1)
+//                          erf:  [5/5] rational on |z| < 3.92, exactly sign(z) beyond   bound 4 eps (AVX-512 2.7, AVX2 3.3)
+//   bfloat16 / float16     tanh: [2/3] rational on |z| < 6,    exactly sign(z) beyond   bound 2^-12 (1.2e-5)
+//                          erf:  [3/3] rational on |z| < 3.3,  exactly sign(z) beyond   bound 2^-12 (3.1e-6)
 //
+// The division is `recip`'s estimate and Newton step in every dtype: its ulp or so over an exact division (whose
+// fit alone reached 2.2 and 2.7 eps in float32) keeps float32 inside 4 eps, and a division costs more than the
+// rest of the rational on AVX-512 (measured numbers: bench/kernels_cpu.csv, scripts/bench_kernels.py).
 // A bfloat16 or float16 output cannot hold more than 8 or 11 bits, so its cheaper forms stay well inside the
 // output's own rounding; they are kept a decade below 2^-12 because a parameter's gradient sums 1 - f^2 over
 // every element, where an error of one sign would add up (a [2/2] tanh at 9e-5 broke the bf16 alpha gradient). Saturation is exact: beyond the cut f is +-1 itself, so the derivative 1 - f^2 (computed
 // from the same f, as in the backward) is exactly 0 there, as the reference's. NaN stays NaN; +-inf gives +-1.
 template <size_t NP, size_t NQ>
-inline Vec odd_rational(const Vec& z, const float (&p)[NP], const float (&q)[NQ], bool exact_division) {
+inline Vec odd_rational(const Vec& z, const float (&p)[NP], const float (&q)[NQ]) {
   const Vec s = z * z;
   Vec num(p[NP - 1]), den(q[NQ - 1]);
   for (size_t k = NP - 1; k-- > 0;) num = at::vec::fmadd(num, s, Vec(p[k]));
   for (size_t k = NQ - 1; k-- > 0;) den = at::vec::fmadd(den, s, Vec(q[k]));
-  return exact_division ? z * num / den : z * num * recip(den);
+  return z * num * recip(den);
 }
 
 inline Vec saturate(const Vec& z, const Vec& f, float cut) {
@@ -149,14 +163,14 @@ constexpr float ERF16_Q[] = {1.0f, 0.470437378f, 0.0949267671f, 0.00925597362f};
 
 template <typename T>
 inline Vec tanh_(const Vec& z) {
-  if constexpr (std::is_same_v<T, float>) return saturate(z, odd_rational(z, TANH32_P, TANH32_Q, true), 9.0f);
-  return saturate(z, odd_rational(z, TANH16_P, TANH16_Q, false), 6.0f);
+  if constexpr (std::is_same_v<T, float>) return saturate(z, odd_rational(z, TANH32_P, TANH32_Q), 9.0f);
+  return saturate(z, odd_rational(z, TANH16_P, TANH16_Q), 6.0f);
 }
 
 template <typename T>
 inline Vec erf_(const Vec& z) {
-  if constexpr (std::is_same_v<T, float>) return saturate(z, odd_rational(z, ERF32_P, ERF32_Q, true), 3.92f);
-  return saturate(z, odd_rational(z, ERF16_P, ERF16_Q, false), 3.3f);
+  if constexpr (std::is_same_v<T, float>) return saturate(z, odd_rational(z, ERF32_P, ERF32_Q), 3.92f);
+  return saturate(z, odd_rational(z, ERF16_P, ERF16_Q), 3.3f);
 }
 
 // DyISRU's pieces: f = u h, h = (beta + u^2)^(-1/2), slope = beta h^3. Beyond float32's square root of its
@@ -222,11 +236,32 @@ void check_vec(const Tensor& t, int64_t c, const char* what) {
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// the element-wise family: y = w f(x; p0, p1) + b
+// the element-wise family: y = scale w f(x; p0, p1) + b
 // ---------------------------------------------------------------------------------------------------------
+// A parameter as the kernels read it, without copying it into a (C,) vector: one float32 value per channel, one
+// value for every channel (a (1,) parameter), or none (an absent one reads as 0). A decode step's norm is one row,
+// where preparing four (C,) vectors cost more than the arithmetic. `keep` holds a float32 copy of another dtype's.
+struct Param {
+  const float* p = nullptr;
+  bool per = false;
+  Tensor keep;
+  inline Vec at(int64_t j, int64_t m) const { return per ? Vec::loadu(p + j, m) : Vec(p == nullptr ? 0.0f : *p); }
+};
+
+Param param(const c10::optional<Tensor>& t, int64_t c) {
+  Param out;
+  if (!t.has_value() || !t->defined()) return out;
+  TORCH_CHECK(t->dim() == 1 && (t->numel() == 1 || t->numel() == c) && t->device().is_cpu(),
+              "normlab cpu kernel: a parameter must be a CPU tensor of shape (1,) or (C,) with C = ", c);
+  out.keep = t->to(at::kFloat).contiguous();
+  out.p = out.keep.data_ptr<float>();
+  out.per = t->numel() == c;
+  return out;
+}
+
 template <typename T, int64_t K>
-void pointwise_fwd_impl(const T* x, T* y, T* fo, const float* p0, const float* p1, const float* w, const float* b,
-                        int64_t n, int64_t c) {
+void pointwise_fwd_impl(const T* x, T* y, T* fo, const Param& p0, const Param& p1, const Param& w, const Param& b,
+                        float scale, int64_t n, int64_t c) {
   // fo: where f (before w and b) is kept for the backward, or nullptr (the backward recomputes it from x)
   for_blocks(n, n_blocks(n, c), [&](int64_t, int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
@@ -235,13 +270,12 @@ void pointwise_fwd_impl(const T* x, T* y, T* fo, const float* p0, const float* p
       const Vec mean(K == ELN ? finite_or_nan(row_mean(xr, c)) : 0.0f);
       for (int64_t j = 0; j < c; j += VL) {
         const int64_t m = std::min(VL, c - j);
-        const Vec xv = load(xr + j, m), a = Vec::loadu(p0 + j, m), wv = Vec::loadu(w + j, m),
-                  bv = Vec::loadu(b + j, m);
+        const Vec xv = load(xr + j, m), a = p0.at(j, m), wv = w.at(j, m) * Vec(scale), bv = b.at(j, m);
         Vec f;
         if constexpr (K == DYT) {
           f = tanh_<T>(a * xv);
         } else if constexpr (K == DERF) {
-          f = erf_<T>(at::vec::fmadd(a, xv, Vec::loadu(p1 + j, m)));
+          f = erf_<T>(at::vec::fmadd(a, xv, p1.at(j, m)));
         } else {
           f = isru(K == ELN ? xv - mean : xv, a).f;
         }
@@ -257,8 +291,8 @@ void pointwise_fwd_impl(const T* x, T* y, T* fo, const float* p0, const float* p
 constexpr int64_t ROWS = 4;
 
 template <typename T, int64_t K>
-void pointwise_bwd_impl(const T* g, const T* x, const T* fs, T* dx, const float* p0, const float* p1, const float* w,
-                        float* partials, int64_t n, int64_t c, int64_t blocks) {
+void pointwise_bwd_impl(const T* g, const T* x, const T* fs, T* dx, const Param& p0, const Param& p1, const Param& w,
+                        float scale, float* partials, int64_t n, int64_t c, int64_t blocks) {
   // fs: f as the forward kept it (DyT, Derf), or nullptr: recomputed from x
   for_blocks(n, blocks, [&](int64_t blk, int64_t r0, int64_t r1) {
     float* dp0 = partials + blk * 4 * c;
@@ -273,8 +307,8 @@ void pointwise_bwd_impl(const T* g, const T* x, const T* fs, T* dx, const float*
       }
       for (int64_t j = 0; j < c; j += VL) {
         const int64_t m = std::min(VL, c - j);
-        const Vec a = Vec::loadu(p0 + j, m), wv = Vec::loadu(w + j, m);
-        const Vec shift = K == DERF ? Vec::loadu(p1 + j, m) : Vec(0.0f);
+        const Vec a = p0.at(j, m), wv = w.at(j, m) * Vec(scale);
+        const Vec shift = K == DERF ? p1.at(j, m) : Vec(0.0f);
         Vec acc0(0.0f), acc1(0.0f), accw(0.0f), accb(0.0f);
         for (int64_t i = 0; i < rows; ++i) {
           const int64_t off = (rg + i) * c + j;
@@ -351,19 +385,17 @@ void dispatch_dtype(at::ScalarType t, const F& f) {
   }
 }
 
-std::vector<Tensor> pointwise_fwd_rows(const Tensor& x, const Tensor& p0, const Tensor& p1, const Tensor& w,
-                                       const Tensor& b, int64_t kind, bool save) {
+std::vector<Tensor> pointwise_fwd_rows(const Tensor& x, const Param& p0, const Param& p1, const Param& w,
+                                       const Param& b, float scale, int64_t kind, bool save) {
   check_rows(x, "x");
   const int64_t n = x.size(0), c = x.size(1);
-  for (const Tensor* t : {&p0, &p1, &w, &b}) check_vec(*t, c, "a parameter");
   Tensor y = at::empty_like(x);
   Tensor f = save ? at::empty_like(x) : Tensor();
   dispatch_dtype(x.scalar_type(), [&](auto t) {
     using T = decltype(t);
     dispatch_kind(kind, [&](auto k) {
       pointwise_fwd_impl<T, decltype(k)::value>(x.data_ptr<T>(), y.data_ptr<T>(), save ? f.data_ptr<T>() : nullptr,
-                                                p0.data_ptr<float>(), p1.data_ptr<float>(), w.data_ptr<float>(),
-                                                b.data_ptr<float>(), n, c);
+                                                p0, p1, w, b, scale, n, c);
     });
   });
   return {y, f};
@@ -386,8 +418,8 @@ std::vector<Tensor> sum_partials(const Tensor& partials) {
   return out;
 }
 
-std::vector<Tensor> pointwise_bwd_rows(const Tensor& g, const Tensor& x, const Tensor& fs, const Tensor& p0,
-                                       const Tensor& p1, const Tensor& w, int64_t kind) {
+std::vector<Tensor> pointwise_bwd_rows(const Tensor& g, const Tensor& x, const Tensor& fs, const Param& p0,
+                                       const Param& p1, const Param& w, float scale, int64_t kind) {
   check_rows(x, "x");
   check_rows(g, "the gradient");
   TORCH_CHECK(g.sizes() == x.sizes() && g.scalar_type() == x.scalar_type(),
@@ -399,7 +431,6 @@ std::vector<Tensor> pointwise_bwd_rows(const Tensor& g, const Tensor& x, const T
                 "normlab cpu kernel: a saved f must match x in shape and dtype, for DyT or Derf");
   }
   const int64_t n = x.size(0), c = x.size(1);
-  for (const Tensor* t : {&p0, &p1, &w}) check_vec(*t, c, "a parameter");
   const int64_t blocks = n_blocks(n, c);
   Tensor dx = at::empty_like(x);
   Tensor partials = at::zeros({blocks, 4, c}, x.options().dtype(at::kFloat));
@@ -408,8 +439,7 @@ std::vector<Tensor> pointwise_bwd_rows(const Tensor& g, const Tensor& x, const T
     dispatch_kind(kind, [&](auto k) {
       pointwise_bwd_impl<T, decltype(k)::value>(g.data_ptr<T>(), x.data_ptr<T>(),
                                                 saved ? fs.data_ptr<T>() : nullptr, dx.data_ptr<T>(),
-                                                p0.data_ptr<float>(), p1.data_ptr<float>(), w.data_ptr<float>(),
-                                                partials.data_ptr<float>(), n, c, blocks);
+                                                p0, p1, w, scale, partials.data_ptr<float>(), n, c, blocks);
     });
   });
   std::vector<Tensor> out{dx};
@@ -496,12 +526,11 @@ std::vector<Tensor> rms_bwd_rows(const Tensor& g, const Tensor& x, const Tensor&
 // ---------------------------------------------------------------------------------------------------------
 Tensor rows(const Tensor& t) { return t.reshape({-1, t.size(-1)}).contiguous(); }
 
-Tensor channel(const c10::optional<Tensor>& p, int64_t c, double scale = 1.0) {
-  if (!p.has_value() || !p->defined()) return at::zeros({c}, at::TensorOptions().dtype(at::kFloat));
-  TORCH_CHECK(p->dim() == 1 && (p->numel() == 1 || p->numel() == c),
+// RMSNorm's weight as a float32 (C,) vector
+Tensor channel(const Tensor& p, int64_t c) {
+  TORCH_CHECK(p.dim() == 1 && (p.numel() == 1 || p.numel() == c),
               "normlab cpu kernel: a parameter must have shape (1,) or (C,) with C = ", c);
-  Tensor v = p->to(at::kFloat).expand({c});
-  return scale == 1.0 ? v.contiguous() : v.mul(scale).contiguous();
+  return p.to(at::kFloat).expand({c}).contiguous();
 }
 
 Tensor reduce_like(const Tensor& grad_c, const Tensor& p, double scale = 1.0) {
@@ -512,8 +541,7 @@ Tensor reduce_like(const Tensor& grad_c, const Tensor& p, double scale = 1.0) {
 Tensor pointwise_fwd(const Tensor& x, const Tensor& p0, const c10::optional<Tensor>& p1, const Tensor& w,
                      const c10::optional<Tensor>& b, double scale, int64_t kind) {
   const int64_t c = x.size(-1);
-  return pointwise_fwd_rows(rows(x), channel(p0, c), channel(p1, c), channel(w, c, scale), channel(b, c), kind,
-                            false)[0]
+  return pointwise_fwd_rows(rows(x), param(p0, c), param(p1, c), param(w, c), param(b, c), scale, kind, false)[0]
       .view(x.sizes());
 }
 
@@ -523,7 +551,7 @@ std::vector<Tensor> pointwise_fwd_saving(const Tensor& x, const Tensor& p0, cons
                                          const Tensor& w, const c10::optional<Tensor>& b, double scale, int64_t kind) {
   const int64_t c = x.size(-1);
   std::vector<Tensor> r =
-      pointwise_fwd_rows(rows(x), channel(p0, c), channel(p1, c), channel(w, c, scale), channel(b, c), kind, true);
+      pointwise_fwd_rows(rows(x), param(p0, c), param(p1, c), param(w, c), param(b, c), scale, kind, true);
   return {r[0].view(x.sizes()), r[1].view(x.sizes())};
 }
 
@@ -533,8 +561,8 @@ std::vector<Tensor> pointwise_bwd(const Tensor& g, const Tensor& x, const c10::o
                                   double scale, int64_t kind) {
   const int64_t c = x.size(-1);
   const Tensor fs = f.has_value() && f->defined() ? rows(*f) : Tensor();
-  std::vector<Tensor> r = pointwise_bwd_rows(rows(g.to(x.scalar_type())), rows(x), fs, channel(p0, c),
-                                             channel(p1, c), channel(w, c, scale), kind);
+  std::vector<Tensor> r =
+      pointwise_bwd_rows(rows(g.to(x.scalar_type())), rows(x), fs, param(p0, c), param(p1, c), param(w, c), scale, kind);
   const bool has_p1 = p1.has_value() && p1->defined(), has_b = b.has_value() && b->defined();
   return {r[0].view(x.sizes()), reduce_like(r[1], p0), has_p1 ? reduce_like(r[2], *p1) : at::empty({0}),
           reduce_like(r[3], w, scale), has_b ? reduce_like(r[4], *b) : at::empty({0})};
