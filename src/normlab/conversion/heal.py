@@ -246,7 +246,7 @@ def distill(run: HealRun) -> None:
         disable=run.bar_disabled,
     )
     bar.set_postfix_str(postfix(report.curve[-1]))
-    losses, next_eval = [], report.tokens + cfg.eval_every
+    losses, norms, next_eval = [], [], report.tokens + cfg.eval_every  # norms: each step's gradient norm, unclipped
     lr = set_lr(opt, lr_factor(cfg.schedule, budget.used()))
     teacher = TeacherCache(run.original, cfg.teacher_top_k) if cfg.teacher_top_k is not None else None
     counted = report.teacher_computed, report.teacher_reused  # from before a resume (the cache itself is not saved)
@@ -268,14 +268,15 @@ def distill(run: HealRun) -> None:
                 continue
             opt.zero_grad(set_to_none=True)
             loss.backward()
+            norms.append(float(nn.utils.clip_grad_norm_(run.params, cfg.clip_norm or math.inf)))  # the norm before
             lr = set_lr(opt, lr_factor(cfg.schedule, budget.used()))
             opt.step()
             losses.append(float(loss.detach()))
             report.tokens += ids.numel()
             bar.n = min(100, int(100 * budget.used()))
             if report.tokens >= next_eval or budget.used() >= 1.0:
-                point = run.point(mean_finite(losses), lr=lr)
-                losses, next_eval = [], report.tokens + cfg.eval_every
+                point = run.point(mean_finite(losses), lr=lr, grad_norm=max(norms, default=math.nan))
+                losses, norms, next_eval = [], [], report.tokens + cfg.eval_every
                 bar.set_postfix_str(postfix(point))
                 if run.rolled_back(point):  # a spike: back to the best state, on at half the rate
                     opt = run.optimizer()
@@ -286,7 +287,7 @@ def distill(run: HealRun) -> None:
                     )
                 run.save(opt)
         if losses:
-            run.point(mean_finite(losses), lr=lr)
+            run.point(mean_finite(losses), lr=lr, grad_norm=max(norms, default=math.nan))
             run.save(opt)
     finally:
         bar.close()

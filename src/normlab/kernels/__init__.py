@@ -35,6 +35,7 @@ import torch
 
 from normlab import functional as FN
 from normlab.errors import NormlabError
+from normlab.kernels import cpu, fused  # at the top: an import inside the dispatchers cost a decode step's norm 1-3 us
 
 __all__ = ["triton_status", "select", "autocast_params", "dyt", "derf", "scaled_dyt", "dyisru", "eln", "rms_norm",
            "KERNEL_CHOICES", "TRITON_DTYPES"]  # fmt: skip
@@ -75,8 +76,6 @@ def auto_choice() -> str:
 def select(choice: str, x: torch.Tensor, owner: str, *params: torch.Tensor | None, min_fused: int | None = None) -> str:
     """The path ``owner`` takes on ``x`` for the module setting ``choice``: 'triton', 'cpu' or 'reference'.
     ``min_fused``: the smallest CPU input ``auto`` fuses (default ``cpu.MIN_FUSED``)."""
-    from normlab.kernels import cpu
-
     if choice == "auto":
         choice = auto_choice()
     if choice == "reference":
@@ -120,12 +119,8 @@ def dyt(x, alpha, weight, bias=None, *, kernel: str = "auto", owner: str = "DyT"
     """weight * tanh(alpha x) + bias on the path ``kernel`` picks; alpha of shape (1,) or (C,)."""
     path, p = _route(kernel, owner, x, alpha, weight, bias)
     if path == "triton":
-        from normlab.kernels import fused
-
         return fused.dyt(x, *p)
     if path == "cpu":
-        from normlab.kernels import cpu
-
         return cpu.dyt(x, *p)
     return FN.dyt(x, alpha, weight, bias)
 
@@ -135,12 +130,8 @@ def scaled_dyt(x, alpha, weight, bias=None, *, scale: FN.Scale = "C", kernel: st
     path, (a, w, b) = _route(kernel, owner, x, alpha, weight, bias)
     s = FN.channel_scale(x.shape[-1], scale)
     if path == "triton":
-        from normlab.kernels import fused
-
         return fused.dyt(x, a, fused.unit_weight(w, x) * s, b)
     if path == "cpu":
-        from normlab.kernels import cpu
-
         return cpu.dyt(x, a, w, b, scale=s)
     return FN.scaled_dyt(x, alpha, weight, bias, scale)
 
@@ -149,19 +140,13 @@ def derf(x, alpha, shift, weight, bias=None, *, kernel: str = "auto", owner: str
     """weight * erf(alpha x + shift) + bias on the path ``kernel`` picks."""
     path, p = _route(kernel, owner, x, alpha, shift, weight, bias)
     if path == "triton":
-        from normlab.kernels import fused
-
         return fused.derf(x, *p)
     if path == "cpu":
-        from normlab.kernels import cpu
-
         return cpu.derf(x, *p)
     return FN.derf(x, alpha, shift, weight, bias)
 
 
 def _isru_min_fused() -> int:
-    from normlab.kernels import cpu
-
     return cpu.MIN_FUSED_ISRU
 
 
@@ -170,12 +155,8 @@ def dyisru(x, beta, weight, bias=None, *, scale: FN.Scale = "C", kernel: str = "
     path, (be, w, b) = _route(kernel, owner, x, beta, weight, bias, min_fused=_isru_min_fused())
     s = FN.channel_scale(x.shape[-1], scale)
     if path == "triton":
-        from normlab.kernels import fused
-
         return fused.dyisru(x, be, w, b, s)
     if path == "cpu":
-        from normlab.kernels import cpu
-
         return cpu.dyisru(x, be, w, b, scale=s)
     return FN.dyisru(x, beta, weight, bias, scale)
 
@@ -185,8 +166,6 @@ def eln(x, beta, weight, bias=None, *, scale: FN.Scale = "C-1", kernel: str = "a
     kernel = "reference" if kernel == "auto" and on_cuda(x) else kernel
     path, (be, w, b) = _route(kernel, owner, x, beta, weight, bias, min_fused=_isru_min_fused())
     if path == "cpu":
-        from normlab.kernels import cpu
-
         return cpu.eln(x, be, w, b, scale=FN.channel_scale(x.shape[-1], scale))
     return FN.eln(x, beta, weight, bias, scale)
 
@@ -195,11 +174,7 @@ def rms_norm(x, weight, eps: float, *, kernel: str = "auto", owner: str = "RMSNo
     """RMSNorm with a weight on the path ``kernel`` picks."""
     path, (w,) = _route(kernel, owner, x, weight)
     if path == "triton":
-        from normlab.kernels import fused
-
         return fused.rms_norm(x, w, eps)
     if path == "cpu":
-        from normlab.kernels import cpu
-
         return cpu.rms_norm(x, w, eps)
     return FN.rms_norm(x, weight, eps)
