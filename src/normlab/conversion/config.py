@@ -61,7 +61,7 @@ class HealConfig:
     schedule: str = "constant"  # "cosine": 5% warmup, down to lr/10; "cooldown": lr, then to 0 over the last 20%
     batch_size: int = 4  # sequences per step: 4 beat 8 per token and per minute (docs/conversion.md, "The batch")
     rollback_nats: float | None = 0.5  # distill: a validation point this far above the best: back to it, half the rate
-    clip_norm: float | None = None  # distill: the gradient's largest norm (clip_grad_norm_); None: not clipped
+    clip_norm: float | None = 1.0  # distill (blocks does not clip): the gradient's largest norm; None: not clipped
     eval_every: int | None = None  # trained tokens between validation points; None: every 8 steps
     lora_rank: int = LORA_RANK
     checkpoint: str | None = None  # None: OUT.heal.pt when there is an output folder
@@ -120,8 +120,6 @@ class HealConfig:
                 raise ValueError(f"{flag('heal.' + name)} must be an int >= {least}, got {v!r}")
         if self.teacher_top_k is not None and self.objective != "distill":
             raise ValueError(f"{flag('heal.teacher_top_k')} caches the distill objective's teacher; blocks has none")
-        if self.clip_norm is not None and self.objective != "distill":
-            raise ValueError(f"{flag('heal.clip_norm')} clips the distill objective's gradient; blocks does not clip")
         for name, what in (("rollback_nats", "nats above the best validation point), or null to never roll back"),
                            ("clip_norm", "the gradient's largest norm), or null not to clip")):  # fmt: skip
             v = getattr(self, name)
