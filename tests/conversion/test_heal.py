@@ -197,23 +197,23 @@ def test_a_spike_rolls_back_to_the_best_state_and_halves_the_rate(rollback_nats)
         assert marked
 
 
-@pytest.mark.parametrize("clip_norm", [None, 1e-3])
-def test_each_point_records_the_gradient_norm_and_heal_clip_norm_clips_it(clip_norm):
-    """Each curve point records the largest gradient norm of its steps, before clipping; with ``clip_norm`` the
-    step's gradient is scaled down to that norm (torch's clip_grad_norm_), without it left as it is."""
+@pytest.mark.parametrize("grad_clip", [0, 1e-3])
+def test_each_point_records_the_gradient_norm_and_heal_grad_clip_clips_it(grad_clip):
+    """Each curve point records the largest gradient norm of its steps, before clipping; with ``grad_clip`` the
+    step's gradient is scaled down to that norm (torch's clip_grad_norm_); with 0 it is left as it is."""
     original = _peaked(0)
     model = copy.deepcopy(original)
     rec = normlab.convert_norms(model, "dyt")
     rep = normlab.heal(original, model, _stream(), rec, val=id_batches(1, seed=9), tokens=640, lr=1e-2,
-                       eval_every=64, clip_norm=clip_norm, progress=False)  # fmt: skip
+                       eval_every=64, grad_clip=grad_clip, progress=False)  # fmt: skip
     norms = [p["grad_norm"] for p in rep.curve[1:]]  # one step (4 sequences of 16 tokens) per point
     assert len(norms) == 10 and all(math.isfinite(n) and n > 0 for n in norms)
     grads = [p.grad for p in model.parameters() if p.grad is not None]  # the last step's, as the optimizer saw them
     left = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
-    if clip_norm is None:
+    if grad_clip == 0:  # 0 does not clip
         assert left == pytest.approx(norms[-1], rel=1e-5)
     else:
-        assert norms[-1] > 10 * clip_norm and left == pytest.approx(clip_norm, rel=1e-4)
+        assert norms[-1] > 10 * grad_clip and left == pytest.approx(grad_clip, rel=1e-4)
 
 
 @pytest.mark.parametrize("train", ["norms", "lora", "all"])
@@ -350,8 +350,8 @@ def test_the_stream_never_repeats_before_it_has_used_every_sequence_and_never_to
                                       ({"tokens": 5, "rollback_nats": 0}, "rollback_nats must be a finite number"),
                                       ({"tokens": 5, "rollback_nats": "1"}, "rollback_nats must be a finite number"),
                                       ({"tokens": 5, "rollback_nats": math.inf}, "rollback_nats must be a finite"),
-                                      ({"tokens": 5, "clip_norm": -1.0}, "clip_norm must be a finite number > 0"),
-                                      ({"tokens": 5, "clip_norm": True}, "clip_norm must be a finite number > 0"),
+                                      ({"tokens": 5, "grad_clip": -1.0}, "grad_clip must be a finite number >= 0"),
+                                      ({"tokens": 5, "grad_clip": True}, "grad_clip must be a finite number >= 0"),
                                       ({"tokens": 5, "resume": True}, "resume=True needs checkpoint")])  # fmt: skip
 def test_heal_bad_input_is_clear(kw, match):
     original = tiny_lm()

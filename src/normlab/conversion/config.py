@@ -49,6 +49,11 @@ class CalibrateConfig:
     sequential: bool = True  # fit each site on the model converted so far (False: on the original's activations)
 
 
+def _finite(v) -> bool:
+    """A finite int or float, not a bool."""
+    return not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
+
+
 @dataclass
 class HealConfig:
     """Training the converted model toward the original within a budget (`normlab.conversion.heal`)."""
@@ -61,7 +66,7 @@ class HealConfig:
     schedule: str = "constant"  # "cosine": 5% warmup, down to lr/10; "cooldown": lr, then to 0 over the last 20%
     batch_size: int = 4  # sequences per step: 4 beat 8 per token and per minute (docs/conversion.md, "The batch")
     rollback_nats: float | None = 0.5  # distill: a validation point this far above the best: back to it, half the rate
-    clip_norm: float | None = 1.0  # distill (blocks does not clip): the gradient's largest norm; None: not clipped
+    grad_clip: float = 1.0  # distill (blocks does not clip): the gradient's largest norm, as the lab's; 0: not clipped
     eval_every: int | None = None  # trained tokens between validation points; None: every 8 steps
     lora_rank: int = LORA_RANK
     checkpoint: str | None = None  # None: OUT.heal.pt when there is an output folder
@@ -120,11 +125,16 @@ class HealConfig:
                 raise ValueError(f"{flag('heal.' + name)} must be an int >= {least}, got {v!r}")
         if self.teacher_top_k is not None and self.objective != "distill":
             raise ValueError(f"{flag('heal.teacher_top_k')} caches the distill objective's teacher; blocks has none")
-        for name, what in (("rollback_nats", "nats above the best validation point), or null to never roll back"),
-                           ("clip_norm", "the gradient's largest norm), or null not to clip")):  # fmt: skip
-            v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf):
-                raise ValueError(f"{flag('heal.' + name)} must be a finite number > 0 ({what}; got {v!r}")
+        if self.rollback_nats is not None and not (_finite(self.rollback_nats) and self.rollback_nats > 0):
+            raise ValueError(
+                f"{flag('heal.rollback_nats')} must be a finite number > 0 (nats above the best validation point), "
+                f"or null to never roll back; got {self.rollback_nats!r}"
+            )
+        if not (_finite(self.grad_clip) and self.grad_clip >= 0):
+            raise ValueError(
+                f"{flag('heal.grad_clip')} must be a finite number >= 0 (the gradient's largest norm; 0 does not "
+                f"clip), got {self.grad_clip!r}"
+            )
         for name, lo, hi in (("self_fraction", 0.0, 1.0), ("temperature", 0.0, math.inf)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo < v < hi:

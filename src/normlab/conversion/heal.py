@@ -268,7 +268,7 @@ def distill(run: HealRun) -> None:
                 continue
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            norms.append(float(nn.utils.clip_grad_norm_(run.params, cfg.clip_norm or math.inf)))  # the norm before
+            norms.append(float(nn.utils.clip_grad_norm_(run.params, cfg.grad_clip or math.inf)))  # the norm before
             lr = set_lr(opt, lr_factor(cfg.schedule, budget.used()))
             opt.step()
             losses.append(float(loss.detach()))

@@ -86,7 +86,8 @@ inline void store(T* p, const Vec& v, int64_t n) {
 // the functions
 // ---------------------------------------------------------------------------------------------------------
 // 1 / d and 1 / sqrt(v) to about 1 float32 ulp: the hardware estimate (12 bits on AVX2, 14 on AVX-512) and one
-// Newton step, a few times cheaper than a division (or than ATen's AVX-512 rsqrt, a square root and a division). Used where the operand is finite and positive.
+// Newton step, in place of a division (ATen's AVX-512 rsqrt is a square root and a division). Used where the operand
+// is finite and positive.
 inline Vec recip(const Vec& d) {
 #if defined(CPU_CAPABILITY_AVX512)
   const Vec r(_mm512_rcp14_ps(d));
@@ -129,8 +130,8 @@ inline Vec rsqrt_(const Vec& v) {
 //                          erf:  [3/3] rational on |z| < 3.3,  exactly sign(z) beyond   bound 2^-12 (3.1e-6)
 //
 // The division is `recip`'s estimate and Newton step in every dtype: its ulp or so over an exact division (whose
-// fit alone reached 2.2 and 2.7 eps in float32) keeps float32 inside 4 eps, and a division costs more than the
-// rest of the rational on AVX-512 (measured numbers: bench/kernels_cpu.csv, scripts/bench_kernels.py).
+// fit alone reached 2.2 and 2.7 eps in float32) keeps float32 inside 4 eps. (On the AMD EPYC VM the two forms ran at
+// the same speed within its noise: docs/kernels.md, "AVX-512 reciprocals".)
 // A bfloat16 or float16 output cannot hold more than 8 or 11 bits, so its cheaper forms stay well inside the
 // output's own rounding; they are kept a decade below 2^-12 because a parameter's gradient sums 1 - f^2 over
 // every element, where an error of one sign would add up (a [2/2] tanh at 9e-5 broke the bf16 alpha gradient). Saturation is exact: beyond the cut f is +-1 itself, so the derivative 1 - f^2 (computed
