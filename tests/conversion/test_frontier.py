@@ -110,6 +110,9 @@ def test_budget_nats_never_ends_above_its_budget(folder, tmp_path, capsys, refit
                 "8",
                 "--budget-nats",
                 repr(budget),
+                "--set",  # the walk that stops at the first site over the budget, with no refits of all
+                "budget_walk=stop",
+                "budget_refit_every=0",
                 "--out",
                 str(out),
                 "--no-progress",
@@ -154,15 +157,30 @@ def test_the_skip_walk_never_ends_above_its_budget_and_tries_every_site(folder, 
     out = tmp_path / "o"
     budget = 0.0
     argv = ["convert", "--model", str(tmp_path / "m"), "--calibrate", str(folder / "text.txt"), "--seq-len", "16",
-            "--sequences", "8", "--budget-nats", repr(budget), "--set", "budget_walk=skip", "--out", str(out),
-            "--no-progress", "--eval-text", "none"]  # fmt: skip
-    assert main(argv) == 0
+            "--sequences", "8", "--budget-nats", repr(budget), "--out", str(out), "--no-progress",
+            "--eval-text", "none"]  # fmt: skip
+    assert main(argv) == 0  # the default walk: skip, refit all every 4 (the frontier study's)
     assert "over the budget" in capsys.readouterr().out
     sel = json.loads((out / "fidelity.json").read_text())["budget_walk"]
     assert sel["ce_converted"] <= sel["ce_original"] + budget + 1e-9
-    assert json.loads((out / "convert_config.json").read_text())["budget_walk"] == "skip"
-    with pytest.raises(ValueError, match="budget_walk applies only with --budget-nats"):
-        normlab.conversion.config.resolve_convert_config(["budget_walk=skip"])
+    cfg = json.loads((out / "convert_config.json").read_text())
+    assert (cfg["budget_walk"], cfg["budget_refit_every"]) == ("skip", 4)
+    splits = normlab.conversion.hf.text_splits(folder / "text.txt", None, 100, 16, 8, 8, n_val=8)
+    assert sel["selection_sequences"] == sum(len(b) for b in splits.val) == 8  # as many as it reports on
+    m = copy.deepcopy(model)
+    front, _ = frontier(m, "dyisru", splits.calib, splits.val, budget_nats=budget, skip=True, refit_every=4,
+                        progress=False)  # fmt: skip
+    _, record = normlab.load_converted(out)
+    assert sorted(s.name for s in record.sites) == sorted(front.converted)  # the CLI's walk is the library's
+    resolve = normlab.conversion.config.resolve_convert_config
+    for bad, says in (
+        (["budget_walk=stop"], "budget_walk applies only with --budget-nats"),
+        (["budget_refit_every=2"], "budget_refit_every applies only with --budget-nats"),
+        (["budget_nats=0.5", "budget_refit_every=-1"], "budget_refit_every must be an int >= 0"),
+        (["budget_nats=0.5", "budget_refit_every=true"], "budget_refit_every must be an int >= 0"),
+    ):
+        with pytest.raises(ValueError, match=says):
+            resolve(bad)
 
 
 def test_refitting_every_converted_site_keeps_what_lowers_the_cross_entropy_and_the_budget_holds():

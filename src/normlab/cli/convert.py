@@ -92,8 +92,9 @@ def add_convert(sub) -> None:
         "--budget-nats",
         type=float,
         metavar="X",
-        help="convert only the norms that fit in +X nats of held-out cross-entropy, cheapest first "
-        "(each ranked by its cost alone); keep the rest",
+        help="convert only the norms that fit in +X nats of cross-entropy on a validation split, cheapest first "
+        "(each ranked by its cost alone), going past any that would break it and refitting all every 4 kept "
+        "(--set budget_walk=stop budget_refit_every=0 for the plain walk); keep the rest",
     )
     cv.add_argument(
         "--eval-text",

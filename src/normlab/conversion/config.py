@@ -178,7 +178,8 @@ class ConvertConfig:
     seq_len: int = 128  # tokens per sequence
     sequences: int = 32  # calibration sequences, and as many held out
     budget_nats: float | None = None  # convert only the sites that fit within this rise of held-out CE
-    budget_walk: str = "stop"  # at the first site over the budget: "stop" there, or "skip" it and go on
+    budget_walk: str = "skip"  # at a site over the budget: "skip" it and go on, or "stop" the walk there
+    budget_refit_every: int = 4  # refit every converted site after each K kept, where it helps (0: never)
     eval_text: str | None = "docs"  # a second text, never healed on, measured too: "docs" (docutils 0.23), a file, None
     out: str | None = None
     overwrite: bool = False
@@ -264,8 +265,15 @@ class ConvertConfig:
             if not c.enabled:
                 raise ValueError(f"{flag('budget_nats')} ranks calibrated sites; drop {flag('calibrate.enabled')}")
         _choice("budget_walk", self.budget_walk, ("stop", "skip"))
-        if self.budget_walk != "stop" and self.budget_nats is None:
-            raise ValueError(f"{flag('budget_walk')} applies only with {flag('budget_nats')}")
+        k = self.budget_refit_every
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise ValueError(
+                f"{flag('budget_refit_every')} must be an int >= 0 (sites between refits; 0: never), got {k!r}"
+            )
+        default = ConvertConfig.__dataclass_fields__
+        for key in ("budget_walk", "budget_refit_every"):
+            if self.budget_nats is None and getattr(self, key) != default[key].default:
+                raise ValueError(f"{flag(key)} applies only with {flag('budget_nats')}")
         from normlab.conversion.convert import CALIBRATABLE
 
         if c.enabled and self.to not in CALIBRATABLE:

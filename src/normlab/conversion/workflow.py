@@ -296,7 +296,8 @@ def _convert(cfg: ConvertConfig, model_path: str, ckpt: str | None, progress: bo
     if tokenizer is None:
         print(f"{cfg.model} has no tokenizer: using byte values mod {vocab} as token ids")
     if cfg.heal.budgeted or cfg.budget_nats is not None:
-        splits = text_splits(text, tokenizer, vocab, cfg.seq_len, cfg.sequences, cfg.sequences)
+        val = {"n_val": cfg.sequences} if cfg.budget_nats is not None else {}  # a budget selects on as many as held
+        splits = text_splits(text, tokenizer, vocab, cfg.seq_len, cfg.sequences, cfg.sequences, **val)
         calib, held = splits.calib, splits.held
     else:
         splits = None
@@ -373,6 +374,7 @@ def _convert_sites(cfg: ConvertConfig, net, calib: list, held: list, select: lis
             select,
             budget_nats=cfg.budget_nats,
             skip=cfg.budget_walk == "skip",
+            refit_every=cfg.budget_refit_every,
             **{k: v for k, v in options.items() if k != "sequential"},
         )  # the frontier ranks on independent fits
         n_select = sum(len(b) for b in select)
