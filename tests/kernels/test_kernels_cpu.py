@@ -80,6 +80,17 @@ def test_rms_norm(m, n, dtype):
     )
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rms_norm_with_one_weight_for_every_channel(dtype):
+    """The kernel's own entry takes a (1,) weight too (the element-wise ops share its parameter reader): it is
+    read for every channel, and its gradient comes back summed, with its (1,) shape."""
+    x, dy, _, _, g = _inputs(64, 37, dtype)
+    w = (0.5 + torch.rand(1, generator=g)).to(dtype)
+    term = float((dy.double() * w.double()).abs().max() / x.double().pow(2).mean(-1).sqrt().min())
+    ref = lambda x, w: FN.rms_norm(x, w.expand(x.shape[-1]), 1e-6)  # noqa: E731  (the reference takes (C,))
+    KC.check(lambda x, w: cpu.rms_norm(x, w, 1e-6), ref, [x, w], dy, dtype, "rms_norm", grad_floor=term)
+
+
 def test_tanh_is_accurate_over_the_whole_range():
     """The kernel's tanh (DyT with alpha = w = 1), against float64, from denormals to saturation."""
     z = torch.cat(

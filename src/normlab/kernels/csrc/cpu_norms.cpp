@@ -231,17 +231,13 @@ void check_rows(const Tensor& t, const char* what) {
               " must be a contiguous CPU (N, C) tensor");
 }
 
-void check_vec(const Tensor& t, int64_t c, const char* what) {
-  TORCH_CHECK(t.scalar_type() == at::kFloat && t.dim() == 1 && t.numel() == c && t.is_contiguous(),
-              "normlab cpu kernel: ", what, " must be a contiguous float32 (C,) vector");
-}
-
 // ---------------------------------------------------------------------------------------------------------
 // the element-wise family: y = scale w f(x; p0, p1) + b
 // ---------------------------------------------------------------------------------------------------------
 // A parameter as the kernels read it, without copying it into a (C,) vector: one float32 value per channel, one
-// value for every channel (a (1,) parameter), or none (an absent one reads as 0). A decode step's norm is one row,
-// where preparing four (C,) vectors cost more than the arithmetic. `keep` holds a float32 copy of another dtype's.
+// value for every channel (a (1,) parameter), or none (an absent one reads as 0); RMSNorm's weight too. A decode
+// step's norm is one row, where preparing four (C,) vectors cost more than the arithmetic. `keep` holds a float32
+// copy of another dtype's.
 struct Param {
   const float* p = nullptr;
   bool per = false;
@@ -451,17 +447,15 @@ std::vector<Tensor> pointwise_bwd_rows(const Tensor& g, const Tensor& x, const T
 // ---------------------------------------------------------------------------------------------------------
 // RMSNorm: y = w x r, r = (mean x^2 + eps)^(-1/2); dx = r (g w) - x r^3 mean(g w x), dw = sum g x r
 // ---------------------------------------------------------------------------------------------------------
-std::vector<Tensor> rms_fwd_rows(const Tensor& x, const Tensor& w, double eps) {
+std::vector<Tensor> rms_fwd_rows(const Tensor& x, const Param& w, double eps) {
   check_rows(x, "x");
   const int64_t n = x.size(0), c = x.size(1);
-  check_vec(w, c, "the weight");
   Tensor y = at::empty_like(x);
   Tensor rstd = at::empty({n}, x.options().dtype(at::kFloat));
   dispatch_dtype(x.scalar_type(), [&](auto t) {
     using T = decltype(t);
     const T* xp = x.data_ptr<T>();
     T* yp = y.data_ptr<T>();
-    const float* wp = w.data_ptr<float>();
     float* rp = rstd.data_ptr<float>();
     for_blocks(n, n_blocks(n, c), [&](int64_t, int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) {
@@ -471,7 +465,7 @@ std::vector<Tensor> rms_fwd_rows(const Tensor& x, const Tensor& w, double eps) {
         const Vec rv(rs);
         for (int64_t j = 0; j < c; j += VL) {
           const int64_t m = std::min(VL, c - j);
-          store(yp + r * c + j, load(xr + j, m) * rv * Vec::loadu(wp + j, m), m);
+          store(yp + r * c + j, load(xr + j, m) * rv * w.at(j, m), m);
         }
       }
     });
@@ -479,13 +473,12 @@ std::vector<Tensor> rms_fwd_rows(const Tensor& x, const Tensor& w, double eps) {
   return {y, rstd};
 }
 
-std::vector<Tensor> rms_bwd_rows(const Tensor& g, const Tensor& x, const Tensor& rstd, const Tensor& w) {
+std::vector<Tensor> rms_bwd_rows(const Tensor& g, const Tensor& x, const Tensor& rstd, const Param& w) {
   check_rows(x, "x");
   check_rows(g, "the gradient");
   TORCH_CHECK(g.sizes() == x.sizes() && g.scalar_type() == x.scalar_type(),
               "normlab cpu kernel: the gradient must match x in shape and dtype");
   const int64_t n = x.size(0), c = x.size(1);
-  check_vec(w, c, "the weight");
   const int64_t blocks = n_blocks(n, c);
   Tensor dx = at::empty_like(x);
   Tensor partials = at::zeros({blocks, 1, c}, x.options().dtype(at::kFloat));
@@ -493,7 +486,7 @@ std::vector<Tensor> rms_bwd_rows(const Tensor& g, const Tensor& x, const Tensor&
     using T = decltype(t);
     const T *gp = g.data_ptr<T>(), *xp = x.data_ptr<T>();
     T* dxp = dx.data_ptr<T>();
-    const float *wp = w.data_ptr<float>(), *rp = rstd.data_ptr<float>();
+    const float* rp = rstd.data_ptr<float>();
     float* part = partials.data_ptr<float>();
     for_blocks(n, blocks, [&](int64_t blk, int64_t r0, int64_t r1) {
       float* dw = part + blk * c;
@@ -504,7 +497,7 @@ std::vector<Tensor> rms_bwd_rows(const Tensor& g, const Tensor& x, const Tensor&
         for (int64_t j = 0; j < c; j += VL) {
           const int64_t m = std::min(VL, c - j);
           const Vec xv = load(xr + j, m), gv = load(gr + j, m);
-          acc = at::vec::fmadd(gv * Vec::loadu(wp + j, m), xv, acc);
+          acc = at::vec::fmadd(gv * w.at(j, m), xv, acc);
           at::vec::fmadd(gv, xv * rv, Vec::loadu(dw + j, m)).store(dw + j, m);
         }
         const float r1f = rp[r];
@@ -513,7 +506,7 @@ std::vector<Tensor> rms_bwd_rows(const Tensor& g, const Tensor& x, const Tensor&
         for (int64_t j = 0; j < c; j += VL) {
           const int64_t m = std::min(VL, c - j);
           const Vec xv = load(xr + j, m), gv = load(gr + j, m);
-          store(dxp + r * c + j, rv * gv * Vec::loadu(wp + j, m) - xv * coef, m);
+          store(dxp + r * c + j, rv * gv * w.at(j, m) - xv * coef, m);
         }
       }
     });
@@ -526,13 +519,6 @@ std::vector<Tensor> rms_bwd_rows(const Tensor& g, const Tensor& x, const Tensor&
 // (C,) in any float dtype; bias optional), prepared here so that a call costs one dispatch from Python
 // ---------------------------------------------------------------------------------------------------------
 Tensor rows(const Tensor& t) { return t.reshape({-1, t.size(-1)}).contiguous(); }
-
-// RMSNorm's weight as a float32 (C,) vector
-Tensor channel(const Tensor& p, int64_t c) {
-  TORCH_CHECK(p.dim() == 1 && (p.numel() == 1 || p.numel() == c),
-              "normlab cpu kernel: a parameter must have shape (1,) or (C,) with C = ", c);
-  return p.to(at::kFloat).expand({c}).contiguous();
-}
 
 Tensor reduce_like(const Tensor& grad_c, const Tensor& p, double scale = 1.0) {
   Tensor g = p.numel() == 1 ? grad_c.sum().reshape(p.sizes()) : grad_c.reshape(p.sizes());
@@ -570,13 +556,13 @@ std::vector<Tensor> pointwise_bwd(const Tensor& g, const Tensor& x, const c10::o
 }
 
 std::vector<Tensor> rms_fwd(const Tensor& x, const Tensor& w, double eps) {
-  std::vector<Tensor> r = rms_fwd_rows(rows(x), channel(w, x.size(-1)), eps);
+  std::vector<Tensor> r = rms_fwd_rows(rows(x), param(w, x.size(-1)), eps);
   return {r[0].view(x.sizes()), r[1]};
 }
 
 std::vector<Tensor> rms_bwd(const Tensor& g, const Tensor& x, const Tensor& rstd, const Tensor& w) {
-  std::vector<Tensor> r = rms_bwd_rows(rows(g.to(x.scalar_type())), rows(x), rstd, channel(w, x.size(-1)));
-  return {r[0].view(x.sizes()), r[1].to(w.scalar_type())};
+  std::vector<Tensor> r = rms_bwd_rows(rows(g.to(x.scalar_type())), rows(x), rstd, param(w, x.size(-1)));
+  return {r[0].view(x.sizes()), reduce_like(r[1], w)};
 }
 
 }  // namespace
