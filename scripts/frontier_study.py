@@ -5,6 +5,7 @@
     python scripts/frontier_study.py --to dyisru --refit-every 4 --skip   # refit all every 4 sites; go past
     python scripts/frontier_study.py --to dyisru --refit-every 4 --skip --select-on validation --budget 0.5
     python scripts/frontier_study.py --to dyisru --skip --per channel   # one beta and amplitude per channel
+    python scripts/frontier_study.py --to dyisru --skip --rank-batches 4  # rank on 4 batches (32 sequences), not 1
     python scripts/frontier_study.py --replot             # redraw the figure from bench/frontier.json
 
 For each target (normlab.conversion.frontier): every site calibrated on the original model's activations, its cost
@@ -78,10 +79,18 @@ def main() -> None:
         "with the held-out ones measuring the kept model (default held)",
     )
     ap.add_argument("--budget", type=float, default=0.5, help="the budget in nats with --select-on validation")
+    ap.add_argument(
+        "--rank-batches",
+        type=int,
+        default=1,
+        help="calibration batches of 8 sequences each site's cost alone is measured on, for the order (default 1)",
+    )
     ap.add_argument("--per", choices=["global", "channel"], default="global",
                     help="one fitted parameter per site (default), or one per channel (calibrate.per)")  # fmt: skip
     ap.add_argument("--replot", action="store_true")
     args = ap.parse_args()
+    if args.rank_batches < 1:
+        ap.error(f"--rank-batches must be at least 1 (calibration batches of 8 sequences), got {args.rank_batches}")
     results = json.loads(OUT.read_text())["targets"] if OUT.exists() else {}
     if args.replot:
         plot(results, FIG)
@@ -101,7 +110,8 @@ def main() -> None:
     calib, held = text_batches(fetch_shakespeare(), tok, model.config.vocab_size, 128, 32, 32)
     for to in args.to:
         front, _ = frontier(model, to, calib, held, stop_nats=args.stop, refit=args.refit,
-                            refit_every=args.refit_every, skip=args.skip, per=args.per, progress=True)  # fmt: skip
+                            refit_every=args.refit_every, skip=args.skip, per=args.per,
+                            rank=calib[: args.rank_batches], progress=True)  # fmt: skip
         r = front.to_dict()
         r["within_0.1"], r["within_0.5"] = front.within(0.1), front.within(0.5)
         r["stop_nats"], r["refit"], r["refit_every"] = args.stop, args.refit, args.refit_every
@@ -121,7 +131,8 @@ def main() -> None:
 def variant(args) -> list[str]:
     """What the walk did beyond the plain one, for the result's key."""
     return ([f"refit all every {args.refit_every}"] * bool(args.refit_every) + ["skip"] * args.skip
-            + ["per channel"] * (args.per == "channel"))  # fmt: skip
+            + ["per channel"] * (args.per == "channel")
+            + [f"ranked on {args.rank_batches} batches"] * (args.rank_batches != 1))  # fmt: skip
 
 
 def write(key: str, entry: dict) -> dict:
@@ -152,7 +163,8 @@ def honest(model, tok, args) -> None:
     for to in args.to:
         kept = copy.deepcopy(model)
         front, _ = frontier(kept, to, splits.calib, splits.val, budget_nats=args.budget, refit=args.refit,
-                            refit_every=args.refit_every, skip=args.skip, per=args.per, progress=True)  # fmt: skip
+                            refit_every=args.refit_every, skip=args.skip, per=args.per,
+                            rank=splits.calib[: args.rank_batches], progress=True)  # fmt: skip
         held = cross_entropy(kept, splits.held)
         key = f"{to} ({', '.join(variant(args) + [f'selected on validation, budget {args.budget:g}'])})"
         entry = {
@@ -169,6 +181,7 @@ def honest(model, tok, args) -> None:
             "refit_every": args.refit_every,
             "skip": args.skip,
             "per": args.per,
+            "rank_batches": args.rank_batches,
             "seconds": front.seconds,
             "commit": commit(),
             "date": datetime.date.today().isoformat(),
