@@ -157,19 +157,20 @@ def test_the_skip_walk_never_ends_above_its_budget_and_tries_every_site(folder, 
     out = tmp_path / "o"
     budget = 0.0
     argv = ["convert", "--model", str(tmp_path / "m"), "--calibrate", str(folder / "text.txt"), "--seq-len", "16",
-            "--sequences", "8", "--budget-nats", repr(budget), "--out", str(out), "--no-progress",
+            "--sequences", "16", "--budget-nats", repr(budget), "--out", str(out), "--no-progress",
             "--eval-text", "none"]  # fmt: skip
-    assert main(argv) == 0  # the default walk: skip, refit all every 4 (the frontier study's)
+    assert main(argv) == 0  # the default walk: skip, refit all every 4, ranked on 4 batches (the study's best)
     assert "over the budget" in capsys.readouterr().out
     sel = json.loads((out / "fidelity.json").read_text())["budget_walk"]
     assert sel["ce_converted"] <= sel["ce_original"] + budget + 1e-9
     cfg = json.loads((out / "convert_config.json").read_text())
-    assert (cfg["budget_walk"], cfg["budget_refit_every"]) == ("skip", 4)
-    splits = normlab.conversion.hf.text_splits(folder / "text.txt", None, 100, 16, 8, 8, n_val=8)
-    assert sel["selection_sequences"] == sum(len(b) for b in splits.val) == 8  # as many as it reports on
+    assert (cfg["budget_walk"], cfg["budget_refit_every"], cfg["budget_rank_batches"]) == ("skip", 4, 4)
+    splits = normlab.conversion.hf.text_splits(folder / "text.txt", None, 100, 16, 16, 16, n_val=16)
+    assert sel["selection_sequences"] == sum(len(b) for b in splits.val) == 16  # as many as it reports on
+    assert len(splits.calib) == 2  # both calibration batches rank the sites
     m = copy.deepcopy(model)
     front, _ = frontier(m, "dyisru", splits.calib, splits.val, budget_nats=budget, skip=True, refit_every=4,
-                        progress=False)  # fmt: skip
+                        rank=splits.calib[:4], progress=False)  # fmt: skip
     _, record = normlab.load_converted(out)
     assert sorted(s.name for s in record.sites) == sorted(front.converted)  # the CLI's walk is the library's
     resolve = normlab.conversion.config.resolve_convert_config
@@ -178,6 +179,8 @@ def test_the_skip_walk_never_ends_above_its_budget_and_tries_every_site(folder, 
         (["budget_refit_every=2"], "budget_refit_every applies only with --budget-nats"),
         (["budget_nats=0.5", "budget_refit_every=-1"], "budget_refit_every must be an int >= 0"),
         (["budget_nats=0.5", "budget_refit_every=true"], "budget_refit_every must be an int >= 0"),
+        (["budget_rank_batches=2"], "budget_rank_batches applies only with --budget-nats"),
+        (["budget_nats=0.5", "budget_rank_batches=0"], "budget_rank_batches must be an int >= 1"),
     ):
         with pytest.raises(ValueError, match=says):
             resolve(bad)

@@ -94,7 +94,7 @@ def add_convert(sub) -> None:
         metavar="X",
         help="convert only the norms that fit in +X nats of cross-entropy on a validation split, cheapest first "
         "(each ranked by its cost alone), going past any that would break it and refitting all every 4 kept "
-        "(--set budget_walk=stop budget_refit_every=0 for the plain walk); keep the rest",
+        "(--set budget_walk=stop budget_refit_every=0 budget_rank_batches=1 for the plain walk); keep the rest",
     )
     cv.add_argument(
         "--eval-text",

@@ -180,6 +180,7 @@ class ConvertConfig:
     budget_nats: float | None = None  # convert only the sites that fit within this rise of held-out CE
     budget_walk: str = "skip"  # at a site over the budget: "skip" it and go on, or "stop" the walk there
     budget_refit_every: int = 4  # refit every converted site after each K kept, where it helps (0: never)
+    budget_rank_batches: int = 4  # calibration batches (8 sequences each) each site's cost alone is ranked on
     eval_text: str | None = "docs"  # a second text, never healed on, measured too: "docs" (docutils 0.23), a file, None
     out: str | None = None
     overwrite: bool = False
@@ -270,8 +271,11 @@ class ConvertConfig:
             raise ValueError(
                 f"{flag('budget_refit_every')} must be an int >= 0 (sites between refits; 0: never), got {k!r}"
             )
+        r = self.budget_rank_batches
+        if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+            raise ValueError(f"{flag('budget_rank_batches')} must be an int >= 1 (calibration batches), got {r!r}")
         default = ConvertConfig.__dataclass_fields__
-        for key in ("budget_walk", "budget_refit_every"):
+        for key in ("budget_walk", "budget_refit_every", "budget_rank_batches"):
             if self.budget_nats is None and getattr(self, key) != default[key].default:
                 raise ValueError(f"{flag(key)} applies only with {flag('budget_nats')}")
         from normlab.conversion.convert import CALIBRATABLE

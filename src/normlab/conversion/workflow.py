@@ -375,6 +375,7 @@ def _convert_sites(cfg: ConvertConfig, net, calib: list, held: list, select: lis
             budget_nats=cfg.budget_nats,
             skip=cfg.budget_walk == "skip",
             refit_every=cfg.budget_refit_every,
+            rank=calib[: cfg.budget_rank_batches],
             **{k: v for k, v in options.items() if k != "sequential"},
         )  # the frontier ranks on independent fits
         n_select = sum(len(b) for b in select)

@@ -42,10 +42,10 @@ from normlab.kernels.fused import unit_weight  # a missing weight means 1: the l
 __all__ = ["available", "ready", "usable", "dyt", "derf", "dyisru", "eln", "rms_norm", "FAST_DTYPES"]
 
 FAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# kernel="auto" fuses inputs of at least this many elements. Below it a call's fixed cost (about 0.1 ms: the
-# module, the autograd function, the parameters' float32 copies) exceeds what fusing saves: forward + backward
-# of DyT took 314 against 201 us at 2 x 8 x 64 (2 threads) and 486 against 620 us at 16 x 64 x 64 (1 thread,
-# as a sweep worker runs) (docs/kernels.md).
+# kernel="auto" fuses inputs of at least this many elements. Below it a call's fixed cost (about 0.1 ms when
+# measured: the module, the autograd function, and then the parameters' float32 copies, which the kernels no
+# longer make) exceeds what fusing saves: forward + backward of DyT took 314 against 201 us at 2 x 8 x 64
+# (2 threads) and 486 against 620 us at 16 x 64 x 64 (1 thread, as a sweep worker runs) (docs/kernels.md).
 MIN_FUSED = 1 << 16
 # DyISRU and ELN fuse at every size: their reference is a chain of small ops whose fixed cost exceeds the fused
 # call's (forward + backward at 2 x 8 x 64: 122 against 184 us for DyISRU, 122 against 236 us for ELN; one
