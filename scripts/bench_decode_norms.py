@@ -5,10 +5,10 @@
 
 At decode a norm reads one row, so what it costs is the call, not the arithmetic. This times, in one run and
 alternating round by round, the original model's norm (Hugging Face's LlamaRMSNorm, what SmolLM2 ships with)
-against each normlab module on its default path (``kernel="auto"``) and on the reference math, under
-``torch.inference_mode()``. The median of the rounds is reported in microseconds per call and as a ratio to
-LlamaRMSNorm, with the hardware; rows go to bench/decode_norms.csv. `scripts/bench_fold.py` measures the whole
-model.
+against each normlab module on its default path (``kernel="auto"``) and on the reference math, and against the
+fused C++ op of RMSNorm and DyT called alone (what the modules' Python adds), under ``torch.inference_mode()``.
+The median of the rounds is reported in microseconds per call and as a ratio to LlamaRMSNorm, with the hardware;
+rows go to bench/decode_norms.csv. `scripts/bench_fold.py` measures the whole model.
 """
 
 from __future__ import annotations
@@ -42,6 +42,12 @@ def providers(c: int) -> dict:
     for name in NORMS:
         for kernel in ("auto", "reference"):
             out[f"{name}, {kernel}"] = normlab.create_norm(name, c, kernel=kernel)
+    # the C++ op alone, with the modules' parameters: what a call would cost without the module's Python
+    rms, dyt = out["rms_norm, auto"], out["dyt, auto"]
+    out["rms_norm, the C++ op alone"] = lambda x: torch.ops.normlab_cpu.rms_fwd(x, rms.weight, rms.eps)[0]
+    out["dyt, the C++ op alone"] = lambda x: torch.ops.normlab_cpu.pointwise_fwd(
+        x, dyt.alpha, None, dyt.weight, dyt.bias, 1.0, 0
+    )
     return out
 
 
