@@ -54,6 +54,12 @@ def _finite(v) -> bool:
     return not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
 
 
+def _int_at_least(key: str, v, least: int, meaning: str = "") -> None:
+    """Refuse ``v`` unless it is an int (not a bool) >= ``least``, naming the field as the user names it."""
+    if isinstance(v, bool) or not isinstance(v, int) or v < least:
+        raise ValueError(f"{flag(key)} must be an int >= {least}{meaning}, got {v!r}")
+
+
 @dataclass
 class HealConfig:
     """Training the converted model toward the original within a budget (`normlab.conversion.heal`)."""
@@ -121,8 +127,7 @@ class HealConfig:
             v = getattr(self, name)
             if v is None and name in ("eval_every", "teacher_top_k"):  # None: every 8 steps; the live teacher
                 continue
-            if isinstance(v, bool) or not isinstance(v, int) or v < least:
-                raise ValueError(f"{flag('heal.' + name)} must be an int >= {least}, got {v!r}")
+            _int_at_least(f"heal.{name}", v, least)
         if self.teacher_top_k is not None and self.objective != "distill":
             raise ValueError(f"{flag('heal.teacher_top_k')} caches the distill objective's teacher; blocks has none")
         if self.rollback_nats is not None and not (_finite(self.rollback_nats) and self.rollback_nats > 0):
@@ -266,14 +271,8 @@ class ConvertConfig:
             if not c.enabled:
                 raise ValueError(f"{flag('budget_nats')} ranks calibrated sites; drop {flag('calibrate.enabled')}")
         _choice("budget_walk", self.budget_walk, ("stop", "skip"))
-        k = self.budget_refit_every
-        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
-            raise ValueError(
-                f"{flag('budget_refit_every')} must be an int >= 0 (sites between refits; 0: never), got {k!r}"
-            )
-        r = self.budget_rank_batches
-        if isinstance(r, bool) or not isinstance(r, int) or r < 1:
-            raise ValueError(f"{flag('budget_rank_batches')} must be an int >= 1 (calibration batches), got {r!r}")
+        _int_at_least("budget_refit_every", self.budget_refit_every, 0, " (sites between refits; 0: never)")
+        _int_at_least("budget_rank_batches", self.budget_rank_batches, 1, " (calibration batches)")
         default = ConvertConfig.__dataclass_fields__
         for key in ("budget_walk", "budget_refit_every", "budget_rank_batches"):
             if self.budget_nats is None and getattr(self, key) != default[key].default:
