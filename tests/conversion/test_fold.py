@@ -10,7 +10,7 @@ from torch import nn
 
 import normlab
 from conftest import tiny_lm
-from normlab.conversion.calibrate import FirstToken
+from normlab.conversion.first_token import FirstToken
 
 transformers = pytest.importorskip("transformers")
 

@@ -33,7 +33,7 @@ def smollm2():
 
 
 def test_smollm2_has_massive_first_token_activations(smollm2):
-    from normlab.conversion.calibrate import first_token_ratio
+    from normlab.conversion.first_token import first_token_ratio
 
     model, calib, _, _ = smollm2
     seen = {}

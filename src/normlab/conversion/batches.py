@@ -3,12 +3,12 @@ signal that ends a forward pass early, and the one way a submodule is swapped.""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
 
-__all__ = ["Stop", "as_batches", "input_ids", "run_batch", "swap"]
+__all__ = ["Stop", "as_batches", "input_ids", "run_batch", "run_hooked", "swap"]
 
 
 class Stop(Exception):
@@ -73,3 +73,21 @@ def swap(model: nn.Module, name: str, new: nn.Module) -> nn.Module:
     old = getattr(parent, child)
     setattr(parent, child, new)
     return old
+
+
+def run_hooked(model: nn.Module, batch, i: int, hooks: dict[str, Callable], kind: str) -> None:
+    """Run batch i with hooks on the named modules ("out": forward hooks, "pre": pre-hooks); a hook may stop it."""
+    handles = [
+        model.get_submodule(n).register_forward_hook(h)
+        if kind == "out"
+        else model.get_submodule(n).register_forward_pre_hook(h)
+        for n, h in hooks.items()
+    ]
+    try:
+        with torch.no_grad():
+            run_batch(model, batch, i)
+    except Stop:
+        pass
+    finally:
+        for h in handles:
+            h.remove()

@@ -20,7 +20,8 @@ attention sink). No element-wise function maps both those and ordinary tokens, s
 
 * the first token gets its own replacement (`FirstToken`, ``first_token="own"``; ``"auto"`` turns it on
   when the first token's RMS is a massive outlier at some site). Its fit is per channel: the sink token has a
-  fixed shape, so ||x without channel i|| hardly varies across sequences, and Theorem 3 makes DyISRU nearly exact;
+  fixed shape, so ||x without channel i|| hardly varies across sequences, and Theorem 3 makes DyISRU nearly exact.
+  It is fitted on every distinct calibration token put first (`normlab.conversion.first_token`);
 * other massive tokens are left out of the fit of the shared replacement (``massive=10``: RMS above 10x the
   median), so that a handful of tokens does not drag the fit for every other token. Their count is recorded.
 
@@ -33,7 +34,6 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -41,39 +41,17 @@ from torch import Tensor, nn
 from torch.func import functional_call
 from tqdm.auto import tqdm
 
-from normlab.conversion.batches import Stop, as_batches, run_batch, swap
+from normlab.conversion.batches import Stop, as_batches, run_hooked, swap
+from normlab.conversion.first_token import (
+    FirstRows,
+    FirstToken,
+    first_token_decision,
+    first_token_ratio,
+)
 from normlab.conversion.record import Site
 from normlab.registry import create_norm, norm_spec
 
-__all__ = ["FirstToken", "FitOutcome", "fit_replacement", "first_token_ratio", "calibrate_sites", "per_channel_kwargs"]
-
-
-class FirstToken(nn.Module):
-    """A norm with its own copy for the first token of each sequence: ``first`` at index 0 of the sequence axis.
-
-    Input (..., T, C). A call with T = 1 is treated as a later token (one decoding step with a KV cache after a
-    prompt of at least two tokens); index 0 of any call with T >= 2 is the first token. Chunked prefill,
-    where a later chunk starts mid-sequence, is not supported.
-    """
-
-    def __init__(self, main: nn.Module, first: nn.Module) -> None:
-        super().__init__()
-        self.main = main
-        self.first = first
-
-    def forward(self, x: Tensor) -> Tensor:
-        if x.dim() < 2 or x.shape[-2] < 2:
-            return self.main(x)
-        return torch.cat([self.first(x[..., :1, :]), self.main(x[..., 1:, :])], dim=-2)
-
-
-def first_token_ratio(x: Tensor) -> float:
-    """RMS of the first token over the median token RMS, for inputs (B, T, C); nan when T < 2 or when the input is
-    not a sequence (an image's (N, H, W, C) has no first token)."""
-    if x.dim() != 3 or x.shape[-2] < 2:
-        return math.nan
-    rms = x.detach().float().pow(2).mean(-1).sqrt()  # (B, T)
-    return float(rms[..., 0].median() / rms.median().clamp_min(1e-30))
+__all__ = ["FitOutcome", "fit_replacement", "calibrate_sites", "per_channel_kwargs"]
 
 
 @dataclass
@@ -298,43 +276,6 @@ class _Rows:
         return (torch.cat(self.first) if self.first else torch.empty(0, c)), torch.cat(self.rest)
 
 
-def _pass(model: nn.Module, batch, i: int, hooks: dict[str, Callable], kind: str) -> None:
-    """Run batch i with hooks on the named modules ("out": forward hooks, "pre": pre-hooks); a hook may stop it."""
-    handles = [
-        model.get_submodule(n).register_forward_hook(h)
-        if kind == "out"
-        else model.get_submodule(n).register_forward_pre_hook(h)
-        for n, h in hooks.items()
-    ]
-    try:
-        with torch.no_grad():
-            run_batch(model, batch, i)
-    except Stop:
-        pass
-    finally:
-        for h in handles:
-            h.remove()
-
-
-@torch.no_grad()
-def _first_token_decision(
-    ratios: dict[str, list[float]], order: list[str], first_token: str, massive: float
-) -> tuple[bool, str]:
-    """Whether the first token gets its own replacement, and the sentence that says why: the largest ratio of the
-    first token's RMS to the median token's over the sites (NaN when there is no sequence axis)."""
-    worst = max(
-        ((max((r for r in ratios[n] if r == r), default=math.nan), n) for n in order),
-        key=lambda t: -math.inf if t[0] != t[0] else t[0],
-    )
-    own = first_token == "own" or (first_token == "auto" and worst[0] == worst[0] and worst[0] > massive)
-    if worst[0] != worst[0]:
-        return own, "no sequence axis: one replacement per site"
-    return (
-        own,
-        f"first token {'own' if own else 'shared'}: its RMS is up to {worst[0]:.3g}x the median token's ({worst[1]})",
-    )
-
-
 def _site_inputs(model: nn.Module, batches: list, name: str, quota: int, channel_dim: int = -1) -> _Rows:
     """The input of site ``name`` on every batch, in the model as converted so far, channels last; each pass stops
     there."""
@@ -346,7 +287,7 @@ def _site_inputs(model: nn.Module, batches: list, name: str, quota: int, channel
 
     for i, batch in enumerate(batches):
         grab_in.batch = i
-        _pass(model, batch, i, {name: grab_in}, "pre")
+        run_hooked(model, batch, i, {name: grab_in}, "pre")
     return rows
 
 
@@ -406,6 +347,7 @@ def calibrate_sites(
         raise ValueError("calibrate: the calibration data is empty")
     quota = max(1, math.ceil(max_tokens / len(batches)))
     by_name = {s.name: s for s in sites}
+    dims = {s.name: s.kwargs.get("channel_dim", -1) for s in sites}
     order: list[str] = []
     targets = {n: _Rows(quota) for n in by_name}
     inputs = {n: _Rows(quota) for n in by_name} if not sequential else None
@@ -413,15 +355,13 @@ def calibrate_sites(
     seen = {"batch": 0}
 
     def grab_out(n):
-        cd = by_name[n].kwargs.get("channel_dim", -1)
-
         def hook(mod, args, y):
             if n not in order:
                 order.append(n)
-            targets[n].add(y.movedim(cd, -1), seen["batch"])
+            targets[n].add(y.movedim(dims[n], -1), seen["batch"])
             if inputs is not None:
-                inputs[n].add(args[0].movedim(cd, -1), seen["batch"])
-            ratios[n].append(first_token_ratio(args[0].movedim(cd, -1)))
+                inputs[n].add(args[0].movedim(dims[n], -1), seen["batch"])
+            ratios[n].append(first_token_ratio(args[0].movedim(dims[n], -1)))
 
         return hook
 
@@ -431,17 +371,19 @@ def calibrate_sites(
     try:
         for i, batch in enumerate(batches):  # 1. the original model: order of the sites and their outputs
             seen["batch"] = i
-            _pass(model, batch, i, {n: grab_out(n) for n in by_name}, "out")
+            run_hooked(model, batch, i, {n: grab_out(n) for n in by_name}, "out")
         missing = [n for n in by_name if n not in order]
         if missing:
             raise ValueError(f"calibrate: the norm {missing[0]} never ran on the calibration data")
-        own, decision = _first_token_decision(ratios, order, first_token, massive)
+        own, decision = first_token_decision(ratios, order, first_token, massive)
+        firsts = FirstRows(model, batches, {n: dims[n] for n in order}, max_tokens, sequential) if own else None
         bar = tqdm(order, desc=f"calibrating {to}", unit="site", disable={True: False, False: True}.get(progress))
         for n in bar:  # 2. each site on the input of the model converted so far
             site, new = by_name[n], replacements[n]
-            cd = site.kwargs.get("channel_dim", -1)
-            rows_in = inputs[n] if inputs is not None else _site_inputs(model, batches, n, quota, cd)
+            rows_in = inputs[n] if inputs is not None else _site_inputs(model, batches, n, quota, dims[n])
             (xf, xr), (yf, yr) = rows_in.tensors(), targets[n].tensors()
+            if firsts is not None and firsts.ready and len(xf):  # every calibration token put first
+                xf, yf = firsts(model, n)
             if target == "local":  # the original norm on the converted input: no correction of upstream drift
                 yf, yr = _local_targets(model.get_submodule(n), xf, xr)
             if own and len(xf):

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from normlab.conversion.calibrate import FirstToken
+from normlab.conversion.first_token import FirstToken
 from normlab.modules import NormModule
 from normlab.table import format_table
 

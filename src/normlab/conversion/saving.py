@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from normlab.conversion.batches import swap
-from normlab.conversion.calibrate import FirstToken, per_channel_kwargs
+from normlab.conversion.calibrate import per_channel_kwargs
+from normlab.conversion.first_token import FirstToken
 from normlab.conversion.record import ConversionRecord
 from normlab.corpus import sha256_file
 from normlab.registry import create_norm
