@@ -19,7 +19,7 @@ from pathlib import Path
 
 from normlab.conversion.config import ConvertConfig, flag, identity_difference
 from normlab.conversion.convert import convert_norms, fidelity, save_converted
-from normlab.conversion.frontier import frontier
+from normlab.conversion.frontier import FEW_SELECTION, frontier
 from normlab.conversion.heal import heal
 from normlab.conversion.hf import load_model, smollm2, text_batches, text_splits
 from normlab.conversion.samples import calibration_samples, heal_splits
@@ -387,6 +387,12 @@ def _convert_sites(cfg: ConvertConfig, net, calib: list, held: list, select: lis
             + (f"; went past {len(front.passed)} over the budget" if front.passed else "")
             + "\n"
         )
+        if n_select < FEW_SELECTION:
+            print(
+                f"note: {n_select} validation sequences are few to select {len(front.converted)} sites by: the "
+                "held-out rise below can end well above the budget (see 'Selecting on few sequences' in the "
+                f"conversion docs); --sequences {FEW_SELECTION} or more selects better\n"
+            )
         walk = {"budget_nats": cfg.budget_nats, "selection_sequences": n_select,
                 "ce_original": front.ce_original, "ce_converted": front.curve[-1],
                 "converted": len(front.converted), "sites": len(front.order)}  # fmt: skip
