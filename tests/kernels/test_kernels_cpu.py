@@ -254,6 +254,29 @@ def test_a_denormal_beta_gives_the_reference_answer(name):
         assert torch.equal(torch.sign(y[0]), torch.sign(x[0]))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_reduced_precision_outputs_keep_denormals_nan_and_inf(dtype):
+    """A bfloat16 result is stored with vcvtneps2bf16 where the CPU has it, which flushes denormals to zero and
+    quiets NaN: a vector holding a denormal takes ATen's conversion. DyT with alpha = w = 1 and b = 0 returns x's
+    own value for these x (tanh(x) rounds to x in float32 below 2^-12), so the output must equal x bit for bit,
+    in full vectors and in tails, and the backward's dx too (g = x, alpha = 1: dx = g (1 - tanh^2) = g)."""
+    tiny = torch.finfo(dtype).smallest_normal
+    values = [tiny / 2, -tiny / 4, tiny / 64, tiny, 3 * tiny, 1e-6, -2e-5, 0.0, -0.0]
+    row = torch.tensor(values * 4, dtype=dtype)[:32]  # two full vectors of 16
+    x = torch.stack([row, row.flip(0)]).contiguous()
+    for xs in (x, x[:, :13].contiguous()):  # and a tail
+        y = cpu.dyt(xs, torch.ones(1, dtype=dtype), torch.ones(xs.shape[1], dtype=dtype))
+        assert (y[xs != 0] != 0).all(), "a denormal result was flushed to zero"
+        assert torch.equal(y, xs)  # values: the absent bias turns -0 into +0, which equals -0
+        dx = torch.ops.normlab_cpu.pointwise_bwd(
+            xs, xs, None, torch.ones(1, dtype=dtype), None, torch.ones(xs.shape[1], dtype=dtype), None, 1.0, 0
+        )[0]
+        assert torch.equal(dx, xs)
+    special = torch.tensor([[math.nan, math.inf, -math.inf, 1.0] * 4], dtype=dtype)
+    y = cpu.dyt(special, torch.ones(1, dtype=dtype), torch.ones(16, dtype=dtype))
+    assert torch.isnan(y[0, ::4]).all() and torch.equal(y[0, 1::4], torch.ones(4, dtype=dtype))
+
+
 @pytest.mark.parametrize("name", ["dyt", "scaled_dyt", "derf", "dyisru", "eln", "rms_norm"])
 def test_public_kernels_without_a_weight_match_the_reference(name):
     """Issue 29, defect 3: `normlab.kernels.dyt(x, alpha, None, kernel="cpu")` returned zeros (the library read a

@@ -73,6 +73,14 @@ def _isa() -> tuple[list[str], list[str]]:
     return [], []
 
 
+def _bf16_flags(macros: list[str]) -> list[str]:
+    """``-mavx512bf16`` where PyTorch picked AVX-512 and the CPU has AVX512_BF16: bfloat16 results are then stored
+    with one conversion instruction (vcvtneps2bf16) instead of ATen's integer rounding sequence. A compiler that
+    does not know the flag builds without it (`_compile`)."""
+    cpu = _cpuinfo_flags().split()
+    return ["-mavx512bf16"] if "CPU_CAPABILITY_AVX512" in macros and "avx512_bf16" in cpu else []
+
+
 def _torch_paths() -> tuple[Path, Path]:
     """(include folder, library folder) of the installed torch."""
     root = Path(torch.__file__).parent
@@ -90,6 +98,7 @@ def _flags() -> list[str]:
         "-fopenmp",
         "-w",
         *arch,
+        *_bf16_flags(macros),
         *(f"-D{m}" for m in macros),
         f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
         f"-I{include}",
@@ -113,16 +122,20 @@ def _compiler_version(cxx: str) -> str:
     return proc.stdout.splitlines()[0] if proc.stdout else ""
 
 
-def _cpu_flags() -> str:
-    """A hash of the CPU's feature flags: a cache folder shared by two kinds of machine keeps one build each."""
+def _cpuinfo_flags() -> str:
+    """The CPU's feature-flags line from /proc/cpuinfo ("" where there is none)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
-        flags = next((line for line in text.splitlines() if line.startswith(("flags", "Features"))), "")
+        return next((line for line in text.splitlines() if line.startswith(("flags", "Features"))), "")
     except OSError:
-        flags = ""
+        return ""
+
+
+def _cpu_flags() -> str:
+    """A hash of the CPU's feature flags: a cache folder shared by two kinds of machine keeps one build each."""
     import platform
 
-    return hashlib.sha256(f"{platform.machine()} {flags}".encode()).hexdigest()[:16]
+    return hashlib.sha256(f"{platform.machine()} {_cpuinfo_flags()}".encode()).hexdigest()[:16]
 
 
 def _identity(cxx: str) -> dict:
@@ -165,6 +178,9 @@ def _compile(folder: Path, ident: dict) -> None:
     t0 = time.perf_counter()
     flags = _flags()
     proc = subprocess.run([ident["compiler"], str(src), "-o", str(tmp), *flags], capture_output=True, text=True)
+    if proc.returncode != 0 and "-mavx512bf16" in flags:  # an older compiler: ATen's conversion instead
+        flags = [f for f in flags if f != "-mavx512bf16"]
+        proc = subprocess.run([ident["compiler"], str(src), "-o", str(tmp), *flags], capture_output=True, text=True)
     if proc.returncode != 0:
         tmp.unlink(missing_ok=True)
         out = (proc.stderr or proc.stdout).strip().splitlines()

@@ -64,6 +64,16 @@ inline void store(T* p, const Vec& v, int64_t n) {
   } else {
     if (n == VL) {
 #if defined(CPU_CAPABILITY_AVX512)
+#if defined(__AVX512BF16__)
+      // one instruction, rounding to nearest even as ATen's conversion; it flushes denormal results to zero and
+      // quiets NaN, so a vector holding a denormal takes ATen's conversion (NaN stays NaN either way)
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        if (_mm512_fpclass_ps_mask(__m512(v), 0x20) == 0) {
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(__m512(v)));
+          return;
+        }
+      }
+#endif
       const __m256i h = std::is_same_v<T, c10::BFloat16> ? at::vec::cvtfp32_bf16(__m512(v))
                                                          : at::vec::cvtfp32_fp16(__m512(v));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), h);
@@ -103,14 +113,17 @@ inline Vec recip(const Vec& d) {
 // The estimate reads a denormal operand as 0 (and gives inf): below float32's smallest normal the operand is
 // scaled by 2^64 first and the result by 2^32, so a denormal beta (which init accepts) gives the reference's answer.
 inline Vec rsqrt_(const Vec& v) {
-#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+#if defined(CPU_CAPABILITY_AVX512)
+  const __mmask16 tiny = _mm512_cmp_ps_mask(v, _mm512_set1_ps(1.17549435e-38f), _CMP_LT_OQ);
+  const __m512 vs = _mm512_mask_mul_ps(v, tiny, v, _mm512_set1_ps(18446744073709551616.0f));
+  const __m512 r = _mm512_rsqrt14_ps(vs);
+  const __m512 y = _mm512_mul_ps(r, _mm512_fnmadd_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), vs), _mm512_mul_ps(r, r),
+                                                     _mm512_set1_ps(1.5f)));
+  return Vec(_mm512_mask_mul_ps(y, tiny, y, _mm512_set1_ps(4294967296.0f)));
+#elif defined(CPU_CAPABILITY_AVX2)
   const Vec tiny = v < Vec(1.17549435e-38f);
   const Vec vs = Vec::blendv(v, v * Vec(18446744073709551616.0f), tiny);
-#if defined(CPU_CAPABILITY_AVX512)
-  const Vec r(_mm512_rsqrt14_ps(vs));
-#else
   const Vec r(_mm256_rsqrt_ps(vs));
-#endif
   const Vec y = r * (Vec(1.5f) - Vec(0.5f) * vs * r * r);
   return Vec::blendv(y, y * Vec(4294967296.0f), tiny);
 #else
@@ -136,20 +149,39 @@ inline Vec rsqrt_(const Vec& v) {
 // output's own rounding; they are kept a decade below 2^-12 because a parameter's gradient sums 1 - f^2 over
 // every element, where an error of one sign would add up (a [2/2] tanh at 9e-5 broke the bf16 alpha gradient). Saturation is exact: beyond the cut f is +-1 itself, so the derivative 1 - f^2 (computed
 // from the same f, as in the backward) is exactly 0 there, as the reference's. NaN stays NaN; +-inf gives +-1.
+// r(a) = a P(a^2) / Q(a^2), evaluated at a = min(|z|, cut) (so a huge z gives no inf / inf), then
+// f = sign(z) min(r(a), 1), and f = sign(z) exactly where |z| >= cut. The last ulps below the cut may round above 1:
+// min(., 1) keeps |f| <= 1, so 1 - f^2 is never negative. A NaN z stays NaN (min and the comparison pass it through),
+// +-inf gives +-1, -0 gives -0. The rational is odd, so this equals evaluating it at z itself.
 template <size_t NP, size_t NQ>
-inline Vec odd_rational(const Vec& z, const float (&p)[NP], const float (&q)[NQ]) {
-  const Vec s = z * z;
+inline Vec odd_saturating(const Vec& z, const float (&p)[NP], const float (&q)[NQ], float cut) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512 sign_bit = _mm512_castsi512_ps(_mm512_set1_epi32(0x80000000)), one = _mm512_set1_ps(1.0f);
+  const __m512 mag = _mm512_andnot_ps(sign_bit, z);
+  const Vec a(_mm512_min_ps(_mm512_set1_ps(cut), mag));  // min returns its second operand when either is NaN
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m256 sign_bit = _mm256_castsi256_ps(_mm256_set1_epi32(0x80000000)), one = _mm256_set1_ps(1.0f);
+  const __m256 mag = _mm256_andnot_ps(sign_bit, z);
+  const Vec a(_mm256_min_ps(_mm256_set1_ps(cut), mag));
+#else
+  const Vec a = z.abs().minimum(Vec(cut));
+#endif
+  const Vec s = a * a;
   Vec num(p[NP - 1]), den(q[NQ - 1]);
   for (size_t k = NP - 1; k-- > 0;) num = at::vec::fmadd(num, s, Vec(p[k]));
   for (size_t k = NQ - 1; k-- > 0;) den = at::vec::fmadd(den, s, Vec(q[k]));
-  return z * num * recip(den);
-}
-
-inline Vec saturate(const Vec& z, const Vec& f, float cut) {
-  const Vec sign = Vec::blendv(Vec(1.0f), Vec(-1.0f), z < Vec(0.0f));
-  // a huge z gives inf / inf = NaN in f, and the last ulps below the cut may round above 1: both are replaced by
-  // sign(z), so |f| <= 1 everywhere and 1 - f^2 is never negative. A NaN z fails both tests and stays NaN.
-  return Vec::blendv(f, sign, (z.abs() >= Vec(cut)) | (f.abs() > Vec(1.0f)));
+  const Vec r = a * num * recip(den);
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512 f = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(mag, _mm512_set1_ps(cut), _CMP_GE_OQ),
+                                        _mm512_min_ps(one, r), one);
+  return Vec(_mm512_or_ps(f, _mm512_and_ps(sign_bit, z)));
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m256 f = _mm256_blendv_ps(_mm256_min_ps(one, r), one, _mm256_cmp_ps(mag, _mm256_set1_ps(cut), _CMP_GE_OQ));
+  return Vec(_mm256_or_ps(f, _mm256_and_ps(sign_bit, z)));
+#else
+  const Vec f = Vec::blendv(r.minimum(Vec(1.0f)), Vec(1.0f), z.abs() >= Vec(cut));
+  return Vec::blendv(f, -f, z < Vec(0.0f));
+#endif
 }
 
 constexpr float TANH32_P[] = {1.0f, 0.133839697f, 0.00349898427f, 2.06610675e-05f, 1.34195481e-08f};
@@ -164,26 +196,34 @@ constexpr float ERF16_Q[] = {1.0f, 0.470437378f, 0.0949267671f, 0.00925597362f};
 
 template <typename T>
 inline Vec tanh_(const Vec& z) {
-  if constexpr (std::is_same_v<T, float>) return saturate(z, odd_rational(z, TANH32_P, TANH32_Q), 9.0f);
-  return saturate(z, odd_rational(z, TANH16_P, TANH16_Q), 6.0f);
+  if constexpr (std::is_same_v<T, float>) return odd_saturating(z, TANH32_P, TANH32_Q, 9.0f);
+  return odd_saturating(z, TANH16_P, TANH16_Q, 6.0f);
 }
 
 template <typename T>
 inline Vec erf_(const Vec& z) {
-  if constexpr (std::is_same_v<T, float>) return saturate(z, odd_rational(z, ERF32_P, ERF32_Q), 3.92f);
-  return saturate(z, odd_rational(z, ERF16_P, ERF16_Q), 3.3f);
+  if constexpr (std::is_same_v<T, float>) return odd_saturating(z, ERF32_P, ERF32_Q, 3.92f);
+  return odd_saturating(z, ERF16_P, ERF16_Q, 3.3f);
 }
 
-// DyISRU's pieces: f = u h, h = (beta + u^2)^(-1/2), slope = beta h^3. Beyond float32's square root of its
-// largest value u^2 overflows: there f = sign(u) and slope = 0.
+// DyISRU's pieces: f = u h, h = (beta + u^2)^(-1/2) (the slope df/du is beta h^3). Beyond float32's square root of
+// its largest value u^2 overflows: there f = sign(u) and h = 0, so the slope is 0.
 struct Isru {
-  Vec f, h, slope;
+  Vec f, h;
 };
 inline Isru isru(const Vec& u, const Vec& beta) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512 sign_bit = _mm512_castsi512_ps(_mm512_set1_epi32(0x80000000));
+  const __mmask16 big = _mm512_cmp_ps_mask(_mm512_andnot_ps(sign_bit, u), _mm512_set1_ps(1e18f), _CMP_GT_OQ);
+  const __m512 h = _mm512_maskz_mov_ps(_knot_mask16(big), rsqrt_(at::vec::fmadd(u, u, beta)));
+  const __m512 sign = _mm512_or_ps(_mm512_set1_ps(1.0f), _mm512_and_ps(sign_bit, u));
+  return {Vec(_mm512_mask_blend_ps(big, _mm512_mul_ps(u, h), sign)), Vec(h)};
+#else
   const Vec big = u.abs() > Vec(1e18f);
   const Vec h = Vec::blendv(rsqrt_(beta + u * u), Vec(0.0f), big);
   const Vec sign = Vec::blendv(Vec(1.0f), Vec(-1.0f), u < Vec(0.0f));
-  return {Vec::blendv(u * h, sign, big), h, beta * h * h * h};
+  return {Vec::blendv(u * h, sign, big), h};
+#endif
 }
 
 constexpr float TWO_OVER_SQRT_PI = 1.1283791670955126f;
@@ -242,8 +282,19 @@ struct Param {
   const float* p = nullptr;
   bool per = false;
   Tensor keep;
-  inline Vec at(int64_t j, int64_t m) const { return per ? Vec::loadu(p + j, m) : Vec(p == nullptr ? 0.0f : *p); }
 };
+
+// A parameter as a block of rows reads it, copied into the block's own locals so that the compiler keeps it in
+// registers: stores into the float32 partial sums could otherwise alias it, and it was read again for every vector.
+struct View {
+  const float* p;
+  bool per;
+  Vec one;  // the value of a (1,) or absent parameter, broadcast
+  inline Vec at(int64_t j, int64_t m) const { return per ? Vec::loadu(p + j, m) : one; }
+};
+inline View view(const Param& q, float scale = 1.0f) {
+  return {q.p, q.per, Vec(q.p == nullptr ? 0.0f : *q.p * scale)};
+}
 
 Param param(const c10::optional<Tensor>& t, int64_t c) {
   Param out;
@@ -256,29 +307,42 @@ Param param(const c10::optional<Tensor>& t, int64_t c) {
   return out;
 }
 
+// rows r0..r1 (arguments, not captures, as in the backward's blocks); fo: where f (before w and b) is kept for the
+// backward (SAVE), else nothing (the backward recomputes it from x)
+template <typename T, int64_t K, bool SAVE>
+void pointwise_fwd_block(const T* __restrict x, T* __restrict y, T* __restrict fo, const View v0, const View v1,
+                         const View vw, const View vb, const Vec vscale, int64_t r0, int64_t r1, int64_t c) {
+  for (int64_t r = r0; r < r1; ++r) {
+    const T* xr = x + r * c;
+    T* yr = y + r * c;
+    const Vec mean(K == ELN ? finite_or_nan(row_mean(xr, c)) : 0.0f);
+    for (int64_t j = 0; j < c; j += VL) {
+      const int64_t m = std::min(VL, c - j);
+      const Vec xv = load(xr + j, m), a = v0.at(j, m), wv = vw.at(j, m) * vscale, bv = vb.at(j, m);
+      Vec f;
+      if constexpr (K == DYT) {
+        f = tanh_<T>(a * xv);
+      } else if constexpr (K == DERF) {
+        f = erf_<T>(at::vec::fmadd(a, xv, v1.at(j, m)));
+      } else {
+        f = isru(K == ELN ? xv - mean : xv, a).f;
+      }
+      store(yr + j, at::vec::fmadd(wv, f, bv), m);
+      if constexpr (SAVE) store(fo + r * c + j, f, m);
+    }
+  }
+}
+
 template <typename T, int64_t K>
 void pointwise_fwd_impl(const T* x, T* y, T* fo, const Param& p0, const Param& p1, const Param& w, const Param& b,
                         float scale, int64_t n, int64_t c) {
-  // fo: where f (before w and b) is kept for the backward, or nullptr (the backward recomputes it from x)
+  const View v0 = view(p0), v1 = view(p1), vw = view(w, scale), vb = view(b);
+  const Vec vscale(vw.per ? scale : 1.0f);
   for_blocks(n, n_blocks(n, c), [&](int64_t, int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const T* xr = x + r * c;
-      T* yr = y + r * c;
-      const Vec mean(K == ELN ? finite_or_nan(row_mean(xr, c)) : 0.0f);
-      for (int64_t j = 0; j < c; j += VL) {
-        const int64_t m = std::min(VL, c - j);
-        const Vec xv = load(xr + j, m), a = p0.at(j, m), wv = w.at(j, m) * Vec(scale), bv = b.at(j, m);
-        Vec f;
-        if constexpr (K == DYT) {
-          f = tanh_<T>(a * xv);
-        } else if constexpr (K == DERF) {
-          f = erf_<T>(at::vec::fmadd(a, xv, p1.at(j, m)));
-        } else {
-          f = isru(K == ELN ? xv - mean : xv, a).f;
-        }
-        store(yr + j, at::vec::fmadd(wv, f, bv), m);
-        if (fo != nullptr) store(fo + r * c + j, f, m);
-      }
+    if (fo != nullptr) {
+      pointwise_fwd_block<T, K, true>(x, y, fo, v0, v1, vw, vb, vscale, r0, r1, c);
+    } else {
+      pointwise_fwd_block<T, K, false>(x, y, fo, v0, v1, vw, vb, vscale, r0, r1, c);
     }
   });
 }
@@ -287,76 +351,99 @@ void pointwise_fwd_impl(const T* x, T* y, T* fo, const Param& p0, const Param& p
 // column chunk, so that the parameters and the partial sums are loaded and stored once per group.
 constexpr int64_t ROWS = 4;
 
+// One block of rows, rows r0..r1. Its pointers and parameters are the function's own arguments, so the compiler
+// keeps them in registers (captured by a lambda, they were read again for every vector). fs: f as the forward kept it
+// (DyT, Derf; SAVED), else recomputed from x.
+template <typename T, int64_t K, bool SAVED>
+void pointwise_bwd_block(const T* __restrict g, const T* __restrict x, const T* __restrict fs, T* __restrict dx,
+                         const View v0, const View v1, const View vw, const Vec vscale, float* __restrict dp0,
+                         int64_t r0, int64_t r1, int64_t c) {
+  float *dp1 = dp0 + c, *dw = dp0 + 2 * c, *db = dp0 + 3 * c;
+  std::vector<float> q(K == ELN ? ROWS * c : 0);
+  for (int64_t rg = r0; rg < r1; rg += ROWS) {
+    const int64_t rows = std::min(ROWS, r1 - rg);
+    Vec mean[ROWS], qsum[ROWS];
+    for (int64_t i = 0; i < rows; ++i) {
+      mean[i] = Vec(K == ELN ? finite_or_nan(row_mean(x + (rg + i) * c, c)) : 0.0f);
+      qsum[i] = Vec(0.0f);
+    }
+    // The per-channel factors (w, alpha, beta, 2/sqrt(pi)) are taken out of the row sums and applied once per
+    // group: fewer multiplications per element, which is what bounds these loops on a CPU (docs/kernels.md).
+    for (int64_t j = 0; j < c; j += VL) {
+      const int64_t m = std::min(VL, c - j);
+      const Vec a = v0.at(j, m), wv = vw.at(j, m) * vscale;
+      const Vec shift = K == DERF ? v1.at(j, m) : Vec(0.0f);
+      // dx = g u k: u the element's own factor, k the channel's
+      const Vec k = K == DERF ? wv * a * Vec(TWO_OVER_SQRT_PI) : wv * a;  // a is beta for DyISRU and ELN
+      Vec acc0(0.0f), acc1(0.0f), accw(0.0f), accb(0.0f);
+      for (int64_t i = 0; i < rows; ++i) {
+        const int64_t off = (rg + i) * c + j;
+        const Vec xv = load(x + off, m), gv = load(g + off, m);  // g is zero in the tail lanes
+        Vec gu, f;
+        if constexpr (K == DYT) {
+          f = SAVED ? load(fs + off, m) : tanh_<T>(a * xv);
+          gu = gv * at::vec::fnmadd(f, f, Vec(1.0f));  // g (1 - f^2)
+          acc0 = at::vec::fmadd(gu, xv, acc0);
+        } else if constexpr (K == DERF) {
+          const Vec z = at::vec::fmadd(a, xv, shift);
+          f = SAVED ? load(fs + off, m) : erf_<T>(z);
+          const Vec e = (-(z * z)).exp_u20();  // the fast exp gives inf for a NaN z: NaN in, NaN out
+          gu = gv * Vec::blendv(e, z, z.isnan());
+          acc0 = at::vec::fmadd(gu, xv, acc0);
+          acc1 = acc1 + gu;
+        } else {
+          const Vec u = K == ELN ? xv - mean[i] : xv;
+          const Isru s = isru(u, a);
+          f = s.f;
+          gu = gv * (s.h * s.h * s.h);  // g h^3; dbeta = -w/2 sum g u h^3
+          acc0 = at::vec::fmadd(gu, u, acc0);
+        }
+        const Vec d = gu * k;
+        accw = at::vec::fmadd(gv, f, accw);
+        accb = accb + gv;
+        if constexpr (K == ELN) {
+          d.store(q.data() + i * c + j, m);
+          qsum[i] = qsum[i] + Vec::set(Vec(0.0f), d, m);  // the tail lanes hold NaN (beta = 0 there)
+        } else {
+          store(dx + off, d, m);
+        }
+      }
+      // the tail lanes of the accumulators may hold NaN (beta = 0 there): stores take m lanes only
+      if constexpr (K == DYT) acc0 = acc0 * wv;
+      if constexpr (K == DERF) {
+        acc0 = acc0 * (wv * Vec(TWO_OVER_SQRT_PI));
+        acc1 = acc1 * (wv * Vec(TWO_OVER_SQRT_PI));
+      }
+      if constexpr (K == DYISRU || K == ELN) acc0 = acc0 * (wv * Vec(-0.5f));
+      (Vec::loadu(dp0 + j, m) + acc0).store(dp0 + j, m);
+      if constexpr (K == DERF) (Vec::loadu(dp1 + j, m) + acc1).store(dp1 + j, m);
+      (Vec::loadu(dw + j, m) + accw).store(dw + j, m);
+      (Vec::loadu(db + j, m) + accb).store(db + j, m);
+    }
+    if constexpr (K == ELN) {  // dx = q - mean(q)
+      for (int64_t i = 0; i < rows; ++i) {
+        const Vec qmean(at::vec::vec_reduce_all<float>([](Vec& u, Vec& v) { return u + v; }, qsum[i]) /
+                        static_cast<float>(c));
+        for (int64_t j = 0; j < c; j += VL) {
+          const int64_t m = std::min(VL, c - j);
+          store(dx + (rg + i) * c + j, Vec::loadu(q.data() + i * c + j, m) - qmean, m);
+        }
+      }
+    }
+  }
+}
+
 template <typename T, int64_t K>
 void pointwise_bwd_impl(const T* g, const T* x, const T* fs, T* dx, const Param& p0, const Param& p1, const Param& w,
                         float scale, float* partials, int64_t n, int64_t c, int64_t blocks) {
-  // fs: f as the forward kept it (DyT, Derf), or nullptr: recomputed from x
+  const View v0 = view(p0), v1 = view(p1), vw = view(w, scale);
+  const Vec vscale(vw.per ? scale : 1.0f);
   for_blocks(n, blocks, [&](int64_t blk, int64_t r0, int64_t r1) {
-    float* dp0 = partials + blk * 4 * c;
-    float *dp1 = dp0 + c, *dw = dp0 + 2 * c, *db = dp0 + 3 * c;
-    std::vector<float> q(K == ELN ? ROWS * c : 0);
-    for (int64_t rg = r0; rg < r1; rg += ROWS) {
-      const int64_t rows = std::min(ROWS, r1 - rg);
-      Vec mean[ROWS], qsum[ROWS];
-      for (int64_t i = 0; i < rows; ++i) {
-        mean[i] = Vec(K == ELN ? finite_or_nan(row_mean(x + (rg + i) * c, c)) : 0.0f);
-        qsum[i] = Vec(0.0f);
-      }
-      for (int64_t j = 0; j < c; j += VL) {
-        const int64_t m = std::min(VL, c - j);
-        const Vec a = p0.at(j, m), wv = w.at(j, m) * Vec(scale);
-        const Vec shift = K == DERF ? p1.at(j, m) : Vec(0.0f);
-        Vec acc0(0.0f), acc1(0.0f), accw(0.0f), accb(0.0f);
-        for (int64_t i = 0; i < rows; ++i) {
-          const int64_t off = (rg + i) * c + j;
-          const Vec xv = load(x + off, m), gv = load(g + off, m);
-          const Vec gw = gv * wv;  // zero in the tail lanes: g loads as zeros there
-          Vec d, f;
-          if constexpr (K == DYT) {
-            f = fs != nullptr ? load(fs + off, m) : tanh_<T>(a * xv);
-            const Vec dz = gw * (Vec(1.0f) - f * f);
-            d = dz * a;
-            acc0 = at::vec::fmadd(dz, xv, acc0);
-          } else if constexpr (K == DERF) {
-            const Vec z = at::vec::fmadd(a, xv, shift);
-            f = fs != nullptr ? load(fs + off, m) : erf_<T>(z);
-            const Vec e = (-(z * z)).exp_u20();  // the fast exp gives inf for a NaN z: NaN in, NaN out
-            const Vec dz = gw * Vec(TWO_OVER_SQRT_PI) * Vec::blendv(e, z, z.isnan());
-            d = dz * a;
-            acc0 = at::vec::fmadd(dz, xv, acc0);
-            acc1 = acc1 + dz;
-          } else {
-            const Isru s = isru(K == ELN ? xv - mean[i] : xv, a);
-            f = s.f;
-            d = gw * s.slope;
-            acc0 = at::vec::fmadd(gw * f, s.h * s.h, acc0);
-          }
-          accw = at::vec::fmadd(gv, f, accw);
-          accb = accb + gv;
-          if constexpr (K == ELN) {
-            d.store(q.data() + i * c + j, m);
-            qsum[i] = qsum[i] + Vec::set(Vec(0.0f), d, m);  // the tail lanes hold NaN (beta = 0 there)
-          } else {
-            store(dx + off, d, m);
-          }
-        }
-        // the tail lanes of the accumulators may hold NaN (beta = 0 there): stores take m lanes only
-        if constexpr (K == DYISRU || K == ELN) acc0 = acc0 * Vec(-0.5f);
-        (Vec::loadu(dp0 + j, m) + acc0).store(dp0 + j, m);
-        if constexpr (K == DERF) (Vec::loadu(dp1 + j, m) + acc1).store(dp1 + j, m);
-        (Vec::loadu(dw + j, m) + accw).store(dw + j, m);
-        (Vec::loadu(db + j, m) + accb).store(db + j, m);
-      }
-      if constexpr (K == ELN) {  // dx = q - mean(q)
-        for (int64_t i = 0; i < rows; ++i) {
-          const Vec qmean(at::vec::vec_reduce_all<float>([](Vec& u, Vec& v) { return u + v; }, qsum[i]) /
-                          static_cast<float>(c));
-          for (int64_t j = 0; j < c; j += VL) {
-            const int64_t m = std::min(VL, c - j);
-            store(dx + (rg + i) * c + j, Vec::loadu(q.data() + i * c + j, m) - qmean, m);
-          }
-        }
-      }
+    float* part = partials + blk * 4 * c;
+    if (fs != nullptr) {
+      pointwise_bwd_block<T, K, true>(g, x, fs, dx, v0, v1, vw, vscale, part, r0, r1, c);
+    } else {
+      pointwise_bwd_block<T, K, false>(g, x, fs, dx, v0, v1, vw, vscale, part, r0, r1, c);
     }
   });
 }
@@ -458,6 +545,7 @@ std::vector<Tensor> rms_fwd_rows(const Tensor& x, const Param& w, double eps) {
     T* yp = y.data_ptr<T>();
     float* rp = rstd.data_ptr<float>();
     for_blocks(n, n_blocks(n, c), [&](int64_t, int64_t r0, int64_t r1) {
+      const View vw = view(w);
       for (int64_t r = r0; r < r1; ++r) {
         const T* xr = xp + r * c;
         const float rs = 1.0f / std::sqrt(row_sumsq(xr, c) / static_cast<float>(c) + static_cast<float>(eps));
@@ -465,7 +553,7 @@ std::vector<Tensor> rms_fwd_rows(const Tensor& x, const Param& w, double eps) {
         const Vec rv(rs);
         for (int64_t j = 0; j < c; j += VL) {
           const int64_t m = std::min(VL, c - j);
-          store(yp + r * c + j, load(xr + j, m) * rv * w.at(j, m), m);
+          store(yp + r * c + j, load(xr + j, m) * rv * vw.at(j, m), m);
         }
       }
     });
@@ -489,6 +577,7 @@ std::vector<Tensor> rms_bwd_rows(const Tensor& g, const Tensor& x, const Tensor&
     const float* rp = rstd.data_ptr<float>();
     float* part = partials.data_ptr<float>();
     for_blocks(n, blocks, [&](int64_t blk, int64_t r0, int64_t r1) {
+      const View vw = view(w);
       float* dw = part + blk * c;
       for (int64_t r = r0; r < r1; ++r) {
         const T *xr = xp + r * c, *gr = gp + r * c;
@@ -497,7 +586,7 @@ std::vector<Tensor> rms_bwd_rows(const Tensor& g, const Tensor& x, const Tensor&
         for (int64_t j = 0; j < c; j += VL) {
           const int64_t m = std::min(VL, c - j);
           const Vec xv = load(xr + j, m), gv = load(gr + j, m);
-          acc = at::vec::fmadd(gv * w.at(j, m), xv, acc);
+          acc = at::vec::fmadd(gv * vw.at(j, m), xv, acc);
           at::vec::fmadd(gv, xv * rv, Vec::loadu(dw + j, m)).store(dw + j, m);
         }
         const float r1f = rp[r];
@@ -506,7 +595,7 @@ std::vector<Tensor> rms_bwd_rows(const Tensor& g, const Tensor& x, const Tensor&
         for (int64_t j = 0; j < c; j += VL) {
           const int64_t m = std::min(VL, c - j);
           const Vec xv = load(xr + j, m), gv = load(gr + j, m);
-          store(dxp + r * c + j, rv * gv * w.at(j, m) - xv * coef, m);
+          store(dxp + r * c + j, rv * gv * vw.at(j, m) - xv * coef, m);
         }
       }
     });
