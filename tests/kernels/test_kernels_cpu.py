@@ -406,6 +406,10 @@ def test_modules_take_the_cpu_path_under_auto_and_match_the_reference(name, monk
     # below MIN_FUSED elements the reference, cheaper there; DyISRU and ELN fuse every size (MIN_FUSED_ISRU)
     assert len(calls) == (1 if name in ("dyisru", "eln") else 0)
     calls.clear()
+    with torch.no_grad():  # unrecorded (inference, a decode step): the op without the autograd function, any size
+        KC.close(auto(x[:1, :64]), ref(x[:1, :64]), 1e-5, f"{name} module, one row, no grad")
+    assert len(calls) == (0 if name == "layer_norm" else 1)
+    calls.clear()
     auto.double()(x.double())  # float64 (the theory tools): the reference, exactly
     assert calls == []
 

@@ -10,8 +10,9 @@ calls one of them. The Triton entry points themselves are `normlab.kernels.fused
     "auto"       CUDA tensors: the Triton kernel when Triton is installed. CPU tensors (float32, bfloat16,
                  float16): the fused CPU path of `normlab.kernels.cpu` (PyTorch's own fused op for
                  LayerNorm) once its library is loaded, for DyISRU and ELN at every size and for the
-                 others from ``cpu.MIN_FUSED`` (65,536) elements (a smaller input takes the reference,
-                 cheaper there); until then the reference, while a background thread builds it (once
+                 others from ``cpu.MIN_FUSED`` (65,536) elements when autograd records the call (a smaller
+                 input takes the reference, cheaper there), at every size when it does not (inference);
+                 until then the reference, while a background thread builds it (once
                  per machine), so no call waits. Otherwise, inside torch.compile (which fuses the
                  reference itself) and under torch.func transforms, the reference;
     "triton"     always the Triton kernel (on CPU only under TRITON_INTERPRET=1, for testing);
@@ -91,7 +92,9 @@ def select(choice: str, x: torch.Tensor, owner: str, *params: torch.Tensor | Non
     if choice == "auto":
         if on_cuda(x):  # the Triton kernels take float32, bfloat16 and float16; float64 takes the reference
             return "triton" if ok and x.dtype in TRITON_DTYPES else "reference"
-        least = cpu.MIN_FUSED if min_fused is None else min_fused
+        # MIN_FUSED is the autograd function's fixed cost; a call autograd does not record (inference, a decode
+        # step) calls the op directly, which is cheaper than the reference at every size
+        least = 0 if not cpu.records_grad(x, *params) else cpu.MIN_FUSED if min_fused is None else min_fused
         return "cpu" if x.numel() >= least and cpu.usable(x, *params) else "reference"
     if not ok:
         raise NormlabError(f"{owner}(kernel='triton'): {why}")

@@ -39,13 +39,15 @@ from torch import Tensor
 from normlab.kernels import cpu_build
 from normlab.kernels.fused import unit_weight  # a missing weight means 1: the library reads it as zeros
 
-__all__ = ["available", "ready", "usable", "dyt", "derf", "dyisru", "eln", "rms_norm", "FAST_DTYPES"]
+__all__ = ["available", "ready", "usable", "records_grad", "dyt", "derf", "dyisru", "eln", "rms_norm", "FAST_DTYPES"]
 
 FAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# kernel="auto" fuses inputs of at least this many elements. Below it a call's fixed cost (about 0.1 ms when
-# measured: the module, the autograd function, and then the parameters' float32 copies, which the kernels no
-# longer make) exceeds what fusing saves: forward + backward of DyT took 314 against 201 us at 2 x 8 x 64
-# (2 threads) and 486 against 620 us at 16 x 64 x 64 (1 thread, as a sweep worker runs) (docs/kernels.md).
+# kernel="auto" fuses inputs of at least this many elements when autograd records the call. Below it a call's fixed
+# cost (about 0.1 ms when measured: the module, the autograd function, and then the parameters' float32 copies,
+# which the kernels no longer make) exceeds what fusing saves: forward + backward of DyT took 314 against 201 us at
+# 2 x 8 x 64 (2 threads) and 486 against 620 us at 16 x 64 x 64 (1 thread, as a sweep worker runs)
+# (docs/kernels.md). A call autograd does not record (inference, a decode step) calls the op without the autograd
+# function and fuses at every size: the DyT op takes 4-6 us at 1 x 576, against about 9 us for the reference.
 MIN_FUSED = 1 << 16
 # DyISRU and ELN fuse at every size: their reference is a chain of small ops whose fixed cost exceeds the fused
 # call's (forward + backward at 2 x 8 x 64: 122 against 184 us for DyISRU, 122 against 236 us for ELN; one
@@ -78,16 +80,14 @@ def _transformed() -> bool:
 def usable(x: Tensor, *params: Tensor | None, wait: bool = False) -> bool:
     """Whether the fused CPU path applies now: a CPU float tensor of a fast dtype, outside torch.compile and
     torch.func, with parameters of the input's dtype (under autocast the module casts them first), and the
-    kernels loaded (``wait``: build them first if needed)."""
-    return (
-        x.device.type == "cpu"
-        and x.dtype in FAST_DTYPES
-        and x.numel() > 0
-        and not torch.compiler.is_compiling()
-        and not _transformed()
-        and all(p is None or (p.device.type == "cpu" and p.dtype == x.dtype) for p in params)
-        and ready(wait)
-    )
+    kernels loaded (``wait``: build them first if needed). A decode step asks this for every norm: ``is_cpu`` and
+    a plain loop, not ``device.type`` and a generator (2.8 against 1.2 us for four tensors)."""
+    if not (x.is_cpu and x.dtype in FAST_DTYPES and x.numel() > 0):
+        return False
+    for p in params:
+        if p is not None and not (p.is_cpu and p.dtype == x.dtype):
+            return False
+    return not torch.compiler.is_compiling() and not _transformed() and ready(wait)
 
 
 # --------------------------------------------------------------------------
@@ -136,7 +136,7 @@ class _RMSNormFn(torch.autograd.Function):
         return dx, dw, None
 
 
-def _differentiable(*tensors: Tensor | None) -> bool:
+def records_grad(*tensors: Tensor | None) -> bool:
     """Whether autograd records this call; when it does not (inference, ``torch.no_grad``, frozen parameters and
     input), the ops are called directly: the autograd function's own cost is most of a small call's (a decode
     step's norm is one row)."""
@@ -144,7 +144,7 @@ def _differentiable(*tensors: Tensor | None) -> bool:
 
 
 def _pointwise(x: Tensor, weight: Tensor, bias: Tensor | None, scale: float, kind: str, p0: Tensor, p1: Tensor | None):
-    if _differentiable(x, weight, bias, p0, p1):
+    if records_grad(x, weight, bias, p0, p1):
         return _PointwiseFn.apply(x, weight, bias, scale, kind, p0, p1)
     return torch.ops.normlab_cpu.pointwise_fwd(x, p0, p1, weight, bias, scale, _KIND[kind])
 
@@ -185,6 +185,6 @@ def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
     """weight * x / sqrt(mean(x^2) + eps), fp32 statistics."""
     _need()
     weight = unit_weight(weight, x)
-    if _differentiable(x, weight):
+    if records_grad(x, weight):
         return _RMSNormFn.apply(x, weight, float(eps))
     return torch.ops.normlab_cpu.rms_fwd(x, weight, float(eps))[0]
