@@ -8,7 +8,9 @@ Three models in one process: the original, a copy with every norm converted to t
 does not depend on the fitted values), and a copy of that folded with normlab.fold (gamma in the linear layers,
 each site a bare f). Each round times every model in turn (alternating, so that the machine's drift hits all
 alike): prompt processing (one forward of a batch-1 prompt, tokens/s) and decoding (greedy, KV cache, tokens/s
-of the new tokens). The median over rounds is reported, with the hardware, and rows go to bench/fold.csv.
+of the new tokens). The median over rounds is reported, with the hardware, and rows go to bench/fold.csv; so is
+the median of each round's decode speed over the original's in the same round (paired, with its range): at decode
+the norms are about 1% of a step, so only pairing and many rounds tell a model's difference from the machine's.
 
 The fold is checked on a probe in the model's float32, and an uncalibrated conversion is so ill-conditioned
 that float32 rounding moves its logits by percents (tests/conversion/test_real_model.py checks the fold in
@@ -90,12 +92,17 @@ def main() -> None:
     base = {k: statistics.median(v) for k, v in times["original (RMSNorm)"].items()}
     for name, t in times.items():
         p, d = statistics.median(t["prompt"]), statistics.median(t["decode"])
-        rows.append([name, f"{p:,.0f}", f"{p / base['prompt']:.3f}", f"{d:,.1f}", f"{d / base['decode']:.3f}"])
+        # paired: each round's decode speed over the original's in the same round (a drift of the machine cancels)
+        paired = [a / b for a, b in zip(t["decode"], times["original (RMSNorm)"]["decode"], strict=True)]
+        spread = f"{statistics.median(paired):.3f} [{min(paired):.3f}, {max(paired):.3f}]"
+        rows.append([name, f"{p:,.0f}", f"{p / base['prompt']:.3f}", f"{d:,.1f}", f"{d / base['decode']:.3f}", spread])
         records.append({"model": name, "prompt_tok_s": round(p, 1), "decode_tok_s": round(d, 2),
+                        "decode_vs_original_paired": round(statistics.median(paired), 4),
                         "prompt_tokens": args.prompt, "new_tokens": args.new, "rounds": args.rounds,
                         "commit": commit, "date": datetime.date.today().isoformat(),
                         "machine": machine})  # fmt: skip
-    print(format_table(["model", "prompt tok/s", "vs original", "decode tok/s", "vs original"], rows, markdown=True))
+    heads = ["model", "prompt tok/s", "vs original", "decode tok/s", "vs original", "decode / original, per round"]
+    print(format_table(heads, rows, markdown=True))
     print(f"\nmedian of {args.rounds} alternating rounds; prompt {args.prompt} tokens, {args.new} decoded; {machine}")
     print("probe difference of each fold (float32, uncalibrated):", {k: f"{v:.3g}" for k, v in differences.items()})
     append_csv(args.csv, records)
