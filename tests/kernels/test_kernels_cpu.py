@@ -109,6 +109,26 @@ def test_tanh_is_accurate_over_the_whole_range():
     assert torch.equal(torch.signbit(got)[nonzero], torch.signbit(want.float())[nonzero])
 
 
+def test_derf_derivative_is_float32_exp_over_the_whole_range():
+    """Derf's backward computes exp(-z^2) with its own exp (vscalefps and a degree-5 polynomial on AVX-512): within
+    4 eps of float32 exp(-(z*z)) wherever the result is a normal float, within a few denormal steps below, 0 at
+    +-inf and NaN at NaN. With alpha = g = w = 1 and shift 0, dx = 2/sqrt(pi) exp(-x^2)."""
+    assert cpu.ready(wait=True)
+    z = torch.cat([torch.linspace(-11, 11, 400000), torch.randn(40000) * 2])
+    z = torch.cat([z, torch.tensor([math.inf, -math.inf, math.nan, 0.0, -0.0, 1e30, -1e20, 10.3])])
+    z = z[: z.numel() // 16 * 16].reshape(-1, 16).contiguous()
+    dx = torch.ops.normlab_cpu.pointwise_bwd(
+        torch.ones_like(z), z, None, torch.ones(1), torch.zeros(1), torch.ones(16), None, 1.0, 1
+    )[0]
+    want = 2 / math.sqrt(math.pi) * torch.exp(-(z * z))  # float32, from the same rounded z^2
+    normal = want.abs() >= torch.finfo(torch.float32).tiny
+    rel = ((dx.double() - want.double()).abs() / want.double())[normal]
+    assert float(rel.max()) <= 4 * torch.finfo(torch.float32).eps, float(rel.max()) / torch.finfo(torch.float32).eps
+    below = torch.isfinite(z) & ~normal
+    assert float((dx.double() - want.double())[below].abs().max()) <= 8 * 2.0**-149
+    assert torch.isnan(dx[torch.isnan(z)]).all() and (dx[torch.isinf(z)] == 0).all()
+
+
 @pytest.mark.parametrize("fn, name", [(0, "tanh"), (1, "erf")])
 @pytest.mark.parametrize("half", [False, True], ids=["float32", "bf16_fp16"])
 def test_each_dtype_form_of_tanh_and_erf_holds_its_stated_bound(fn, name, half):
