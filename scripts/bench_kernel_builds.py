@@ -65,7 +65,7 @@ def build(commit: str, folder: Path) -> Path:
     src.write_text(subprocess.run(["git", "show", f"{commit}:{SOURCE}"], capture_output=True, text=True,
                                   check=True).stdout)  # fmt: skip
     out = folder / f"{commit}.so"
-    subprocess.run([cpu_build._compiler(), str(src), "-o", str(out), *cpu_build._flags()], check=True)
+    subprocess.run(cpu_build.compile_command(src, out), check=True)
     return out
 
 

@@ -47,7 +47,7 @@ def timed(side: str, seeds: int, jobs: int, experiments: list[str], warm: bool =
         shutil.copy(corpus, cache / corpus.name)
         if warm and side == "fused":  # as after `make setup`, which builds the kernels: this machine's build copied in
             cpu_build.load(wait=True)
-            built = cpu_build.build_dir(cpu_build._identity(cpu_build._compiler()))
+            built = cpu_build.library_folder()
             shutil.copytree(built, cache / "kernels" / built.name)
         env = {**os.environ, "NORMLAB_CACHE": str(cache)}
         env.pop("NORMLAB_KERNEL", None)

@@ -34,7 +34,7 @@ import torch
 from normlab.corpus import cache_dir, sha256_file
 from normlab.errors import NormlabError
 
-__all__ = ["load", "loaded", "failure", "build_dir", "status", "BuildError"]
+__all__ = ["load", "loaded", "failure", "build_dir", "library_folder", "compile_command", "status", "BuildError"]
 
 _LOCK = threading.Lock()
 _STATE: dict = {"loaded": False, "failure": None, "thread": None, "advice": None}
@@ -97,6 +97,7 @@ def _flags() -> list[str]:
         "-fPIC",
         "-fopenmp",
         "-w",
+        "-ffp-contract=off",  # only the written fused multiply-adds: f recomputed in the backward equals the forward's
         *arch,
         *_bf16_flags(macros),
         *(f"-D{m}" for m in macros),
@@ -201,6 +202,17 @@ def _compile(folder: Path, ident: dict) -> None:
     manifest_tmp = folder / f"build.json.{os.getpid()}.tmp"
     manifest_tmp.write_text(json.dumps(rec, indent=1) + "\n")
     os.replace(manifest_tmp, folder / "build.json")
+
+
+def compile_command(src: Path, out: Path) -> list[str]:
+    """The command that builds ``src`` into ``out`` as this machine's build does: the compiler and its flags (for
+    scripts that build another version of the source to compare, ``scripts/bench_kernel_builds.py``)."""
+    return [_compiler(), str(src), "-o", str(out), *_flags()]
+
+
+def library_folder() -> Path:
+    """The cache folder of this machine's build of the current source (built or not)."""
+    return build_dir(_identity(_compiler()))
 
 
 def _built_here_without_compiler() -> Path | None:

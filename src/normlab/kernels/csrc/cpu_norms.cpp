@@ -5,7 +5,9 @@
 //
 // Layout: x, g (= dL/dy) and y are (N, C) row-major in float32, bfloat16 or float16. Every parameter
 // arrives as a float32 (C,) vector (a scalar parameter expanded; the channel scale folded into w).
-// Arithmetic is float32 in at::vec::Vectorized registers.
+// Arithmetic is float32 in at::vec::Vectorized registers. The build passes -ffp-contract=off: every fused
+// multiply-add is written (at::vec::fmadd, fnmadd), none is the compiler's choice, so the same function gives the
+// same bits wherever it is inlined (the forward's f and the backward's recomputed f; an AVX2 build differed).
 //
 // The backward is one pass over x and g: a task owns a contiguous block of rows, writes their dx and adds
 // their parameter-gradient terms into its own float32 (C,) partial sums; the partials are added in task
@@ -101,10 +103,10 @@ inline void store(T* p, const Vec& v, int64_t n) {
 inline Vec recip(const Vec& d) {
 #if defined(CPU_CAPABILITY_AVX512)
   const Vec r(_mm512_rcp14_ps(d));
-  return r * (Vec(2.0f) - d * r);
+  return r * at::vec::fnmadd(d, r, Vec(2.0f));
 #elif defined(CPU_CAPABILITY_AVX2)
   const Vec r(_mm256_rcp_ps(d));
-  return r * (Vec(2.0f) - d * r);
+  return r * at::vec::fnmadd(d, r, Vec(2.0f));
 #else
   return d.reciprocal();
 #endif
@@ -124,7 +126,7 @@ inline Vec rsqrt_(const Vec& v) {
   const Vec tiny = v < Vec(1.17549435e-38f);
   const Vec vs = Vec::blendv(v, v * Vec(18446744073709551616.0f), tiny);
   const Vec r(_mm256_rsqrt_ps(vs));
-  const Vec y = r * (Vec(1.5f) - Vec(0.5f) * vs * r * r);
+  const Vec y = r * at::vec::fnmadd(Vec(0.5f) * vs, r * r, Vec(1.5f));
   return Vec::blendv(y, y * Vec(4294967296.0f), tiny);
 #else
   return v.rsqrt();
@@ -164,7 +166,7 @@ inline Vec odd_saturating(const Vec& z, const float (&p)[NP], const float (&q)[N
   const __m256 mag = _mm256_andnot_ps(sign_bit, z);
   const Vec a(_mm256_min_ps(_mm256_set1_ps(cut), mag));
 #else
-  const Vec a = z.abs().minimum(Vec(cut));
+  const Vec a = z;  // ATen's portable vectors: the rational at z itself, saturated below
 #endif
   const Vec s = a * a;
   Vec num(p[NP - 1]), den(q[NQ - 1]);
@@ -179,8 +181,9 @@ inline Vec odd_saturating(const Vec& z, const float (&p)[NP], const float (&q)[N
   const __m256 f = _mm256_blendv_ps(_mm256_min_ps(one, r), one, _mm256_cmp_ps(mag, _mm256_set1_ps(cut), _CMP_GE_OQ));
   return Vec(_mm256_or_ps(f, _mm256_and_ps(sign_bit, z)));
 #else
-  const Vec f = Vec::blendv(r.minimum(Vec(1.0f)), Vec(1.0f), z.abs() >= Vec(cut));
-  return Vec::blendv(f, -f, z < Vec(0.0f));
+  // a huge z gives inf / inf = NaN in r, and the last ulps below the cut may round above 1: both become sign(z)
+  const Vec sign = Vec::blendv(Vec(1.0f), Vec(-1.0f), z < Vec(0.0f));
+  return Vec::blendv(r, sign, (z.abs() >= Vec(cut)) | (r.abs() > Vec(1.0f)));
 #endif
 }
 
@@ -220,7 +223,7 @@ inline Isru isru(const Vec& u, const Vec& beta) {
   return {Vec(_mm512_mask_blend_ps(big, _mm512_mul_ps(u, h), sign)), Vec(h)};
 #else
   const Vec big = u.abs() > Vec(1e18f);
-  const Vec h = Vec::blendv(rsqrt_(beta + u * u), Vec(0.0f), big);
+  const Vec h = Vec::blendv(rsqrt_(at::vec::fmadd(u, u, beta)), Vec(0.0f), big);
   const Vec sign = Vec::blendv(Vec(1.0f), Vec(-1.0f), u < Vec(0.0f));
   return {Vec::blendv(u * h, sign, big), h};
 #endif
@@ -231,7 +234,7 @@ constexpr float TWO_OVER_SQRT_PI = 1.1283791670955126f;
 // exp(-z^2), Derf's derivative without its 2/sqrt(pi): 2^n e^r with n = round(-z^2 log2(e)) and r = -z^2 - n ln 2
 // (ln 2 in two parts, so that r keeps float32's accuracy), e^r by ATen's degree-5 minimax of exp on [-ln2/2, ln2/2]
 // (the coefficients of its exp_u20), and 2^n by vscalefps, exact down to the denormals and to 0: twelve operations,
-// where exp_u20 takes about twenty and a NaN fix-up. -z^2 is first raised to -110 (float32's exp is 0 below -103.3):
+// where exp_u20 takes about twenty and a NaN fix-up (and flushes results below exp(-87.3) to 0). -z^2 is first raised to -110 (float32's exp is 0 below -103.3):
 // an infinite z gives 0. A NaN z gives NaN (max passes its second operand's NaN).
 inline Vec exp_neg_sq(const Vec& z) {
 #if defined(CPU_CAPABILITY_AVX512)
@@ -247,8 +250,7 @@ inline Vec exp_neg_sq(const Vec& z) {
   p = _mm512_fmadd_ps(r, p, _mm512_set1_ps(1.0f));
   return Vec(_mm512_scalef_ps(p, n));
 #else
-  const Vec e = (-(z * z)).exp_u20();  // the fast exp gives inf for a NaN z: NaN in, NaN out
-  return Vec::blendv(e, z, z.isnan());
+  return (-(z * z)).exp();  // ATen's accurate exp (Sleef's, 1 ulp): exp_u20 flushes results below exp(-87.3) to 0
 #endif
 }
 
@@ -618,7 +620,7 @@ std::vector<Tensor> rms_bwd_rows(const Tensor& g, const Tensor& x, const Tensor&
         for (int64_t j = 0; j < c; j += VL) {
           const int64_t m = std::min(VL, c - j);
           const Vec xv = load(xr + j, m), gv = load(gr + j, m);
-          store(dxp + r * c + j, rv * gv * vw.at(j, m) - xv * coef, m);
+          store(dxp + r * c + j, at::vec::fnmadd(xv, coef, rv * gv * vw.at(j, m)), m);
         }
       }
     });
