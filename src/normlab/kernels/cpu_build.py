@@ -34,7 +34,8 @@ import torch
 from normlab.corpus import cache_dir, sha256_file
 from normlab.errors import NormlabError
 
-__all__ = ["load", "loaded", "failure", "build_dir", "library_folder", "compile_command", "status", "BuildError"]
+__all__ = ["load", "loaded", "failure", "build_dir", "library_folder", "compile_command", "source_path", "use_library",
+           "status", "BuildError"]  # fmt: skip
 
 _LOCK = threading.Lock()
 _STATE: dict = {"loaded": False, "failure": None, "thread": None, "advice": None}
@@ -51,8 +52,13 @@ class BuildError(OSError):
 NO_COMPILER = "install a C++ compiler (Debian: apt-get install g++), or set CXX to one"
 
 
+def source_path() -> Path:
+    """The kernels' C++ source, as installed."""
+    return Path(str(importlib.resources.files("normlab.kernels").joinpath("csrc/cpu_norms.cpp")))
+
+
 def _source() -> bytes:
-    return importlib.resources.files("normlab.kernels").joinpath("csrc/cpu_norms.cpp").read_bytes()
+    return source_path().read_bytes()
 
 
 def _compiler() -> str:
@@ -204,10 +210,22 @@ def _compile(folder: Path, ident: dict) -> None:
     os.replace(manifest_tmp, folder / "build.json")
 
 
-def compile_command(src: Path, out: Path) -> list[str]:
+# instruction sets a build can be forced to, to test the code paths this machine would not take by itself
+ISA_FLAGS = {"avx2": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2"], "default": []}
+
+
+def compile_command(src: Path, out: Path, isa: str | None = None) -> list[str]:
     """The command that builds ``src`` into ``out`` as this machine's build does: the compiler and its flags (for
-    scripts that build another version of the source to compare, ``scripts/bench_kernel_builds.py``)."""
-    return [_compiler(), str(src), "-o", str(out), *_flags()]
+    scripts that build another version of the source to compare, ``scripts/bench_kernel_builds.py``). ``isa``
+    ("avx2", "default": ATen's portable vectors) replaces the machine's instruction set, for tests."""
+    flags = _flags()
+    if isa is not None:
+        if isa not in ISA_FLAGS:
+            raise ValueError(f"isa must be one of {sorted(ISA_FLAGS)}, got {isa!r}")
+        arch, _ = _isa()
+        drop = {*arch, "-mavx512bf16"}
+        flags = [f for f in flags if f not in drop and not f.startswith("-DCPU_CAPABILITY")] + ISA_FLAGS[isa]
+    return [_compiler(), str(src), "-o", str(out), *flags]
 
 
 def library_folder() -> Path:
@@ -313,6 +331,15 @@ def load(wait: bool = True) -> bool:
             stacklevel=3,
         )
     return _STATE["loaded"]
+
+
+def use_library(path: str | Path) -> None:
+    """Load a library built elsewhere (another instruction set's build, `compile_command`) in place of this machine's:
+    for tests of the code paths this machine would not take. Call it before anything loads the kernels."""
+    if _STATE["loaded"]:
+        raise RuntimeError("normlab's CPU kernels are already loaded in this process")
+    torch.ops.load_library(str(path))
+    _STATE["loaded"] = True
 
 
 def loaded() -> bool:
