@@ -7,7 +7,7 @@ relative error, keeping the best maximum), with P(0) fixed at the function's exa
 the cut the kernel returns sign(z) itself. The script prints the coefficients as C++ arrays for
 src/normlab/kernels/csrc/cpu_norms.cpp and the maximum relative error of the whole function (the rational
 evaluated in float32 with fused multiply-adds, plus the saturation's own error beyond the cut) over a million
-points from 1e-30 to past the cut. tests/kernels/test_kernels_cpu.py measures the compiled kernels the same way.
+points from 1e-30 to past the cut. tests/kernels/test_cpu_edges.py measures the compiled kernels the same way.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ Conventions
 Non-finite inputs
 -----------------
 One rule, followed by these functions and by every fused kernel (tested in
-``tests/kernels/test_kernels_cpu.py``), so that an answer never depends on the path or
+``tests/kernels/test_cpu_edges.py``), so that an answer never depends on the path or
 the batch size: +-inf gives the function's limit with gradient 0 (tanh, erf
 and the ISRU of DyISRU saturate at +-1); NaN stays NaN at its element. A norm
 that reduces over the row takes its statistic in floating point: a row holding

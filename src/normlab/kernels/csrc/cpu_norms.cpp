@@ -136,7 +136,7 @@ inline Vec rsqrt_(const Vec& v) {
 // tanh and erf as odd rationals, z P(z^2) / Q(z^2), one accuracy per storage dtype. The coefficients were fitted
 // by scripts/fit_rationals.py (Lawson's algorithm on the maximum relative error; P(0) is the exact slope at 0, so
 // a tiny z keeps full relative accuracy down to the denormals), and the bounds below are what
-// tests/kernels/test_kernels_cpu.py measures against float64 from denormals to infinity, as relative errors of
+// tests/kernels/test_cpu_edges.py measures against float64 from denormals to infinity, as relative errors of
 // the float32 result before any rounding to the output dtype (eps = 2^-23):
 //
 //   float32 input          tanh: [4/4] rational on |z| < 9,    exactly sign(z) beyond   bound 4 eps (AVX-512 2.9, AVX2 3.1)
@@ -234,8 +234,9 @@ constexpr float TWO_OVER_SQRT_PI = 1.1283791670955126f;
 // exp(-z^2), Derf's derivative without its 2/sqrt(pi): 2^n e^r with n = round(-z^2 log2(e)) and r = -z^2 - n ln 2
 // (ln 2 in two parts, so that r keeps float32's accuracy), e^r by ATen's degree-5 minimax of exp on [-ln2/2, ln2/2]
 // (the coefficients of its exp_u20), and 2^n by vscalefps, exact down to the denormals and to 0: twelve operations,
-// where exp_u20 takes about twenty and a NaN fix-up (and flushes results below exp(-87.3) to 0). -z^2 is first raised to -110 (float32's exp is 0 below -103.3):
-// an infinite z gives 0. A NaN z gives NaN (max passes its second operand's NaN).
+// where exp_u20 takes about twenty and a NaN fix-up, and flushes results below exp(-87.3) to 0. -z^2 is first raised
+// to -110 (float32's exp is 0 below -103.3): an infinite z gives 0. A NaN z gives NaN (max passes its second
+// operand's NaN).
 inline Vec exp_neg_sq(const Vec& z) {
 #if defined(CPU_CAPABILITY_AVX512)
   const __m512 t = _mm512_max_ps(_mm512_set1_ps(-110.0f), _mm512_mul_ps(_mm512_set1_ps(-1.0f), _mm512_mul_ps(z, z)));
