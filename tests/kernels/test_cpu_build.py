@@ -59,13 +59,14 @@ def test_a_library_built_here_loads_after_the_compiler_is_gone(tmp_path):
     assert "LOADED" in out, out
 
 
-@pytest.mark.parametrize("isa", ["avx2"])
+@pytest.mark.parametrize("isa", ["avx2", "default"])
 def test_another_instruction_set_builds_and_passes_the_kernel_checks(tmp_path, isa):
     """The kernels have one branch per instruction set (AVX-512, AVX2, ATen's portable vectors); a machine builds and
-    tests only its own. This builds the AVX2 branch here (when the CPU can run it) and runs test_cpu_edges.py (each
-    approximation's bound, the edges, the saved-f backward) against it in a fresh process. (An AVX2 build once gave
-    the backward's recomputed tanh other bits than the forward's: the compiler fused multiply-adds differently per
-    call site.)"""
+    tests only its own. This builds the AVX2 branch and the portable one here (AVX2 when the CPU can run it) and runs
+    test_cpu_edges.py (each approximation's bound, the edges, the saved-f backward) against each in a fresh process.
+    (An AVX2 build once gave the backward's recomputed tanh other bits than the forward's: the compiler fused
+    multiply-adds differently per call site; the portable build gave ELN f = 1 instead of 0 on a row of equal huge
+    values: ATen's portable lane sum is sequential.)"""
     import shutil
     import subprocess
     import sys

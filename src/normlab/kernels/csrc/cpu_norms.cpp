@@ -276,11 +276,22 @@ inline void for_blocks(int64_t n, int64_t blocks, const F& body) {
 // ELN centres each row: a row holding inf or NaN has no finite mean, and the whole row is NaN (as the reference's)
 inline float finite_or_nan(float m) { return std::isfinite(m) ? m : std::numeric_limits<float>::quiet_NaN(); }
 
+// The lanes of v added as a tree (halves, then quarters, ...). ATen's portable vec_reduce_all adds them one after the
+// other, which does not give 8x for eight lanes of x: the mean of a row of equal huge values was then not the value,
+// and ELN's x - mean, which should be 0, came out as 7e10 at 1e18 (f = 1 instead of 0).
+inline float sum_lanes(const Vec& v) {
+  float a[VL];
+  v.store(a);
+  for (int64_t w = VL / 2; w > 0; w /= 2)
+    for (int64_t i = 0; i < w; ++i) a[i] += a[i + w];
+  return a[0];
+}
+
 template <typename T>
 inline float row_mean(const T* x, int64_t c) {
   Vec acc(0.0f);
   for (int64_t j = 0; j < c; j += VL) acc = acc + load(x + j, std::min(VL, c - j));  // tails load as zeros
-  return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc) / static_cast<float>(c);
+  return sum_lanes(acc) / static_cast<float>(c);
 }
 
 template <typename T>
