@@ -276,9 +276,10 @@ inline void for_blocks(int64_t n, int64_t blocks, const F& body) {
 // ELN centres each row: a row holding inf or NaN has no finite mean, and the whole row is NaN (as the reference's)
 inline float finite_or_nan(float m) { return std::isfinite(m) ? m : std::numeric_limits<float>::quiet_NaN(); }
 
-// The lanes of v added as a tree (halves, then quarters, ...). ATen's portable vec_reduce_all adds them one after the
-// other, which does not give 8x for eight lanes of x: the mean of a row of equal huge values was then not the value,
-// and ELN's x - mean, which should be 0, came out as 7e10 at 1e18 (f = 1 instead of 0).
+// The lanes of v added as a tree (halves, then quarters, ...): every lane sum of the kernels (row means, sums of
+// squares, the backward's row sums). ATen's portable vec_reduce_all adds them one after the other, which does not
+// give 8x for eight lanes of x: the mean of a row of equal huge values was then not the value, and ELN's x - mean,
+// which should be 0, came out as 7e10 at 1e18 (f = 1 instead of 0).
 inline float sum_lanes(const Vec& v) {
   float a[VL];
   v.store(a);
@@ -301,7 +302,7 @@ inline float row_sumsq(const T* x, int64_t c) {
     const Vec v = load(x + j, std::min(VL, c - j));
     acc = at::vec::fmadd(v, v, acc);
   }
-  return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc);
+  return sum_lanes(acc);
 }
 
 void check_rows(const Tensor& t, const char* what) {
@@ -459,7 +460,7 @@ void pointwise_bwd_block(const T* __restrict g, const T* __restrict x, const T* 
     }
     if constexpr (K == ELN) {  // dx = q - mean(q)
       for (int64_t i = 0; i < rows; ++i) {
-        const Vec qmean(at::vec::vec_reduce_all<float>([](Vec& u, Vec& v) { return u + v; }, qsum[i]) /
+        const Vec qmean(sum_lanes(qsum[i]) /
                         static_cast<float>(c));
         for (int64_t j = 0; j < c; j += VL) {
           const int64_t m = std::min(VL, c - j);
@@ -627,7 +628,7 @@ std::vector<Tensor> rms_bwd_rows(const Tensor& g, const Tensor& x, const Tensor&
           at::vec::fmadd(gv, xv * rv, Vec::loadu(dw + j, m)).store(dw + j, m);
         }
         const float r1f = rp[r];
-        const Vec coef(at::vec::vec_reduce_all<float>([](Vec& u, Vec& v) { return u + v; }, acc) /
+        const Vec coef(sum_lanes(acc) /
                        static_cast<float>(c) * r1f * r1f * r1f);
         for (int64_t j = 0; j < c; j += VL) {
           const int64_t m = std::min(VL, c - j);
