@@ -12,6 +12,7 @@ from torch import Tensor, nn
 
 from normlab import functional as FN
 from normlab import kernels as K
+from normlab.kernels import cpu
 from normlab.modules import NormModule, check_dim, check_finite, check_flag, check_positive_finite, kernel_choice
 
 __all__ = [
@@ -70,6 +71,13 @@ class DyT(_DyTFamily):
         self.kernel = kernel_choice(kernel, "DyT")
         super().__init__(dim, **kwargs)
 
+    def forward(self, x: Tensor) -> Tensor:
+        p = self._parameters  # not self.alpha: nn.Module's attribute lookup costs about 0.6 us a parameter
+        a, w, b = p["alpha"], p["weight"], p.get("bias")
+        if K.direct(self, x, a, w, b):  # inference on the CPU: straight to the fused op (kernels.direct)
+            return cpu.dyt(x, a, w, b)
+        return super().forward(x)
+
     def _forward(self, x: Tensor) -> Tensor:
         self._check(x)
         return K.dyt(x, self.alpha, self.weight, self.bias, kernel=self.kernel)
@@ -90,6 +98,13 @@ class Derf(_DyTFamily):
         super().reset_parameters()
         if hasattr(self, "shift"):
             nn.init.constant_(self.shift, self.shift_init)
+
+    def forward(self, x: Tensor) -> Tensor:
+        p = self._parameters
+        a, s, w, b = p["alpha"], p["shift"], p["weight"], p.get("bias")
+        if K.direct(self, x, a, s, w, b):
+            return cpu.derf(x, a, s, w, b)
+        return super().forward(x)
 
     def _forward(self, x: Tensor) -> Tensor:
         self._check(x)
@@ -125,6 +140,13 @@ class ScaledDyT(_DyTFamily):
         self.scale = scale
         self.kernel = kernel_choice(kernel, "ScaledDyT")
         super().__init__(dim, **kwargs)
+
+    def forward(self, x: Tensor) -> Tensor:
+        p = self._parameters
+        a, w, b = p["alpha"], p["weight"], p.get("bias")
+        if K.direct(self, x, a, w, b):
+            return cpu.dyt(x, a, w, b, scale=FN.channel_scale(x.shape[-1], self.scale))
+        return super().forward(x)
 
     def _forward(self, x: Tensor) -> Tensor:
         self._check(x)
@@ -219,6 +241,13 @@ class DyISRU(_ISRUFamily):
         self.kernel = kernel_choice(kernel, "DyISRU")
         super().__init__(dim, **kwargs)
 
+    def forward(self, x: Tensor) -> Tensor:
+        p = self._parameters
+        w, b = p["weight"], p.get("bias")
+        if K.direct(self, x, p["log_beta"], w, b):
+            return cpu.dyisru(x, p["log_beta"].exp(), w, b, scale=FN.channel_scale(x.shape[-1], self.scale))
+        return super().forward(x)
+
     def _forward(self, x: Tensor) -> Tensor:
         self._check(x)
         return K.dyisru(x, self.beta, self.weight, self.bias, scale=self.scale, kernel=self.kernel)
@@ -235,6 +264,13 @@ class ELN(_ISRUFamily):
     def __init__(self, dim: int, *, kernel: str = "auto", **kwargs) -> None:
         self.kernel = kernel_choice(kernel, "ELN", ("auto", "cpu", "reference"))
         super().__init__(dim, **kwargs)
+
+    def forward(self, x: Tensor) -> Tensor:
+        p = self._parameters
+        w, b = p["weight"], p.get("bias")
+        if K.direct(self, x, p["log_beta"], w, b):
+            return cpu.eln(x, p["log_beta"].exp(), w, b, scale=FN.channel_scale(x.shape[-1], self.scale))
+        return super().forward(x)
 
     def _forward(self, x: Tensor) -> Tensor:
         self._check(x)

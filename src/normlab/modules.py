@@ -206,6 +206,12 @@ class RMSNorm(_ScaleNorm):
         self.kernel = kernel_choice(kernel, "RMSNorm")
         super().__init__(dim, eps=eps, channel_dim=channel_dim, device=device, dtype=dtype)
 
+    def forward(self, x: Tensor) -> Tensor:
+        w = self._parameters["weight"]
+        if K.direct(self, x, w):  # inference on the CPU: straight to the fused op (kernels.direct)
+            return K.cpu.rms_norm(x, w, self.eps)
+        return super().forward(x)
+
     def _forward(self, x: Tensor) -> Tensor:
         self._check(x)
         return K.rms_norm(x, self.weight, self.eps, kernel=self.kernel)

@@ -53,3 +53,62 @@ def test_a_call_autograd_does_not_record_skips_the_autograd_function_and_gives_t
         y.sum().backward()
         assert leaves[i].grad is not None and torch.isfinite(leaves[i].grad).all(), (op, i)
     assert len(applied) == (2 if op == "rms_norm" else 4)
+
+
+FUSED_MODULES = ["dyt", "scaled_dyt", "derf", "dyisru", "eln", "rms_norm"]
+
+
+def _module(name, c=48, **kw):
+    torch.manual_seed(0)
+    m = normlab.create_norm(name, c, **kw)
+    with torch.no_grad():  # parameters away from their inits, so that a wrong argument order shows
+        for p in m.parameters():
+            p.mul_(1 + 0.2 * torch.rand_like(p)).add_(0.05)
+    return m
+
+
+@pytest.mark.parametrize("name", FUSED_MODULES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_inference_goes_straight_to_the_op_with_the_routed_paths_bits(name, dtype, monkeypatch):
+    """With autograd off, a fused module on a CPU tensor calls its op without the routing (K.select never runs), and
+    gives the routed call's output bit for bit (the routed call: the same module, autograd recording)."""
+    assert cpu.ready(wait=True)
+    m = _module(name, kernel="cpu").to(dtype)
+    x = (torch.randn(2, 3, 48) * 2).to(dtype)
+    routed = m(x).detach()  # parameters require grad: autograd records, K.select routes
+    real = K.select
+    monkeypatch.setattr(K, "select", lambda *a, **k: pytest.fail("the routing ran in inference"))
+    for context in (torch.inference_mode, torch.no_grad):
+        with context():
+            assert torch.equal(m(x), routed)
+    monkeypatch.setattr(K, "select", real)
+    m_auto = _module(name).to(dtype)  # kernel="auto": the same
+    with torch.inference_mode():
+        assert torch.equal(m_auto(x), routed)
+
+
+def _refuse_ops(monkeypatch):
+    for op in ("dyt", "derf", "dyisru", "eln", "rms_norm"):
+        monkeypatch.setattr(cpu, op, lambda *a, op=op, **k: pytest.fail(f"cpu.{op} was called"))
+
+
+@pytest.mark.parametrize("name", FUSED_MODULES)
+def test_inference_keeps_the_routing_where_it_decides_otherwise(name, monkeypatch):
+    """NORMLAB_KERNEL=reference, kernel="reference", float64: no fused op; an input of the wrong width still gets the
+    module's own error; under autocast, float32 parameters and a bfloat16 input, the routed path's answer."""
+    assert cpu.ready(wait=True)
+    x = torch.randn(2, 48) * 2
+    expected = _module(name, kernel="reference")(x).detach()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        routed = _module(name, kernel="cpu")(x.bfloat16()).detach()  # autograd records: the routed path
+        with torch.inference_mode():
+            assert torch.equal(_module(name, kernel="cpu")(x.bfloat16()), routed)
+    _refuse_ops(monkeypatch)
+    with torch.inference_mode():
+        torch.testing.assert_close(_module(name, kernel="reference")(x), expected, rtol=0, atol=0)
+        monkeypatch.setenv("NORMLAB_KERNEL", "reference")
+        torch.testing.assert_close(_module(name)(x), expected, rtol=0, atol=0)
+        monkeypatch.delenv("NORMLAB_KERNEL")
+        assert _module(name).double()(x.double()).dtype == torch.float64
+        with pytest.raises(ValueError, match=r"expected an input of shape \(\.\.\., 48\)"):
+            _module(name)(torch.randn(2, 47))

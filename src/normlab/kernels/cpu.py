@@ -39,7 +39,8 @@ from torch import Tensor
 from normlab.kernels import cpu_build
 from normlab.kernels.fused import unit_weight  # a missing weight means 1: the library reads it as zeros
 
-__all__ = ["available", "ready", "usable", "records_grad", "dyt", "derf", "dyisru", "eln", "rms_norm", "FAST_DTYPES"]
+__all__ = ["available", "ready", "usable", "records_grad", "transformed", "dyt", "derf", "dyisru", "eln", "rms_norm",
+           "FAST_DTYPES"]  # fmt: skip
 
 FAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # kernel="auto" fuses inputs of at least this many elements when autograd records the call. Below it a call's fixed
@@ -72,7 +73,7 @@ def available() -> bool:
     return cpu_build.failure() is None
 
 
-def _transformed() -> bool:
+def transformed() -> bool:
     """Whether a torch.func transform (vmap, grad, jacrev, ...) is active."""
     return torch._C._functorch.maybe_current_level() is not None
 
@@ -87,7 +88,7 @@ def usable(x: Tensor, *params: Tensor | None, wait: bool = False) -> bool:
     for p in params:
         if p is not None and not (p.is_cpu and p.dtype == x.dtype):
             return False
-    return not torch.compiler.is_compiling() and not _transformed() and ready(wait)
+    return not torch.compiler.is_compiling() and not transformed() and ready(wait)
 
 
 # --------------------------------------------------------------------------
