@@ -7,9 +7,10 @@
 Three models in one process: the original, a copy with every norm converted to the target (default init: speed
 does not depend on the fitted values), and a copy of that folded with normlab.fold (gamma in the linear layers,
 each site a bare f). Each round times every model in turn (alternating, so that the machine's drift hits all
-alike): prompt processing (one forward of a batch-1 prompt, tokens/s) and decoding (greedy, KV cache, tokens/s
-of the new tokens). The median over rounds is reported, with the hardware, and rows go to bench/fold.csv; so is
-the median of each round's decode speed over the original's in the same round (paired, with its range).
+alike; the order rotates from round to round): prompt processing (one forward of a batch-1 prompt, tokens/s) and
+decoding (greedy, KV cache, tokens/s of the new tokens). The median over rounds is reported, with the hardware, and
+rows go to bench/fold.csv; so is the median of each round's decode speed over the original's in the same round
+(paired, with its range).
 
 At decode the norms are about 1% of a step, and on a shared VM a round's ratio moves by 10-20%: rounds cannot tell a
 1% difference. So the script also times single decode steps with the models taking turns step by step (each model
@@ -142,8 +143,10 @@ def main() -> None:
     with torch.inference_mode():
         for m in models.values():  # warm-up
             m(prompt[:, :8])
-        for _ in range(args.rounds):
-            for name, m in models.items():
+        names = list(models)
+        for r in range(args.rounds):  # the order rotates: in a fixed order the first model read faster than the rest
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                m = models[name]
                 times[name]["prompt"].append(args.prompt / timed(lambda m=m: m(prompt)))
                 times[name]["decode"].append(args.new / timed(lambda m=m: m.generate(prompt, **gen)))
         steps = decode_steps(models, prompt, args.steps, args.new)
