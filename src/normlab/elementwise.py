@@ -193,9 +193,11 @@ class SignSqrt(NormModule):
 
 
 class _ISRUFamily(NormModule):
-    """scale * z / sqrt(beta + z^2) with a learnable beta > 0, stored as log_beta."""
+    """scale * z / sqrt(beta + z^2) with a learnable beta > 0, stored as log_beta. ``_op``: the name of the fused CPU
+    op in `normlab.kernels.cpu` (DyISRU and ELN), which an inference call takes directly (`normlab.kernels.direct`)."""
 
     _default_scale: FN.Scale = "C"
+    _op: str
 
     def __init__(
         self,
@@ -221,6 +223,14 @@ class _ISRUFamily(NormModule):
     def beta(self) -> Tensor:
         return self.log_beta.exp()
 
+    def forward(self, x: Tensor) -> Tensor:
+        p = self._parameters
+        w, b = p["weight"], p.get("bias")
+        if K.direct(self, x, p["log_beta"], w, b):
+            op = getattr(cpu, self._op)  # looked up per call, as K.dyisru and K.eln do
+            return op(x, p["log_beta"].exp(), w, b, scale=FN.channel_scale(x.shape[-1], self.scale))
+        return super().forward(x)
+
     def reset_parameters(self) -> None:
         super().reset_parameters()
         nn.init.constant_(self.log_beta, math.log(self.beta_init))
@@ -235,18 +245,11 @@ class _ISRUFamily(NormModule):
 class DyISRU(_ISRUFamily):
     """sqrt(C) * x / sqrt(beta + x^2) (the DyISRU paper eq. 16); ``kernel="auto"`` fuses it on CUDA and CPU tensors."""
 
-    _default_scale = "C"
+    _default_scale, _op = "C", "dyisru"
 
     def __init__(self, dim: int, *, kernel: str = "auto", **kwargs) -> None:
         self.kernel = kernel_choice(kernel, "DyISRU")
         super().__init__(dim, **kwargs)
-
-    def forward(self, x: Tensor) -> Tensor:
-        p = self._parameters
-        w, b = p["weight"], p.get("bias")
-        if K.direct(self, x, p["log_beta"], w, b):
-            return cpu.dyisru(x, p["log_beta"].exp(), w, b, scale=FN.channel_scale(x.shape[-1], self.scale))
-        return super().forward(x)
 
     def _forward(self, x: Tensor) -> Tensor:
         self._check(x)
@@ -259,18 +262,11 @@ class ELN(_ISRUFamily):
     ``kernel="auto"`` runs the fused CPU path on CPU tensors (there is no Triton kernel for ELN).
     """
 
-    _default_scale = "C-1"
+    _default_scale, _op = "C-1", "eln"
 
     def __init__(self, dim: int, *, kernel: str = "auto", **kwargs) -> None:
         self.kernel = kernel_choice(kernel, "ELN", ("auto", "cpu", "reference"))
         super().__init__(dim, **kwargs)
-
-    def forward(self, x: Tensor) -> Tensor:
-        p = self._parameters
-        w, b = p["weight"], p.get("bias")
-        if K.direct(self, x, p["log_beta"], w, b):
-            return cpu.eln(x, p["log_beta"].exp(), w, b, scale=FN.channel_scale(x.shape[-1], self.scale))
-        return super().forward(x)
 
     def _forward(self, x: Tensor) -> Tensor:
         self._check(x)
