@@ -113,10 +113,9 @@ def direct(module, x, *params: torch.Tensor | None) -> bool:
     (inference mode or no_grad, as in a decode step), ``x`` is a non-empty CPU tensor of a fused dtype whose last axis
     is the module's channels, the parameters are CPU tensors of x's dtype (so autocast, which would cast them to it,
     changes nothing), outside torch.compile and torch.func, ``module.kernel`` allows the CPU path, and the library is
-    loaded. Where this answers True, `select`
-    answers 'cpu' for the same call and the module calls the same function, so the output is the same; every other
-    call takes the routed path and its checks. Measured in a decoding SmolLM2 (docs/conversion.md): the routed
-    path's Python, about 20 calls per norm site, cost 2-3% of a decode step."""
+    loaded. Where this answers True, `select` answers 'cpu' for the same call and the module calls the same function,
+    so the output is the same; every other call takes the routed path and its checks. Measured in a decoding SmolLM2
+    (docs/conversion.md): the routed path's Python, about 20 calls per norm site, cost 2-3% of a decode step."""
     if torch.is_grad_enabled() or type(x) is not torch.Tensor or not x.is_cpu or x.dtype not in cpu.FAST_DTYPES:
         return False
     if x.dim() == 0 or x.shape[-1] != module.dim or module.channel_dim not in (-1, x.dim() - 1) or x.numel() == 0:
