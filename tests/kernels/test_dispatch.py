@@ -71,20 +71,25 @@ def _module(name, c=48, **kw):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_inference_goes_straight_to_the_op_with_the_routed_paths_bits(name, dtype, monkeypatch):
     """With autograd off, a fused module on a CPU tensor calls its op without the routing (K.select never runs), and
-    gives the routed call's output bit for bit (the routed call: the same module, autograd recording)."""
+    gives the routed call's output bit for bit (the routed call: the same module, autograd recording), the edges
+    included: huge, denormal, inf and NaN inputs."""
     assert cpu.ready(wait=True)
     m = _module(name, kernel="cpu").to(dtype)
-    x = (torch.randn(2, 3, 48) * 2).to(dtype)
+    x = torch.randn(2, 3, 48) * 2
+    x[1, 0, :6] = torch.tensor([1e30, -1e30, 1e-40, float("inf"), float("-inf"), float("nan")])
+    x[1, 1] = 3e-39  # a row of denormals (RMSNorm's and ELN's statistics)
+    x = x.to(dtype)
     routed = m(x).detach()  # parameters require grad: autograd records, K.select routes
+    same = dict(rtol=0, atol=0, equal_nan=True)
     real = K.select
     monkeypatch.setattr(K, "select", lambda *a, **k: pytest.fail("the routing ran in inference"))
     for context in (torch.inference_mode, torch.no_grad):
         with context():
-            assert torch.equal(m(x), routed)
+            torch.testing.assert_close(m(x), routed, **same)
     monkeypatch.setattr(K, "select", real)
     m_auto = _module(name).to(dtype)  # kernel="auto": the same
     with torch.inference_mode():
-        assert torch.equal(m_auto(x), routed)
+        torch.testing.assert_close(m_auto(x), routed, **same)
 
 
 def _refuse_ops(monkeypatch):
