@@ -75,7 +75,7 @@ class DyT(_DyTFamily):
         p = self._parameters  # not self.alpha: nn.Module's attribute lookup costs about 0.6 us a parameter
         a, w, b = p["alpha"], p["weight"], p.get("bias")
         if K.direct(self, x, a, w, b):  # inference on the CPU: straight to the fused op (kernels.direct)
-            return cpu.dyt(x, a, w, b)
+            return cpu.pointwise_forward(x, "dyt", a, None, w, b)
         return super().forward(x)
 
     def _forward(self, x: Tensor) -> Tensor:
@@ -103,7 +103,7 @@ class Derf(_DyTFamily):
         p = self._parameters
         a, s, w, b = p["alpha"], p["shift"], p["weight"], p.get("bias")
         if K.direct(self, x, a, s, w, b):
-            return cpu.derf(x, a, s, w, b)
+            return cpu.pointwise_forward(x, "derf", a, s, w, b)
         return super().forward(x)
 
     def _forward(self, x: Tensor) -> Tensor:
@@ -145,7 +145,7 @@ class ScaledDyT(_DyTFamily):
         p = self._parameters
         a, w, b = p["alpha"], p["weight"], p.get("bias")
         if K.direct(self, x, a, w, b):
-            return cpu.dyt(x, a, w, b, scale=FN.channel_scale(x.shape[-1], self.scale))
+            return cpu.pointwise_forward(x, "dyt", a, None, w, b, FN.channel_scale(x.shape[-1], self.scale))
         return super().forward(x)
 
     def _forward(self, x: Tensor) -> Tensor:
@@ -193,8 +193,8 @@ class SignSqrt(NormModule):
 
 
 class _ISRUFamily(NormModule):
-    """scale * z / sqrt(beta + z^2) with a learnable beta > 0, stored as log_beta. ``_op``: the name of the fused CPU
-    op in `normlab.kernels.cpu` (DyISRU and ELN), which an inference call takes directly (`normlab.kernels.direct`)."""
+    """scale * z / sqrt(beta + z^2) with a learnable beta > 0, stored as log_beta. ``_op``: the kind of the fused CPU
+    op (`normlab.kernels.cpu.pointwise_forward`) that an inference call takes directly (`normlab.kernels.direct`)."""
 
     _default_scale: FN.Scale = "C"
     _op: str
@@ -227,8 +227,8 @@ class _ISRUFamily(NormModule):
         p = self._parameters
         w, b = p["weight"], p.get("bias")
         if K.direct(self, x, p["log_beta"], w, b):
-            op = getattr(cpu, self._op)  # looked up per call, as K.dyisru and K.eln do
-            return op(x, p["log_beta"].exp(), w, b, scale=FN.channel_scale(x.shape[-1], self.scale))
+            beta = p["log_beta"].exp()
+            return cpu.pointwise_forward(x, self._op, beta, None, w, b, FN.channel_scale(x.shape[-1], self.scale))
         return super().forward(x)
 
     def reset_parameters(self) -> None:

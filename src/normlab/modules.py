@@ -209,7 +209,7 @@ class RMSNorm(_ScaleNorm):
     def forward(self, x: Tensor) -> Tensor:
         w = self._parameters["weight"]
         if K.direct(self, x, w):  # inference on the CPU: straight to the fused op (kernels.direct)
-            return K.cpu.rms_norm(x, w, self.eps)
+            return K.cpu.rms_forward(x, w, self.eps)
         return super().forward(x)
 
     def _forward(self, x: Tensor) -> Tensor:

@@ -93,7 +93,7 @@ def test_inference_goes_straight_to_the_op_with_the_routed_paths_bits(name, dtyp
 
 
 def _refuse_ops(monkeypatch):
-    for op in ("dyt", "derf", "dyisru", "eln", "rms_norm"):
+    for op in ("dyt", "derf", "dyisru", "eln", "rms_norm", "pointwise_forward", "rms_forward"):
         monkeypatch.setattr(cpu, op, lambda *a, op=op, **k: pytest.fail(f"cpu.{op} was called"))
 
 

@@ -40,7 +40,7 @@ from normlab.kernels import cpu_build
 from normlab.kernels.fused import unit_weight  # a missing weight means 1: the library reads it as zeros
 
 __all__ = ["available", "ready", "usable", "records_grad", "transformed", "dyt", "derf", "dyisru", "eln", "rms_norm",
-           "FAST_DTYPES"]  # fmt: skip
+           "pointwise_forward", "rms_forward", "FAST_DTYPES"]  # fmt: skip
 
 FAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # kernel="auto" fuses inputs of at least this many elements when autograd records the call. Below it a call's fixed
@@ -147,7 +147,21 @@ def records_grad(*tensors: Tensor | None) -> bool:
 def _pointwise(x: Tensor, weight: Tensor, bias: Tensor | None, scale: float, kind: str, p0: Tensor, p1: Tensor | None):
     if records_grad(x, weight, bias, p0, p1):
         return _PointwiseFn.apply(x, weight, bias, scale, kind, p0, p1)
-    return torch.ops.normlab_cpu.pointwise_fwd(x, p0, p1, weight, bias, scale, _KIND[kind])
+    return pointwise_forward(x, kind, p0, p1, weight, bias, scale)
+
+
+# The forward ops alone, for a call autograd does not record with the library loaded: what the functions here run
+# then, and what a module's inference call runs after `normlab.kernels.direct` has checked the rest. Their callers'
+# checks cost about 2% of a decoding SmolLM2's step (docs/conversion.md), so these add none.
+def pointwise_forward(
+    x: Tensor, kind: str, p0: Tensor, p1: Tensor | None, weight: Tensor | None, bias: Tensor | None, scale: float = 1.0
+) -> Tensor:
+    """``kind`` 'dyt', 'derf', 'dyisru' or 'eln'; p0 alpha (DyT, Derf) or beta (DyISRU, ELN), p1 Derf's shift."""
+    return torch.ops.normlab_cpu.pointwise_fwd(x, p0, p1, unit_weight(weight, x), bias, scale, _KIND[kind])
+
+
+def rms_forward(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
+    return torch.ops.normlab_cpu.rms_fwd(x, unit_weight(weight, x), float(eps))[0]
 
 
 def _need() -> None:
@@ -188,4 +202,4 @@ def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
     weight = unit_weight(weight, x)
     if records_grad(x, weight):
         return _RMSNormFn.apply(x, weight, float(eps))
-    return torch.ops.normlab_cpu.rms_fwd(x, weight, float(eps))[0]
+    return rms_forward(x, weight, eps)
