@@ -182,8 +182,8 @@ def test_saves_only_its_input(op):
 
 @pytest.mark.parametrize("name", ["layer_norm", "rms_norm", "dyt", "scaled_dyt", "derf", "dyisru", "eln"])
 def test_modules_take_the_cpu_path_under_auto_and_match_the_reference(name, monkeypatch):
-    calls = []
-    for fn in ("dyt", "derf", "dyisru", "eln", "rms_norm"):
+    calls = []  # the fused paths: the CPU functions, and the forward ops that an inference call runs directly
+    for fn in ("dyt", "derf", "dyisru", "eln", "rms_norm", "pointwise_forward", "rms_forward"):
         real = getattr(cpu, fn)
         monkeypatch.setattr(cpu, fn, lambda *a, _real=real, **k: calls.append(1) or _real(*a, **k))
     torch.manual_seed(0)
