@@ -38,7 +38,7 @@ from normlab import functional as FN
 from normlab.errors import NormlabError
 
 # at the top: an import inside the dispatchers cost a decode step's norm 1-3 us
-from normlab.kernels import cpu, cpu_build, fused
+from normlab.kernels import cpu, fused
 
 __all__ = ["triton_status", "select", "direct", "autocast_params", "dyt", "derf", "scaled_dyt", "dyisru", "eln",
            "rms_norm", "KERNEL_CHOICES", "TRITON_DTYPES"]  # fmt: skip
@@ -116,17 +116,14 @@ def direct(module, x, *params: torch.Tensor | None) -> bool:
     loaded. Where this answers True, `select` answers 'cpu' for the same call and the module calls the same function,
     so the output is the same; every other call takes the routed path and its checks. Measured in a decoding SmolLM2
     (docs/conversion.md): the routed path's Python, about 20 calls per norm site, cost 2-3% of a decode step."""
-    if torch.is_grad_enabled() or type(x) is not torch.Tensor or not x.is_cpu or x.dtype not in cpu.FAST_DTYPES:
+    if torch.is_grad_enabled() or type(x) is not torch.Tensor or x.dim() == 0 or x.shape[-1] != module.dim:
         return False
-    if x.dim() == 0 or x.shape[-1] != module.dim or module.channel_dim not in (-1, x.dim() - 1) or x.numel() == 0:
-        return False
-    for p in params:
-        if p is not None and (p.dtype != x.dtype or not p.is_cpu):
-            return False
     kernel = module.kernel
-    if kernel != "cpu" and (kernel != "auto" or auto_choice() == "reference"):
+    if module.channel_dim not in (-1, x.dim() - 1) or (
+        kernel != "cpu" and (kernel != "auto" or auto_choice() == "reference")
+    ):
         return False
-    return cpu_build.loaded() and not torch.compiler.is_compiling() and not cpu.transformed()
+    return cpu.usable(x, *params)  # the device, dtypes, compile, torch.func and the library: select's own test
 
 
 def autocast_params(x: torch.Tensor, *params: torch.Tensor | None) -> tuple:

@@ -402,6 +402,9 @@ void pointwise_bwd_block(const T* __restrict g, const T* __restrict x, const T* 
   // rows (a buffer for float32 too made ELN's backward 1.6x DyISRU's, against 1.25x: scripts/bench_kernel_builds.py)
   constexpr bool Q_IN_DX = std::is_same_v<T, float>;
   std::vector<float> qbuf(K == ELN && !Q_IN_DX ? ROWS * c : 0);
+  const auto q_row = [&](int64_t rg, int64_t i) {  // row i of the group starting at row rg
+    return Q_IN_DX ? reinterpret_cast<float*>(dx) + (rg + i) * c : qbuf.data() + i * c;
+  };
   for (int64_t rg = r0; rg < r1; rg += ROWS) {
     const int64_t rows = std::min(ROWS, r1 - rg);
     Vec mean[ROWS], qsum[ROWS];
@@ -443,8 +446,7 @@ void pointwise_bwd_block(const T* __restrict g, const T* __restrict x, const T* 
         accw = at::vec::fmadd(gv, f, accw);
         accb = accb + gv;
         if constexpr (K == ELN) {
-          float* q = Q_IN_DX ? reinterpret_cast<float*>(dx) + (rg + i) * c : qbuf.data() + i * c;
-          d.store(q + j, m);
+          d.store(q_row(rg, i) + j, m);
           qsum[i] = qsum[i] + Vec::set(Vec(0.0f), d, m);  // the tail lanes hold NaN (beta = 0 there)
         } else {
           store(dx + off, d, m);
@@ -464,11 +466,10 @@ void pointwise_bwd_block(const T* __restrict g, const T* __restrict x, const T* 
     }
     if constexpr (K == ELN) {  // dx = q - mean(q)
       for (int64_t i = 0; i < rows; ++i) {
-        const Vec qmean(sum_lanes(qsum[i]) /
-                        static_cast<float>(c));
+        const Vec qmean(sum_lanes(qsum[i]) / static_cast<float>(c));
+        const float* q = q_row(rg, i);
         for (int64_t j = 0; j < c; j += VL) {
           const int64_t m = std::min(VL, c - j);
-          const float* q = Q_IN_DX ? reinterpret_cast<const float*>(dx) + (rg + i) * c : qbuf.data() + i * c;
           store(dx + (rg + i) * c + j, Vec::loadu(q + j, m) - qmean, m);
         }
       }
