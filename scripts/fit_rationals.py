@@ -2,12 +2,15 @@
 
     python scripts/fit_rationals.py
 
-Each function is fitted on (0, cut] by Lawson's algorithm (iteratively reweighted least squares on the linearised
-relative error, keeping the best maximum), with P(0) fixed at the function's exact slope at 0 and Q(0) = 1. Beyond
-the cut the kernel returns sign(z) itself. The script prints the coefficients as C++ arrays for
-src/normlab/kernels/csrc/cpu_norms.cpp and the maximum relative error of the whole function (the rational
-evaluated in float32 with fused multiply-adds, plus the saturation's own error beyond the cut) over a million
-points from 1e-30 to past the cut. tests/kernels/test_cpu_edges.py measures the compiled kernels the same way.
+Each function is fitted on (0, range] by Lawson's algorithm (iteratively reweighted least squares on the linearised
+relative error, keeping the best maximum), with P(0) fixed at the function's exact slope at 0 and Q(0) = 1. Each
+fitted rational rises a little above 1 before it turns back down; the kernel evaluates it at z clamped to a point
+``clamp`` where it is already above 1 (by two float32 ulps, a margin for the reciprocal's own error) and then takes
+min(., 1): every |z| >= clamp gives sign(z) itself, with no comparison or blend. The script finds the smallest such
+clamp (in steps of 0.01, below the rational's maximum) and prints it with the coefficients as C++ for
+src/normlab/kernels/csrc/cpu_norms.cpp, and the maximum relative error of the whole function (the rational evaluated
+in float32 with fused multiply-adds, then min(., 1)) over two million points from 1e-30 to twice the clamp.
+tests/kernels/test_cpu_edges.py measures the compiled kernels the same way.
 """
 
 from __future__ import annotations
@@ -18,13 +21,15 @@ import numpy as np
 from numpy.polynomial import polynomial as P
 from scipy.special import erf
 
-# name: (function, slope at 0, degree of P and of Q in z^2, cut), for float32 and for bfloat16 / float16 inputs
+# name: (function, slope at 0, degree of P and of Q in z^2, fitted range), for float32 and bfloat16 / float16 inputs.
+# TANH16's range reaches past the clamp: fitted on (0, 6], its rational peaks at 0.99998 and never reaches 1.
 FITS = {
     "TANH32": (np.tanh, 1.0, 4, 4, 9.0),
-    "TANH16": (np.tanh, 1.0, 2, 3, 6.0),
+    "TANH16": (np.tanh, 1.0, 2, 3, 6.5),
     "ERF32": (erf, 2 / math.sqrt(math.pi), 5, 5, 3.92),
     "ERF16": (erf, 2 / math.sqrt(math.pi), 3, 3, 3.3),
 }
+ABOVE_ONE = np.float32(1 + 2**-22)  # the rational at the clamp is at least this: two ulps above 1
 
 
 def fit(f, slope: float, n_p: int, n_q: int, cut: float, iters: int = 200) -> tuple[np.ndarray, np.ndarray]:
@@ -53,10 +58,24 @@ def horner(c: np.ndarray, s: np.ndarray) -> np.ndarray:
     return acc
 
 
-def max_relative_error(f, p, q, cut: float) -> float:
-    z = np.geomspace(1e-30, 2 * cut, 1_000_000).astype(np.float32)
+def rational(p: np.ndarray, q: np.ndarray, z: np.ndarray) -> np.ndarray:
     s = (z * z).astype(np.float32)
-    got = np.where(z < cut, (z * horner(p, s) / horner(q, s)).astype(np.float32), np.float32(1.0))
+    return (z * horner(p, s) / horner(q, s)).astype(np.float32)
+
+
+def clamp_point(p: np.ndarray, q: np.ndarray, start: float) -> float:
+    """The smallest multiple of 0.01 from which the rational stays at least ABOVE_ONE up to the clamp itself."""
+    z = np.arange(round(start * 50), round(start * 300)) / 100.0
+    above = rational(p, q, z.astype(np.float32)) >= ABOVE_ONE
+    peak = int(np.argmax(rational(p, q, np.linspace(start, 6 * start, 100_000).astype(np.float32))))
+    first = int(np.argmax(above))
+    assert above[first] and np.linspace(start, 6 * start, 100_000)[peak] > z[first], "the rational never exceeds 1"
+    return float(z[first])
+
+
+def max_relative_error(f, p, q, clamp: float) -> float:
+    z = np.geomspace(1e-30, 2 * clamp, 2_000_000).astype(np.float32)
+    got = np.minimum(rational(p, q, np.minimum(z, np.float32(clamp))), np.float32(1.0))
     want = f(z.astype(np.float64))
     return float(np.max(np.abs(got / want - 1)))
 
@@ -69,10 +88,13 @@ def literal(v: float) -> str:
 def main() -> None:
     for name, (f, slope, n_p, n_q, cut) in FITS.items():
         p, q = fit(f, slope, n_p, n_q, cut)
-        err = max_relative_error(f, p, q, cut)
-        print(f"// {name}: [{n_p}/{n_q}] on |z| < {cut}: max relative error {err:.3g} ({err / 2**-23:.2f} eps)")
+        clamp = clamp_point(p, q, cut * 0.8)
+        err = max_relative_error(f, p, q, clamp)
+        print(f"// {name}: [{n_p}/{n_q}] fitted on (0, {cut}], clamped at {clamp}: "
+              f"max relative error {err:.3g} ({err / 2**-23:.2f} eps)")  # fmt: skip
         for part, c in (("P", p), ("Q", q)):
             print(f"constexpr float {name}_{part}[] = {{{', '.join(literal(v) for v in c)}}};")
+        print(f"constexpr float {name}_CLAMP = {literal(clamp)};")
 
 
 if __name__ == "__main__":

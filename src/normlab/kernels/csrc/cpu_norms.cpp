@@ -133,40 +133,38 @@ inline Vec rsqrt_(const Vec& v) {
 #endif
 }
 
-// tanh and erf as odd rationals, z P(z^2) / Q(z^2), one accuracy per storage dtype. The coefficients were fitted
-// by scripts/fit_rationals.py (Lawson's algorithm on the maximum relative error; P(0) is the exact slope at 0, so
-// a tiny z keeps full relative accuracy down to the denormals), and the bounds below are what
+// tanh and erf as odd rationals, z P(z^2) / Q(z^2), one accuracy per storage dtype. The coefficients and clamps were
+// fitted by scripts/fit_rationals.py (Lawson's algorithm on the maximum relative error; P(0) is the exact slope at 0,
+// so a tiny z keeps full relative accuracy down to the denormals), and the bounds below are what
 // tests/kernels/test_cpu_edges.py measures against float64 from denormals to infinity, as relative errors of
 // the float32 result before any rounding to the output dtype (eps = 2^-23):
 //
-//   float32 input          tanh: [4/4] rational on |z| < 9,    exactly sign(z) beyond   bound 4 eps (AVX-512 2.9, AVX2 3.1)
-//                          erf:  [5/5] rational on |z| < 3.92, exactly sign(z) beyond   bound 4 eps (AVX-512 2.7, AVX2 3.3)
-//   bfloat16 / float16     tanh: [2/3] rational on |z| < 6,    exactly sign(z) beyond   bound 2^-12 (1.2e-5)
-//                          erf:  [3/3] rational on |z| < 3.3,  exactly sign(z) beyond   bound 2^-12 (3.1e-6)
+//   float32 input          tanh: [4/4] rational, z clamped to +-9.14   bound 4 eps
+//                          erf:  [5/5] rational, z clamped to +-4.01   bound 4 eps
+//   bfloat16 / float16     tanh: [2/3] rational, z clamped to +-5.98   bound 2^-12 (1.3e-5 measured)
+//                          erf:  [3/3] rational, z clamped to +-3.32   bound 2^-12 (2.9e-6 measured)
 //
+// Each rational rises a little above 1 before it turns back down, and its clamp is a point where it is already two
+// float32 ulps above 1: f = min(max(r(clamp(z)), -1), 1) is exactly sign(z) for every |z| beyond the clamp, so the
+// derivative 1 - f^2 (computed from the same f, as in the backward) is exactly 0 there, as the reference's, and
+// |f| <= 1 everywhere (1 - f^2 is never negative). Two clamps, no comparison and blend: three vector operations
+// fewer than testing |z| against a cut, in a function that bounds the bfloat16 kernels' time (docs/kernels.md).
 // The division is `recip`'s estimate and Newton step in every dtype: its ulp or so over an exact division (whose
 // fit alone reached 2.2 and 2.7 eps in float32) keeps float32 inside 4 eps. (On the AMD EPYC VM the two forms ran at
 // the same speed within its noise: docs/kernels.md, "AVX-512 reciprocals".)
 // A bfloat16 or float16 output cannot hold more than 8 or 11 bits, so its cheaper forms stay well inside the
 // output's own rounding; they are kept a decade below 2^-12 because a parameter's gradient sums 1 - f^2 over
-// every element, where an error of one sign would add up (a [2/2] tanh at 9e-5 broke the bf16 alpha gradient). Saturation is exact: beyond the cut f is +-1 itself, so the derivative 1 - f^2 (computed
-// from the same f, as in the backward) is exactly 0 there, as the reference's. NaN stays NaN; +-inf gives +-1.
-// r(a) = a P(a^2) / Q(a^2), evaluated at a = min(|z|, cut) (so a huge z gives no inf / inf), then
-// f = sign(z) min(r(a), 1), and f = sign(z) exactly where |z| >= cut. The last ulps below the cut may round above 1:
-// min(., 1) keeps |f| <= 1, so 1 - f^2 is never negative. A NaN z stays NaN (min and the comparison pass it through),
-// +-inf gives +-1, -0 gives -0. The rational is odd, so this equals evaluating it at z itself.
+// every element, where an error of one sign would add up (a [2/2] tanh at 9e-5 broke the bf16 alpha gradient).
+// The max and min take z (and r) as their second operand, which x86 returns when either is NaN: a NaN z stays NaN.
+// +-inf gives +-1, -0 gives -0 (the rational is odd).
 template <size_t NP, size_t NQ>
-inline Vec odd_saturating(const Vec& z, const float (&p)[NP], const float (&q)[NQ], float cut) {
+inline Vec odd_saturating(const Vec& z, const float (&p)[NP], const float (&q)[NQ], float clamp) {
 #if defined(CPU_CAPABILITY_AVX512)
-  const __m512 sign_bit = _mm512_castsi512_ps(_mm512_set1_epi32(0x80000000)), one = _mm512_set1_ps(1.0f);
-  const __m512 mag = _mm512_andnot_ps(sign_bit, z);
-  const Vec a(_mm512_min_ps(_mm512_set1_ps(cut), mag));  // min returns its second operand when either is NaN
+  const Vec a(_mm512_min_ps(_mm512_set1_ps(clamp), _mm512_max_ps(_mm512_set1_ps(-clamp), z)));
 #elif defined(CPU_CAPABILITY_AVX2)
-  const __m256 sign_bit = _mm256_castsi256_ps(_mm256_set1_epi32(0x80000000)), one = _mm256_set1_ps(1.0f);
-  const __m256 mag = _mm256_andnot_ps(sign_bit, z);
-  const Vec a(_mm256_min_ps(_mm256_set1_ps(cut), mag));
+  const Vec a(_mm256_min_ps(_mm256_set1_ps(clamp), _mm256_max_ps(_mm256_set1_ps(-clamp), z)));
 #else
-  const Vec a = z;  // ATen's portable vectors: the rational at z itself, saturated below
+  const Vec a = Vec::blendv(at::vec::clamp(z, Vec(-clamp), Vec(clamp)), z, z != z);  // ATen's portable vectors
 #endif
   const Vec s = a * a;
   Vec num(p[NP - 1]), den(q[NQ - 1]);
@@ -174,39 +172,35 @@ inline Vec odd_saturating(const Vec& z, const float (&p)[NP], const float (&q)[N
   for (size_t k = NQ - 1; k-- > 0;) den = at::vec::fmadd(den, s, Vec(q[k]));
   const Vec r = a * num * recip(den);
 #if defined(CPU_CAPABILITY_AVX512)
-  const __m512 f = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(mag, _mm512_set1_ps(cut), _CMP_GE_OQ),
-                                        _mm512_min_ps(one, r), one);
-  return Vec(_mm512_or_ps(f, _mm512_and_ps(sign_bit, z)));
+  return Vec(_mm512_min_ps(_mm512_set1_ps(1.0f), _mm512_max_ps(_mm512_set1_ps(-1.0f), r)));
 #elif defined(CPU_CAPABILITY_AVX2)
-  const __m256 f = _mm256_blendv_ps(_mm256_min_ps(one, r), one, _mm256_cmp_ps(mag, _mm256_set1_ps(cut), _CMP_GE_OQ));
-  return Vec(_mm256_or_ps(f, _mm256_and_ps(sign_bit, z)));
+  return Vec(_mm256_min_ps(_mm256_set1_ps(1.0f), _mm256_max_ps(_mm256_set1_ps(-1.0f), r)));
 #else
-  // a huge z gives inf / inf = NaN in r, and the last ulps below the cut may round above 1: both become sign(z)
-  const Vec sign = Vec::blendv(Vec(1.0f), Vec(-1.0f), z < Vec(0.0f));
-  return Vec::blendv(r, sign, (z.abs() >= Vec(cut)) | (r.abs() > Vec(1.0f)));
+  return Vec::blendv(at::vec::clamp(r, Vec(-1.0f), Vec(1.0f)), r, r != r);
 #endif
 }
 
-constexpr float TANH32_P[] = {1.0f, 0.133839697f, 0.00349898427f, 2.06610675e-05f, 1.34195481e-08f};
-constexpr float TANH32_Q[] = {1.0f, 0.467172921f, 0.0258901622f, 0.000329101895f, 7.80461789e-07f};
-constexpr float TANH16_P[] = {1.0f, 0.114983276f, 0.00152281439f};
-constexpr float TANH16_Q[] = {1.0f, 0.448282331f, 0.017664345f, 5.67450734e-05f};
+constexpr float TANH32_P[] = {1.0f, 0.133839712f, 0.0034989845f, 2.06610694e-05f, 1.34195508e-08f};
+constexpr float TANH32_Q[] = {1.0f, 0.467172921f, 0.0258901622f, 0.000329101924f, 7.80461903e-07f};
+constexpr float TANH16_P[] = {1.0f, 0.114053696f, 0.00146275875f};
+constexpr float TANH16_Q[] = {1.0f, 0.447332978f, 0.0173111968f, 5.29552417e-05f};
 constexpr float ERF32_P[] = {1.12837923f,     0.189880744f,    0.0526794307f,
                              0.00374288228f, 0.000284338428f, 2.05385072e-06f};
 constexpr float ERF32_Q[] = {1.0f, 0.501610398f, 0.113891855f, 0.0149240913f, 0.00115693919f, 3.81018981e-05f};
 constexpr float ERF16_P[] = {1.12837923f, 0.154685035f, 0.0431260765f, 0.000744810852f};
 constexpr float ERF16_Q[] = {1.0f, 0.470437378f, 0.0949267671f, 0.00925597362f};
+constexpr float TANH32_CLAMP = 9.14f, TANH16_CLAMP = 5.98f, ERF32_CLAMP = 4.01f, ERF16_CLAMP = 3.32f;
 
 template <typename T>
 inline Vec tanh_(const Vec& z) {
-  if constexpr (std::is_same_v<T, float>) return odd_saturating(z, TANH32_P, TANH32_Q, 9.0f);
-  return odd_saturating(z, TANH16_P, TANH16_Q, 6.0f);
+  if constexpr (std::is_same_v<T, float>) return odd_saturating(z, TANH32_P, TANH32_Q, TANH32_CLAMP);
+  return odd_saturating(z, TANH16_P, TANH16_Q, TANH16_CLAMP);
 }
 
 template <typename T>
 inline Vec erf_(const Vec& z) {
-  if constexpr (std::is_same_v<T, float>) return odd_saturating(z, ERF32_P, ERF32_Q, 3.92f);
-  return odd_saturating(z, ERF16_P, ERF16_Q, 3.3f);
+  if constexpr (std::is_same_v<T, float>) return odd_saturating(z, ERF32_P, ERF32_Q, ERF32_CLAMP);
+  return odd_saturating(z, ERF16_P, ERF16_Q, ERF16_CLAMP);
 }
 
 // DyISRU's pieces: f = u h, h = (beta + u^2)^(-1/2) (the slope df/du is beta h^3). Beyond float32's square root of
