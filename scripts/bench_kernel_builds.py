@@ -75,7 +75,7 @@ def main() -> None:
     ap.add_argument("--commit", default="HEAD", help="the later commit (default HEAD)")
     ap.add_argument("--rows", type=int, default=4096)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--pairs", type=int, default=3, help="alternating processes per build")
     ap.add_argument("--csv", default="bench/kernel_builds.csv")
     args = ap.parse_args()

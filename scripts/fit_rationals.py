@@ -22,10 +22,12 @@ from numpy.polynomial import polynomial as P
 from scipy.special import erf
 
 # name: (function, slope at 0, degree of P and of Q in z^2, fitted range), for float32 and bfloat16 / float16 inputs.
-# TANH16's range reaches past the clamp: fitted on (0, 6], its rational peaks at 0.99998 and never reaches 1.
+# TANH16 is fitted past its clamp: a [2/3] rational fitted on (0, 6] peaks at 0.99998 and never reaches 1, and one that
+# reaches 1 ([2/3] on (0, 6.5], 1.3e-5) put the bf16 alpha gradient of a 1 x 128 DyT at 5.6e-3 of its size (tolerance
+# 4e-3); [3/3] on (0, 7] is 1.6e-6 for one more multiply-add.
 FITS = {
     "TANH32": (np.tanh, 1.0, 4, 4, 9.0),
-    "TANH16": (np.tanh, 1.0, 2, 3, 6.5),
+    "TANH16": (np.tanh, 1.0, 3, 3, 7.0),
     "ERF32": (erf, 2 / math.sqrt(math.pi), 5, 5, 3.92),
     "ERF16": (erf, 2 / math.sqrt(math.pi), 3, 3, 3.3),
 }

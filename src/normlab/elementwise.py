@@ -227,8 +227,8 @@ class _ISRUFamily(NormModule):
         p = self._parameters
         w, b = p["weight"], p.get("bias")
         if K.direct(self, x, p["log_beta"], w, b):
-            beta = p["log_beta"].exp()
-            return cpu.pointwise_forward(x, self._op, beta, None, w, b, FN.channel_scale(x.shape[-1], self.scale))
+            scale = FN.channel_scale(x.shape[-1], self.scale)
+            return cpu.pointwise_forward(x, self._op, p["log_beta"], None, w, b, scale, log_p0=True)
         return super().forward(x)
 
     def reset_parameters(self) -> None:

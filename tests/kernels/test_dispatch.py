@@ -92,6 +92,19 @@ def test_inference_goes_straight_to_the_op_with_the_routed_paths_bits(name, dtyp
         torch.testing.assert_close(m_auto(x), routed, **same)
 
 
+@pytest.mark.parametrize("kind", ["dyisru", "eln"])
+def test_the_forward_op_takes_beta_as_its_log_for_dyisru_and_eln_only(kind):
+    """``log_p0``: the op takes exp of the stored log(beta) itself, with torch.exp's bits; DyT and Derf refuse it."""
+    assert cpu.ready(wait=True)
+    x, w = torch.randn(3, 40) * 2, torch.rand(40) + 0.5
+    for log_beta in (torch.tensor([1.3]), torch.randn(40)):
+        direct = cpu.pointwise_forward(x, kind, log_beta, None, w, None, 2.0, log_p0=True)
+        assert torch.equal(direct, cpu.pointwise_forward(x, kind, log_beta.exp(), None, w, None, 2.0))
+    for other in ("dyt", "derf"):
+        with pytest.raises(RuntimeError, match="log_p0 is for DyISRU and ELN"):
+            cpu.pointwise_forward(x, other, torch.ones(1), torch.zeros(1), w, None, log_p0=True)
+
+
 def _refuse_ops(monkeypatch):
     for op in ("dyt", "derf", "dyisru", "eln", "rms_norm", "pointwise_forward", "rms_forward"):
         monkeypatch.setattr(cpu, op, lambda *a, op=op, **k: pytest.fail(f"cpu.{op} was called"))

@@ -154,10 +154,18 @@ def _pointwise(x: Tensor, weight: Tensor, bias: Tensor | None, scale: float, kin
 # then, and what a module's inference call runs after `normlab.kernels.direct` has checked the rest. Their callers'
 # checks cost about 2% of a decoding SmolLM2's step (docs/conversion.md), so these add none.
 def pointwise_forward(
-    x: Tensor, kind: str, p0: Tensor, p1: Tensor | None, weight: Tensor | None, bias: Tensor | None, scale: float = 1.0
+    x: Tensor,
+    kind: str,
+    p0: Tensor,
+    p1: Tensor | None,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    scale: float = 1.0,
+    log_p0: bool = False,
 ) -> Tensor:
-    """``kind`` 'dyt', 'derf', 'dyisru' or 'eln'; p0 alpha (DyT, Derf) or beta (DyISRU, ELN), p1 Derf's shift."""
-    return torch.ops.normlab_cpu.pointwise_fwd(x, p0, p1, unit_weight(weight, x), bias, scale, _KIND[kind])
+    """``kind`` 'dyt', 'derf', 'dyisru' or 'eln'; p0 alpha (DyT, Derf) or beta (DyISRU, ELN), p1 Derf's shift.
+    ``log_p0``: p0 is log(beta), and the op takes its exp (the same ATen exp as ``torch.exp``)."""
+    return torch.ops.normlab_cpu.pointwise_fwd(x, p0, p1, unit_weight(weight, x), bias, scale, _KIND[kind], log_p0)
 
 
 def rms_forward(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
