@@ -66,13 +66,13 @@ def rational(p: np.ndarray, q: np.ndarray, z: np.ndarray) -> np.ndarray:
 
 
 def clamp_point(p: np.ndarray, q: np.ndarray, start: float) -> float:
-    """The smallest multiple of 0.01 (from ``start``) where the rational is at least ABOVE_ONE; it must lie below the
+    """The smallest multiple of 0.01 from ``start`` / 2 where the rational is at least ABOVE_ONE. It must lie below the
     rational's peak, where the rational still rises, so that every z between 1's crossing and the clamp gives 1."""
-    z = np.arange(round(start * 50), round(start * 300)) / 100.0
-    above = rational(p, q, z.astype(np.float32)) >= ABOVE_ONE
-    peak = int(np.argmax(rational(p, q, np.linspace(start, 6 * start, 100_000).astype(np.float32))))
-    first = int(np.argmax(above))
-    assert above[first] and np.linspace(start, 6 * start, 100_000)[peak] > z[first], "the rational never exceeds 1"
+    z = np.arange(round(start * 50), round(start * 600)) / 100.0
+    r = rational(p, q, z.astype(np.float32))
+    first = int(np.argmax(r >= ABOVE_ONE))
+    if r[first] < ABOVE_ONE or z[int(np.argmax(r))] <= z[first]:
+        raise RuntimeError("the rational does not rise above 1 before its peak: fit it on a longer range")
     return float(z[first])
 
 
