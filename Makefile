@@ -3,21 +3,30 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.normlab-installed
+DEV    := $(VENV)/.normlab-dev
 
-.PHONY: setup test lint demo docs clean
+.PHONY: setup dev test lint demo docs clean
 
+# what `normlab` needs to run (make demo): torch, the package and its kernel build
 setup: $(STAMP)
+
+# and what the tests, ruff and the docs need on top (pytest, ruff, Triton, transformers, mkdocs: 1.3 GB more)
+dev: $(DEV)
 
 # torch goes in first, pinned, so that the permissive `torch>=2.4` of pyproject.toml
 # is already satisfied and pip does not pull a CUDA build.
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet "torch==2.13.0"
-	$(PY) -m pip install --quiet -e ".[dev]"
+	$(PY) -m pip install --quiet -e .
 	-$(VENV)/bin/normlab build-kernels
 	@touch $(STAMP)
 
-lint: setup
+$(DEV): $(STAMP)
+	$(PY) -m pip install --quiet -e ".[dev]"
+	@touch $(DEV)
+
+lint: dev
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 
@@ -28,7 +37,7 @@ demo: setup
 	$(VENV)/bin/normlab reproduce
 
 # the documentation site, into site/; --strict fails on a broken link or a missing API reference
-docs: setup
+docs: dev
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
 clean:
