@@ -45,7 +45,7 @@ def corpus(tmp_path) -> Path:
 
 
 def tiny_lm(family: str = "Llama", seed: int = 0, layers: int = 2, **config):
-    """A tiny random Hugging Face causal LM of ``family`` (Llama, Qwen2, Qwen3, Gemma) in eval mode: vocabulary 100,
+    """A tiny random Hugging Face causal LM of ``family`` (Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma3) in eval mode: vocabulary 100,
     width 32, 4 heads (2 key-value heads), ``layers`` blocks, its weights drawn after ``torch.manual_seed(seed)``;
     ``config`` overrides any field (``initializer_range=0.5`` for peaked next-token distributions,
     ``tie_word_embeddings=True``)."""
@@ -59,9 +59,10 @@ def tiny_lm(family: str = "Llama", seed: int = 0, layers: int = 2, **config):
         num_attention_heads=4,
         num_key_value_heads=2,
     )
-    if family == "Gemma":
+    if family.startswith("Gemma") or family == "Qwen3":
         kw["head_dim"] = 8
-    cfg = getattr(transformers, f"{family}Config")(**{**kw, **config})
+    config_class = "Gemma3TextConfig" if family == "Gemma3" else f"{family}Config"  # Gemma3Config is multimodal
+    cfg = getattr(transformers, config_class)(**{**kw, **config})
     return getattr(transformers, f"{family}ForCausalLM")(cfg).eval()
 
 

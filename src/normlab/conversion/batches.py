@@ -85,7 +85,7 @@ def run_hooked(model: nn.Module, batch, i: int, hooks: dict[str, Callable], kind
     ]
     try:
         with torch.no_grad():
-            run_batch(model, batch, i)
+            run_batch(model, batch, i, no_cache=True)  # no KV cache: nothing reads it, and blocks are replayed
     except Stop:
         pass
     finally:

@@ -32,8 +32,10 @@ or that ends worse than its start, keeps the start point and is flagged; a fit t
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
+import time
 from dataclasses import dataclass
 
 import torch
@@ -49,6 +51,7 @@ from normlab.conversion.first_token import (
     first_token_ratio,
 )
 from normlab.conversion.record import Site
+from normlab.conversion.stream import BlockStream, find_blocks
 from normlab.registry import create_norm, norm_spec
 
 __all__ = ["FitOutcome", "fit_replacement", "calibrate_sites", "per_channel_kwargs"]
@@ -65,6 +68,7 @@ class FitOutcome:
     notes: list[str]
     explained: float | None = None  # the share of the target's variance (about each channel's mean) the fit
     # explains; None when the target does not vary (e.g. one repeated first token)
+    solver: str = "lbfgs"  # "profile" (float32, amplitude in closed form) or "lbfgs" (float64); fit_replacement
 
     def to_dict(self) -> dict:
         return {
@@ -75,6 +79,7 @@ class FitOutcome:
             "start_error": self.start_error,
             "converged": self.ok,
             "explained": self.explained,
+            "solver": self.solver,
         }
 
 
@@ -157,15 +162,109 @@ def _lbfgs(loss, p0: Tensor, la0: Tensor, q0: list[Tensor], fit_amplitude: bool,
     return p, la, qs, final
 
 
+def _profile_fit(new: nn.Module, name: str, x: Tensor, y: Tensor, per: bool, fit_amplitude: bool, iters: int):
+    """The fit as a search over the parameter alone, in float32, every channel at once (``per``).
+
+    Every fitted norm is ``weight * g(x; p) + bias``, so its output at amplitude a is v + a (u - v), with u the
+    output at the copied weight and v at weight 0: for each p the best amplitude is closed form (least squares,
+    kept > 0), and what is left is a one-dimensional search over log p per channel. A grid in steps of 1 around
+    the Theorem 3 start on 512 tokens (as the coarse scan), then golden-section search on every token within one
+    step of the grid's best. Returns (log p, log amplitude, the start's loss, the final loss), losses as means over
+    tokens and channels."""
+    module = copy.deepcopy(new).float().requires_grad_(False)
+    x, y = x.float(), y.float()
+    w0, param = module.weight.detach().clone(), getattr(module, name)
+    shape = param.shape
+    with torch.no_grad():
+        module.weight.zero_()
+        v = module(x)  # the output at weight 0: the bias, whatever p is
+        module.weight.copy_(w0)
+    r = y - v
+    sub = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))[:512]
+
+    def losses(p: Tensor, rows=None) -> tuple[Tensor, Tensor]:
+        """Per channel (or one, summed) squared error at log-parameter p with its best amplitude, and that amplitude's
+        log."""
+        xs, vs, rs = (x, v, r) if rows is None else (x[rows], v[rows], r[rows])
+        with torch.no_grad():
+            param.copy_((p if name == "log_beta" else p.exp()).expand(shape))
+            g = module(xs) - vs
+            dims = (0,) if per else (0, 1)
+            if fit_amplitude:
+                a = ((g * rs).sum(dims) / (g * g).sum(dims)).clamp_min(1e-6).nan_to_num(1.0)
+            else:
+                a = torch.ones(())
+            e = (a * g - rs).pow(2).sum(dims) * torch.ones_like(p)
+        return torch.where(torch.isfinite(e), e, torch.inf), a.log() * torch.ones_like(p)
+
+    start = _start(new, x.double(), per, name).float()
+    p0 = start if name == "log_beta" else start.log()
+    grid = p0 + torch.arange(-8.0, 8.5, 1.0)[:, None]  # (17, p)
+    scan = torch.stack([losses(q, sub)[0] for q in grid])
+    p0 = grid.gather(0, scan.argmin(0)[None])[0]
+    f0, la0 = losses(p0)
+    centre = p0
+    p, f = _golden(lambda q: losses(q)[0], centre - 2.0, centre + 2.0, iters)
+    for _ in range(4):  # a minimum at its bracket's edge (the grid's sample misled it): search on from there
+        edge = (p - centre).abs() > 2.0 - 1e-2
+        if not bool(edge.any()):
+            break
+        centre = torch.where(edge, p, centre)
+        q, fq = _golden(lambda q: losses(q)[0], centre - 2.0, centre + 2.0, iters)
+        take = edge & (fq < f)
+        p, f = torch.where(take, q, p), torch.where(take, fq, f)
+    f, la = losses(p)
+    better = f <= f0  # per channel: never worse than the start
+    p, la, f = torch.where(better, p, p0), torch.where(better, la, la0), torch.where(better, f, f0)
+    n = x.numel()
+    return p.double(), la.double(), float(f0.sum()) / n, float(f.sum()) / n
+
+
+def _golden(loss, lo: Tensor, hi: Tensor, iters: int) -> tuple[Tensor, Tensor]:
+    """Golden-section search of ``loss`` (one value per entry) over [lo, hi], every entry at once; returns the best
+    point and its loss."""
+    gr = (math.sqrt(5.0) - 1.0) / 2.0
+    c, d = hi - gr * (hi - lo), lo + gr * (hi - lo)
+    fc, fd = loss(c), loss(d)
+    for _ in range(iters):
+        left = fc <= fd  # the minimum lies in [lo, d]: d becomes the upper end, c the new d
+        lo, hi = torch.where(left, lo, c), torch.where(left, d, hi)
+        kept_x, kept_f = torch.where(left, c, d), torch.where(left, fc, fd)
+        fresh = torch.where(left, hi - gr * (hi - lo), lo + gr * (hi - lo))
+        ff = loss(fresh)
+        c, fc = torch.where(left, fresh, kept_x), torch.where(left, ff, kept_f)
+        d, fd = torch.where(left, kept_x, fresh), torch.where(left, kept_f, ff)
+    best = fc <= fd
+    return torch.where(best, c, d), torch.where(best, fc, fd)
+
+
 def fit_replacement(
-    new: nn.Module, x: Tensor, y: Tensor, *, per_channel: bool = False, fit_amplitude: bool = True, max_iter: int = 60
+    new: nn.Module,
+    x: Tensor,
+    y: Tensor,
+    *,
+    per_channel: bool = False,
+    fit_amplitude: bool = True,
+    max_iter: int = 60,
+    solver: str = "auto",
 ) -> FitOutcome:
     """Fit ``new``'s parameter and an amplitude (folded into its weight) so that new(x) reproduces y.
 
     x, y: (N, C), the replacement's input and the original norm's output after its affine. ``new`` is updated
     in place; on a failed fit it keeps the start point and the outcome says so.
+
+    ``solver``: "profile" searches the parameter with the amplitude in closed form, in float32, every channel at once
+    (`_profile_fit`); "lbfgs" runs L-BFGS in float64 over the parameter, the amplitude and the target's linear extras
+    (Derf's shift). "auto" (default): "profile" unless the target has such extras. ``max_iter`` bounds L-BFGS; the
+    profile search takes ``max_iter // 2`` golden-section steps (from a bracket of e, 30 steps end within 2e-6 in
+    log p).
     """
     name = _param_name(new)
+    linear = norm_spec(new.registry_name).also_fits  # fitted as they are, from their init (Derf's shift)
+    if solver == "auto":
+        solver = "lbfgs" if linear else "profile"
+    if solver not in ("profile", "lbfgs") or (solver == "profile" and linear):
+        raise ValueError(f"solver: 'profile' (targets without extras), 'lbfgs' or 'auto', got {solver!r}")
     notes: list[str] = []
     finite = torch.isfinite(x).all(-1) & torch.isfinite(y).all(-1)
     if not bool(finite.all()):
@@ -181,30 +280,16 @@ def fit_replacement(
             False,
             notes + ["no finite calibration tokens: default init kept"],
         )
-    x, y = x.double(), y.double()
-    w0 = new.weight.detach().double()
-    linear = norm_spec(new.registry_name).also_fits  # fitted as they are, from their init (Derf's shift)
-    others = {k: v.detach().double() for k, v in new.named_parameters() if k not in (name, "weight", *linear)}
-    q0 = [getattr(new, k).detach().double().clone() for k in linear]
     shape = getattr(new, name).shape
-    module = copy.deepcopy(new).double()
-
-    def out(p: Tensor, log_amp: Tensor, inputs: Tensor = x, qs: list[Tensor] = q0) -> Tensor:
-        theta = p if name == "log_beta" else p.exp()  # both fitted in log space: they stay > 0
-        params = {name: theta.expand(shape), "weight": w0 * log_amp.exp(), **others, **dict(zip(linear, qs))}
-        return functional_call(module, params, (inputs,))
-
-    def loss(p: Tensor, log_amp: Tensor, qs: list[Tensor] = q0) -> Tensor:
-        return (out(p, log_amp, qs=qs) - y).pow(2).mean()
-
-    start = _start(new, x, per_channel and shape[0] > 1, name)
-    p0 = start if name == "log_beta" else start.log()
-    la0 = torch.zeros_like(p0)
-    with torch.no_grad():
-        p0, la0 = _coarse_scan(out, x, y, p0, la0, fit_amplitude)
-        start_loss = float(loss(p0, la0))
+    per = per_channel and shape[0] > 1
+    q0 = [getattr(new, k).detach().double().clone() for k in linear]
+    if solver == "profile":
+        p0, la0, start_loss, final = _profile_fit(new, name, x, y, per, fit_amplitude, max(1, max_iter // 2))
+        p, la, qs = p0, la0, q0
+    else:
+        p, la, qs, final, (p0, la0, start_loss) = _lbfgs_fit(new, name, x, y, per, fit_amplitude, max_iter, notes)
+    x, y = x.double(), y.double()
     denom = float(y.pow(2).mean().sqrt()) or 1.0
-    p, la, qs, final = _lbfgs(loss, p0, la0, q0, fit_amplitude, max_iter, notes)
     ok = True
     if not math.isfinite(final) or final > start_loss:
         notes.append("fit did not improve on its start (non-finite or worse): start point kept")
@@ -233,7 +318,37 @@ def fit_replacement(
         ok,
         notes,
         explained,
+        solver,
     )
+
+
+def _lbfgs_fit(new: nn.Module, name: str, x: Tensor, y: Tensor, per: bool, fit_amplitude: bool, max_iter: int, notes):
+    """The float64 fit by L-BFGS from the coarse scan's point, over the parameter, the amplitude and the linear extras;
+    returns (p, log amplitude, extras, final loss, (the start's p, log amplitude and loss))."""
+    x, y = x.double(), y.double()
+    w0 = new.weight.detach().double()
+    linear = norm_spec(new.registry_name).also_fits
+    others = {k: v.detach().double() for k, v in new.named_parameters() if k not in (name, "weight", *linear)}
+    q0 = [getattr(new, k).detach().double().clone() for k in linear]
+    shape = getattr(new, name).shape
+    module = copy.deepcopy(new).double()
+
+    def out(p: Tensor, log_amp: Tensor, inputs: Tensor = x, qs: list[Tensor] = q0) -> Tensor:
+        theta = p if name == "log_beta" else p.exp()  # both fitted in log space: they stay > 0
+        params = {name: theta.expand(shape), "weight": w0 * log_amp.exp(), **others, **dict(zip(linear, qs))}
+        return functional_call(module, params, (inputs,))
+
+    def loss(p: Tensor, log_amp: Tensor, qs: list[Tensor] = q0) -> Tensor:
+        return (out(p, log_amp, qs=qs) - y).pow(2).mean()
+
+    start = _start(new, x, per, name)
+    p0 = start if name == "log_beta" else start.log()
+    la0 = torch.zeros_like(p0)
+    with torch.no_grad():
+        p0, la0 = _coarse_scan(out, x, y, p0, la0, fit_amplitude)
+        start_loss = float(loss(p0, la0))
+    p, la, qs, final = _lbfgs(loss, p0, la0, q0, fit_amplitude, max_iter, notes)
+    return p, la, qs, final, (p0, la0, start_loss)
 
 
 # --------------------------------------------------------------------------
@@ -264,7 +379,7 @@ class _Rows:
 
     def add(self, t: torch.Tensor, batch: int) -> None:
         t = t.detach().float()
-        if t.dim() >= 3 and t.shape[-2] >= 2:  # (..., T, C): a sequence axis
+        if t.dim() == 3 and t.shape[-2] >= 2:  # (B, T, C): a sequence axis (a per-head norm's (B, T, H, D) has none)
             self.first.append(t[..., 0, :].reshape(-1, t.shape[-1]).cpu())
             t = t[..., 1:, :]
         rows = t.reshape(-1, t.shape[-1])
@@ -276,10 +391,13 @@ class _Rows:
         return (torch.cat(self.first) if self.first else torch.empty(0, c)), torch.cat(self.rest)
 
 
-def _site_inputs(model: nn.Module, batches: list, name: str, quota: int, channel_dim: int = -1) -> _Rows:
-    """The input of site ``name`` on every batch, in the model as converted so far, channels last; each pass stops
-    there."""
+def _site_inputs(model: nn.Module, batches: list, name: str, quota: int, channel_dim: int = -1, stream=None) -> _Rows:
+    """The input of site ``name`` on every batch, in the model as converted so far, channels last: from the block
+    stream where it serves the site, else from passes of the whole model that stop there."""
     rows = _Rows(quota)
+    if stream is not None and stream.serves(name):
+        stream.site_inputs(name, batches, lambda t, i: rows.add(t.movedim(channel_dim, -1), i))
+        return rows
 
     def grab_in(mod, args):
         rows.add(args[0].movedim(channel_dim, -1), grab_in.batch)
@@ -332,8 +450,9 @@ def calibrate_sites(
     target: str,
     progress: bool | None,
     sequential: bool = True,
-) -> str:
-    """Fit and swap every site in the order the model runs them (the module docstring); returns a note.
+) -> tuple[str, dict]:
+    """Fit and swap every site in the order the model runs them (the module docstring); returns the first-token
+    decision (a note) and how the inputs were taken (`_path`, for the record).
 
     ``sequential=False`` fits every site on its input in the *original* model instead (one pass for all sites):
     each fit is then exact for that site converted alone, which is what ranking the sites one by one needs
@@ -345,6 +464,7 @@ def calibrate_sites(
     batches = list(as_batches(calibrate))
     if not batches:
         raise ValueError("calibrate: the calibration data is empty")
+    t0 = time.perf_counter()
     quota = max(1, math.ceil(max_tokens / len(batches)))
     by_name = {s.name: s for s in sites}
     dims = {s.name: s.kwargs.get("channel_dim", -1) for s in sites}
@@ -352,12 +472,14 @@ def calibrate_sites(
     targets = {n: _Rows(quota) for n in by_name}
     inputs = {n: _Rows(quota) for n in by_name} if not sequential else None
     ratios: dict[str, list[float]] = {n: [] for n in by_name}
+    ndim: dict[str, int] = {}
     seen = {"batch": 0}
 
     def grab_out(n):
         def hook(mod, args, y):
             if n not in order:
                 order.append(n)
+            ndim[n] = args[0].dim()
             targets[n].add(y.movedim(dims[n], -1), seen["batch"])
             if inputs is not None:
                 inputs[n].add(args[0].movedim(dims[n], -1), seen["batch"])
@@ -365,22 +487,32 @@ def calibrate_sites(
 
         return hook
 
+    blocks = find_blocks(model, list(by_name)) if sequential else None
+    stream = BlockStream(model, *blocks) if blocks else None
     was_training = model.training
     model.eval()
     swapped: dict[str, nn.Module] = {}  # name -> the original module, to restore on failure
     try:
-        for i, batch in enumerate(batches):  # 1. the original model: order of the sites and their outputs
-            seen["batch"] = i
-            run_hooked(model, batch, i, {n: grab_out(n) for n in by_name}, "out")
+        with stream.record() if stream is not None else contextlib.nullcontext():
+            for i, batch in enumerate(batches):  # 1. the original model: order of the sites and their outputs
+                seen["batch"] = i
+                run_hooked(model, batch, i, {n: grab_out(n) for n in by_name}, "out")
         missing = [n for n in by_name if n not in order]
         if missing:
             raise ValueError(f"calibrate: the norm {missing[0]} never ran on the calibration data")
+        if stream is not None:
+            stream.check_fits()
         own, decision = first_token_decision(ratios, order, first_token, massive)
-        firsts = FirstRows(model, batches, {n: dims[n] for n in order}, max_tokens, sequential) if own else None
+        firsts = None
+        if own:  # the first-token pairs, their targets, and their own block stream, in one pass of the original
+            seq = {n: dims[n] for n in order if ndim[n] == 3}  # a per-head norm's input has no sequence axis
+            pairs = BlockStream(model, *blocks) if stream is not None and stream.broken is None else None
+            firsts = FirstRows(model, batches, seq, max_tokens, sequential, pairs)
+        path = _path(stream, sequential, order)
         bar = tqdm(order, desc=f"calibrating {to}", unit="site", disable={True: False, False: True}.get(progress))
         for n in bar:  # 2. each site on the input of the model converted so far
             site, new = by_name[n], replacements[n]
-            rows_in = inputs[n] if inputs is not None else _site_inputs(model, batches, n, quota, dims[n])
+            rows_in = inputs[n] if inputs is not None else _site_inputs(model, batches, n, quota, dims[n], stream)
             (xf, xr), (yf, yr) = rows_in.tensors(), targets[n].tensors()
             if firsts is not None and firsts.ready and len(xf):  # every calibration token put first
                 xf, yf = firsts(model, n)
@@ -399,10 +531,28 @@ def calibrate_sites(
                 new = FirstToken(new, first)
             swapped[n] = swap(model, n, new)
             bar.set_postfix_str(f"{n}: rel. error {out.rel_error:.3f}")
+        path["seconds"] = round(time.perf_counter() - t0, 2)
     except BaseException:
         for n, old in swapped.items():  # all or nothing: put the original norms back
             swap(model, n, old)
         raise
     finally:
         model.train(was_training)
-    return decision
+    return decision, path
+
+
+def _path(stream: BlockStream | None, sequential: bool, order: list[str]) -> dict:
+    """How the sites' inputs are taken, for the record: "blocks" (a block stream), "prefix" (passes of the whole
+    converted model up to each site) or "original" (one pass of the original, ``sequential=False``)."""
+    if not sequential:
+        return {"path": "original", "why": "sequential=False: every site on the original model's activations"}
+    if stream is None or stream.broken is not None:
+        why = (
+            stream.broken
+            if stream is not None
+            else "no decoder blocks found (no nn.ModuleList of blocks holding the sites)"
+        )
+        return {"path": "prefix", "why": why}
+    outside = [n for n in order if stream.block_of(n) is None]
+    return {"path": "blocks", "blocks": f"{stream.prefix} ({stream.n})", "memory_mb": round(stream.memory() / 2**20, 1),
+            "outside": outside}  # fmt: skip

@@ -260,26 +260,25 @@ def convert_norms(
         new, site = _build(name, m, kind, to, {**per_kw, **_site_kwargs(name, init or {}, site_init or {})})
         replacements[name] = new
         sites.append(site)
-    notes = []
+    notes, path = [], {}
     if calibrate is not None:  # fits and swaps site by site; puts every original back if anything fails
-        notes.append(
-            calibrate_sites(
-                model,
-                sites,
-                replacements,
-                calibrate,
-                to=to,
-                per=per,
-                fit_amplitude=fit_amplitude,
-                first_token=first_token,
-                massive=float(massive),
-                max_tokens=max_tokens,
-                target=target,
-                progress=progress,
-                sequential=sequential,
-            )
+        decision, path = calibrate_sites(
+            model,
+            sites,
+            replacements,
+            calibrate,
+            to=to,
+            per=per,
+            fit_amplitude=fit_amplitude,
+            first_token=first_token,
+            massive=float(massive),
+            max_tokens=max_tokens,
+            target=target,
+            progress=progress,
+            sequential=sequential,
         )
+        notes.append(decision)
     else:
         for name, new in replacements.items():  # the swap itself
             swap(model, name, new)
-    return ConversionRecord(to, per, sites, skipped, notes)
+    return ConversionRecord(to, per, sites, skipped, notes, path)

@@ -9,6 +9,7 @@ sequences, SmolLM2-135M's first-token copies broke a held-out sequence that bega
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -93,8 +94,7 @@ def first_rows(model: nn.Module, firsts: list, dims: dict[str, int], kind: str) 
 
     def hook(n):
         def grab(mod, args, y=None):
-            t = (args[0] if kind == "in" else y).detach().movedim(dims[n], -1)
-            rows[n].append(t[:, 0, :].float().cpu())
+            rows[n].append(_position0(args[0] if kind == "in" else y, dims[n]))
             if kind == "in" and n == names[-1]:
                 raise Stop
 
@@ -111,14 +111,28 @@ class FirstRows:
     converted so far (``sequential``), or at once in the original model (``sequential=False``). ``ready`` is False
     when the batches are not token ids: the calibration sequences' own first tokens are then all there is."""
 
-    def __init__(self, model: nn.Module, batches: list, dims: dict[str, int], max_tokens: int, sequential: bool):
+    def __init__(
+        self, model: nn.Module, batches: list, dims: dict[str, int], max_tokens: int, sequential: bool, stream=None
+    ):
         self.firsts, self.dims = first_token_batches(batches, max_tokens), dims
         self.ready = bool(self.firsts)
-        self.targets = first_rows(model, self.firsts, dims, "out") if self.ready else {}
+        self.stream = stream if self.ready else None  # a BlockStream of the pairs, recorded in the targets' pass
+        with self.stream.record() if self.stream is not None else contextlib.nullcontext():
+            self.targets = first_rows(model, self.firsts, dims, "out") if self.ready else {}
         self.inputs = first_rows(model, self.firsts, dims, "in") if self.ready and not sequential else None
 
     def __call__(self, model: nn.Module, name: str) -> tuple[Tensor, Tensor]:
         """Site ``name``'s (input, original output) rows at the first position."""
         if self.inputs is not None:
             return self.inputs[name], self.targets[name]
+        s = self.stream
+        if s is not None and s.serves(name):  # the pairs' block stream
+            rows: list[Tensor] = []
+            s.site_inputs(name, self.firsts, lambda t, i: rows.append(_position0(t, self.dims[name])))
+            return torch.cat(rows), self.targets[name]
         return first_rows(model, self.firsts, {name: self.dims[name]}, "in")[name], self.targets[name]
+
+
+def _position0(t: Tensor, dim: int) -> Tensor:
+    """A site's rows at the first position, channels last, float32 on the CPU."""
+    return t.detach().movedim(dim, -1)[:, 0, :].float().cpu()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-__all__ = ["Site", "ConversionRecord", "POOR_FIT", "fit_status"]
+__all__ = ["Site", "ConversionRecord", "POOR_FIT", "CALIBRATION_PATHS", "fit_status"]
 
 POOR_FIT = 0.2  # a calibrated site whose fit explains less than this fraction of its target's variance is "poor"
 
@@ -24,9 +24,12 @@ def fit_status(fit: dict | None) -> str:
     return "ok"
 
 
+CALIBRATION_PATHS = ("blocks", "prefix", "original")  # how calibration took the sites' inputs (calibrate._path)
+
 # the JSON kinds of a record's fields: (types, required)
 _RECORD_FIELDS = {"target": ((str,), True), "per": ((str,), True), "sites": ((list,), True),
-                  "skipped": ((list,), True), "notes": ((list,), False)}  # fmt: skip
+                  "skipped": ((list,), True), "notes": ((list,), False),
+                  "calibration": ((dict,), False)}  # fmt: skip
 _SITE_FIELDS = {"name": ((str,), True), "source": ((str,), True), "kind": ((str,), True), "dim": ((int,), True),
                 "eps": ((int, float), True), "kwargs": ((dict,), True), "copied": ((list,), False),
                 "notes": ((list,), False), "fit": ((dict, type(None)), False),
@@ -66,6 +69,8 @@ class ConversionRecord:
     sites: list[Site]
     skipped: list[dict]
     notes: list[str] = field(default_factory=list)
+    calibration: dict = field(default_factory=dict)  # how calibration ran: its path ("blocks", "prefix" or
+    # "original"), why, its cached inputs' memory and its seconds (normlab.conversion.calibrate.calibrate_sites)
 
     def to_dict(self) -> dict:
         return {
@@ -75,6 +80,7 @@ class ConversionRecord:
             "sites": [asdict(s) for s in self.sites],
             "skipped": self.skipped,
             "notes": self.notes,
+            "calibration": self.calibration,
         }
 
     @classmethod
@@ -92,6 +98,11 @@ class ConversionRecord:
             norm_spec(d["target"])
         except ValueError as e:
             raise ValueError(f"target: {e}") from None
+        calibration = d.get("calibration", {})
+        if calibration and calibration.get("path") not in CALIBRATION_PATHS:
+            raise ValueError(
+                f"calibration.path must be one of {', '.join(CALIBRATION_PATHS)}, got {calibration.get('path')!r}"
+            )
         sites = []
         for i, s in enumerate(d["sites"]):
             if not isinstance(s, dict):
@@ -101,7 +112,7 @@ class ConversionRecord:
             if unknown:
                 raise ValueError(f"sites[{i}].{unknown[0]}: not a field of a site ({', '.join(_SITE_FIELDS)})")
             sites.append(Site(**s))
-        return cls(d["target"], d["per"], sites, d["skipped"], d.get("notes", []))
+        return cls(d["target"], d["per"], sites, d["skipped"], d.get("notes", []), calibration)
 
     def table(self, markdown: bool = False) -> str:
         from normlab.table import format_table

@@ -1,0 +1,202 @@
+"""Calibration block by block on cached block inputs, as layer-wise quantizers (GPTQ, AWQ) calibrate.
+
+A decoder is a chain of blocks: block b's input is block b-1's output. Sequential calibration fits site k on its
+input in the model whose sites 1..k-1 are converted. Re-running the converted prefix up to every site costs about
+one forward pass per site (61 sites on SmolLM2: about 30 passes). Here the original model runs once; each block's
+call (its arguments: the attention mask, the rotary embeddings, ...) is kept, and the converted stream's hidden
+state is kept at the block it has reached. A site in block b is then fitted on the input of block b alone, run on
+that hidden state; once every site of block b is fitted, the stream advances through block b once. Each block runs
+once to advance and once per site inside it (the pass stops at the site), never the prefix.
+
+It applies only where it is exact. `BlockStream.find` takes the model's largest ``nn.ModuleList`` of one block class
+that holds sites; the recording pass checks that the blocks run once each, in order, and that each block's input
+is the previous block's output, bit for bit. Anything else (no such list, a block called twice, something between
+blocks) leaves the model on the re-running path, and the reason is recorded. Sites outside the blocks (a final norm,
+an embedding norm) always take the re-running path: one pass each.
+
+Memory: one hidden state per calibration batch (tokens x width x 4 bytes for float32), and the blocks' other
+arguments, which the model computes once per forward and every block shares. The estimate is checked against the
+machine's memory before the stream is built; a stream that would not fit leaves the model on the re-running path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import contextmanager
+
+import torch
+from torch import Tensor, nn
+
+from normlab.conversion.batches import Stop, run_batch
+from normlab.errors import machine_memory
+
+__all__ = ["BlockStream", "find_blocks"]
+
+
+def find_blocks(model: nn.Module, sites: list[str]) -> tuple[str, int] | None:
+    """The model's decoder blocks: the name of the ``nn.ModuleList`` of one class holding the most sites (at least
+    two of its blocks holding one), and its length; None when there is none."""
+    best = None
+    for name, m in model.named_modules():
+        if not isinstance(m, nn.ModuleList) or len(m) < 2 or len({type(c) for c in m}) != 1:
+            continue
+        prefix = f"{name}." if name else ""
+        held = {s.removeprefix(prefix).split(".")[0] for s in sites if s.startswith(prefix)}
+        inside = sum(s.startswith(prefix) for s in sites)
+        if len(held) >= 2 and (best is None or inside > best[0]):
+            best = (inside, name, len(m))
+    return None if best is None else (best[1], best[2])
+
+
+def _hidden(args: tuple, kwargs: dict) -> Tensor | None:
+    h = args[0] if args else kwargs.get("hidden_states")
+    return h if isinstance(h, Tensor) else None
+
+
+def _with_hidden(args: tuple, kwargs: dict, h: Tensor) -> tuple[tuple, dict]:
+    if args:
+        return (h, *args[1:]), kwargs
+    return args, {**kwargs, "hidden_states": h}
+
+
+def _output(out) -> Tensor:
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+class BlockStream:
+    """One set of batches (the calibration sequences, or the first-token pairs) flowing through the converted model
+    block by block. ``record`` it during the original model's pass; then `site_inputs` gives a site's inputs in the
+    model as converted so far, and the stream advances itself to the site's block (module docstring)."""
+
+    def __init__(self, model: nn.Module, prefix: str, n_blocks: int) -> None:
+        self.model, self.prefix, self.n = model, prefix, n_blocks
+        self.blocks = model.get_submodule(prefix)
+        self.calls: list[list[tuple[tuple, dict]]] = []  # per batch, per block: its args and kwargs (hidden: None)
+        self.hidden: list[Tensor] | None = None  # per batch: the converted stream's input to block ``self.at``
+        self.at = 0
+        self.broken: str | None = None  # why the stream cannot be used (then every site re-runs the prefix)
+        self._last: Tensor | None = None
+        self.hidden_bytes = 0
+
+    def block_of(self, site: str) -> int | None:
+        """The index of the block that holds ``site``, or None for a site outside the blocks."""
+        head = f"{self.prefix}."
+        return int(site[len(head) :].split(".")[0]) if site.startswith(head) else None
+
+    def serves(self, site: str) -> bool:
+        """Whether ``site``'s inputs come from this stream: it is sound, and the site is in a block not yet passed."""
+        b = self.block_of(site)
+        return self.broken is None and b is not None and b >= self.at
+
+    @contextmanager
+    def record(self):
+        """Hooks that keep each block's call while the original model runs the batches (in order, once each)."""
+
+        def pre(b):
+            def hook(mod, args, kwargs):
+                h = _hidden(args, kwargs)
+                if b == 0:
+                    self.calls.append([])
+                    self.hidden_bytes += h.numel() * h.element_size() if h is not None else 0
+                elif self._last is None or h is None or h.shape != self._last.shape or not torch.equal(h, self._last):
+                    self.broken = self.broken or f"the input of {self.prefix}.{b} is not {self.prefix}.{b - 1}'s output"
+                if h is None:
+                    self.broken = self.broken or f"{self.prefix}.{b} is not called with its hidden state first"
+                if not self.calls or len(self.calls[-1]) != b:
+                    self.broken = self.broken or f"the blocks of {self.prefix} do not run once each, in order"
+                else:
+                    args, kwargs = _with_hidden(args, kwargs, None) if h is not None else (args, kwargs)
+                    self.calls[-1].append((args, kwargs))
+
+            return hook
+
+        def post(b):
+            def hook(mod, args, kwargs, out):
+                self._last = _output(out)
+
+            return hook
+
+        handles = []
+        for b, block in enumerate(self.blocks):
+            handles.append(block.register_forward_pre_hook(pre(b), with_kwargs=True))
+            handles.append(block.register_forward_hook(post(b), with_kwargs=True))
+        try:
+            yield self
+        finally:
+            for h in handles:
+                h.remove()
+            self._last = None
+            if any(len(c) != self.n for c in self.calls):
+                self.broken = self.broken or f"not every block of {self.prefix} ran on every batch"
+
+    def memory(self) -> int:
+        """Bytes the stream keeps: one hidden state per batch, twice while it advances (the blocks' other arguments
+        are the model's own, shared by every block)."""
+        return 2 * self.hidden_bytes
+
+    def check_fits(self) -> None:
+        """Leave the stream (broken, with the reason) when its hidden states would not fit in half the machine's
+        memory."""
+        total = machine_memory()
+        if total and self.memory() > total // 2:
+            self.broken = self.broken or (
+                f"its cached block inputs ({self.memory() / 2**20:.0f} MB) would not fit in half the machine's "
+                f"memory ({total / 2**30:.1f} GB)"
+            )
+
+    def _start(self, batches: list) -> None:
+        """The converted model's input to block 0 for every batch: a pass that stops there."""
+        grabbed: list[Tensor] = []
+
+        def hook(mod, args, kwargs):
+            grabbed.append(_hidden(args, kwargs).detach())
+            raise Stop
+
+        handle = self.blocks[0].register_forward_pre_hook(hook, with_kwargs=True)
+        try:
+            for i, batch in enumerate(batches):
+                try:
+                    with torch.no_grad():
+                        run_batch(self.model, batch, i, no_cache=True)
+                except Stop:
+                    pass
+        finally:
+            handle.remove()
+        self.hidden, self.at = grabbed, 0
+
+    def _run(self, b: int, i: int, h: Tensor):
+        args, kwargs = _with_hidden(*self.calls[i][b], h)
+        with torch.no_grad():
+            return self.blocks[b](*args, **kwargs)
+
+    def advance(self, b: int, batches: list) -> None:
+        """Move the stream to the input of block ``b``, through the blocks as converted now."""
+        if self.hidden is None:
+            self._start(batches)
+        if b < self.at:
+            raise RuntimeError(f"block stream at {self.prefix}.{self.at} cannot go back to block {b}")
+        while self.at < b:
+            self.hidden = [_output(self._run(self.at, i, h)).detach() for i, h in enumerate(self.hidden)]
+            self.at += 1
+
+    def site_inputs(self, site: str, batches: list, take: Callable[[Tensor, int], None]) -> None:
+        """Call ``take(input, batch index)`` with ``site``'s input on every batch, in the model as converted so far;
+        each run of its block stops at the site."""
+        b = self.block_of(site)
+        self.advance(b, batches)
+        module = self.model.get_submodule(site)
+
+        def grab(mod, args):
+            take(args[0], grab.batch)
+            raise Stop
+
+        handle = module.register_forward_pre_hook(grab)
+        try:
+            for i, h in enumerate(self.hidden):
+                grab.batch = i
+                try:
+                    self._run(b, i, h)
+                except Stop:
+                    pass
+        finally:
+            handle.remove()

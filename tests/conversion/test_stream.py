@@ -1,0 +1,148 @@
+"""Calibration on cached block inputs (normlab.conversion.stream): the same fits as re-running the converted prefix,
+for every family `normlab convert` supports, and the re-running path where a model has no chain of blocks. Also the
+float32 profile solver against the float64 L-BFGS one (normlab.conversion.calibrate.fit_replacement)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import normlab
+import normlab.conversion.calibrate as calibrate
+from conftest import id_batches, tiny_lm
+from normlab.conversion.calibrate import fit_replacement, per_channel_kwargs
+from normlab.conversion.stream import BlockStream, find_blocks
+
+pytest.importorskip("transformers")
+
+FAMILIES = ["Llama", "Mistral", "Qwen2", "Qwen3", "Gemma", "Gemma3"]
+
+
+def _convert(model, to="dyisru", *, blocks=True, monkeypatch=None, **kw):
+    if not blocks:
+        monkeypatch.setattr(calibrate, "find_blocks", lambda *a, **k: None)
+    record = normlab.convert_norms(model, to, calibrate=id_batches(2, t=12), progress=False, **kw)
+    if not blocks:
+        monkeypatch.undo()
+    return record
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("first_token", ["own", "shared"])
+@pytest.mark.parametrize("per", ["global", "channel"])
+def test_the_block_stream_fits_what_re_running_the_prefix_fits(family, first_token, per, monkeypatch):
+    model = tiny_lm(family, layers=3)
+    a, b = copy.deepcopy(model), copy.deepcopy(model)
+    ra = _convert(a, first_token=first_token, per=per)
+    rb = _convert(b, blocks=False, monkeypatch=monkeypatch, first_token=first_token, per=per)
+    assert ra.calibration["path"] == "blocks" and rb.calibration["path"] == "prefix"
+    assert ra.calibration["outside"] == ["model.norm"]  # the final norm re-runs the model; every other site streams
+    assert [s.first_token for s in ra.sites] == [s.first_token for s in rb.sites]
+    for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
+        torch.testing.assert_close(pa, pb, atol=1e-5, rtol=0, msg=name)
+
+
+def test_per_head_norms_share_their_replacement_when_the_first_token_has_its_own():
+    """Qwen3's q_norm and k_norm normalize (B, T, heads, head_dim): no (B, T, C) sequence axis, so no first-token
+    copy there (this crashed calibration with an expand error before); the residual-stream sites get one."""
+    model = tiny_lm("Qwen3")
+    record = _convert(model, first_token="own")
+    firsts = {s.name: s.first_token for s in record.sites}
+    assert firsts["model.layers.0.self_attn.q_norm"] is False and firsts["model.layers.0.self_attn.k_norm"] is False
+    assert firsts["model.layers.0.input_layernorm"] is True and firsts["model.norm"] is True
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("to", normlab.conversion.convert.CALIBRATABLE)
+def test_every_family_and_target_calibrates_saves_and_reloads(family, to, tmp_path):
+    """The family matrix: every supported family, every calibratable target, the first token own and shared, per
+    global and channel; the reloaded model gives the converted model's logits."""
+    ids = id_batches(1, seed=5, t=12)[0]
+    for first_token, per in (("own", "channel"), ("shared", "global"), ("own", "global"), ("shared", "channel")):
+        model = tiny_lm(family)
+        record = _convert(model, to, first_token=first_token, per=per)
+        assert all(s.fit is not None for s in record.sites)
+        out = tmp_path / f"{first_token}-{per}"
+        normlab.save_converted(model, record, out)
+        loaded, _ = normlab.load_converted(out)
+        with torch.no_grad():
+            torch.testing.assert_close(loaded(ids).logits, model(ids).logits)
+
+
+def test_a_model_without_blocks_takes_the_prefix_path_and_says_why():
+    model = nn.Sequential(nn.Linear(8, 16), nn.RMSNorm(16), nn.Linear(16, 16), nn.RMSNorm(16), nn.Linear(16, 4))
+    record = normlab.convert_norms(model, "dyisru", calibrate=[torch.randn(32, 8)], progress=False)
+    assert record.calibration["path"] == "prefix"
+    assert "no decoder blocks" in record.calibration["why"]
+    assert find_blocks(model, ["1", "3"]) is None
+
+
+class _Unchained(nn.Module):
+    """Blocks in a ModuleList, with ``between`` applied between them, or run in another ``order``: not a chain the
+    stream may replay."""
+
+    def __init__(self, between=lambda x: x, order=(0, 1, 2)):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.RMSNorm(16), nn.Linear(16, 16)) for _ in range(3))
+        self.between, self.order = between, order
+
+    def forward(self, x):
+        for i in self.order:
+            x = self.between(self.blocks[i](x))
+        return x
+
+
+@pytest.mark.parametrize(
+    ("model", "why"),
+    [
+        (_Unchained(between=lambda x: 2 * x), "is not blocks.0's output"),
+        (_Unchained(order=(0, 2, 1)), "once each, in order"),
+        (_Unchained(), None),
+    ],
+)
+def test_blocks_that_do_not_chain_leave_the_model_on_the_prefix_path(model, why):
+    record = normlab.convert_norms(model, "dyisru", calibrate=[torch.randn(4, 6, 16)], progress=False)
+    assert record.calibration["path"] == ("prefix" if why else "blocks")
+    if why:
+        assert why in record.calibration["why"]
+
+
+def test_a_stream_too_big_for_the_machine_is_refused_with_its_size(monkeypatch):
+    model = tiny_lm("Llama")
+    stream = BlockStream(model, "model.layers", 2)
+    with stream.record():
+        model(id_batches(1)[0], use_cache=False)
+    monkeypatch.setattr("normlab.conversion.stream.machine_memory", lambda: stream.memory())  # half of it is too little
+    stream.check_fits()
+    assert stream.broken and "would not fit" in stream.broken
+
+
+@pytest.mark.parametrize("to", ["dyisru", "eln", "dyt", "scaled_dyt"])
+@pytest.mark.parametrize("per", [False, True])
+def test_the_float32_profile_solver_is_as_accurate_as_float64_lbfgs_on_a_massive_channel(to, per):
+    """An ill-conditioned site: one channel 300x the others and every 50th token 20x (SmolLM2's sites look like
+    this). The profile search (float32) ends at the float64 L-BFGS error or below it."""
+    g = torch.Generator().manual_seed(0)
+    n, c = 2048, 96
+    x = torch.randn(n, c, generator=g)
+    x[:, 7] *= 300.0
+    x[::50] *= 20.0
+    w = torch.rand(c, generator=g) + 0.5
+    y = nn.functional.rms_norm(x, (c,), eps=1e-5) * w
+    base = normlab.create_norm(to, c, **(per_channel_kwargs(to) if per else {}))
+    with torch.no_grad():
+        base.weight.copy_(w)
+    fits = {s: fit_replacement(copy.deepcopy(base), x, y, per_channel=per, solver=s) for s in ("profile", "lbfgs")}
+    assert fits["profile"].solver == "profile" and fits["lbfgs"].solver == "lbfgs"
+    assert fits["profile"].ok
+    assert fits["profile"].rel_error <= fits["lbfgs"].rel_error * (1 + 1e-4)
+
+
+def test_derf_keeps_the_lbfgs_solver_for_its_shift():
+    x, y = torch.randn(256, 16), torch.randn(256, 16).tanh()
+    assert fit_replacement(normlab.create_norm("derf", 16), x, y).solver == "lbfgs"
+    with pytest.raises(ValueError, match="solver"):
+        fit_replacement(normlab.create_norm("derf", 16), x, y, solver="profile")
