@@ -45,8 +45,9 @@ def corpus(tmp_path) -> Path:
 
 
 def tiny_lm(family: str = "Llama", seed: int = 0, layers: int = 2, **config):
-    """A tiny random Hugging Face causal LM of ``family`` (Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma3) in eval mode: vocabulary 100,
-    width 32, 4 heads (2 key-value heads), ``layers`` blocks, its weights drawn after ``torch.manual_seed(seed)``;
+    """A tiny random Hugging Face causal LM of ``family`` (Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma3) in eval mode:
+    vocabulary 100, width 32, 4 heads (2 key-value heads; head_dim 8 for Qwen3 and Gemma), ``layers`` blocks, its
+    weights drawn after ``torch.manual_seed(seed)``;
     ``config`` overrides any field (``initializer_range=0.5`` for peaked next-token distributions,
     ``tie_word_embeddings=True``)."""
     transformers = pytest.importorskip("transformers")
