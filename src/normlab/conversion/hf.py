@@ -82,16 +82,30 @@ def _transformers():
     return transformers
 
 
-def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32) -> tuple[nn.Module, object]:
+def load_model(
+    path: str | Path, *, dtype: torch.dtype = torch.float32, progress: bool = True
+) -> tuple[nn.Module, object]:
     """A local causal-LM folder or GGUF file: (model in eval mode, tokenizer or None).
 
     A folder needs config.json and its weights; it may lack a tokenizer (a model saved from a config), in which
-    case the tokenizer is None. A GGUF file must carry its tokenizer. Errors say what is missing.
+    case the tokenizer is None. A GGUF file must carry its tokenizer. Errors say what is missing. ``progress=False``
+    silences transformers' own loading bars too.
     """
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"model {str(path)!r} does not exist: expected a Hugging Face model folder or a .gguf")
     t = _transformers()
+    if not progress:
+        t.utils.logging.disable_progress_bar()
+    try:
+        return _load(p, t, dtype)
+    finally:
+        if not progress:
+            t.utils.logging.enable_progress_bar()
+
+
+def _load(p: Path, t, dtype: torch.dtype) -> tuple[nn.Module, object]:
+    path = p
     if p.is_file():
         if p.suffix != ".gguf":
             raise ValueError(f"model {str(path)!r} is a file but not a .gguf; pass a model folder or a GGUF file")

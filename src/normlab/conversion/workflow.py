@@ -15,6 +15,7 @@ import json
 import shlex
 import shutil
 import sys
+import time
 from pathlib import Path
 
 from normlab.conversion.config import ConvertConfig, flag, identity_difference
@@ -280,52 +281,86 @@ def convert_model(cfg: ConvertConfig, *, progress: bool = True, markdown: bool =
         return _convert(cfg, model_path, ckpt, progress, markdown)
 
 
+class Stages:
+    """Wall-clock seconds of each stage of a conversion, in the order they ran: ``with stages("load"): ...``. A stage
+    entered twice (the measurement before and after a heal) adds up."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = round(self.seconds.get(name, 0.0) + time.perf_counter() - t0, 2)
+
+    def line(self) -> str:
+        total = sum(self.seconds.values())
+        parts = ", ".join(f"{k} {v:.1f}" for k, v in self.seconds.items())
+        return f"stage seconds: {parts} (total {total:.1f} s, {total / 60:.1f} min)"
+
+
 def _convert(cfg: ConvertConfig, model_path: str, ckpt: str | None, progress: bool, markdown: bool) -> dict:
+    stages = Stages()
     text = cfg.text or fetch_shakespeare()
     facts = {"model": str(Path(model_path).resolve()), "text_sha256": _file_sha(text)}
     _check_resume_identity(ckpt, cfg, cfg.identity(**facts))
     from normlab.kernels import auto_choice, cpu
 
-    if auto_choice() != "reference":
-        cpu.ready(wait=True)  # the one-time build of the CPU kernels (if any) now, so every pass takes one path
-    net, tokenizer = load_model(model_path)
+    with stages("load"):
+        if auto_choice() != "reference":
+            cpu.ready(wait=True)  # the one-time build of the CPU kernels (if any) now, so every pass takes one path
+        net, tokenizer = load_model(model_path, progress=progress)
     _check_exclude(cfg, net)
     facts["model_fingerprint"] = _fingerprint(net)
     _check_resume_identity(ckpt, cfg, {"model_fingerprint": facts["model_fingerprint"]})
     vocab = net.get_input_embeddings().num_embeddings
     if tokenizer is None:
         print(f"{cfg.model} has no tokenizer: using byte values mod {vocab} as token ids")
-    if cfg.heal.budgeted or cfg.budget_nats is not None:
-        val = {"n_val": cfg.sequences} if cfg.budget_nats is not None else {}  # a budget selects on as many as held
-        splits = text_splits(text, tokenizer, vocab, cfg.seq_len, cfg.sequences, cfg.sequences, **val)
-        calib, held = splits.calib, splits.held
-    else:
-        splits = None
-        calib, held = text_batches(text, tokenizer, vocab, cfg.seq_len, cfg.sequences, cfg.sequences)
-    held2, name2 = _second_text(cfg, tokenizer, vocab)
+    with stages("load"):
+        if cfg.heal.budgeted or cfg.budget_nats is not None:
+            val = {"n_val": cfg.sequences} if cfg.budget_nats is not None else {}  # a budget selects on as many as held
+            splits = text_splits(text, tokenizer, vocab, cfg.seq_len, cfg.sequences, cfg.sequences, **val)
+            calib, held = splits.calib, splits.held
+        else:
+            splits = None
+            calib, held = text_batches(text, tokenizer, vocab, cfg.seq_len, cfg.sequences, cfg.sequences)
+        held2, name2 = _second_text(cfg, tokenizer, vocab)
     start = getattr(tokenizer, "bos_token_id", None) if tokenizer is not None else None
     if cfg.calibrate.source == "self":
-        calib = calibration_samples(net, cfg.heal, cfg.seq_len, cfg.sequences, start=start, progress=progress)
+        with stages("samples"):
+            calib = calibration_samples(net, cfg.heal, cfg.seq_len, cfg.sequences, start=start, progress=progress)
         if splits is not None:
             splits = dataclasses.replace(splits, calib=calib)
     original = copy.deepcopy(net)
-    record, walk = _convert_sites(cfg, net, calib, held, splits.val if splits is not None else None, progress)
+    with stages("budget walk" if cfg.budget_nats is not None else "calibration"):
+        record, walk = _convert_sites(cfg, net, calib, held, splits.val if splits is not None else None, progress)
     print(record.table(markdown=markdown))
-    fid = _measure(original, net, held, record, held2, name2)
+    with stages("measurement"):
+        fid = _measure(original, net, held, record, held2, name2)
     if walk is not None:
         fid["budget_walk"] = walk
     rep = None
     if cfg.heal.budgeted and not record.sites:
         print("\nnothing converted: no heal")
     elif cfg.heal.budgeted:
-        splits = heal_splits(splits, original, cfg.heal, start=start, progress=progress)
-        rep = _heal(cfg, original, net, splits, record, ckpt, cfg.identity(**facts), progress)
+        with stages("samples"):
+            splits = heal_splits(splits, original, cfg.heal, start=start, progress=progress)
+        with stages("heal"):
+            rep = _heal(cfg, original, net, splits, record, ckpt, cfg.identity(**facts), progress)
         before = fid
-        fid = _measure(original, net, held, record, held2, name2)
+        with stages("measurement"):
+            fid = _measure(original, net, held, record, held2, name2)
         fid["heal"] = rep.to_dict()
         fid["before_heal"] = {k: before[k] for k in ("ce_converted", "kl") if k in before}
         if "second_text" in before:
             fid["before_heal"]["second_text"] = before["second_text"]
+    if record.calibration:
+        fid["calibration"] = record.calibration
+    fid["stages"] = stages.seconds
+    print(f"\n{stages.line()}")
     if cfg.out:
         _save(cfg, net, record, tokenizer, cfg.identity(**facts), fid, rep)
         if ckpt is not None and cfg.heal.checkpoint is None:  # the default heal checkpoint has served its purpose
