@@ -39,7 +39,7 @@ def test_the_block_stream_fits_what_re_running_the_prefix_fits(family, first_tok
     ra = _convert(a, first_token=first_token, per=per)
     rb = _convert(b, blocks=False, monkeypatch=monkeypatch, first_token=first_token, per=per)
     assert ra.calibration["path"] == "blocks" and rb.calibration["path"] == "prefix"
-    assert ra.calibration["outside"] == ["model.norm"]  # the final norm re-runs the model; every other site streams
+    assert ra.calibration["outside"] == []  # every site streams, the final norm (the last block's output) included
     assert [s.first_token for s in ra.sites] == [s.first_token for s in rb.sites]
     for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
         torch.testing.assert_close(pa, pb, atol=1e-5, rtol=0, msg=name)
@@ -82,17 +82,18 @@ def test_a_model_without_blocks_takes_the_prefix_path_and_says_why():
 
 class _Unchained(nn.Module):
     """Blocks in a ModuleList, with ``between`` applied between them, or run in another ``order``: not a chain the
-    stream may replay."""
+    stream may replay. A final norm reads ``last`` of the last block's output."""
 
-    def __init__(self, between=lambda x: x, order=(0, 1, 2)):
+    def __init__(self, between=lambda x: x, order=(0, 1, 2), last=lambda x: x):
         super().__init__()
         self.blocks = nn.ModuleList(nn.Sequential(nn.RMSNorm(16), nn.Linear(16, 16)) for _ in range(3))
-        self.between, self.order = between, order
+        self.norm = nn.RMSNorm(16)
+        self.between, self.order, self.last = between, order, last
 
     def forward(self, x):
         for i in self.order:
             x = self.between(self.blocks[i](x))
-        return x
+        return self.norm(self.last(x))
 
 
 @pytest.mark.parametrize(
@@ -108,6 +109,20 @@ def test_blocks_that_do_not_chain_leave_the_model_on_the_prefix_path(model, why)
     assert record.calibration["path"] == ("prefix" if why else "blocks")
     if why:
         assert why in record.calibration["why"]
+    else:
+        assert record.calibration["outside"] == []
+
+
+def test_a_final_norm_that_does_not_read_the_last_block_re_runs_the_model_and_fits_the_same(monkeypatch):
+    model = _Unchained(last=lambda x: x + 1.0)
+    a, b = copy.deepcopy(model), copy.deepcopy(model)
+    data = [torch.randn(4, 6, 16)]
+    ra = normlab.convert_norms(a, "dyisru", calibrate=data, progress=False)
+    monkeypatch.setattr(calibrate, "find_blocks", lambda *a, **k: None)
+    normlab.convert_norms(b, "dyisru", calibrate=data, progress=False)
+    assert ra.calibration["path"] == "blocks" and ra.calibration["outside"] == ["norm"]
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(pa, pb, atol=1e-5, rtol=0)
 
 
 def test_a_stream_too_big_for_the_machine_is_refused_with_its_size(monkeypatch):

@@ -168,9 +168,9 @@ def _profile_fit(new: nn.Module, name: str, x: Tensor, y: Tensor, per: bool, fit
     Every fitted norm is ``weight * g(x; p) + bias``, so its output at amplitude a is v + a (u - v), with u the
     output at the copied weight and v at weight 0: for each p the best amplitude is closed form (least squares,
     kept > 0), and what is left is a one-dimensional search over log p per channel. A grid in steps of 1 around
-    the Theorem 3 start on 512 tokens (as the coarse scan), then golden-section search on every token within one
-    step of the grid's best. Returns (log p, log amplitude, the start's loss, the final loss), losses as means over
-    tokens and channels."""
+    the Theorem 3 start (+-8, walked on past its ends while that improves), then golden-section search within one
+    step of the grid's best (a unimodal loss has its minimum there), every token each time. Returns (log p, log amplitude, the start's loss, the final loss), the
+    losses as means over tokens and channels."""
     module = copy.deepcopy(new).float().requires_grad_(False)
     x, y = x.float(), y.float()
     w0, param = module.weight.detach().clone(), getattr(module, name)
@@ -180,39 +180,36 @@ def _profile_fit(new: nn.Module, name: str, x: Tensor, y: Tensor, per: bool, fit
         v = module(x)  # the output at weight 0: the bias, whatever p is
         module.weight.copy_(w0)
     r = y - v
-    sub = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))[:512]
 
-    def losses(p: Tensor, rows=None) -> tuple[Tensor, Tensor]:
+    def losses(p: Tensor) -> tuple[Tensor, Tensor]:
         """Per channel (or one, summed) squared error at log-parameter p with its best amplitude, and that amplitude's
         log."""
-        xs, vs, rs = (x, v, r) if rows is None else (x[rows], v[rows], r[rows])
         with torch.no_grad():
             param.copy_((p if name == "log_beta" else p.exp()).expand(shape))
-            g = module(xs) - vs
+            g = module(x) - v
             dims = (0,) if per else (0, 1)
             if fit_amplitude:
-                a = ((g * rs).sum(dims) / (g * g).sum(dims)).clamp_min(1e-6).nan_to_num(1.0)
+                a = ((g * r).sum(dims) / (g * g).sum(dims)).clamp_min(1e-6).nan_to_num(1.0)
             else:
                 a = torch.ones(())
-            e = (a * g - rs).pow(2).sum(dims) * torch.ones_like(p)
+            e = (a * g - r).pow(2).sum(dims) * torch.ones_like(p)
         return torch.where(torch.isfinite(e), e, torch.inf), a.log() * torch.ones_like(p)
 
     start = _start(new, x.double(), per, name).float()
     p0 = start if name == "log_beta" else start.log()
     grid = p0 + torch.arange(-8.0, 8.5, 1.0)[:, None]  # (17, p)
-    scan = torch.stack([losses(q, sub)[0] for q in grid])
-    p0 = grid.gather(0, scan.argmin(0)[None])[0]
-    f0, la0 = losses(p0)
-    centre = p0
-    p, f = _golden(lambda q: losses(q)[0], centre - 2.0, centre + 2.0, iters)
-    for _ in range(4):  # a minimum at its bracket's edge (the grid's sample misled it): search on from there
-        edge = (p - centre).abs() > 2.0 - 1e-2
-        if not bool(edge.any()):
+    scan = torch.stack([losses(q)[0] for q in grid])
+    pick = scan.argmin(0)
+    p0, f0 = grid.gather(0, pick[None])[0], scan.gather(0, pick[None])[0]
+    step = torch.where(pick == 0, -1.0, torch.where(pick == len(grid) - 1, 1.0, 0.0))
+    for _ in range(16):  # a best point at the grid's end: walk on, one step at a time, while it improves
+        if not bool(step.any()):
             break
-        centre = torch.where(edge, p, centre)
-        q, fq = _golden(lambda q: losses(q)[0], centre - 2.0, centre + 2.0, iters)
-        take = edge & (fq < f)
-        p, f = torch.where(take, q, p), torch.where(take, fq, f)
+        fq = losses(p0 + step)[0]
+        better = (step != 0) & (fq < f0)
+        p0, f0, step = torch.where(better, p0 + step, p0), torch.where(better, fq, f0), torch.where(better, step, 0.0)
+    f0, la0 = losses(p0)
+    p, f = _golden(lambda q: losses(q)[0], p0 - 1.0, p0 + 1.0, iters)
     f, la = losses(p)
     better = f <= f0  # per channel: never worse than the start
     p, la, f = torch.where(better, p, p0), torch.where(better, la, la0), torch.where(better, f, f0)
@@ -256,8 +253,7 @@ def fit_replacement(
     ``solver``: "profile" searches the parameter with the amplitude in closed form, in float32, every channel at once
     (`_profile_fit`); "lbfgs" runs L-BFGS in float64 over the parameter, the amplitude and the target's linear extras
     (Derf's shift). "auto" (default): "profile" unless the target has such extras. ``max_iter`` bounds L-BFGS; the
-    profile search takes ``max_iter // 2`` golden-section steps (from a bracket of e, 30 steps end within 2e-6 in
-    log p).
+    profile search takes ``max_iter // 3`` golden-section steps (the default 20 end within 2e-4 in log p).
     """
     name = _param_name(new)
     linear = norm_spec(new.registry_name).also_fits  # fitted as they are, from their init (Derf's shift)
@@ -284,7 +280,7 @@ def fit_replacement(
     per = per_channel and shape[0] > 1
     q0 = [getattr(new, k).detach().double().clone() for k in linear]
     if solver == "profile":
-        p0, la0, start_loss, final = _profile_fit(new, name, x, y, per, fit_amplitude, max(1, max_iter // 2))
+        p0, la0, start_loss, final = _profile_fit(new, name, x, y, per, fit_amplitude, max(1, max_iter // 3))
         p, la, qs = p0, la0, q0
     else:
         p, la, qs, final, (p0, la0, start_loss) = _lbfgs_fit(new, name, x, y, per, fit_amplitude, max_iter, notes)
@@ -493,7 +489,8 @@ def calibrate_sites(
     model.eval()
     swapped: dict[str, nn.Module] = {}  # name -> the original module, to restore on failure
     try:
-        with stream.record() if stream is not None else contextlib.nullcontext():
+        outside = [n for n in by_name if stream is not None and stream.block_of(n) is None]
+        with stream.record(outside) if stream is not None else contextlib.nullcontext():
             for i, batch in enumerate(batches):  # 1. the original model: order of the sites and their outputs
                 seen["batch"] = i
                 run_hooked(model, batch, i, {n: grab_out(n) for n in by_name}, "out")
@@ -553,6 +550,6 @@ def _path(stream: BlockStream | None, sequential: bool, order: list[str]) -> dic
             else "no decoder blocks found (no nn.ModuleList of blocks holding the sites)"
         )
         return {"path": "prefix", "why": why}
-    outside = [n for n in order if stream.block_of(n) is None]
+    outside = [n for n in order if not stream.serves(n)]
     return {"path": "blocks", "blocks": f"{stream.prefix} ({stream.n})", "memory_mb": round(stream.memory() / 2**20, 1),
             "outside": outside}  # fmt: skip

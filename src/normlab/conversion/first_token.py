@@ -117,7 +117,8 @@ class FirstRows:
         self.firsts, self.dims = first_token_batches(batches, max_tokens), dims
         self.ready = bool(self.firsts)
         self.stream = stream if self.ready else None  # a BlockStream of the pairs, recorded in the targets' pass
-        with self.stream.record() if self.stream is not None else contextlib.nullcontext():
+        tail = [n for n in dims if self.stream is not None and self.stream.block_of(n) is None]
+        with self.stream.record(tail) if self.stream is not None else contextlib.nullcontext():
             self.targets = first_rows(model, self.firsts, dims, "out") if self.ready else {}
         self.inputs = first_rows(model, self.firsts, dims, "in") if self.ready and not sequential else None
 

@@ -11,8 +11,9 @@ once to advance and once per site inside it (the pass stops at the site), never 
 It applies only where it is exact. `BlockStream.find` takes the model's largest ``nn.ModuleList`` of one block class
 that holds sites; the recording pass checks that the blocks run once each, in order, and that each block's input
 is the previous block's output, bit for bit. Anything else (no such list, a block called twice, something between
-blocks) leaves the model on the re-running path, and the reason is recorded. Sites outside the blocks (a final norm,
-an embedding norm) always take the re-running path: one pass each.
+blocks) leaves the model on the re-running path, and the reason is recorded. A site after the blocks whose input is
+the last block's output, bit for bit (a final norm), reads the stream once it has passed every block; any other
+site outside the blocks (an embedding norm) takes the re-running path: one pass each.
 
 Memory: one hidden state per calibration batch (tokens x width x 4 bytes for float32), and the blocks' other
 arguments, which the model computes once per forward and every block shares. The estimate is checked against the
@@ -77,6 +78,7 @@ class BlockStream:
         self.broken: str | None = None  # why the stream cannot be used (then every site re-runs the prefix)
         self._last: Tensor | None = None
         self.hidden_bytes = 0
+        self.tail: dict[str, bool] = {}  # sites after the blocks: whether their input is the last block's output
 
     def block_of(self, site: str) -> int | None:
         """The index of the block that holds ``site``, or None for a site outside the blocks."""
@@ -84,13 +86,17 @@ class BlockStream:
         return int(site[len(head) :].split(".")[0]) if site.startswith(head) else None
 
     def serves(self, site: str) -> bool:
-        """Whether ``site``'s inputs come from this stream: it is sound, and the site is in a block not yet passed."""
+        """Whether ``site``'s inputs come from this stream: it is sound, and the site is in a block not yet passed, or
+        reads the last block's output (a final norm)."""
         b = self.block_of(site)
-        return self.broken is None and b is not None and b >= self.at
+        if b is None:
+            return self.broken is None and self.tail.get(site, False)
+        return self.broken is None and b >= self.at
 
     @contextmanager
-    def record(self):
-        """Hooks that keep each block's call while the original model runs the batches (in order, once each)."""
+    def record(self, outside: list[str] = ()):
+        """Hooks that keep each block's call while the original model runs the batches (in order, once each), and
+        that check, for each of the ``outside`` sites, whether its input is the last block's output."""
 
         def pre(b):
             def hook(mod, args, kwargs):
@@ -116,7 +122,15 @@ class BlockStream:
 
             return hook
 
-        handles = []
+        def after(name):
+            def hook(mod, args):
+                ran = bool(self.calls) and len(self.calls[-1]) == self.n and self._last is not None
+                same = ran and args[0].shape == self._last.shape and torch.equal(args[0], self._last)
+                self.tail[name] = self.tail.get(name, True) and same
+
+            return hook
+
+        handles = [self.model.get_submodule(n).register_forward_pre_hook(after(n)) for n in outside]
         for b, block in enumerate(self.blocks):
             handles.append(block.register_forward_pre_hook(pre(b), with_kwargs=True))
             handles.append(block.register_forward_hook(post(b), with_kwargs=True))
@@ -183,6 +197,11 @@ class BlockStream:
         """Call ``take(input, batch index)`` with ``site``'s input on every batch, in the model as converted so far;
         each run of its block stops at the site."""
         b = self.block_of(site)
+        if b is None:  # a site that reads the last block's output
+            self.advance(self.n, batches)
+            for i, h in enumerate(self.hidden):
+                take(h, i)
+            return
         self.advance(b, batches)
         module = self.model.get_submodule(site)
 
