@@ -169,8 +169,8 @@ def _profile_fit(new: nn.Module, name: str, x: Tensor, y: Tensor, per: bool, fit
     output at the copied weight and v at weight 0: for each p the best amplitude is closed form (least squares,
     kept > 0), and what is left is a one-dimensional search over log p per channel. A grid in steps of 1 around
     the Theorem 3 start (+-8, walked on past its ends while that improves), then golden-section search within one
-    step of the grid's best (a unimodal loss has its minimum there), every token each time. Returns (log p, log amplitude, the start's loss, the final loss), the
-    losses as means over tokens and channels."""
+    step of the grid's best (a unimodal loss has its minimum there), every token each time. Returns (log p, log
+    amplitude, the start's loss, the final loss), the losses as means over tokens and channels."""
     module = copy.deepcopy(new).float().requires_grad_(False)
     x, y = x.float(), y.float()
     w0, param = module.weight.detach().clone(), getattr(module, name)
