@@ -15,6 +15,8 @@ llama-cpp-python) and caches the GGUF beside the corpus, under ``$NORMLAB_CACHE`
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
 import subprocess
 import sys
@@ -31,6 +33,7 @@ from normlab.errors import NormlabError
 
 __all__ = [
     "SMOLLM2",
+    "quiet",
     "smollm2",
     "load_model",
     "usable_tokenizer",
@@ -95,13 +98,32 @@ def load_model(
     if not p.exists():
         raise FileNotFoundError(f"model {str(path)!r} does not exist: expected a Hugging Face model folder or a .gguf")
     t = _transformers()
-    if not progress:
-        t.utils.logging.disable_progress_bar()
-    try:
+    with quiet(not progress):
         return _load(p, t, dtype)
+
+
+@contextlib.contextmanager
+def quiet(on: bool = True):
+    """Silence transformers' own progress bars while loading or saving (``normlab convert --no-progress``): its
+    logging switch, and the GGUF reader's plain tqdm bar, which that switch does not reach."""
+    if not on:
+        yield
+        return
+    t = _transformers()
+    t.utils.logging.disable_progress_bar()
+    try:
+        import transformers.modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:  # a transformers without GGUF support has no such bar
+        gguf_utils = None
+    bar = getattr(gguf_utils, "tqdm", None)
+    if bar is not None:
+        gguf_utils.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
     finally:
-        if not progress:
-            t.utils.logging.enable_progress_bar()
+        t.utils.logging.enable_progress_bar()
+        if bar is not None:
+            gguf_utils.tqdm = bar
 
 
 def _load(p: Path, t, dtype: torch.dtype) -> tuple[nn.Module, object]:

@@ -22,7 +22,7 @@ from normlab.conversion.config import ConvertConfig, flag, identity_difference
 from normlab.conversion.convert import convert_norms, fidelity, save_converted
 from normlab.conversion.frontier import FEW_SELECTION, frontier
 from normlab.conversion.heal import heal
-from normlab.conversion.hf import load_model, smollm2, text_batches, text_splits
+from normlab.conversion.hf import load_model, quiet, smollm2, text_batches, text_splits
 from normlab.conversion.samples import calibration_samples, heal_splits
 from normlab.conversion.saving import RECORD_FILE
 from normlab.corpus import DOCS, fetch_docs, fetch_shakespeare, sha256_file
@@ -362,7 +362,8 @@ def _convert(cfg: ConvertConfig, model_path: str, ckpt: str | None, progress: bo
     fid["stages"] = stages.seconds
     print(f"\n{stages.line()}")
     if cfg.out:
-        _save(cfg, net, record, tokenizer, cfg.identity(**facts), fid, rep)
+        with quiet(not progress):
+            _save(cfg, net, record, tokenizer, cfg.identity(**facts), fid, rep)
         if ckpt is not None and cfg.heal.checkpoint is None:  # the default heal checkpoint has served its purpose
             Path(ckpt).unlink(missing_ok=True)
     return fid
