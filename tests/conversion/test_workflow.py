@@ -278,3 +278,58 @@ def test_a_bogus_kernel_variable_leaves_no_output(tmp_path, capsys, monkeypatch)
     rc = main(["convert", "--model", str(model), "--out", str(out), "--no-calibrate", "--to", "dyt"])
     assert rc == 2 and "NORMLAB_KERNEL='bogus'" in capsys.readouterr().err
     assert not out.exists() and not list(tmp_path.glob(".o.lock"))
+
+
+# issue 50, E1: an untyped boolean once replaced an existing output (`--set overwrite=no` is the string "no")
+@pytest.mark.parametrize("pair", ["overwrite=no", "heal.resume=no", "overwrite=0", "calibrate.enabled=yes"])
+def test_a_boolean_from_set_is_true_or_false_only_and_nothing_is_replaced(models, tmp_path, capsys, pair):
+    out = tmp_path / "keep"
+    assert main(_convert(models["m"], models["text"], "--out", out)) == 0
+    before = _sha(out / "model.safetensors")
+    capsys.readouterr()
+    rc = main(_convert(models["m"], models["text"], "--to", "dyt", "--out", out, "--set", pair))
+    err = capsys.readouterr().err
+    assert rc == 2 and f"--set {pair.split('=')[0]} must be true or false" in err, err
+    assert (
+        _sha(out / "model.safetensors") == before
+        and json.loads((out / "convert_config.json").read_text())["to"] == "dyisru"
+    )
+
+
+@pytest.mark.parametrize(("pair", "message"), [
+    ("seq_len=32.0", "--set seq_len must be a whole number (not 2.0), got 32.0"),
+    ("heal.batch_size=2.5", "--set heal.batch_size must be a whole number"),
+    ("per=1", "--set per must be a string, got 1"),
+    ("eval_text=3", "--set eval_text must be a string or null, got 3"),
+])  # fmt: skip
+def test_every_config_value_is_typed_at_the_boundary(pair, message):
+    from normlab.conversion.config import resolve_convert_config
+
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        resolve_convert_config([pair], model="m")
+
+
+def test_a_config_file_holding_a_list_is_refused_by_name():
+    from normlab.conversion.config import ConvertConfig
+
+    with pytest.raises(ValueError, match="must be an object of fields, got list"):
+        ConvertConfig.from_dict([1, 2])
+
+
+# issue 50, E2: --overwrite once deleted the run's own input text when it sat inside the old output folder
+@pytest.mark.parametrize("key", ["--calibrate", "--eval-text"])
+def test_an_input_inside_the_output_to_be_cleared_is_refused_and_kept(models, tmp_path, capsys, key):
+    out = tmp_path / "o1"
+    assert main(_convert(models["m"], models["text"], "--out", out)) == 0
+    mine = out / "mytext.txt"
+    mine.write_text(models["text"].read_text())
+    capsys.readouterr()
+    args = _convert(models["m"], models["text"], "--out", out, "--overwrite")
+    if key == "--calibrate":
+        args[args.index("--calibrate") + 1] = str(mine)
+    else:
+        args += ["--eval-text", str(mine)]
+    rc = main(args)
+    err = capsys.readouterr().err
+    assert rc == 2 and f"{key} {mine} lies inside --out" in err, err
+    assert mine.is_file() and (out / "model.safetensors").is_file()

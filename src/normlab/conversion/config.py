@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 from normlab.conversion.lora import LORA_RANK
 from normlab.pairs import apply_overrides
@@ -47,6 +47,28 @@ class CalibrateConfig:
     massive: float = 10.0  # tokens with an RMS above this multiple of the median stay out of the shared fit
     fit_amplitude: bool = True  # also fit an amplitude, folded into the weight
     sequential: bool = True  # fit each site on the model converted so far (False: on the original's activations)
+
+
+def check_types(section, prefix: str = "") -> None:
+    """The one typed boundary of conversion's config: every field of ``section`` (a config dataclass) against its
+    declared type, before any other check. A bool field takes true or false only (the word "no" is a string, and a
+    non-empty string is true: ``--set overwrite=no`` once replaced an output); an int field refuses a float (32.0)
+    and a bool; a float field takes an int or a float; a str field a string; ``X | None`` also takes null. The error
+    names the key as the user typed it: a flag's value is typed by argparse, so a wrong type came from --set or a
+    config file."""
+    kinds = {"bool": (bool,), "int": (int,), "float": (int, float), "str": (str,), "list": (list,), "dict": (dict,)}
+    for f in fields(section):
+        value, key = getattr(section, f.name), prefix + f.name
+        parts = [t.strip() for t in str(f.type).split("|")]
+        if "None" in parts and value is None or not all(t in kinds or t == "None" for t in parts):
+            continue  # a section, or a type this check does not know (validated by its own rule)
+        allowed = tuple(k for t in parts if t != "None" for k in kinds[t])
+        if isinstance(value, allowed) and not (isinstance(value, bool) and bool not in allowed):
+            continue
+        words = {"bool": "true or false", "int": "a whole number (not 2.0)", "float": "a number", "str": "a string",
+                 "list": "a list", "dict": "a table"}  # fmt: skip
+        want = " or ".join(words[t] for t in parts if t != "None") + (" or null" if "None" in parts else "")
+        raise ValueError(f"--set {key} must be {want}, got {value!r}")
 
 
 def _finite(v) -> bool:
@@ -92,6 +114,7 @@ class HealConfig:
         return self.lr if self.lr is not None else HEAL_LEARNING_RATES[self.train]
 
     def validate(self) -> None:
+        check_types(self, "heal.")
         if self.minutes is not None and self.tokens is not None:
             raise ValueError(f"give one heal budget: {flag('heal.minutes')} or {flag('heal.tokens')}")
         for name in ("minutes", "tokens"):
@@ -215,6 +238,8 @@ class ConvertConfig:
     def from_dict(cls, d: dict) -> ConvertConfig:
         """A config from a dict such as ``to_dict()`` gives (or ``convert_config.json`` holds); unknown fields
         are named."""
+        if not isinstance(d, dict):
+            raise ValueError(f"a convert config must be an object of fields, got {type(d).__name__}: {d!r:.80}")
         d = apply_overrides(cls().to_dict(), _flatten(d), free=FREE_TABLES)
         sections = {"calibrate": CalibrateConfig, "heal": HealConfig}
         for name, kind in sections.items():
@@ -228,6 +253,8 @@ class ConvertConfig:
         from normlab.kernels import auto_choice
         from normlab.registry import create_norm, norm_spec
 
+        check_types(self)
+        check_types(self.calibrate, "calibrate.")
         for name in ("model", "to"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name).strip():
                 raise ValueError(f"{flag(name)} must be a non-empty string, got {getattr(self, name)!r}")

@@ -101,6 +101,22 @@ def _check_inputs(cfg: ConvertConfig) -> str:
     return model_path
 
 
+def _check_inputs_outside(cfg: ConvertConfig) -> None:
+    """Refuse, before any work, an input that lies inside the output folder a run would clear (``--overwrite``): the
+    texts are read before the folder is replaced, so they would be lost with it."""
+    if not cfg.out:
+        return
+    h = cfg.heal
+    for key, path in (("text", cfg.text), ("eval_text", _eval_file(cfg)), ("heal.checkpoint", h.checkpoint)):
+        if path is None or (key == "eval_text" and path == "docs"):
+            continue
+        if inside(path, cfg.out) is not None:
+            raise ValueError(
+                f"{flag(key)} {path} lies inside --out {cfg.out}, which this run writes (and clears with "
+                "--overwrite): move it out of that folder, or choose another --out"
+            )
+
+
 def _check_resume_identity(ckpt: str | None, cfg: ConvertConfig, identity: dict) -> None:
     """Before the expensive work: a heal checkpoint to resume from must record the same identity (the keys
     given; the model's fingerprint is checked once the model is loaded). The checkpoint is memory-mapped, so
@@ -271,6 +287,7 @@ def convert_model(cfg: ConvertConfig, *, progress: bool = True, markdown: bool =
     cfg.validate()  # bad input fails before the model is loaded
     model_path = _check_inputs(cfg)
     check_out(cfg.out, model_path, cfg.overwrite)
+    _check_inputs_outside(cfg)
     ckpt = _check_checkpoint(cfg, [model_path, cfg.text])
     with contextlib.ExitStack() as owned:
         if cfg.out:
