@@ -180,7 +180,7 @@ def test_the_skip_walk_never_ends_above_its_budget_and_tries_every_site(folder, 
         (["budget_walk=stop"], "budget_walk applies only with --budget-nats"),
         (["budget_refit_every=2"], "budget_refit_every applies only with --budget-nats"),
         (["budget_nats=0.5", "budget_refit_every=-1"], "budget_refit_every must be an int >= 0"),
-        (["budget_nats=0.5", "budget_refit_every=true"], "budget_refit_every must be an int >= 0"),
+        (["budget_nats=0.5", "budget_refit_every=true"], "--set budget_refit_every must be an int"),
         (["budget_rank_batches=2"], "budget_rank_batches applies only with --budget-nats"),
         (["budget_nats=0.5", "budget_rank_batches=0"], "budget_rank_batches must be an int >= 1"),
     ):

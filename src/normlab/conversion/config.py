@@ -56,7 +56,8 @@ def check_types(section, prefix: str = "") -> None:
     and a bool; a float field takes an int or a float; a str field a string; ``X | None`` also takes null. The error
     names the key as the user typed it: a flag's value is typed by argparse, so a wrong type came from --set or a
     config file."""
-    kinds = {"bool": (bool,), "int": (int,), "float": (int, float), "str": (str,), "list": (list,), "dict": (dict,)}
+    kinds = {"bool": (bool,), "int": (int,), "float": (int, float), "str": (str, os.PathLike), "list": (list,),
+             "dict": (dict,)}  # fmt: skip
     for f in fields(section):
         value, key = getattr(section, f.name), prefix + f.name
         parts = [t.strip() for t in str(f.type).split("|")]
@@ -65,7 +66,7 @@ def check_types(section, prefix: str = "") -> None:
         allowed = tuple(k for t in parts if t != "None" for k in kinds[t])
         if isinstance(value, allowed) and not (isinstance(value, bool) and bool not in allowed):
             continue
-        words = {"bool": "true or false", "int": "a whole number (not 2.0)", "float": "a number", "str": "a string",
+        words = {"bool": "true or false", "int": "an int (not 2.0, not true)", "float": "a number", "str": "a string",
                  "list": "a list", "dict": "a table"}  # fmt: skip
         want = " or ".join(words[t] for t in parts if t != "None") + (" or null" if "None" in parts else "")
         raise ValueError(f"--set {key} must be {want}, got {value!r}")

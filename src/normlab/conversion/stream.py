@@ -179,9 +179,18 @@ class BlockStream:
         self.hidden, self.at = grabbed, 0
 
     def _run(self, b: int, i: int, h: Tensor):
+        """Block ``b`` on batch ``i``'s hidden state ``h``; a failure is a ValueError naming the batch and the block,
+        as `run_batch` names a batch (``Stop`` passes through)."""
         args, kwargs = _with_hidden(*self.calls[i][b], h)
-        with torch.no_grad():
-            return self.blocks[b](*args, **kwargs)
+        try:
+            with torch.no_grad():
+                return self.blocks[b](*args, **kwargs)
+        except Stop:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise ValueError(
+                f"calibration batch {i} could not be run through {self.prefix}.{b}: {type(e).__name__}: {e}"
+            ) from e
 
     def advance(self, b: int, batches: list) -> None:
         """Move the stream to the input of block ``b``, through the blocks as converted now."""

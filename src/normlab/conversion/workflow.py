@@ -103,11 +103,11 @@ def _check_inputs(cfg: ConvertConfig) -> str:
 
 def _check_inputs_outside(cfg: ConvertConfig) -> None:
     """Refuse, before any work, an input that lies inside the output folder a run would clear (``--overwrite``): the
-    texts are read before the folder is replaced, so they would be lost with it."""
+    texts are read before the folder is replaced, so they would be lost with it (the heal checkpoint's place is
+    checked by `_check_checkpoint`)."""
     if not cfg.out:
         return
-    h = cfg.heal
-    for key, path in (("text", cfg.text), ("eval_text", _eval_file(cfg)), ("heal.checkpoint", h.checkpoint)):
+    for key, path in (("text", cfg.text), ("eval_text", _eval_file(cfg))):
         if path is None or (key == "eval_text" and path == "docs"):
             continue
         if inside(path, cfg.out) is not None:
