@@ -480,6 +480,9 @@ def calibrate_sites(
             if inputs is not None:
                 inputs[n].add(args[0].movedim(dims[n], -1), seen["batch"])
             ratios[n].append(first_token_ratio(args[0].movedim(dims[n], -1)))
+            seen["fired"].add(n)
+            if len(seen["fired"]) == len(by_name):  # every site has run on this batch: the rest (an LM head) is idle
+                raise Stop
 
         return hook
 
@@ -492,7 +495,7 @@ def calibrate_sites(
         outside = [n for n in by_name if stream is not None and stream.block_of(n) is None]
         with stream.record(outside) if stream is not None else contextlib.nullcontext():
             for i, batch in enumerate(batches):  # 1. the original model: order of the sites and their outputs
-                seen["batch"] = i
+                seen["batch"], seen["fired"] = i, set()
                 run_hooked(model, batch, i, {n: grab_out(n) for n in by_name}, "out")
         missing = [n for n in by_name if n not in order]
         if missing:

@@ -87,20 +87,23 @@ def first_token_batches(batches: list, max_tokens: int, size: int = 256) -> list
 
 def first_rows(model: nn.Module, firsts: list, dims: dict[str, int], kind: str) -> dict[str, Tensor]:
     """Each site's input (``kind="in"``) or output ("out") at position 0 of the two-token ``firsts``, in the model as
-    it is now, channels last (``dims``: site name -> its channel dim, in the model's order); an input pass stops
-    after the last site."""
+    it is now, channels last (``dims``: site name -> its channel dim); each pass stops once every site has run."""
     names = list(dims)
     rows = {n: [] for n in names}
+
+    fired: set[str] = set()
 
     def hook(n):
         def grab(mod, args, y=None):
             rows[n].append(_position0(args[0] if kind == "in" else y, dims[n]))
-            if kind == "in" and n == names[-1]:
+            fired.add(n)
+            if len(fired) == len(names):  # every site has run on this batch: the rest of the model is idle
                 raise Stop
 
         return grab
 
     for i, batch in enumerate(firsts):
+        fired.clear()
         run_hooked(model, batch, i, {n: hook(n) for n in names}, "pre" if kind == "in" else "out")
     return {n: torch.cat(r) for n, r in rows.items()}
 

@@ -133,21 +133,38 @@ def _refit(model, name: str, to: str, site, batches: list, convert_kwargs: dict)
         first_token="own" if site.first_token else "shared",
         progress=False,
         include=lambda n, m: n == name,
-        **{k: v for k, v in convert_kwargs.items() if k not in ("include", "first_token")},
+        sequential=False,  # one site: its input in the model as it is now, from the pass that takes its target
+        **{k: v for k, v in convert_kwargs.items() if k not in ("include", "first_token", "sequential")},
     )
     return sub.sites[0]
 
 
 def _refit_all(model, done: list, walk: dict, held: list, ce: float) -> float:
-    """Fit every converted site of ``done`` again, in the model's order, each on its input in the model as it is
-    now (``walk``: the originals, the site records, the target, the batches, the convert kwargs). Kept when the
+    """Fit every converted site of ``done`` again, by one sequential calibration of those sites (the block stream:
+    each on its input in the model with the sites before it refitted, against the original model's output there;
+    ``walk``: the originals, the site records, the target, the batches, the convert kwargs). Kept when the
     cross-entropy on ``held`` falls, undone otherwise; returns the cross-entropy the model is left at."""
     names = [n for n in walk["by_name"] if n in set(done)]  # the model's order
     before = {n: model.get_submodule(n) for n in names}
     records = {n: walk["by_name"][n] for n in names}
     for n in names:
         swap(model, n, walk["originals"][n])
-        walk["by_name"][n] = _refit(model, n, walk["to"], records[n], walk["batches"], walk["kwargs"])
+    chosen = set(names)
+    try:
+        sub = convert_norms(
+            model,
+            walk["to"],
+            calibrate=walk["batches"],
+            first_token="own" if any(records[n].first_token for n in names) else "shared",
+            progress=False,
+            include=lambda n, m: n in chosen,
+            **{k: v for k, v in walk["kwargs"].items() if k not in ("include", "first_token", "sequential")},
+        )
+    except BaseException:
+        for n in names:
+            swap(model, n, before[n])
+        raise
+    walk["by_name"].update({s.name: s for s in sub.sites})
     new = cross_entropy(model, held)
     if new < ce:
         return new
