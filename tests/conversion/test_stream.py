@@ -161,3 +161,26 @@ def test_derf_keeps_the_lbfgs_solver_for_its_shift():
     assert fit_replacement(normlab.create_norm("derf", 16), x, y).solver == "lbfgs"
     with pytest.raises(ValueError, match="solver"):
         fit_replacement(normlab.create_norm("derf", 16), x, y, solver="profile")
+
+
+def test_a_replay_from_a_sites_block_measures_what_the_whole_model_measures():
+    """BlockReplay: blocks before the changed site's block replay their kept outputs; the cross-entropy equals a
+    pass of the whole model, for a site in a middle block and for the final norm, and commit keeps a change."""
+    from normlab.conversion.batches import swap
+    from normlab.conversion.fidelity import cross_entropy
+    from normlab.conversion.stream import BlockReplay
+
+    model = tiny_lm("Llama", layers=3)
+    batches = id_batches(2, t=12)
+    sites = [n for n, m in model.named_modules() if type(m).__name__ == "LlamaRMSNorm"]
+    replay = BlockReplay(model, batches, find_blocks(model, sites), sites)
+    assert replay.cross_entropy() == pytest.approx(cross_entropy(model, batches), abs=1e-6)
+    assert replay.block_of("model.layers.1.input_layernorm") == 1 and replay.block_of("model.norm") == 3
+    for name in ("model.layers.1.post_attention_layernorm", "model.norm"):
+        old = swap(model, name, normlab.create_norm("dyt", 32, alpha_init=2.0))
+        full = cross_entropy(model, batches)
+        assert replay.cross_entropy(replay.block_of(name), keep=False) == pytest.approx(full, abs=1e-6)
+        replay.commit()
+        assert replay.cross_entropy(3) == pytest.approx(full, abs=1e-6)  # the kept outputs carry the change
+    swap(model, "model.norm", old)
+    assert replay.cross_entropy(3) == pytest.approx(cross_entropy(model, batches), abs=1e-6)

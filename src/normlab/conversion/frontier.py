@@ -30,8 +30,8 @@ from torch import nn
 
 from normlab.conversion.batches import as_batches, swap
 from normlab.conversion.convert import convert_norms
-from normlab.conversion.fidelity import cross_entropy
 from normlab.conversion.record import ConversionRecord
+from normlab.conversion.stream import BlockReplay, find_blocks
 
 __all__ = ["FEW_SELECTION", "Frontier", "frontier", "site_costs"]
 
@@ -73,17 +73,20 @@ def site_costs(
     model: nn.Module, fitted: dict[str, nn.Module], batches, *, progress: bool | None = None, base: float | None = None
 ) -> dict[str, float]:
     """The cross-entropy rise of each site of ``fitted`` (name -> calibrated replacement) swapped into ``model``
-    alone, on ``batches``; ``model`` is left as it was."""
+    alone, on ``batches``; ``model`` is left as it was. Each is measured from the site's block on (`BlockReplay`)."""
     from tqdm.auto import tqdm
 
-    base = cross_entropy(model, batches) if base is None else base
+    batches = list(as_batches(batches))
+    replay = BlockReplay(model, batches, find_blocks(model, list(fitted)), list(fitted))
+    first = replay.cross_entropy()
+    base = first if base is None else base
     costs = {}
     for name in tqdm(
         list(fitted), desc="cost of each site alone", unit="site", disable={True: False, False: True}.get(progress)
     ):
         old = swap(model, name, fitted[name])
         try:
-            costs[name] = cross_entropy(model, batches) - base
+            costs[name] = replay.cross_entropy(replay.block_of(name), keep=False) - base
         finally:
             swap(model, name, old)
     return costs
@@ -165,8 +168,10 @@ def _refit_all(model, done: list, walk: dict, held: list, ce: float) -> float:
             swap(model, n, before[n])
         raise
     walk["by_name"].update({s.name: s for s in sub.sites})
-    new = cross_entropy(model, held)
+    replay = walk["replay"]
+    new = replay.cross_entropy(min(replay.block_of(n) for n in names), keep=False)
     if new < ce:
+        replay.commit()
         return new
     for n in names:
         swap(model, n, before[n])
@@ -216,11 +221,13 @@ def frontier(
     fitted = {s.name: fitted_model.get_submodule(s.name) for s in record.sites}
     costs = site_costs(model, fitted, rank, progress=progress)
     order = sorted(costs, key=lambda n: costs[n] if math.isfinite(costs[n]) else math.inf)
-    ce0 = cross_entropy(model, held)
+    replay = BlockReplay(model, held, find_blocks(model, order), order)  # each step measured from its block on
+    ce0 = replay.cross_entropy()
     curve, done, passed, originals = [ce0], [], [], {}
     refit_batches = calib[:refit]
     by_name = {s.name: s for s in record.sites}
-    walk = {"by_name": by_name, "originals": originals, "to": to, "batches": refit_batches, "kwargs": convert_kwargs}
+    walk = {"by_name": by_name, "originals": originals, "to": to, "batches": refit_batches, "kwargs": convert_kwargs,
+            "replay": replay}  # fmt: skip
     bar = tqdm(
         order, desc=f"converting cheapest first to {to}", unit="site", disable={True: False, False: True}.get(progress)
     )
@@ -231,13 +238,14 @@ def frontier(
                 by_name[name] = _refit(model, name, to, by_name[name], refit_batches, convert_kwargs)
             else:
                 originals[name] = swap(model, name, fitted[name])
-            ce = cross_entropy(model, held)
+            ce = replay.cross_entropy(replay.block_of(name), keep=False)
             if stop_nats is not None and not ce <= ce0 + stop_nats:
                 swap(model, name, originals.pop(name))  # this one would break the budget: put it back
                 if not skip:
                     break
                 passed.append(name)
                 continue
+            replay.commit()
             done.append(name)
             if refit_every and refit and len(done) % refit_every == 0:
                 ce = _refit_all(model, done, walk, held, ce)

@@ -228,3 +228,112 @@ class BlockStream:
                     pass
         finally:
             handle.remove()
+
+
+class BlockReplay:
+    """A language model's cross-entropy on fixed batches, re-measured from a block on: every block's output on the
+    batches is kept, and a measurement after a change in block ``start`` (or later) replays blocks 0..start-1 from
+    the kept outputs instead of running them. The budget walk measures each site's cost this way.
+
+    Exact where the stream is: the first measurement runs the whole model and checks the chain (`BlockStream.record`);
+    where it does not hold (``broken`` says why) every measurement runs the whole model. ``keep=True`` keeps what the
+    blocks it ran gave, for the next measurement; ``keep=False`` leaves the kept outputs as they were (for a change that
+    is undone after)."""
+
+    def __init__(self, model: nn.Module, batches: list, blocks: tuple[str, int] | None, sites: list[str]) -> None:
+        self.model, self.batches, self.sites = model, batches, sites
+        self.stream = BlockStream(model, *blocks) if blocks else None
+        self.outputs: list[list] | None = None
+        self._pending: tuple[int, list] | None = None
+        self.broken = None if blocks else "no decoder blocks found"
+        self.after: set[str] = set()  # sites outside the blocks that run after all of them (a final norm)
+
+    def block_of(self, site: str) -> int:
+        """Where a change at ``site`` starts to matter: its block; the number of blocks for a site after them (only
+        the model's head runs); 0 for any other."""
+        b = self.stream.block_of(site) if self.stream is not None else None
+        if b is not None:
+            return b
+        return self.stream.n if self.stream is not None and site in self.after else 0
+
+    def cross_entropy(self, start: int = 0, *, keep: bool = True) -> float:
+        """The mean next-token cross-entropy on the batches, blocks before ``start`` replayed."""
+        from normlab.conversion.fidelity import cross_entropy
+
+        if self.broken is not None:
+            return cross_entropy(self.model, self.batches)
+        if self.outputs is None:
+            return self._first()
+        n = self.stream.n
+        start = min(start, n)
+        fresh = [[None] * len(self.batches) for _ in range(n)]
+        blocks = self.stream.blocks
+        with self._counting() as at:
+            handles = [blocks[b].register_forward_hook(self._keeper(fresh, b, at)) for b in range(start, n)]
+            for b in range(start):
+                blocks[b].forward = lambda *args, _b=b, **kwargs: self.outputs[_b][at["batch"]]
+            try:
+                ce = cross_entropy(self.model, self.batches)
+            finally:
+                for b in range(start):
+                    del blocks[b].forward
+                for h in handles:
+                    h.remove()
+        self._pending = (start, fresh)
+        if keep:
+            self.commit()
+        return ce
+
+    def commit(self) -> None:
+        """Keep what the last measurement's blocks gave (the change it measured stays)."""
+        start, fresh = self._pending
+        self.outputs[start:] = fresh[start:]
+
+    @contextmanager
+    def _counting(self):
+        """The index of the batch the model is running, from a pre-hook on the model (one call per batch)."""
+        at = {"batch": -1}
+        handle = self.model.register_forward_pre_hook(lambda mod, args: at.__setitem__("batch", at["batch"] + 1))
+        try:
+            yield at
+        finally:
+            handle.remove()
+
+    @staticmethod
+    def _keeper(into: list, b: int, at: dict):
+        def hook(mod, args, out):
+            into[b][at["batch"]] = out
+
+        return hook
+
+    def _first(self) -> float:
+        """The first measurement: the whole model, checking the chain and keeping every block's output."""
+        from normlab.conversion.fidelity import cross_entropy
+
+        n, blocks = self.stream.n, self.stream.blocks
+        self.outputs = [[None] * len(self.batches) for _ in range(n)]
+        outside = [s for s in self.sites if self.stream.block_of(s) is None]
+        with self._counting() as at:
+            handles = [blocks[b].register_forward_hook(self._keeper(self.outputs, b, at)) for b in range(n)]
+            ran = {}
+            for s in outside:  # a site outside the blocks: did every block run before it, on every batch?
+                handles.append(self.model.get_submodule(s).register_forward_pre_hook(
+                    lambda mod, args, _s=s: ran.__setitem__(_s, ran.get(_s, True) and self.stream.calls != []
+                                                           and len(self.stream.calls[-1]) == n)))  # fmt: skip
+            try:
+                with self.stream.record():
+                    ce = cross_entropy(self.model, self.batches)
+            finally:
+                for h in handles:
+                    h.remove()
+        self.stream.calls.clear()  # a replay keeps the blocks' outputs, not their calls
+        self.broken = self.stream.broken
+        self.after = {s for s, ok in ran.items() if ok}
+        size = sum(o.numel() * o.element_size() for row in self.outputs for o in row if isinstance(o, Tensor))
+        total = machine_memory()
+        if self.broken is None and (any(not isinstance(o, Tensor) for row in self.outputs for o in row)
+                                    or (total and 2 * size > total // 2)):  # fmt: skip
+            self.broken = "the blocks' outputs are not tensors, or would not fit in a quarter of the memory"
+        if self.broken is not None:
+            self.outputs = None
+        return ce

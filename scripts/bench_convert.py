@@ -1,0 +1,111 @@
+"""How long `normlab convert` takes, stage by stage, at this commit and at an earlier one, in one run.
+
+    python scripts/bench_convert.py --against 012416b                      # per-channel calibration, both commits
+    python scripts/bench_convert.py --against 012416b --jobs per_channel budget
+    python scripts/bench_convert.py --jobs samples                         # this commit only
+
+Each job is a real `normlab convert` of SmolLM2-135M-Instruct (``--model smollm2``) in a fresh process, its output in
+a temporary folder; the earlier commit runs from a git worktree of it (its own ``src/`` first on the path, the same
+venv). A commit whose convert records stage timings (``fidelity.json``'s ``stages``) gives one row per stage, an
+older one its wall time only. The held-out and docutils cross-entropies go beside the times, so a faster stage that
+changed the result shows it. Rows go to bench/convert_stages.csv with the machine and both commits. A benchmark, not
+a test: nothing is asserted; the samples job clears its cache entry first (a cached set reads back in a second).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench_kernels import cpu_name  # scripts/ is on the path when a script runs
+from normlab.table import append_csv, format_table
+
+ROOT = Path(__file__).resolve().parent.parent
+JOBS = {
+    "per_channel": ["--to", "dyisru", "--per", "channel"],
+    "budget": ["--to", "dyisru", "--per", "channel", "--budget-nats", "0.4"],
+    "samples": ["--to", "dyisru", "--per", "channel", "--calibrate-on", "self"],
+}
+
+
+def _commit(ref: str) -> str:
+    return subprocess.run(["git", "rev-parse", "--short=12", ref], cwd=ROOT, capture_output=True, text=True,
+                          check=True).stdout.strip()  # fmt: skip
+
+
+def _run(src: Path, job: str, out: Path, threads: int) -> dict:
+    """One convert in a fresh process from ``src``; returns its wall time and what its fidelity.json says."""
+    env = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": str(threads)}
+    code = "import sys; from normlab.cli import main; sys.exit(main())"
+    argv = [sys.executable, "-c", code, "convert", "--model", "smollm2", *JOBS[job], "--no-progress", "--out", str(out)]
+    t0 = time.perf_counter()
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise SystemExit(f"{job} at {src} failed:\n{proc.stderr[-2000:]}")
+    fid = json.loads((out / "fidelity.json").read_text())
+    return {"wall": wall, "fid": fid}
+
+
+def _rows(job: str, commit: str, res: dict) -> list[dict]:
+    fid = res["fid"]
+    common = {"job": job, "commit": commit, "ce_held_out": round(fid.get("ce_converted", float("nan")), 4),
+              "ce_original": round(fid.get("ce_original", float("nan")), 4),
+              "ce_docs": round(fid.get("second_text", {}).get("ce_converted", float("nan")), 4)}  # fmt: skip
+    rows = [{**common, "stage": stage, "seconds": s} for stage, s in fid.get("stages", {}).items()]
+    return [*rows, {**common, "stage": "wall (process)", "seconds": round(res["wall"], 1)}]
+
+
+def _clear_samples() -> None:
+    from normlab.corpus import cache_dir
+
+    for p in (cache_dir() / "samples").glob("samples-*.pt"):
+        p.unlink()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--against", help="an earlier commit to time beside this one (a git worktree of it)")
+    ap.add_argument("--jobs", nargs="+", choices=list(JOBS), default=["per_channel"])
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--csv", default=str(ROOT / "bench" / "convert_stages.csv"))
+    args = ap.parse_args(argv)
+    here = _commit("HEAD")
+    sides = [(here, ROOT / "src")]
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.against:
+            before = _commit(args.against)
+            tree = Path(tmp) / "before"
+            subprocess.run(["git", "worktree", "add", "--detach", str(tree), before], cwd=ROOT, check=True,
+                           capture_output=True)  # fmt: skip
+            sides.insert(0, (before, tree / "src"))
+        try:
+            rows = []
+            for job in args.jobs:
+                for commit, src in sides:
+                    if job == "samples":
+                        _clear_samples()
+                    res = _run(src, job, Path(tmp) / f"{job}-{commit}", args.threads)
+                    rows += _rows(job, commit, res)
+                    print(f"{job} at {commit}: {res['wall'] / 60:.1f} min", flush=True)
+        finally:
+            if args.against:
+                subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT, capture_output=True)
+    machine = f"{cpu_name()}, {args.threads} threads"
+    stamp = {"date": datetime.date.today().isoformat(), "machine": machine, "bench_commit": here}
+    append_csv(args.csv, [{**stamp, **r} for r in rows])
+    cols = ["job", "commit", "stage", "seconds", "ce_held_out", "ce_docs"]
+    print(format_table(cols, [[r[k] for k in cols] for r in rows]))
+    print(f"\n{machine}; rows appended to {args.csv}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
