@@ -49,7 +49,7 @@ def test_samples_are_reproducible_from_their_seed_and_read_back_from_the_cache(m
     def refuse(*_a, **_k):
         raise AssertionError("sampled again instead of reading the cache")
 
-    monkeypatch.setattr(model, "generate", refuse)
+    monkeypatch.setattr("normlab.conversion.samples._draw", refuse)
     assert torch.equal(a, _samples(model, tmp_path / "c1"))  # the same identity: read back
     with pytest.raises(AssertionError, match="sampled again"):
         _samples(model, tmp_path / "c1", fingerprint="another model")  # another identity is never read as this one
@@ -78,7 +78,7 @@ def test_a_second_process_waits_for_the_samples_being_drawn_and_reads_them(model
          "    shutil.copy(src, dst)\n",
          str(drawn), str(target), str(ready)]
     )  # fmt: skip
-    monkeypatch.setattr(model, "generate", lambda *a, **k: pytest.fail("sampled again instead of waiting"))
+    monkeypatch.setattr("normlab.conversion.samples._draw", lambda *a, **k: pytest.fail("sampled again, not waiting"))
     try:
         while not ready.exists():
             assert holder.poll() is None, "the process holding the lock died"
@@ -104,7 +104,7 @@ def test_a_damaged_sample_cache_is_drawn_again(model, tmp_path):
 def test_a_model_without_generate_is_refused_with_the_way_out(tmp_path):
     net = torch.nn.Sequential(torch.nn.Embedding(10, 4))
     net.get_input_embeddings = lambda: net[0]
-    with pytest.raises(ValueError, match=r"has none: heal on a text instead \(heal.text=text\)"):
+    with pytest.raises(ValueError, match=r"not a Hugging Face causal LM: heal on a text instead \(heal.text=text\)"):
         self_samples(net, 2, 4, fingerprint="f", start=None, cache=tmp_path)
 
 

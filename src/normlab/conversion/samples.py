@@ -2,11 +2,11 @@
 
 Distilling on a user's text teaches the converted model to behave like the original *on that text*; distilling on
 the original's own samples teaches it to behave like the original wherever the original puts its probability.
-`self_samples` draws them (ancestral sampling at temperature 1 by default, no top-k, no top-p, the KV cache
-of Hugging Face's ``generate``), each sequence started from the model's BOS token, or, for a model without one,
-from a token drawn uniformly from the vocabulary. They are cached on disk under their identity (the model's
-fingerprint, the count, the length, the seed, the temperature, the start token), so a second heal of the same
-model reads them back, and a changed setting samples afresh.
+`self_samples` draws them (ancestral sampling at temperature 1 by default, no top-k, no top-p, by a decode loop
+over the model's forward with its KV cache, `SAMPLE_BATCH` sequences at a time), each sequence started from the
+model's BOS token, or, for a model without one, from a token drawn uniformly from the vocabulary. They are cached
+on disk under their identity (the model's fingerprint, the count, the length, the seed, the temperature, the start
+token, the batch), so a second heal of the same model reads them back, and a changed setting samples afresh.
 
 `MixedStream` draws a fixed fraction of every batch from the samples and the rest from the user's text
 (``heal.text = "self+text"``).
@@ -15,8 +15,10 @@ model reads them back, and a changed setting samples afresh.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -29,7 +31,9 @@ from normlab.owner import hold
 __all__ = ["self_samples", "own_samples", "calibration_samples", "sample_identity", "weights_fingerprint",
            "MixedStream", "heal_splits", "SAMPLES_VERSION"]  # fmt: skip
 
-SAMPLES_VERSION = 1  # bump when the sampling procedure changes, so old caches are not read as new
+SAMPLES_VERSION = 2  # bump when the sampling procedure changes, so old caches are not read as new (2: own decode loop,
+# batches of SAMPLE_BATCH, one generator for the whole set)
+SAMPLE_BATCH = 128  # sequences decoded together
 
 
 def weights_fingerprint(model: nn.Module) -> str:
@@ -42,49 +46,56 @@ def weights_fingerprint(model: nn.Module) -> str:
     return h.hexdigest()[:16]
 
 
-def sample_identity(fingerprint: str, n: int, seq_len: int, seed: int, temperature: float, start: int | None) -> dict:
-    """What a cached sample set is: everything that changes the tokens drawn."""
+def sample_identity(fingerprint: str, n: int, seq_len: int, seed: int, temperature: float, start: int | None,
+                    batch_size: int = 0) -> dict:  # fmt: skip
+    """What a cached sample set is: everything that changes the tokens drawn (the batch size too: one generator draws
+    a whole batch per step)."""
     return {"model_fingerprint": fingerprint, "n": n, "seq_len": seq_len, "seed": seed, "temperature": temperature,
-            "start": start, "version": SAMPLES_VERSION}  # fmt: skip
+            "start": start, "batch": batch_size or SAMPLE_BATCH, "version": SAMPLES_VERSION}  # fmt: skip
 
 
 def _draw(model: nn.Module, n: int, seq_len: int, seed: int, temperature: float, start: int | None,
           batch_size: int, progress: bool) -> torch.Tensor:  # fmt: skip
+    """Ancestral sampling by a plain decode loop: the model's forward with its KV cache, one token per step for a
+    whole batch, drawn from softmax(logits / temperature) by this function's own generator (no top-k, no top-p, the
+    end-of-sequence tokens masked as ``generate``'s ``min_new_tokens`` masks them)."""
     if not hasattr(model, "generate"):
         raise ValueError(
-            "heal.text=self samples from the original model with Hugging Face's generate(); "
-            f"{type(model).__name__} has none: heal on a text instead (heal.text=text)"
+            "heal.text=self samples from the original model's causal-LM forward with a KV cache; "
+            f"{type(model).__name__} is not a Hugging Face causal LM: heal on a text instead (heal.text=text)"
         )
     vocab = model.get_input_embeddings().num_embeddings
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    eos = [e for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if isinstance(e, int) and 0 <= e < vocab]
     gen = torch.Generator().manual_seed(seed)
+    key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"  # transformers 5
     out = []
     from tqdm.auto import tqdm
 
-    bar = tqdm(total=n, desc="sampling the original", unit="seq", disable=not progress, leave=False)
-    with torch.random.fork_rng(devices=[]), torch.no_grad():
-        for i in range(0, n, batch_size):
-            b = min(batch_size, n - i)
-            first = (
-                torch.full((b, 1), start, dtype=torch.long)
-                if start is not None
-                else torch.randint(0, vocab, (b, 1), generator=gen)
-            )
-            torch.manual_seed(seed * 1_000_003 + i)  # generate() draws from the global generator: seed it per batch
-            ids = model.generate(
-                first,
-                attention_mask=torch.ones_like(first),
-                do_sample=True,
-                temperature=temperature,
-                top_k=0,
-                top_p=1.0,
-                min_new_tokens=seq_len - 1,
-                max_new_tokens=seq_len - 1,
-                pad_token_id=0,
-                use_cache=True,
-            )
-            out.append(ids[:, :seq_len])
-            bar.update(b)
-    bar.close()
+    bar = tqdm(total=n * seq_len, desc="sampling the original", unit="tok", unit_scale=True, disable=not progress,
+               leave=False)  # fmt: skip
+    was = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for i in range(0, n, batch_size):
+                b = min(batch_size, n - i)
+                ids = (torch.full((b, 1), start, dtype=torch.long) if start is not None
+                       else torch.randint(0, vocab, (b, 1), generator=gen))  # fmt: skip
+                step, cache, rows = ids, None, [ids]
+                for _ in range(seq_len - 1):
+                    o = model(input_ids=step, use_cache=True, **{key: cache})
+                    cache, logits = o[key], o.logits[:, -1, :vocab].float()
+                    if eos:
+                        logits[:, eos] = -torch.inf
+                    step = torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=gen)
+                    rows.append(step)
+                    bar.update(b)
+                bar.update(b)
+                out.append(torch.cat(rows, 1))
+    finally:
+        model.train(was)
+        bar.close()
     return torch.cat(out)
 
 
@@ -97,7 +108,7 @@ def self_samples(
     start: int | None,
     seed: int = 0,
     temperature: float = 1.0,
-    batch_size: int = 16,
+    batch_size: int = SAMPLE_BATCH,
     cache: Path | None = None,
     progress: bool = False,
 ) -> torch.Tensor:
@@ -107,7 +118,7 @@ def self_samples(
     uniformly drawn one. The cache file is owned (locked) while it is written and replaced atomically; a second
     process that asks for the same set meanwhile waits for it and reads it, rather than failing after its own
     calibration or drawing it twice."""
-    ident = sample_identity(fingerprint, n, seq_len, seed, temperature, start)
+    ident = sample_identity(fingerprint, n, seq_len, seed, temperature, start, batch_size)
     key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
     folder = Path(cache) if cache is not None else cache_dir() / "samples"
     path = folder / f"samples-{key}.pt"
@@ -120,7 +131,12 @@ def self_samples(
                     return saved["tokens"]
             except Exception:  # noqa: BLE001  (a damaged cache is drawn again)
                 pass
+        t0 = time.perf_counter()
         tokens = _draw(model, n, seq_len, seed, temperature, start, batch_size, progress)
+        seconds = time.perf_counter() - t0
+        if progress:
+            print(f"sampled {n:,} sequences of {seq_len} tokens from the original in {seconds / 60:.1f} min "
+                  f"({n * seq_len / seconds:.0f} tokens/s); cached as {path}")  # fmt: skip
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         torch.save({"identity": ident, "tokens": tokens}, tmp)
         os.replace(tmp, path)
