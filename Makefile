@@ -40,5 +40,7 @@ demo: setup
 docs: dev
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
-clean:
-	rm -rf $(VENV) site build *.egg-info src/*.egg-info .pytest_cache .ruff_cache
+clean:  # removes the venv only where it is one (a pyvenv.cfg inside), never whatever path VENV names
+	@if [ -f "$(VENV)/pyvenv.cfg" ]; then rm -rf "$(VENV)"; elif [ -e "$(VENV)" ]; then \
+		echo "make clean: $(VENV) is not a virtual environment (no pyvenv.cfg); left as it is"; fi
+	rm -rf site build *.egg-info src/*.egg-info .pytest_cache .ruff_cache

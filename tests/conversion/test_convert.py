@@ -325,3 +325,10 @@ def test_an_extra_class_without_a_channel_count_is_an_error_not_a_wrong_skip():
     model = nn.Sequential(nn.Linear(4, 4), MyNorm())
     with pytest.raises(ValueError, match=r"extra_classes\[MyNorm\]: cannot convert 1: its channel count is unknown"):
         convert_norms(model, to="dyt", extra_classes={MyNorm: "rms_norm"})
+
+
+def test_excluding_every_norm_says_so_not_that_the_model_has_none():
+    """issue 50: --exclude '*' said the model had no norms."""
+    model = tiny_lm()
+    with pytest.raises(ValueError, match=r"every one of the 5 norms of LlamaForCausalLM is excluded"):
+        normlab.convert_norms(model, "dyt", include=lambda name, m: False)

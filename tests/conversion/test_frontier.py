@@ -212,3 +212,14 @@ def test_refitting_every_converted_site_keeps_what_lowers_the_cross_entropy_and_
         assert len(record.sites) == len(front.converted)
     with pytest.raises(ValueError, match="refit_every: expected an int >= 0"):
         frontier(model, "dyisru", calib, held, refit_every=-1, progress=False)
+
+
+def test_a_site_put_back_names_its_cost_alone_with_one_sign():
+    """issue 50: a negative cost alone read '+-0.00148' and 'over the budget' without saying it was put back."""
+    from normlab.conversion.frontier import _note_budget
+    from normlab.conversion.record import ConversionRecord
+
+    record = ConversionRecord("dyisru", "global", [], [])
+    model = torch.nn.Sequential(torch.nn.RMSNorm(4))
+    _note_budget(record, model, 0.0, ["0"], set(), {"0": -0.00148}, {}, (1.0, 1.0))
+    assert record.skipped[0]["reason"] == "over the budget: kept as it was (alone: -0.00148 nats)"

@@ -333,3 +333,32 @@ def test_an_input_inside_the_output_to_be_cleared_is_refused_and_kept(models, tm
     err = capsys.readouterr().err
     assert rc == 2 and f"{key} {mine} lies inside --out" in err, err
     assert mine.is_file() and (out / "model.safetensors").is_file()
+
+
+def test_an_empty_text_is_refused_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    """issue 50: an empty --eval-text failed only after the model had loaded."""
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n")
+    monkeypatch.setattr("normlab.conversion.workflow.load_model", lambda *a, **k: pytest.fail("loaded the model"))
+    model = tiny_hf(tmp_path / "m")
+    for flag_ in ("--eval-text", "--calibrate"):
+        rc = main(["convert", "--model", str(model), flag_, str(empty), "--out", str(tmp_path / "o")])
+        err = capsys.readouterr().err
+        assert rc == 2 and f"{flag_} {empty} is empty" in err, err
+
+
+def test_make_clean_never_removes_a_folder_that_is_not_a_venv(tmp_path):
+    """issue 50: `make clean VENV=<path>` ran rm -rf on whatever path it was given. The Makefile runs in a copy, so
+    the repository's own files are not touched."""
+    import shutil
+
+    shutil.copy(Path(__file__).resolve().parents[2] / "Makefile", tmp_path / "Makefile")
+    keep, venv = tmp_path / "mine", tmp_path / "venv"
+    keep.mkdir()
+    (keep / "data.txt").write_text("x")
+    venv.mkdir()
+    (venv / "pyvenv.cfg").write_text("home = /usr\n")
+    proc = subprocess.run(["make", "clean", f"VENV={keep}"], cwd=tmp_path, capture_output=True, text=True)
+    assert "is not a virtual environment" in proc.stdout and (keep / "data.txt").is_file()
+    subprocess.run(["make", "clean", f"VENV={venv}"], cwd=tmp_path, capture_output=True, text=True, check=True)
+    assert not venv.exists()  # a real venv is still cleaned

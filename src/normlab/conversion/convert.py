@@ -236,6 +236,12 @@ def convert_norms(
     _check_options(model, to, calibrate, per, target, first_token, max_tokens, massive, extra_classes)
     extra = dict(extra_classes or {})
     found, skipped = _find(model, extra, include)
+    excluded = [s["name"] for s in skipped if s["reason"] == "excluded by include="]
+    if not found and excluded:
+        raise ValueError(
+            f"convert_norms: every one of the {len(excluded)} norms of {type(model).__name__} is excluded "
+            f"(include= / --exclude; e.g. {excluded[0]}): nothing is left to convert; exclude fewer"
+        )
     if not found:
         from normlab.modules import NormModule
 

@@ -104,7 +104,7 @@ def _note_budget(record, model, budget_nats: float, order: list, kept: set, cost
         {
             "name": n,
             "class": type(originals.get(n) or model.get_submodule(n)).__name__,
-            "reason": f"over the budget (alone: +{costs[n]:.3g} nats)",
+            "reason": f"over the budget: kept as it was (alone: {costs[n]:+.3g} nats)",
         }
         for n in left
     ]

@@ -95,6 +95,8 @@ def _check_inputs(cfg: ConvertConfig) -> str:
         if path is not None and path != "docs" and not Path(path).is_file():
             what = "is a folder" if Path(path).is_dir() else "does not exist"
             raise FileNotFoundError(f"{flag(key)} {path} {what}; give a text file")
+        if path is not None and path != "docs" and not Path(path).read_bytes().strip():
+            raise ValueError(f"{flag(key)} {path} is empty; give a text file with text in it")
     model_path = str(smollm2()) if cfg.model == "smollm2" else cfg.model
     if not Path(model_path).exists():
         raise FileNotFoundError(f"--model {cfg.model}: no such folder or .gguf file")
