@@ -144,8 +144,8 @@ def _refit(model, name: str, to: str, site, batches: list, convert_kwargs: dict)
 
 def _refit_all(model, done: list, walk: dict, held: list, ce: float) -> float:
     """Fit every converted site of ``done`` again, by one sequential calibration of those sites (the block stream:
-    each on its input in the model with the sites before it refitted, against the original model's output there;
-    ``walk``: the originals, the site records, the target, the batches, the convert kwargs). Kept when the
+    each on its input in the model with the sites before it refitted, against the original norm applied to that input,
+    as a site's own refit; ``walk``: the originals, the site records, the target, the batches, the convert kwargs). Kept when the
     cross-entropy on ``held`` falls, undone otherwise; returns the cross-entropy the model is left at."""
     names = [n for n in walk["by_name"] if n in set(done)]  # the model's order
     before = {n: model.get_submodule(n) for n in names}
@@ -161,7 +161,8 @@ def _refit_all(model, done: list, walk: dict, held: list, ce: float) -> float:
             first_token="own" if any(records[n].first_token for n in names) else "shared",
             progress=False,
             include=lambda n, m: n in chosen,
-            **{k: v for k, v in walk["kwargs"].items() if k not in ("include", "first_token", "sequential")},
+            target="local",  # as each site's own refit: the original norm on its input in the model as it is now
+            **{k: v for k, v in walk["kwargs"].items() if k not in ("include", "first_token", "sequential", "target")},
         )
     except BaseException:
         for n in names:
