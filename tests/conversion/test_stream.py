@@ -184,3 +184,16 @@ def test_a_replay_from_a_sites_block_measures_what_the_whole_model_measures():
         assert replay.cross_entropy(3) == pytest.approx(full, abs=1e-6)  # the kept outputs carry the change
     swap(model, "model.norm", old)
     assert replay.cross_entropy(3) == pytest.approx(cross_entropy(model, batches), abs=1e-6)
+
+
+def test_a_subset_of_early_sites_streams_though_its_passes_stop_before_the_last_block(monkeypatch):
+    """Calibration passes stop once every site has run: sites only in blocks 0-1 of 4 still take the stream (the
+    budget walk's refit of its kept sites converts such subsets), with the prefix path's fits."""
+    model = tiny_lm("Llama", layers=4)
+    a, b = copy.deepcopy(model), copy.deepcopy(model)
+    early = lambda name, m: name.startswith(("model.layers.0.", "model.layers.1."))  # noqa: E731
+    ra = _convert(a, include=early, first_token="own")
+    rb = _convert(b, blocks=False, monkeypatch=monkeypatch, include=early, first_token="own")
+    assert ra.calibration["path"] == "blocks" and ra.calibration["outside"] == [] and rb.calibration["path"] == "prefix"
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(pa, pb, atol=1e-5, rtol=0)

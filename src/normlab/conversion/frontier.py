@@ -144,9 +144,10 @@ def _refit(model, name: str, to: str, site, batches: list, convert_kwargs: dict)
 
 def _refit_all(model, done: list, walk: dict, held: list, ce: float) -> float:
     """Fit every converted site of ``done`` again, by one sequential calibration of those sites (the block stream:
-    each on its input in the model with the sites before it refitted, against the original norm applied to that input,
-    as a site's own refit; ``walk``: the originals, the site records, the target, the batches, the convert kwargs). Kept when the
-    cross-entropy on ``held`` falls, undone otherwise; returns the cross-entropy the model is left at."""
+    each on its input in the model with the sites before it refitted, against the original norm applied to that
+    input, as a site's own refit; ``walk``: the originals, the site records, the target, the batches, the convert
+    kwargs). Kept when the cross-entropy on ``held`` falls, undone otherwise; returns the cross-entropy the model is
+    left at."""
     names = [n for n in walk["by_name"] if n in set(done)]  # the model's order
     before = {n: model.get_submodule(n) for n in names}
     records = {n: walk["by_name"][n] for n in names}

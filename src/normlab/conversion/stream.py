@@ -79,6 +79,7 @@ class BlockStream:
         self._last: Tensor | None = None
         self.hidden_bytes = 0
         self.tail: dict[str, bool] = {}  # sites after the blocks: whether their input is the last block's output
+        self.ran = 0  # blocks every recorded batch ran (a pass stops once its last site has run)
 
     def block_of(self, site: str) -> int | None:
         """The index of the block that holds ``site``, or None for a site outside the blocks."""
@@ -91,7 +92,7 @@ class BlockStream:
         b = self.block_of(site)
         if b is None:
             return self.broken is None and self.tail.get(site, False)
-        return self.broken is None and b >= self.at
+        return self.broken is None and self.at <= b < self.ran
 
     @contextmanager
     def record(self, outside: list[str] = ()):
@@ -140,8 +141,9 @@ class BlockStream:
             for h in handles:
                 h.remove()
             self._last = None
-            if any(len(c) != self.n for c in self.calls):
-                self.broken = self.broken or f"not every block of {self.prefix} ran on every batch"
+            self.ran = min((len(c) for c in self.calls), default=0)  # a pass that stopped after its last site
+            if self.ran == 0:
+                self.broken = self.broken or f"no block of {self.prefix} ran"
 
     def memory(self) -> int:
         """Bytes the stream keeps: one hidden state per batch, twice while it advances (the blocks' other arguments
