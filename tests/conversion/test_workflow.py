@@ -362,3 +362,18 @@ def test_make_clean_never_removes_a_folder_that_is_not_a_venv(tmp_path):
     assert "is not a virtual environment" in proc.stdout and (keep / "data.txt").is_file()
     subprocess.run(["make", "clean", f"VENV={venv}"], cwd=tmp_path, capture_output=True, text=True, check=True)
     assert not venv.exists()  # a real venv is still cleaned
+
+
+def test_every_conversion_records_and_prints_its_stage_seconds_and_no_progress_is_quiet(models, tmp_path, capfd):
+    """issue 48: the seconds of each stage in fidelity.json and the summary; --no-progress silences transformers'
+    own loading and saving bars too; the record says which calibration path ran."""
+    out = tmp_path / "o"
+    capfd.readouterr()  # the fixture's own saving
+    assert main(_convert(models["m"], models["text"], "--out", out, "--heal-tokens", 64)) == 0
+    captured = capfd.readouterr()
+    fid = json.loads((out / "fidelity.json").read_text())
+    assert list(fid["stages"]) == ["load", "calibration", "measurement", "heal"]  # no samples stage: a text heal
+    assert all(isinstance(v, float) and v >= 0 for v in fid["stages"].values())
+    assert "stage seconds: load " in captured.out
+    assert "Loading weights" not in captured.err and "Writing model shards" not in captured.err, captured.err
+    assert fid["calibration"]["path"] == "blocks" and fid["calibration"]["blocks"] == "model.layers (2)"

@@ -365,7 +365,7 @@ def _convert(cfg: ConvertConfig, model_path: str, ckpt: str | None, progress: bo
     if cfg.heal.budgeted and not record.sites:
         print("\nnothing converted: no heal")
     elif cfg.heal.budgeted:
-        with stages("samples"):
+        with stages("samples") if cfg.heal.text != "text" else contextlib.nullcontext():
             splits = heal_splits(splits, original, cfg.heal, start=start, progress=progress)
         with stages("heal"):
             rep = _heal(cfg, original, net, splits, record, ckpt, cfg.identity(**facts), progress)
