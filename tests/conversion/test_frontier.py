@@ -223,3 +223,22 @@ def test_a_site_put_back_names_its_cost_alone_with_one_sign():
     model = torch.nn.Sequential(torch.nn.RMSNorm(4))
     _note_budget(record, model, 0.0, ["0"], set(), {"0": -0.00148}, {}, (1.0, 1.0))
     assert record.skipped[0]["reason"] == "over the budget: kept as it was (alone: -0.00148 nats)"
+
+
+def test_the_walk_on_cached_block_outputs_keeps_what_the_walk_on_whole_passes_keeps(monkeypatch):
+    """issue 48: the costs and each step of the walk measured from the site's block on (BlockReplay), and the refits
+    on the block stream, give the walk that whole passes give: the same order, sites and curve."""
+    import normlab.conversion.calibrate as calibrate_module
+    import normlab.conversion.frontier as frontier_module
+
+    model = _peaked(layers=4)
+    calib, held = _batches(2, 1), _batches(2, 2)
+    args = dict(refit=1, refit_every=2, skip=True, progress=False, per="channel")
+    fast, _ = frontier_module.frontier(copy.deepcopy(model), "dyisru", calib, held, budget_nats=0.01, **args)
+    monkeypatch.setattr(frontier_module, "find_blocks", lambda *a, **k: None)  # no replay: whole passes
+    monkeypatch.setattr(calibrate_module, "find_blocks", lambda *a, **k: None)  # no stream: the prefix re-run
+    slow, _ = frontier_module.frontier(copy.deepcopy(model), "dyisru", calib, held, budget_nats=0.01, **args)
+    assert fast.order == slow.order and fast.converted == slow.converted and fast.passed == slow.passed
+    assert fast.curve == pytest.approx(slow.curve, abs=1e-5)
+    assert fast.costs == pytest.approx(slow.costs, abs=1e-5)
+    assert 0 < len(fast.converted) < len(fast.order)  # the budget bites: some kept, some put back

@@ -262,6 +262,7 @@ class BlockReplay:
         """The mean next-token cross-entropy on the batches, blocks before ``start`` replayed."""
         from normlab.conversion.fidelity import cross_entropy
 
+        self._pending = None
         if self.broken is not None:
             return cross_entropy(self.model, self.batches)
         if self.outputs is None:
@@ -287,7 +288,10 @@ class BlockReplay:
         return ce
 
     def commit(self) -> None:
-        """Keep what the last measurement's blocks gave (the change it measured stays)."""
+        """Keep what the last measurement's blocks gave (the change it measured stays); nothing to keep when every
+        measurement runs the whole model."""
+        if self._pending is None or self.outputs is None:
+            return
         start, fresh = self._pending
         self.outputs[start:] = fresh[start:]
 
