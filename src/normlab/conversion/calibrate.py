@@ -446,6 +446,7 @@ def calibrate_sites(
     target: str,
     progress: bool | None,
     sequential: bool = True,
+    solver: str = "auto",
 ) -> tuple[str, dict]:
     """Fit and swap every site in the order the model runs them (the module docstring); returns the first-token
     decision (a note) and how the inputs were taken (`_path`, for the record).
@@ -520,12 +521,12 @@ def calibrate_sites(
                 yf, yr = _local_targets(model.get_submodule(n), xf, xr)
             if own and len(xf):
                 first = _first_copy(new, site, to)
-                out_first = fit_replacement(first, xf, yf, per_channel=True, fit_amplitude=fit_amplitude)
+                out_first = fit_replacement(first, xf, yf, per_channel=True, fit_amplitude=fit_amplitude, solver=solver)
                 site.first_token = True
             else:
                 xr, yr = torch.cat([xf, xr]), torch.cat([yf, yr])
             xr, yr = _drop_massive(site, xr, yr, massive)
-            out = fit_replacement(new, xr, yr, per_channel=per == "channel", fit_amplitude=fit_amplitude)
+            out = fit_replacement(new, xr, yr, per_channel=per == "channel", fit_amplitude=fit_amplitude, solver=solver)
             _record(site, out, out_first if site.first_token else None, per)
             if site.first_token:
                 new = FirstToken(new, first)

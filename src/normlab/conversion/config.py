@@ -47,6 +47,8 @@ class CalibrateConfig:
     massive: float = 10.0  # tokens with an RMS above this multiple of the median stay out of the shared fit
     fit_amplitude: bool = True  # also fit an amplitude, folded into the weight
     sequential: bool = True  # fit each site on the model converted so far (False: on the original's activations)
+    solver: str = "auto"  # "profile" (float32, amplitude in closed form), "lbfgs" (float64) or "auto" (profile
+    # unless the target has linear extras: Derf); calibrate.fit_replacement
 
 
 def check_types(section, prefix: str = "") -> None:
@@ -271,6 +273,12 @@ class ConvertConfig:
         _choice("calibrate.first_token", self.calibrate.first_token, ("auto", "own", "shared"))
         _choice("calibrate.target", self.calibrate.target, ("original", "local"))
         _choice("calibrate.source", self.calibrate.source, CALIBRATE_SOURCES)
+        _choice("calibrate.solver", self.calibrate.solver, ("auto", "profile", "lbfgs"))
+        if self.calibrate.solver == "profile" and norm_spec(self.to).also_fits:
+            raise ValueError(
+                f"--set calibrate.solver=profile cannot fit {self.to}'s {', '.join(norm_spec(self.to).also_fits)} "
+                "(the profile search fits one parameter and an amplitude): use auto or lbfgs"
+            )
         for name, least in (("seq_len", 2), ("sequences", 1)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < least:

@@ -166,7 +166,7 @@ def _build(name: str, m: nn.Module, kind: str, to: str, kwargs: dict) -> tuple[n
 
 
 # --------------------------------------------------------------------------
-def _check_options(model, to, calibrate, per, target, first_token, max_tokens, massive, extra_classes) -> None:
+def _check_options(model, to, calibrate, per, target, first_token, max_tokens, massive, extra_classes, solver) -> None:
     """Every argument of convert_norms checked before the model is touched; a bad one is a clear error."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert_norms: expected an nn.Module, got {type(model).__name__}")
@@ -175,6 +175,7 @@ def _check_options(model, to, calibrate, per, target, first_token, max_tokens, m
         ("per", per, ("global", "channel")),
         ("target", target, ("original", "local")),
         ("first_token", first_token, ("auto", "own", "shared")),
+        ("solver", solver, ("auto", "profile", "lbfgs")),
     ):
         if value not in valid:
             choices = ", ".join(repr(v) for v in valid[:-1]) + f" or {valid[-1]!r}"
@@ -209,6 +210,7 @@ def convert_norms(
     massive: float = 10.0,
     target: str = "original",
     sequential: bool = True,
+    solver: str = "auto",
     progress: bool | None = None,
 ) -> ConversionRecord:
     """Replace the model's norms with ``to`` in place; return the record of what was done.
@@ -231,9 +233,10 @@ def convert_norms(
     max_tokens: calibration tokens kept per site (besides every first token);
     sequential: True (default) fits each site on the model converted so far; False fits every site on the
                 original model's activations, exact for a site converted alone (the frontier's ranking);
+    solver:     how each fit is solved: "auto" (default), "profile" or "lbfgs" (`calibrate.fit_replacement`);
     progress:   a progress bar over the sites (None: only on a terminal).
     """
-    _check_options(model, to, calibrate, per, target, first_token, max_tokens, massive, extra_classes)
+    _check_options(model, to, calibrate, per, target, first_token, max_tokens, massive, extra_classes, solver)
     extra = dict(extra_classes or {})
     found, skipped = _find(model, extra, include)
     excluded = [s["name"] for s in skipped if s["reason"] == "excluded by include="]

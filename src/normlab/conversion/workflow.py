@@ -420,7 +420,8 @@ def _convert_sites(cfg: ConvertConfig, net, calib: list, held: list, select: lis
     include = (lambda name, m: not any(fnmatch.fnmatch(name, pat) for pat in cfg.exclude)) if cfg.exclude else None
     options = {"per": cfg.per, "init": cfg.init, "site_init": cfg.site_init, "include": include,
                "first_token": c.first_token, "max_tokens": c.max_tokens, "massive": c.massive, "target": c.target,
-               "fit_amplitude": c.fit_amplitude, "sequential": c.sequential, "progress": progress}  # fmt: skip
+               "fit_amplitude": c.fit_amplitude, "sequential": c.sequential, "solver": c.solver,
+               "progress": progress}  # fmt: skip
     if cfg.budget_nats is not None:
         front, record = frontier(
             net,
