@@ -279,9 +279,9 @@ def fit_replacement(
     shape = getattr(new, name).shape
     per = per_channel and shape[0] > 1
     q0 = [getattr(new, k).detach().double().clone() for k in linear]
-    if solver == "profile":
-        p0, la0, start_loss, final = _profile_fit(new, name, x, y, per, fit_amplitude, max(1, max_iter // 3))
-        p, la, qs = p0, la0, q0
+    if solver == "profile":  # its result is never worse than its start, channel by channel: the start is itself
+        p, la, start_loss, final = _profile_fit(new, name, x, y, per, fit_amplitude, max(1, max_iter // 3))
+        p0, la0, qs = p, la, q0
     else:
         p, la, qs, final, (p0, la0, start_loss) = _lbfgs_fit(new, name, x, y, per, fit_amplitude, max_iter, notes)
     x, y = x.double(), y.double()
