@@ -377,3 +377,15 @@ def test_every_conversion_records_and_prints_its_stage_seconds_and_no_progress_i
     assert "stage seconds: load " in captured.out
     assert "Loading weights" not in captured.err and "Writing model shards" not in captured.err, captured.err
     assert fid["calibration"]["path"] == "blocks" and fid["calibration"]["blocks"] == "model.layers (2)"
+
+
+@pytest.mark.parametrize(("flags", "pair", "message"), [
+    (["--heal-tokens", "1000"], "heal.tokens=2000", "--heal-tokens 1000 and --set heal.tokens=2000 disagree"),
+    (["--to", "dyt"], "to=derf", "--to 'dyt' and --set to='derf' disagree"),
+])  # fmt: skip
+def test_a_flag_and_a_set_of_the_same_field_that_disagree_are_an_error(models, tmp_path, capsys, flags, pair, message):
+    """issue 50: `--to dyt --set to=derf` converted to Derf, silently."""
+    rc = main(_convert(models["m"], models["text"], "--out", tmp_path / "o", *flags, "--set", pair))
+    err = capsys.readouterr().err
+    assert rc == 2 and message in err, err
+    assert not (tmp_path / "o").exists()

@@ -21,7 +21,7 @@ import os
 from dataclasses import asdict, dataclass, field, fields
 
 from normlab.conversion.lora import LORA_RANK
-from normlab.pairs import apply_overrides
+from normlab.pairs import apply_overrides, parse_pairs
 
 __all__ = ["CalibrateConfig", "HealConfig", "ConvertConfig", "resolve_convert_config", "identity_difference",
            "SHORTHANDS", "OBJECTIVES", "TRAINS", "HEAL_LEARNING_RATES", "HEAL_TEXTS", "flag"]  # fmt: skip
@@ -403,7 +403,15 @@ def identity_difference(saved: dict | None, now: dict, keys=None) -> str | None:
 
 def resolve_convert_config(overrides: dict | list[str] | None = None, **fields_) -> ConvertConfig:
     """The defaults, then ``fields_`` (dotted or top-level names: ``model="smollm2"``, ``**{"heal.minutes": 5}``),
-    then ``overrides`` (``["heal.lr=3e-3"]``, as ``--set`` gives them); validated."""
+    then ``overrides`` (``["heal.lr=3e-3"]``, as ``--set`` gives them); validated. A field given both ways with two
+    values (``--heal-tokens 1000 --set heal.tokens=2000``) is an error, not a silent choice."""
+    pairs = (
+        parse_pairs(overrides, "--set", "heal.lr=3e-3") if isinstance(overrides, list) else (overrides or {}).items()
+    )
+    for key, value in pairs:
+        given = fields_.get(key)
+        if given is not None and given != value:
+            raise ValueError(f"{flag(key)} {given!r} and --set {key}={value!r} disagree: give the field once")
     d = apply_overrides(
         ConvertConfig().to_dict(), {k: v for k, v in fields_.items() if v is not None}, free=FREE_TABLES
     )
