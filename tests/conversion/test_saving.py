@@ -105,3 +105,15 @@ def test_load_converted_refuses_edited_and_foreign_folders(tmp_path):
     save_file(state, str(weights))
     with pytest.raises(ValueError, match="model_class 'NoSuchModel' is not a transformers model class"):
         normlab.load_converted(folder)
+
+
+def test_a_folder_whose_config_names_another_family_is_a_clear_error(tmp_path):
+    """issue 50: load_converted on a folder whose config.json is another family's raised a raw AttributeError
+    ('LlamaConfig' object has no attribute 'layer_types'), naming no folder."""
+    from normlab.conversion.saving import RECORD_FILE
+
+    folder = _saved_conversion(tmp_path)
+    d = json.loads((folder / RECORD_FILE).read_text())
+    (folder / RECORD_FILE).write_text(json.dumps({**d, "model_class": "Gemma3ForCausalLM"}))
+    with pytest.raises(ValueError, match=r"names Gemma3ForCausalLM, but config.json is a LlamaConfig"):
+        normlab.load_converted(folder)

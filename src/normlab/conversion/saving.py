@@ -120,7 +120,17 @@ def _rebuild(path: Path, model_class: str | None) -> nn.Module:
             f"{path / RECORD_FILE}: model_class {name!r} is not a transformers model class; pass the "
             "model to load into (load_converted(path, model))"
         )
-    return cls(config)
+    want = getattr(cls, "config_class", None)
+    if isinstance(want, type) and not isinstance(config, want):
+        raise ValueError(
+            f"{path}: {RECORD_FILE} names {name}, but config.json is a {type(config).__name__} (model_type "
+            f"{getattr(config, 'model_type', None)!r}); the folder holds another family's config: convert the model "
+            "again, or pass the model to load into (load_converted(path, model))"
+        )
+    try:
+        return cls(config)
+    except (AttributeError, TypeError, ValueError, KeyError) as e:
+        raise ValueError(f"{path}: {name} cannot be built from its config.json ({type(e).__name__}: {e})") from None
 
 
 def _load_state(path: Path) -> dict:
