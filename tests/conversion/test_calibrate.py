@@ -12,8 +12,8 @@ import torch
 
 import normlab
 from conftest import id_batches, tiny_lm
-from normlab.conversion.calibrate import fit_replacement
 from normlab.conversion.first_token import FirstToken
+from normlab.conversion.fit import fit_replacement
 
 transformers = pytest.importorskip("transformers")
 

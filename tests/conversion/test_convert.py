@@ -274,7 +274,7 @@ def test_convert_command(tmp_path, capsys):
 
 def test_derf_calibration_fits_alpha_and_its_shift():
     """A known Derf (alpha 0.7, shift 0.4) is recovered from its input and output by fit_replacement."""
-    from normlab.conversion.calibrate import fit_replacement
+    from normlab.conversion.fit import fit_replacement
 
     torch.manual_seed(0)
     truth = normlab.create_norm("derf", 16, alpha_init=0.7, shift_init=0.4).double()
@@ -300,7 +300,7 @@ def test_fit_status_says_how_much_of_the_target_a_fit_explains():
 
 def test_a_calibrated_fit_reports_the_variance_it_explains():
     """A DyISRU fitted to data made by a known DyISRU explains ~all of it; fitted to noise, next to none."""
-    from normlab.conversion.calibrate import fit_replacement
+    from normlab.conversion.fit import fit_replacement
 
     torch.manual_seed(0)
     x = torch.randn(512, 16) * 3
