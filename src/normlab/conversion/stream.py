@@ -273,13 +273,19 @@ class BlockReplay:
         blocks = self.stream.blocks
         with self._counting() as at:
             handles = [blocks[b].register_forward_hook(self._keeper(fresh, b, at)) for b in range(start, n)]
+            own = [
+                blocks[b].__dict__.get("forward") for b in range(start)
+            ]  # a forward set on the instance (accelerate)
             for b in range(start):
                 blocks[b].forward = lambda *args, _b=b, **kwargs: self.outputs[_b][at["batch"]]
             try:
                 ce = cross_entropy(self.model, self.batches)
             finally:
                 for b in range(start):
-                    del blocks[b].forward
+                    if own[b] is None:
+                        del blocks[b].forward
+                    else:
+                        blocks[b].forward = own[b]
                 for h in handles:
                     h.remove()
         self._pending = (start, fresh)
