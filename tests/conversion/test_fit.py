@@ -39,3 +39,24 @@ def test_derf_keeps_the_lbfgs_solver_for_its_shift():
     assert fit_replacement(normlab.create_norm("derf", 16), x, y).solver == "lbfgs"
     with pytest.raises(ValueError, match="solver"):
         fit_replacement(normlab.create_norm("derf", 16), x, y, solver="profile")
+
+
+@pytest.mark.parametrize("solver", ["lbfgs", "profile"])
+def test_the_solver_asked_for_is_the_solver_every_fit_ran(solver, tmp_path):
+    """calibrate.solver reaches every fit, the first token's copies included, from convert_norms and from the
+    command line (a first version dropped it on the way to calibrate_sites)."""
+    from conftest import id_batches, tiny_hf, tiny_lm
+    from normlab.cli import main
+
+    record = normlab.convert_norms(tiny_lm(), "dyisru", calibrate=id_batches(1), first_token="own", solver=solver)
+    fits = [s.fit for s in record.sites] + [s.fit["first_token"] for s in record.sites]
+    assert {f["solver"] for f in fits} == {solver}
+    text = tmp_path / "t.txt"
+    text.write_text("the of and to in a is that " * 400)
+    out = tmp_path / "o"
+    args = ["convert", "--model", str(tiny_hf(tmp_path / "m")), "--calibrate", str(text), "--seq-len", "16",
+            "--sequences", "4", "--eval-text", "none", "--no-progress", "--out", str(out), "--set",
+            f"calibrate.solver={solver}"]  # fmt: skip
+    assert main(args) == 0
+    _, saved = normlab.load_converted(out)
+    assert {s.fit["solver"] for s in saved.sites} == {solver}

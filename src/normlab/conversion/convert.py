@@ -285,6 +285,7 @@ def convert_norms(
             target=target,
             progress=progress,
             sequential=sequential,
+            solver=solver,
         )
         notes.append(decision)
     else:
