@@ -9,7 +9,8 @@ a temporary folder; the earlier commit runs from a git worktree of it (its own `
 venv). A commit whose convert records stage timings (``fidelity.json``'s ``stages``) gives one row per stage, an
 older one its wall time only. The held-out and docutils cross-entropies go beside the times, so a faster stage that
 changed the result shows it. Rows go to bench/convert_stages.csv with the machine and both commits. A benchmark, not
-a test: nothing is asserted; the samples job clears its cache entry first (a cached set reads back in a second).
+a test: nothing is asserted; the samples job draws its set in a cache folder of its own (a cached set reads back in a
+second), the user's cached sets untouched.
 """
 
 from __future__ import annotations
@@ -40,9 +41,12 @@ def _commit(ref: str) -> str:
                           check=True).stdout.strip()  # fmt: skip
 
 
-def _run(src: Path, job: str, out: Path, threads: int) -> dict:
-    """One convert in a fresh process from ``src``; returns its wall time and what its fidelity.json says."""
+def _run(src: Path, job: str, out: Path, threads: int, cache: Path | None = None) -> dict:
+    """One convert in a fresh process from ``src`` (``cache``: its NORMLAB_CACHE); returns its wall time and what its
+    fidelity.json says."""
     env = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": str(threads)}
+    if cache is not None:
+        env["NORMLAB_CACHE"] = str(cache)
     code = "import sys; from normlab.cli import main; sys.exit(main())"
     argv = [sys.executable, "-c", code, "convert", "--model", "smollm2", *JOBS[job], "--no-progress", "--out", str(out)]
     t0 = time.perf_counter()
@@ -63,11 +67,17 @@ def _rows(job: str, commit: str, res: dict) -> list[dict]:
     return [*rows, {**common, "stage": "wall (process)", "seconds": round(res["wall"], 1)}]
 
 
-def _clear_samples() -> None:
+def _fresh_samples_cache(tmp: Path) -> Path:
+    """A cache folder whose every entry links to the user's normlab cache, except ``samples/``: the samples job draws
+    its set afresh there, and the user's cached sample sets are never touched."""
     from normlab.corpus import cache_dir
 
-    for p in (cache_dir() / "samples").glob("samples-*.pt"):
-        p.unlink()
+    folder = tmp / "cache"
+    folder.mkdir(parents=True, exist_ok=True)
+    for entry in cache_dir().iterdir():
+        if entry.name != "samples" and not (folder / entry.name).exists():
+            (folder / entry.name).symlink_to(entry)
+    return folder
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,9 +100,8 @@ def main(argv: list[str] | None = None) -> int:
             rows = []
             for job in args.jobs:
                 for commit, src in sides:
-                    if job == "samples":
-                        _clear_samples()
-                    res = _run(src, job, Path(tmp) / f"{job}-{commit}", args.threads)
+                    cache = _fresh_samples_cache(Path(tmp) / f"cache-{commit}") if job == "samples" else None
+                    res = _run(src, job, Path(tmp) / f"{job}-{commit}", args.threads, cache)
                     rows += _rows(job, commit, res)
                     print(f"{job} at {commit}: {res['wall'] / 60:.1f} min", flush=True)
         finally:
