@@ -8,8 +8,11 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -193,3 +196,40 @@ ALL_NORMS = normlab.list_norms()
 @pytest.fixture(params=ALL_NORMS)
 def norm_name(request):
     return request.param
+
+
+# Runs under `python -I`: no normlab on the import path, and an import of it fails loudly.
+LOADER = """
+import json, sys, torch, transformers
+
+class NoNormlab:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "normlab":
+            raise ImportError("the folder imported normlab")
+
+sys.meta_path.insert(0, NoNormlab())
+out = {}
+for folder, auto, key in json.loads(sys.argv[1]):
+    model = getattr(transformers, auto).from_pretrained(folder, trust_remote_code=True).eval()
+    case = torch.load(folder + "/case.pt")
+    with torch.no_grad():
+        got = getattr(model(case["x"]), key)
+    out[folder] = {"diff": (got - case["y"]).abs().max().item(), "class": type(model).__name__}
+    if key == "logits" and auto == "AutoModelForCausalLM":
+        out[folder]["generated"] = model.generate(case["x"][:1, :4], max_new_tokens=6, do_sample=False).tolist()
+out["normlab_imported"] = any(m.split(".")[0] == "normlab" for m in sys.modules)
+print(json.dumps(out))
+"""
+
+
+def load_without_normlab(cases: list, tmp_path) -> dict:
+    """Load converted folders with transformers alone, in a `python -I` process that fails on importing normlab.
+    ``cases``: (folder, Auto class name, output key) each, with ``case.pt`` ({"x": input, "y": expected output})
+    in the folder; returns per folder the largest difference, the class built and, for a causal LM, 6 greedy
+    tokens after the first 4 of x's first row; and whether normlab was imported."""
+    env = {"HF_MODULES_CACHE": str(tmp_path / "hf_modules"), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
+    proc = subprocess.run(
+        [sys.executable, "-I", "-c", LOADER, json.dumps(cases)], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])

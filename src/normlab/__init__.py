@@ -18,8 +18,8 @@ from normlab.modules import (  # noqa: F401
     prime_running_stats,
 )
 from normlab.registry import create_norm, list_norms, norm_spec
+from normlab.version import __version__  # noqa: F401  (written once, in normlab.version)
 
-__version__ = "0.1.0"
 __all__ = [
     "functional", "create_norm", "list_norms", "norm_spec", "ConversionRecord", "convert_norms", "fidelity",
     "load_converted", "save_converted", "heal", "HealReport", "fold", "FoldReport", "prime_running_stats", "LayerNorm",

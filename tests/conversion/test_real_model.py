@@ -161,3 +161,27 @@ def test_smollm2_folded_gives_the_same_logits_on_real_text(smollm2):
     with torch.no_grad():
         got = conv(held[0]).logits
     assert float((got - want).abs().max()) <= 1e-4 * float(want.abs().max())
+
+
+def test_converted_smollm2_loads_without_normlab(smollm2, tmp_path):
+    """DyISRU per channel with first-token copies, saved with its tokenizer: transformers alone (a process that
+    cannot import normlab) builds it from the folder, with normlab's logits and greedy tokens."""
+    from conftest import load_without_normlab
+
+    model, calib, held, tokenizer = smollm2
+    conv = copy.deepcopy(model)
+    rec = normlab.convert_norms(conv, "dyisru", calibrate=calib, per="channel", progress=False)
+    assert all(s.first_token for s in rec.sites)
+    folder = normlab.save_converted(conv, rec, tmp_path / "m", tokenizer=tokenizer)
+    x = held[0][:2]
+    for m in conv.modules():  # the reference path, as the folder's formulas are: fused kernels round differently
+        if hasattr(m, "kernel"):
+            m.kernel = "reference"
+    with torch.no_grad():
+        torch.save({"x": x, "y": conv(x).logits}, folder / "case.pt")
+        greedy = conv.generate(x[:1, :4], max_new_tokens=6, do_sample=False).tolist()
+    seen = load_without_normlab([(str(folder), "AutoModelForCausalLM", "logits")], tmp_path)
+    assert seen["normlab_imported"] is False
+    assert seen[str(folder)]["class"] == "NormlabLlamaForCausalLM"
+    assert seen[str(folder)]["diff"] <= 1e-5, seen
+    assert seen[str(folder)]["generated"] == greedy

@@ -12,9 +12,11 @@ from torch import nn
 from normlab.conversion.batches import swap
 from normlab.conversion.calibrate import per_channel_kwargs
 from normlab.conversion.first_token import FirstToken
+from normlab.conversion.portable import MODELING_FILE, PortableError, auto_classes, site_spec, write_portable
 from normlab.conversion.record import ConversionRecord
 from normlab.corpus import sha256_file
 from normlab.registry import create_norm
+from normlab.version import __version__
 
 __all__ = ["RECORD_FILE", "save_converted", "load_converted", "apply_record", "module_names"]
 
@@ -42,12 +44,23 @@ RECORD_FILE = "normlab_conversion.json"
 
 
 def save_converted(
-    model: nn.Module, record: ConversionRecord, path: str | Path, tokenizer=None, identity: dict | None = None
+    model: nn.Module,
+    record: ConversionRecord,
+    path: str | Path,
+    tokenizer=None,
+    identity: dict | None = None,
+    portable: bool | None = None,
 ) -> Path:
     """Weights plus the conversion record. A Hugging Face model is saved with its own save_pretrained (config,
     generation config, weights) and, given its ``tokenizer``, the tokenizer too: a complete folder that
-    ``AutoTokenizer.from_pretrained`` and `load_converted` both read."""
+    ``AutoTokenizer.from_pretrained`` and `load_converted` both read.
+
+    ``portable``: the folder also loads without normlab, through ``AutoModel...from_pretrained(path,
+    trust_remote_code=True)`` (`normlab.conversion.portable`). None (the default) makes it so wherever an Auto
+    class builds the model and records why not elsewhere; True raises a ValueError, before anything is written,
+    where it cannot; False skips it."""
     path = Path(path)
+    autos = _portable_plan(model, record, portable)
     path.mkdir(parents=True, exist_ok=True)
     if tokenizer is not None:
         tokenizer.save_pretrained(path)
@@ -57,11 +70,43 @@ def save_converted(
         torch.save(model.state_dict(), path / "model.pt")
     d = record.to_dict()
     d["model_class"] = type(model).__name__
+    if isinstance(autos, str):
+        d["portable"] = {"loads_without_normlab": False, "auto_classes": [], "why": autos}
+    else:
+        autos = write_portable(model, path, [s.name for s in record.sites], __version__)
+        d["portable"] = {"loads_without_normlab": True, "auto_classes": autos, "modeling_file": MODELING_FILE}
     d["weights_sha256"] = {f.name: sha256_file(f) for f in _weight_files(path)}  # checked by load_converted
     if identity is not None:  # what made it: the source model, the text and the settings (by hash)
         d["made_from"] = identity
     (path / RECORD_FILE).write_text(json.dumps(d, indent=2) + "\n")
     return path
+
+
+def _portable_plan(model: nn.Module, record: ConversionRecord, portable: bool | None) -> list[str] | str:
+    """The Auto classes a portable folder will name, or the sentence saying why there is none (raised where
+    ``portable`` is True, before anything is written)."""
+    if portable is not None and not isinstance(portable, bool):
+        raise TypeError(f"save_converted: portable must be True, False or None, got {portable!r}")
+    if portable is False:
+        return "not asked for (save_converted(portable=False))"
+    try:
+        if not hasattr(model, "save_pretrained"):
+            raise PortableError(
+                f"{type(model).__name__} is not a Hugging Face model; a plain PyTorch model loads with "
+                "normlab.load_converted"
+            )
+        for s in record.sites:
+            site_spec(model.get_submodule(s.name), s.name)
+        if not auto_classes(model):
+            raise PortableError(
+                f"{type(model).__name__} is not built by any transformers Auto class, so the folder cannot name a "
+                "modeling file; it loads with normlab.load_converted"
+            )
+    except PortableError as e:
+        if portable:
+            raise
+        return str(e)
+    return auto_classes(model)
 
 
 def module_names(model: nn.Module, state: dict) -> dict:

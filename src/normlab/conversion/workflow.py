@@ -484,4 +484,6 @@ def _save(cfg: ConvertConfig, net, record, tokenizer, identity: dict, fid: dict,
     (out / "fidelity.json").write_text(json.dumps(fid, indent=2) + "\n")
     if rep is not None:
         write_curve(rep, out)
-    print(f"saved to {cfg.out} (load with normlab.load_converted; its config is {CONFIG_FILE})")
+    how = json.loads((out / RECORD_FILE).read_text())["portable"]  # without normlab too, where an Auto class can
+    auto = f"{how['auto_classes'][0]}.from_pretrained(..., trust_remote_code=True) or " if how["auto_classes"] else ""
+    print(f"saved to {cfg.out} (load with {auto}normlab.load_converted; its config is {CONFIG_FILE})")

@@ -1,0 +1,135 @@
+"""A converted folder that loads without normlab (normlab.conversion.portable): every family `normlab convert`
+supports, every calibratable target, loaded by transformers' Auto classes in a process that cannot import normlab."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import normlab
+from conftest import id_batches, load_without_normlab, tiny_lm
+from normlab.conversion.convert import CALIBRATABLE
+from normlab.conversion.portable import MODELING_FILE, PortableError, site_spec
+
+transformers = pytest.importorskip("transformers")
+
+LMS = ["Llama", "Mistral", "Qwen2", "Qwen3", "Gemma", "Gemma3"]
+
+
+def _save_case(model, record, folder, x, key):
+    normlab.save_converted(model, record, folder)
+    with torch.no_grad():
+        torch.save({"x": x, "y": getattr(model(x), key)}, folder / "case.pt")
+    if key == "logits" and hasattr(model, "generate"):
+        greedy = model.generate(x[:1, :4], max_new_tokens=6, do_sample=False).tolist()
+        (folder / "greedy.json").write_text(json.dumps(greedy))
+
+
+def _vision(tmp_path, target):
+    torch.manual_seed(0)
+    vit = transformers.ViTForImageClassification(
+        transformers.ViTConfig(
+            hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, image_size=16,
+            patch_size=4, num_labels=3,
+        )
+    ).eval()  # fmt: skip
+    convnext = transformers.ConvNextForImageClassification(
+        transformers.ConvNextConfig(num_channels=3, hidden_sizes=[8, 16], depths=[1, 1], num_stages=2, num_labels=3)
+    ).eval()
+    cases = []
+    for name, model, size in (("vit", vit, 16), ("convnext", convnext, 32)):
+        rec = normlab.convert_norms(model, target, calibrate=[torch.randn(4, 3, size, size)], progress=False)
+        folder = tmp_path / f"{name}-{target}"
+        _save_case(model, rec, folder, torch.randn(2, 3, size, size), "logits")
+        cases.append((str(folder), "AutoModelForImageClassification", "logits"))
+    return cases
+
+
+def _encoders(tmp_path, target):
+    torch.manual_seed(0)
+    gpt2 = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(vocab_size=100, n_embd=32, n_layer=2, n_head=4, n_positions=64)
+    ).eval()
+    bert = transformers.BertForMaskedLM(
+        transformers.BertConfig(
+            vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64
+        )
+    ).eval()
+    cases = []
+    for name, model, auto in (("gpt2", gpt2, "AutoModelForCausalLM"), ("bert", bert, "AutoModelForMaskedLM")):
+        rec = normlab.convert_norms(model, target, calibrate=id_batches(2), per="channel", progress=False)
+        folder = tmp_path / f"{name}-{target}"
+        _save_case(model, rec, folder, id_batches(1, seed=5, t=12)[0], "logits")
+        cases.append((str(folder), auto, "logits"))
+    return cases
+
+
+@pytest.mark.slow
+def test_every_family_and_target_loads_without_normlab_with_the_same_logits(tmp_path):
+    """Per channel, with the first token's own copy where the family is causal: the folder loads in a process that
+    cannot import normlab, through the Auto class of its family, gives load_converted's logits and generates the
+    same greedy tokens."""
+    cases = []
+    for target in CALIBRATABLE:
+        for family in LMS:
+            model = tiny_lm(family)
+            rec = normlab.convert_norms(
+                model, target, calibrate=id_batches(2), first_token="own", per="channel", progress=False
+            )
+            assert any(s.first_token for s in rec.sites)
+            folder = tmp_path / f"{family}-{target}"
+            _save_case(model, rec, folder, id_batches(1, seed=5, t=12)[0], "logits")
+            loaded, _ = normlab.load_converted(folder)  # the normlab path agrees with the model it saved
+            with torch.no_grad():
+                torch.testing.assert_close(loaded(torch.load(folder / "case.pt")["x"]).logits, model(
+                    torch.load(folder / "case.pt")["x"]).logits)  # fmt: skip
+            cases.append((str(folder), "AutoModelForCausalLM", "logits"))
+        cases += _encoders(tmp_path, target) + _vision(tmp_path, target)
+    seen = load_without_normlab(cases, tmp_path)
+    assert seen.pop("normlab_imported") is False
+    for folder, _, _ in cases:
+        assert seen[folder]["class"].startswith("Normlab"), folder
+        assert seen[folder]["diff"] <= 1e-5, (folder, seen[folder]["diff"])
+        greedy = tmp_path / folder / "greedy.json"
+        if "generated" in seen[folder]:
+            assert seen[folder]["generated"] == json.loads(greedy.read_text()), folder
+
+
+def test_the_folder_records_how_it_loads_and_the_modeling_file_is_normlabs_own_text(tmp_path):
+    model = tiny_lm()
+    rec = normlab.convert_norms(model, "dyisru", calibrate=id_batches(1), first_token="own", progress=False)
+    folder = normlab.save_converted(model, rec, tmp_path / "m")
+    record = json.loads((folder / "normlab_conversion.json").read_text())
+    assert record["portable"] == {
+        "loads_without_normlab": True,
+        "auto_classes": ["AutoModelForCausalLM"],
+        "modeling_file": MODELING_FILE,
+    }
+    config = json.loads((folder / "config.json").read_text())
+    assert config["auto_map"] == {"AutoModelForCausalLM": "modeling_normlab.NormlabLlamaForCausalLM"}
+    assert set(config["normlab_sites"]) == {s.name for s in rec.sites}
+    text = (folder / MODELING_FILE).read_text()
+    import inspect
+
+    assert inspect.getsource(normlab.functional.dyisru) in text  # the formula is the reference's text
+    assert "import normlab" not in text and "from normlab" not in text
+    assert "def dyt(" not in text  # only the formulas this conversion uses
+
+
+def test_a_model_no_auto_class_builds_saves_for_normlab_and_says_why(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+    rec = normlab.convert_norms(model, "dyt", progress=False)
+    folder = normlab.save_converted(model, rec, tmp_path / "plain")
+    record = json.loads((folder / "normlab_conversion.json").read_text())
+    assert record["portable"]["loads_without_normlab"] is False
+    assert "not a Hugging Face model" in record["portable"]["why"]
+    with pytest.raises(PortableError, match="Sequential is not a Hugging Face model"):
+        normlab.save_converted(model, rec, tmp_path / "asked", portable=True)
+    assert not (tmp_path / "asked").exists()  # refused before anything was written
+
+
+def test_a_site_the_modeling_file_cannot_rebuild_is_named():
+    with pytest.raises(PortableError, match="the site layers.3 holds a RMSEMA"):
+        site_spec(normlab.create_norm("rms_ema", 8), "layers.3")
