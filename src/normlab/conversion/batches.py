@@ -3,12 +3,13 @@ signal that ends a forward pass early, and the one way a submodule is swapped.""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
 
-__all__ = ["Stop", "as_batches", "input_ids", "run_batch", "run_hooked", "swap"]
+__all__ = ["Stop", "as_batches", "cache_kwarg", "input_ids", "run_batch", "run_hooked", "swap"]
 
 
 class Stop(Exception):
@@ -64,6 +65,12 @@ def input_ids(batch) -> torch.Tensor:
     if isinstance(batch, dict):
         return batch["input_ids"]
     return batch[0] if isinstance(batch, (list, tuple)) else batch
+
+
+def cache_kwarg(model: nn.Module) -> str:
+    """The name under which ``model``'s forward takes (and its output holds) the KV cache: ``cache`` in
+    transformers 5, which deprecates ``past_key_values``."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def swap(model: nn.Module, name: str, new: nn.Module) -> nn.Module:

@@ -26,6 +26,9 @@ class FirstToken(nn.Module):
     Input (..., T, C). A call with T = 1 is treated as a later token (one decoding step with a KV cache after a
     prompt of at least two tokens); index 0 of any call with T >= 2 is the first token. Chunked prefill,
     where a later chunk starts mid-sequence, is not supported.
+
+    Under ``torch.export`` (an ONNX export) the same rule is written without a branch on T, so that the exported
+    graph keeps T dynamic: both copies run on every token and ``is_first`` picks.
     """
 
     def __init__(self, main: nn.Module, first: nn.Module) -> None:
@@ -34,9 +37,17 @@ class FirstToken(nn.Module):
         self.first = first
 
     def forward(self, x: Tensor) -> Tensor:
+        if getattr(torch.compiler, "is_exporting", bool)() and x.dim() >= 2:  # bool() is False: torch < 2.5
+            return torch.where(self.is_first(x), self.first(x), self.main(x))
         if x.dim() < 2 or x.shape[-2] < 2:
             return self.main(x)
         return torch.cat([self.first(x[..., :1, :]), self.main(x[..., 1:, :])], dim=-2)
+
+    @staticmethod
+    def is_first(x: Tensor) -> Tensor:
+        """(T, 1): True at index 0 of a call with T >= 2 (index 0 is not also the last index)."""
+        i = torch.arange(x.shape[-2], device=x.device)
+        return ((i == 0) & (i != x.shape[-2] - 1)).unsqueeze(-1)
 
 
 def first_token_ratio(x: Tensor) -> float:

@@ -15,7 +15,6 @@ token, the batch), so a second heal of the same model reads them back, and a cha
 from __future__ import annotations
 
 import hashlib
-import inspect
 import json
 import os
 import time
@@ -24,6 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from normlab.conversion.batches import cache_kwarg
 from normlab.conversion.hf import TokenStream
 from normlab.corpus import cache_dir
 from normlab.owner import hold
@@ -68,7 +68,7 @@ def _draw(model: nn.Module, n: int, seq_len: int, seed: int, temperature: float,
     eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     eos = [e for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if isinstance(e, int) and 0 <= e < vocab]
     gen = torch.Generator().manual_seed(seed)
-    key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"  # transformers 5
+    key = cache_kwarg(model)
     out = []
     from tqdm.auto import tqdm
 
