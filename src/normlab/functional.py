@@ -424,7 +424,7 @@ def _isru(z: Tensor, beta: Tensor) -> Tensor:
     # z / sqrt(beta + z^2), written with hypot so that z^2 never overflows; at z = +-inf its limit sign(z) with
     # gradient 0 (inf / inf would be NaN), the inf masked out of the other branch so its gradient stays finite.
     inf = torch.isinf(z)
-    finite = torch.where(inf, torch.zeros_like(z), z)
+    finite = torch.where(inf, 0.0, z)
     return torch.where(inf, torch.sign(z), finite / torch.hypot(finite, torch.sqrt(beta)))
 
 

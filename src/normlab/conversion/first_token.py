@@ -27,8 +27,8 @@ class FirstToken(nn.Module):
     prompt of at least two tokens); index 0 of any call with T >= 2 is the first token. Chunked prefill,
     where a later chunk starts mid-sequence, is not supported.
 
-    Under ``torch.export`` (an ONNX export) the same rule is written without a branch on T, so that the exported
-    graph keeps T dynamic: both copies run on every token and ``is_first`` picks.
+    Under ``torch.export`` (an ONNX export) the branch on T is a ``torch.cond`` (an ONNX ``If``), so that the
+    exported graph keeps T dynamic and a decoding step runs the main copy alone.
     """
 
     def __init__(self, main: nn.Module, first: nn.Module) -> None:
@@ -38,16 +38,16 @@ class FirstToken(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if getattr(torch.compiler, "is_exporting", bool)() and x.dim() >= 2:  # bool() is False: torch < 2.5
-            return torch.where(self.is_first(x), self.first(x), self.main(x))
+            return torch.cond(x.shape[-2] >= 2, self._at_index_0, self.main, (x,))  # an ONNX If: T stays dynamic
         if x.dim() < 2 or x.shape[-2] < 2:
             return self.main(x)
         return torch.cat([self.first(x[..., :1, :]), self.main(x[..., 1:, :])], dim=-2)
 
-    @staticmethod
-    def is_first(x: Tensor) -> Tensor:
-        """(T, 1): True at index 0 of a call with T >= 2 (index 0 is not also the last index)."""
-        i = torch.arange(x.shape[-2], device=x.device)
-        return ((i == 0) & (i != x.shape[-2] - 1)).unsqueeze(-1)
+    def _at_index_0(self, x: Tensor) -> Tensor:
+        """The first copy at index 0 and the main one after it, with no slice of T - 1 tokens (torch.export would
+        fix that size)."""
+        first = (torch.arange(x.shape[-2], device=x.device) == 0).unsqueeze(-1)
+        return torch.where(first, self.first(x[..., :1, :]), self.main(x))
 
 
 def first_token_ratio(x: Tensor) -> float:

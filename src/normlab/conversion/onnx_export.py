@@ -79,10 +79,10 @@ def hypot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     hypot(inf, anything) = inf and otherwise NaN in, NaN out, as IEEE hypot."""
     aa, bb = a.abs(), b.abs()
     m, n = torch.maximum(aa, bb), torch.minimum(aa, bb)
-    r = n / torch.where(m == 0, torch.ones_like(m), m)
+    r = n / torch.where(m == 0, 1.0, m)  # scalars, not ones_like: each *_like is a Shape and an Expand in ONNX
     out = m * torch.sqrt(1 + r * r)
     out = torch.where(torch.isnan(a) | torch.isnan(b), a + b, out)
-    return torch.where(torch.isinf(a) | torch.isinf(b), torch.full_like(out, math.inf), out)
+    return torch.where(torch.isinf(a) | torch.isinf(b), math.inf, out)
 
 
 @dataclass
