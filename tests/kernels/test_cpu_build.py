@@ -57,6 +57,16 @@ def test_a_library_built_here_loads_after_the_compiler_is_gone(tmp_path):
     assert "LOADED" in _build_in_child({"NORMLAB_CACHE": str(cache)})  # built once, with the compiler
     out = _build_in_child({"NORMLAB_CACHE": str(cache), "CXX": str(tmp_path / "gone-c++")})
     assert "LOADED" in out, out
+    # issue 50: `normlab build-kernels` loaded it, then crashed asking the missing compiler for the folder's key
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "NORMLAB_CACHE": str(cache), "CXX": str(tmp_path / "gone-c++")}
+    cli = subprocess.run([sys.executable, "-m", "normlab.cli", "build-kernels"], env=env, capture_output=True,
+                         text=True, timeout=300)  # fmt: skip
+    assert cli.returncode == 0 and "normlab CPU kernels ready" in cli.stdout, cli.stderr[-2000:]
+    assert str(cache) in cli.stdout and "Traceback" not in cli.stderr
 
 
 @pytest.mark.parametrize("isa", ["avx2", "default"])
@@ -91,3 +101,34 @@ def test_another_instruction_set_builds_and_passes_the_kernel_checks(tmp_path, i
                           capture_output=True, text=True, cwd=Path(__file__).parent)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert " passed" in proc.stdout and " failed" not in proc.stdout
+
+
+@pytest.mark.slow
+def test_a_build_started_by_a_short_process_finishes_for_the_next(tmp_path):
+    """A script that ends before the ~25 s compile does leaves a finished build: the next process runs fused
+    (the build used to be a thread of the first process, and died with it)."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    cache = tmp_path / "cache"
+    env = {**os.environ, "NORMLAB_CACHE": str(cache)}
+    env.pop("NORMLAB_KERNEL", None)
+    code = (
+        "import torch, normlab\nfrom normlab.kernels import cpu_build\n"
+        "with torch.no_grad():\n    normlab.DyT(64)(torch.randn(256, 64))\n"
+        "print('FUSED' if cpu_build.loaded() else 'REFERENCE')"
+    )
+
+    def run() -> str:
+        proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return proc.stdout.strip()
+
+    assert run() == "REFERENCE"  # the build has only started when the first script ends
+    deadline = time.time() + 300
+    while not list(cache.glob("kernels/cpu-*/build.json")) and time.time() < deadline:
+        time.sleep(1)
+    assert list(cache.glob("kernels/cpu-*/build.json")), "the build did not outlive the process that started it"
+    assert run() == "FUSED"

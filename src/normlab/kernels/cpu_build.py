@@ -8,11 +8,11 @@ builds afresh; nothing stale is ever loaded. Beside the library, ``build.json`` 
 the library's size and SHA-256, checked before every load (a corrupt or truncated file is rebuilt, with
 a message). Builds take a file lock, so that parallel workers build once and the others wait.
 
-``load(wait=False)`` never blocks: with no build yet it starts one in a background thread and returns
-False (the caller uses the reference math meanwhile). ``load(wait=True)`` builds in the foreground if
-needed (``normlab build-kernels``, ``kernel="cpu"``, and long jobs such as ``train``, which should use
-one path from their first step). A machine without a working compiler gets one warning and False.
-"""
+``load(wait=False)`` never blocks: with no build yet it starts one in a process of its own session, which finishes
+even when the process that started it ends first, and returns False (the caller uses the reference math meanwhile; a
+background thread loads the library once the build is done). ``load(wait=True)`` builds in the foreground if needed
+(``normlab build-kernels``, ``kernel="cpu"``, and long jobs such as ``train``, which should use one path from their
+first step). A machine without a working compiler gets one warning and False."""
 
 from __future__ import annotations
 
@@ -272,6 +272,7 @@ def _build_and_load() -> None:
         if found is None:
             raise BuildError(f"no C++ compiler `{cxx}` on this machine", NO_COMPILER)
         torch.ops.load_library(str(found / "normlab_cpu.so"))
+        _STATE["folder"] = found
         return
     ident = _identity(cxx)
     folder = build_dir(ident)
@@ -291,10 +292,34 @@ def _build_and_load() -> None:
                 )
                 _compile(folder, ident)
     torch.ops.load_library(str(folder / "normlab_cpu.so"))
+    _STATE["folder"] = folder
 
 
-def _attempt() -> None:
+def _build_detached() -> None:
+    """Compile in a process of its own session, and wait for it: the build outlives this process, so a short
+    script that ends before the compile does leaves a finished library for the next one (the build would
+    otherwise die with it, and every short process would start over). Its output goes to ``build.log``
+    beside the library; the library and ``build.json`` appear atomically when it is done."""
+    cxx = _compiler()
+    if shutil.which(cxx) is None and not Path(cxx).is_file():
+        return  # _build_and_load finds a library built earlier, or says there is no compiler
+    ident = _identity(cxx)
+    folder = build_dir(ident)
+    if _intact(folder, ident) is None:
+        return
+    _writable_folder(folder)
+    with open(folder / "build.log", "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "normlab.kernels.cpu_build"],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    proc.wait()
+
+
+def _attempt(detached: bool = False) -> None:
     try:
+        if detached:
+            _build_detached()
         _build_and_load()
     except Exception as e:  # noqa: BLE001  (a missing compiler, a failed compile, an unloadable library)
         _STATE["failure"] = f"{type(e).__name__}: {e}"
@@ -314,7 +339,7 @@ def load(wait: bool = True) -> bool:
             return _STATE["loaded"]
         thread = _STATE["thread"]
         if thread is None:
-            thread = threading.Thread(target=_attempt, name="normlab-cpu-build", daemon=True)
+            thread = threading.Thread(target=_attempt, args=(not wait,), name="normlab-cpu-build", daemon=True)
             _STATE["thread"] = thread
             thread.start()
     if wait:
@@ -354,13 +379,23 @@ def failure() -> str | None:
 
 
 def status() -> dict:
-    """What ``normlab build-kernels`` prints: the build folder and its record."""
-    cxx = _compiler()
-    ident = _identity(cxx)
-    folder = build_dir(ident)
-    manifest = folder / "build.json"
+    """What ``normlab build-kernels`` prints: the folder of the library loaded (else of this machine's build) and
+    its record. A library loaded while $CXX cannot run (built earlier by another compiler) is described from its
+    own record, without asking the compiler."""
+    folder = _STATE.get("folder")
+    if folder is None:
+        ident = _identity(_compiler())
+        folder = build_dir(ident)
+        intact = _intact(folder, ident) is None
+    else:
+        intact = True
+    manifest = Path(folder) / "build.json"
     return {
         "folder": str(folder),
-        "intact": _intact(folder, ident) is None,
+        "intact": intact,
         "record": json.loads(manifest.read_text()) if manifest.is_file() else None,
     }
+
+
+if __name__ == "__main__":  # the detached build of `load(wait=False)`: compile (under the build lock) and exit
+    _build_and_load()
