@@ -389,3 +389,47 @@ def test_a_flag_and_a_set_of_the_same_field_that_disagree_are_an_error(models, t
     err = capsys.readouterr().err
     assert rc == 2 and message in err, err
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (["heal.batch_size=10000000"], "healing 0M parameters at heal.batch_size=10000000 x seq_len=16 needs about"),
+        (["heal.train=lora", "heal.lora_rank=1000"], "heal.lora_rank = 1000 is above the smallest dimension"),
+    ],
+)
+def test_a_heal_the_machine_cannot_run_is_refused_before_the_calibration(tmp_path, capsys, monkeypatch, settings,
+                                                                         message):  # fmt: skip
+    """issue 50: heal.batch_size=100000 calibrated, then died from the out-of-memory kill with no message; a LoRA
+    rank above the layers' dimensions was accepted."""
+    monkeypatch.setattr(
+        "normlab.conversion.workflow.convert_norms", lambda *a, **k: pytest.fail("calibrated before refusing")
+    )
+    text = tmp_path / "t.txt"
+    text.write_text(CALIB)
+    model = tiny_hf(tmp_path / "m")
+    argv = ["convert", "--model", str(model), "--calibrate", str(text), "--seq-len", "16", "--sequences", "2",
+            "--eval-text", "none", "--heal-tokens", "64", "--no-progress", "--set", *settings]  # fmt: skip
+    rc = main(argv)
+    err = capsys.readouterr().err
+    assert rc == 2 and message in err, err
+
+
+def test_a_resume_from_a_file_that_is_no_checkpoint_is_refused_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    """issue 50: a file given to --checkpoint --resume that is not a checkpoint was found out after calibration."""
+    monkeypatch.setattr("normlab.conversion.workflow.load_model", lambda *a, **k: pytest.fail("loaded the model"))
+    text = tmp_path / "t.txt"
+    text.write_text(CALIB)
+    model = tiny_hf(tmp_path / "m")
+    for content in (b"not a checkpoint", None):
+        bogus = tmp_path / "bogus.pt"
+        if content is None:
+            import torch
+
+            torch.save({"weights": torch.zeros(2)}, bogus)  # a torch file, but not a heal's state
+        else:
+            bogus.write_bytes(content)
+        argv = ["convert", "--model", str(model), "--calibrate", str(text), "--heal-tokens", "64", "--checkpoint",
+                str(bogus), "--resume", "--no-progress", "--eval-text", "none"]  # fmt: skip
+        assert main(argv) == 2
+        assert f"--resume: {bogus} is not a heal checkpoint" in capsys.readouterr().err

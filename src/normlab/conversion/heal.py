@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from normlab.conversion.batches import as_batches, input_ids, run_batch
-from normlab.conversion.config import OBJECTIVES, TRAINS, HealConfig
+from normlab.conversion.config import OBJECTIVES, TRAINS, HealConfig, flag
 from normlab.conversion.heal_blocks import blocks
 from normlab.conversion.heal_run import (
     Budget,
@@ -66,8 +66,18 @@ from normlab.conversion.hf import TextSplits, TokenStream
 from normlab.conversion.lora import add_lora, merge_lora
 from normlab.conversion.samples import MixedStream
 from normlab.conversion.teacher import TeacherCache
+from normlab.errors import check_memory
 
-__all__ = ["heal", "HealReport", "find_blocks", "OBJECTIVES", "TRAINS", "distill", "distill_loss"]
+__all__ = [
+    "heal",
+    "check_heal_resources",
+    "HealReport",
+    "find_blocks",
+    "OBJECTIVES",
+    "TRAINS",
+    "distill",
+    "distill_loss",
+]
 
 _RUN_OPTIONS = ("val", "progress")  # the call's own keywords besides HealConfig's fields
 
@@ -129,6 +139,30 @@ def _settings(cfg: HealConfig | None, options: dict) -> tuple[HealConfig, dict]:
     return cfg, {k: options[k] for k in _RUN_OPTIONS if k in options}
 
 
+def check_heal_resources(cfg: HealConfig, model: nn.Module, seq_len: int, vocab: int) -> None:
+    """Refuse, before any work, a heal this machine cannot hold or a LoRA rank the layers cannot take: the memory
+    of the student's weights, gradients and Adam moments, the teacher's weights, and a step's activations and
+    logits (teacher and student) for ``cfg.batch_size`` x ``seq_len`` tokens, estimated as ``train`` does; and a
+    ``lora_rank`` above the smallest dimension of the linear layers it adapts."""
+    n = sum(p.numel() for p in model.parameters())
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    if cfg.train == "lora" and linears:
+        least = min(min(m.in_features, m.out_features) for m in linears)
+        if cfg.lora_rank > least:
+            raise ValueError(
+                f"{flag('heal.lora_rank')} = {cfg.lora_rank} is above the smallest dimension of the linear layers "
+                f"it adapts ({least}): a rank-{least} update already spans them; use heal.lora_rank <= {least}"
+            )
+    width = max((m.in_features for m in linears), default=1)
+    layers = max(len(linears) // 7, 1)  # about 7 linear layers a block (q, k, v, o, gate, up, down)
+    tokens = cfg.batch_size * seq_len
+    check_memory(
+        20 * n + 4 * tokens * (4 * vocab + 24 * width * layers),
+        f"healing {n / 1e6:.0f}M parameters at heal.batch_size={cfg.batch_size} x seq_len={seq_len}",
+        "use a smaller heal.batch_size or seq_len",
+    )
+
+
 def heal(
     original: nn.Module,
     converted: nn.Module,
@@ -154,6 +188,9 @@ def heal(
     if isinstance(data, TextSplits):
         data, val = data.stream, data.val if val is None else val
     stream = _stream_of(data)
+    logits = original.get_output_embeddings() if hasattr(original, "get_output_embeddings") else None
+    vocab = logits.out_features if isinstance(logits, nn.Linear) else 0
+    check_heal_resources(cfg, converted, stream.seq_len, vocab)
     sites = (
         [s.name for s in record.sites]
         if record is not None

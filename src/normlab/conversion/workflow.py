@@ -21,7 +21,7 @@ from pathlib import Path
 from normlab.conversion.config import ConvertConfig, flag, identity_difference
 from normlab.conversion.convert import convert_norms, fidelity, save_converted
 from normlab.conversion.frontier import FEW_SELECTION, frontier
-from normlab.conversion.heal import heal
+from normlab.conversion.heal import check_heal_resources, heal
 from normlab.conversion.hf import load_model, quiet, smollm2, text_batches, text_splits
 from normlab.conversion.samples import calibration_samples, heal_splits
 from normlab.conversion.saving import RECORD_FILE
@@ -128,9 +128,14 @@ def _check_resume_identity(ckpt: str | None, cfg: ConvertConfig, identity: dict)
     if not (cfg.heal.resume and ckpt):
         return
     try:
-        saved = torch.load(ckpt, map_location="cpu", weights_only=False, mmap=True).get("identity")
-    except Exception:  # noqa: BLE001  (heal's own load names a corrupt file)
-        return
+        saved = torch.load(ckpt, map_location="cpu", weights_only=False, mmap=True)
+    except Exception as e:  # noqa: BLE001  (any unreadable file: not a checkpoint a heal wrote)
+        saved = f"{type(e).__name__}: {str(e)[:120]}"
+    if not isinstance(saved, dict) or "stream" not in saved:
+        why = saved if isinstance(saved, str) else f"it holds a {type(saved).__name__}, not a heal's state"
+        raise ValueError(f"--resume: {ckpt} is not a heal checkpoint ({why}); give the file a heal wrote, or drop "
+                         "--resume and choose another --checkpoint")  # fmt: skip
+    saved = saved.get("identity")
     diff = identity_difference(saved, identity, keys=identity)
     if diff:
         raise ValueError(
@@ -336,6 +341,8 @@ def _convert(cfg: ConvertConfig, model_path: str, ckpt: str | None, progress: bo
     facts["model_fingerprint"] = _fingerprint(net)
     _check_resume_identity(ckpt, cfg, {"model_fingerprint": facts["model_fingerprint"]})
     vocab = net.get_input_embeddings().num_embeddings
+    if cfg.heal.budgeted:  # its memory and LoRA rank, before the calibration it follows
+        check_heal_resources(cfg.heal, net, cfg.seq_len, vocab)
     if tokenizer is None:
         print(f"{cfg.model} has no tokenizer: using byte values mod {vocab} as token ids")
     with stages("load"):
