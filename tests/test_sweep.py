@@ -294,3 +294,19 @@ def test_fuzz_every_run_field_of_the_wrong_kind(tmp_path, capsys, field):
         assert rc == 2 and len(err.splitlines()) == 1 and str(path) in err and field in err, (field, wrong, err)
         tried += 1
     assert tried >= 3
+
+
+def test_sweep_and_reproduce_check_their_arguments_before_writing(tmp_path, capsys):
+    """issue 50: `sweep --shard 3/2` wrote index.json before refusing; a --root that is a file raised
+    FileExistsError."""
+    from normlab.cli import main
+
+    root = tmp_path / "root"
+    assert main(["sweep", "--root", str(root), "--shard", "3/2", "--no-progress"]) == 2
+    assert "--shard i/n needs 0 <= i < n" in capsys.readouterr().err and not root.exists()
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    for command in (["sweep"], ["reproduce", "--quick"]):
+        assert main([*command, "--root", str(a_file), "--no-progress"]) == 2
+        assert f"--root {a_file} is a file; give a folder" in capsys.readouterr().err
+    assert a_file.read_text() == "x"

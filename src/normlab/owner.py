@@ -16,7 +16,7 @@ from pathlib import Path
 
 from normlab.errors import NormlabError
 
-__all__ = ["Locked", "hold", "take_lock", "check_writable", "inside", "path_segment_error"]
+__all__ = ["Locked", "hold", "take_lock", "check_folder", "check_writable", "inside", "path_segment_error"]
 
 
 class Locked(NormlabError):
@@ -75,6 +75,14 @@ def check_writable(path: str | Path, what: str) -> None:
         raise ValueError(f"{what} {path}: {probe} is a file, not a folder")
     if not os.access(folder, os.W_OK | os.X_OK):
         raise ValueError(f"{what} {path}: the folder {folder} is not writable; choose another path")
+
+
+def check_folder(path: str | Path, what: str) -> None:
+    """A folder normlab will write into: not an existing file, and writable (`check_writable`)."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{what} {path} is a file; give a folder (or a path that does not exist yet)")
+    check_writable(path, what)
 
 
 def inside(path: str | Path, *roots: str | Path | None) -> str | None:

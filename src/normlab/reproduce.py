@@ -6,6 +6,7 @@ import json
 import time
 from pathlib import Path
 
+from normlab.owner import check_folder
 from normlab.sweep import builtin_experiments, expand, load_experiment, run_sweep, write_index
 
 __all__ = ["run_theory", "reproduce"]
@@ -60,6 +61,7 @@ def reproduce(
     if compare is not None and not (Path(compare) / "index.json").is_file():  # checked before any run, not after
         raise FileNotFoundError(f"--compare {compare}: no index.json there (run `normlab reproduce` for it first)")
     root = Path(root)
+    check_folder(root, "--root")
     exps = [load_experiment(e) for e in (experiments or builtin_experiments(profile))]
     specs = [s for e in exps for s in expand(e, profile, root)]  # validates every config before any work
     write_index(exps, profile, root)

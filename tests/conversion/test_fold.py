@@ -92,7 +92,7 @@ def test_a_site_read_by_more_than_linear_layers_is_refused_and_nothing_changes()
     model = _Reused()
     before = copy.deepcopy(model.state_dict())
     x = torch.randn(4, 8)
-    with pytest.raises(ValueError, match="read by more than linear layers; nothing was changed"):
+    with pytest.raises(ValueError, match="nothing was changed. Some site's output is read by more than linear"):
         normlab.fold(model, x)
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
@@ -115,3 +115,32 @@ def test_fold_needs_a_probe_or_a_vocabulary_and_a_site():
         normlab.fold(nn.Sequential(normlab.DyT(8), nn.Linear(8, 2)))
     with pytest.raises(ValueError, match="no normlab norm sites"):
         normlab.fold(nn.Sequential(nn.Linear(8, 2)), torch.randn(1, 8))
+
+
+def test_a_bf16_fold_undone_by_rounding_says_so_and_how_to_fold():
+    """issue 50: on a bf16 model the fold blamed a non-linear reader, where bf16 rounding moved the logits. Run in a
+    process of its own with oneDNN below AMX (a bf16 matmul with AMX dies with SIGILL on this VM)."""
+    import os
+    import subprocess
+    import sys
+
+    code = """
+import torch, normlab
+from torch import nn
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(64, 64), normlab.DyT(64, kernel="reference"), nn.Linear(64, 64))
+with torch.no_grad():
+    model[1].weight.uniform_(0.3, 3.0)
+model = model.to(torch.bfloat16)
+try:
+    normlab.fold(model, torch.randn(8, 64, dtype=torch.bfloat16))
+    print("FOLDED")
+except ValueError as e:
+    print(e)
+"""
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "The model is torch.bfloat16" in run.stdout and "fold a float32 copy (model.float())" in run.stdout, (
+        run.stdout
+    )

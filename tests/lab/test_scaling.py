@@ -182,6 +182,9 @@ def test_muon_learning_rate_follows_the_schedule(corpus_file, tmp_path):
         ("muon_momentum=1.5", r"muon_momentum must be in \[0, 1\)"),
         ("model.rope_theta=0.5", r"model.rope_theta must be a finite number > 1"),
         ("model.tied_embeddings=maybe", r"model.tied_embeddings must be bool or null"),
+        # issue 50: a knob the chosen optimizer or block ignores is refused, not silently dropped
+        ("muon_lr=0.05", r"muon_lr = 0.05 sets Muon, but optimizer = 'adamw' does not use it"),
+        ("model.rope_theta=500000", r"model.rope_theta = 500000 sets RoPE, which only model.block = 'llama' has"),
     ],
 )
 def test_new_fields_are_refused_before_any_folder_exists(corpus_file, tmp_path, capsys, setting, match):

@@ -179,6 +179,24 @@ def _why_not(site: nn.Module, readers: list) -> str | None:
     return None
 
 
+def _moved(diff: float, tolerance: float, dtype: torch.dtype) -> str:
+    """Why the fold was undone: in a 16-bit dtype, rounding alone moves the logits by more than the tolerance."""
+    head = (
+        f"fold: the probe's logits moved by {diff:.3g} of their scale (> {tolerance:g}) after folding; nothing was "
+        "changed"
+    )
+    if dtype in (torch.float16, torch.bfloat16):
+        eps = torch.finfo(dtype).eps
+        return (
+            f"{head}. The model is {dtype} (rounding step {eps:.1g}), so rounding alone can move them that much: "
+            f"fold a float32 copy (model.float()) and cast back, or pass tolerance={max(10 * eps, tolerance):.2g}"
+        )
+    return (
+        f"{head}. Some site's output is read by more than linear layers, or the model is badly conditioned in "
+        f"{dtype}: check it in float64 (model.double()) or pass a larger tolerance"
+    )
+
+
 def fold(model: nn.Module, probe=None, *, tolerance: float = 1e-4) -> FoldReport:
     """Fold every norm site's gamma (and beta) into the linear layers that read it, in place (see the module
     docstring). ``probe``: an input of the model (token ids, a dict of keyword inputs, or a tensor); default, two
@@ -211,10 +229,7 @@ def fold(model: nn.Module, probe=None, *, tolerance: float = 1e-4) -> FoldReport
             scale = float(before.abs().max().clamp_min(1e-30))
             report.max_difference = float((after - before).abs().max()) / scale
             if not report.max_difference <= tolerance:
-                raise ValueError(
-                    f"fold: the probe's logits moved by {report.max_difference:.3g} of their scale (> {tolerance:g}) "
-                    "after folding, so some site's output is read by more than linear layers; nothing was changed"
-                )
+                raise ValueError(_moved(report.max_difference, tolerance, after.dtype))
         except BaseException:
             for step in reversed(undo):
                 step()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 from normlab.lab.model import GPTConfig, check_types
 from normlab.pairs import apply_overrides
@@ -82,6 +82,13 @@ class TrainConfig:
             raise ValueError(f"optimizer = 'muon' schedules muon_lr as a fraction of lr: lr must be > 0, got {self.lr}")
         if not 0.0 <= self.muon_momentum < 1.0:
             raise ValueError(f"muon_momentum must be in [0, 1), got {self.muon_momentum!r}")
+        changed = [f for f in ("muon_lr", "muon_momentum") if getattr(self, f) != _DEFAULTS[f]]
+        if self.optimizer != "muon" and changed:  # a knob the optimizer ignores: refused, not silently dropped
+            raise ValueError(
+                f"{changed[0]} = {getattr(self, changed[0])!r} sets Muon, but optimizer = {self.optimizer!r} does not "
+                "use it (a sweep over it would train the same run under different names): set optimizer = 'muon', "
+                f"or leave {changed[0]} out"
+            )
         if self.warmup < 0:
             raise ValueError(f"warmup must be >= 0, got {self.warmup}")
         if self.amp not in ("auto", "bf16", "none"):
@@ -174,3 +181,6 @@ def _merge(base: dict, extra: dict) -> dict:
         else:
             out[k] = v
     return out
+
+
+_DEFAULTS = {f.name: f.default for f in fields(TrainConfig)}  # what "not given" reads as, for the relevance checks

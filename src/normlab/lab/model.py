@@ -126,6 +126,11 @@ class GPTConfig:
             )
         if not (math.isfinite(self.rope_theta) and self.rope_theta > 1):
             raise ValueError(f"model.rope_theta must be a finite number > 1, got {self.rope_theta!r}")
+        if self.block != "llama" and self.rope_theta != GPTConfig.rope_theta:  # ignored: refused, not dropped
+            raise ValueError(
+                f"model.rope_theta = {self.rope_theta!r} sets RoPE, which only model.block = 'llama' has (the "
+                f"{self.block!r} block has learned positions): set model.block = 'llama', or leave rope_theta out"
+            )
         scale = self.embed_scale
         number = isinstance(scale, (int, float)) and not isinstance(scale, bool)
         if not (scale is None or scale == "sqrt_d" or (number and math.isfinite(scale) and scale > 0)):
