@@ -185,3 +185,17 @@ def test_converted_smollm2_loads_without_normlab(smollm2, tmp_path):
     assert seen[str(folder)]["class"] == "NormlabLlamaForCausalLM"
     assert seen[str(folder)]["diff"] <= 1e-5, seen
     assert seen[str(folder)]["generated"] == greedy
+
+
+def test_converted_smollm2_exports_to_onnx_with_its_cache(smollm2, tmp_path):
+    """DyISRU per channel with first-token copies, folded and exported: ONNX Runtime's logits on held-out
+    Shakespeare within float32 rounding of PyTorch's (1e-5 of the largest logit), and 32 greedy tokens decoded
+    with the cache identical to generate's."""
+    pytest.importorskip("onnxruntime", reason="the onnx extra is absent: pip install 'normlab[onnx]'")
+    model, calib, held, _ = smollm2
+    conv = copy.deepcopy(model)
+    rec = normlab.convert_norms(conv, "dyisru", calibrate=calib, per="channel", progress=False)
+    report = normlab.export_onnx(conv, tmp_path / "smollm2.onnx", probe=held[0][:2])
+    assert len(report.folded) == len(rec.sites) == 61 and report.layers == 30
+    assert report.max_logit_difference <= 1e-5 * report.logit_scale, report.summary()
+    assert report.greedy_tokens == 32 and report.greedy_equal, report.summary()
