@@ -303,3 +303,19 @@ def test_a_bad_config_fails_before_any_work_and_leaves_no_folder(corpus_file, tm
 def test_amp_none_is_the_documented_word_not_python_none(corpus_file, tmp_path):
     assert resolve_config("tiny", ["amp=none"]).amp == "none"
     assert resolve_config("tiny", ["model.norm_attn=null"]).model.norm_attn is None
+
+
+def test_a_text_that_a_fresh_start_would_clear_is_refused(tmp_path, capsys):
+    """issue 50, inputs are never outputs: a --data file that is one of the run's own files in --out (cleared by
+    --overwrite) is refused before any work, and stays as it was."""
+    from conftest import TEXT
+    from normlab.cli import main
+
+    out = tmp_path / "run"
+    out.mkdir()
+    data = out / "metrics.jsonl"
+    data.write_text(TEXT)
+    assert main(["train", "--preset", "tiny", "--data", str(data), "--out", str(out), "--overwrite"]) == 2
+    err = capsys.readouterr().err
+    assert f"data: {data} is the run's own metrics.jsonl in out = {out}, which a fresh start clears" in err, err
+    assert data.read_text() == TEXT

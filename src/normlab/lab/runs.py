@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from normlab.errors import NormlabError
-from normlab.owner import take_lock
+from normlab.owner import inside, take_lock
 
 __all__ = ["RunFolder", "RunLocked", "TERMINAL", "code_version", "escape_step", "read_jsonl", "read_summary",
            "write_json"]  # fmt: skip
@@ -197,6 +197,12 @@ class RunFolder:
             tmp = path.with_suffix(".tmp")
             tmp.write_text(kept)
             os.replace(tmp, path)
+
+    def clears(self, path: str | Path) -> str | None:
+        """The name of the run file (or ``tb/``) that ``path`` is or lies in, which `clear` removes; else None."""
+        names = (*RUN_FILES, CHECKPOINT.replace(".pt", ".tmp"), "tb")
+        hit = inside(path, *(self.path / n for n in names))
+        return None if hit is None else Path(hit).name
 
     def clear(self) -> None:
         """Remove the run's files (and nothing else the user keeps in the folder)."""
