@@ -282,17 +282,21 @@ def _build_and_load() -> None:
             fcntl.flock(lock, fcntl.LOCK_EX)  # parallel workers: one builds, the others wait and load
             why = _intact(folder, ident)
             if why is not None:
-                if why != "absent":
-                    print(f"normlab: the cached CPU kernels in {folder} are {why}; rebuilding", file=sys.stderr)
-                print(
-                    f"normlab: building the CPU kernels for this machine, once (one C++ compile, "
-                    f"about 20-40 s) into {folder}",
-                    file=sys.stderr,
-                    flush=True,
-                )
+                _announce(folder, why)
                 _compile(folder, ident)
     torch.ops.load_library(str(folder / "normlab_cpu.so"))
     _STATE["folder"] = folder
+
+
+def _announce(folder: Path, why: str) -> None:
+    """Say on stderr that a build starts, and why (a cached library that is damaged is named)."""
+    if why != "absent":
+        print(f"normlab: the cached CPU kernels in {folder} are {why}; rebuilding", file=sys.stderr)
+    print(
+        f"normlab: building the CPU kernels for this machine, once (one C++ compile, about 20-40 s) into {folder}",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def _build_detached() -> None:
@@ -305,9 +309,11 @@ def _build_detached() -> None:
         return  # _build_and_load finds a library built earlier, or says there is no compiler
     ident = _identity(cxx)
     folder = build_dir(ident)
-    if _intact(folder, ident) is None:
+    why = _intact(folder, ident)
+    if why is None:
         return
     _writable_folder(folder)
+    _announce(folder, why)  # here, where the user sees it; the build's own output goes to build.log
     with open(folder / "build.log", "w") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "normlab.kernels.cpu_build"],
