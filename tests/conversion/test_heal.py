@@ -352,13 +352,48 @@ def test_the_stream_never_repeats_before_it_has_used_every_sequence_and_never_to
                                       ({"tokens": 5, "rollback_nats": math.inf}, "rollback_nats must be a finite"),
                                       ({"tokens": 5, "grad_clip": -1.0}, "grad_clip must be a finite number >= 0"),
                                       ({"tokens": 5, "grad_clip": True}, "grad_clip must be a number, got True"),
-                                      ({"tokens": 5, "resume": True}, "resume=True needs checkpoint")])  # fmt: skip
+                                      ({"tokens": 5, "resume": True}, "resume=True needs checkpoint"),
+                                      ({"tokens": 5, "precision": "fp16"}, "precision must be 'float32' or 'bf16'"),
+                                      ({"tokens": 5, "objective": "blocks", "precision": "bf16"},
+                                       "precision bf16 applies to the distill")])  # fmt: skip
 def test_heal_bad_input_is_clear(kw, match):
     original = tiny_lm()
     model = copy.deepcopy(original)
     rec = normlab.convert_norms(model, "dyt")
     with pytest.raises(ValueError, match=match):
         normlab.heal(original, model, id_batches(1), rec, **kw)
+
+
+@pytest.mark.slow
+def test_a_bf16_heal_trains_and_keeps_its_validation_in_float32():
+    """heal.precision=bf16: each step under CPU autocast (in a process of its own with oneDNN below AMX: a bf16
+    matmul with AMX dies with SIGILL on this VM); the heal lowers the validation cross-entropy like a float32 one,
+    and the model it leaves is float32."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    code = """
+import copy, json, torch, normlab
+from conftest import id_batches, tiny_lm
+out = {}
+for precision in ("float32", "bf16"):
+    original = tiny_lm(initializer_range=0.5)
+    model = copy.deepcopy(original)
+    rec = normlab.convert_norms(model, "dyt")
+    rep = normlab.heal(original, model, id_batches(8, seed=3), rec, tokens=1024, val=id_batches(2, seed=9),
+                       precision=precision, eval_every=256, progress=False)
+    out[precision] = {"curve": [p["val_ce"] for p in rep.curve], "dtype": str(next(model.parameters()).dtype)}
+print(json.dumps(out))
+"""
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16", "PYTHONPATH": os.path.dirname(__file__) + "/.."}
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    seen = json.loads(run.stdout.strip().splitlines()[-1])
+    for precision, got in seen.items():
+        assert got["dtype"] == "torch.float32" and min(got["curve"][1:]) < got["curve"][0], (precision, got)
+    assert abs(min(seen["bf16"]["curve"]) - min(seen["float32"]["curve"])) < 0.1 * seen["float32"]["curve"][0]
 
 
 # ------------------------------------------------------------------ real-model loading: bad input

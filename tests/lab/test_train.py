@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from normlab.cli import main
+from normlab.errors import check_cpu_bf16
 from normlab.lab import GPTConfig, resolve_config, train
 from normlab.lab.runs import read_summary
-from normlab.lab.train import check_cpu_bf16
 
 
 # 6: a diverged run reads as diverged

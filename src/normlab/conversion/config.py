@@ -32,6 +32,7 @@ FREE_TABLES = ("init", "site_init")  # tables whose keys are the user's (init.al
 HEAL_LEARNING_RATES = {"norms": 1e-3, "lora": 1e-3, "all": 2e-5}  # Adam; the norms' rate also applies under "lora"
 HEAL_TEXTS = ("text", "self", "self+text")  # what the heal trains on (normlab.conversion.samples)
 HEAL_SCHEDULES = ("constant", "cosine", "cooldown")  # the heal's rate over its budget (heal_run.lr_factor)
+HEAL_PRECISIONS = ("float32", "bf16")  # the dtype of a distill step's matmuls (autocast); bf16 checked before the heal
 CALIBRATE_SOURCES = ("text", "self")  # what calibration fits on: the text's first sequences, or the model's samples
 
 
@@ -108,6 +109,7 @@ class HealConfig:
     temperature: float = 1.0  # of the sampling
     seed: int = 0  # of the sampling
     teacher_top_k: int | None = None  # distill: the original's top k, cached per sequence (teacher.py); None: live
+    precision: str = "float32"  # distill: "bf16" runs each step's matmuls in bf16 (autocast); validation stays fp32
 
     @property
     def budgeted(self) -> bool:
@@ -143,6 +145,9 @@ class HealConfig:
             )
         _choice("heal.text", self.text, HEAL_TEXTS)
         _choice("heal.schedule", self.schedule, HEAL_SCHEDULES)
+        _choice("heal.precision", self.precision, HEAL_PRECISIONS)
+        if self.precision != "float32" and self.objective != "distill":
+            raise ValueError(f"{flag('heal.precision')} {self.precision} applies to the distill objective's steps")
         if self.schedule != "constant" and self.objective != "distill":
             raise ValueError(
                 f"{flag('heal.schedule')} {self.schedule} applies to the distill objective; the blocks objective "

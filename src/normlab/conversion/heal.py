@@ -66,7 +66,7 @@ from normlab.conversion.hf import TextSplits, TokenStream
 from normlab.conversion.lora import add_lora, merge_lora
 from normlab.conversion.samples import MixedStream
 from normlab.conversion.teacher import TeacherCache
-from normlab.errors import check_memory
+from normlab.errors import check_cpu_bf16, check_memory
 
 __all__ = [
     "heal",
@@ -191,6 +191,8 @@ def heal(
     logits = original.get_output_embeddings() if hasattr(original, "get_output_embeddings") else None
     vocab = logits.out_features if isinstance(logits, nn.Linear) else 0
     check_heal_resources(cfg, converted, stream.seq_len, vocab)
+    if cfg.precision == "bf16" and next(converted.parameters()).device.type == "cpu":
+        check_cpu_bf16(what="heal.precision=bf16", instead="heal.precision=float32")
     sites = (
         [s.name for s in record.sites]
         if record is not None
@@ -286,14 +288,19 @@ def distill(run: HealRun) -> None:
     losses, norms, next_eval = [], [], report.tokens + cfg.eval_every  # norms: each step's gradient norm, unclipped
     lr = set_lr(opt, lr_factor(cfg.schedule, budget.used()))
     teacher = TeacherCache(run.original, cfg.teacher_top_k) if cfg.teacher_top_k is not None else None
+    device = next(run.converted.parameters()).device.type
+    autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=cfg.precision == "bf16")
     counted = report.teacher_computed, report.teacher_reused  # from before a resume (the cache itself is not saved)
     try:
         while budget.used() < 1.0:
             ids = run.stream.next(cfg.batch_size)
-            if teacher is None:
-                loss = distill_loss(run.original, run.converted, ids)
-            else:
-                loss = teacher.loss(run.converted, ids)
+            with autocast:
+                loss = (
+                    distill_loss(run.original, run.converted, ids)
+                    if teacher is None
+                    else teacher.loss(run.converted, ids)
+                )
+            if teacher is not None:
                 report.teacher_computed, report.teacher_reused = (
                     counted[0] + teacher.computed,
                     counted[1] + teacher.reused,

@@ -11,12 +11,9 @@ Scale-out: launched by ``torchrun --nproc_per_node N``, the model is wrapped in 
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -25,7 +22,7 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from normlab.errors import NormlabError
+from normlab.errors import NormlabError, check_cpu_bf16
 from normlab.lab.config import TrainConfig
 from normlab.lab.data import get_batch, load_corpus
 from normlab.lab.metrics import Probe, init_telemetry, norm_parameters, projection_ranks
@@ -33,7 +30,7 @@ from normlab.lab.model import GPT
 from normlab.lab.optim import build_optimizer, lr_at
 from normlab.lab.runs import CONFIG, METRICS, SUMMARY, VERSION, RunFolder, code_version, escape_step, read_jsonl
 
-__all__ = ["train", "CheckpointError", "check_cpu_bf16"]
+__all__ = ["train", "CheckpointError"]
 
 # config fields that may change when a run is resumed; every other field must match the checkpoint
 RESUMABLE = {
@@ -134,37 +131,6 @@ def evaluate(model, data: torch.Tensor, cfg: TrainConfig, device, autocast) -> f
             losses.append(float(model(x.to(device), y.to(device))[1]))
     model.train()
     return sum(losses) / len(losses)
-
-
-_BF16_PROBE = """
-import torch
-a = torch.randn(64, 64)
-with torch.autocast("cpu", dtype=torch.bfloat16):
-    (a @ a).sum().item()
-"""
-
-
-@functools.cache
-def check_cpu_bf16(code: str = _BF16_PROBE) -> None:
-    """Run a bf16 matmul under CPU autocast in a child process, and raise a clear error if it dies.
-
-    Some virtual machines advertise AMX but do not enable it: oneDNN then picks AMX kernels and the
-    process dies with SIGILL (Illegal instruction), with no Python error. Capping oneDNN's instruction
-    set with ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 avoids it. The child inherits this environment.
-    """
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    if proc.returncode == -signal.SIGILL:
-        raise NormlabError(
-            "amp=bf16 on this CPU dies with SIGILL (Illegal instruction): the CPU advertises "
-            "instructions (AMX) the machine does not enable, as some virtual machines do. Set "
-            "ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 in the environment and rerun, or use amp=none"
-        )
-    if proc.returncode != 0:
-        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        raise NormlabError(
-            f"amp=bf16: a bf16 matmul under CPU autocast fails on this machine "
-            f"(exit {proc.returncode}: {tail}); use amp=none"
-        )
 
 
 class _Interrupt:
