@@ -4,6 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.normlab-installed
 DEV    := $(VENV)/.normlab-dev
+DOCS   := $(VENV)/.normlab-docs
 
 .PHONY: setup dev test lint demo docs clean
 
@@ -36,9 +37,14 @@ test: lint
 demo: setup
 	$(VENV)/bin/normlab reproduce
 
-# the documentation site, into site/; --strict fails on a broken link or a missing API reference
-docs: dev
+# the documentation site, into site/; --strict fails on a broken link or a missing API reference. It needs only
+# the docs extra (mkdocs reads the sources; it imports nothing of the dev extra)
+docs: $(DOCS)
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
+
+$(DOCS): $(STAMP)
+	$(PY) -m pip install --quiet -e ".[docs]"
+	@touch $(DOCS)
 
 clean:  # removes the venv only where it is one (a pyvenv.cfg inside), never whatever path VENV names
 	@if [ -f "$(VENV)/pyvenv.cfg" ]; then rm -rf "$(VENV)"; elif [ -e "$(VENV)" ]; then \

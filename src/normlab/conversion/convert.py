@@ -217,7 +217,7 @@ def convert_norms(
 
     init:       kwargs for every replacement (e.g. {"alpha_init": 0.5});
     site_init:  {fnmatch pattern on the module name: kwargs}, e.g. DyT's LLaMA recipe
-                {"*input_layernorm": {"alpha_init": 0.8}, "*post_attention_layernorm": {"alpha_init": 0.2}};
+                ``{"*input_layernorm": {"alpha_init": 0.8}, "*post_attention_layernorm": {"alpha_init": 0.2}}``;
     calibrate:  sample inputs (tensor, dict of kwargs, list, or dataloader) to fit the new parameters, site by
                 site in the order the model runs them (`normlab.conversion.calibrate`);
     per:        "global" or "channel" (one fitted parameter per channel);
