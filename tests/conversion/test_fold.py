@@ -105,9 +105,39 @@ def test_a_site_with_a_bias_and_a_bias_free_reader_is_left_with_the_reason():
     x = torch.randn(5, 8)
     want = model(x)
     report = normlab.fold(model, x)
-    assert report.skipped == {"0": "a nonzero bias, and a reader without one"}
+    assert report.skipped == {"0": "a nonzero bias, and a reader without one (fold(..., add_biases=True) gives it one)"}
     assert report.folded == {"2": ["3"]}
     torch.testing.assert_close(model(x), want)
+
+
+def test_add_biases_folds_a_bias_into_a_bias_free_reader_and_an_undo_removes_it():
+    """For an export (normlab.export_onnx folds its own copy): the reader gets a bias W b, the site is bare."""
+    model = nn.Sequential(normlab.DyT(8), nn.Linear(8, 4, bias=False))
+    with torch.no_grad():
+        model[0].bias.uniform_(-0.5, 0.5)
+        model[0].weight.uniform_(0.5, 2.0)
+    x = torch.randn(5, 8)
+    want = model(x)
+    report = normlab.fold(model, x, add_biases=True)
+    assert report.folded == {"0": ["1"]} and model[1].bias is not None
+    assert torch.all(model[0].bias == 0) and torch.all(model[0].weight == 1)
+    torch.testing.assert_close(model(x), want)
+
+    class Reused(nn.Module):  # the site also feeds the output directly: the fold's check fails and undoes all
+        def __init__(self):
+            super().__init__()
+            self.norm, self.lin = normlab.DyT(8), nn.Linear(8, 8, bias=False)
+            with torch.no_grad():
+                self.norm.bias.fill_(0.3)
+
+        def forward(self, x):
+            y = self.norm(x)
+            return self.lin(y) + y
+
+    reused = Reused()
+    with pytest.raises(ValueError, match="nothing was changed"):
+        normlab.fold(reused, x, add_biases=True)
+    assert reused.lin.bias is None and torch.all(reused.norm.bias == 0.3)
 
 
 def test_fold_needs_a_probe_or_a_vocabulary_and_a_site():

@@ -139,3 +139,18 @@ def test_normlab_export_says_what_is_wrong_in_one_line(tmp_path):
     run = _cli("export", str(tmp_path / "plain"), "--onnx", str(tmp_path / "m.onnx"), env_code=blocked)
     assert run.returncode == 2 and "ONNX export needs onnxruntime: pip install 'normlab[onnx]'" in run.stderr
     assert "Traceback" not in run.stderr
+
+
+@pytest.mark.slow
+def test_a_healed_model_with_biases_folds_them_into_its_exported_copy(tmp_path):
+    """A heal trains each site's bias; Llama's projections have none. The export folds it anyway (into its own
+    copy, which transformers never reloads), and the model itself keeps its bias-free projections."""
+    model, _ = _case("Llama", "dyisru")
+    with torch.no_grad():
+        for m in model.modules():
+            if type(m).__name__ == "DyISRU":
+                m.bias.uniform_(-0.3, 0.3)
+    report = export_onnx(model, tmp_path / "m.onnx", probe=id_batches(1, seed=5, t=12)[0])
+    assert len(report.folded) == 5 and "bias" not in report.fold_note, report.summary()
+    assert report.max_logit_difference <= 1e-5 * report.logit_scale and report.greedy_equal, report.summary()
+    assert model.model.layers[0].self_attn.q_proj.bias is None

@@ -141,6 +141,9 @@ def _fold_site(site: nn.Module, readers: list[nn.Linear], undo: list) -> None:
     w, b = main.weight.detach().clone(), None if main.bias is None else main.bias.detach().clone()
     for linear in readers:
         old_w, old_b = linear.weight.detach().clone(), None if linear.bias is None else linear.bias.detach().clone()
+        if linear.bias is None and b is not None and bool(b.ne(0).any()):  # add_biases (_why_not let it through)
+            linear.bias = nn.Parameter(torch.zeros(linear.out_features, dtype=old_w.dtype, device=old_w.device))
+            undo.append(lambda lin=linear: lin.register_parameter("bias", None))
         with torch.no_grad():
             if b is not None and linear.bias is not None:
                 linear.bias += old_w.to(torch.float64).matmul(b.to(torch.float64)).to(linear.bias.dtype)
@@ -168,14 +171,15 @@ def _restore(m: nn.Module, weight: Tensor, bias: Tensor | None) -> None:
             m.bias.copy_(bias)
 
 
-def _why_not(site: nn.Module, readers: list) -> str | None:
+def _why_not(site: nn.Module, readers: list, add_biases: bool) -> str | None:
     main = site.main if isinstance(site, FirstToken) else site
     if not readers:
         return "no linear layer reads its output"
     if isinstance(site, FirstToken) and bool((main.weight == 0).any()):
         return "a zero in its weight (the first-token copy would divide by it)"
-    if main.bias is not None and bool(main.bias.ne(0).any()) and any(lin.bias is None for _, lin in readers):
-        return "a nonzero bias, and a reader without one"
+    nonzero = main.bias is not None and bool(main.bias.ne(0).any())
+    if nonzero and not add_biases and any(lin.bias is None for _, lin in readers):
+        return "a nonzero bias, and a reader without one (fold(..., add_biases=True) gives it one)"
     return None
 
 
@@ -197,12 +201,14 @@ def _moved(diff: float, tolerance: float, dtype: torch.dtype) -> str:
     )
 
 
-def fold(model: nn.Module, probe=None, *, tolerance: float = 1e-4) -> FoldReport:
+def fold(model: nn.Module, probe=None, *, tolerance: float = 1e-4, add_biases: bool = False) -> FoldReport:
     """Fold every norm site's gamma (and beta) into the linear layers that read it, in place (see the module
     docstring). ``probe``: an input of the model (token ids, a dict of keyword inputs, or a tensor); default, two
     random sequences of 16 tokens for a model with ``config.vocab_size``. The probe's logits must agree before
     and after to ``tolerance`` relative to their largest magnitude, or every change is undone and ValueError
-    raised. Returns a `FoldReport`."""
+    raised. ``add_biases``: a site with a nonzero bias read by a linear layer without one gives that layer a bias
+    (for a model exported, `normlab.export_onnx`; a Hugging Face projection given a bias would not survive a
+    reload, so the default leaves such a site as it is). Returns a `FoldReport`."""
     probe = _default_probe(model) if probe is None else probe
     sites = _sites(model)
     if not sites:
@@ -216,7 +222,7 @@ def fold(model: nn.Module, probe=None, *, tolerance: float = 1e-4) -> FoldReport
         report, undo = FoldReport(), []
         try:
             for name, site in sites.items():
-                why = _why_not(site, readers[name])
+                why = _why_not(site, readers[name], add_biases)
                 if why:
                     report.skipped[name] = why
                     continue

@@ -192,7 +192,7 @@ def _prepare(model: nn.Module, do_fold: bool, report: OnnxExport) -> nn.Module:
     net = _float32_copy(model)
     if do_fold:
         try:
-            folded = fold(net)
+            folded = fold(net, add_biases=True)  # the copy is exported, never reloaded by transformers
             report.folded = list(folded.folded)
             report.fold_note = "; ".join(f"{k}: {v}" for k, v in list(folded.skipped.items())[:3])
         except ValueError as e:  # the fold's own check refused: exported unfolded, and said so
