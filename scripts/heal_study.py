@@ -99,14 +99,18 @@ def main() -> None:
 
     import torch
 
-    from normlab.conversion.config import HealConfig
+    from normlab.conversion.config import HealConfig, choices
     from normlab.conversion.fidelity import cross_entropy
-    from normlab.conversion.heal import OBJECTIVES, TRAINS, heal
+    from normlab.conversion.heal import heal
     from normlab.conversion.hf import load_model, smollm2, text_batches, text_splits
     from normlab.conversion.samples import heal_splits
     from normlab.corpus import fetch_docs, fetch_shakespeare
 
-    combos = [tuple(c.split(":")) for c in args.only] if args.only else [(o, t) for o in OBJECTIVES for t in TRAINS]
+    combos = (
+        [tuple(c.split(":")) for c in args.only]
+        if args.only
+        else [(o, t) for o in choices(HealConfig, "objective") for t in choices(HealConfig, "train")]
+    )
     batches = args.batch or [HealConfig.batch_size]
     trials = [(o, t, lr, sch, b) for o, t in combos for lr in args.lr for sch in args.schedule for b in batches]
     torch.manual_seed(0)

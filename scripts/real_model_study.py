@@ -35,7 +35,7 @@ import torch
 
 import normlab
 from _study import ROOT, commit, machine, save
-from normlab.conversion.config import HEAL_TEXTS, OBJECTIVES, TRAINS, HealConfig
+from normlab.conversion.config import HealConfig, choices
 from normlab.conversion.hf import load_model, smollm2, text_batches, text_splits
 from normlab.conversion.samples import calibration_samples, heal_splits
 from normlab.corpus import fetch_docs, fetch_shakespeare
@@ -94,8 +94,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--to", nargs="+", default=["dyisru", "dyt", "scaled_dyt"], help="targets")
     ap.add_argument("--heal-minutes", type=float, default=10.0, help="heal budget per conversion, in minutes")
-    ap.add_argument("--objective", choices=list(OBJECTIVES), default=HealConfig.objective, help="of the heal")
-    ap.add_argument("--train", choices=list(TRAINS), default=HealConfig.train, help="what the heal trains")
+    ap.add_argument(
+        "--objective", choices=choices(HealConfig, "objective"), default=HealConfig.objective, help="of the heal"
+    )
+    ap.add_argument(
+        "--train", choices=choices(HealConfig, "train"), default=HealConfig.train, help="what the heal trains"
+    )
     ap.add_argument("--sites", nargs="+", default=["all", "all-but-final"], choices=["all", "all-but-final"])
     ap.add_argument(
         "--heal-sites",
@@ -104,7 +108,7 @@ def main() -> None:
         choices=["all", "all-but-final"],
         help="which site sets to heal (healing is the slow part)",
     )
-    ap.add_argument("--heal-text", nargs="+", choices=list(HEAL_TEXTS), default=["text"],
+    ap.add_argument("--heal-text", nargs="+", choices=choices(HealConfig, "text"), default=["text"],
                     help="what each heal trains on (one heal per choice, from the same calibrated model)")  # fmt: skip
     ap.add_argument("--heal-tokens", type=int, default=None, help="heal on this many tokens instead of minutes")
     ap.add_argument("--heal-lr", type=float, default=None, help="of the heal (default: HealConfig's)")

@@ -3,22 +3,30 @@ line; the resolved config in every output; the heal checkpoint's identity."""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 
 import pytest
+import torch
 
 import normlab
 from conftest import tiny_hf
 from normlab.cli import main
+from normlab.conversion.calibrate import calibrate_sites
 from normlab.conversion.config import (
     SHORTHANDS,
+    CalibrateConfig,
     ConvertConfig,
     HealConfig,
+    choices,
+    field_docs,
     flag,
     identity_difference,
     resolve_convert_config,
 )
+from normlab.conversion.convert import SITE_FIELDS, resolve_options
+from normlab.conversion.heal import OBJECTIVES
 from normlab.conversion.workflow import CONFIG_FILE, convert_model
 
 transformers = pytest.importorskip("transformers")
@@ -83,28 +91,100 @@ def test_a_checkpoint_from_before_a_new_default_is_refused_naming_it_and_resumes
 
 
 def test_every_knob_reachable_from_python_has_a_field():
-    """convert_norms' and heal's keywords (beyond the model and the data) are all fields, so --set reaches them."""
+    """convert_norms' settings are ConvertConfig's fields (its keywords beyond the model, the data and the hooks are
+    overrides of them), and every heal field and shorthand reaches a field, so --set reaches them all."""
     fields = set(_flat_keys(ConvertConfig().to_dict()))
-    convert = set(inspect.signature(normlab.convert_norms).parameters) - {
-        "model",
-        "calibrate",
-        "include",
-        "extra_classes",
-        "progress",
-    }
-    renamed = {"first_token": "calibrate.first_token", "to": "to"}
-    for name in convert:
-        key = renamed.get(name, name)
-        assert key in fields or f"calibrate.{name}" in fields, name
-    for name in (f.name for f in __import__("dataclasses").fields(HealConfig)):
+    for name in SITE_FIELDS:
+        assert name in fields
+    for name in (f.name for f in dataclasses.fields(CalibrateConfig)):
+        assert f"calibrate.{name}" in fields
+    for name in (f.name for f in dataclasses.fields(HealConfig)):
         assert f"heal.{name}" in fields
     for short, key in SHORTHANDS.items():
         assert key in fields and flag(key) == short
 
 
+def test_no_default_is_written_in_two_places():
+    """The Python API states no default of its own: convert_norms takes the config and overrides (its only
+    defaulted parameters are the hooks, and ``to``'s None reads the config's); calibrate_sites takes the section."""
+    params = inspect.signature(normlab.convert_norms).parameters
+    assert {n for n, p in params.items() if p.kind is p.VAR_KEYWORD} == {"overrides"}
+    own = {"model", "to", "calibrate", "config", "extra_classes", "include", "progress", "overrides"}
+    assert set(params) == own, set(params) - own
+    assert all(p.default in (None, p.empty) for p in params.values())
+    sites = inspect.signature(calibrate_sites).parameters
+    assert not {f.name for f in dataclasses.fields(CalibrateConfig)} & set(sites)
+    assert all(sites[n].default is sites[n].empty for n in SITE_FIELDS if n in sites)  # per: passed, not defaulted
+    assert sites["config"].annotation in (CalibrateConfig, "CalibrateConfig")
+
+
+def test_every_calibrate_field_is_an_override_checked_by_the_config():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+    for f in dataclasses.fields(CalibrateConfig):
+        _, cfg = resolve_options(None, None, {f.name: getattr(CalibrateConfig(), f.name)}, calibrating=True)
+        assert cfg.calibrate == CalibrateConfig() and cfg.to == ConvertConfig().to
+    _, cfg = resolve_options("dyt", CalibrateConfig(solver="lbfgs"), {"per": "channel", "massive": 5.0}, True)
+    assert (cfg.to, cfg.per, cfg.calibrate.solver, cfg.calibrate.massive) == ("dyt", "channel", "lbfgs", 5.0)
+    with pytest.raises(TypeError, match="unknown option 'max_token'.*CalibrateConfig's"):
+        normlab.convert_norms(model, "dyisru", max_token=16)
+    with pytest.raises(ValueError, match="first_token must be 'auto', 'own' or 'shared', got 'first'"):
+        normlab.convert_norms(model, "dyisru", first_token="first")
+    with pytest.raises(ValueError, match="max_tokens: expected an int >= 16"):
+        normlab.convert_norms(model, "dyisru", config=CalibrateConfig(max_tokens=8))
+    with pytest.raises(ValueError, match="per must be 'global' or 'channel', got 'token'"):
+        normlab.convert_norms(model, "dyisru", per="token")
+    with pytest.raises(ValueError, match="to='dyt' and config.to='dyisru' disagree"):
+        normlab.convert_norms(model, "dyt", config=ConvertConfig())
+    assert isinstance(model[1], torch.nn.LayerNorm)  # every refusal before the model is touched
+
+
+def test_choices_are_the_literal_types_and_the_objectives_table_follows_them():
+    assert choices(CalibrateConfig, "first_token") == ("auto", "own", "shared")
+    assert choices(ConvertConfig, "per") == ("global", "channel")
+    assert set(OBJECTIVES) == set(choices(HealConfig, "objective"))
+    docs = field_docs(HealConfig)
+    assert set(docs) == {f.name for f in dataclasses.fields(HealConfig)}  # every field says what it is
+    assert set(field_docs(CalibrateConfig)) == {f.name for f in dataclasses.fields(CalibrateConfig)}
+    with pytest.raises(ValueError, match=r"--set heal.schedule must be 'constant', 'cosine' or 'cooldown'"):
+        resolve_convert_config(["heal.minutes=1", "heal.schedule=linear"])
+
+
+def test_convert_help_shows_each_fields_docstring_and_choices(capsys):
+    with pytest.raises(SystemExit):
+        main(["convert", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--first-token {auto,own,shared}" in out
+    assert " ".join(field_docs(CalibrateConfig)["solver"].split()) in out  # the field's own words
+    assert "budget.walk = 'skip' ('skip' or 'stop')" in out
+
+
+def test_the_python_api_and_the_cli_give_the_same_record(tiny, tmp_path):
+    """convert_norms(model, "dyisru", calibrate=data, per="channel") and normlab convert with the same settings
+    fit the same sites to the same values."""
+    from normlab.conversion.hf import load_model, text_batches
+
+    out = tmp_path / "out"
+    argv = ["convert", "--model", tiny["model"], "--calibrate", tiny["text"], "--seq-len", "16", "--sequences", "4",
+            "--per", "channel", "--eval-text", "none", "--no-progress", "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    cli = json.loads((out / "normlab_conversion.json").read_text())
+    net, tok = load_model(tiny["model"], progress=False)
+    calib, _ = text_batches(tiny["text"], tok, net.get_input_embeddings().num_embeddings, 16, 4, 4)
+    api = normlab.convert_norms(net, "dyisru", calibrate=calib, per="channel").to_dict()
+    assert [s["name"] for s in api["sites"]] == [s["name"] for s in cli["sites"]]
+    assert (api["target"], api["per"], api["notes"]) == (cli["target"], cli["per"], cli["notes"])
+    for a, c in zip(api["sites"], cli["sites"]):
+        assert a["kwargs"] == c["kwargs"] and a["first_token"] == c["first_token"]
+        assert set(a["fit"]) == set(c["fit"])
+        for key, value in a["fit"].items():
+            exact = not isinstance(value, (int, float, list)) or isinstance(value, bool)
+            want = value if exact else pytest.approx(value, rel=1e-5, abs=1e-7)
+            assert c["fit"][key] == want, (a["name"], key)
+
+
 def _flat_keys(d, prefix=""):
     for k, v in d.items():
-        if isinstance(v, dict) and k in ("calibrate", "heal"):
+        if isinstance(v, dict) and k in ("calibrate", "heal", "budget"):
             yield from _flat_keys(v, f"{k}.")
         else:
             yield f"{prefix}{k}"

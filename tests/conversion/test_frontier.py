@@ -111,8 +111,8 @@ def test_budget_nats_never_ends_above_its_budget(folder, tmp_path, capsys, refit
                 "--budget-nats",
                 repr(budget),
                 "--set",  # the walk that stops at the first site over the budget, with no refits of all
-                "budget_walk=stop",
-                "budget_refit_every=0",
+                "budget.walk=stop",
+                "budget.refit_every=0",
                 "--out",
                 str(out),
                 "--no-progress",
@@ -166,7 +166,7 @@ def test_the_skip_walk_never_ends_above_its_budget_and_tries_every_site(folder, 
     sel = json.loads((out / "fidelity.json").read_text())["budget_walk"]
     assert sel["ce_converted"] <= sel["ce_original"] + budget + 1e-9
     cfg = json.loads((out / "convert_config.json").read_text())
-    assert (cfg["budget_walk"], cfg["budget_refit_every"], cfg["budget_rank_batches"]) == ("skip", 4, 4)
+    assert cfg["budget"] == {"nats": budget, "walk": "skip", "refit_every": 4, "rank_batches": 4}
     splits = normlab.conversion.hf.text_splits(folder / "text.txt", None, 100, 16, 16, 16, n_val=16)
     assert sel["selection_sequences"] == sum(len(b) for b in splits.val) == 16  # as many as it reports on
     assert len(splits.calib) == 2  # both calibration batches rank the sites
@@ -177,12 +177,13 @@ def test_the_skip_walk_never_ends_above_its_budget_and_tries_every_site(folder, 
     assert sorted(s.name for s in record.sites) == sorted(front.converted)  # the CLI's walk is the library's
     resolve = normlab.conversion.config.resolve_convert_config
     for bad, says in (
-        (["budget_walk=stop"], "budget_walk applies only with --budget-nats"),
-        (["budget_refit_every=2"], "budget_refit_every applies only with --budget-nats"),
-        (["budget_nats=0.5", "budget_refit_every=-1"], "budget_refit_every must be an int >= 0"),
-        (["budget_nats=0.5", "budget_refit_every=true"], "--set budget_refit_every must be an int"),
-        (["budget_rank_batches=2"], "budget_rank_batches applies only with --budget-nats"),
-        (["budget_nats=0.5", "budget_rank_batches=0"], "budget_rank_batches must be an int >= 1"),
+        (["budget.walk=stop"], "budget.walk applies only with --budget-nats"),
+        (["budget.refit_every=2"], "budget.refit_every applies only with --budget-nats"),
+        (["budget.nats=0.5", "budget.refit_every=-1"], "budget.refit_every must be an int >= 0"),
+        (["budget.nats=0.5", "budget.refit_every=true"], "--set budget.refit_every must be an int"),
+        (["budget.rank_batches=2"], "budget.rank_batches applies only with --budget-nats"),
+        (["budget.nats=0.5", "budget.rank_batches=0"], "budget.rank_batches must be an int >= 1"),
+        (["budget_walk=stop"], "--set budget_walk is now budget.walk"),
     ):
         with pytest.raises(ValueError, match=says):
             resolve(bad)

@@ -151,7 +151,7 @@ def test_the_held_out_text_never_reaches_the_heal(model, tmp_path):
     (["heal.tokens=10", "heal.temperature=0"], r"heal.temperature must be a number in \(0, inf\)"),
     (["heal.tokens=10", "heal.self_sequences=1"], "heal.self_sequences must be an int >= 2"),
     (["eval_text=\"\""], "--eval-text must be 'docs', a text file, or none"),
-    (["calibrate.source=books"], "--calibrate-on must be 'text' or 'self'"),
+    (["calibrate.source=books"], "--set calibrate.source must be 'text' or 'self', got 'books'"),
     (["calibrate.source=self", "calibrate.enabled=false"], "drop --no-calibrate"),
     (["calibrate.source=self", "heal.self_sequences=32"], "of the original's 32 samples, of which 28 are not"),
 ])  # fmt: skip

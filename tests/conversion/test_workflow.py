@@ -299,7 +299,7 @@ def test_a_boolean_from_set_is_true_or_false_only_and_nothing_is_replaced(models
 @pytest.mark.parametrize(("pair", "message"), [
     ("seq_len=32.0", "--set seq_len must be an int (not 2.0, not true), got 32.0"),
     ("heal.batch_size=2.5", "--set heal.batch_size must be an int"),
-    ("per=1", "--set per must be a string, got 1"),
+    ("per=1", "--set per must be 'global' or 'channel', got 1"),
     ("eval_text=3", "--set eval_text must be a string or null, got 3"),
 ])  # fmt: skip
 def test_every_config_value_is_typed_at_the_boundary(pair, message):

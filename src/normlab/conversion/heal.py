@@ -39,14 +39,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from normlab.conversion.batches import as_batches, input_ids, run_batch
-from normlab.conversion.config import OBJECTIVES, TRAINS, HealConfig, flag
+from normlab.conversion.config import HealConfig, flag
 from normlab.conversion.heal_blocks import blocks
 from normlab.conversion.heal_run import (
     Budget,
@@ -74,7 +74,7 @@ __all__ = [
     "HealReport",
     "find_blocks",
     "OBJECTIVES",
-    "TRAINS",
+    "Objective",
     "distill",
     "distill_loss",
 ]
@@ -201,7 +201,8 @@ def heal(
     list_name = find_blocks(converted, sites)
     if cfg.eval_every is None:
         cfg = dataclasses.replace(cfg, eval_every=8 * cfg.batch_size * stream.seq_len)  # a val pass ~ one step
-    if cfg.objective == "distill" or val is not None:
+    objective = OBJECTIVES[cfg.objective]
+    if objective.needs_logits or val is not None:
         with torch.no_grad():
             out = run_batch(original, stream.chunks[:1], no_cache=True)
         if not hasattr(out, "logits"):
@@ -222,28 +223,16 @@ def heal(
                 state = load_checkpoint(ckpt, converted, identity, cfg.objective)
                 stream.load_state(state["stream"])
                 report = HealReport(**{**state["report"], "resumed_from": state["report"]["tokens"]})
-            scope = converted if cfg.objective == "distill" else converted.get_submodule(list_name)
+            scope = converted if objective.whole_model else converted.get_submodule(list_name)
             params = trainable(scope, cfg.train)
             check = Validation(original, converted, val, params)
             if state is not None and state.get("best") is not None:
                 check.best_ce, check.best_point = state["best"]["val_ce"], state["best"]
                 check.best_state = state["best_state"]
-            run = HealRun(
-                original,
-                converted,
-                stream,
-                params,
-                cfg,
-                check,
-                Budget(cfg, report),
-                report,
-                list_name,
-                ckpt,
-                state,
-                identity,
-                run_options.get("progress"),
-            )
-            (distill if cfg.objective == "distill" else blocks)(run)
+            run = HealRun(original=original, converted=converted, stream=stream, params=params, cfg=cfg, check=check,
+                          budget=Budget(cfg, report), report=report, list_name=list_name, ckpt=ckpt, state=state,
+                          identity=identity, progress=run_options.get("progress"))  # fmt: skip
+            objective.run(run)
             check.restore()
             report.best = check.best_point
         finally:
@@ -337,3 +326,20 @@ def distill(run: HealRun) -> None:
         bar.close()
         for p in run.params:
             p.requires_grad_(False)
+
+
+@dataclasses.dataclass(frozen=True)
+class Objective:
+    """What a heal objective is: the loop that trains, what it trains over, and what its loss is called."""
+
+    run: Callable[[HealRun], None]  # trains within the run's budget
+    whole_model: bool  # trains the whole model's parameters (else the block list's)
+    needs_logits: bool  # needs the original's logits (a teacher)
+    loss: str  # what its training loss is, for a curve's label
+
+
+# HealConfig.objective's choices, each to its loop (a test checks the table against the config's Literal)
+OBJECTIVES: dict[str, Objective] = {
+    "distill": Objective(distill, whole_model=True, needs_logits=True, loss="KL"),
+    "blocks": Objective(blocks, whole_model=False, needs_logits=False, loss="block rel. error"),
+}

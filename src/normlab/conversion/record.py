@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from normlab.typed import describe, hints
+
 __all__ = ["Site", "ConversionRecord", "POOR_FIT", "CALIBRATION_PATHS", "fit_status"]
 
 POOR_FIT = 0.2  # a calibrated site whose fit explains less than this fraction of its target's variance is "poor"
@@ -90,8 +92,10 @@ class ConversionRecord:
         if d.get("format") != "normlab-conversion-1":
             raise ValueError("not a normlab conversion record (format normlab-conversion-1)")
         _fields(d, _RECORD_FIELDS, "")
-        if d["per"] not in ("global", "channel"):
-            raise ValueError(f"per must be 'global' or 'channel', got {d['per']!r}")
+        from normlab.conversion.config import ConvertConfig, choices
+
+        if d["per"] not in choices(ConvertConfig, "per"):
+            raise ValueError(f"per must be {describe(hints(ConvertConfig)['per'])}, got {d['per']!r}")
         from normlab.registry import norm_spec
 
         try:

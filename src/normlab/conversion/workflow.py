@@ -21,7 +21,7 @@ from pathlib import Path
 from normlab.conversion.config import ConvertConfig, flag, identity_difference
 from normlab.conversion.convert import convert_norms, fidelity, save_converted
 from normlab.conversion.frontier import FEW_SELECTION, frontier
-from normlab.conversion.heal import check_heal_resources, heal
+from normlab.conversion.heal import OBJECTIVES, check_heal_resources, heal
 from normlab.conversion.hf import load_model, quiet, smollm2, text_batches, text_splits
 from normlab.conversion.samples import calibration_samples, heal_splits
 from normlab.conversion.saving import RECORD_FILE
@@ -247,7 +247,7 @@ def write_curve(rep, folder: Path) -> None:
     tl = [(p["tokens"], p["train_loss"]) for p in rep.curve if p["train_loss"] == p["train_loss"]]
     if tl:
         ax2 = ax.twinx()
-        what = "KL" if rep.objective == "distill" else "block rel. error"
+        what = OBJECTIVES[rep.objective].loss
         ax2.plot(*zip(*tl), color="grey", lw=0.8, label=f"train loss ({what})")
         ax2.set_ylabel(f"train loss ({what})")
         handles = [a + b for a, b in zip(handles, ax2.get_legend_handles_labels())]
@@ -278,7 +278,7 @@ def convert_model(cfg: ConvertConfig, *, progress: bool = True, markdown: bool =
     fidelity. ``cfg``: a `normlab.conversion.config.ConvertConfig` (``resolve_convert_config`` builds one
     from fields and ``--set`` overrides).
 
-    ``budget_nats``: convert only the sites that fit, cheapest first, within that rise of the held-out
+    ``budget.nats``: convert only the sites that fit, cheapest first, within that rise of the held-out
     cross-entropy (`normlab.conversion.frontier`); the others stay as they are. The heal trains on a
     stream of the text (every sequence but the held-out and validation ones) and keeps its best state on the
     validation split; its curve is written to OUT/heal_curve.csv and OUT/heal_curve.png, the resolved config to
@@ -346,8 +346,8 @@ def _convert(cfg: ConvertConfig, model_path: str, ckpt: str | None, progress: bo
     if tokenizer is None:
         print(f"{cfg.model} has no tokenizer: using byte values mod {vocab} as token ids")
     with stages("load"):
-        if cfg.heal.budgeted or cfg.budget_nats is not None:
-            val = {"n_val": cfg.sequences} if cfg.budget_nats is not None else {}  # a budget selects on as many as held
+        if cfg.heal.budgeted or cfg.budget.nats is not None:
+            val = {"n_val": cfg.sequences} if cfg.budget.nats is not None else {}  # a budget selects on as many as held
             splits = text_splits(text, tokenizer, vocab, cfg.seq_len, cfg.sequences, cfg.sequences, **val)
             calib, held = splits.calib, splits.held
         else:
@@ -361,7 +361,7 @@ def _convert(cfg: ConvertConfig, model_path: str, ckpt: str | None, progress: bo
         if splits is not None:
             splits = dataclasses.replace(splits, calib=calib)
     original = copy.deepcopy(net)
-    with stages("budget walk" if cfg.budget_nats is not None else "calibration"):
+    with stages("budget walk" if cfg.budget.nats is not None else "calibration"):
         record, walk = _convert_sites(cfg, net, calib, held, splits.val if splits is not None else None, progress)
     print(record.table(markdown=markdown))
     with stages("measurement"):
@@ -419,31 +419,29 @@ def _check_exclude(cfg: ConvertConfig, net) -> None:
 
 
 def _convert_sites(cfg: ConvertConfig, net, calib: list, held: list, select: list | None, progress: bool):
-    """The conversion itself (every site, or the frontier's within ``budget_nats``); prints what it did. Returns
+    """The conversion itself (every site, or the frontier's within ``budget.nats``); prints what it did. Returns
     the record and, for a budget, what the walk saw. The budget walk decides on ``select`` (the validation split,
     text the heal never trains on and the held-out measurement never reuses), so the held-out cross-entropy
     printed after it is an honest estimate, not the number the walk was chosen to keep under the budget."""
-    c = cfg.calibrate
+    c, b = cfg.calibrate, cfg.budget
     include = (lambda name, m: not any(fnmatch.fnmatch(name, pat) for pat in cfg.exclude)) if cfg.exclude else None
-    options = {"per": cfg.per, "init": cfg.init, "site_init": cfg.site_init, "include": include,
-               "first_token": c.first_token, "max_tokens": c.max_tokens, "massive": c.massive, "target": c.target,
-               "fit_amplitude": c.fit_amplitude, "sequential": c.sequential, "solver": c.solver,
-               "progress": progress}  # fmt: skip
-    if cfg.budget_nats is not None:
+    if b.nats is not None:
         front, record = frontier(
             net,
             cfg.to,
             calib,
             select,
-            budget_nats=cfg.budget_nats,
-            skip=cfg.budget_walk == "skip",
-            refit_every=cfg.budget_refit_every,
-            rank=calib[: cfg.budget_rank_batches],
-            **{k: v for k, v in options.items() if k != "sequential"},
+            budget_nats=b.nats,
+            skip=b.walk == "skip",
+            refit_every=b.refit_every,
+            rank=calib[: b.rank_batches],
+            config=cfg,
+            include=include,
+            progress=progress,
         )  # the frontier ranks on independent fits
         n_select = sum(len(b) for b in select)
         print(
-            f"--budget-nats {cfg.budget_nats:g}: {len(front.converted)} of {len(front.order)} norms fit "
+            f"--budget-nats {b.nats:g}: {len(front.converted)} of {len(front.order)} norms fit "
             f"(cross-entropy on the {n_select} validation sequences that select them {front.ce_original:.3f} -> "
             f"{front.curve[-1]:.3f}; the held-out sequences below decide nothing); converted, cheapest "
             f"first: {', '.join(front.converted) or 'none'}"
@@ -456,11 +454,14 @@ def _convert_sites(cfg: ConvertConfig, net, calib: list, held: list, select: lis
                 "held-out rise below can end well above the budget (see 'Selecting on few sequences' in the "
                 f"conversion docs); --sequences {FEW_SELECTION} or more selects better\n"
             )
-        walk = {"budget_nats": cfg.budget_nats, "selection_sequences": n_select,
+        walk = {"budget_nats": b.nats, "selection_sequences": n_select,
                 "ce_original": front.ce_original, "ce_converted": front.curve[-1],
                 "converted": len(front.converted), "sites": len(front.order)}  # fmt: skip
     else:
-        record, walk = convert_norms(net, cfg.to, calibrate=calib if c.enabled else None, **options), None
+        record = convert_norms(
+            net, calibrate=calib if c.enabled else None, config=cfg, include=include, progress=progress
+        )
+        walk = None
     n_calib = sum(len(b) for b in calib)
     where = "of the original's own samples" if c.source == "self" else "from the text's start"
     how = f"calibrated on {n_calib} sequences {where}" if c.enabled else "default init"
