@@ -12,7 +12,7 @@ For each target (normlab.conversion.frontier): every site calibrated on the orig
 alone measured on the first calibration batch (8 sequences), then the sites converted cheapest first, each fitted
 again on its input in the model converted so far (``--refit``), the held-out cross-entropy measured after each
 until it rises above the original's by ``--stop`` nats (SmolLM2's 32 held-out Shakespeare sequences of 128 tokens, the
-numbers of docs/conversion.md). No training.
+numbers of docs/frontier-results.md). No training.
 
 ``--select-on validation`` is the honest count: the walk selects on 32 validation sequences of the text (between
 calibration and held-out, as ``normlab convert --budget-nats`` does) with ``--budget`` as its budget, and the 32

@@ -1,7 +1,7 @@
 """Healed on what, measured where: each heal's rise over the original on the heal's own text and on a text it never
 read, as grouped bars, from the rows of bench/real_model.csv.
 
-    python scripts/plot_heal_texts.py                      # the 30-minute heals of docs/conversion.md
+    python scripts/plot_heal_texts.py                      # the 30-minute heals of docs/heal-texts.md
     python scripts/plot_heal_texts.py --match "30-minute budget, batch 4" --out docs/figures/heal_texts_30min.png
 
 A row is drawn when its ``stage`` contains ``--match`` and starts with "healed"; its label is the heal text, the

@@ -150,7 +150,7 @@ class HealConfig:
     """The rate over the budget: "cosine" warms up over 5% and falls to lr/10; "cooldown" holds lr, then falls to 0
     over the last 20%."""
     batch_size: int = 4
-    """Sequences per step: 4 beat 8 per token and per minute (docs/conversion.md, "The batch")."""
+    """Sequences per step: 4 beat 8 per token and per minute (docs/heal-measurements.md, "The batch")."""
     rollback_nats: float | None = 0.5
     """Distill: a validation point this far above the best goes back to it at half the rate; None never does."""
     grad_clip: float = 1.0

@@ -37,7 +37,7 @@ __all__ = ["FEW_SELECTION", "Frontier", "frontier", "site_costs"]
 
 # Fewer validation sequences than this select a budget walk's sites poorly: on SmolLM2 (DyISRU, per channel,
 # budget 0.4) 8 sequences kept 44 sites at +0.39 on them but +0.62 on 8 held-out ones and +0.55 on 32; 32 sequences
-# ended within 0.03 of their budget (docs/conversion.md, "Selecting on few sequences").
+# ended within 0.03 of their budget (docs/frontier-results.md, "Selecting on few sequences").
 FEW_SELECTION = 32
 
 

@@ -115,7 +115,7 @@ def direct(module, x, *params: torch.Tensor | None) -> bool:
     changes nothing), outside torch.compile and torch.func, ``module.kernel`` allows the CPU path, and the library is
     loaded. Where this answers True, `select` answers 'cpu' for the same call and the module calls the same function,
     so the output is the same; every other call takes the routed path and its checks. Measured in a decoding SmolLM2
-    (docs/conversion.md): the routed path's Python, about 20 calls per norm site, cost 2-3% of a decode step."""
+    (docs/folding.md): the routed path's Python, about 20 calls per norm site, cost 2-3% of a decode step."""
     if torch.is_grad_enabled() or type(x) is not torch.Tensor or x.dim() == 0 or x.shape[-1] != module.dim:
         return False
     kernel = module.kernel

@@ -152,7 +152,7 @@ def _pointwise(x: Tensor, weight: Tensor, bias: Tensor | None, scale: float, kin
 
 # The forward ops alone, for a call autograd does not record with the library loaded: what the functions here run
 # then, and what a module's inference call runs after `normlab.kernels.direct` has checked the rest. Their callers'
-# checks cost about 2% of a decoding SmolLM2's step (docs/conversion.md), so these add none.
+# checks cost about 2% of a decoding SmolLM2's step (docs/folding.md), so these add none.
 def pointwise_forward(
     x: Tensor,
     kind: str,
