@@ -26,14 +26,16 @@ __all__ = ["NormSpec", "register", "create_norm", "list_norms", "norm_spec", "in
 class NormSpec:
     """What the registry knows about a layer besides its class.
 
-    pointwise:  the output channel i depends on x_i alone (a diagonal Jacobian).
-    exact_grad: the backward is the derivative of the forward. False for the
-                dissection variants that change the backward on purpose
-                (rms_detached, rms_partial_coupling with lam != 1, rms_ema).
-    fits:       the parameter a conversion calibrates ("alpha", or "log_beta": beta stored as its log),
-                None when there is nothing to fit.
-    centred:    the formula acts on x - mean(x) (ELN), so a calibration fits on centred tokens.
-    also_fits:  parameters a calibration fits as they are, from their init (Derf's shift).
+    Attributes:
+        name: the registry's lower-case name.
+        cls: the module class.
+        pointwise: the output channel i depends on x_i alone (a diagonal Jacobian).
+        exact_grad: the backward is the derivative of the forward. False for the dissection variants that change
+            the backward on purpose (rms_detached, rms_partial_coupling with lam != 1, rms_ema).
+        fits: the parameter a conversion calibrates ("alpha", or "log_beta": beta stored as its log), None when
+            there is nothing to fit.
+        centred: the formula acts on x - mean(x) (ELN), so a calibration fits on centred tokens.
+        also_fits: parameters a calibration fits as they are, from their init (Derf's shift).
     """
 
     name: str

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -229,13 +229,13 @@ def _check_options(model, to, calibrate, extra_classes) -> None:
 def convert_norms(
     model: nn.Module,
     to: str | None = None,
-    calibrate=None,
+    calibrate: torch.Tensor | dict | Iterable | None = None,
     *,
     config: CalibrateConfig | ConvertConfig | None = None,
     extra_classes: dict[type, str] | None = None,
     include: Callable[[str, nn.Module], bool] | None = None,
     progress: bool | None = None,
-    **overrides,
+    **overrides: object,
 ) -> ConversionRecord:
     """Replace the model's norms with ``to`` in place; return the record of what was done.
 

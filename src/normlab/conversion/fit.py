@@ -213,13 +213,24 @@ def fit_replacement(
 ) -> FitOutcome:
     """Fit ``new``'s parameter and an amplitude (folded into its weight) so that new(x) reproduces y.
 
-    x, y: (N, C), the replacement's input and the original norm's output after its affine. ``new`` is updated
-    in place; on a failed fit it keeps the start point and the outcome says so.
+    ``new`` is updated in place; on a failed fit it keeps the start point and the outcome says so.
 
-    ``solver``: "profile" searches the parameter with the amplitude in closed form, in float32, every channel at once
-    (`_profile_fit`); "lbfgs" runs L-BFGS in float64 over the parameter, the amplitude and the target's linear extras
-    (Derf's shift). "auto" (default): "profile" unless the target has such extras. ``max_iter`` bounds L-BFGS; the
-    profile search takes ``max_iter // 3`` golden-section steps (the default 20 end within 2e-4 in log p).
+    Args:
+        new: the replacement, a registered norm with a parameter to fit (`NormSpec.fits`).
+        x: (N, C), the replacement's input.
+        y: (N, C), the original norm's output after its affine.
+        per_channel: one parameter and one amplitude per channel (else one each).
+        fit_amplitude: also fit the amplitude (else the module's own is kept).
+        max_iter: bounds L-BFGS; the profile search takes ``max_iter // 3`` golden-section steps (the default 20
+            end within 2e-4 in log p).
+        solver: "profile" searches the parameter with the amplitude in closed form, in float32, every channel at
+            once; "lbfgs" runs L-BFGS in float64 over the parameter, the amplitude and the target's linear extras
+            (Derf's shift); "auto": "profile" unless the target has such extras (`CalibrateConfig.solver`).
+
+    Returns:
+        The fit's outcome: the fitted value and amplitude, the relative error at the start and at the end, the
+        share of the target's variance explained, whether it is ok, and notes (tokens left out, a degenerate or
+        failed fit).
     """
     name = _param_name(new)
     linear = norm_spec(new.registry_name).also_fits  # fitted as they are, from their init (Derf's shift)
