@@ -37,6 +37,7 @@ def test_no_source_document_numbers_are_left():
 REPO = Path(__file__).resolve().parents[1]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
 MARK = "<!-- docs-test:"  # before a block: "skip: why" (illustrative only) or "replace OLD => NEW; ..." (tiny sizes)
+OUTPUT = f"{MARK} output"  # before a text block: what the python block above prints, its numbers within "rtol=X"
 
 
 def _blocks(path: Path):
@@ -56,12 +57,56 @@ def _blocks(path: Path):
 
 
 def _python_blocks():
-    return [
-        pytest.param(code, mark, id=f"{p.relative_to(REPO)}:{line}")
-        for p in PAGES
-        for lang, line, code, mark in _blocks(p)
-        if lang == "python"
-    ]
+    """Every python block, with the output block that follows it, if any: (code, mark, (printed, rtol) or None)."""
+    params = []
+    for p in PAGES:
+        blocks = _blocks(p)
+        for k, (lang, line, code, mark) in enumerate(blocks):
+            if lang != "python":
+                continue
+            after = blocks[k + 1] if k + 1 < len(blocks) else None
+            shown = None
+            if after is not None and after[3].startswith(OUTPUT):
+                rtol = float(after[3].removeprefix(OUTPUT).removesuffix("-->").strip().removeprefix("rtol="))
+                shown = (after[2], rtol)
+            params.append(pytest.param(code, mark, shown, id=f"{p.relative_to(REPO)}:{line}"))
+    return params
+
+
+_NUMBER = r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?%?"
+
+
+def same_output(got: str, want: str, rtol: float) -> str | None:
+    """None when ``got`` prints what ``want`` shows: the same words (spacing aside) and every number within
+    ``rtol`` of the shown one (relative; plus 1 in the shown number's last digit); else the first difference."""
+    import re
+
+    def parts(s: str):
+        return re.split(f"({_NUMBER})", " ".join(s.split()))
+
+    g, w = parts(got), parts(want)
+    if len(g) != len(w):
+        return f"a different shape of output:\n{got}\n--- the page shows ---\n{want}"
+    for i, (a, b) in enumerate(zip(g, w)):
+        if i % 2 == 0:
+            if " ".join(a.split()) != " ".join(b.split()):
+                return f"text {a!r} where the page shows {b!r}"
+            continue
+        x, y = float(a.rstrip("%")), float(b.rstrip("%"))
+        digits = b.rstrip("%").lower().split("e")[0]
+        ulp = 10.0 ** -(len(digits.split(".")[1]) if "." in digits else 0)
+        if "e" in b.lower():
+            ulp *= 10.0 ** int(b.rstrip("%").lower().split("e")[1])
+        if not abs(x - y) <= rtol * abs(y) + ulp:
+            return f"{a} where the page shows {b} (rtol {rtol})"
+    return None
+
+
+def test_the_output_check_can_fail():
+    assert same_output("beta 0.0908 ok", "beta   0.09077  ok", 1e-3) is None
+    assert same_output("beta 0.12 ok", "beta 0.09077 ok", 1e-3) is not None
+    assert same_output("beta 0.0908 FLAGGED", "beta 0.0908 ok", 1e-3) is not None
+    assert same_output("['derf', 'dyt']", "['dyisru', 'dyt']", 0) is not None
 
 
 def _tiny_llama(path: Path) -> Path:
@@ -77,11 +122,12 @@ def _tiny_llama(path: Path) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("code, mark", _python_blocks())
-def test_every_python_block_of_the_docs_runs(code, mark, tmp_path, monkeypatch):
+@pytest.mark.parametrize("code, mark, shown", _python_blocks())
+def test_every_python_block_of_the_docs_runs(code, mark, shown, tmp_path, monkeypatch, capsys):
     """Each ``python`` block of README.md and docs/ runs as printed, in a fresh folder that holds ``my_text.txt``
     (the start of the Shakespeare corpus). A block that names a large model says, in a mark just above it, what
-    the test puts in its place; a block marked ``skip`` is illustrative only (none today)."""
+    the test puts in its place; a block marked ``skip`` is illustrative only (none today). A block followed by an
+    output block (marked ``output rtol=X``) prints what that block shows."""
     from normlab.corpus import fetch_shakespeare
 
     if mark.startswith(f"{MARK} skip"):
@@ -96,7 +142,12 @@ def test_every_python_block_of_the_docs_runs(code, mark, tmp_path, monkeypatch):
         if "TINY_LLAMA" in code:
             names["TINY_LLAMA"] = str(_tiny_llama(tmp_path / "tiny-llama"))
     monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
     exec(compile(code, "<docs block>", "exec"), names)
+    if shown is not None:
+        printed = capsys.readouterr().out
+        differs = same_output(printed, *shown)
+        assert differs is None, differs
 
 
 def _commands():
