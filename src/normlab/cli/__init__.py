@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from normlab.cli.convert import add_build_kernels, add_convert
+from normlab.cli.convert import add_build_kernels, add_convert, add_study
 from normlab.cli.export import add_export
 from normlab.cli.lab import add_predict, add_report, add_reproduce, add_sweep, add_train
 from normlab.cli.theory import add_demo, add_gain, add_jacobian, add_simulate
@@ -32,6 +32,7 @@ DOCS = {
     "report": "docs/results.md",
     "reproduce": "docs/results.md",
     "convert": "docs/conversion.md",
+    "study": "docs/conversion.md",
     "export": "docs/export.md",
     "build-kernels": "docs/kernels.md",
 }
@@ -55,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_report,
         add_reproduce,
         add_convert,
+        add_study,
         add_export,
         add_build_kernels,
     )

@@ -1,4 +1,4 @@
-"""The conversion subcommands: ``convert`` and ``build-kernels``."""
+"""The conversion subcommands: ``convert``, ``study`` and ``build-kernels``."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 
 from normlab.cli.args import count, parse_init
 
-__all__ = ["add_build_kernels", "add_convert"]
+__all__ = ["add_build_kernels", "add_convert", "add_study"]
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
@@ -189,3 +189,28 @@ def _add_heal_flags(cv, d) -> None:
         _shorthand(cv, flag, key)
     cv.add_argument("--checkpoint", help="heal checkpoint (default OUT.heal.pt when --out is given)")
     cv.add_argument("--resume", action="store_true", help="continue a heal from its checkpoint")
+
+
+def _cmd_study(args: argparse.Namespace) -> int:
+    from normlab.study import run_study
+
+    results = run_study(args.study, args.root, only=args.only or None, bench=args.bench, progress=not args.no_progress)
+    return 1 if any(r.get("status") == "failed" for r in results.values()) else 0
+
+
+def add_study(sub) -> None:
+    from normlab.study import builtin_studies
+
+    s = sub.add_parser(
+        "study",
+        help="run a conversion study: a TOML grid of convert settings, into locked, resumable cells, with checks",
+        description="Each cell of the study is a `normlab convert` with the study's base fields and the cell's own "
+        "(--set keys). A cell with a result is skipped, so a killed study continues where it stopped; a heal "
+        "in progress resumes from its checkpoint. The checks are printed and written to ROOT/STUDY/checks.json.",
+    )
+    s.add_argument("study", help=f"a study TOML file, or a built-in one: {', '.join(sorted(builtin_studies()))}")
+    s.add_argument("--root", default="runs", help="the folder of the study's cells (default runs)")
+    s.add_argument("--only", nargs="*", metavar="CELL", help="run these cells only")
+    s.add_argument("--bench", metavar="DIR", help="also append each cell's row to DIR/STUDY.csv (e.g. bench)")
+    s.add_argument("--no-progress", action="store_true", help="no progress bars")
+    s.set_defaults(func=_cmd_study)

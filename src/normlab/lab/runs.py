@@ -21,13 +21,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 from pathlib import Path
-
-import torch
 
 from normlab.errors import NormlabError
 from normlab.owner import inside, take_lock
+from normlab.version import code_version
 
 __all__ = ["RunFolder", "RunLocked", "TERMINAL", "code_version", "escape_step", "read_jsonl", "read_summary",
            "write_json"]  # fmt: skip
@@ -93,28 +91,6 @@ def escape_step(rows: list[dict], entropy: float | None) -> int | None:
         if r.get("val_loss") is not None and r["val_loss"] <= entropy - ESCAPE_MARGIN:
             return r["step"]
     return None
-
-
-def code_version() -> dict:
-    import normlab
-
-    here = Path(__file__).resolve().parent
-    info = {"normlab": normlab.__version__, "torch": torch.__version__}
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--", str(here.parent)],
-            cwd=here,
-            capture_output=True,
-            text=True,
-            timeout=5,
-        )
-        if commit.returncode == 0:
-            info["git_commit"] = commit.stdout.strip()
-            info["git_dirty"] = bool(dirty.stdout.strip())
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return info
 
 
 class RunFolder:

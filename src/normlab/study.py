@@ -1,0 +1,245 @@
+"""Conversion studies as data: a grid of ``normlab convert`` settings in a TOML file, run into locked, resumable
+cells, with the targets they must meet written as checks.
+
+    normlab study budget_walk --root runs/            # a built-in study (normlab/experiments/convert/*.toml)
+    normlab study my_study.toml --only walk-0.4       # a file of your own; one of its cells
+
+A study file::
+
+    title = "What the budget walk keeps on SmolLM2"
+    claim = "The walk keeps at least 51 sites within +0.4 nats held out"
+    [base]                       # ConvertConfig fields (dotted keys, as --set takes them) of every cell
+    model = "smollm2"
+    per = "channel"
+    [[cells]]
+    name = "walk-0.4"
+    set = { "budget.nats" = 0.4 }  # this cell's fields, over the base
+    [[checks]]
+    cell = "walk-0.4"
+    metric = "sites"               # one of METRICS
+    at_least = 51                  # or at_most
+
+Each cell runs in ``ROOT/<study>/<cell>/``: its resolved config (``config.json``), its heal checkpoint while it
+heals (``heal.pt``: a killed heal resumes from it), and its result (``result.json``: the fidelity, the stages, the
+commit and the machine). One process owns a cell at a time (a lock). A cell whose result matches its config is
+skipped, so a killed study loses at most the cell in progress; a cell that fails is recorded and the study goes on.
+Every cell's config is resolved and validated before the first one runs, so a typo fails in seconds, naming the
+file and the cell. Each result is a row of ``ROOT/<study>/results.csv`` and, with ``bench=``, of
+``<bench>/<study>.csv``, beside the commit and the machine that measured it.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import hashlib
+import json
+import platform
+import sys
+import traceback
+from importlib import resources
+from pathlib import Path
+
+from normlab.conversion.config import ConvertConfig, resolve_convert_config
+from normlab.owner import check_folder, hold, path_segment_error
+from normlab.version import code_version
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+__all__ = ["Study", "load_study", "builtin_studies", "run_study", "METRICS", "cell_metrics", "check_results"]
+
+RESULT, CONFIG = "result.json", "config.json"
+KEYS = {"title", "claim", "base", "cells", "checks"}
+
+
+def _rise(part: dict | None) -> float | None:
+    return None if not part or "ce_converted" not in part else part["ce_converted"] - part["ce_original"]
+
+
+# The numbers a check can name, each read from a cell's fidelity (`normlab.conversion.workflow.convert_model`).
+METRICS = {
+    "sites": lambda f: len(f.get("sites", {})),  # sites converted
+    "ce_rise": lambda f: _rise(f),  # held-out cross-entropy, converted minus original (nats/token)
+    "ce_rise_docs": lambda f: _rise(f.get("second_text")),  # the same on the second text
+    "minutes": lambda f: sum(f.get("stages", {}).values()) / 60,  # wall time of every stage
+    "heal_tokens_per_s": lambda f: (f["heal"]["tokens"] / f["heal"]["seconds"]) if f.get("heal") else None,
+}
+
+
+@dataclasses.dataclass
+class Study:
+    name: str
+    title: str
+    claim: str
+    cells: dict[str, ConvertConfig]  # cell name -> its resolved, validated config
+    checks: list[dict]
+    path: str
+
+
+def builtin_studies() -> dict[str, Path]:
+    """The studies that ship with normlab, by name."""
+    folder = resources.files("normlab.experiments") / "convert"
+    return {Path(str(p)).stem: Path(str(p)) for p in folder.iterdir() if str(p).endswith(".toml")}
+
+
+def load_study(source: str | Path) -> Study:
+    """A study from a built-in name or a TOML file, every cell resolved and validated: a bad field, cell or check
+    is a ValueError naming the file and where in it, before any work."""
+    builtin = builtin_studies()
+    path = builtin[str(source)] if str(source) in builtin else Path(source)
+    if not path.is_file():
+        raise FileNotFoundError(f"study {source!r}: no such file, and not a built-in study ({', '.join(builtin)})")
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"{path}: not valid TOML: {e}") from None
+    unknown = sorted(set(data) - KEYS)
+    if unknown:
+        raise ValueError(f"{path}: unknown key {unknown[0]!r}; a study has {', '.join(sorted(KEYS))}")
+    cells, base = {}, data.get("base", {})
+    if not isinstance(base, dict):
+        raise ValueError(f"{path}: base must be a table of config fields, got {base!r}")
+    for i, cell in enumerate(data.get("cells") or []):
+        where = f"{path}: cells[{i}]"
+        name = cell.get("name") if isinstance(cell, dict) else None
+        if (why := path_segment_error(name)) is not None:
+            raise ValueError(f"{where}: name {why}")
+        if name in cells:
+            raise ValueError(f"{where}: a second cell named {name!r}")
+        if set(cell) - {"name", "set"} or not isinstance(cell.get("set", {}), dict):
+            raise ValueError(f"{where}: a cell is a name and a set table of config fields, got {cell!r}")
+        try:
+            cfg = resolve_convert_config({**base, **cell.get("set", {})})
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"{where} ({name}): {e}") from None
+        if cfg.out is not None or cfg.heal.checkpoint is not None:
+            raise ValueError(f"{where} ({name}): out and heal.checkpoint are the cell's folder's; drop them")
+        cells[name] = cfg
+    if not cells:
+        raise ValueError(f"{path}: no cells; give at least one [[cells]] with a name")
+    checks = data.get("checks") or []
+    for i, c in enumerate(checks):
+        bounds = {"at_least", "at_most"} & set(c)
+        if c.get("cell") not in cells or c.get("metric") not in METRICS or not bounds or set(c) - {
+            "cell", "metric", "at_least", "at_most", "why"}:  # fmt: skip
+            raise ValueError(
+                f"{path}: checks[{i}] needs a cell of this study ({', '.join(cells)}), a metric "
+                f"({', '.join(METRICS)}) and at_least or at_most; got {c!r}"
+            )
+    return Study(path.stem, data.get("title", path.stem), data.get("claim", ""), cells, checks, str(path))
+
+
+def _fingerprint(cfg: ConvertConfig) -> str:
+    return hashlib.sha256(json.dumps(cfg.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def machine() -> str:
+    import torch
+
+    return f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+
+
+def cell_metrics(fid: dict) -> dict:
+    """Every metric of `METRICS` that a cell's fidelity holds (None where it has none: no heal, no second text)."""
+    return {name: read(fid) for name, read in METRICS.items()}
+
+
+def _run_cell(name: str, cfg: ConvertConfig, folder: Path, progress: bool) -> dict:
+    """One cell: its config written first, the conversion (a heal checkpointed in the cell, resumed after a kill),
+    then its result; returns the result."""
+    from normlab.conversion.workflow import convert_model
+
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = _as_run(cfg, folder)
+    (folder / CONFIG).write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+    resume = cfg.heal.budgeted and (folder / "heal.pt").exists()  # a heal killed part-way goes on from there
+    fid = convert_model(dataclasses.replace(cfg, heal=dataclasses.replace(cfg.heal, resume=resume)), progress=progress)
+    result = {"cell": name, "config_sha": _fingerprint(cfg), "status": "done", "metrics": cell_metrics(fid),
+              "fidelity": fid, "machine": machine(), **code_version()}  # fmt: skip
+    (folder / RESULT).write_text(json.dumps(result, indent=2) + "\n")
+    (folder / "heal.pt").unlink(missing_ok=True)  # served its purpose
+    return result
+
+
+def _append_row(table: Path, study: str, result: dict) -> None:
+    """One row per finished cell: the study, the cell, its metrics, the commit and the machine."""
+    row = {"study": study, "cell": result["cell"], **result["metrics"], "commit": result.get("git_commit", "")[:12],
+           "dirty": result.get("git_dirty", ""), "machine": result["machine"]}  # fmt: skip
+    table.parent.mkdir(parents=True, exist_ok=True)
+    with hold(table, "the study table", wait=True):
+        new = not table.exists() or table.stat().st_size == 0
+        with table.open("a", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(row))
+            if new:
+                w.writeheader()
+            w.writerow(row)
+
+
+def run_study(
+    source: str | Path, root: str | Path, *, only: list[str] | None = None, bench: str | Path | None = None,
+    progress: bool = True,
+) -> dict[str, dict]:  # fmt: skip
+    """Run every cell of a study (or those in ``only``) that has no result yet; returns each cell's result (or
+    its failure), by name. See the module docstring for the folders, the locks and the tables."""
+    study = load_study(source)
+    missing = sorted(set(only or []) - set(study.cells))
+    if missing:
+        raise ValueError(f"--only {missing[0]!r}: {study.path} has the cells {', '.join(study.cells)}")
+    home = Path(root) / study.name
+    check_folder(home, "--root")
+    results = {}
+    for name, cfg in study.cells.items():
+        if only and name not in only:
+            continue
+        folder = home / name
+        with hold(folder, "study cell"):
+            done = json.loads((folder / RESULT).read_text()) if (folder / RESULT).is_file() else None
+            if done is not None and done.get("config_sha") == _fingerprint(_as_run(cfg, folder)):
+                print(f"{study.name}/{name}: done before, skipped")
+                results[name] = done
+                continue
+            print(f"\n=== {study.name}/{name} ===", flush=True)
+            try:
+                results[name] = _run_cell(name, cfg, folder, progress)
+            except KeyboardInterrupt:
+                print(f"\n{study.name}/{name}: interrupted; run the study again to continue", file=sys.stderr)
+                raise
+            except Exception as e:  # noqa: BLE001  (recorded; the next cell still runs)
+                results[name] = {"cell": name, "status": "failed", "error": f"{type(e).__name__}: {e}"}
+                (folder / "failed.txt").write_text(traceback.format_exc())
+                print(f"{study.name}/{name}: failed: {e}", file=sys.stderr)
+                continue
+        for table in (home / "results.csv", Path(bench) / f"{study.name}.csv" if bench else None):
+            if table is not None:
+                _append_row(table, study.name, results[name])
+    verdicts = check_results(study, results)
+    (home / "checks.json").write_text(json.dumps(verdicts, indent=2) + "\n")
+    for v in verdicts:
+        print(f"{'PASS' if v['passed'] else 'FAIL' if v['passed'] is False else 'n/a '}  {v['text']}")
+    return results
+
+
+def _as_run(cfg: ConvertConfig, folder: Path) -> ConvertConfig:
+    """The config a cell runs with (its heal checkpoint in its folder), as its result records it."""
+    if not cfg.heal.budgeted:
+        return cfg
+    ckpt = folder / "heal.pt"
+    return dataclasses.replace(cfg, heal=dataclasses.replace(cfg.heal, checkpoint=str(ckpt), resume=False))
+
+
+def check_results(study: Study, results: dict[str, dict]) -> list[dict]:
+    """Each check of the study against the results: passed True / False, or None when its cell has no result."""
+    out = []
+    for c in study.checks:
+        value = (results.get(c["cell"]) or {}).get("metrics", {}).get(c["metric"])
+        bound = [f">= {c['at_least']}" if "at_least" in c else "", f"<= {c['at_most']}" if "at_most" in c else ""]
+        ok = None
+        if value is not None:
+            ok = value >= c.get("at_least", -float("inf")) and value <= c.get("at_most", float("inf"))
+        shown = "no result" if value is None else f"{value:.4g}"
+        text = f"{c['cell']}: {c['metric']} {' and '.join(b for b in bound if b)} (got {shown})"
+        out.append({**c, "value": value, "passed": ok, "text": text + (f": {c['why']}" if "why" in c else "")})
+    return out

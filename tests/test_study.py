@@ -1,0 +1,161 @@
+"""Conversion studies as data (normlab.study): a TOML grid of convert settings run into locked, resumable cells, with
+checks; bad studies refused before any work; a killed study continues where it stopped."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import CALIB, tiny_hf
+from normlab.cli import main
+from normlab.study import METRICS, builtin_studies, load_study, run_study
+
+pytest.importorskip("transformers")
+
+
+def _study(tmp_path: Path, body: str, name: str = "tiny") -> Path:
+    model, text = tiny_hf(tmp_path / "m"), tmp_path / "calib.txt"
+    text.write_text(CALIB)
+    path = tmp_path / f"{name}.toml"
+    path.write_text(
+        f'title = "a tiny study"\n[base]\nmodel = "{model}"\ntext = "{text}"\nseq_len = 16\nsequences = 4\n'
+        f'eval_text = "none"\n{body}'
+    )
+    return path
+
+
+TWO_CELLS = """
+[[cells]]
+name = "global"
+
+[[cells]]
+name = "channel"
+set = { per = "channel" }
+
+[[checks]]
+cell = "channel"
+metric = "sites"
+at_least = 5
+
+[[checks]]
+cell = "global"
+metric = "ce_rise"
+at_most = -100.0
+why = "cannot hold: the check says so"
+"""
+
+
+def test_a_study_runs_its_cells_checks_them_and_skips_what_is_done(tmp_path, capsys):
+    path = _study(tmp_path, TWO_CELLS)
+    root = tmp_path / "runs"
+    results = run_study(path, root, progress=False, bench=tmp_path / "bench")
+    assert [r["status"] for r in results.values()] == ["done", "done"]
+    assert results["channel"]["metrics"]["sites"] == 5  # a tiny Llama: 2 blocks x 2 norms + the final norm
+    assert {"git_commit", "normlab", "torch", "machine"} <= set(results["channel"])  # what measured it
+    config = json.loads((root / "tiny" / "channel" / "config.json").read_text())
+    assert config["per"] == "channel" and config["model"].endswith("m")
+    rows = list(csv.DictReader((root / "tiny" / "results.csv").open()))
+    assert [r["cell"] for r in rows] == ["global", "channel"] and set(METRICS) <= set(rows[0])
+    assert (tmp_path / "bench" / "tiny.csv").read_text() == (root / "tiny" / "results.csv").read_text()
+    verdicts = json.loads((root / "tiny" / "checks.json").read_text())
+    assert [v["passed"] for v in verdicts] == [True, False]  # a check can fail, and says so
+    out = capsys.readouterr().out
+    assert "PASS  channel: sites >= 5 (got 5)" in out and "FAIL  global: ce_rise <= -100.0" in out
+    stamp = (root / "tiny" / "global" / "result.json").stat().st_mtime_ns
+    again = run_study(path, root, progress=False)
+    assert (root / "tiny" / "global" / "result.json").stat().st_mtime_ns == stamp  # not run again
+    assert again["global"]["metrics"] == results["global"]["metrics"]
+    assert "tiny/global: done before, skipped" in capsys.readouterr().out
+    assert len(list(csv.DictReader((root / "tiny" / "results.csv").open()))) == 2  # no second row for a skip
+
+
+def test_a_changed_cell_runs_again_and_a_failed_cell_does_not_stop_the_study(tmp_path, capsys):
+    path = _study(tmp_path, TWO_CELLS)
+    root = tmp_path / "runs"
+    run_study(path, root, only=["global"], progress=False)
+    path.write_text(path.read_text().replace('name = "global"', 'name = "global"\nset = { sequences = 3 }'))
+    assert run_study(path, root, only=["global"], progress=False)["global"]["status"] == "done"
+    assert "done before" not in capsys.readouterr().out  # its config changed: run again
+    bad = _study(tmp_path, '[[cells]]\nname = "gone"\nset = { model = "/nowhere/model" }\n[[cells]]\nname = "ok"\n',
+                 name="half")  # fmt: skip
+    results = run_study(bad, root, progress=False)
+    assert results["gone"]["status"] == "failed" and "no such folder or .gguf" in results["gone"]["error"]
+    assert results["ok"]["status"] == "done" and (root / "half" / "gone" / "failed.txt").exists()
+
+
+@pytest.mark.parametrize(("body", "says"), [
+    ('[[cells]]\nname = "a"\nset = { "heal.rate" = 1 }\n', r"cells\[0\] \(a\): unknown config field 'heal.rate'"),
+    ('[[cells]]\nname = "a"\nset = { per = "token" }\n', r"cells\[0\] \(a\): --set per must be 'global' or 'channel'"),
+    ('[[cells]]\nname = "a"\n[[cells]]\nname = "a"\n', "a second cell named 'a'"),
+    ('[[cells]]\nname = "../up"\n', "name must be one path segment"),
+    ('[[cells]]\nname = "a"\nset = { out = "x" }\n', "out and heal.checkpoint are the cell's folder's"),
+    ('[[cells]]\nname = "a"\n[[checks]]\ncell = "a"\nmetric = "speed"\nat_most = 1\n', r"checks\[0\] needs"),
+    ('[[cells]]\nname = "a"\n[[checks]]\ncell = "b"\nmetric = "sites"\nat_most = 1\n', r"checks\[0\] needs"),
+    ('cells = []\n', "no cells"),
+    ('[[cells]]\nname = "a"\n[extra]\nx = 1\n', "unknown key 'extra'"),
+    ('[[cells]\n', "not valid TOML"),
+])  # fmt: skip
+def test_a_bad_study_is_refused_naming_the_file_and_the_cell_before_any_work(tmp_path, body, says):
+    path = _study(tmp_path, body)
+    with pytest.raises(ValueError, match=says) as e:
+        run_study(path, tmp_path / "runs", progress=False)
+    assert str(path) in str(e.value)
+    assert not (tmp_path / "runs").exists()  # nothing written
+
+
+def test_only_names_a_cell_of_the_study_and_builtin_studies_load(tmp_path):
+    path = _study(tmp_path, TWO_CELLS)
+    with pytest.raises(ValueError, match="--only 'chanel'.*global, channel"):
+        run_study(path, tmp_path / "runs", only=["chanel"])
+    assert {"budget_walk", "real_model", "heal_recipe"} <= set(builtin_studies())
+    for name in builtin_studies():
+        study = load_study(name)  # every cell of every built-in study resolves and validates
+        assert study.cells and all(c["cell"] in study.cells for c in study.checks)
+    walk = load_study("budget_walk")
+    assert walk.cells["walk"].budget.nats == 0.4 and walk.cells["walk-lbfgs"].calibrate.solver == "lbfgs"
+
+
+@pytest.mark.slow
+def test_a_killed_study_resumes_its_heal_from_the_cell_checkpoint(tmp_path):
+    """A real process killed in a cell's heal: run again, the finished cell is skipped and the heal goes on from its
+    checkpoint (its report says where it resumed from)."""
+    path = _study(tmp_path, '[[cells]]\nname = "first"\n[[cells]]\nname = "heal"\n'
+                            'set = { "heal.tokens" = 16000, "heal.eval_every" = 512 }\n')  # fmt: skip
+    root = tmp_path / "runs"
+    argv = [sys.executable, "-m", "normlab.cli", "study", str(path), "--root", str(root), "--no-progress"]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    ckpt, deadline = root / "tiny" / "heal" / "heal.pt", time.monotonic() + 300
+    try:
+        while time.monotonic() < deadline and proc.poll() is None:
+            if ckpt.exists() and torch_tokens(ckpt) >= 1024:
+                break
+            time.sleep(0.2)
+        assert proc.poll() is None, "the study ended before it could be killed in its heal"
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    first = (root / "tiny" / "first" / "result.json").stat().st_mtime_ns
+    assert not (root / "tiny" / "heal" / "result.json").exists()
+    assert main(["study", str(path), "--root", str(root), "--no-progress"]) == 0
+    assert (root / "tiny" / "first" / "result.json").stat().st_mtime_ns == first
+    heal = json.loads((root / "tiny" / "heal" / "result.json").read_text())["fidelity"]["heal"]
+    assert heal["resumed_from"] >= 1024 and heal["tokens"] >= 16000
+    assert not ckpt.exists()
+
+
+def torch_tokens(ckpt: Path) -> int:
+    """Tokens a heal checkpoint has trained (0 while it is being replaced)."""
+    import torch
+
+    try:
+        return torch.load(ckpt, weights_only=False)["report"]["tokens"]
+    except Exception:  # noqa: BLE001  (a checkpoint being written)
+        return 0
