@@ -22,8 +22,8 @@ import torch
 
 import normlab
 from bench_kernels import cpu_name  # scripts/ is on the path when a script runs
-from normlab.lab.runs import code_version
 from normlab.table import append_csv, format_table
+from normlab.version import code_version
 
 NORMS = ["rms_norm", "dyt", "derf", "dyisru", "eln"]
 

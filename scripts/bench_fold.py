@@ -46,8 +46,8 @@ import normlab
 from bench_kernels import cpu_name  # scripts/ is on the path when a script runs
 from normlab.conversion.hf import load_model, smollm2
 from normlab.conversion.saving import load_converted
-from normlab.lab.runs import code_version
 from normlab.table import append_csv, format_table
+from normlab.version import code_version
 
 
 def timed(fn) -> float:

@@ -26,8 +26,8 @@ import torch
 
 from bench_kernels import cpu_name  # scripts/ is on the path when a script runs
 from normlab.kernels import cpu_build
-from normlab.lab.runs import code_version
 from normlab.table import append_csv, format_table
+from normlab.version import code_version
 
 SOURCE = "src/normlab/kernels/csrc/cpu_norms.cpp"
 

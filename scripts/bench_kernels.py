@@ -31,8 +31,8 @@ import platform
 import torch
 
 import normlab.functional as FN
-from normlab.lab.runs import code_version
 from normlab.table import append_csv
+from normlab.version import code_version
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

@@ -33,8 +33,8 @@ from normlab.lab import GPT, resolve_config, train
 from normlab.lab.data import get_batch, load_corpus
 from normlab.lab.metrics import Probe, norm_parameters, projection_ranks
 from normlab.lab.optim import build_optimizer, lr_at
-from normlab.lab.runs import code_version
 from normlab.table import append_csv
+from normlab.version import code_version
 
 
 def bare_loop(cfg, steps: int) -> float:

@@ -26,8 +26,8 @@ import torch
 
 from normlab.corpus import fetch_shakespeare
 from normlab.kernels import cpu_build
-from normlab.lab.runs import code_version
 from normlab.table import append_csv
+from normlab.version import code_version
 
 CODE = """
 import sys

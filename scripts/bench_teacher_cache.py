@@ -28,8 +28,8 @@ from bench_kernels import cpu_name  # scripts/ is on the path when a script runs
 from normlab.conversion.heal import distill_loss
 from normlab.conversion.heal_run import frozen, make_optimizer, trainable
 from normlab.conversion.teacher import TeacherCache, teacher_top_k
-from normlab.lab.runs import code_version
 from normlab.table import append_csv, format_table
+from normlab.version import code_version
 
 
 def main() -> None:

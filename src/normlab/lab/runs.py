@@ -25,9 +25,8 @@ from pathlib import Path
 
 from normlab.errors import NormlabError
 from normlab.owner import inside, take_lock
-from normlab.version import code_version
 
-__all__ = ["RunFolder", "RunLocked", "TERMINAL", "code_version", "escape_step", "read_jsonl", "read_summary",
+__all__ = ["RunFolder", "RunLocked", "TERMINAL", "escape_step", "read_jsonl", "read_summary",
            "write_json"]  # fmt: skip
 
 CONFIG, VERSION, METRICS, SUMMARY, CHECKPOINT, LOCK = (

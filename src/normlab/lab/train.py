@@ -28,7 +28,8 @@ from normlab.lab.data import get_batch, load_corpus
 from normlab.lab.metrics import Probe, init_telemetry, norm_parameters, projection_ranks
 from normlab.lab.model import GPT
 from normlab.lab.optim import build_optimizer, lr_at
-from normlab.lab.runs import CONFIG, METRICS, SUMMARY, VERSION, RunFolder, code_version, escape_step, read_jsonl
+from normlab.lab.runs import CONFIG, METRICS, SUMMARY, VERSION, RunFolder, escape_step, read_jsonl
+from normlab.version import code_version
 
 __all__ = ["train", "CheckpointError"]
 
