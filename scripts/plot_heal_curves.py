@@ -4,20 +4,29 @@
         bench/heal_30min_dyisru_2threads.csv "two threads" --out docs/figures/heal_30min.png
     python scripts/plot_heal_curves.py A.csv "batch 8" B.csv "batch 4" --ylim 4.8 9.5 --out FIG.png   # clip a spike
 
+    python scripts/plot_heal_curves.py --study runs/heal_grid --out FIG.png   # every healed cell of a study
+
 Each CSV is what `normlab convert --heal-minutes N --out DIR` writes as DIR/heal_curve.csv (columns tokens,
-seconds, val_ce, ...). The kept point (the best validation CE) is circled on each line.
+seconds, val_ce, ...); a study cell's result.json (`normlab study`) holds the same curve. The kept point (the best
+validation CE) is circled on each line.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import json
 from pathlib import Path
 
 from _study import save
 
 
 def read_curve(path: Path) -> dict[str, list[float]]:
+    if path.suffix == ".json":  # a study cell's result
+        rows = ((json.loads(path.read_text()).get("fidelity") or {}).get("heal") or {}).get("curve") or []
+        if not rows:
+            raise SystemExit(f"{path}: a study result without a heal curve")
+        return {k: [float(r[k]) for r in rows] for k in ("tokens", "seconds", "val_ce")}
     with path.open() as f:
         rows = list(csv.DictReader(f))
     missing = {"tokens", "seconds", "val_ce"} - set(rows[0] if rows else {})
@@ -28,13 +37,18 @@ def read_curve(path: Path) -> dict[str, list[float]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("pairs", nargs="+", help="CSV LABEL [CSV LABEL ...]")
+    ap.add_argument("pairs", nargs="*", help="CSV LABEL [CSV LABEL ...] (a CSV or a study cell's result.json)")
+    ap.add_argument("--study", type=Path, help="a study's folder (ROOT/STUDY): every cell that healed, by name")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--title", default="SmolLM2-135M, DyISRU at all 61 sites: the stream heal")
     ap.add_argument("--ylim", type=float, nargs=2, metavar=("LOW", "HIGH"), help="the CE axis (a diverged curve)")
     args = ap.parse_args()
-    if len(args.pairs) % 2:
-        ap.error("give each CSV a label: CSV LABEL [CSV LABEL ...]")
+    if len(args.pairs) % 2 or not (args.pairs or args.study):
+        ap.error("give each CSV a label: CSV LABEL [CSV LABEL ...], or a --study folder")
+    if args.study:
+        cells = sorted(args.study.glob("*/result.json"))
+        healed = [p for p in cells if (json.loads(p.read_text()).get("fidelity") or {}).get("heal")]
+        args.pairs += [x for p in healed for x in (str(p), p.parent.name)]
     curves = [(read_curve(Path(p)), label) for p, label in zip(args.pairs[::2], args.pairs[1::2], strict=True)]
 
     import matplotlib
