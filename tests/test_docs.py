@@ -257,3 +257,28 @@ def test_the_site_builds_with_strict_checks(tmp_path):
 
 def test_the_readme_is_a_front_page():
     assert len((REPO / "README.md").read_text().splitlines()) <= 200
+
+
+def test_scripts_import_only_modules_of_the_api_reference():
+    """The scripts are tools and benchmarks on normlab's public modules: every normlab module they import is in the
+    API reference (docs/api), where its names are documented, or is a package whose modules are."""
+    import ast
+    import re
+
+    documented = {"normlab"} | {
+        m for page in (REPO / "docs" / "api").glob("*.md") for m in re.findall(r"^::: (\S+)", page.read_text(), re.M)
+    }
+    used = {}
+    for script in (REPO / "scripts").glob("*.py"):
+        for node in ast.walk(ast.parse(script.read_text())):
+            names = (
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module
+                else [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            )  # fmt: skip
+            for name in names:
+                if name == "normlab" or name.startswith("normlab."):
+                    used.setdefault(name, script.name)
+    packages = {d.rsplit(".", 1)[0] for d in documented}  # a package whose modules are documented (its __init__'s names)
+    undocumented = {m: s for m, s in used.items() if m not in documented | packages}
+    assert not undocumented, undocumented
+    assert "normlab.conversion.convert" in documented and len(used) >= 10  # the check sees the scripts' imports
