@@ -1,0 +1,54 @@
+"""The feature matrix (normlab.features): read from the code, kept in docs/norms.md, and each claim that a norm runs
+without normlab checked by running it so."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import normlab
+from conftest import load_without_normlab, tiny_lm
+from normlab.features import BEGIN, END, markdown, norm_features
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_the_docs_hold_the_current_matrix():
+    page = (REPO / "docs" / "norms.md").read_text()
+    assert BEGIN in page and END in page
+    kept = BEGIN + page.split(BEGIN, 1)[1].split(END, 1)[0] + END
+    assert kept == markdown(), "docs/norms.md's feature matrix is stale: python -m normlab.features --write"
+
+
+def test_the_matrix_reads_the_code():
+    rows = norm_features()
+    assert set(rows) == set(normlab.list_norms())
+    assert rows["dyisru"]["calibrates"] == "log_beta" and rows["dyt"]["calibrates"] == "alpha"
+    assert rows["eln"]["cpu"] and not rows["eln"]["triton"]  # normlab.kernels.eln has no Triton path
+    assert rows["rms_norm"]["triton"] and not rows["tanh_fixed"]["cpu"]
+    assert not rows["rms_ema"]["portable"]  # its running mean is a buffer the modeling file does not rebuild
+
+
+@pytest.mark.slow
+def test_every_norm_said_to_run_without_normlab_does(tmp_path):
+    """A tiny Llama converted to each such norm (its default init), saved, and loaded by transformers alone in a
+    process that cannot import normlab: the same logits."""
+    pytest.importorskip("transformers")
+    cases = []
+    for name, row in norm_features().items():
+        if not row["portable"]:
+            continue
+        model = tiny_lm("Llama", seed=0)
+        record = normlab.convert_norms(model, name)
+        folder = tmp_path / name
+        normlab.save_converted(model, record, folder)
+        x = torch.randint(0, 100, (2, 12))
+        with torch.no_grad():
+            torch.save({"x": x, "y": model(x).logits}, folder / "case.pt")
+        cases.append((str(folder), "AutoModelForCausalLM", "logits"))
+    got = load_without_normlab(cases, tmp_path)
+    assert not got.pop("normlab_imported", False)
+    for folder, _, _ in cases:
+        assert got[folder]["diff"] <= 1e-5, (Path(folder).name, got[folder])
