@@ -278,7 +278,7 @@ def test_scripts_import_only_modules_of_the_api_reference():
             for name in names:
                 if name == "normlab" or name.startswith("normlab."):
                     used.setdefault(name, script.name)
-    packages = {d.rsplit(".", 1)[0] for d in documented}  # a package whose modules are documented (its __init__'s names)
+    packages = {d.rsplit(".", 1)[0] for d in documented}  # packages whose modules are documented
     undocumented = {m: s for m, s in used.items() if m not in documented | packages}
     assert not undocumented, undocumented
     assert "normlab.conversion.convert" in documented and len(used) >= 10  # the check sees the scripts' imports

@@ -121,10 +121,11 @@ def test_no_default_is_written_in_two_places():
 def test_every_calibrate_field_is_an_override_checked_by_the_config():
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
     for f in dataclasses.fields(CalibrateConfig):
-        _, cfg = resolve_options(None, None, {f.name: getattr(CalibrateConfig(), f.name)}, calibrating=True)
-        assert cfg.calibrate == CalibrateConfig() and cfg.to == ConvertConfig().to
-    _, cfg = resolve_options("dyt", CalibrateConfig(solver="lbfgs"), {"per": "channel", "massive": 5.0}, True)
+        spec, cfg = resolve_options(None, None, {f.name: getattr(CalibrateConfig(), f.name)}, calibrating=True)
+        assert cfg.calibrate == CalibrateConfig() and cfg.to == ConvertConfig().to == spec.name
+    spec, cfg = resolve_options("dyt", CalibrateConfig(solver="lbfgs"), {"per": "channel", "massive": 5.0}, True)
     assert (cfg.to, cfg.per, cfg.calibrate.solver, cfg.calibrate.massive) == ("dyt", "channel", "lbfgs", 5.0)
+    assert spec is normlab.registry.norm_spec("dyt")  # the conversion modules receive the spec
     with pytest.raises(TypeError, match="unknown option 'max_token'.*CalibrateConfig's"):
         normlab.convert_norms(model, "dyisru", max_token=16)
     with pytest.raises(ValueError, match="first_token must be 'auto', 'own' or 'shared', got 'first'"):

@@ -50,7 +50,7 @@ from normlab.conversion.first_token import (
 from normlab.conversion.fit import FitOutcome, fit_replacement
 from normlab.conversion.record import Site
 from normlab.conversion.stream import BlockStream, find_blocks
-from normlab.registry import create_norm, norm_spec
+from normlab.registry import NormSpec, create_norm, norm_spec
 
 __all__ = ["FitOutcome", "fit_replacement", "calibrate_sites", "per_channel_kwargs"]
 
@@ -58,13 +58,15 @@ __all__ = ["FitOutcome", "fit_replacement", "calibrate_sites", "per_channel_kwar
 # --------------------------------------------------------------------------
 # the sequential pass over a model's sites
 # --------------------------------------------------------------------------
-def per_channel_kwargs(to: str) -> dict:
-    return {"per_channel_beta": True} if norm_spec(to).fits == "log_beta" else {"per_channel_alpha": True}
+def per_channel_kwargs(spec: NormSpec | str) -> dict:
+    """The init kwargs that give ``spec``'s fitted parameter one value per channel (a name is looked up)."""
+    spec = norm_spec(spec) if isinstance(spec, str) else spec
+    return {"per_channel_beta": True} if spec.fits == "log_beta" else {"per_channel_alpha": True}
 
 
-def _first_copy(new: nn.Module, site, to: str) -> nn.Module:
+def _first_copy(new: nn.Module, site, spec: NormSpec) -> nn.Module:
     """The first token's own replacement: per channel, with the shared replacement's copied affine."""
-    first = create_norm(to, site.dim, **{**site.kwargs, **per_channel_kwargs(to)})
+    first = create_norm(spec.name, site.dim, **{**site.kwargs, **per_channel_kwargs(spec)})
     first.load_state_dict({k: v.expand_as(first.state_dict()[k]) for k, v in new.state_dict().items()})
     return first.to(device=new.weight.device, dtype=new.weight.dtype).train(new.training)
 
@@ -182,7 +184,7 @@ def calibrate_sites(
     calibrate,
     config: CalibrateConfig,
     *,
-    to: str,
+    spec: NormSpec,
     per: str,
     progress: bool | None = None,
 ) -> tuple[str, dict]:
@@ -224,7 +226,9 @@ def calibrate_sites(
             pairs = BlockStream(model, *blocks) if stream is not None and stream.broken is None else None
             firsts = FirstRows(model, batches, seq, max_tokens, sequential, pairs)
         path = _path(stream, sequential, order)
-        bar = tqdm(order, desc=f"calibrating {to}", unit="site", disable={True: False, False: True}.get(progress))
+        bar = tqdm(
+            order, desc=f"calibrating {spec.name}", unit="site", disable={True: False, False: True}.get(progress)
+        )
         for n in bar:  # 2. each site on the input of the model converted so far
             site, new = by_name[n], replacements[n]
             rows_in = inputs[n] if inputs is not None else _site_inputs(model, batches, n, quota, dims[n], stream)
@@ -234,7 +238,7 @@ def calibrate_sites(
             if c.target == "local":  # the original norm on the converted input: no correction of upstream drift
                 yf, yr = _local_targets(model.get_submodule(n), xf, xr)
             if own and len(xf):
-                first = _first_copy(new, site, to)
+                first = _first_copy(new, site, spec)
                 out_first = fit_replacement(first, xf, yf, per_channel=True, fit_amplitude=fit_amplitude, solver=solver)
                 site.first_token = True
             else:

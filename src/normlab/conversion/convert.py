@@ -36,7 +36,7 @@ from normlab.conversion.config import CalibrateConfig, ConvertConfig
 from normlab.conversion.fidelity import fidelity
 from normlab.conversion.record import ConversionRecord, Site
 from normlab.conversion.saving import apply_record, load_converted, save_converted
-from normlab.registry import create_norm, init_kwargs, list_norms, norm_spec
+from normlab.registry import NormSpec, create_norm, init_kwargs, list_norms, norm_spec
 from normlab.typed import check_types
 
 __all__ = ["KNOWN_NORMS", "ConversionRecord", "convert_norms", "apply_record", "fidelity", "save_converted",
@@ -135,10 +135,11 @@ def _site_kwargs(name: str, init: dict, site_init: dict) -> dict:
     return kw
 
 
-def _build(name: str, m: nn.Module, kind: str, to: str, kwargs: dict) -> tuple[nn.Module, Site]:
+def _build(name: str, m: nn.Module, kind: str, spec: NormSpec, kwargs: dict) -> tuple[nn.Module, Site]:
     dim, eps = _source_dim(m), _source_eps(m)
     if getattr(m, "data_format", None) == "channels_first":  # ConvNeXt's (N, C, H, W) norms
         kwargs = {**kwargs, "channel_dim": 1}
+    to = spec.name
     if "eps" in init_kwargs(to) and "eps" not in kwargs:
         kwargs = {**kwargs, "eps": eps}  # keep the source's eps where the target has one
     try:
@@ -177,10 +178,11 @@ def _keyword(key: str) -> str:
     return key.rsplit(".", 1)[-1]
 
 
-def resolve_options(to: str | None, config, overrides: dict, calibrating: bool) -> tuple[str, ConvertConfig]:
-    """convert_norms's settings as one `ConvertConfig`: ``config`` (a `ConvertConfig`, a `CalibrateConfig` or None:
-    the defaults), then ``overrides`` (any field of `CalibrateConfig`, or per / init / site_init), validated by the
-    config's own checks, so that the Python API and ``normlab convert`` cannot disagree on a default or a rule."""
+def resolve_options(to: str | None, config, overrides: dict, calibrating: bool) -> tuple[NormSpec, ConvertConfig]:
+    """convert_norms's target (its `NormSpec`, resolved here once and passed down) and its settings as one
+    `ConvertConfig`: ``config`` (a `ConvertConfig`, a `CalibrateConfig` or None: the defaults), then ``overrides``
+    (any field of `CalibrateConfig`, or per / init / site_init), validated by the config's own checks, so that the
+    Python API and ``normlab convert`` cannot disagree on a default or a rule."""
     if config is None or isinstance(config, CalibrateConfig):
         base = ConvertConfig(calibrate=config or CalibrateConfig())
     elif isinstance(config, ConvertConfig):
@@ -206,10 +208,10 @@ def resolve_options(to: str | None, config, overrides: dict, calibrating: bool) 
     )
     if not isinstance(cfg.to, str):
         raise TypeError(f"convert_norms: to must be a registered norm's name, got {cfg.to!r}")
-    norm_spec(cfg.to)  # an unknown target lists the valid names
+    spec = norm_spec(cfg.to)  # the target, resolved here once (an unknown name lists the valid ones)
     check_types(cfg, "", _keyword)
     cfg.calibrate.validate(cfg.to if calibrating else None, _keyword)
-    return cfg.to, cfg
+    return spec, cfg
 
 
 def _check_options(model, to, calibrate, extra_classes) -> None:
@@ -259,7 +261,8 @@ def convert_norms(
             (``first_token``, ``target``, ``max_tokens``, ``massive``, ``fit_amplitude``, ``sequential``,
             ``solver``), whose docstrings say what each does.
     """
-    to, cfg = resolve_options(to, config, overrides, calibrate is not None)
+    spec, cfg = resolve_options(to, config, overrides, calibrate is not None)
+    to = spec.name
     if not cfg.calibrate.enabled:
         calibrate = None
     _check_options(model, to, calibrate, extra_classes)
@@ -290,16 +293,16 @@ def convert_norms(
         names = ", ".join(name for name, _, _ in found[:4]) + (", ..." if len(found) > 4 else "")
         raise ValueError(f"site_init: pattern {unused[0]!r} matches no converted site; the sites are {names}")
 
-    per_kw = per_channel_kwargs(to) if cfg.per == "channel" else {}
+    per_kw = per_channel_kwargs(spec) if cfg.per == "channel" else {}
     replacements, sites = {}, []
     for name, m, kind in found:  # build everything first: an error here leaves the model untouched
-        new, site = _build(name, m, kind, to, {**per_kw, **_site_kwargs(name, init, site_init)})
+        new, site = _build(name, m, kind, spec, {**per_kw, **_site_kwargs(name, init, site_init)})
         replacements[name] = new
         sites.append(site)
     notes, path = [], {}
     if calibrate is not None:  # fits and swaps site by site; puts every original back if anything fails
         decision, path = calibrate_sites(
-            model, sites, replacements, calibrate, cfg.calibrate, to=to, per=cfg.per, progress=progress
+            model, sites, replacements, calibrate, cfg.calibrate, spec=spec, per=cfg.per, progress=progress
         )
         notes.append(decision)
     else:
