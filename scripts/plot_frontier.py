@@ -1,0 +1,67 @@
+"""The frontier of SmolLM2's norms, drawn from bench/frontier.json: docs/figures/frontier.png.
+
+    python scripts/plot_frontier.py
+
+Each curve is a walk that converts the sites cheapest first and measures the held-out cross-entropy after each; each
+point is a walk that selected its sites on validation sequences and was measured on held-out ones. The entries
+were measured with the frontier study's former script (scripts/frontier_study.py, at the commits each entry
+records); `normlab study frontier` runs the same walks now, its cells' result.json holding each walk
+(`fidelity.budget_walk.walk`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from _study import ROOT, save
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, zoom) = plt.subplots(1, 2, figsize=(15, 4.8))
+    markers = iter("os^vDP*X")
+    for to, r in results.items():
+        if "curve" not in r:  # a --select-on validation entry: one point, the sites kept and their held-out rise
+            rise = r["ce_held"] - r["ce_held_original"]
+            zoom.plot(
+                r["sites_kept"],
+                rise,
+                marker=next(markers, "o"),
+                ls="",
+                ms=8,
+                label=f"{to.replace('selected on validation, ', '')}: {rise:+.2f}",
+            )
+            continue
+        ks = range(len(r["curve"]))
+        rise = [c - r["ce_original"] for c in r["curve"]]
+        for a in (ax, zoom):
+            a.plot(ks, rise, marker=".", label=f"{to} ({r['within_0.1']} / {r['within_0.5']} sites in +0.1 / +0.5)")
+    ax.set_yscale("symlog", linthresh=0.1)
+    zoom.set_ylim(-0.05, 1.0)
+    for a in (ax, zoom):
+        for y in (0.1, 0.5):
+            a.axhline(y, color="grey", lw=0.8, ls="--")
+        a.set_xlabel("sites converted, cheapest first (calibrated, no training)")
+        a.set_ylabel("held-out CE - original's (nats/token)")
+    ax.set_title("SmolLM2-135M: the greedy frontier")
+    zoom.set_title("up to +1 nat; points: kept on validation, measured held out")
+    zoom.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
+    save(fig, path)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", type=Path, default=ROOT / "bench" / "frontier.json")
+    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "figures" / "frontier.png")
+    args = ap.parse_args()
+    plot(json.loads(args.json.read_text())["targets"], args.out)
+
+
+if __name__ == "__main__":
+    main()
