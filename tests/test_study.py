@@ -159,3 +159,17 @@ def torch_tokens(ckpt: Path) -> int:
         return torch.load(ckpt, weights_only=False)["report"]["tokens"]
     except Exception:  # noqa: BLE001  (a checkpoint being written)
         return 0
+
+
+def test_a_cell_another_process_holds_is_left_to_it(tmp_path, capsys):
+    """Two processes can share a study: a cell whose lock is held is skipped here ("busy"), the others run."""
+    from normlab.owner import hold
+
+    path = _study(tmp_path, TWO_CELLS)
+    root = tmp_path / "runs"
+    with hold(root / "tiny" / "global", "study cell"):  # another owner of the cell (a lock of its own)
+        results = run_study(path, root, progress=False)
+    assert results["global"]["status"] == "busy" and "in use by a live process" in results["global"]["error"]
+    assert results["channel"]["status"] == "done"
+    assert not (root / "tiny" / "global" / "result.json").exists()
+    assert "tiny/global" in capsys.readouterr().err

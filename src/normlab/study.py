@@ -30,6 +30,7 @@ file and the cell. Each result is a row of ``ROOT/<study>/results.csv`` and, wit
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import dataclasses
 import hashlib
@@ -41,7 +42,7 @@ from importlib import resources
 from pathlib import Path
 
 from normlab.conversion.config import ConvertConfig, resolve_convert_config
-from normlab.owner import check_folder, hold, path_segment_error
+from normlab.owner import Locked, check_folder, hold, path_segment_error
 from normlab.version import code_version
 
 if sys.version_info >= (3, 11):
@@ -194,32 +195,40 @@ def run_study(
     for name, cfg in study.cells.items():
         if only and name not in only:
             continue
-        folder = home / name
-        with hold(folder, "study cell"):
-            done = json.loads((folder / RESULT).read_text()) if (folder / RESULT).is_file() else None
-            if done is not None and done.get("config_sha") == _fingerprint(_as_run(cfg, folder)):
-                print(f"{study.name}/{name}: done before, skipped")
-                results[name] = done
-                continue
-            print(f"\n=== {study.name}/{name} ===", flush=True)
-            try:
-                results[name] = _run_cell(name, cfg, folder, progress)
-            except KeyboardInterrupt:
-                print(f"\n{study.name}/{name}: interrupted; run the study again to continue", file=sys.stderr)
-                raise
-            except Exception as e:  # noqa: BLE001  (recorded; the next cell still runs)
-                results[name] = {"cell": name, "status": "failed", "error": f"{type(e).__name__}: {e}"}
-                (folder / "failed.txt").write_text(traceback.format_exc())
-                print(f"{study.name}/{name}: failed: {e}", file=sys.stderr)
-                continue
+        results[name], ran = _cell(study.name, name, cfg, home / name, progress)
         for table in (home / "results.csv", Path(bench) / f"{study.name}.csv" if bench else None):
-            if table is not None:
+            if ran and table is not None:
                 _append_row(table, study.name, results[name])
     verdicts = check_results(study, results)
     (home / "checks.json").write_text(json.dumps(verdicts, indent=2) + "\n")
     for v in verdicts:
         print(f"{'PASS' if v['passed'] else 'FAIL' if v['passed'] is False else 'n/a '}  {v['text']}")
     return results
+
+
+def _cell(study: str, name: str, cfg: ConvertConfig, folder: Path, progress: bool) -> tuple[dict, bool]:
+    """One cell, owned by this process for its run: (its result, whether it ran now). A cell another process holds
+    is left to it ("busy"); one with a result for its config is read back; one that fails is recorded."""
+    with contextlib.ExitStack() as owned:
+        try:
+            owned.enter_context(hold(folder, "study cell"))
+        except Locked as e:  # another process runs this cell: two processes can share a study so
+            print(f"{study}/{name}: {e}; skipped here", file=sys.stderr)
+            return {"cell": name, "status": "busy", "error": str(e)}, False
+        done = json.loads((folder / RESULT).read_text()) if (folder / RESULT).is_file() else None
+        if done is not None and done.get("config_sha") == _fingerprint(_as_run(cfg, folder)):
+            print(f"{study}/{name}: done before, skipped")
+            return done, False
+        print(f"\n=== {study}/{name} ===", flush=True)
+        try:
+            return _run_cell(name, cfg, folder, progress), True
+        except KeyboardInterrupt:
+            print(f"\n{study}/{name}: interrupted; run the study again to continue", file=sys.stderr)
+            raise
+        except Exception as e:  # noqa: BLE001  (recorded; the next cell still runs)
+            (folder / "failed.txt").write_text(traceback.format_exc())
+            print(f"{study}/{name}: failed: {e}", file=sys.stderr)
+            return {"cell": name, "status": "failed", "error": f"{type(e).__name__}: {e}"}, False
 
 
 def _as_run(cfg: ConvertConfig, folder: Path) -> ConvertConfig:
