@@ -123,12 +123,14 @@ def load_study(source: str | Path) -> Study:
         raise ValueError(f"{path}: no cells; give at least one [[cells]] with a name")
     checks = data.get("checks") or []
     for i, c in enumerate(checks):
+        c = c if isinstance(c, dict) else {}
         bounds = {"at_least", "at_most"} & set(c)
-        if c.get("cell") not in cells or c.get("metric") not in METRICS or not bounds or set(c) - {
+        numbers = all(isinstance(c[b], (int, float)) and not isinstance(c[b], bool) for b in bounds)
+        if c.get("cell") not in cells or c.get("metric") not in METRICS or not bounds or not numbers or set(c) - {
             "cell", "metric", "at_least", "at_most", "why"}:  # fmt: skip
             raise ValueError(
                 f"{path}: checks[{i}] needs a cell of this study ({', '.join(cells)}), a metric "
-                f"({', '.join(METRICS)}) and at_least or at_most; got {c!r}"
+                f"({', '.join(METRICS)}) and a number at_least or at_most; got {checks[i]!r}"
             )
     return Study(path.stem, data.get("title", path.stem), data.get("claim", ""), cells, checks, str(path))
 
