@@ -105,8 +105,12 @@ def check_types(section, prefix: str = "", name: Callable[[str], str] = set_name
 @cache
 def field_docs(cls: type) -> dict[str, str]:
     """The docstring written under each field of the dataclass ``cls`` (what ``--help`` and the API reference
-    show), by field name; a field without one is absent."""
-    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    show), by field name; a field without one is absent, and so is every field when the source is not installed
+    (a build without .py files: --help then shows no docstrings rather than failing)."""
+    try:
+        body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    except (OSError, TypeError):
+        return {}
     docs = {}
     for node, after in zip(body, body[1:]):
         if (
