@@ -64,7 +64,7 @@ def test_a_study_runs_its_cells_checks_them_and_skips_what_is_done(tmp_path, cap
     assert config["per"] == "channel" and config["model"].endswith("m")
     rows = list(csv.DictReader((root / "tiny" / "results.csv").open()))
     assert [r["cell"] for r in rows] == ["global", "channel"] and set(METRICS) <= set(rows[0])
-    assert (tmp_path / "bench" / "tiny.csv").read_text() == (root / "tiny" / "results.csv").read_text()
+    assert (tmp_path / "bench" / "study_tiny.csv").read_text() == (root / "tiny" / "results.csv").read_text()
     verdicts = json.loads((root / "tiny" / "checks.json").read_text())
     assert [v["passed"] for v in verdicts] == [True, False]  # a check can fail, and says so
     out = capsys.readouterr().out
@@ -74,6 +74,12 @@ def test_a_study_runs_its_cells_checks_them_and_skips_what_is_done(tmp_path, cap
     assert (root / "tiny" / "global" / "result.json").stat().st_mtime_ns == stamp  # not run again
     assert again["global"]["metrics"] == results["global"]["metrics"]
     assert "tiny/global: done before, skipped" in capsys.readouterr().out
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "study_tiny.csv").write_text("target,sites,stage\ndyisru,all,calibrated\n")  # a table of another kind
+    with pytest.raises(ValueError, match="holds another table"):
+        run_study(path, root, progress=False, bench=other)
+    assert (other / "study_tiny.csv").read_text() == "target,sites,stage\ndyisru,all,calibrated\n"
     assert len(list(csv.DictReader((root / "tiny" / "results.csv").open()))) == 2  # no second row for a skip
 
 

@@ -25,7 +25,8 @@ commit and the machine). One process owns a cell at a time (a lock). A cell whos
 skipped, so a killed study loses at most the cell in progress; a cell that fails is recorded and the study goes on.
 Every cell's config is resolved and validated before the first one runs, so a typo fails in seconds, naming the
 file and the cell. Each result is a row of ``ROOT/<study>/results.csv`` and, with ``bench=``, of
-``<bench>/<study>.csv``, beside the commit and the machine that measured it.
+``<bench>/study_<study>.csv``, beside the commit and the machine that measured it; a table whose columns are not
+a study's is refused before any cell runs.
 """
 
 from __future__ import annotations
@@ -167,10 +168,24 @@ def _run_cell(name: str, cfg: ConvertConfig, folder: Path, progress: bool) -> di
     return result
 
 
+ROW = ["study", "cell", *METRICS, "commit", "dirty", "machine"]  # a results table's columns
+
+
+def _check_table(table: Path | None) -> None:
+    """A table the rows will go to: absent, empty, or with a study's columns (not another table of the same name)."""
+    if table is None or not table.is_file() or table.stat().st_size == 0:
+        return
+    with table.open(newline="") as f:
+        header = next(csv.reader(f), [])
+    if header != ROW:
+        raise ValueError(f"{table} holds another table (columns {', '.join(header[:4])}, ...); give another --bench")
+
+
 def _append_row(table: Path, study: str, result: dict) -> None:
     """One row per finished cell: the study, the cell, its metrics, the commit and the machine."""
     row = {"study": study, "cell": result["cell"], **result["metrics"], "commit": result.get("git_commit", "")[:12],
            "dirty": result.get("git_dirty", ""), "machine": result["machine"]}  # fmt: skip
+    assert list(row) == ROW
     table.parent.mkdir(parents=True, exist_ok=True)
     with hold(table, "the study table", wait=True):
         new = not table.exists() or table.stat().st_size == 0
@@ -193,12 +208,14 @@ def run_study(
         raise ValueError(f"--only {missing[0]!r}: {study.path} has the cells {', '.join(study.cells)}")
     home = Path(root) / study.name
     check_folder(home, "--root")
+    for table in (home / "results.csv", Path(bench) / f"study_{study.name}.csv" if bench else None):
+        _check_table(table)
     results = {}
     for name, cfg in study.cells.items():
         if only and name not in only:
             continue
         results[name], ran = _cell(study.name, name, cfg, home / name, progress)
-        for table in (home / "results.csv", Path(bench) / f"{study.name}.csv" if bench else None):
+        for table in (home / "results.csv", Path(bench) / f"study_{study.name}.csv" if bench else None):
             if ran and table is not None:
                 _append_row(table, study.name, results[name])
     verdicts = check_results(study, results)

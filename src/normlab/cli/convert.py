@@ -211,6 +211,6 @@ def add_study(sub) -> None:
     s.add_argument("study", help=f"a study TOML file, or a built-in one: {', '.join(sorted(builtin_studies()))}")
     s.add_argument("--root", default="runs", help="the folder of the study's cells (default runs)")
     s.add_argument("--only", nargs="*", metavar="CELL", help="run these cells only")
-    s.add_argument("--bench", metavar="DIR", help="also append each cell's row to DIR/STUDY.csv (e.g. bench)")
+    s.add_argument("--bench", metavar="DIR", help="also append each cell's row to DIR/study_STUDY.csv (e.g. bench)")
     s.add_argument("--no-progress", action="store_true", help="no progress bars")
     s.set_defaults(func=_cmd_study)
