@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import platform
 import subprocess
 from pathlib import Path
 
@@ -20,9 +19,10 @@ def commit() -> str:
 
 
 def machine() -> str:
-    import torch
+    """The machine a row was measured on, as `normlab study` records it."""
+    from normlab.study import machine as study_machine
 
-    return f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+    return study_machine()
 
 
 def save(fig, path: Path) -> None:
