@@ -12,6 +12,7 @@ import torch
 import normlab
 from conftest import tiny_lm
 from normlab.cli import main
+from normlab.conversion.config import BudgetConfig
 
 transformers = pytest.importorskip("transformers")
 
@@ -27,6 +28,12 @@ def _peaked(seed: int = 0, layers: int = 3):
     return tiny_lm(seed=seed, layers=layers, initializer_range=0.3)
 
 
+def _plain(**fields) -> BudgetConfig:
+    """The plain walk: ranked on the first calibration batch, stopping at the first site over the budget, no refit
+    of all (each field overridable)."""
+    return BudgetConfig(**{"walk": "stop", "refit_every": 0, "rank_batches": 1, **fields})
+
+
 def _batches(n: int, seed: int):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, 100, (4, 16), generator=g) for _ in range(n)]
@@ -39,7 +46,7 @@ def test_site_costs_are_the_cross_entropy_rise_of_each_site_converted_alone():
     model = _peaked()
     before = copy.deepcopy(model.state_dict())
     calib, held = _batches(2, 1), _batches(2, 2)
-    front, _ = frontier(model, "dyisru", calib, held, refit=0, progress=False)
+    front, _ = frontier(model, "dyisru", calib, held, budget=_plain(refit_batches=0), progress=False)
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())  # the study leaves it as it was
     assert len(front.order) == 7 and sorted(front.costs.values()) == [front.costs[n] for n in front.order]
     name = front.order[-1]  # the dearest site, converted by hand on the original's activations
@@ -84,14 +91,14 @@ def test_budget_nats_never_ends_above_its_budget(folder, tmp_path, capsys, refit
     splits = text_splits(folder / "text.txt", None, 100, 16, 8, 8)
     calib, select = splits.calib, splits.val  # the CLI selects on the validation split, never on the held-out one
     assert not {tuple(r.tolist()) for b in select for r in b} & {tuple(r.tolist()) for b in splits.held for r in b}
-    walk, _ = frontier(copy.deepcopy(model), "dyisru", calib, select, refit=refit, progress=False)
+    walk, _ = frontier(copy.deepcopy(model), "dyisru", calib, select, budget=_plain(refit_batches=refit))
     budgets = _budgets(walk)
     expected = [walk.within(b) for b in budgets]
     assert len(set(expected)) >= 2 and any(0 < c < 7 for c in expected), (walk.curve, expected)
     for budget, n in zip(budgets, expected):
         if refit == 0:  # the library call
             m = copy.deepcopy(model)
-            front, record = frontier(m, "dyisru", calib, select, budget_nats=budget, refit=0, progress=False)
+            front, record = frontier(m, "dyisru", calib, select, budget=_plain(nats=budget, refit_batches=0))
             assert cross_entropy(m, select) <= front.ce_original + budget + 1e-9
             assert len(record.sites) == len(front.converted) == n
             assert set(front.converted) == set(walk.order[:n])
@@ -142,11 +149,12 @@ def test_the_skip_walk_never_ends_above_its_budget_and_tries_every_site(folder, 
     _peaked(seed=1).save_pretrained(tmp_path / "m")  # its walk rises, falls, rises: there is something to skip
     model, _ = normlab.conversion.hf.load_model(tmp_path / "m")
     calib, held = text_batches(folder / "text.txt", None, 100, 16, 8, 8)
-    walk, _ = frontier(copy.deepcopy(model), "dyisru", calib, held, refit=0, progress=False)
+    walk, _ = frontier(copy.deepcopy(model), "dyisru", calib, held, budget=_plain(refit_batches=0), progress=False)
     went_past = 0
     for budget in _budgets(walk):
         m = copy.deepcopy(model)
-        front, record = frontier(m, "dyisru", calib, held, budget_nats=budget, refit=0, skip=True, progress=False)
+        skipping = _plain(nats=budget, refit_batches=0, walk="skip")
+        front, record = frontier(m, "dyisru", calib, held, budget=skipping, progress=False)
         assert cross_entropy(m, held) <= front.ce_original + budget + 1e-9
         assert sorted(front.converted + front.passed) == sorted(front.order)
         assert sorted(s.name for s in record.sites) == sorted(front.converted)
@@ -166,13 +174,12 @@ def test_the_skip_walk_never_ends_above_its_budget_and_tries_every_site(folder, 
     sel = json.loads((out / "fidelity.json").read_text())["budget_walk"]
     assert sel["ce_converted"] <= sel["ce_original"] + budget + 1e-9
     cfg = json.loads((out / "convert_config.json").read_text())
-    assert cfg["budget"] == {"nats": budget, "walk": "skip", "refit_every": 4, "rank_batches": 4}
+    assert cfg["budget"] == {"nats": budget, "walk": "skip", "refit_every": 4, "rank_batches": 4, "refit_batches": 1}
     splits = normlab.conversion.hf.text_splits(folder / "text.txt", None, 100, 16, 16, 16, n_val=16)
     assert sel["selection_sequences"] == sum(len(b) for b in splits.val) == 16  # as many as it reports on
     assert len(splits.calib) == 2  # both calibration batches rank the sites
     m = copy.deepcopy(model)
-    front, _ = frontier(m, "dyisru", splits.calib, splits.val, budget_nats=budget, skip=True, refit_every=4,
-                        rank=splits.calib[:4], progress=False)  # fmt: skip
+    front, _ = frontier(m, "dyisru", splits.calib, splits.val, budget=BudgetConfig(nats=budget), progress=False)
     _, record = normlab.load_converted(out)
     assert sorted(s.name for s in record.sites) == sorted(front.converted)  # the CLI's walk is the library's
     assert sel["walk"]["kept"] == front.converted and sel["walk"]["curve"] == pytest.approx(front.curve)  # recorded
@@ -200,30 +207,30 @@ def test_refitting_every_converted_site_keeps_what_lowers_the_cross_entropy_and_
     model = _peaked()
     before = copy.deepcopy(model.state_dict())
     calib, held = _batches(2, 1), _batches(2, 2)
-    plain, _ = frontier(model, "dyisru", calib, held, refit=1, progress=False)
-    walk, _ = frontier(model, "dyisru", calib, held, refit=1, refit_every=2, progress=False)
+    plain, _ = frontier(model, "dyisru", calib, held, budget=_plain(), progress=False)
+    walk, _ = frontier(model, "dyisru", calib, held, budget=_plain(refit_every=2), progress=False)
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())  # the study leaves it as it was
     assert walk.order == plain.order and len(walk.curve) == len(plain.curve)
     assert walk.curve[:2] == pytest.approx(plain.curve[:2])  # the same walk up to the first refit
     assert walk.curve[2] <= plain.curve[2] + 1e-9  # a refit is kept only when it lowers the cross-entropy
     for budget in _budgets(walk):
         m = copy.deepcopy(model)
-        front, record = frontier(m, "dyisru", calib, held, budget_nats=budget, refit_every=2, progress=False)
+        front, record = frontier(m, "dyisru", calib, held, budget=_plain(nats=budget, refit_every=2), progress=False)
         ce = cross_entropy(m, held)
         assert ce == pytest.approx(front.curve[-1], abs=1e-5) and ce <= front.ce_original + budget + 1e-5
         assert len(record.sites) == len(front.converted)
-    with pytest.raises(ValueError, match="refit_every: expected an int >= 0"):
-        frontier(model, "dyisru", calib, held, refit_every=-1, progress=False)
+    with pytest.raises(ValueError, match="budget.refit_every must be an int >= 0"):
+        frontier(model, "dyisru", calib, held, budget=_plain(refit_every=-1), progress=False)
 
 
 def test_a_site_put_back_names_its_cost_alone_with_one_sign():
     """issue 50: a negative cost alone read '+-0.00148' and 'over the budget' without saying it was put back."""
-    from normlab.conversion.frontier import _note_budget
+    from normlab.conversion.frontier import Frontier, _note_budget
     from normlab.conversion.record import ConversionRecord
 
     record = ConversionRecord("dyisru", "global", [], [])
     model = torch.nn.Sequential(torch.nn.RMSNorm(4))
-    _note_budget(record, model, 0.0, ["0"], set(), {"0": -0.00148}, {}, (1.0, 1.0))
+    _note_budget(record, model, Frontier("dyisru", 1.0, {"0": -0.00148}, ["0"], [1.0], 0.0), {})
     assert record.skipped[0]["reason"] == "over the budget: kept as it was (alone: -0.00148 nats)"
 
 
@@ -235,11 +242,11 @@ def test_the_walk_on_cached_block_outputs_keeps_what_the_walk_on_whole_passes_ke
 
     model = _peaked(layers=4)
     calib, held = _batches(2, 1), _batches(2, 2)
-    args = dict(refit=1, refit_every=2, skip=True, progress=False, per="channel")
-    fast, _ = frontier_module.frontier(copy.deepcopy(model), "dyisru", calib, held, budget_nats=0.01, **args)
+    args = dict(budget=BudgetConfig(nats=0.01, refit_every=2, rank_batches=1), progress=False, per="channel")
+    fast, _ = frontier_module.frontier(copy.deepcopy(model), "dyisru", calib, held, **args)
     monkeypatch.setattr(frontier_module, "find_blocks", lambda *a, **k: None)  # no replay: whole passes
     monkeypatch.setattr(calibrate_module, "find_blocks", lambda *a, **k: None)  # no stream: the prefix re-run
-    slow, _ = frontier_module.frontier(copy.deepcopy(model), "dyisru", calib, held, budget_nats=0.01, **args)
+    slow, _ = frontier_module.frontier(copy.deepcopy(model), "dyisru", calib, held, **args)
     assert fast.order == slow.order and fast.converted == slow.converted and fast.passed == slow.passed
     assert fast.curve == pytest.approx(slow.curve, abs=1e-5)
     assert fast.costs == pytest.approx(slow.costs, abs=1e-5)

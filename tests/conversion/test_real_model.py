@@ -98,12 +98,14 @@ def test_derf_converts_smollm2_with_its_shift_fitted(smollm2):
 def test_smollm2_budget_nats_converts_only_what_fits(smollm2):
     """--budget-nats on the real model: the cheapest sites first, and the held-out cross-entropy of what it leaves
     never above the original's plus the budget; the rest stay RMSNorm."""
+    from normlab.conversion.config import BudgetConfig
     from normlab.conversion.fidelity import cross_entropy
     from normlab.conversion.frontier import frontier
 
     model, calib, held, _ = smollm2
     conv = copy.deepcopy(model)
-    front, record = frontier(conv, "dyisru", calib, held, budget_nats=0.1, progress=False)
+    plain = BudgetConfig(nats=0.1, walk="stop", refit_every=0, rank_batches=1)
+    front, record = frontier(conv, "dyisru", calib, held, budget=plain, progress=False)
     assert 1 <= len(front.converted) < 61, front.curve
     assert cross_entropy(conv, held) <= front.ce_original + 0.1 + 1e-9
     assert {s.name for s in record.sites} == set(front.converted)

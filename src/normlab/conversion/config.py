@@ -102,8 +102,21 @@ class BudgetConfig:
     """Refit every converted site after each K kept, where it lowers the cross-entropy (0: never)."""
     rank_batches: int = 4
     """Calibration batches (8 sequences each) each site's cost alone is ranked on."""
+    refit_batches: int = 1
+    """Calibration batches each site is fitted again on, in the model converted so far, when its turn comes (0: it
+    keeps its fit on the original's activations)."""
 
     def validate(self, calibrated: bool = True) -> None:
+        self.check()
+        if self.nats is None:
+            for key, default in ((k, f.default) for k, f in BudgetConfig.__dataclass_fields__.items() if k != "nats"):
+                if getattr(self, key) != default:
+                    raise ValueError(f"{flag('budget.' + key)} applies only with {flag('budget.nats')}")
+        elif not calibrated:
+            raise ValueError(f"{flag('budget.nats')} ranks calibrated sites; drop {flag('calibrate.enabled')}")
+
+    def check(self) -> None:
+        """Each field alone: the frontier's own check (without a budget it walks the whole curve)."""
         check_types(self, "budget.")
         if self.nats is not None and not (self.nats >= 0 and math.isfinite(self.nats)):
             raise ValueError(
@@ -112,12 +125,7 @@ class BudgetConfig:
             )
         _int_at_least("budget.refit_every", self.refit_every, 0, " (sites between refits; 0: never)")
         _int_at_least("budget.rank_batches", self.rank_batches, 1, " (calibration batches)")
-        if self.nats is None:
-            for key, default in ((k, f.default) for k, f in BudgetConfig.__dataclass_fields__.items() if k != "nats"):
-                if getattr(self, key) != default:
-                    raise ValueError(f"{flag('budget.' + key)} applies only with {flag('budget.nats')}")
-        elif not calibrated:
-            raise ValueError(f"{flag('budget.nats')} ranks calibrated sites; drop {flag('calibrate.enabled')}")
+        _int_at_least("budget.refit_batches", self.refit_batches, 0, " (calibration batches; 0: no refit)")
 
 
 def _finite(v) -> bool:

@@ -1,19 +1,21 @@
 """The frontier: how many of a model's norms can go, and which, for a given rise in cross-entropy.
 
-    front = normlab.conversion.frontier.frontier(model, "dyisru", calib, held)     # the whole greedy curve
-    front = frontier(model, "dyisru", calib, held, budget_nats=0.5)                # stop at the budget
+    front, _ = normlab.conversion.frontier.frontier(model, "dyisru", calib, held)          # the whole greedy curve
+    front, record = frontier(model, "dyisru", calib, held, budget=BudgetConfig(nats=0.5))  # keep what fits
     front.converted, front.curve, front.within(0.1)
+
+The walk's settings are `normlab.conversion.config.BudgetConfig`, the ``budget`` section of ``normlab convert``'s
+config, so the function and the command walk alike by construction.
 
 1. Every site is calibrated on the *original* model's activations (``sequential=False``): each fit is exact
    for that site converted alone, and one pass fits them all.
-2. Its cost is the rise in next-token cross-entropy it causes alone, measured on ``rank`` (by default the
-   first calibration batch: the held-out text decides nothing about the order).
+2. Its cost is the rise in next-token cross-entropy it causes alone, measured on the first ``rank_batches``
+   calibration batches (the held-out text decides nothing about the order).
 3. The sites are converted cheapest first, and the held-out cross-entropy is measured after each. With
-   ``budget_nats`` the walk stops before the first site that would take the held-out cross-entropy above the
-   original's plus the budget, so the model it leaves never ends above its budget on ``held``. Without a
-   budget it walks all the sites and puts the model back as it was (the study's curve). With ``skip=True`` a
-   site that would break the budget is put back and the walk goes on to the next one (``Frontier.passed``
-   lists those): every site is tried, and the model still never ends above its budget. ``normlab convert
+   ``nats`` the walk never keeps a site that would take the held-out cross-entropy above the original's plus the
+   budget, so the model it leaves never ends above its budget on ``held``: ``walk="stop"`` stops before the first
+   such site, ``walk="skip"`` puts it back and goes on to the next one (``Frontier.passed`` lists those). Without
+   a budget it walks all the sites and puts the model back as it was (the study's curve). ``normlab convert
    --budget-nats`` passes its validation split as ``held``, so the held-out text it reports chose nothing.
 
 No training: what healing adds comes after. Baroni et al. remove a pretrained model's LayerNorms one at a time
@@ -29,6 +31,7 @@ from dataclasses import asdict, dataclass, field
 from torch import nn
 
 from normlab.conversion.batches import as_batches, swap
+from normlab.conversion.config import BudgetConfig
 from normlab.conversion.convert import convert_norms
 from normlab.conversion.record import ConversionRecord
 from normlab.conversion.stream import BlockReplay, find_blocks
@@ -92,38 +95,37 @@ def site_costs(
     return costs
 
 
-def _note_budget(record, model, budget_nats: float, order: list, kept: set, costs: dict, originals: dict, ces) -> None:
+def _note_budget(record, model, front: Frontier, originals: dict) -> None:
     """The record says which sites the budget kept as they were, and why."""
-    left = [n for n in order if n not in kept]
+    left = [n for n in front.order if n not in set(front.converted)]
     record.notes.append(
-        f"--budget-nats {budget_nats:g}: converted {len(kept)} of {len(order)} sites, cheapest "
-        f"first (cross-entropy on the batches that select them {ces[0]:.3f} -> {ces[1]:.3f}); {len(left)} kept "
-        "as they were"
+        f"--budget-nats {front.budget_nats:g}: converted {len(front.converted)} of {len(front.order)} sites, cheapest "
+        f"first (cross-entropy on the batches that select them {front.ce_original:.3f} -> {front.curve[-1]:.3f}); "
+        f"{len(left)} kept as they were"
     )
     record.skipped += [
         {
             "name": n,
             "class": type(originals.get(n) or model.get_submodule(n)).__name__,
-            "reason": f"over the budget: kept as it was (alone: {costs[n]:+.3g} nats)",
+            "reason": f"over the budget: kept as it was (alone: {front.costs[n]:+.3g} nats)",
         }
         for n in left
     ]
 
 
-def _checked(calibrate, held, rank, budget_nats, refit) -> tuple[list, list, list]:
-    """The frontier's arguments checked before any work, and its batches as lists."""
-    if budget_nats is not None and not (
-        isinstance(budget_nats, (int, float)) and budget_nats >= 0 and math.isfinite(budget_nats)
-    ):
-        raise ValueError(f"budget_nats: expected a finite number >= 0 (nats of cross-entropy), got {budget_nats!r}")
+def _checked(calibrate, held, budget: BudgetConfig | None) -> tuple[BudgetConfig, list, list, list]:
+    """The frontier's arguments checked before any work: the walk's settings and its batches as lists (the
+    calibration, the held-out and the ranking batches)."""
+    budget = BudgetConfig() if budget is None else budget
+    if not isinstance(budget, BudgetConfig):
+        raise TypeError(f"budget: expected a BudgetConfig, got {type(budget).__name__}")
+    budget.check()
     calib = list(as_batches(calibrate))
     held = list(as_batches(held))
-    rank = calib[:1] if rank is None else list(as_batches(rank))
-    if not calib or not held or not rank:
-        raise ValueError("frontier: the calibration, ranking and held-out batches must not be empty")
-    if refit is None or isinstance(refit, bool) or not isinstance(refit, int) or refit < 0:
-        raise ValueError(f"refit: expected an int >= 0 (calibration batches), got {refit!r}")
-    return calib, held, rank
+    rank = calib[: budget.rank_batches]
+    if not calib or not held:
+        raise ValueError("frontier: the calibration and held-out batches must not be empty")
+    return budget, calib, held, rank
 
 
 def _refit(model, name: str, to: str, site, batches: list, convert_kwargs: dict):
@@ -142,7 +144,7 @@ def _refit(model, name: str, to: str, site, batches: list, convert_kwargs: dict)
     return sub.sites[0]
 
 
-def _refit_all(model, done: list, walk: dict, held: list, ce: float) -> float:
+def _refit_all(model, done: list, walk: dict, ce: float) -> float:
     """Fit every converted site of ``done`` again, by one sequential calibration of those sites (the block stream:
     each on its input in the model with the sites before it refitted, against the original norm applied to that
     input, as a site's own refit; ``walk``: the originals, the site records, the target, the batches, the convert
@@ -182,41 +184,26 @@ def _refit_all(model, done: list, walk: dict, held: list, ce: float) -> float:
 
 
 def frontier(
-    model: nn.Module,
-    to: str,
-    calibrate,
-    held,
-    *,
-    rank=None,
-    budget_nats: float | None = None,
-    stop_nats: float | None = None,
-    refit: int = 1,
-    refit_every: int = 0,
-    skip: bool = False,
-    progress: bool | None = None,
+    model: nn.Module, to: str, calibrate, held, *, budget: BudgetConfig | None = None, progress: bool | None = None,
     **convert_kwargs,
-) -> tuple[Frontier, ConversionRecord]:
+) -> tuple[Frontier, ConversionRecord]:  # fmt: skip
     """Rank ``model``'s norms by the cost of converting each alone to ``to`` and walk them cheapest first (see
     the module docstring). Returns the `Frontier` and the conversion record of the sites it converted.
 
-    ``budget_nats=None``: the curve (up to ``stop_nats`` above the original, if given); ``model`` is left
-    unchanged. ``budget_nats=X``: ``model`` keeps the sites that fit in +X nats on ``held`` (possibly none),
-    converted in place. ``refit=N``: each site, when its turn comes, is fitted again on its input in the model
-    as converted so far (on the first N calibration batches), as sequential calibration does; 0 keeps the
-    independent fits. ``refit_every=K``: after every K sites kept, every converted site is fitted again on its
-    input in the model as it is now, and the refit is kept only where it lowers the cross-entropy on ``held``
-    (so the budget still holds); 0 never. ``skip=True``: a site that breaks the budget (or ``stop_nats``) is put
-    back and the walk goes on, instead of stopping there. ``convert_kwargs`` go to `convert_norms` (per, init, include,
-    first_token, ...).
+    ``budget`` (a `BudgetConfig`, the ``budget`` section of ``normlab convert``'s config; default: its defaults)
+    says how: ``nats=None`` walks the whole curve and leaves ``model`` unchanged; ``nats=X`` leaves ``model`` with
+    the sites that fit in +X nats on ``held`` (possibly none), converted in place. ``rank_batches``: the first
+    calibration batches each site's cost alone is measured on. ``refit_batches=N``: each site, when its turn comes,
+    is fitted again on its input in the model as converted so far (on the first N calibration batches), as
+    sequential calibration does; 0 keeps the independent fits. ``refit_every=K``: after every K sites kept, every
+    converted site is fitted again on its input in the model as it is now, and the refit is kept only where it
+    lowers the cross-entropy on ``held`` (so the budget still holds); 0 never. ``walk="skip"``: a site that breaks
+    the budget is put back and the walk goes on; ``"stop"`` ends the walk there. ``convert_kwargs`` go to
+    `convert_norms` (per, init, include, first_token, config, ...).
     """
     import time
 
-    from tqdm.auto import tqdm
-
-    calib, held, rank = _checked(calibrate, held, rank, budget_nats, refit)
-    if isinstance(refit_every, bool) or not isinstance(refit_every, int) or refit_every < 0:
-        raise ValueError(f"refit_every: expected an int >= 0 (sites between refits of all), got {refit_every!r}")
-    stop_nats = budget_nats if budget_nats is not None else stop_nats
+    budget, calib, held, rank = _checked(calibrate, held, budget)
     start = time.monotonic()
     fitted_model = copy.deepcopy(model)
     record = convert_norms(fitted_model, to, calibrate=calib, sequential=False, progress=progress, **convert_kwargs)
@@ -224,47 +211,56 @@ def frontier(
     costs = site_costs(model, fitted, rank, progress=progress)
     order = sorted(costs, key=lambda n: costs[n] if math.isfinite(costs[n]) else math.inf)
     replay = BlockReplay(model, held, find_blocks(model, order), order)  # each step measured from its block on
-    ce0 = replay.cross_entropy()
-    curve, done, passed, originals = [ce0], [], [], {}
-    refit_batches = calib[:refit]
+    front = Frontier(to, replay.cross_entropy(), costs, order, [], budget.nats, skip=budget.walk == "skip")
+    front.curve.append(front.ce_original)
     by_name = {s.name: s for s in record.sites}
-    walk = {"by_name": by_name, "originals": originals, "to": to, "batches": refit_batches, "kwargs": convert_kwargs,
-            "replay": replay}  # fmt: skip
-    bar = tqdm(
-        order, desc=f"converting cheapest first to {to}", unit="site", disable={True: False, False: True}.get(progress)
-    )
+    walk = {"by_name": by_name, "originals": {}, "to": to, "batches": calib[: budget.refit_batches],
+            "kwargs": convert_kwargs, "replay": replay, "fitted": fitted}  # fmt: skip
     try:
-        for name in bar:
-            if refit:  # fitted again on its input in the model as converted so far
-                originals[name] = model.get_submodule(name)
-                by_name[name] = _refit(model, name, to, by_name[name], refit_batches, convert_kwargs)
-            else:
-                originals[name] = swap(model, name, fitted[name])
-            ce = replay.cross_entropy(replay.block_of(name), keep=False)
-            if stop_nats is not None and not ce <= ce0 + stop_nats:
-                swap(model, name, originals.pop(name))  # this one would break the budget: put it back
-                if not skip:
-                    break
-                passed.append(name)
-                continue
-            replay.commit()
-            done.append(name)
-            if refit_every and refit and len(done) % refit_every == 0:
-                ce = _refit_all(model, done, walk, held, ce)
-            curve.append(ce)
-            bar.set_postfix_str(
-                f"{len(done)} sites, CE {ce:.3f} (+{ce - ce0:.3f})" + (f", {len(passed)} passed" if passed else "")
-            )
+        _walk(model, front, budget, walk, progress)
     except BaseException:
-        for name, old in originals.items():
+        for name, old in walk["originals"].items():
             swap(model, name, old)
         raise
-    if budget_nats is None:  # the study: the model goes back as it was
-        for name, old in originals.items():
+    if budget.nats is None:  # the study: the model goes back as it was
+        for name, old in walk["originals"].items():
             swap(model, name, old)
-    kept = set(done) if budget_nats is not None else set()
+    kept = set(front.converted) if budget.nats is not None else set()
     record.sites = [by_name[s.name] for s in record.sites if s.name in kept]
-    if budget_nats is not None:
-        _note_budget(record, model, budget_nats, order, kept, costs, originals, (ce0, curve[-1]))
-    front = Frontier(to, ce0, costs, order, curve, budget_nats, done, time.monotonic() - start, skip, passed)
+    if budget.nats is not None:
+        _note_budget(record, model, front, walk["originals"])
+    front.seconds = time.monotonic() - start
     return front, record
+
+
+def _walk(model: nn.Module, front: Frontier, budget: BudgetConfig, walk: dict, progress: bool | None) -> None:
+    """The greedy walk itself, cheapest first: each site swapped in (fitted again first, with ``refit_batches``),
+    measured from its block on, and kept or put back; ``front`` grows its curve, ``converted`` and ``passed``."""
+    from tqdm.auto import tqdm
+
+    replay, by_name, originals = walk["replay"], walk["by_name"], walk["originals"]
+    ce0 = front.ce_original
+    bar = tqdm(front.order, desc=f"converting cheapest first to {front.target}", unit="site",
+               disable={True: False, False: True}.get(progress))  # fmt: skip
+    for name in bar:
+        if budget.refit_batches:  # fitted again on its input in the model as converted so far
+            originals[name] = model.get_submodule(name)
+            by_name[name] = _refit(model, name, front.target, by_name[name], walk["batches"], walk["kwargs"])
+        else:
+            originals[name] = swap(model, name, walk["fitted"][name])
+        ce = replay.cross_entropy(replay.block_of(name), keep=False)
+        if budget.nats is not None and not ce <= ce0 + budget.nats:
+            swap(model, name, originals.pop(name))  # this one would break the budget: put it back
+            if budget.walk == "stop":
+                break
+            front.passed.append(name)
+            continue
+        replay.commit()
+        front.converted.append(name)
+        if budget.refit_every and budget.refit_batches and len(front.converted) % budget.refit_every == 0:
+            ce = _refit_all(model, front.converted, walk, ce)
+        front.curve.append(ce)
+        bar.set_postfix_str(
+            f"{len(front.converted)} sites, CE {ce:.3f} (+{ce - ce0:.3f})"
+            + (f", {len(front.passed)} passed" if front.passed else "")
+        )
