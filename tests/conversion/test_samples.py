@@ -13,7 +13,7 @@ from conftest import tiny_hf
 from normlab.cli import main
 from normlab.conversion.config import resolve_convert_config
 from normlab.conversion.hf import TextSplits, TokenStream
-from normlab.conversion.samples import MixedStream, calibration_samples, heal_splits, self_samples
+from normlab.conversion.samples import MixedStream, SampleSet, calibration_samples, heal_splits, self_samples
 
 transformers = pytest.importorskip("transformers")
 
@@ -30,8 +30,8 @@ def model(tmp_path):
 
 
 def _samples(model, cache, **kw):
-    args = dict(n=6, seq_len=8, fingerprint="f", start=1, seed=0, batch_size=4, cache=cache)
-    return self_samples(model, **{**args, **kw})
+    args = dict(n=6, seq_len=8, fingerprint="f", start=1, seed=0, batch_size=4)
+    return self_samples(model, SampleSet(**{**args, **kw}), cache=cache)
 
 
 def test_samples_are_reproducible_from_their_seed_and_read_back_from_the_cache(model, tmp_path, monkeypatch):
@@ -105,7 +105,7 @@ def test_a_model_without_generate_is_refused_with_the_way_out(tmp_path):
     net = torch.nn.Sequential(torch.nn.Embedding(10, 4))
     net.get_input_embeddings = lambda: net[0]
     with pytest.raises(ValueError, match=r"not a Hugging Face causal LM: heal on a text instead \(heal.text=text\)"):
-        self_samples(net, 2, 4, fingerprint="f", start=None, cache=tmp_path)
+        self_samples(net, SampleSet("f", 2, 4, start=None), cache=tmp_path)
 
 
 def _stream(lo: int, n: int = 8, seq_len: int = 4) -> TokenStream:

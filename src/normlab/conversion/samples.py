@@ -18,6 +18,7 @@ import hashlib
 import json
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -28,7 +29,7 @@ from normlab.conversion.hf import TokenStream
 from normlab.corpus import cache_dir
 from normlab.owner import hold
 
-__all__ = ["self_samples", "own_samples", "calibration_samples", "sample_identity", "weights_fingerprint",
+__all__ = ["self_samples", "own_samples", "calibration_samples", "SampleSet", "weights_fingerprint",
            "MixedStream", "heal_splits", "SAMPLES_VERSION"]  # fmt: skip
 
 SAMPLES_VERSION = 2  # bump when the sampling procedure changes, so old caches are not read as new (2: own decode loop,
@@ -46,16 +47,28 @@ def weights_fingerprint(model: nn.Module) -> str:
     return h.hexdigest()[:16]
 
 
-def sample_identity(fingerprint: str, n: int, seq_len: int, seed: int, temperature: float, start: int | None,
-                    batch_size: int = 0) -> dict:  # fmt: skip
-    """What a cached sample set is: everything that changes the tokens drawn (the batch size too: one generator draws
-    a whole batch per step)."""
-    return {"model_fingerprint": fingerprint, "n": n, "seq_len": seq_len, "seed": seed, "temperature": temperature,
-            "start": start, "batch": batch_size or SAMPLE_BATCH, "version": SAMPLES_VERSION}  # fmt: skip
+@dataclass(frozen=True)
+class SampleSet:
+    """Which sample set: everything that changes the tokens drawn (the batch size too: one generator draws a whole
+    batch per step). ``fingerprint`` names the model (its `weights_fingerprint`); ``start`` is the first token of
+    every sequence (the BOS id), or None for a uniformly drawn one."""
+
+    fingerprint: str
+    n: int
+    seq_len: int
+    start: int | None
+    seed: int = 0
+    temperature: float = 1.0
+    batch_size: int = SAMPLE_BATCH
+
+    def identity(self) -> dict:
+        """The cache's identity of the set (its file name is this dictionary's hash)."""
+        return {"model_fingerprint": self.fingerprint, "n": self.n, "seq_len": self.seq_len, "seed": self.seed,
+                "temperature": self.temperature, "start": self.start, "batch": self.batch_size or SAMPLE_BATCH,
+                "version": SAMPLES_VERSION}  # fmt: skip
 
 
-def _draw(model: nn.Module, n: int, seq_len: int, seed: int, temperature: float, start: int | None,
-          batch_size: int, progress: bool) -> torch.Tensor:  # fmt: skip
+def _draw(model: nn.Module, which: SampleSet, progress: bool) -> torch.Tensor:
     """Ancestral sampling by a plain decode loop: the model's forward with its KV cache, one token per step for a
     whole batch, drawn from softmax(logits / temperature) by this function's own generator (no top-k, no top-p, the
     end-of-sequence tokens masked as ``generate``'s ``min_new_tokens`` masks them)."""
@@ -67,7 +80,8 @@ def _draw(model: nn.Module, n: int, seq_len: int, seed: int, temperature: float,
     vocab = model.get_input_embeddings().num_embeddings
     eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     eos = [e for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if isinstance(e, int) and 0 <= e < vocab]
-    gen = torch.Generator().manual_seed(seed)
+    n, seq_len, start, batch_size = which.n, which.seq_len, which.start, which.batch_size
+    gen = torch.Generator().manual_seed(which.seed)
     key = cache_kwarg(model)
     out = []
     from tqdm.auto import tqdm
@@ -88,7 +102,7 @@ def _draw(model: nn.Module, n: int, seq_len: int, seed: int, temperature: float,
                     cache, logits = o[key], o.logits[:, -1, :vocab].float()
                     if eos:
                         logits[:, eos] = -torch.inf
-                    step = torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=gen)
+                    step = torch.multinomial(torch.softmax(logits / which.temperature, -1), 1, generator=gen)
                     rows.append(step)
                     bar.update(b)
                 bar.update(b)
@@ -100,25 +114,14 @@ def _draw(model: nn.Module, n: int, seq_len: int, seed: int, temperature: float,
 
 
 def self_samples(
-    model: nn.Module,
-    n: int,
-    seq_len: int,
-    *,
-    fingerprint: str,
-    start: int | None,
-    seed: int = 0,
-    temperature: float = 1.0,
-    batch_size: int = SAMPLE_BATCH,
-    cache: Path | None = None,
-    progress: bool = False,
+    model: nn.Module, which: SampleSet, *, cache: Path | None = None, progress: bool = False
 ) -> torch.Tensor:
-    """``n`` sequences of ``seq_len`` tokens sampled from ``model``, (n, seq_len), read from the cache when a set
-    with the same identity is there (``cache``: default ``<normlab cache>/samples``). ``fingerprint`` names the
-    model (its weights' hash); ``start`` is the first token of every sequence (the BOS id), or None for a
-    uniformly drawn one. The cache file is owned (locked) while it is written and replaced atomically; a second
-    process that asks for the same set meanwhile waits for it and reads it, rather than failing after its own
-    calibration or drawing it twice."""
-    ident = sample_identity(fingerprint, n, seq_len, seed, temperature, start, batch_size)
+    """The sample set ``which`` of ``model``, (n, seq_len), read from the cache when a set with the same identity
+    is there (``cache``: default ``<normlab cache>/samples``). The cache file is owned (locked) while it is written
+    and replaced atomically; a second process that asks for the same set meanwhile waits for it and reads it,
+    rather than failing after its own calibration or drawing it twice."""
+    ident = which.identity()
+    n, seq_len = which.n, which.seq_len
     key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
     folder = Path(cache) if cache is not None else cache_dir() / "samples"
     path = folder / f"samples-{key}.pt"
@@ -132,7 +135,7 @@ def self_samples(
             except Exception:  # noqa: BLE001  (a damaged cache is drawn again)
                 pass
         t0 = time.perf_counter()
-        tokens = _draw(model, n, seq_len, seed, temperature, start, batch_size, progress)
+        tokens = _draw(model, which, progress)
         seconds = time.perf_counter() - t0
         if progress:
             print(f"sampled {n:,} sequences of {seq_len} tokens from the original in {seconds / 60:.1f} min "
@@ -190,15 +193,15 @@ def own_samples(original: nn.Module, cfg, seq_len: int, *, start: int | None, pr
     """The original's sample set that ``cfg`` (a `normlab.conversion.config.HealConfig`) names: its
     ``self_sequences`` count, seed and temperature, cached under the original's `weights_fingerprint`. The heal's
     ``self`` stream and ``calibrate.source = "self"`` read the same set."""
-    return self_samples(original, cfg.self_sequences, seq_len, fingerprint=weights_fingerprint(original),
-                        start=start, seed=cfg.seed, temperature=cfg.temperature, progress=progress)  # fmt: skip
+    which = SampleSet(weights_fingerprint(original), cfg.self_sequences, seq_len, start, cfg.seed, cfg.temperature)
+    return self_samples(original, which, progress=progress)
 
 
 def calibration_samples(original: nn.Module, cfg, seq_len: int, n: int, *, start: int | None,
-                        progress: bool = False, batch_size: int = 8) -> list[torch.Tensor]:  # fmt: skip
-    """The first ``n`` of the original's own samples (`own_samples`) as calibration batches, (batch, seq_len):
+                        progress: bool = False) -> list[torch.Tensor]:  # fmt: skip
+    """The first ``n`` of the original's own samples (`own_samples`) as calibration batches of 8, (8, seq_len):
     calibration that needs no text. They are drawn before the heal's validation part, which they never reach."""
-    return list(own_samples(original, cfg, seq_len, start=start, progress=progress)[:n].split(batch_size))
+    return list(own_samples(original, cfg, seq_len, start=start, progress=progress)[:n].split(8))
 
 
 def heal_splits(splits, original: nn.Module, cfg, *, start: int | None, progress: bool = False):
