@@ -27,7 +27,7 @@ import normlab
 from _study import commit
 from bench_kernels import cpu_name  # scripts/ is on the path when a script runs
 from normlab.conversion.batches import cache_kwarg
-from normlab.conversion.hf import load_model, quiet, smollm2, text_batches
+from normlab.conversion.hf import TextCut, load_model, quiet, smollm2, text_batches
 from normlab.conversion.onnx_export import OnnxLM
 from normlab.corpus import fetch_shakespeare
 from normlab.table import append_csv, format_table
@@ -74,9 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     original, tok = load_model(smollm2(), progress=False)
-    calib, held = text_batches(
-        fetch_shakespeare(), tok, original.config.vocab_size, seq_len=128, n_calib=32, n_held=4, batch_size=8
-    )
+    calib, held = text_batches(fetch_shakespeare(), tok, original.config.vocab_size, TextCut(n_held=4))
     converted = copy.deepcopy(original)
     normlab.convert_norms(converted, "dyisru", calibrate=calib, per="channel", progress=False)
     prompt = held[0][:1, : args.prompt]

@@ -162,7 +162,7 @@ def test_convert_help_shows_each_fields_docstring_and_choices(capsys):
 def test_the_python_api_and_the_cli_give_the_same_record(tiny, tmp_path):
     """convert_norms(model, "dyisru", calibrate=data, per="channel") and normlab convert with the same settings
     fit the same sites to the same values."""
-    from normlab.conversion.hf import load_model, text_batches
+    from normlab.conversion.hf import TextCut, load_model, text_batches
 
     out = tmp_path / "out"
     argv = ["convert", "--model", tiny["model"], "--calibrate", tiny["text"], "--seq-len", "16", "--sequences", "4",
@@ -170,7 +170,7 @@ def test_the_python_api_and_the_cli_give_the_same_record(tiny, tmp_path):
     assert main(argv) == 0
     cli = json.loads((out / "normlab_conversion.json").read_text())
     net, tok = load_model(tiny["model"], progress=False)
-    calib, _ = text_batches(tiny["text"], tok, net.get_input_embeddings().num_embeddings, 16, 4, 4)
+    calib, _ = text_batches(tiny["text"], tok, net.get_input_embeddings().num_embeddings, TextCut(16, 4, 4))
     api = normlab.convert_norms(net, "dyisru", calibrate=calib, per="channel").to_dict()
     assert [s["name"] for s in api["sites"]] == [s["name"] for s in cli["sites"]]
     assert (api["target"], api["per"], api["notes"]) == (cli["target"], cli["per"], cli["notes"])

@@ -13,6 +13,7 @@ import normlab
 from conftest import tiny_lm
 from normlab.cli import main
 from normlab.conversion.config import BudgetConfig
+from normlab.conversion.hf import TextCut
 
 transformers = pytest.importorskip("transformers")
 
@@ -88,7 +89,7 @@ def test_budget_nats_never_ends_above_its_budget(folder, tmp_path, capsys, refit
     from normlab.conversion.hf import text_splits
 
     model, _ = normlab.conversion.hf.load_model(folder / "m")
-    splits = text_splits(folder / "text.txt", None, 100, 16, 8, 8)
+    splits = text_splits(folder / "text.txt", None, 100, TextCut(16, 8, 8))
     calib, select = splits.calib, splits.val  # the CLI selects on the validation split, never on the held-out one
     assert not {tuple(r.tolist()) for b in select for r in b} & {tuple(r.tolist()) for b in splits.held for r in b}
     walk, _ = frontier(copy.deepcopy(model), "dyisru", calib, select, budget=_plain(refit_batches=refit))
@@ -148,7 +149,7 @@ def test_the_skip_walk_never_ends_above_its_budget_and_tries_every_site(folder, 
 
     _peaked(seed=1).save_pretrained(tmp_path / "m")  # its walk rises, falls, rises: there is something to skip
     model, _ = normlab.conversion.hf.load_model(tmp_path / "m")
-    calib, held = text_batches(folder / "text.txt", None, 100, 16, 8, 8)
+    calib, held = text_batches(folder / "text.txt", None, 100, TextCut(16, 8, 8))
     walk, _ = frontier(copy.deepcopy(model), "dyisru", calib, held, budget=_plain(refit_batches=0), progress=False)
     went_past = 0
     for budget in _budgets(walk):
@@ -175,7 +176,7 @@ def test_the_skip_walk_never_ends_above_its_budget_and_tries_every_site(folder, 
     assert sel["ce_converted"] <= sel["ce_original"] + budget + 1e-9
     cfg = json.loads((out / "convert_config.json").read_text())
     assert cfg["budget"] == {"nats": budget, "walk": "skip", "refit_every": 4, "rank_batches": 4, "refit_batches": 1}
-    splits = normlab.conversion.hf.text_splits(folder / "text.txt", None, 100, 16, 16, 16, n_val=16)
+    splits = normlab.conversion.hf.text_splits(folder / "text.txt", None, 100, TextCut(16, 16, 16, n_val=16))
     assert sel["selection_sequences"] == sum(len(b) for b in splits.val) == 16  # as many as it reports on
     assert len(splits.calib) == 2  # both calibration batches rank the sites
     m = copy.deepcopy(model)

@@ -312,7 +312,7 @@ def test_the_stream_never_repeats_before_it_has_used_every_sequence_and_never_to
     """A text whose held-out end is marked with a byte found nowhere else: no stream or validation sequence ever
     holds it, every held-out sequence does, and the stream goes through all its sequences once before any
     comes back, in a new order each pass."""
-    from normlab.conversion.hf import text_splits
+    from normlab.conversion.hf import TextCut, text_splits
 
     g = torch.Generator().manual_seed(0)
     body = "".join(chr(97 + int(c)) for c in torch.randint(0, 26, (40_000,), generator=g))  # no two sequences alike
@@ -321,7 +321,7 @@ def test_the_stream_never_repeats_before_it_has_used_every_sequence_and_never_to
     path.write_text(body + held)
     for text_len in (len(body), 47 * 64):  # a long text (tokenized at its two ends) and a short one
         path.write_text(body[:text_len] + held)
-        sp = text_splits(path, None, 256, seq_len=64, n_calib=4, n_held=4, n_val=2, batch_size=2)
+        sp = text_splits(path, None, 256, TextCut(seq_len=64, n_calib=4, n_held=4, n_val=2, batch_size=2))
         mark = ord("#")
         assert all((b == mark).all() for b in sp.held)
         assert not any((b == mark).any() for b in sp.val)
@@ -398,7 +398,7 @@ print(json.dumps(out))
 
 # ------------------------------------------------------------------ real-model loading: bad input
 def test_model_folder_without_weights_gguf_without_tokenizer_and_short_text(tmp_path):
-    from normlab.conversion.hf import load_model, text_batches
+    from normlab.conversion.hf import TextCut, load_model, text_batches
 
     tiny_lm().config.save_pretrained(tmp_path / "noweights")
     with pytest.raises(ValueError, match="no weights"):
@@ -412,7 +412,7 @@ def test_model_folder_without_weights_gguf_without_tokenizer_and_short_text(tmp_
     short = tmp_path / "short.txt"
     short.write_text("too short")
     with pytest.raises(ValueError, match="too short for two sequences"):
-        text_batches(short, None, 100, seq_len=32)
+        text_batches(short, None, 100, TextCut(seq_len=32))
 
 
 def test_convert_command_never_writes_over_its_source(tmp_path, capsys):

@@ -22,13 +22,12 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from normlab.conversion.hf import load_model, smollm2, text_batches
+    from normlab.conversion.hf import TextCut, load_model, smollm2, text_batches
     from normlab.corpus import fetch_shakespeare
 
     model, tok = load_model(smollm2())
-    calib, held = text_batches(
-        fetch_shakespeare(), tok, model.config.vocab_size, seq_len=64, n_calib=4, n_held=4, batch_size=4
-    )
+    cut = TextCut(seq_len=64, n_calib=4, n_held=4, batch_size=4)
+    calib, held = text_batches(fetch_shakespeare(), tok, model.config.vocab_size, cut)
     return model, calib, held, tok
 
 
@@ -118,13 +117,12 @@ def test_smollm2_heal_on_the_stream_keeps_its_best_state(smollm2):
     """A short heal of the real model from the stream: fresh sequences only, a validation curve, the best point's
     state kept (the model's validation CE after the heal is the curve's minimum), LoRA merged away."""
     from normlab.conversion.fidelity import cross_entropy
-    from normlab.conversion.hf import text_splits
+    from normlab.conversion.hf import TextCut, text_splits
     from normlab.corpus import fetch_shakespeare
 
     model, _, _, tok = smollm2
-    sp = text_splits(
-        fetch_shakespeare(), tok, model.config.vocab_size, seq_len=64, n_calib=4, n_held=4, n_val=4, batch_size=4
-    )
+    cut = TextCut(seq_len=64, n_calib=4, n_held=4, n_val=4, batch_size=4)
+    sp = text_splits(fetch_shakespeare(), tok, model.config.vocab_size, cut)
     conv = copy.deepcopy(model)
     rec = normlab.convert_norms(conv, "dyisru", calibrate=sp.calib, progress=False)
     rep = normlab.heal(

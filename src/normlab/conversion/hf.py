@@ -40,6 +40,7 @@ __all__ = [
     "token_chunks",
     "text_batches",
     "text_splits",
+    "TextCut",
     "TextSplits",
     "TokenStream",
 ]
@@ -195,21 +196,29 @@ def token_chunks(text: str, tokenizer, vocab_size: int, seq_len: int) -> torch.T
     return ids[: n * seq_len].reshape(n, seq_len)
 
 
+@dataclass(frozen=True)
+class TextCut:
+    """How a text is cut into sequences: ``seq_len`` tokens each, the first ``n_calib`` to calibrate, the last
+    ``n_held`` to measure, ``n_val`` before those to validate and select on, in batches of ``batch_size``; ``seed``
+    orders the training stream."""
+
+    seq_len: int = 128
+    n_calib: int = 32
+    n_held: int = 32
+    n_val: int = 8
+    batch_size: int = 8
+    seed: int = 0
+
+
 def text_batches(
-    path: str | Path,
-    tokenizer,
-    vocab_size: int,
-    seq_len: int = 128,
-    n_calib: int = 32,
-    n_held: int = 32,
-    batch_size: int = 8,
+    path: str | Path, tokenizer, vocab_size: int, cut: TextCut = TextCut()
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Calibration batches from the start of a text file and held-out batches from its end, (batch, seq_len).
 
     The first ``n_calib`` sequences calibrate and the last ``n_held`` measure; the two never overlap. A file too
     short for one sequence of each is a clear error.
     """
-    calib, held, _ = _ends(path, tokenizer, vocab_size, seq_len, n_calib, n_held, batch_size)
+    calib, held, _ = _ends(path, tokenizer, vocab_size, cut)
     return calib, held
 
 
@@ -233,8 +242,9 @@ def check_text(text: str, path) -> None:
         )
 
 
-def _ends(path, tokenizer, vocab_size, seq_len, n_calib, n_held, batch_size):
+def _ends(path, tokenizer, vocab_size: int, cut: TextCut):
     """text_batches, and the text before the held-out part: (calib, held, rest), rest a str or token chunks."""
+    seq_len, n_calib, n_held, batch_size = cut.seq_len, cut.n_calib, cut.n_held, cut.batch_size
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"text file {str(path)!r} does not exist")
@@ -326,25 +336,16 @@ class TextSplits:
     stream: TokenStream
 
 
-def text_splits(
-    path: str | Path,
-    tokenizer,
-    vocab_size: int,
-    seq_len: int = 128,
-    n_calib: int = 32,
-    n_held: int = 32,
-    n_val: int = 8,
-    batch_size: int = 8,
-    seed: int = 0,
-) -> TextSplits:
+def text_splits(path: str | Path, tokenizer, vocab_size: int, cut: TextCut = TextCut()) -> TextSplits:
     """`text_batches`' calibration and held-out batches (the same sequences), plus a validation split and a
     training stream from the text before the held-out part: on a long text every character before the held-out
     end, tokenized whole; on a short one every sequence before the held-out ones. ``val`` is the last ``n_val``
-    of those sequences (at most a quarter of them); the stream is the rest. A text with fewer than two sequences
-    there is a clear error."""
+    of those sequences (at most a quarter of them); the stream is the rest, in the order ``cut.seed`` draws. A
+    text with fewer than two sequences there is a clear error."""
+    seq_len, n_val = cut.seq_len, cut.n_val
     if isinstance(n_val, bool) or not isinstance(n_val, int) or n_val < 1:
         raise ValueError(f"n_val: expected an int >= 1, got {n_val!r}")
-    calib, held, rest = _ends(path, tokenizer, vocab_size, seq_len, n_calib, n_held, batch_size)
+    calib, held, rest = _ends(path, tokenizer, vocab_size, cut)
     chunks = token_chunks(rest, tokenizer, vocab_size, seq_len) if isinstance(rest, str) else rest
     if len(chunks) < 2:
         raise ValueError(
@@ -354,4 +355,4 @@ def text_splits(
         )
     n_val = min(n_val, max(1, len(chunks) // 4))
     val, train = chunks[len(chunks) - n_val :], chunks[: len(chunks) - n_val]
-    return TextSplits(calib, held, list(val.split(batch_size)), TokenStream(train, seed))
+    return TextSplits(calib, held, list(val.split(cut.batch_size)), TokenStream(train, cut.seed))

@@ -22,7 +22,7 @@ from normlab.conversion.config import ConvertConfig, flag, identity_difference
 from normlab.conversion.convert import convert_norms, fidelity, save_converted
 from normlab.conversion.frontier import FEW_SELECTION, frontier
 from normlab.conversion.heal import OBJECTIVES, check_heal_resources, heal
-from normlab.conversion.hf import load_model, quiet, smollm2, text_batches, text_splits
+from normlab.conversion.hf import TextCut, load_model, quiet, smollm2, text_batches, text_splits
 from normlab.conversion.samples import calibration_samples, heal_splits
 from normlab.conversion.saving import RECORD_FILE
 from normlab.corpus import DOCS, fetch_docs, fetch_shakespeare, sha256_file
@@ -157,7 +157,7 @@ def _second_text(cfg: ConvertConfig, tokenizer, vocab: int):
     if e is None:
         return None, None
     path, name = (fetch_docs(), f"{DOCS} documentation") if e == "docs" else (e, Path(e).name)
-    _, held = text_batches(path, tokenizer, vocab, cfg.seq_len, 1, cfg.sequences)
+    _, held = text_batches(path, tokenizer, vocab, TextCut(cfg.seq_len, n_calib=1, n_held=cfg.sequences))
     return held, name
 
 
@@ -347,12 +347,12 @@ def _convert(cfg: ConvertConfig, model_path: str, ckpt: str | None, progress: bo
         print(f"{cfg.model} has no tokenizer: using byte values mod {vocab} as token ids")
     with stages("load"):
         if cfg.heal.budgeted or cfg.budget.nats is not None:
-            val = {"n_val": cfg.sequences} if cfg.budget.nats is not None else {}  # a budget selects on as many as held
-            splits = text_splits(text, tokenizer, vocab, cfg.seq_len, cfg.sequences, cfg.sequences, **val)
+            val = cfg.sequences if cfg.budget.nats is not None else TextCut.n_val  # a budget selects on as many as held
+            splits = text_splits(text, tokenizer, vocab, TextCut(cfg.seq_len, cfg.sequences, cfg.sequences, val))
             calib, held = splits.calib, splits.held
         else:
             splits = None
-            calib, held = text_batches(text, tokenizer, vocab, cfg.seq_len, cfg.sequences, cfg.sequences)
+            calib, held = text_batches(text, tokenizer, vocab, TextCut(cfg.seq_len, cfg.sequences, cfg.sequences))
         held2, name2 = _second_text(cfg, tokenizer, vocab)
     start = getattr(tokenizer, "bos_token_id", None) if tokenizer is not None else None
     if cfg.calibrate.source == "self":
