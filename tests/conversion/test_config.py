@@ -26,6 +26,7 @@ from normlab.conversion.config import (
     resolve_convert_config,
 )
 from normlab.conversion.convert import SITE_FIELDS, resolve_options
+from normlab.conversion.fit import fit_replacement
 from normlab.conversion.heal import OBJECTIVES
 from normlab.conversion.workflow import CONFIG_FILE, convert_model
 
@@ -106,7 +107,8 @@ def test_every_knob_reachable_from_python_has_a_field():
 
 def test_no_default_is_written_in_two_places():
     """The Python API states no default of its own: convert_norms takes the config and overrides (its only
-    defaulted parameters are the hooks, and ``to``'s None reads the config's); calibrate_sites takes the section."""
+    defaulted parameters are the hooks, and ``to``'s None reads the config's); calibrate_sites takes the config and
+    fit_replacement the section."""
     params = inspect.signature(normlab.convert_norms).parameters
     assert {n for n, p in params.items() if p.kind is p.VAR_KEYWORD} == {"overrides"}
     own = {"model", "to", "calibrate", "config", "extra_classes", "include", "progress", "overrides"}
@@ -114,8 +116,10 @@ def test_no_default_is_written_in_two_places():
     assert all(p.default in (None, p.empty) for p in params.values())
     sites = inspect.signature(calibrate_sites).parameters
     assert not {f.name for f in dataclasses.fields(CalibrateConfig)} & set(sites)
-    assert all(sites[n].default is sites[n].empty for n in SITE_FIELDS if n in sites)  # per: passed, not defaulted
-    assert sites["config"].annotation in (CalibrateConfig, "CalibrateConfig")
+    assert not set(SITE_FIELDS) & set(sites)  # per: read from the config, not passed beside it
+    assert sites["config"].annotation in (ConvertConfig, "ConvertConfig")
+    fit = inspect.signature(fit_replacement).parameters  # the fit reads its two settings from the section too
+    assert not {f.name for f in dataclasses.fields(CalibrateConfig)} & set(fit) and "config" in fit
 
 
 def test_every_calibrate_field_is_an_override_checked_by_the_config():

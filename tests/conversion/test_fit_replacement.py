@@ -10,6 +10,7 @@ from torch import nn
 
 import normlab
 from normlab.conversion.calibrate import per_channel_kwargs
+from normlab.conversion.config import CalibrateConfig
 from normlab.conversion.fit import fit_replacement
 
 
@@ -28,7 +29,8 @@ def test_the_float32_profile_solver_is_as_accurate_as_float64_lbfgs_on_a_massive
     base = normlab.create_norm(to, c, **(per_channel_kwargs(to) if per else {}))
     with torch.no_grad():
         base.weight.copy_(w)
-    fits = {s: fit_replacement(copy.deepcopy(base), x, y, per_channel=per, solver=s) for s in ("profile", "lbfgs")}
+    fits = {s: fit_replacement(copy.deepcopy(base), x, y, per_channel=per, config=CalibrateConfig(solver=s))
+            for s in ("profile", "lbfgs")}  # fmt: skip
     assert fits["profile"].solver == "profile" and fits["lbfgs"].solver == "lbfgs"
     assert fits["profile"].ok
     assert fits["profile"].rel_error <= fits["lbfgs"].rel_error * (1 + 1e-4)
@@ -38,7 +40,7 @@ def test_derf_keeps_the_lbfgs_solver_for_its_shift():
     x, y = torch.randn(256, 16), torch.randn(256, 16).tanh()
     assert fit_replacement(normlab.create_norm("derf", 16), x, y).solver == "lbfgs"
     with pytest.raises(ValueError, match="solver"):
-        fit_replacement(normlab.create_norm("derf", 16), x, y, solver="profile")
+        fit_replacement(normlab.create_norm("derf", 16), x, y, config=CalibrateConfig(solver="profile"))
 
 
 @pytest.mark.parametrize("solver", ["lbfgs", "profile"])

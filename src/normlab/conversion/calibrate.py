@@ -40,7 +40,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from normlab.conversion.batches import Stop, as_batches, run_hooked, swap
-from normlab.conversion.config import CalibrateConfig
+from normlab.conversion.config import ConvertConfig
 from normlab.conversion.first_token import (
     FirstRows,
     FirstToken,
@@ -179,31 +179,32 @@ class _OriginalPass:
 
 def calibrate_sites(
     model: nn.Module,
-    sites: list[Site],
-    replacements: dict[str, nn.Module],
+    sites: list[tuple[Site, nn.Module]],
     calibrate,
-    config: CalibrateConfig,
+    config: ConvertConfig,
     *,
     spec: NormSpec,
-    per: str,
     progress: bool | None = None,
 ) -> tuple[str, dict]:
     """Fit and swap every site in the order the model runs them (the module docstring); returns the first-token
     decision (a note) and how the inputs were taken (`_path`, for the record).
 
-    ``config.sequential=False`` fits every site on its input in the *original* model instead (one pass for all sites):
-    each fit is then exact for that site converted alone, which is what ranking the sites one by one needs
-    (`normlab.conversion.frontier`); errors compound when many such fits are used together.
+    ``config`` (a `ConvertConfig`) gives the ``calibrate`` section and ``per``. ``config.calibrate.sequential=False``
+    fits every site on its input in the *original* model instead (one pass for all sites): each fit is then exact
+    for that site converted alone, which is what ranking the sites one by one needs (`normlab.conversion.frontier`);
+    errors compound when many such fits are used together.
 
-    ``sites`` are the conversion's Site records (name, dim, kwargs; this fills in fit, notes and first_token);
-    ``replacements`` maps each site's name to its built replacement. On any failure every original is put back.
+    ``sites`` pairs each of the conversion's Site records (name, dim, kwargs; this fills in fit, notes and
+    first_token) with its built replacement. On any failure every original is put back.
     """
     batches = list(as_batches(calibrate))
     if not batches:
         raise ValueError("calibrate: the calibration data is empty")
     t0 = time.perf_counter()
-    c = config
-    max_tokens, sequential, solver, fit_amplitude = c.max_tokens, c.sequential, c.solver, c.fit_amplitude
+    c = config.calibrate
+    replacements = {s.name: new for s, new in sites}
+    sites = [s for s, _ in sites]
+    max_tokens, sequential, per = c.max_tokens, c.sequential, config.per
     quota = max(1, math.ceil(max_tokens / len(batches)))
     by_name = {s.name: s for s in sites}
     dims = {s.name: s.kwargs.get("channel_dim", -1) for s in sites}
@@ -239,12 +240,12 @@ def calibrate_sites(
                 yf, yr = _local_targets(model.get_submodule(n), xf, xr)
             if own and len(xf):
                 first = _first_copy(new, site, spec)
-                out_first = fit_replacement(first, xf, yf, per_channel=True, fit_amplitude=fit_amplitude, solver=solver)
+                out_first = fit_replacement(first, xf, yf, per_channel=True, config=c)
                 site.first_token = True
             else:
                 xr, yr = torch.cat([xf, xr]), torch.cat([yf, yr])
             xr, yr = _drop_massive(site, xr, yr, c.massive)
-            out = fit_replacement(new, xr, yr, per_channel=per == "channel", fit_amplitude=fit_amplitude, solver=solver)
+            out = fit_replacement(new, xr, yr, per_channel=per == "channel", config=c)
             _record(site, out, out_first if site.first_token else None, per)
             if site.first_token:
                 new = FirstToken(new, first)

@@ -301,9 +301,8 @@ def convert_norms(
         sites.append(site)
     notes, path = [], {}
     if calibrate is not None:  # fits and swaps site by site; puts every original back if anything fails
-        decision, path = calibrate_sites(
-            model, sites, replacements, calibrate, cfg.calibrate, spec=spec, per=cfg.per, progress=progress
-        )
+        pairs = [(site, replacements[site.name]) for site in sites]
+        decision, path = calibrate_sites(model, pairs, calibrate, cfg, spec=spec, progress=progress)
         notes.append(decision)
     else:
         for name, new in replacements.items():  # the swap itself

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from normlab.conversion.config import CalibrateConfig
 from normlab.registry import norm_spec
 
 __all__ = ["FitOutcome", "fit_replacement"]
@@ -47,6 +48,17 @@ class FitOutcome:
             "explained": self.explained,
             "solver": self.solver,
         }
+
+
+@dataclass(frozen=True)
+class _Problem:
+    """One fit's settings: the fitted parameter's name, one per channel or one, whether the amplitude is fitted, and
+    the solver's iterations (L-BFGS's, or the profile search's golden-section steps)."""
+
+    name: str
+    per: bool
+    fit_amplitude: bool
+    iters: int
 
 
 def _param_name(new: nn.Module) -> str:
@@ -99,15 +111,16 @@ def _degenerate(name: str, value: Tensor, x: Tensor) -> list[str]:
     return []
 
 
-def _lbfgs(loss, p0: Tensor, la0: Tensor, q0: list[Tensor], fit_amplitude: bool, max_iter: int, notes: list):
+def _lbfgs(loss, p0: Tensor, la0: Tensor, q0: list[Tensor], problem: _Problem, notes: list):
     """L-BFGS from the start point over the parameter, the amplitude (if fitted) and the linear extras; returns
     them and the final loss (NaN, with a note, when L-BFGS fails)."""
     p = p0.clone().requires_grad_(True)
+    fit_amplitude = problem.fit_amplitude
     la = la0.clone().requires_grad_(fit_amplitude)
     qs = [q.clone().requires_grad_(True) for q in q0]
     opt = torch.optim.LBFGS(
         [p, la, *qs] if fit_amplitude else [p, *qs],
-        max_iter=max_iter,
+        max_iter=problem.iters,
         line_search_fn="strong_wolfe",
         tolerance_grad=1e-12,
         tolerance_change=1e-15,
@@ -128,7 +141,7 @@ def _lbfgs(loss, p0: Tensor, la0: Tensor, q0: list[Tensor], fit_amplitude: bool,
     return p, la, qs, final
 
 
-def _profile_fit(new: nn.Module, name: str, x: Tensor, y: Tensor, per: bool, fit_amplitude: bool, iters: int):
+def _profile_fit(new: nn.Module, x: Tensor, y: Tensor, problem: _Problem):
     """The fit as a search over the parameter alone, in float32, every channel at once (``per``).
 
     Every fitted norm is ``weight * g(x; p) + bias``, so its output at amplitude a is v + a (u - v), with u the
@@ -137,6 +150,7 @@ def _profile_fit(new: nn.Module, name: str, x: Tensor, y: Tensor, per: bool, fit
     the Theorem 3 start (+-8, walked on past its ends while that improves), then golden-section search within one
     step of the grid's best (a unimodal loss has its minimum there), every token each time. Returns (log p, log
     amplitude, the start's loss, the final loss), the losses as means over tokens and channels."""
+    name, per, fit_amplitude = problem.name, problem.per, problem.fit_amplitude
     module = copy.deepcopy(new).float().requires_grad_(False)
     x, y = x.float(), y.float()
     w0, param = module.weight.detach().clone(), getattr(module, name)
@@ -175,7 +189,7 @@ def _profile_fit(new: nn.Module, name: str, x: Tensor, y: Tensor, per: bool, fit
         better = (step != 0) & (fq < f0)
         p0, f0, step = torch.where(better, p0 + step, p0), torch.where(better, fq, f0), torch.where(better, step, 0.0)
     f0, la0 = losses(p0)
-    p, f = _golden(lambda q: losses(q)[0], p0 - 1.0, p0 + 1.0, iters)
+    p, f = _golden(lambda q: losses(q)[0], p0 - 1.0, p0 + 1.0, problem.iters)
     f, la = losses(p)
     better = f <= f0  # per channel: never worse than the start
     p, la, f = torch.where(better, p, p0), torch.where(better, la, la0), torch.where(better, f, f0)
@@ -207,9 +221,8 @@ def fit_replacement(
     y: Tensor,
     *,
     per_channel: bool = False,
-    fit_amplitude: bool = True,
+    config: CalibrateConfig | None = None,
     max_iter: int = 60,
-    solver: str = "auto",
 ) -> FitOutcome:
     """Fit ``new``'s parameter and an amplitude (folded into its weight) so that new(x) reproduces y.
 
@@ -220,19 +233,21 @@ def fit_replacement(
         x: (N, C), the replacement's input.
         y: (N, C), the original norm's output after its affine.
         per_channel: one parameter and one amplitude per channel (else one each).
-        fit_amplitude: also fit the amplitude (else the module's own is kept).
+        config: the calibration's settings (default: its defaults); the fit reads two of them.
+            ``fit_amplitude``: also fit the amplitude (else the module's own is kept). ``solver``: "profile"
+            searches the parameter with the amplitude in closed form, in float32, every channel at once; "lbfgs"
+            runs L-BFGS in float64 over the parameter, the amplitude and the target's linear extras (Derf's shift);
+            "auto": "profile" unless the target has such extras.
         max_iter: bounds L-BFGS; the profile search takes ``max_iter // 3`` golden-section steps (the default 20
             end within 2e-4 in log p).
-        solver: "profile" searches the parameter with the amplitude in closed form, in float32, every channel at
-            once; "lbfgs" runs L-BFGS in float64 over the parameter, the amplitude and the target's linear extras
-            (Derf's shift); "auto": "profile" unless the target has such extras (`CalibrateConfig.solver`).
 
     Returns:
         The fit's outcome: the fitted value and amplitude, the relative error at the start and at the end, the
         share of the target's variance explained, whether it is ok, and notes (tokens left out, a degenerate or
         failed fit).
     """
-    name = _param_name(new)
+    config = CalibrateConfig() if config is None else config
+    name, solver = _param_name(new), config.solver
     linear = norm_spec(new.registry_name).also_fits  # fitted as they are, from their init (Derf's shift)
     if solver == "auto":
         solver = "lbfgs" if linear else "profile"
@@ -256,11 +271,13 @@ def fit_replacement(
     shape = getattr(new, name).shape
     per = per_channel and shape[0] > 1
     q0 = [getattr(new, k).detach().double().clone() for k in linear]
+    iters = max(1, max_iter // 3) if solver == "profile" else max_iter
+    problem = _Problem(name, per, config.fit_amplitude, iters)
     if solver == "profile":  # its result is never worse than its start, channel by channel: the start is itself
-        p, la, start_loss, final = _profile_fit(new, name, x, y, per, fit_amplitude, max(1, max_iter // 3))
+        p, la, start_loss, final = _profile_fit(new, x, y, problem)
         p0, la0, qs = p, la, q0
     else:
-        p, la, qs, final, (p0, la0, start_loss) = _lbfgs_fit(new, name, x, y, per, fit_amplitude, max_iter, notes)
+        p, la, qs, final, (p0, la0, start_loss) = _lbfgs_fit(new, x, y, problem, notes)
     x, y = x.double(), y.double()
     denom = float(y.pow(2).mean().sqrt()) or 1.0
     ok = True
@@ -295,9 +312,10 @@ def fit_replacement(
     )
 
 
-def _lbfgs_fit(new: nn.Module, name: str, x: Tensor, y: Tensor, per: bool, fit_amplitude: bool, max_iter: int, notes):
+def _lbfgs_fit(new: nn.Module, x: Tensor, y: Tensor, problem: _Problem, notes: list):
     """The float64 fit by L-BFGS from the coarse scan's point, over the parameter, the amplitude and the linear extras;
     returns (p, log amplitude, extras, final loss, (the start's p, log amplitude and loss))."""
+    name, per = problem.name, problem.per
     x, y = x.double(), y.double()
     w0 = new.weight.detach().double()
     linear = norm_spec(new.registry_name).also_fits
@@ -318,7 +336,7 @@ def _lbfgs_fit(new: nn.Module, name: str, x: Tensor, y: Tensor, per: bool, fit_a
     p0 = start if name == "log_beta" else start.log()
     la0 = torch.zeros_like(p0)
     with torch.no_grad():
-        p0, la0 = _coarse_scan(out, x, y, p0, la0, fit_amplitude)
+        p0, la0 = _coarse_scan(out, x, y, p0, la0, problem.fit_amplitude)
         start_loss = float(loss(p0, la0))
-    p, la, qs, final = _lbfgs(loss, p0, la0, q0, fit_amplitude, max_iter, notes)
+    p, la, qs, final = _lbfgs(loss, p0, la0, q0, problem, notes)
     return p, la, qs, final, (p0, la0, start_loss)
