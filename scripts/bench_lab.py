@@ -46,7 +46,7 @@ def bare_loop(cfg, steps: int) -> float:
     for step in range(steps):
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg)
-        x, y = get_batch(corpus.train, cfg.batch_size, cfg.model.context, seed=cfg.seed, step=step)
+        x, y = get_batch(corpus.train, (cfg.batch_size, cfg.model.context), seed=cfg.seed, step=step)
         _, loss = model(x, y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
@@ -69,7 +69,7 @@ def probe_cost(cfg, reps: int = 5) -> tuple[float, float]:
     """Seconds of a plain step and of a probed step (hooks + results + ranks + norm params)."""
     corpus = load_corpus(cfg.data or None, cfg.val_fraction)
     model = GPT(cfg.model)
-    x, y = get_batch(corpus.train, cfg.batch_size, cfg.model.context, seed=0, step=0)
+    x, y = get_batch(corpus.train, (cfg.batch_size, cfg.model.context), seed=0, step=0)
 
     def plain():
         model(x, y)[1].backward()
@@ -156,7 +156,7 @@ def versus_nanogpt(preset: str, steps: int, rounds: int = 5) -> dict:
     for _ in range(rounds):
         for name, model in models.items():
             for _ in range(max(1, steps // rounds)):
-                x, y = get_batch(corpus.train, cfg.batch_size, m.context, seed=0, step=step)
+                x, y = get_batch(corpus.train, (cfg.batch_size, m.context), seed=0, step=step)
                 step += 1
                 t0 = time.perf_counter()
                 _, loss = model(x, y)

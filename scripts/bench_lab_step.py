@@ -73,7 +73,9 @@ class Candidate:
 
     def step(self, corpus, step: int) -> float:
         cfg, threads = self.cfg, torch.get_num_threads()
-        batches = [get_batch(corpus.train, cfg.batch_size, cfg.model.context, seed=s, step=step) for s in range(self.n)]
+        batches = [
+            get_batch(corpus.train, (cfg.batch_size, cfg.model.context), seed=s, step=step) for s in range(self.n)
+        ]
         torch.set_num_threads(2 if self.name == "threads2" else 1)
         t0 = time.perf_counter()
         if self.name.startswith("vmap"):

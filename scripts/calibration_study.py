@@ -64,8 +64,8 @@ def main() -> None:
         base.load_state_dict(torch.load(f"{tmp}/run/checkpoint.pt", weights_only=False)["model"])
     print(f"trained: val loss {summary['final_val_loss']:.3f}")
     corpus = load_corpus(None)
-    calib = [get_batch(corpus.train, 8, 64, seed=1, step=i)[0] for i in range(8)]
-    held = [get_batch(corpus.val, 8, 64, seed=2, step=i)[0] for i in range(8)]
+    calib = [get_batch(corpus.train, (8, 64), seed=1, step=i)[0] for i in range(8)]
+    held = [get_batch(corpus.val, (8, 64), seed=2, step=i)[0] for i in range(8)]
     cases = [("dyisru", True), ("dyt", True), ("eln", True), ("dyisru", False), ("scaled_dyt", False)]
     for scale in args.outlier_scale:
         model = copy.deepcopy(base).eval()

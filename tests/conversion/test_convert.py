@@ -172,7 +172,7 @@ def _trained_lab_model(tmp_path, outlier_scale: float):
         model.wte.weight[:, :2] *= outlier_scale
         model.wpe.weight[:, :2] *= outlier_scale
     corpus = load_corpus([str(text)])
-    batches = [get_batch(corpus.train, 8, 32, seed=s, step=0)[0] for s in range(6)]
+    batches = [get_batch(corpus.train, (8, 32), seed=s, step=0)[0] for s in range(6)]
     return model.eval(), batches[:4], batches[4:]
 
 

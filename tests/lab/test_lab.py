@@ -97,10 +97,10 @@ def test_unigram_entropy_and_batches():
     t = torch.tensor([0, 1] * 50, dtype=torch.uint8)
     assert unigram_entropy(t) == pytest.approx(math.log(2))
     data = torch.arange(200, dtype=torch.uint8)
-    x1, y1 = get_batch(data, 4, 8, seed=0, step=3)
-    x2, _ = get_batch(data, 4, 8, seed=0, step=3)
+    x1, y1 = get_batch(data, (4, 8), seed=0, step=3)
+    x2, _ = get_batch(data, (4, 8), seed=0, step=3)
     assert torch.equal(x1, x2) and torch.equal(y1[:, :-1], x1[:, 1:])  # deterministic, targets shifted by one
-    assert not torch.equal(x1, get_batch(data, 4, 8, seed=0, step=3, rank=1)[0])  # ranks draw different batches
+    assert not torch.equal(x1, get_batch(data, (4, 8), seed=0, step=3, rank=1)[0])  # ranks draw different batches
 
 
 def test_user_text_split_is_deterministic(corpus_file):

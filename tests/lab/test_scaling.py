@@ -136,7 +136,7 @@ def test_muon_checkpoint_and_resume_are_bit_identical(corpus_file, tmp_path, mon
 
     def step_then_interrupt(*args, **kw):
         out = real_step(*args, **kw)
-        if args[6] == 9:  # the 10th step: Ctrl-C, as a user would
+        if args[2] == 9:  # the 10th step (_step(place, net, step, probing)): Ctrl-C, as a user would
             signal.raise_signal(signal.SIGINT)
         return out
 
@@ -164,9 +164,8 @@ def test_muon_learning_rate_follows_the_schedule(corpus_file, tmp_path):
     opt = build_optimizer(model, cfg, torch.device("cpu"))
     train_mod = importlib.import_module("normlab.lab.train")
     corpus = train_mod.load_corpus([corpus_file], cfg.val_fraction)
-    train_mod._step(
-        model, model, model, opt, cfg, corpus, 0, 0, torch.device("cpu"), train_mod.contextlib.nullcontext, False
-    )
+    place = train_mod._Place(cfg, None, corpus, 0, 1, torch.device("cpu"))
+    train_mod._step(place, train_mod._Net(model, model, model, opt, train_mod.contextlib.nullcontext), 0, False)
     muon, adamw = opt.optimizers
     assert adamw.param_groups[0]["lr"] == lr_at(0, cfg)
     assert muon.param_groups[0]["lr"] == pytest.approx(0.05 * lr_at(0, cfg) / 1e-3)

@@ -66,9 +66,11 @@ def load_corpus(paths: list[str] | None = None, val_fraction: float = 0.1) -> Co
 
 
 def get_batch(
-    data: torch.Tensor, batch_size: int, context: int, *, seed: int, step: int, rank: int = 0, salt: int = 0
+    data: torch.Tensor, shape: tuple[int, int], *, seed: int, step: int, rank: int = 0, salt: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inputs and next-byte targets, (B, T) each, drawn from a generator seeded by (seed, step, rank, salt)."""
+    """Inputs and next-byte targets, ``shape`` = (B, T) each, drawn from a generator seeded by (seed, step, rank,
+    salt)."""
+    batch_size, context = shape
     if len(data) <= context + 1:
         raise ValueError(f"data split of {len(data)} bytes is shorter than context + 1 = {context + 1}")
     g = torch.Generator().manual_seed(hash((seed, step, rank, salt)) % (2**62))

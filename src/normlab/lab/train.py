@@ -16,6 +16,7 @@ import os
 import signal
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -127,7 +128,7 @@ def evaluate(model, data: torch.Tensor, cfg: TrainConfig, device, autocast) -> f
     model.eval()
     losses = []
     for i in range(cfg.eval_batches):
-        x, y = get_batch(data, cfg.batch_size, cfg.model.context, seed=cfg.seed, step=i, salt=1)
+        x, y = get_batch(data, (cfg.batch_size, cfg.model.context), seed=cfg.seed, step=i, salt=1)
         with autocast():
             losses.append(float(model(x.to(device), y.to(device))[1]))
     model.train()
@@ -187,22 +188,52 @@ class _Log:
             self.writer.close()
 
 
-def _step(model, fwd, raw_model, opt, cfg: TrainConfig, corpus, step: int, rank: int, device, autocast, probing: bool):
+@dataclass(frozen=True)
+class _Place:
+    """Where a run trains: its config, its folder, its data, and this process's rank among ``world`` on ``device``."""
+
+    cfg: TrainConfig
+    folder: RunFolder
+    corpus: object
+    rank: int
+    world: int
+    device: torch.device
+
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's training batch for ``step``, on the device."""
+        shape = (self.cfg.batch_size, self.cfg.model.context)
+        x, y = get_batch(self.corpus.train, shape, seed=self.cfg.seed, step=step, rank=self.rank)
+        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+
+
+@dataclass(frozen=True)
+class _Net:
+    """The model as the loop holds it: ``model`` (DDP-wrapped across ranks), ``fwd`` (compiled if asked), ``raw``
+    (the bare model), its optimizer, and the autocast context."""
+
+    model: torch.nn.Module
+    fwd: object
+    raw: torch.nn.Module
+    opt: torch.optim.Optimizer
+    autocast: object
+
+
+def _step(place: _Place, net: _Net, step: int, probing: bool):
     """One optimizer step at ``step`` on that step's batch; returns the loss and, when probing, the Probe that
     measured it."""
+    cfg, opt = place.cfg, net.opt
     lr = lr_at(step, cfg)
     for group in opt.param_groups:  # AdamW's groups take lr_at itself; Muon's the same fraction of its peak
         peak = group.get("peak_lr", cfg.lr)
         group["lr"] = lr if peak == cfg.lr else peak * lr / cfg.lr
-    x, y = get_batch(corpus.train, cfg.batch_size, cfg.model.context, seed=cfg.seed, step=step, rank=rank)
-    x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-    probe = Probe(raw_model, cfg.jacobian_site) if probing else None
+    x, y = place.batch(step)
+    probe = Probe(net.raw, cfg.jacobian_site) if probing else None
     with probe or contextlib.nullcontext():
-        with autocast():
-            _, loss = fwd(x, y)
+        with net.autocast():
+            _, loss = net.fwd(x, y)
         loss.backward()
     if cfg.grad_clip > 0:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        torch.nn.utils.clip_grad_norm_(net.model.parameters(), cfg.grad_clip)
     opt.step()
     opt.zero_grad(set_to_none=True)
     return loss, probe
@@ -237,17 +268,16 @@ def _model_and_optimizer(cfg: TrainConfig, folder: RunFolder, device, resume: bo
     return model, opt, state["step"]
 
 
-def _begin_fresh_run(model, cfg: TrainConfig, corpus, device, rank: int, world: int, log) -> None:
+def _begin_fresh_run(place: _Place, model, log) -> None:
     """A run from step 0: the data-dependent init (``model.norm_init``), then the mechanism's numbers at init,
     logged as the row of step 0 (``normlab.lab.metrics.init_telemetry``)."""
-    x0, _ = get_batch(corpus.train, cfg.batch_size, cfg.model.context, seed=cfg.seed, step=0, rank=rank)
-    x0 = x0.to(device)
-    if cfg.model.norm_init == "match_rms":
+    x0, _ = place.batch(0)
+    if place.cfg.model.norm_init == "match_rms":
         model.match_rms_(x0)
-        if world > 1:  # every rank starts from rank 0's gammas
+        if place.world > 1:  # every rank starts from rank 0's gammas
             for p in model.parameters():
                 dist.broadcast(p.data, 0)
-    if rank == 0:
+    if place.rank == 0:
         log({"step": 0, **init_telemetry(model, x0)})
 
 
@@ -330,13 +360,14 @@ def train(
         check_cpu_bf16()
     main = rank == 0
     folder = RunFolder(cfg.out)
+    place = _Place(cfg, folder, corpus, rank, world, device)
     if not main:
-        return _train(cfg, folder, corpus, rank, world, device, resume, progress, resume_command)
+        return _train(place, resume, progress, resume_command)
     folder.create()
     with folder:  # the lock: one live run per folder
         resume = folder.begin(resume=resume, overwrite=overwrite, steps=cfg.steps)
         try:
-            return _train(cfg, folder, corpus, rank, world, device, resume, progress, resume_command)
+            return _train(place, resume, progress, resume_command)
         except OSError as e:  # a write failed (a full disk, a quota): say so in the summary, if it can be written
             again = resume_command or f"train(cfg, resume=True) with cfg.out = {str(folder.path)!r}"
             try:
@@ -381,13 +412,16 @@ def _open_run(folder: RunFolder, cfg: TrainConfig, corpus, world: int, device, m
     return summary
 
 
-def _train(cfg, folder: RunFolder, corpus, rank, world, device, resume, progress, resume_command) -> dict:
+def _train(place: _Place, resume: bool, progress: bool, resume_command: str | None) -> dict:
+    cfg, folder, corpus, rank, world, device = (place.cfg, place.folder, place.corpus, place.rank, place.world,
+                                                place.device)  # fmt: skip
     main = rank == 0
     out = folder.path
     entropy = corpus.unigram_entropy
     model, opt, start = _model_and_optimizer(cfg, folder, device, resume, main)
     raw_model = model
     model, fwd, autocast = _wrap(model, cfg, device, world)
+    net = _Net(model, fwd, raw_model, opt, autocast)
 
     summary = _open_run(folder, cfg, corpus, world, device, main)
     log = _Log(folder, cfg.tensorboard and main, main)
@@ -397,14 +431,14 @@ def _train(cfg, folder: RunFolder, corpus, rank, world, device, resume, progress
         total=cfg.steps, initial=start, disable=not (main and progress), desc=out.name, unit="step", dynamic_ncols=True
     )
     if start == 0:
-        _begin_fresh_run(raw_model, cfg, corpus, device, rank, world, log)
+        _begin_fresh_run(place, raw_model, log)
     train_time, loss_sum, n_loss, last_val, step = 0.0, 0.0, 0, None, start
     model.train()
     with _Interrupt() as interrupt:
         while step < cfg.steps:
             t0 = time.perf_counter()
             probing = main and (step + 1) % cfg.metrics_every == 0
-            loss, probe = _step(model, fwd, raw_model, opt, cfg, corpus, step, rank, device, autocast, probing)
+            loss, probe = _step(place, net, step, probing)
             step += 1
             loss_sum += float(loss.detach())  # the one sync per step; the divergence check needs it
             n_loss += 1
