@@ -21,7 +21,8 @@ from pathlib import Path
 from normlab.conversion.config import ConvertConfig, flag, identity_difference
 from normlab.conversion.convert import convert_norms, fidelity, save_converted
 from normlab.conversion.frontier import FEW_SELECTION, frontier
-from normlab.conversion.heal import OBJECTIVES, check_heal_resources, heal
+from normlab.conversion.heal import check_heal_resources, heal
+from normlab.conversion.heal_report import heal_summary, write_curve
 from normlab.conversion.hf import TextCut, load_model, quiet, smollm2, text_batches, text_splits
 from normlab.conversion.samples import calibration_samples, heal_splits
 from normlab.conversion.saving import RECORD_FILE
@@ -196,70 +197,6 @@ def _resume_command(ckpt: str) -> str:
     return shlex.join(["normlab", *argv, "--resume"])
 
 
-def heal_summary(rep) -> str:
-    """One line on a heal: tokens, minutes, how much of the stream, and the validation curve's start and kept point."""
-    line = (
-        f"healed ({rep.objective}, {rep.train}): {rep.tokens:,} tokens in {rep.seconds / 60:.1f} min "
-        f"({rep.tokens / max(rep.seconds, 1e-9):.0f} tokens/s), {rep.sequences:,} stream sequences "
-        f"({rep.stream_passes:.2f} passes)"
-    )
-    if rep.curve and rep.best is not None:
-        line += (
-            f"; validation CE {rep.curve[0]['val_ce']:.3f} at the start, best {rep.best['val_ce']:.3f} at "
-            f"{rep.best['tokens']:,} tokens (kept), last {rep.curve[-1]['val_ce']:.3f}"
-        )
-    if rep.rollbacks:
-        line += f"; rolled back to the best state {rep.rollbacks} time(s), each halving the rate"
-    if rep.teacher_computed:
-        line += (
-            f"; teacher cache: the original ran on {rep.teacher_computed:,} sequences, "
-            f"{rep.teacher_reused:,} were read back"
-        )
-    return line
-
-
-def write_curve(rep, folder: Path) -> None:
-    """The heal's validation curve as heal_curve.csv and heal_curve.png in ``folder``."""
-    import csv
-
-    if not rep.curve:
-        return
-    keys = list(dict.fromkeys(k for p in rep.curve for k in p))
-    with open(folder / "heal_curve.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=keys)
-        w.writeheader()
-        w.writerows(rep.curve)
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    toks = [p["tokens"] for p in rep.curve]
-    ax.plot(toks, [p["val_ce"] for p in rep.curve], marker=".", label="validation CE")
-    if rep.best is not None:
-        ax.axvline(rep.best["tokens"], color="green", ls=":", label="kept")
-    back = [p for p in rep.curve if p.get("rollback")]
-    if back:
-        ax.scatter([p["tokens"] for p in back], [p["val_ce"] for p in back], color="red", marker="x", zorder=3,
-                   label="rolled back to the best, rate halved")  # fmt: skip
-    handles = ax.get_legend_handles_labels()
-    tl = [(p["tokens"], p["train_loss"]) for p in rep.curve if p["train_loss"] == p["train_loss"]]
-    if tl:
-        ax2 = ax.twinx()
-        what = OBJECTIVES[rep.objective].loss
-        ax2.plot(*zip(*tl), color="grey", lw=0.8, label=f"train loss ({what})")
-        ax2.set_ylabel(f"train loss ({what})")
-        handles = [a + b for a, b in zip(handles, ax2.get_legend_handles_labels())]
-    ax.set_xlabel("tokens trained")
-    ax.set_ylabel("validation CE (nats/token)")
-    ax.set_title(f"heal: {rep.objective}, {rep.train}; {rep.tokens / max(rep.seconds, 1e-9):.0f} tokens/s")
-    ax.legend(*handles, fontsize=8, loc="upper right")
-    fig.tight_layout()
-    fig.savefig(folder / "heal_curve.png", dpi=110)
-    plt.close(fig)
-
-
 def fidelity_line(fid: dict, n: int) -> str:
     line = (
         f"\nfidelity on {n} held-out sequences: output cosine {fid['output_cosine']:.4f}, "
@@ -302,7 +239,7 @@ def convert_model(cfg: ConvertConfig, *, progress: bool = True, markdown: bool =
             check_out(cfg.out, model_path, cfg.overwrite)  # again, now that it is ours: another process may have ended
         if ckpt:
             owned.enter_context(hold(ckpt, "--checkpoint"))
-        return _convert(cfg, model_path, ckpt, progress, markdown)
+        return _convert(_Job(cfg, model_path, ckpt, {"model": str(Path(model_path).resolve())}, progress), markdown)
 
 
 class Stages:
@@ -326,11 +263,29 @@ class Stages:
         return f"stage seconds: {parts} (total {total:.1f} s, {total / 60:.1f} min)"
 
 
-def _convert(cfg: ConvertConfig, model_path: str, ckpt: str | None, progress: bool, markdown: bool) -> dict:
+@dataclasses.dataclass
+class _Job:
+    """One conversion: its config, the model's path, the heal checkpoint's path (None without an out folder), the
+    facts only the run knows (the model's resolved path and fingerprint, the text's hash: part of the heal's
+    identity), and whether it shows progress."""
+
+    cfg: ConvertConfig
+    model_path: str
+    ckpt: str | None
+    facts: dict
+    progress: bool
+
+    def identity(self) -> dict:
+        return self.cfg.identity(**self.facts)
+
+
+def _convert(job: _Job, markdown: bool) -> dict:
+    cfg, ckpt, facts, progress = job.cfg, job.ckpt, job.facts, job.progress
+    model_path = job.model_path
     stages = Stages()
     text = cfg.text or fetch_shakespeare()
-    facts = {"model": str(Path(model_path).resolve()), "text_sha256": _file_sha(text)}
-    _check_resume_identity(ckpt, cfg, cfg.identity(**facts))
+    facts["text_sha256"] = _file_sha(text)
+    _check_resume_identity(ckpt, cfg, job.identity())
     from normlab.kernels import auto_choice, cpu
 
     with stages("load"):
@@ -375,7 +330,7 @@ def _convert(cfg: ConvertConfig, model_path: str, ckpt: str | None, progress: bo
         with stages("samples") if cfg.heal.text != "text" else contextlib.nullcontext():
             splits = heal_splits(splits, original, cfg.heal, start=start, progress=progress)
         with stages("heal"):
-            rep = _heal(cfg, original, net, splits, record, ckpt, cfg.identity(**facts), progress)
+            rep = _heal(job, original, net, splits, record)
         before = fid
         with stages("measurement"):
             fid = _measure(original, net, held, record, held2, name2)
@@ -389,7 +344,7 @@ def _convert(cfg: ConvertConfig, model_path: str, ckpt: str | None, progress: bo
     print(f"\n{stages.line()}")
     if cfg.out:
         with quiet(not progress):
-            _save(cfg, net, record, tokenizer, cfg.identity(**facts), fid, rep)
+            _save(job, net, record, tokenizer, fid, rep)
         if ckpt is not None and cfg.heal.checkpoint is None:  # the default heal checkpoint has served its purpose
             Path(ckpt).unlink(missing_ok=True)
     return fid
@@ -468,10 +423,11 @@ def _convert_sites(cfg: ConvertConfig, net, calib: list, held: list, select: lis
     return record, walk
 
 
-def _heal(cfg: ConvertConfig, original, net, splits, record, ckpt: str | None, identity: dict, progress: bool):
-    heal_cfg = dataclasses.replace(cfg.heal, checkpoint=ckpt)
+def _heal(job: _Job, original, net, splits, record):
+    ckpt = job.ckpt
+    heal_cfg = dataclasses.replace(job.cfg.heal, checkpoint=ckpt)
     try:
-        rep = heal(original, net, splits, record, heal_cfg, identity=identity, progress=progress)
+        rep = heal(original, net, splits, record, heal_cfg, identity=job.identity(), progress=job.progress)
     except KeyboardInterrupt:
         if ckpt is not None and Path(ckpt).is_file():
             print(
@@ -482,7 +438,8 @@ def _heal(cfg: ConvertConfig, original, net, splits, record, ckpt: str | None, i
     return rep
 
 
-def _save(cfg: ConvertConfig, net, record, tokenizer, identity: dict, fid: dict, rep) -> None:
+def _save(job: _Job, net, record, tokenizer, fid: dict, rep) -> None:
+    cfg, identity = job.cfg, job.identity()
     out = Path(cfg.out)
     if cfg.overwrite and out.exists():
         shutil.rmtree(out)  # a normlab conversion (check_out made sure), replaced only now that the new one is done

@@ -199,6 +199,10 @@ class _Place:
     world: int
     device: torch.device
 
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's training batch for ``step``, on the device."""
         shape = (self.cfg.batch_size, self.cfg.model.context)
@@ -413,9 +417,8 @@ def _open_run(folder: RunFolder, cfg: TrainConfig, corpus, world: int, device, m
 
 
 def _train(place: _Place, resume: bool, progress: bool, resume_command: str | None) -> dict:
-    cfg, folder, corpus, rank, world, device = (place.cfg, place.folder, place.corpus, place.rank, place.world,
-                                                place.device)  # fmt: skip
-    main = rank == 0
+    cfg, folder, corpus, main = place.cfg, place.folder, place.corpus, place.main
+    world, device = place.world, place.device
     out = folder.path
     entropy = corpus.unigram_entropy
     model, opt, start = _model_and_optimizer(cfg, folder, device, resume, main)
