@@ -28,7 +28,7 @@ from _study import commit
 from bench_kernels import cpu_name  # scripts/ is on the path when a script runs
 from normlab.conversion.batches import cache_kwarg
 from normlab.conversion.hf import TextCut, load_model, quiet, smollm2, text_batches
-from normlab.conversion.onnx_export import OnnxLM
+from normlab.conversion.onnx_export import OnnxCheck, OnnxLM
 from normlab.corpus import fetch_shakespeare
 from normlab.table import append_csv, format_table
 
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for name, model in (("original", original), ("converted dyisru per channel", converted)):
             with quiet():
-                report = normlab.export_onnx(model, Path(tmp) / f"{name.split()[0]}.onnx", probe=held[0][:2])
+                report = normlab.export_onnx(model, Path(tmp) / f"{name.split()[0]}.onnx", check=OnnxCheck(held[0][:2]))
             print(report.summary(), flush=True)
             runner = OnnxLM(report.path, threads=args.threads)
             engines = {

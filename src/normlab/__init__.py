@@ -4,7 +4,7 @@ from normlab import functional
 from normlab.conversion.convert import ConversionRecord, convert_norms, fidelity, load_converted, save_converted
 from normlab.conversion.fold import FoldReport, fold
 from normlab.conversion.heal import HealReport, heal
-from normlab.conversion.onnx_export import OnnxExport, export_onnx
+from normlab.conversion.onnx_export import OnnxCheck, OnnxExport, export_onnx
 from normlab.elementwise import *  # noqa: F401,F403
 from normlab.elementwise import __all__ as _elementwise_names
 from normlab.modules import (  # noqa: F401
@@ -23,7 +23,7 @@ from normlab.version import __version__  # noqa: F401  (written once, in normlab
 
 __all__ = [
     "functional", "create_norm", "list_norms", "norm_spec", "ConversionRecord", "convert_norms", "fidelity",
-    "load_converted", "save_converted", "export_onnx", "OnnxExport", "heal", "HealReport", "fold", "FoldReport",
-    "prime_running_stats", "LayerNorm",
+    "load_converted", "save_converted", "export_onnx", "OnnxCheck", "OnnxExport", "heal", "HealReport", "fold",
+    "FoldReport", "prime_running_stats", "LayerNorm",
     "RMSNorm", "L1Norm", "LMaxNorm", "GroupRMS", "RMSDetached", "RMSEMA", "RMSPartialCoupling", *_elementwise_names,
 ]  # fmt: skip

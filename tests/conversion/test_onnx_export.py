@@ -14,7 +14,7 @@ import torch
 import normlab
 from conftest import id_batches, tiny_lm
 from normlab import functional as FN
-from normlab.conversion.onnx_export import export_onnx, export_program, hypot
+from normlab.conversion.onnx_export import OnnxCheck, export_onnx, export_program, hypot
 
 for _name in ("onnx", "onnxscript", "onnxruntime"):
     pytest.importorskip(_name, reason="the onnx extra is absent: pip install 'normlab[onnx]'")
@@ -77,7 +77,7 @@ def test_a_converted_lm_exports_with_its_cache_and_runs_in_onnx_runtime(family, 
     and 32 greedy tokens decoded with the cache (first-token copies included) identical to generate's."""
     model, _ = _case(family, target, **config)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    report = export_onnx(model, tmp_path / "m.onnx", probe=id_batches(1, seed=5, t=12)[0])
+    report = export_onnx(model, tmp_path / "m.onnx", check=OnnxCheck(id_batches(1, seed=5, t=12)[0]))
     assert report.folded and report.layers == 2
     assert report.max_logit_difference <= 1e-5 * report.logit_scale, report.summary()
     assert report.greedy_equal, report.summary()
@@ -92,7 +92,7 @@ def test_gpt2_exports_though_its_conv1d_layers_take_no_fold(tmp_path):
     cfg = transformers.GPT2Config(vocab_size=100, n_embd=32, n_layer=2, n_head=4, n_positions=64, eos_token_id=0)
     model = transformers.GPT2LMHeadModel(cfg).eval()
     normlab.convert_norms(model, "dyisru", calibrate=id_batches(2), per="channel", progress=False)
-    report = export_onnx(model, tmp_path / "g.onnx", probe=id_batches(1, seed=5, t=12)[0])
+    report = export_onnx(model, tmp_path / "g.onnx", check=OnnxCheck(id_batches(1, seed=5, t=12)[0]))
     assert "no linear layer reads its output" in report.fold_note
     assert report.max_logit_difference <= 1e-5 * report.logit_scale and report.greedy_equal
 
@@ -150,7 +150,7 @@ def test_a_healed_model_with_biases_folds_them_into_its_exported_copy(tmp_path):
         for m in model.modules():
             if type(m).__name__ == "DyISRU":
                 m.bias.uniform_(-0.3, 0.3)
-    report = export_onnx(model, tmp_path / "m.onnx", probe=id_batches(1, seed=5, t=12)[0])
+    report = export_onnx(model, tmp_path / "m.onnx", check=OnnxCheck(id_batches(1, seed=5, t=12)[0]))
     assert len(report.folded) == 5 and "bias" not in report.fold_note, report.summary()
     assert report.max_logit_difference <= 1e-5 * report.logit_scale and report.greedy_equal, report.summary()
     assert model.model.layers[0].self_attn.q_proj.bias is None

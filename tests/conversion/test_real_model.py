@@ -195,7 +195,7 @@ def test_converted_smollm2_exports_to_onnx_with_its_cache(smollm2, tmp_path):
     model, calib, held, _ = smollm2
     conv = copy.deepcopy(model)
     rec = normlab.convert_norms(conv, "dyisru", calibrate=calib, per="channel", progress=False)
-    report = normlab.export_onnx(conv, tmp_path / "smollm2.onnx", probe=held[0][:2])
+    report = normlab.export_onnx(conv, tmp_path / "smollm2.onnx", check=normlab.OnnxCheck(held[0][:2]))
     assert len(report.folded) == len(rec.sites) == 61 and report.layers == 30
     assert report.max_logit_difference <= 1e-5 * report.logit_scale, report.summary()
     assert report.greedy_tokens == 32 and report.greedy_equal, report.summary()

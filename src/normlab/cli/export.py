@@ -10,7 +10,7 @@ __all__ = ["add_export"]
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from normlab.conversion.onnx_export import MIN_OPSET, export_onnx, onnx_missing, output_files
+    from normlab.conversion.onnx_export import MIN_OPSET, OnnxCheck, export_onnx, onnx_missing, output_files
     from normlab.conversion.saving import RECORD_FILE, load_converted
     from normlab.corpus import sha256_file
 
@@ -30,7 +30,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
     opset = MIN_OPSET if args.opset is None else args.opset
     model, _ = load_converted(folder)
     made_from = {"folder": str(folder.resolve()), "record_sha256": sha256_file(folder / RECORD_FILE)}
-    report = export_onnx(model, out, opset=opset, fold=not args.no_fold, check=not args.no_check, made_from=made_from)
+    check = None if args.no_check else OnnxCheck()
+    report = export_onnx(model, out, opset=opset, fold=not args.no_fold, check=check, made_from=made_from)
     print(report.summary())
     return 0
 

@@ -44,6 +44,7 @@ from normlab.owner import hold
 
 __all__ = [
     "MIN_OPSET",
+    "OnnxCheck",
     "OnnxExport",
     "OnnxLM",
     "export_onnx",
@@ -83,6 +84,15 @@ def hypot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     out = m * torch.sqrt(1 + r * r)
     out = torch.where(torch.isnan(a) | torch.isnan(b), a + b, out)
     return torch.where(torch.isinf(a) | torch.isinf(b), math.inf, out)
+
+
+@dataclass(frozen=True)
+class OnnxCheck:
+    """How `export_onnx` checks the file in ONNX Runtime against the model: the logits on ``probe`` (token ids
+    (B, T); random ones when None), and ``new_tokens`` greedy tokens decoded with the cache against ``generate``'s."""
+
+    probe: torch.Tensor | None = None
+    new_tokens: int = 32
 
 
 @dataclass
@@ -232,7 +242,7 @@ def _export(net: nn.Module, path: Path, opset: int) -> int:
     cached = torch.export.Dim("cached", min=0, max=65536)
     shapes = ({0: batch, 1: length}, tuple({0: batch, 2: cached} for _ in past))
     inputs, outputs = _names(layers)
-    export_program(_Step(net, layers).eval(), (ids, *past), path, opset, shapes, inputs, outputs)
+    export_program(_Step(net, layers).eval(), (ids, *past), path, opset, shapes, (inputs, outputs))
     return layers
 
 
@@ -242,10 +252,11 @@ def export_program(
     path: str | Path,
     opset: int = MIN_OPSET,
     dynamic_shapes=None,
-    input_names: list[str] | None = None,
-    output_names: list[str] | None = None,
+    names: tuple[list[str], list[str]] | None = None,
 ) -> None:
-    """``torch.export`` then ``torch.onnx``, with `hypot` in place of ``torch.hypot`` (which ONNX lacks)."""
+    """``torch.export`` then ``torch.onnx``, with `hypot` in place of ``torch.hypot`` (which ONNX lacks); ``names``:
+    the graph's input names and output names."""
+    input_names, output_names = names or (None, None)
     with torch.no_grad():
         program = torch.export.export(module, args, dynamic_shapes=dynamic_shapes)
     program = program.run_decompositions({torch.ops.aten.hypot.default: hypot})
@@ -292,7 +303,8 @@ class OnnxLM:
         return out
 
 
-def _check(model: nn.Module, path: Path, probe: torch.Tensor, new_tokens: int, report: OnnxExport) -> None:
+def _check(model: nn.Module, path: Path, check: OnnxCheck, report: OnnxExport) -> None:
+    probe, new_tokens = check.probe, check.new_tokens
     runner = OnnxLM(path)
     with torch.no_grad():
         want = model(input_ids=probe).logits.float()
@@ -314,15 +326,13 @@ def export_onnx(
     *,
     opset: int = MIN_OPSET,
     fold: bool = True,
-    check: bool = True,
-    probe: torch.Tensor | None = None,
-    new_tokens: int = 32,
+    check: OnnxCheck | None = OnnxCheck(),
     made_from: dict | None = None,
 ) -> OnnxExport:
     """Export a (converted) causal LM to ``path`` with its KV cache, fold first where it can, and check the file in
-    ONNX Runtime against ``model`` (``probe``: token ids (B, T), random ones when not given; ``new_tokens``
-    greedy tokens). The model is not changed. Everything is checked before the export starts: the packages,
-    the model's kind, the opset, the path."""
+    ONNX Runtime against ``model`` as ``check`` says (`OnnxCheck`; None: no check). The model is not changed.
+    Everything is checked before the export starts: the packages, the model's kind, the opset, the path.
+    ``made_from`` is recorded in the file's identity (``PATH.json``)."""
     missing = onnx_missing()
     if missing:
         raise ModuleNotFoundError(missing)
@@ -332,16 +342,17 @@ def export_onnx(
     path = Path(path)
     if path.suffix != ".onnx":
         raise ValueError(f"the ONNX file's name must end in .onnx, got {str(path)!r}")
-    if probe is None:
-        probe = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    if check is not None and check.probe is None:
+        random_ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+        check = OnnxCheck(random_ids, check.new_tokens)
     start = time.perf_counter()
     report = OnnxExport(path=str(path), opset=opset, layers=0, made_from=made_from)
     with hold(path, "the ONNX file"):
         net = _prepare(model, fold, report)
         path.parent.mkdir(parents=True, exist_ok=True)
         report.layers = _export(net, path, opset)
-        if check:
-            _check(model, path, probe, new_tokens, report)
+        if check is not None:
+            _check(model, path, check, report)
         report.seconds = time.perf_counter() - start
         Path(f"{path}.json").write_text(json.dumps(_identity(report, net), indent=2) + "\n")
     return report
