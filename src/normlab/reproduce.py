@@ -29,7 +29,7 @@ def run_theory(root: str | Path, seeds: int = 20) -> Path:
     for norm in ("rms_norm", "layer_norm"):
         many = simulate_many(range(seeds), norm=norm)
         result["simulate"][norm] = {"n_seeds": seeds, "stats": many["stats"], "failed": many["failed"]}
-        plot_outlier_fit(simulate_outliers(norm=norm, seed=0), out / f"outlier_fit_{norm}.png")
+        plot_outlier_fit(simulate_outliers(norm=norm), out / f"outlier_fit_{norm}.png")
     names, width = ["rms_norm", "l1_norm", "dyt", "dyt_hardtanh", "dyisru", "sign_sqrt"], 1024
     sigmas = np.logspace(-3, 1, 13)
     curves, limits = gain_curves(names, sigmas, dim=width, init={"alpha_init": 1.0}, samples=32)

@@ -11,6 +11,7 @@ import torch
 import normlab
 import normlab.functional as FN
 from normlab.theory import (
+    Sample,
     autograd_jacobian,
     decompose,
     derf_jacobian,
@@ -114,7 +115,7 @@ def test_rms_norm_rearrangement_eq13():
 
 # -------------------------------------------------------------------- simulation
 def test_dyisru_with_reference_beta_reproduces_rms_norm_on_the_outlier():
-    sim = simulate_outliers(seed=3)
+    sim = simulate_outliers(Sample(seed=3))
     assert sim.reference_beta == pytest.approx(float(np.sum(np.delete(sim.x, sim.outlier_index) ** 2)))
     assert sim.reference_mean_abs_residual < 1e-12
     assert sim.dyisru.param.item() == pytest.approx(sim.reference_beta, rel=1e-6)  # the fit finds it
@@ -141,27 +142,27 @@ def test_user_supplied_sample_is_used_exactly(tmp_path):
     np.savetxt(tmp_path / "x.txt", x)
     from normlab.theory.simulate import load_vector
 
-    a = simulate_outliers(x=load_vector(tmp_path / "x.npy"), C=None)
-    b = simulate_outliers(x=load_vector(tmp_path / "x.txt"), C=None)
+    a = simulate_outliers(load_vector(tmp_path / "x.npy"))
+    b = simulate_outliers(load_vector(tmp_path / "x.txt"))
     np.testing.assert_array_equal(a.x, x)
     assert a.dyt.param.item() == pytest.approx(b.dyt.param.item(), rel=1e-12)
 
 
 @pytest.mark.parametrize(
-    "kwargs,match",
+    "sample,kwargs,match",
     [
-        ({"C": 1}, r"C \(channels\) to be an int >= 2"),
-        ({"sigma": 0.0}, "sigma > 0"),
-        ({"sigma": -1.0}, "sigma > 0"),
-        ({"steps": 0}, "steps"),
-        ({"x": np.zeros((3, 4)), "C": None}, r"shape \(C,\), got shape \(3, 4\)"),
-        ({"x": np.zeros(50), "C": 100}, "C = 100 was given but the sample has 50"),
-        ({"norm": "dyt"}, "norm must be"),
+        (Sample(C=1), {}, r"C \(channels\) to be an int >= 2"),
+        (Sample(sigma=0.0), {}, "sigma > 0"),
+        (Sample(sigma=-1.0), {}, "sigma > 0"),
+        (Sample(), {"steps": 0}, "steps"),
+        (np.zeros((3, 4)), {}, r"shape \(C,\), got shape \(3, 4\)"),
+        (np.array([1.0, np.inf, 2.0]), {}, "non-finite"),
+        (Sample(), {"norm": "dyt"}, "norm must be"),
     ],
 )
-def test_simulation_bad_input(kwargs, match):
+def test_simulation_bad_input(sample, kwargs, match):
     with pytest.raises(ValueError, match=match):
-        simulate_outliers(**kwargs)
+        simulate_outliers(sample, **kwargs)
 
 
 # -------------------------------------------------------------------- fitting

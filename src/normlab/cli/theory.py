@@ -102,7 +102,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     import numpy as np
 
     from normlab.theory.plots import plot_outlier_fit, plot_outlier_steps
-    from normlab.theory.simulate import load_vector, simulate_many, simulate_outliers
+    from normlab.theory.simulate import Sample, load_vector, simulate_many, simulate_outliers
 
     if Path(args.out).exists() and not Path(args.out).is_dir():
         raise ValueError(f"--out {args.out} is a file; simulate writes a folder (figures, sample.npy, simulate.json)")
@@ -110,16 +110,9 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
     check_writable(args.out, "--out")
     x = load_vector(args.x) if args.x else None
-    common = dict(
-        C=args.C if x is None else None,
-        sigma=args.sigma,
-        mu=args.mu,
-        step=args.step,
-        steps=args.steps,
-        norm=args.norm,
-        scale=args.scale,
-    )
-    sim = simulate_outliers(seed=args.seed, x=x, **common)
+    common = dict(step=args.step, steps=args.steps, norm=args.norm, scale=args.scale)
+    drawn = Sample(args.C, args.sigma, args.mu, args.seed)
+    sim = simulate_outliers(drawn if x is None else x, **common)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     src = f"sample from {args.x}" if x is not None else f"seed {args.seed}, sigma {args.sigma}, mu {args.mu}"
@@ -146,7 +139,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     print(f"paper ({seed_doc}, one sample): alpha = 0.049, beta = 301.1, mean |residual| 0.33 (DyT), < 0.01 (DyISRU)")
     result = sim.to_dict()
     if args.seeds > 1 and x is None:
-        many = simulate_many(range(args.seeds), **common)
+        many = simulate_many(range(args.seeds), drawn, **common)
         result["over_seeds"] = many
         print(f"\nover {args.seeds} seeds (mean +- std, [min, max]):")
         table = [[k, v["mean"], v["std"], v["min"], v["max"]] for k, v in many["stats"].items()]

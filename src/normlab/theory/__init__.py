@@ -17,7 +17,7 @@ from normlab.theory.jacobian import (
     rms_norm_terms,
     scaled_dyt_jacobian,
 )
-from normlab.theory.simulate import OutlierSimulation, simulate_many, simulate_outliers
+from normlab.theory.simulate import OutlierSimulation, Sample, simulate_many, simulate_outliers
 
 __all__ = [
     "FitResult",
@@ -26,6 +26,7 @@ __all__ = [
     "pointwise_gain_limit",
     "rms_norm_gain",
     "OutlierSimulation",
+    "Sample",
     "simulate_many",
     "simulate_outliers",
     "JacobianNorms",

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
@@ -27,9 +27,23 @@ import torch
 import normlab.functional as FN
 from normlab.theory.fit import FitResult, fit_elementwise, predict
 
-__all__ = ["OutlierSimulation", "simulate_outliers", "simulate_many", "load_vector"]
+__all__ = ["Sample", "OutlierSimulation", "simulate_outliers", "simulate_many", "load_vector"]
 
 NormName = Literal["rms_norm", "layer_norm"]
+
+
+@dataclass(frozen=True)
+class Sample:
+    """The token before its outlier grows: ``C`` channels drawn i.i.d. from N(``mu``, ``sigma``^2) with ``seed``
+    (the DyISRU paper's eq. 17: C = 100, sigma = 2, mu = 0)."""
+
+    C: int = 100
+    sigma: float = 2.0
+    mu: float = 0.0
+    seed: int | None = 0
+
+    def draw(self) -> np.ndarray:
+        return np.random.default_rng(self.seed).normal(self.mu, self.sigma, size=self.C)
 
 
 @dataclass
@@ -106,20 +120,23 @@ def load_vector(path: str | Path) -> np.ndarray:
         ) from None
 
 
-def _check(C, sigma, step, steps, x) -> None:
-    if x is not None:
+def _check(sample: Sample | np.ndarray, step: float, steps: int) -> None:
+    if isinstance(sample, np.ndarray):
+        x = sample
         if x.ndim != 1:
             raise ValueError(f"expected the sample x to be a vector of shape (C,), got shape {x.shape}")
         if x.shape[0] < 2:
             raise ValueError(f"expected a sample of C >= 2 channels, got C = {x.shape[0]}")
-        if C is not None and C != x.shape[0]:
-            raise ValueError(f"C = {C} was given but the sample has {x.shape[0]} entries; drop C or fix the file")
         if not np.all(np.isfinite(x)):
             raise ValueError("the sample x contains non-finite values")
-    elif not isinstance(C, int) or C < 2:
-        raise ValueError(f"expected C (channels) to be an int >= 2, got {C!r}: with one channel there is no outlier")
-    if x is None and (not math.isfinite(sigma) or sigma <= 0):
-        raise ValueError(f"expected sigma > 0, got {sigma!r}")
+    elif not isinstance(sample, Sample):
+        raise TypeError(f"sample: expected a Sample or a vector (C,), got {type(sample).__name__}")
+    elif not isinstance(sample.C, int) or sample.C < 2:
+        raise ValueError(
+            f"expected C (channels) to be an int >= 2, got {sample.C!r}: with one channel there is no outlier"
+        )
+    elif not math.isfinite(sample.sigma) or sample.sigma <= 0:
+        raise ValueError(f"expected sigma > 0, got {sample.sigma!r}")
     if not math.isfinite(step) or step <= 0:
         raise ValueError(f"expected step > 0, got {step!r}")
     if not isinstance(steps, int) or steps < 1:
@@ -127,17 +144,16 @@ def _check(C, sigma, step, steps, x) -> None:
 
 
 def simulate_outliers(
-    C: int | None = 100,
-    sigma: float = 2.0,
-    mu: float = 0.0,
+    sample: Sample | np.ndarray = Sample(),
+    *,
     step: float = 5.0,
     steps: int = 9,
     norm: NormName = "rms_norm",
     scale: str | None = None,
-    seed: int | None = 0,
-    x: np.ndarray | None = None,
 ) -> OutlierSimulation:
-    """Run the simulation on a seeded sample, or on a given vector ``x`` (then C, sigma, mu come from it)."""
+    """Run the simulation on a seeded `Sample`, or on a given vector (C,) (then C comes from it, and sigma, mu and
+    the seed are None): its largest entry grows by ``step``, ``steps`` times (eq. 18), through ``norm``; the fits'
+    amplitude is sqrt(``scale``) ("C" or "C-1"; default: the norm's own)."""
     if norm not in ("rms_norm", "layer_norm"):
         raise ValueError(
             f"norm must be 'rms_norm' (the DyISRU paper) or 'layer_norm' (its LayerNorm version), got {norm!r}"
@@ -145,13 +161,13 @@ def simulate_outliers(
     scale = scale or ("C" if norm == "rms_norm" else "C-1")
     if scale not in ("C", "C-1"):
         raise ValueError(f"scale must be 'C' (sqrt(C)) or 'C-1' (sqrt(C-1)), got {scale!r}")
-    if x is not None:
-        x = np.asarray(x, dtype=np.float64)
-    _check(C, sigma, step, steps, x)
-    if x is None:
-        x = np.random.default_rng(seed).normal(mu, sigma, size=C)
+    if not isinstance(sample, Sample):
+        sample = np.asarray(sample, dtype=np.float64)
+    _check(sample, step, steps)
+    if isinstance(sample, Sample):
+        x, (C, sigma, mu, seed) = sample.draw(), (sample.C, sample.sigma, sample.mu, sample.seed)
     else:
-        C, sigma, mu, seed = x.shape[0], None, None, None
+        x, (C, sigma, mu, seed) = sample, (sample.shape[0], None, None, None)
     o = int(np.argmax(x))
     xs = np.repeat(x[None], steps + 1, axis=0)
     xs[:, o] += step * np.arange(steps + 1)  # eq. (18)
@@ -177,9 +193,9 @@ def simulate_outliers(
     )
 
 
-def simulate_many(seeds, **kwargs) -> dict:
-    """Run `simulate_outliers` for each seed; the spread of alpha, beta and the residuals."""
-    sims = [simulate_outliers(seed=s, **kwargs) for s in seeds]
+def simulate_many(seeds, sample: Sample = Sample(), **kwargs) -> dict:
+    """Run `simulate_outliers` on ``sample`` drawn with each seed; the spread of alpha, beta and the residuals."""
+    sims = [simulate_outliers(replace(sample, seed=s), **kwargs) for s in seeds]
     cols = {
         "alpha": [s.dyt.param.item() for s in sims],
         "beta": [s.dyisru.param.item() for s in sims],
