@@ -33,9 +33,10 @@ CODE = """
 import sys
 import normlab.sweep as sweep
 from normlab.reproduce import reproduce
+from normlab.sweep import Workers
 sweep.PROFILES["default"]["seeds"] = int(sys.argv[2])
 exps = sys.argv[4:] or None
-reproduce(sys.argv[1], "default", experiments=exps, jobs=int(sys.argv[3]), progress=False)
+reproduce(sys.argv[1], "default", experiments=exps, workers=Workers(int(sys.argv[3])), progress=False)
 """
 
 

@@ -29,7 +29,7 @@ from pathlib import Path
 from _study import ROOT, commit, machine
 from normlab.lab.runs import read_summary
 from normlab.owner import hold
-from normlab.sweep import expand, load_experiment, run_sweep, write_index
+from normlab.sweep import Workers, expand, load_experiment, run_sweep, write_index
 
 RECORD = ROOT / "bench" / "scaling.jsonl"
 TABLE = ROOT / "bench" / "scaling.csv"
@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{len(todo)} runs to go of {len(specs)}, {args.jobs} at a time, in the TOML's order (decisive first)")
         try:
             with hold(RECORD, "the scaling study's record"):  # one study appends to it at a time
-                run_sweep(todo, jobs=args.jobs, on_done=record_run)
+                run_sweep(todo, workers=Workers(args.jobs), on_done=record_run)
         except KeyboardInterrupt:
             print("stopped: every finished run is in the record; run the same command to go on", file=sys.stderr)
             return 130

@@ -15,7 +15,7 @@ from conftest import TEXT, write_experiment
 from normlab.cli import main
 from normlab.lab.runs import RunFolder
 from normlab.report import write_report
-from normlab.sweep import builtin_experiments, expand, load_experiment, parse_shard, run_sweep, write_index
+from normlab.sweep import Workers, builtin_experiments, expand, load_experiment, parse_shard, run_sweep, write_index
 
 EXPERIMENT = """
 name = "smoke"
@@ -120,7 +120,7 @@ def test_sweep_records_divergence_and_report_says_so(experiment, tmp_path):
 def test_shards_partition_the_runs(experiment, tmp_path):
     specs = expand(load_experiment(experiment), "tiny", tmp_path)
     ids = {s.run_id for s in specs}
-    a, b = (set(run_sweep(specs, shard=parse_shard(f"{i}/2"), progress=False)) for i in range(2))
+    a, b = (set(run_sweep(specs, workers=Workers(shard=parse_shard(f"{i}/2")), progress=False)) for i in range(2))
     assert a | b == ids and not a & b
 
 

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from normlab.owner import check_folder
-from normlab.sweep import builtin_experiments, expand, load_experiment, run_sweep, write_index
+from normlab.sweep import Workers, builtin_experiments, expand, load_experiment, run_sweep, write_index
 
 __all__ = ["run_theory", "reproduce"]
 
@@ -45,12 +45,12 @@ def reproduce(
     profile: str = "default",
     *,
     experiments: list[str] | None = None,
-    shard: tuple[int, int] = (0, 1),
-    jobs: int = 1,
+    workers: Workers = Workers(),
     progress: bool = True,
     compare: str | Path | None = None,
 ) -> Path:
-    """Theory, then every experiment at ``profile``, then REPORT.md. Returns the report's path.
+    """Theory, then every experiment at ``profile`` (spread as ``workers`` says), then REPORT.md. Returns the
+    report's path.
 
     ``compare``: the root of the same experiments at another budget; the report then states each verdict
     at both (see `normlab.report.write_report`).
@@ -73,9 +73,10 @@ def reproduce(
     run_theory(root, seeds=20 if profile != "quick" else 5)
     n_unique = len({s.run_id for s in specs})
     print(
-        f"[2/3] {len(exps)} experiments, {n_unique} distinct runs at profile '{profile}', {jobs} at a time", flush=True
+        f"[2/3] {len(exps)} experiments, {n_unique} distinct runs at profile '{profile}', {workers.jobs} at a time",
+        flush=True,
     )
-    statuses = run_sweep(specs, shard=shard, jobs=jobs, progress=progress)
+    statuses = run_sweep(specs, workers=workers, progress=progress)
     counts = {s: list(statuses.values()).count(s) for s in sorted(set(statuses.values()))}
     print(f"      runs: {counts}", flush=True)
     elapsed = time.perf_counter() - t0

@@ -36,7 +36,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-__all__ = ["PROFILES", "Experiment", "RunSpec", "builtin_experiments", "load_experiment", "expand", "run_sweep",
+__all__ = ["PROFILES", "Experiment", "RunSpec", "Workers", "builtin_experiments", "load_experiment", "expand", "run_sweep",
            "parse_shard", "lr_variants", "check_experiment_fields"]  # fmt: skip
 
 
@@ -300,6 +300,15 @@ def lr_variants(run: dict) -> list[tuple[str, str, dict, dict]]:
     ]
 
 
+@dataclass(frozen=True)
+class Workers:
+    """How a sweep's runs are spread: ``jobs`` at a time in this process's pool, and this machine's ``shard``
+    (i, n): every n-th run from the i-th (``--shard i/n``)."""
+
+    jobs: int = 1
+    shard: tuple[int, int] = (0, 1)
+
+
 def parse_shard(text: str | None) -> tuple[int, int]:
     if not text:
         return 0, 1
@@ -358,11 +367,13 @@ def default_jobs() -> int:
 
 
 def run_sweep(
-    specs: list[RunSpec], *, shard: tuple[int, int] = (0, 1), jobs: int = 1, progress: bool = True, on_done=None
+    specs: list[RunSpec], *, workers: Workers = Workers(), progress: bool = True, on_done=None
 ) -> dict[str, str]:
-    """Run every spec of this shard that has not finished, ``jobs`` at a time; returns {run_id: status}.
+    """Run every spec of this shard that has not finished, ``jobs`` at a time (``workers``); returns
+    {run_id: status}.
 
     ``on_done(spec, status)``, if given, is called in this process as each run ends (a study records it there)."""
+    shard, jobs = workers.shard, workers.jobs
     unique = list({s.run_id: s for s in specs}.values())  # a run shared by several tables runs once
     mine = unique[shard[0] :: shard[1]]
     statuses, todo = {}, []

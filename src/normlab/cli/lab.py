@@ -75,14 +75,14 @@ def _cmd_predict(args: argparse.Namespace) -> int:
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
     from normlab.owner import check_folder
-    from normlab.sweep import builtin_experiments, expand, load_experiment, parse_shard, run_sweep, write_index
+    from normlab.sweep import Workers, builtin_experiments, expand, load_experiment, parse_shard, run_sweep, write_index
 
     shard = parse_shard(args.shard)  # every argument checked before index.json is written
     check_folder(args.root, "--root")
     exps = [load_experiment(e) for e in (args.experiment or builtin_experiments(args.profile))]
     specs = [s for e in exps for s in expand(e, args.profile, args.root)]
     write_index(exps, args.profile, args.root)
-    statuses = run_sweep(specs, shard=shard, jobs=args.jobs, progress=not args.no_progress)
+    statuses = run_sweep(specs, workers=Workers(args.jobs, shard), progress=not args.no_progress)
     rows = [[k, list(statuses.values()).count(k)] for k in sorted(set(statuses.values()))]
     print(format_table(["status", "runs"], rows))
     print(f"results in {args.root}; write the report with: normlab report --root {args.root}")
@@ -106,7 +106,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 def _cmd_reproduce(args: argparse.Namespace) -> int:
     from normlab.reproduce import reproduce
-    from normlab.sweep import parse_shard
+    from normlab.sweep import Workers, parse_shard
 
     profile = args.profile or (
         "gpu"
@@ -127,8 +127,7 @@ def _cmd_reproduce(args: argparse.Namespace) -> int:
         root,
         profile,
         experiments=args.experiment,
-        shard=parse_shard(args.shard),
-        jobs=args.jobs,
+        workers=Workers(args.jobs, parse_shard(args.shard)),
         progress=not args.no_progress,
         compare=compare,
     )

@@ -27,13 +27,14 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_jacobian(args: argparse.Namespace) -> int:
+    from normlab.registry import init_kwargs
     from normlab.theory.jacobian import jacobian_table
 
     init = parse_init(args.init) if args.init is not None else {"alpha_init": 1.0}  # the dissection's alpha = 1
+    if args.init is None and not any("alpha_init" in init_kwargs(n) for n in args.norm):
+        init = {}  # the default goes to the norms that take it; a user's key must be taken by one
     output_file(args.json, "--json")
-    rows = jacobian_table(
-        args.norm, args.width, std=args.std, init=init, tokens=args.tokens, seed=args.seed, strict=args.init is not None
-    )  # the default goes to the norms that take it
+    rows = jacobian_table(args.norm, args.width, std=args.std, init=init, tokens=args.tokens, seed=args.seed)
     print(f"Per-token Jacobian norms at input std {args.std}, gamma = 1, mean over {args.tokens} token(s)\n")
     table = [
         [

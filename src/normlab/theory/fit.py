@@ -86,12 +86,13 @@ class FitResult:
         return out
 
 
-def _resolve_scale(scale, channels: int | None) -> float | None:
+MAX_NFEV = 2000  # function evaluations each least-squares fit may take
+
+
+def _resolve_scale(scale, channels: int) -> float | None:
     if scale is None:
         return None
     if isinstance(scale, str):
-        if channels is None:
-            raise ValueError("scale='C' or 'C-1' needs the channel count: pass channels=C")
         return FN.channel_scale(channels, scale)
     if not math.isfinite(float(scale)) or float(scale) <= 0:
         raise ValueError(f"expected scale to be a number > 0, 'C', 'C-1' or None (fit it), got {scale!r}")
@@ -145,15 +146,14 @@ def fit_elementwise(
     kind: Kind = "dyisru",
     *,
     scale: float | str | None = "C",
-    channels: int | None = None,
     per: Per = "global",
     group_size: int | None = None,
-    max_nfev: int = 2000,
 ) -> FitResult:
     """Fit ``kind`` ("dyt": alpha, "dyisru": beta) so that model(x) reproduces y.
 
-    x, y: arrays of one shape. For ``per="channel"`` or ``"group"`` the last axis is
-    the channel axis. ``channels`` defaults to x.shape[-1] (used by scale "C"/"C-1").
+    x, y: arrays of one shape. For ``per="channel"`` or ``"group"`` the last axis is the channel axis. ``scale``:
+    the amplitude, a number, None (fitted too), or "C" / "C-1" for sqrt(x.shape[-1]) / sqrt(x.shape[-1] - 1). Each fit
+    is bounded by `MAX_NFEV` evaluations.
     """
     if kind not in ("dyt", "dyisru"):
         raise ValueError(f"unknown fit kind {kind!r}: expected 'dyt' or 'dyisru'")
@@ -164,7 +164,7 @@ def fit_elementwise(
     if x.shape != y.shape or x.size == 0:
         raise ValueError(f"expected x and y of one non-empty shape, got {x.shape} and {y.shape}")
     c = x.shape[-1] if x.ndim else 1
-    amp = _resolve_scale(scale, channels if channels is not None else c)
+    amp = _resolve_scale(scale, c)
 
     if per == "global":
         units = [np.arange(c)] if x.ndim else [np.arange(1)]
@@ -182,7 +182,7 @@ def fit_elementwise(
     pred = np.empty_like(y)
     for u, idx in enumerate(units):
         xu, yu = (x.ravel(), y.ravel()) if flat else (x[..., idx].ravel(), y[..., idx].ravel())
-        p, a, ok, msg = _fit_unit(kind, xu, yu, amp, max_nfev)
+        p, a, ok, msg = _fit_unit(kind, xu, yu, amp, MAX_NFEV)
         params.append(p)
         amps.append(a)
         if not ok:

@@ -189,13 +189,12 @@ def jacobian_table(
     init: dict | None = None,
     tokens: int = 4,
     seed: int = 0,
-    strict: bool = True,
 ) -> list[dict]:
     """The dissection's Jacobian table: Frobenius norms of J, its diagonal and coupling parts, averaged over tokens.
 
     Each norm is built at default init (gamma = 1) plus the keys of ``init`` it
-    accepts, in float64, and evaluated at ``tokens`` tokens x ~ N(0, std^2 I). With ``strict``, a key
-    that no selected norm takes is an error.
+    accepts, in float64, and evaluated at ``tokens`` tokens x ~ N(0, std^2 I). A key that no selected norm takes
+    is an error.
     RMSNorm uses the dissection's gain/rank-1 split; other norms the diagonal/off-diagonal split.
     """
     from normlab.modules import prime_running_stats
@@ -207,7 +206,7 @@ def jacobian_table(
         raise ValueError(f"expected tokens >= 1, got {tokens}")
     init = init or {}
     unused = set(init) - {k for n in norms for k in init_kwargs(n)}
-    if unused and strict:
+    if unused:
         raise ValueError(f"no selected norm takes {', '.join(sorted(unused))}")
     for width in widths:
         if not isinstance(width, int) or isinstance(width, bool) or width < 1:
