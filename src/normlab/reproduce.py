@@ -45,7 +45,7 @@ def reproduce(
     profile: str = "default",
     *,
     experiments: list[str] | None = None,
-    workers: Workers = Workers(),
+    workers: Workers | None = None,
     progress: bool = True,
     compare: str | Path | None = None,
 ) -> Path:
@@ -56,6 +56,8 @@ def reproduce(
     at both (see `normlab.report.write_report`).
     """
     from normlab.report import write_report
+
+    workers = workers or Workers()
 
     t0 = time.perf_counter()
     if compare is not None and not (Path(compare) / "index.json").is_file():  # checked before any run, not after

@@ -36,8 +36,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-__all__ = ["PROFILES", "Experiment", "RunSpec", "Workers", "builtin_experiments", "load_experiment", "expand", "run_sweep",
-           "parse_shard", "lr_variants", "check_experiment_fields"]  # fmt: skip
+__all__ = ["PROFILES", "Experiment", "RunSpec", "Workers", "builtin_experiments", "load_experiment", "expand",
+           "run_sweep", "parse_shard", "lr_variants", "check_experiment_fields"]  # fmt: skip
 
 
 @dataclass
