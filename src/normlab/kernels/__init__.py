@@ -138,9 +138,9 @@ def _route(kernel: str, owner: str, x: torch.Tensor, *params: torch.Tensor | Non
     return select(kernel, x, owner, *cast, min_fused=min_fused), cast
 
 
-def dyt(x, alpha, weight, bias=None, *, kernel: str = "auto", owner: str = "DyT"):
+def dyt(x, alpha, weight, bias=None, *, kernel: str = "auto"):
     """weight * tanh(alpha x) + bias on the path ``kernel`` picks; alpha of shape (1,) or (C,)."""
-    path, p = _route(kernel, owner, x, alpha, weight, bias)
+    path, p = _route(kernel, "DyT", x, alpha, weight, bias)
     if path == "triton":
         return fused.dyt(x, *p)
     if path == "cpu":
@@ -148,9 +148,9 @@ def dyt(x, alpha, weight, bias=None, *, kernel: str = "auto", owner: str = "DyT"
     return FN.dyt(x, alpha, weight, bias)
 
 
-def scaled_dyt(x, alpha, weight, bias=None, *, scale: FN.Scale = "C", kernel: str = "auto", owner: str = "ScaledDyT"):
+def scaled_dyt(x, alpha, weight, bias=None, *, scale: FN.Scale = "C", kernel: str = "auto"):
     """sqrt(C) weight * tanh(alpha x) + bias (``scale`` 'C' or 'C-1'): DyT's kernels with the scale folded in."""
-    path, (a, w, b) = _route(kernel, owner, x, alpha, weight, bias)
+    path, (a, w, b) = _route(kernel, "ScaledDyT", x, alpha, weight, bias)
     s = FN.channel_scale(x.shape[-1], scale)
     if path == "triton":
         return fused.dyt(x, a, fused.unit_weight(w, x) * s, b)
@@ -159,9 +159,9 @@ def scaled_dyt(x, alpha, weight, bias=None, *, scale: FN.Scale = "C", kernel: st
     return FN.scaled_dyt(x, alpha, weight, bias, scale)
 
 
-def derf(x, alpha, shift, weight, bias=None, *, kernel: str = "auto", owner: str = "Derf"):
+def derf(x, alpha, shift, weight, bias=None, *, kernel: str = "auto"):
     """weight * erf(alpha x + shift) + bias on the path ``kernel`` picks."""
-    path, p = _route(kernel, owner, x, alpha, shift, weight, bias)
+    path, p = _route(kernel, "Derf", x, alpha, shift, weight, bias)
     if path == "triton":
         return fused.derf(x, *p)
     if path == "cpu":
@@ -173,9 +173,9 @@ def _isru_min_fused() -> int:
     return cpu.MIN_FUSED_ISRU
 
 
-def dyisru(x, beta, weight, bias=None, *, scale: FN.Scale = "C", kernel: str = "auto", owner: str = "DyISRU"):
+def dyisru(x, beta, weight, bias=None, *, scale: FN.Scale = "C", kernel: str = "auto"):
     """sqrt(C) weight * x / sqrt(beta + x^2) + bias on the path ``kernel`` picks."""
-    path, (be, w, b) = _route(kernel, owner, x, beta, weight, bias, min_fused=_isru_min_fused())
+    path, (be, w, b) = _route(kernel, "DyISRU", x, beta, weight, bias, min_fused=_isru_min_fused())
     s = FN.channel_scale(x.shape[-1], scale)
     if path == "triton":
         return fused.dyisru(x, be, w, b, s)
@@ -184,18 +184,18 @@ def dyisru(x, beta, weight, bias=None, *, scale: FN.Scale = "C", kernel: str = "
     return FN.dyisru(x, beta, weight, bias, scale)
 
 
-def eln(x, beta, weight, bias=None, *, scale: FN.Scale = "C-1", kernel: str = "auto", owner: str = "ELN"):
+def eln(x, beta, weight, bias=None, *, scale: FN.Scale = "C-1", kernel: str = "auto"):
     """ELN on the CPU path or the reference (there is no Triton kernel for ELN: on CUDA, the reference)."""
     kernel = "reference" if kernel == "auto" and on_cuda(x) else kernel
-    path, (be, w, b) = _route(kernel, owner, x, beta, weight, bias, min_fused=_isru_min_fused())
+    path, (be, w, b) = _route(kernel, "ELN", x, beta, weight, bias, min_fused=_isru_min_fused())
     if path == "cpu":
         return cpu.eln(x, be, w, b, scale=FN.channel_scale(x.shape[-1], scale))
     return FN.eln(x, beta, weight, bias, scale)
 
 
-def rms_norm(x, weight, eps: float, *, kernel: str = "auto", owner: str = "RMSNorm"):
+def rms_norm(x, weight, eps: float, *, kernel: str = "auto"):
     """RMSNorm with a weight on the path ``kernel`` picks."""
-    path, (w,) = _route(kernel, owner, x, weight)
+    path, (w,) = _route(kernel, "RMSNorm", x, weight)
     if path == "triton":
         return fused.rms_norm(x, w, eps)
     if path == "cpu":
