@@ -204,7 +204,7 @@ def calibrate_sites(
     c = config.calibrate
     replacements = {s.name: new for s, new in sites}
     sites = [s for s, _ in sites]
-    max_tokens, sequential, per = c.max_tokens, c.sequential, config.per
+    max_tokens, sequential = c.max_tokens, c.sequential
     quota = max(1, math.ceil(max_tokens / len(batches)))
     by_name = {s.name: s for s in sites}
     dims = {s.name: s.kwargs.get("channel_dim", -1) for s in sites}
@@ -238,17 +238,7 @@ def calibrate_sites(
                 xf, yf = firsts(model, n)
             if c.target == "local":  # the original norm on the converted input: no correction of upstream drift
                 yf, yr = _local_targets(model.get_submodule(n), xf, xr)
-            if own and len(xf):
-                first = _first_copy(new, site, spec)
-                out_first = fit_replacement(first, xf, yf, per_channel=True, config=c)
-                site.first_token = True
-            else:
-                xr, yr = torch.cat([xf, xr]), torch.cat([yf, yr])
-            xr, yr = _drop_massive(site, xr, yr, c.massive)
-            out = fit_replacement(new, xr, yr, per_channel=per == "channel", config=c)
-            _record(site, out, out_first if site.first_token else None, per)
-            if site.first_token:
-                new = FirstToken(new, first)
+            new, out = _fit_site(site, new, ((xf, xr), (yf, yr)), config, spec, own)
             swapped[n] = swap(model, n, new)
             bar.set_postfix_str(f"{n}: rel. error {out.rel_error:.3f}")
         path["seconds"] = round(time.perf_counter() - t0, 2)
@@ -259,6 +249,25 @@ def calibrate_sites(
     finally:
         model.train(was_training)
     return decision, path
+
+
+def _fit_site(site: Site, new: nn.Module, rows: tuple, config: ConvertConfig, spec: NormSpec, own: bool):
+    """One site's fit on its rows, ((xf, xr), (yf, yr)): the first tokens' and the rest's inputs and targets. With
+    ``own``, the first token gets its own copy of the replacement, fitted per channel on the first tokens, and the
+    shared one fits the rest; else the shared one fits all. Massive tokens stay out of the shared fit. Fills in the
+    site's record; returns the module to swap in and the shared fit's outcome."""
+    c, ((xf, xr), (yf, yr)) = config.calibrate, rows
+    first = out_first = None
+    if own and len(xf):
+        first = _first_copy(new, site, spec)
+        out_first = fit_replacement(first, xf, yf, per_channel=True, config=c)
+        site.first_token = True
+    else:
+        xr, yr = torch.cat([xf, xr]), torch.cat([yf, yr])
+    xr, yr = _drop_massive(site, xr, yr, c.massive)
+    out = fit_replacement(new, xr, yr, per_channel=config.per == "channel", config=c)
+    _record(site, out, out_first, config.per)
+    return (FirstToken(new, first) if first is not None else new), out
 
 
 def _path(stream: BlockStream | None, sequential: bool, order: list[str]) -> dict:

@@ -259,15 +259,7 @@ def fit_replacement(
         notes.append(f"{int((~finite).sum())} token(s) with NaN/Inf left out")
         x, y = x[finite], y[finite]
     if len(x) < 2:
-        return FitOutcome(
-            name,
-            math.nan,
-            math.nan,
-            math.nan,
-            math.nan,
-            False,
-            notes + ["no finite calibration tokens: default init kept"],
-        )
+        return FitOutcome(name, *[math.nan] * 4, False, notes + ["no finite calibration tokens: default init kept"])
     shape = getattr(new, name).shape
     per = per_channel and shape[0] > 1
     q0 = [getattr(new, k).detach().double().clone() for k in linear]
@@ -292,24 +284,16 @@ def fit_replacement(
     degenerate = _degenerate(name, value, x)
     notes += degenerate
     ok = ok and not degenerate
-    with torch.no_grad():
+    with torch.no_grad():  # into the module: the parameter, the amplitude (into the weight), the linear extras
         getattr(new, name).copy_((p if name == "log_beta" else value).to(getattr(new, name)).expand(shape))
         new.weight.mul_(la.exp().to(new.weight))
         for k, q in zip(linear, qs):
             getattr(new, k).copy_(q.detach().to(getattr(new, k)))
     variance = float((y - y.mean(0)).pow(2).mean())
     explained = 1.0 - final / variance if variance > 0 else None
-    return FitOutcome(
-        name.removeprefix("log_"),
-        float(value.mean()),
-        float(la.exp().mean()),
-        math.sqrt(final) / denom,
-        math.sqrt(start_loss) / denom,
-        ok,
-        notes,
-        explained,
-        solver,
-    )
+    errors = (math.sqrt(final) / denom, math.sqrt(start_loss) / denom)
+    return FitOutcome(name.removeprefix("log_"), float(value.mean()), float(la.exp().mean()), *errors, ok, notes,
+                      explained, solver)  # fmt: skip
 
 
 def _lbfgs_fit(new: nn.Module, x: Tensor, y: Tensor, problem: _Problem, notes: list):
