@@ -203,13 +203,7 @@ def heal(
         cfg = dataclasses.replace(cfg, eval_every=8 * cfg.batch_size * stream.seq_len)  # a val pass ~ one step
     objective = OBJECTIVES[cfg.objective]
     if objective.needs_logits or val is not None:
-        with torch.no_grad():
-            out = run_batch(original, stream.chunks[:1], no_cache=True)
-        if not hasattr(out, "logits"):
-            raise ValueError(
-                f"heal: {type(original).__name__} gives no logits, so there is nothing to distill and no "
-                "validation cross-entropy; heal it with objective='blocks' and no val"
-            )
+        _check_logits(original, stream)
     ckpt = Path(cfg.checkpoint) if cfg.checkpoint is not None else None
     report = HealReport(
         objective=cfg.objective, train=cfg.train, lora_rank=cfg.lora_rank if cfg.train == "lora" else None
@@ -242,6 +236,17 @@ def heal(
     report.stream_passes = stream.drawn / len(stream)
     report.seconds = run.budget.seconds()
     return report
+
+
+def _check_logits(original: nn.Module, stream) -> None:
+    """Refuse, before any training, a model that gives no logits where the objective or the validation needs them."""
+    with torch.no_grad():
+        out = run_batch(original, stream.chunks[:1], no_cache=True)
+    if not hasattr(out, "logits"):
+        raise ValueError(
+            f"heal: {type(original).__name__} gives no logits, so there is nothing to distill and no "
+            "validation cross-entropy; heal it with objective='blocks' and no val"
+        )
 
 
 def distill_loss(original: nn.Module, converted: nn.Module, ids: torch.Tensor) -> torch.Tensor:
