@@ -10,7 +10,16 @@ import torch
 
 import normlab
 from conftest import load_without_normlab, tiny_lm
-from normlab.features import BEGIN, END, markdown, norm_features
+from normlab.features import (
+    BEGIN,
+    END,
+    FAMILY_BEGIN,
+    FAMILY_END,
+    family_features,
+    family_markdown,
+    markdown,
+    norm_features,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -20,6 +29,28 @@ def test_the_docs_hold_the_current_matrix():
     assert BEGIN in page and END in page
     kept = BEGIN + page.split(BEGIN, 1)[1].split(END, 1)[0] + END
     assert kept == markdown(), "docs/norms.md's feature matrix is stale: python -m normlab.features --write"
+
+
+def test_the_conversion_guide_holds_the_current_family_matrix():
+    pytest.importorskip("transformers")
+    page = (REPO / "docs" / "conversion.md").read_text()
+    kept = FAMILY_BEGIN + page.split(FAMILY_BEGIN, 1)[1].split(FAMILY_END, 1)[0] + FAMILY_END
+    assert kept == family_markdown(), "docs/conversion.md's family matrix is stale: python -m normlab.features --write"
+
+
+def test_the_family_matrix_says_what_export_onnx_does():
+    """A family the matrix calls refused is refused by export_onnx itself, before any work, with that reason."""
+    pytest.importorskip("onnx")
+    from normlab.features import _tiny
+
+    rows = family_features()
+    assert rows["Qwen3"]["sites"] == "4 per block + 1"  # input, post-attention and the per-head q/k norms
+    refused = [f for f, row in rows.items() if row["onnx"] != "yes"]
+    assert "Gemma3" in refused and "Llama" not in refused
+    for family in refused:
+        reason = rows[family]["onnx"].removeprefix("refused: ")
+        with pytest.raises(ValueError, match=reason):
+            normlab.export_onnx(_tiny(family, 2), REPO / "never-written.onnx")
 
 
 def test_the_matrix_reads_the_code():

@@ -21,7 +21,8 @@ import normlab.functional as FN
 import normlab.kernels as K
 from normlab.registry import create_norm, list_norms, norm_spec
 
-__all__ = ["COLUMNS", "norm_features", "markdown", "BEGIN", "END"]
+__all__ = ["COLUMNS", "norm_features", "markdown", "BEGIN", "END", "FAMILIES", "family_features", "family_markdown",
+           "FAMILY_BEGIN", "FAMILY_END"]  # fmt: skip
 
 BEGIN, END = "<!-- features: begin (python -m normlab.features --write) -->", "<!-- features: end -->"
 COLUMNS = {
@@ -83,19 +84,79 @@ def markdown() -> str:
     return "\n".join([*lines, END])
 
 
-def write(page: Path) -> None:
-    """Replace the table between the markers of ``page`` with the current one."""
+FAMILY_BEGIN = "<!-- families: begin (python -m normlab.features --write) -->"
+FAMILY_END = "<!-- families: end -->"
+FAMILIES = ("Llama", "Mistral", "Qwen2", "Qwen3", "Gemma", "Gemma3")  # the transformers causal LMs the tests build
+
+
+def _tiny(family: str, layers: int):
+    """A tiny random ``family`` causal LM from its transformers config (width 32, vocabulary 100)."""
+    import transformers
+
+    kw = dict(
+        vocab_size=100,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        **({"head_dim": 8} if family.startswith("Gemma") or family == "Qwen3" else {}),
+    )
+    config = getattr(transformers, "Gemma3TextConfig" if family == "Gemma3" else f"{family}Config")(**kw)
+    return getattr(transformers, f"{family}ForCausalLM")(config).eval()
+
+
+def family_features() -> dict[str, dict[str, str]]:
+    """Each model family's row, read from what the code does with a tiny random model of it: the norms conversion
+    finds (per block, and outside the blocks), whether calibration and the budget walk run on cached block inputs
+    (`find_blocks`), the heal objectives it takes, the Auto class a saved folder loads through without normlab,
+    and whether `export_onnx` takes it (else its reason, shortened)."""
+    from normlab.conversion.convert import convert_norms
+    from normlab.conversion.heal import OBJECTIVES
+    from normlab.conversion.onnx_export import export_refusal
+    from normlab.conversion.portable import auto_classes
+    from normlab.conversion.stream import find_blocks
+
+    rows = {}
+    for family in FAMILIES:
+        model = _tiny(family, 2)
+        refusal, autos = export_refusal(model), auto_classes(model)
+        two = [s.name for s in convert_norms(model, "dyt", progress=False).sites]
+        counts = [len(convert_norms(_tiny(family, 1), "dyt", progress=False).sites), len(two)]
+        blocks = find_blocks(model, two)
+        rows[family] = {
+            "sites": f"{counts[1] - counts[0]} per block + {2 * counts[0] - counts[1]}",
+            "calibration": "cached block inputs" if blocks else "whole passes",
+            "heal": ", ".join(k for k, o in OBJECTIVES.items() if o.whole_model or blocks),
+            "portable": "AutoModelForCausalLM" if "AutoModelForCausalLM" in autos else "",
+            "onnx": "yes" if refusal is None else "refused: " + refusal.split(" (")[0].split("; ")[0],
+        }
+    return rows
+
+
+def family_markdown() -> str:
+    """The family matrix as a Markdown table, between its markers."""
+    head = ["family", "norms converted", "calibration", "heal objectives", "loads without normlab", "ONNX export"]
+    lines = [FAMILY_BEGIN, "| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    for family, row in family_features().items():
+        lines.append(f"| {family} | " + " | ".join(row.values()) + " |")
+    return "\n".join([*lines, FAMILY_END])
+
+
+def write(page: Path, table: str, begin: str = BEGIN, end: str = END) -> None:
+    """Replace the table between the markers ``begin`` and ``end`` of ``page`` with ``table``."""
     text = page.read_text()
-    if BEGIN not in text or END not in text:
-        raise ValueError(f"{page}: no feature-matrix markers ({BEGIN} ... {END})")
-    head, rest = text.split(BEGIN, 1)
-    page.write_text(head + markdown() + rest.split(END, 1)[1])
+    if begin not in text or end not in text:
+        raise ValueError(f"{page}: no table markers ({begin} ... {end})")
+    head, rest = text.split(begin, 1)
+    page.write_text(head + table + rest.split(end, 1)[1])
 
 
 if __name__ == "__main__":
+    docs = Path(__file__).resolve().parents[2] / "docs"
     if "--write" in sys.argv[1:]:
-        target = Path(__file__).resolve().parents[2] / "docs" / "norms.md"
-        write(target)
-        print(f"wrote the feature matrix into {target}")
+        write(docs / "norms.md", markdown())
+        write(docs / "conversion.md", family_markdown(), FAMILY_BEGIN, FAMILY_END)
+        print(f"wrote the feature matrix into {docs / 'norms.md'} and the family matrix into {docs / 'conversion.md'}")
     else:
-        print(markdown())
+        print(markdown() + "\n\n" + family_markdown())

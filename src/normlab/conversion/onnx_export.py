@@ -49,6 +49,7 @@ __all__ = [
     "OnnxLM",
     "export_onnx",
     "export_program",
+    "export_refusal",
     "hypot",
     "onnx_missing",
     "output_files",
@@ -146,6 +147,17 @@ class _Step(nn.Module):
 def _names(layers: int) -> tuple[list[str], list[str]]:
     kv = [f"{{}}.{i}.{k}" for i in range(layers) for k in ("key", "value")]
     return ["input_ids", *[n.format("past") for n in kv]], ["logits", *[n.format("present") for n in kv]]
+
+
+def export_refusal(model: nn.Module) -> str | None:
+    """Why `export_onnx` refuses ``model`` (not a causal LM, or a cache it cannot keep dynamic), or None: the same
+    checks it runs before any work."""
+    try:
+        _check_model(model)
+        _check_cache(model)
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 def _check_model(model: nn.Module) -> None:
