@@ -94,8 +94,8 @@ def _loss_curves(res: Results, path: Path, other: Results | None = None) -> Path
     ax.set_xlabel("tokens seen")
     ax.set_ylabel("validation loss (nats/byte)")
     ax.set_title(res.exp["title"] + " (seed 0)")
-    if other is not None:  # twice the curves: the legend goes beside the plot
-        ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    if other is not None or len(ax.get_legend_handles_labels()[0]) > 6:  # many curves: the legend beside the plot,
+        ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # where it hides none of them
     else:
         ax.legend(fontsize=7, ncol=2)
     ax.grid(alpha=0.3)
