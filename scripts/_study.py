@@ -25,8 +25,9 @@ def machine() -> str:
     return study_machine()
 
 
-def save(fig, path: Path) -> None:
-    fig.tight_layout()
+def save(fig, path: Path, rect: tuple | None = None) -> None:
+    """``fig`` laid out (within ``rect`` of the figure, leaving room for a legend outside it) and written."""
+    fig.tight_layout(rect=rect)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     print(f"wrote {path}")

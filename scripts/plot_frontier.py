@@ -24,7 +24,7 @@ def plot(results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax, zoom) = plt.subplots(1, 2, figsize=(15, 4.8))
+    fig, (ax, zoom) = plt.subplots(1, 2, figsize=(12, 6))
     markers = iter("os^vDP*X")
     for to, r in results.items():
         if "curve" not in r:  # a --select-on validation entry: one point, the sites kept and their held-out rise
@@ -51,8 +51,9 @@ def plot(results: dict, path: Path) -> None:
         a.set_ylabel("held-out CE - original's (nats/token)")
     ax.set_title("SmolLM2-135M: the greedy frontier")
     zoom.set_title("up to +1 nat; points: kept on validation, measured held out")
-    zoom.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
-    save(fig, path)
+    handles, labels = zoom.get_legend_handles_labels()  # below both panels: as wide as the figure, never wider
+    fig.legend(handles, labels, fontsize=7, loc="lower center", ncol=2, frameon=False)
+    save(fig, path, rect=(0, 0.035 * ((len(labels) + 1) // 2), 1, 1))
 
 
 def main() -> None:
