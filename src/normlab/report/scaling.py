@@ -115,7 +115,7 @@ def trend(xs: list[float], ys: list[float]) -> tuple[float, float]:
 @register_figure("lr")
 def _lr_curves(res: Results, path: Path, other: Results | None = None) -> Path | None:
     """Validation loss against the learning rate, one panel per cell (the runs' ``cell``), one line per sweep,
-    mean and std over seeds, the best rate circled."""
+    mean and std over seeds, the best rate circled; every panel on one y scale, so that cells compare by eye."""
     cells: dict[str, list[str]] = {}
     for name in res.sweeps:
         cells.setdefault(str(res.meta(res.sweeps[name][0]).get("cell", "")), []).append(name)
@@ -124,8 +124,9 @@ def _lr_curves(res: Results, path: Path, other: Results | None = None) -> Path |
         return None
     cols = min(3, len(cells))
     rows = math.ceil(len(cells) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 3.4 * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 3.4 * rows), squeeze=False, sharey=True)  # one scale
     top_of = (res.entropy() or 3.33) + 0.4  # above the attractor: a diverged or stuck rate, drawn at the top
+    low = top_of
     for ax, (cell, names) in zip(axes.flat, cells.items()):
         grid = set()
         for name in names:
@@ -137,6 +138,7 @@ def _lr_curves(res: Results, path: Path, other: Results | None = None) -> Path |
             means = [statistics.fmean(p[1]) for p in pts]
             sds = [statistics.stdev(p[1]) if len(p[1]) > 1 else 0.0 for p in pts]
             shown = [min(m, top_of) for m in means]
+            low = min(low, *shown)
             label = res.label(name).split(" (")[0].split(", ", 1)[-1]  # the norm, without the cell
             line = ax.errorbar(
                 lrs, shown, yerr=[min(sd, top_of) for sd in sds], marker="o", ms=3, capsize=2, label=label
@@ -151,7 +153,7 @@ def _lr_curves(res: Results, path: Path, other: Results | None = None) -> Path |
         ax.set_xscale("log")
         ax.set_xticks(sorted(grid), [f"{g:g}" for g in sorted(grid)], fontsize=7)
         ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-        ax.set_ylim(top=top_of + 0.05)
+
         ax.set_title(cell, fontsize=9)
         ax.set_xlabel(
             res.meta(res.sweeps[names[0]][0])["lr_field"] + " (circled: best; triangle: above the attractor)",
@@ -161,6 +163,7 @@ def _lr_curves(res: Results, path: Path, other: Results | None = None) -> Path |
         ax.legend(fontsize=6)
     for ax in list(axes.flat)[len(cells) :]:
         ax.axis("off")
+    axes[0, 0].set_ylim(low - 0.1, top_of + 0.05)  # shared: every panel's range (the means', error bars cut)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
