@@ -179,17 +179,17 @@ def _phase_map(res: Results, path: Path, other: Results | None = None) -> Path |
         if boundary is not None:
             ax.axvline(boundary, c="tab:red", ls="--", lw=1.2, label=f"predicted boundary ({boundary:g})")
             frac = sorted_fraction(pts)
-            ax.set_title(f"predicted side: {frac:.0%} of {len(pts)} runs", fontsize=10)
+            ax.set_title(f"by the logits' scale: the predicted line sorts {frac:.0%} of {len(pts)} runs", fontsize=10)
         else:
             cut, best = best_split(pts, key)
-            ax.set_title(f"best threshold after the fact sorts {best:.0%}", fontsize=10)
+            ax.set_title(f"by the input's scale: the best line, drawn after the fact, sorts {best:.0%}", fontsize=10)
         ax.set_xscale("log")
         ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_xlabel(xlabel)
         ax.grid(alpha=0.3)
-    axes[0].set_ylabel("final val loss - unigram entropy (nats)")
+    axes[0].set_ylabel("final val loss - unigram entropy (nats; below 0: it learned)")
     axes[1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    fig.suptitle(f"When does a point-wise norm train? ({res.profile or 'profile'}: one marker per run and seed)")
+    fig.suptitle(f"When does a point-wise norm train? One marker per run and seed ({res.profile or 'default'} budget)")
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path
