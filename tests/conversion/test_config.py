@@ -77,6 +77,16 @@ def test_identity_names_the_field_that_differs_and_ignores_the_budget():
     assert identity_difference(None, {}).startswith("it records no identity")
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a machine without CUDA")
+def test_device_cuda_without_a_gpu_is_refused_before_any_work_and_a_heal_may_move_devices():
+    with pytest.raises(ValueError, match=r"--device cuda: this machine has no CUDA device .*use --device cpu"):
+        resolve_convert_config(model="smollm2", device="cuda")
+    with pytest.raises(ValueError, match="--set device must be 'cpu' or 'cuda', got 'tpu'"):
+        resolve_convert_config(["device=tpu"])
+    cpu = resolve_convert_config()
+    assert "device" not in cpu.identity()  # a heal checkpoint resumes on another device
+
+
 def test_a_checkpoint_from_before_a_new_default_is_refused_naming_it_and_resumes_with_the_old_value():
     """A heal checkpoint written before ``heal.batch_size`` became 4 and ``heal.rollback_nats`` existed (its
     identity: batch 8, no rollback key) is refused with both fields named; setting the old values resumes it
@@ -170,9 +180,11 @@ def test_the_python_api_and_the_cli_give_the_same_record(tiny, tmp_path):
 
     out = tmp_path / "out"
     argv = ["convert", "--model", tiny["model"], "--calibrate", tiny["text"], "--seq-len", "16", "--sequences", "4",
-            "--per", "channel", "--eval-text", "none", "--no-progress", "--out", str(out)]  # fmt: skip
+            "--per", "channel", "--eval-text", "none", "--no-progress", "--out", str(out),
+            "--device", "cpu"]  # fmt: skip  # named: the model is moved to it and every batch follows
     assert main(argv) == 0
     cli = json.loads((out / "normlab_conversion.json").read_text())
+    assert json.loads((out / "convert_config.json").read_text())["device"] == "cpu"
     net, tok = load_model(tiny["model"], progress=False)
     calib, _ = text_batches(tiny["text"], tok, net.get_input_embeddings().num_embeddings, TextCut(16, 4, 4))
     api = normlab.convert_norms(net, "dyisru", calibrate=calib, per="channel").to_dict()

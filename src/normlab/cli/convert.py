@@ -173,6 +173,7 @@ def _add_calibrate_flags(cv, d) -> None:
         "(default: the Shakespeare corpus); the field text",
     )
     _shorthand(cv, "--calibrate-on", "calibrate.source")
+    _shorthand(cv, "--device", "device")
     cv.add_argument("--no-calibrate", action="store_true", help="keep the default init (calibrate.enabled=false)")
     _shorthand(cv, "--per", "per")
     _shorthand(cv, "--first-token", "calibrate.first_token")

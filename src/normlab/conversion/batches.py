@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-__all__ = ["Stop", "as_batches", "cache_kwarg", "input_ids", "run_batch", "run_hooked", "swap"]
+__all__ = ["Stop", "as_batches", "cache_kwarg", "input_ids", "model_device", "run_batch", "run_hooked", "swap"]
 
 
 class Stop(Exception):
@@ -37,10 +37,11 @@ def run_batch(model: nn.Module, batch, i: int = 0, *, no_cache: bool = False):
     """
     if isinstance(batch, (list, tuple)) and batch and isinstance(batch[0], torch.Tensor):
         batch = batch[0]
+    device = model_device(model)
     if isinstance(batch, dict):
-        args, kwargs = (), dict(batch)
+        args, kwargs = (), {k: v.to(device) if isinstance(v, torch.Tensor) and device else v for k, v in batch.items()}
     elif isinstance(batch, torch.Tensor):
-        args, kwargs = (batch,), {}
+        args, kwargs = (batch.to(device) if device else batch,), {}
     else:
         raise TypeError(
             f"calibrate: batch {i} is a {type(batch).__name__}; expected a tensor, a dict of model "
@@ -58,6 +59,12 @@ def run_batch(model: nn.Module, batch, i: int = 0, *, no_cache: bool = False):
         raise
     except Exception as e:  # noqa: BLE001
         raise ValueError(f"calibration batch {i} could not be run through the model: {type(e).__name__}: {e}") from e
+
+
+def model_device(model: nn.Module) -> torch.device | None:
+    """The device of ``model``'s first parameter (None without parameters): where its inputs go."""
+    p = next(model.parameters(), None)
+    return None if p is None else p.device
 
 
 def input_ids(batch) -> torch.Tensor:

@@ -94,7 +94,8 @@ class _Rows:
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.rest[0].shape[-1]
-        return (torch.cat(self.first) if self.first else torch.empty(0, c)), torch.cat(self.rest)
+        rest = torch.cat(self.rest)
+        return (torch.cat(self.first) if self.first else rest.new_empty(0, c)), rest
 
 
 def _site_inputs(model: nn.Module, batches: list, name: str, quota: int, channel_dim: int = -1, stream=None) -> _Rows:

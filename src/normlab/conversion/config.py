@@ -283,6 +283,9 @@ class ConvertConfig:
     """The output folder (save_pretrained, normlab_conversion.json, convert_config.json)."""
     overwrite: bool = False
     """Replace an existing output folder (a normlab conversion) once the new one is done."""
+    device: Literal["cpu", "cuda"] = "cpu"
+    """Where the model runs: calibration, the budget walk, sampling, the heal and the measurements ("cuda": the
+    current GPU). The saved folder is the same either way."""
     calibrate: CalibrateConfig = field(default_factory=CalibrateConfig)
     heal: HealConfig = field(default_factory=HealConfig)
     budget: BudgetConfig = field(default_factory=BudgetConfig)
@@ -338,6 +341,14 @@ class ConvertConfig:
             raise ValueError(f"{flag('eval_text')} must be 'docs', a text file, or none, got {self.eval_text!r}")
         if self.out is not None and not self.out.strip():
             raise ValueError(f"{flag('out')} is empty; name a folder")
+        if self.device == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ValueError(
+                    f"{flag('device')} cuda: this machine has no CUDA device (torch.cuda.is_available() is False, "
+                    f"torch {torch.__version__}); use --device cpu"
+                )
         for name, least in (("seq_len", 2), ("sequences", 1)):
             if getattr(self, name) < least:
                 raise ValueError(f"{flag(name)} must be >= {least}, got {getattr(self, name)!r}")
@@ -375,6 +386,7 @@ class ConvertConfig:
             "eval_text",
             "out",
             "overwrite",
+            "device",  # a heal may go on on another device
             "heal.minutes",
             "heal.tokens",
             "heal.checkpoint",
@@ -397,7 +409,7 @@ SHORTHANDS: dict[str, str] = {
     "--first-token": "calibrate.first_token", "--heal-minutes": "heal.minutes", "--heal-tokens": "heal.tokens",
     "--heal-objective": "heal.objective", "--heal-train": "heal.train", "--checkpoint": "heal.checkpoint",
     "--resume": "heal.resume", "--heal-text": "heal.text", "--eval-text": "eval_text",
-    "--calibrate-on": "calibrate.source",
+    "--calibrate-on": "calibrate.source", "--device": "device",
 }  # fmt: skip
 _FLAG_OF = {v: k for k, v in SHORTHANDS.items()}
 

@@ -106,7 +106,7 @@ def first_rows(model: nn.Module, firsts: list, dims: dict[str, int], kind: str) 
 
     def hook(n):
         def grab(mod, args, y=None):
-            rows[n].append(_position0(args[0] if kind == "in" else y, dims[n]))
+            rows[n].append(_position0(args[0] if kind == "in" else y, dims[n]).cpu())  # kept on the CPU, as _Rows
             fired.add(n)
             if len(fired) == len(names):  # every site has run on this batch: the rest of the model is idle
                 raise Stop
@@ -143,7 +143,7 @@ class FirstRows:
         s = self.stream
         if s is not None and s.serves(name):  # the pairs' block stream
             rows: list[Tensor] = []
-            s.site_inputs(name, self.firsts, lambda t, i: rows.append(_position0(t, self.dims[name])))
+            s.site_inputs(name, self.firsts, lambda t, i: rows.append(_position0(t, self.dims[name]).cpu()))
             return torch.cat(rows), self.targets[name]
         return first_rows(model, self.firsts, {name: self.dims[name]}, "in")[name], self.targets[name]
 

@@ -86,8 +86,9 @@ def _coarse_scan(out, x: Tensor, y: Tensor, p0: Tensor, la0: Tensor, fit_amplitu
     per channel, on at most 512 tokens: the start point of L-BFGS."""
     sub = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))[:512]
     col = lambda p, la: (out(p, la, x[sub]) - y[sub]).pow(2).mean(0)  # noqa: E731  (C,) loss per channel
-    steps = torch.arange(-8.0, 8.5, 1.0, dtype=torch.float64)
-    amps = torch.arange(-4.0, 4.5, 1.0, dtype=torch.float64) if fit_amplitude else torch.zeros(1).double()
+    on = {"dtype": torch.float64, "device": x.device}
+    steps = torch.arange(-8.0, 8.5, 1.0, **on)
+    amps = torch.arange(-4.0, 4.5, 1.0, **on) if fit_amplitude else torch.zeros(1, **on)
     grid = [(d, e) for d in steps for e in amps]
     losses = torch.stack([col(p0 + d, la0 + e) for d, e in grid])  # (trials, C)
     losses = torch.where(torch.isfinite(losses), losses, torch.inf)
@@ -151,7 +152,7 @@ def _profile_fit(new: nn.Module, x: Tensor, y: Tensor, problem: _Problem):
     step of the grid's best (a unimodal loss has its minimum there), every token each time. Returns (log p, log
     amplitude, the start's loss, the final loss), the losses as means over tokens and channels."""
     name, per, fit_amplitude = problem.name, problem.per, problem.fit_amplitude
-    module = copy.deepcopy(new).float().requires_grad_(False)
+    module = copy.deepcopy(new).float().requires_grad_(False).to(x.device)  # fitted where the rows are (the CPU)
     x, y = x.float(), y.float()
     w0, param = module.weight.detach().clone(), getattr(module, name)
     shape = param.shape
@@ -171,13 +172,13 @@ def _profile_fit(new: nn.Module, x: Tensor, y: Tensor, problem: _Problem):
             if fit_amplitude:
                 a = ((g * r).sum(dims) / (g * g).sum(dims)).clamp_min(1e-6).nan_to_num(1.0)
             else:
-                a = torch.ones(())
+                a = torch.ones((), device=x.device)
             e = (a * g - r).pow(2).sum(dims) * torch.ones_like(p)
         return torch.where(torch.isfinite(e), e, torch.inf), a.log() * torch.ones_like(p)
 
     start = _start(new, x.double(), per, name).float()
     p0 = start if name == "log_beta" else start.log()
-    grid = p0 + torch.arange(-8.0, 8.5, 1.0)[:, None]  # (17, p)
+    grid = p0 + torch.arange(-8.0, 8.5, 1.0, device=p0.device)[:, None]  # (17, p)
     scan = torch.stack([losses(q)[0] for q in grid])
     pick = scan.argmin(0)
     p0, f0 = grid.gather(0, pick[None])[0], scan.gather(0, pick[None])[0]
@@ -301,12 +302,13 @@ def _lbfgs_fit(new: nn.Module, x: Tensor, y: Tensor, problem: _Problem, notes: l
     returns (p, log amplitude, extras, final loss, (the start's p, log amplitude and loss))."""
     name, per = problem.name, problem.per
     x, y = x.double(), y.double()
-    w0 = new.weight.detach().double()
+    on = {"dtype": torch.float64, "device": x.device}  # fitted where the rows are (the CPU)
+    w0 = new.weight.detach().to(**on)
     linear = norm_spec(new.registry_name).also_fits
-    others = {k: v.detach().double() for k, v in new.named_parameters() if k not in (name, "weight", *linear)}
-    q0 = [getattr(new, k).detach().double().clone() for k in linear]
+    others = {k: v.detach().to(**on) for k, v in new.named_parameters() if k not in (name, "weight", *linear)}
+    q0 = [getattr(new, k).detach().to(**on).clone() for k in linear]
     shape = getattr(new, name).shape
-    module = copy.deepcopy(new).double()
+    module = copy.deepcopy(new).to(**on)
 
     def out(p: Tensor, log_amp: Tensor, inputs: Tensor = x, qs: list[Tensor] = q0) -> Tensor:
         theta = p if name == "log_beta" else p.exp()  # both fitted in log space: they stay > 0

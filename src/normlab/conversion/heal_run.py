@@ -175,7 +175,7 @@ class Validation:
         with torch.no_grad():
             for i, (ids, target) in enumerate(zip(self.batches, self.targets)):
                 logp = run_batch(self.converted, ids, i, no_cache=True).logits.float().log_softmax(-1)
-                ce -= float(logp[:, :-1].gather(-1, ids[:, 1:, None]).sum())
+                ce -= float(logp[:, :-1].gather(-1, ids[:, 1:, None].to(logp.device)).sum())
                 n_ce += ids[:, 1:].numel()
                 kl += float((target.exp() * (target - logp)).sum())
                 n_kl += ids.numel()

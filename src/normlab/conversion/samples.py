@@ -81,6 +81,7 @@ def _draw(model: nn.Module, which: SampleSet, progress: bool) -> torch.Tensor:
     eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     eos = [e for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if isinstance(e, int) and 0 <= e < vocab]
     n, seq_len, start, batch_size = which.n, which.seq_len, which.start, which.batch_size
+    device = next(model.parameters()).device
     gen = torch.Generator().manual_seed(which.seed)
     key = cache_kwarg(model)
     out = []
@@ -98,8 +99,8 @@ def _draw(model: nn.Module, which: SampleSet, progress: bool) -> torch.Tensor:
                        else torch.randint(0, vocab, (b, 1), generator=gen))  # fmt: skip
                 step, cache, rows = ids, None, [ids]
                 for _ in range(seq_len - 1):
-                    o = model(input_ids=step, use_cache=True, **{key: cache})
-                    cache, logits = o[key], o.logits[:, -1, :vocab].float()
+                    o = model(input_ids=step.to(device), use_cache=True, **{key: cache})
+                    cache, logits = o[key], o.logits[:, -1, :vocab].float().cpu()  # drawn on the CPU: one generator
                     if eos:
                         logits[:, eos] = -torch.inf
                     step = torch.multinomial(torch.softmax(logits / which.temperature, -1), 1, generator=gen)

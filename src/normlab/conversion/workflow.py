@@ -184,7 +184,7 @@ def _file_sha(path) -> str:
 
 def _fingerprint(net) -> str:
     """A content hash of the model's input embedding: tells two models apart without hashing every weight."""
-    w = net.get_input_embeddings().weight.detach().float().contiguous()
+    w = net.get_input_embeddings().weight.detach().float().cpu().contiguous()
     return hashlib.sha256(w.numpy().tobytes()).hexdigest()[:16]
 
 
@@ -292,6 +292,7 @@ def _convert(job: _Job, markdown: bool) -> dict:
         if auto_choice() != "reference":
             cpu.ready(wait=True)  # the one-time build of the CPU kernels (if any) now, so every pass takes one path
         net, tokenizer = load_model(model_path, progress=progress)
+        net = net.to(cfg.device)  # every stage runs where the model is (batches follow it: run_batch)
     _check_exclude(cfg, net)
     facts["model_fingerprint"] = _fingerprint(net)
     _check_resume_identity(ckpt, cfg, {"model_fingerprint": facts["model_fingerprint"]})
