@@ -138,9 +138,15 @@ def accepted_kwargs(name: str, kwargs: dict) -> dict:
 def create_norm(name: str, dim: int, *, strict: bool = True, **kwargs) -> nn.Module:
     """Build the layer registered as ``name`` over ``dim`` channels.
 
-    ``kwargs`` go to the layer (``eps``, ``alpha_init``, ``beta_init``, ...). An
-    unknown name, or with ``strict`` an unknown keyword, raises an error that lists the valid ones;
-    ``strict=False`` drops the keywords this norm does not take (e.g. ``alpha_init`` for RMSNorm).
+    Args:
+        name: a registered norm (`list_norms`); an unknown one raises an error that lists the valid names.
+        dim: the channel count C.
+        strict: refuse a keyword this norm does not take (the error lists the ones it takes); False drops it
+            (e.g. ``alpha_init`` for RMSNorm), so that one set of keywords can build several norms.
+        **kwargs: the layer's own keywords (``eps``, ``alpha_init``, ``beta_init``, ``bias``, ``kernel``, ...).
+
+    Returns:
+        The layer, an ``nn.Module`` mapping (..., C) to (..., C).
     """
     spec = norm_spec(name)  # the name is resolved once; the class's keywords are read once per class
     valid = _class_kwargs(spec.cls)

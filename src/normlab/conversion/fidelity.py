@@ -29,12 +29,20 @@ def fidelity(
 ) -> dict:
     """How close ``converted`` is to ``original`` on held-out ``inputs``.
 
-    Per site: the relative error of the norm's output, ||y_conv - y_orig|| / ||y_orig||, both models fed the
-    same inputs. Final output: mean per-token cosine similarity, and for language models (outputs with
-    logits) the mean KL(original || converted) of the next-token distributions and, when the inputs are token
-    ids, the next-token cross-entropy of both models (``ce_original``, ``ce_converted``, nats/token).
-    ``lm=True`` says that a plain tensor or tuple output (its first element) holds logits; by default only a
-    ``.logits`` attribute does.
+    Args:
+        original: the model before conversion.
+        converted: the converted model (same architecture, same inputs).
+        inputs: held-out batches, as ``convert_norms``' ``calibrate`` takes them (token ids for a language model).
+        record: the conversion's record; with it, each converted site's own error is measured too.
+        lm: True says that a plain tensor or tuple output (its first element) holds logits; by default only a
+            ``.logits`` attribute does.
+
+    Returns:
+        A dict: per site, the relative error of the norm's output ||y_conv - y_orig|| / ||y_orig|| (both models fed
+        the same inputs) and its mean (``mean_site_error``); the mean per-token cosine of the final outputs
+        (``output_cosine``); for language models the mean KL(original || converted) of the next-token
+        distributions (``kl``) and, when the inputs are token ids, both models' next-token cross-entropy
+        (``ce_original``, ``ce_converted``, nats/token).
     """
     sites = [s.name for s in record.sites] if record else []
     outs: dict[str, dict[str, list]] = {"orig": {n: [] for n in sites}, "conv": {n: [] for n in sites}}

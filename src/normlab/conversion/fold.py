@@ -203,12 +203,22 @@ def _moved(diff: float, tolerance: float, dtype: torch.dtype) -> str:
 
 def fold(model: nn.Module, probe=None, *, tolerance: float = 1e-4, add_biases: bool = False) -> FoldReport:
     """Fold every norm site's gamma (and beta) into the linear layers that read it, in place (see the module
-    docstring). ``probe``: an input of the model (token ids, a dict of keyword inputs, or a tensor); default, two
-    random sequences of 16 tokens for a model with ``config.vocab_size``. The probe's logits must agree before
-    and after to ``tolerance`` relative to their largest magnitude, or every change is undone and ValueError
-    raised. ``add_biases``: a site with a nonzero bias read by a linear layer without one gives that layer a bias
-    (for a model exported, `normlab.export_onnx`; a Hugging Face projection given a bias would not survive a
-    reload, so the default leaves such a site as it is). Returns a `FoldReport`."""
+    docstring).
+
+    Args:
+        model: a converted model; changed in place.
+        probe: an input of the model (token ids, a dict of keyword inputs, or a tensor) whose forward pass finds
+            each site's readers; default, two random sequences of 16 tokens for a model with
+            ``config.vocab_size``.
+        tolerance: the probe's logits must agree before and after to this, relative to their largest magnitude,
+            or every change is undone and ValueError raised.
+        add_biases: a site with a nonzero bias read by a linear layer without one gives that layer a bias (for a
+            model to export, `normlab.export_onnx`); by default such a site is left as it is, since a Hugging Face
+            projection given a bias would not survive a reload.
+
+    Returns:
+        A `FoldReport`: per site, the layers that took its gamma, or why it was left as it was.
+    """
     probe = _default_probe(model) if probe is None else probe
     sites = _sites(model)
     if not sites:

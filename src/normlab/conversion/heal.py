@@ -173,15 +173,24 @@ def heal(
     identity: dict | None = None,
     **options,
 ) -> HealReport:
-    """Train ``converted`` toward ``original`` on ``data`` within the budget of ``cfg`` (a HealConfig).
+    """Train ``converted`` toward ``original`` on ``data`` within the budget of ``cfg``.
 
-    ``data``: a `normlab.conversion.hf.TextSplits` (its stream, and its validation split for the curve
-    and the best state), a TokenStream, or token batches. ``record`` (from convert_norms) names the converted
-    sites; without it every normlab module counts. ``identity`` (what the heal was made from) is stored in the
-    checkpoint; a resume from another is refused. ``options``: ``val=`` (validation batches, when ``data`` is not
-    a TextSplits), ``progress=`` (a bar: True, False, or None for a terminal only), and any HealConfig field
-    (``minutes=20``), applied over ``cfg``. Returns a `HealReport`; ``converted`` is updated in place (LoRA
-    merged).
+    Args:
+        original: the model before conversion (the teacher; frozen).
+        converted: the converted model, updated in place (LoRA, if trained, is merged back).
+        data: a `normlab.conversion.hf.TextSplits` (its stream, and its validation split for the curve and the
+            best state), a `normlab.conversion.hf.TokenStream`, or token batches.
+        record: the conversion's record (`convert_norms`), which names the converted sites; without it every
+            normlab module counts.
+        cfg: a `normlab.conversion.config.HealConfig` (default: its defaults); its fields say the objective, what
+            trains, the budget in minutes or tokens, the rate and its schedule, the checkpoint.
+        identity: what the heal was made from, stored in the checkpoint; a resume from another is refused.
+        **options: ``val=`` (validation batches, when ``data`` is not a TextSplits), ``progress=`` (a bar: True,
+            False, or None for a terminal only), and any HealConfig field (``minutes=20``), applied over ``cfg``.
+
+    Returns:
+        A `HealReport`: tokens, seconds, the validation curve, the best point kept, rollbacks, the teacher cache's
+        use.
     """
     cfg, run_options = _settings(cfg, options)
     val = run_options.get("val")

@@ -341,10 +341,25 @@ def export_onnx(
     check: OnnxCheck | None = OnnxCheck(),
     made_from: dict | None = None,
 ) -> OnnxExport:
-    """Export a (converted) causal LM to ``path`` with its KV cache, fold first where it can, and check the file in
-    ONNX Runtime against ``model`` as ``check`` says (`OnnxCheck`; None: no check). The model is not changed.
-    Everything is checked before the export starts: the packages, the model's kind, the opset, the path.
-    ``made_from`` is recorded in the file's identity (``PATH.json``)."""
+    """Export a (converted) causal LM to ``path`` with its KV cache, and check the file in ONNX Runtime.
+
+    The model is not changed. Everything is checked before the export starts: the packages, the model's kind
+    (`export_refusal`), the opset, the path.
+
+    Args:
+        model: a Hugging Face causal LM (converted or not).
+        path: the ``.onnx`` file to write; its identity goes beside it as ``PATH.json``.
+        opset: the ONNX opset, at least `MIN_OPSET`.
+        fold: fold each site's gamma into the layers that read it first (on a copy), where it can.
+        check: how the file is checked against the model (`OnnxCheck`: logits on a probe, greedy tokens with
+            the cache); None: no check.
+        made_from: what the model was made from (a converted folder and its record's hash), recorded in the
+            identity.
+
+    Returns:
+        An `OnnxExport`: the file, the layers, the folded sites, and the check's largest logit difference and
+        greedy agreement.
+    """
     missing = onnx_missing()
     if missing:
         raise ModuleNotFoundError(missing)

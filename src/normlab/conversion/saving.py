@@ -51,14 +51,26 @@ def save_converted(
     identity: dict | None = None,
     portable: bool | None = None,
 ) -> Path:
-    """Weights plus the conversion record. A Hugging Face model is saved with its own save_pretrained (config,
-    generation config, weights) and, given its ``tokenizer``, the tokenizer too: a complete folder that
-    ``AutoTokenizer.from_pretrained`` and `load_converted` both read.
+    """Save a converted model: its weights and the conversion record, in a folder that `load_converted` reads.
 
-    ``portable``: the folder also loads without normlab, through ``AutoModel...from_pretrained(path,
-    trust_remote_code=True)`` (`normlab.conversion.portable`). None (the default) makes it so wherever an Auto
-    class builds the model and records why not elsewhere; True raises a ValueError, before anything is written,
-    where it cannot; False skips it."""
+    A Hugging Face model is saved with its own ``save_pretrained`` (config, generation config, weights) and, given
+    its ``tokenizer``, the tokenizer too: a complete folder that ``AutoTokenizer.from_pretrained`` reads.
+
+    Args:
+        model: the converted model.
+        record: its conversion record (`convert_norms`' return).
+        path: the folder to write (created; an existing one is written into).
+        tokenizer: the model's tokenizer, saved beside it.
+        identity: what the model was made from (the config, the model's and the text's fingerprints), recorded
+            in ``normlab_conversion.json``.
+        portable: whether the folder also loads without normlab, through ``AutoModel...from_pretrained(path,
+            trust_remote_code=True)`` (`normlab.conversion.portable`). None makes it so wherever an Auto class
+            builds the model and records why not elsewhere; True raises a ValueError, before anything is written,
+            where it cannot; False skips it.
+
+    Returns:
+        The folder's path.
+    """
     path = Path(path)
     autos = _portable_plan(model, record, portable)
     path.mkdir(parents=True, exist_ok=True)
@@ -203,8 +215,13 @@ def _load_state(path: Path) -> dict:
 def load_converted(path: str | Path, model: nn.Module | None = None) -> tuple[nn.Module, ConversionRecord]:
     """Load a model saved by `save_converted`.
 
-    For a Hugging Face model, ``model`` may be omitted: it is rebuilt from the saved config. For a plain
-    PyTorch model pass a freshly constructed instance of the original architecture.
+    Args:
+        path: the folder `save_converted` (or ``normlab convert --out``) wrote.
+        model: for a plain PyTorch model, a freshly constructed instance of the original architecture; omitted
+            for a Hugging Face model, which is rebuilt from the saved config.
+
+    Returns:
+        The converted model (its norms replaced, its weights loaded) and its conversion record.
     """
     path = Path(path)
     if not (path / RECORD_FILE).exists():
