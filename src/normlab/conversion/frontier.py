@@ -188,18 +188,26 @@ def frontier(
     **convert_kwargs,
 ) -> tuple[Frontier, ConversionRecord]:  # fmt: skip
     """Rank ``model``'s norms by the cost of converting each alone to ``to`` and walk them cheapest first (see
-    the module docstring). Returns the `Frontier` and the conversion record of the sites it converted.
+    the module docstring).
 
-    ``budget`` (a `BudgetConfig`, the ``budget`` section of ``normlab convert``'s config; default: its defaults)
-    says how: ``nats=None`` walks the whole curve and leaves ``model`` unchanged; ``nats=X`` leaves ``model`` with
-    the sites that fit in +X nats on ``held`` (possibly none), converted in place. ``rank_batches``: the first
-    calibration batches each site's cost alone is measured on. ``refit_batches=N``: each site, when its turn comes,
-    is fitted again on its input in the model as converted so far (on the first N calibration batches), as
-    sequential calibration does; 0 keeps the independent fits. ``refit_every=K``: after every K sites kept, every
-    converted site is fitted again on its input in the model as it is now, and the refit is kept only where it
-    lowers the cross-entropy on ``held`` (so the budget still holds); 0 never. ``walk="skip"``: a site that breaks
-    the budget is put back and the walk goes on; ``"stop"`` ends the walk there. ``convert_kwargs`` go to
-    `convert_norms` (per, init, include, first_token, config, ...).
+    Args:
+        model: the model; with a budget it keeps the sites that fit, converted in place; without one it is left
+            unchanged.
+        to: a registered norm the sites become.
+        calibrate: calibration batches (token ids): every site's fit, and the first ``rank_batches`` of them rank.
+        held: the batches the walk measures each step on (``normlab convert`` passes its validation split).
+        budget: the walk's settings, the ``budget`` section of ``normlab convert``'s config (default: its
+            defaults). ``nats=None`` walks the whole curve; ``nats=X`` keeps the sites that fit in +X nats on
+            ``held`` (possibly none). ``walk="skip"`` puts a site over the budget back and goes on, ``"stop"`` ends
+            the walk there. ``refit_batches=N`` fits each site again, when its turn comes, on its input in the model
+            as converted so far (0 keeps the independent fits). ``refit_every=K`` fits every kept site again after
+            every K, keeping the refit only where it lowers the cross-entropy on ``held``.
+        progress: progress bars (None: only on a terminal).
+        **convert_kwargs: passed to `convert_norms` (``per``, ``init``, ``include``, ``first_token``, ``config``).
+
+    Returns:
+        The `Frontier` (costs, order, curve, the sites kept and passed, seconds) and the conversion record of the
+        sites it converted.
     """
     import time
 

@@ -217,6 +217,15 @@ def text_batches(
 
     The first ``n_calib`` sequences calibrate and the last ``n_held`` measure; the two never overlap. A file too
     short for one sequence of each is a clear error.
+
+    Args:
+        path: a text file.
+        tokenizer: the model's tokenizer; None takes byte values mod ``vocab_size`` as token ids.
+        vocab_size: the model's vocabulary size.
+        cut: how the text is cut (`TextCut`: sequence length, counts, batch size).
+
+    Returns:
+        The calibration batches and the held-out batches, lists of (batch, seq_len) token ids.
     """
     calib, held, _ = _ends(path, tokenizer, vocab_size, cut)
     return calib, held
