@@ -135,7 +135,7 @@ def accepted_kwargs(name: str, kwargs: dict) -> dict:
     return {k: v for k, v in kwargs.items() if k in valid}
 
 
-def create_norm(name: str, dim: int, *, strict: bool = True, **kwargs) -> nn.Module:
+def create_norm(name: str, dim: int, *, strict: bool = True, **kwargs: object) -> nn.Module:
     """Build the layer registered as ``name`` over ``dim`` channels.
 
     Args:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -25,7 +26,12 @@ def _logits(out, lm: bool | None):
 
 @torch.no_grad()
 def fidelity(
-    original: nn.Module, converted: nn.Module, inputs, record: ConversionRecord | None = None, *, lm: bool | None = None
+    original: nn.Module,
+    converted: nn.Module,
+    inputs: torch.Tensor | dict | Iterable,
+    record: ConversionRecord | None = None,
+    *,
+    lm: bool | None = None,
 ) -> dict:
     """How close ``converted`` is to ``original`` on held-out ``inputs``.
 

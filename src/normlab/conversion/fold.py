@@ -201,7 +201,9 @@ def _moved(diff: float, tolerance: float, dtype: torch.dtype) -> str:
     )
 
 
-def fold(model: nn.Module, probe=None, *, tolerance: float = 1e-4, add_biases: bool = False) -> FoldReport:
+def fold(
+    model: nn.Module, probe: Tensor | dict | None = None, *, tolerance: float = 1e-4, add_biases: bool = False
+) -> FoldReport:
     """Fold every norm site's gamma (and beta) into the linear layers that read it, in place (see the module
     docstring).
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 
 from torch import nn
@@ -184,8 +185,8 @@ def _refit_all(model, done: list, walk: dict, ce: float) -> float:
 
 
 def frontier(
-    model: nn.Module, to: str, calibrate, held, *, budget: BudgetConfig | None = None, progress: bool | None = None,
-    **convert_kwargs,
+    model: nn.Module, to: str, calibrate: Iterable, held: Iterable, *, budget: BudgetConfig | None = None,
+    progress: bool | None = None, **convert_kwargs: object,
 ) -> tuple[Frontier, ConversionRecord]:  # fmt: skip
     """Rank ``model``'s norms by the cost of converting each alone to ``to`` and walk them cheapest first (see
     the module docstring).

@@ -64,6 +64,7 @@ from normlab.conversion.heal_run import (
 )
 from normlab.conversion.hf import TextSplits, TokenStream
 from normlab.conversion.lora import add_lora, merge_lora
+from normlab.conversion.record import ConversionRecord
 from normlab.conversion.samples import MixedStream
 from normlab.conversion.teacher import TeacherCache
 from normlab.errors import check_cpu_bf16, check_memory
@@ -166,12 +167,12 @@ def check_heal_resources(cfg: HealConfig, model: nn.Module, seq_len: int, vocab:
 def heal(
     original: nn.Module,
     converted: nn.Module,
-    data,
-    record=None,
+    data: TextSplits | TokenStream | Iterable,
+    record: ConversionRecord | None = None,
     cfg: HealConfig | None = None,
     *,
     identity: dict | None = None,
-    **options,
+    **options: object,
 ) -> HealReport:
     """Train ``converted`` toward ``original`` on ``data`` within the budget of ``cfg``.
 

@@ -211,7 +211,7 @@ class TextCut:
 
 
 def text_batches(
-    path: str | Path, tokenizer, vocab_size: int, cut: TextCut = TextCut()
+    path: str | Path, tokenizer: object | None, vocab_size: int, cut: TextCut = TextCut()
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Calibration batches from the start of a text file and held-out batches from its end, (batch, seq_len).
 

@@ -47,7 +47,7 @@ def save_converted(
     model: nn.Module,
     record: ConversionRecord,
     path: str | Path,
-    tokenizer=None,
+    tokenizer: object | None = None,
     identity: dict | None = None,
     portable: bool | None = None,
 ) -> Path:
