@@ -146,15 +146,7 @@ def _affine(y: Tensor, weight: Tensor | None, bias: Tensor | None) -> Tensor:
 
 def channel_scale(c: int, scale: Scale) -> float:
     """The scale factor of the papers' element-wise forms: sqrt(C) (the DyISRU paper) or sqrt(C-1) (its
-    LayerNorm and ELN versions).
-
-    Args:
-        c: the channel count C.
-        scale: "C" or "C-1".
-
-    Returns:
-        sqrt(C) or sqrt(C - 1), a float.
-    """
+    LayerNorm and ELN versions)."""
     if scale == "C":
         return math.sqrt(c)
     if scale == "C-1":
@@ -178,15 +170,6 @@ def layer_norm(x: Tensor, weight: Tensor | None = None, bias: Tensor | None = No
 
     mu and sigma^2 are the mean and the (biased) variance over the C channels,
     the DyISRU paper eqs. (1)-(2).
-
-    Args:
-        x: the input (..., C), channels last.
-        weight: the per-channel gain (C,), or None for 1.
-        bias: the per-channel shift (C,), or None for 0.
-        eps: added inside the root (or the denominator), for stability.
-
-    Returns:
-        y, of x's shape and dtype.
     """
     _check_param(weight, "weight", x, "layer_norm")
     _check_param(bias, "bias", x, "layer_norm")
@@ -200,14 +183,6 @@ def rms_norm(x: Tensor, weight: Tensor | None = None, eps: float = EPS) -> Tenso
     r"""RMSNorm: y_i = weight_i * x_i / r,  r = sqrt(mean_j x_j^2 + eps).
 
     The DyISRU paper eqs. (3)-(4) (there with eps = 0); the dissection "A tale of two normalizers".
-
-    Args:
-        x: the input (..., C), channels last.
-        weight: the per-channel gain (C,), or None for 1.
-        eps: added inside the root (or the denominator), for stability.
-
-    Returns:
-        y, of x's shape and dtype.
     """
     _check_param(weight, "weight", x, "rms_norm")
     y = x * _rstd(x.pow(2).mean(-1, keepdim=True), eps)
@@ -216,32 +191,14 @@ def rms_norm(x: Tensor, weight: Tensor | None = None, eps: float = EPS) -> Tenso
 
 @_fp32_compute
 def l1_norm(x: Tensor, weight: Tensor | None = None, eps: float = EPS) -> Tensor:
-    r"""L1Norm: y = weight * x / (mean_j |x_j| + eps).  The dissection, "Denominator dissection".
-
-    Args:
-        x: the input (..., C), channels last.
-        weight: the per-channel gain (C,), or None for 1.
-        eps: added inside the root (or the denominator), for stability.
-
-    Returns:
-        y, of x's shape and dtype.
-    """
+    r"""L1Norm: y = weight * x / (mean_j |x_j| + eps).  The dissection, "Denominator dissection"."""
     _check_param(weight, "weight", x, "l1_norm")
     return _affine(x / (x.abs().mean(-1, keepdim=True) + eps), weight, None)
 
 
 @_fp32_compute
 def lmax_norm(x: Tensor, weight: Tensor | None = None, eps: float = EPS) -> Tensor:
-    r"""LMaxNorm: y = weight * x / (max_j |x_j| + eps).  The dissection, "Denominator dissection".
-
-    Args:
-        x: the input (..., C), channels last.
-        weight: the per-channel gain (C,), or None for 1.
-        eps: added inside the root (or the denominator), for stability.
-
-    Returns:
-        y, of x's shape and dtype.
-    """
+    r"""LMaxNorm: y = weight * x / (max_j |x_j| + eps).  The dissection, "Denominator dissection"."""
     _check_param(weight, "weight", x, "lmax_norm")
     return _affine(x / (x.abs().amax(-1, keepdim=True) + eps), weight, None)
 
@@ -253,15 +210,6 @@ def group_rms(x: Tensor, weight: Tensor | None = None, group_size: int = 8, eps:
     y_i = weight_i * x_i / sqrt(mean_{j in g(i)} x_j^2 + eps).  The dissection ("GroupRMS (8 channels)").
     When ``group_size`` does not divide C, the last group holds the remaining
     C mod group_size channels (its mean is over those channels only).
-
-    Args:
-        x: the input (..., C), channels last.
-        weight: the per-channel gain (C,), or None for 1.
-        group_size: channels per group (the last group holds the C mod group_size left, if any).
-        eps: added inside the root (or the denominator), for stability.
-
-    Returns:
-        y, of x's shape and dtype.
     """
     _check_param(weight, "weight", x, "group_rms")
     if not isinstance(group_size, int) or group_size < 1:
@@ -282,14 +230,6 @@ def rms_detached(x: Tensor, weight: Tensor | None = None, eps: float = EPS) -> T
 
     The input gradient is the diagonal term alone, weight_i / r * dL/dy_i;
     the rank-1 coupling term of the dissection ("Result 4") is removed.
-
-    Args:
-        x: the input (..., C), channels last.
-        weight: the per-channel gain (C,), or None for 1.
-        eps: added inside the root (or the denominator), for stability.
-
-    Returns:
-        y, of x's shape and dtype.
     """
     _check_param(weight, "weight", x, "rms_detached")
     y = x * _rstd(x.pow(2).mean(-1, keepdim=True), eps).detach()
@@ -303,16 +243,6 @@ def rms_ema(x: Tensor, running_ms: Tensor, weight: Tensor | None = None, eps: fl
     ``running_ms`` (a scalar buffer kept by `normlab.modules.RMSEMA`) replaces
     the per-token statistic: there is no per-token adaptation and no gradient
     through the denominator.  The dissection, "RMS EMA (running average)".
-
-    Args:
-        x: the input (..., C), channels last.
-        running_ms: the running mean of x^2 over steps (a buffer `normlab.modules.RMSEMA` keeps), broadcastable
-            to x; no gradient flows into it.
-        weight: the per-channel gain (C,), or None for 1.
-        eps: added inside the root (or the denominator), for stability.
-
-    Returns:
-        y, of x's shape and dtype.
     """
     _check_param(weight, "weight", x, "rms_ema")
     _check_broadcastable(running_ms, "running_ms", x, "rms_ema")
@@ -352,15 +282,6 @@ def rms_partial_coupling(x: Tensor, weight: Tensor | None = None, lam: float = 1
 
     ``lam = 1`` is RMSNorm's exact gradient, ``lam = 0`` is `rms_detached`.
     For 0 < lam < 1 the gradient is deliberately not the derivative of the forward.
-
-    Args:
-        x: the input (..., C), channels last.
-        weight: the per-channel gain (C,), or None for 1.
-        lam: the backward's coupling: 1 is RMSNorm's gradient, 0 a detached denominator, in between a mix.
-        eps: added inside the root (or the denominator), for stability.
-
-    Returns:
-        y, of x's shape and dtype.
     """
     _check_param(weight, "weight", x, "rms_partial_coupling")
     if not math.isfinite(float(lam)):
@@ -377,15 +298,6 @@ def dyt(x: Tensor, alpha: Tensor | float, weight: Tensor | None = None, bias: Te
 
     ``alpha`` is a scalar, or per channel with shape (C,) (the dissection's "per-channel
     alpha" row).  The dissection, "A tale of two normalizers"; the dynamic_tanh exercise.
-
-    Args:
-        x: the input (..., C), channels last.
-        alpha: the slope: a scalar (a float or a (1,) tensor) or one per channel, (C,).
-        weight: the per-channel gain (C,), or None for 1.
-        bias: the per-channel shift (C,), or None for 0.
-
-    Returns:
-        y, of x's shape and dtype.
     """
     alpha = _as_tensor(alpha, x)
     _check_param(alpha, "alpha", x, "dyt", scalar_ok=True)
@@ -406,16 +318,6 @@ def derf(
 
     ``alpha`` and ``shift`` are scalars or per channel (C,); published defaults alpha0 = 0.5, shift0 = 0.
     Point-wise; its slope at 0 is 2 alpha / sqrt(pi) exp(-shift^2).
-
-    Args:
-        x: the input (..., C), channels last.
-        alpha: the slope: a scalar (a float or a (1,) tensor) or one per channel, (C,).
-        shift: Derf's shift s inside erf: a scalar or (C,).
-        weight: the per-channel gain (C,), or None for 1.
-        bias: the per-channel shift (C,), or None for 0.
-
-    Returns:
-        y, of x's shape and dtype.
     """
     alpha, shift = _as_tensor(alpha, x), _as_tensor(shift, x)
     _check_param(alpha, "alpha", x, "derf", scalar_ok=True)
@@ -427,17 +329,7 @@ def derf(
 
 @_fp32_compute
 def dyt_hardtanh(x: Tensor, alpha: Tensor | float, weight: Tensor | None = None, bias: Tensor | None = None) -> Tensor:
-    r"""DyT with hardtanh: y = weight * clamp(alpha * x, -1, 1) + bias.  The dissection, "Point-wise universality".
-
-    Args:
-        x: the input (..., C), channels last.
-        alpha: the slope: a scalar (a float or a (1,) tensor) or one per channel, (C,).
-        weight: the per-channel gain (C,), or None for 1.
-        bias: the per-channel shift (C,), or None for 0.
-
-    Returns:
-        y, of x's shape and dtype.
-    """
+    r"""DyT with hardtanh: y = weight * clamp(alpha * x, -1, 1) + bias.  The dissection, "Point-wise universality"."""
     alpha = _as_tensor(alpha, x)
     _check_param(alpha, "alpha", x, "dyt_hardtanh", scalar_ok=True)
     _check_param(weight, "weight", x, "dyt_hardtanh")
@@ -451,15 +343,6 @@ def dyt_sigmoid(x: Tensor, alpha: Tensor | float, weight: Tensor | None = None, 
 
     Note 2 sigmoid(z) - 1 = tanh(z / 2), so its slope at 0 is alpha / 2.
     The dissection, "Point-wise universality".
-
-    Args:
-        x: the input (..., C), channels last.
-        alpha: the slope: a scalar (a float or a (1,) tensor) or one per channel, (C,).
-        weight: the per-channel gain (C,), or None for 1.
-        bias: the per-channel shift (C,), or None for 0.
-
-    Returns:
-        y, of x's shape and dtype.
     """
     alpha = _as_tensor(alpha, x)
     _check_param(alpha, "alpha", x, "dyt_sigmoid", scalar_ok=True)
@@ -470,31 +353,14 @@ def dyt_sigmoid(x: Tensor, alpha: Tensor | float, weight: Tensor | None = None, 
 
 @_fp32_compute
 def tanh_fixed(x: Tensor, weight: Tensor | None = None) -> Tensor:
-    r"""TanhFixed (no alpha): y = weight * tanh(x).  The dissection, "Point-wise universality".
-
-    Args:
-        x: the input (..., C), channels last.
-        weight: the per-channel gain (C,), or None for 1.
-
-    Returns:
-        y, of x's shape and dtype.
-    """
+    r"""TanhFixed (no alpha): y = weight * tanh(x).  The dissection, "Point-wise universality"."""
     _check_param(weight, "weight", x, "tanh_fixed")
     return _affine(torch.tanh(x), weight, None)
 
 
 @_fp32_compute
 def layer_scale(x: Tensor, weight: Tensor | None = None, bias: Tensor | None = None) -> Tensor:
-    r"""LayerScale (linear): y = weight * x + bias.  The dissection, "Point-wise universality" (diverged there).
-
-    Args:
-        x: the input (..., C), channels last.
-        weight: the per-channel gain (C,), or None for 1.
-        bias: the per-channel shift (C,), or None for 0.
-
-    Returns:
-        y, of x's shape and dtype.
-    """
+    r"""LayerScale (linear): y = weight * x + bias.  The dissection, "Point-wise universality" (diverged there)."""
     _check_param(weight, "weight", x, "layer_scale")
     _check_param(bias, "bias", x, "layer_scale")
     return _affine(x, weight, bias)
@@ -507,15 +373,6 @@ def sign_sqrt(x: Tensor, weight: Tensor | None = None, bias: Tensor | None = Non
     Point-wise with f'(0+) = 1 / (2 sqrt(eps)): unbounded gain as eps -> 0,
     which escapes the dissection's Theorem 1.  The dissection, "The theoretical escape hatch".
     As written in the dissection, f jumps by 2 sqrt(eps) at x = 0 (sign(0) = 0).
-
-    Args:
-        x: the input (..., C), channels last.
-        weight: the per-channel gain (C,), or None for 1.
-        bias: the per-channel shift (C,), or None for 0.
-        eps: added inside the root (or the denominator), for stability.
-
-    Returns:
-        y, of x's shape and dtype.
     """
     _check_param(weight, "weight", x, "sign_sqrt")
     _check_param(bias, "bias", x, "sign_sqrt")
@@ -535,16 +392,6 @@ def dyt_rms_denominator(
     The dissection ("DyT+RMS denom") names this row without spelling out its formula;
     normlab's choice is to feed tanh the RMS-normalized input, so the layer has
     RMSNorm's per-token gain and rank-1 coupling and DyT's squashing.
-
-    Args:
-        x: the input (..., C), channels last.
-        alpha: the slope: a scalar (a float or a (1,) tensor) or one per channel, (C,).
-        weight: the per-channel gain (C,), or None for 1.
-        bias: the per-channel shift (C,), or None for 0.
-        eps: added inside the root (or the denominator), for stability.
-
-    Returns:
-        y, of x's shape and dtype.
     """
     alpha = _as_tensor(alpha, x)
     _check_param(alpha, "alpha", x, "dyt_rms_denominator", scalar_ok=True)
@@ -565,16 +412,6 @@ def scaled_dyt(
     r"""Scaled DyT: y_i = sqrt(C) * tanh(alpha * x_i), then the affine.
 
     The DyISRU paper eq. (12); ``scale="C-1"`` gives sqrt(C-1) * tanh(alpha * x_i), the ELN paper eq. (11).
-
-    Args:
-        x: the input (..., C), channels last.
-        alpha: the slope: a scalar (a float or a (1,) tensor) or one per channel, (C,).
-        weight: the per-channel gain (C,), or None for 1.
-        bias: the per-channel shift (C,), or None for 0.
-        scale: "C" for the amplitude sqrt(C), "C-1" for sqrt(C-1).
-
-    Returns:
-        y, of x's shape and dtype.
     """
     alpha = _as_tensor(alpha, x)
     _check_param(alpha, "alpha", x, "scaled_dyt", scalar_ok=True)
@@ -607,17 +444,6 @@ def dyisru(
     shape broadcastable to x.  Its slope at 0 is sqrt(C / beta); it matches scaled
     DyT's sqrt(C) * alpha when beta = 1 / alpha^2 (the DyISRU paper, Fig. 2 caption).
     ``scale="C-1"`` gives the ELN paper's eq. (15).
-
-    Args:
-        x: the input (..., C), channels last.
-        beta: the denominator's offset, > 0: a scalar, (C,), or any shape broadcastable to x; beta_i = ||x without
-            channel i||^2 makes it RMSNorm exactly (the DyISRU paper, Theorem 3).
-        weight: the per-channel gain (C,), or None for 1.
-        bias: the per-channel shift (C,), or None for 0.
-        scale: "C" for the amplitude sqrt(C), "C-1" for sqrt(C-1).
-
-    Returns:
-        y, of x's shape and dtype.
     """
     beta = _as_tensor(beta, x)
     _check_broadcastable(beta, "beta", x, "dyisru")
@@ -638,16 +464,6 @@ def eln(
 
     The ELN paper eq. (13); mu is the per-token channel mean.  With beta_i =
     (C-1) sigma_{!=i}^2 - sigma^2 it equals LayerNorm (the ELN paper, Theorem 4).
-
-    Args:
-        x: the input (..., C), channels last.
-        beta: the denominator's offset, > 0: a scalar, (C,), or any shape broadcastable to x (the ELN paper, Theorem 4).
-        weight: the per-channel gain (C,), or None for 1.
-        bias: the per-channel shift (C,), or None for 0.
-        scale: "C" for the amplitude sqrt(C), "C-1" for sqrt(C-1).
-
-    Returns:
-        y, of x's shape and dtype.
     """
     beta = _as_tensor(beta, x)
     _check_broadcastable(beta, "beta", x, "eln")
