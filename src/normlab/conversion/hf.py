@@ -89,11 +89,18 @@ def _transformers():
 def load_model(
     path: str | Path, *, dtype: torch.dtype = torch.float32, progress: bool = True
 ) -> tuple[nn.Module, object]:
-    """A local causal-LM folder or GGUF file: (model in eval mode, tokenizer or None).
+    """Load a local causal-LM folder or GGUF file.
 
     A folder needs config.json and its weights; it may lack a tokenizer (a model saved from a config), in which
-    case the tokenizer is None. A GGUF file must carry its tokenizer. Errors say what is missing. ``progress=False``
-    silences transformers' own loading bars too.
+    case the tokenizer is None. A GGUF file must carry its tokenizer. Errors say what is missing.
+
+    Args:
+        path: a Hugging Face model folder or a ``.gguf`` file (`smollm2` gives SmolLM2-135M-Instruct's).
+        dtype: the weights' dtype once loaded.
+        progress: False silences transformers' own loading bars too.
+
+    Returns:
+        The model in eval mode, and its tokenizer or None.
     """
     p = Path(path)
     if not p.exists():
@@ -345,12 +352,24 @@ class TextSplits:
     stream: TokenStream
 
 
-def text_splits(path: str | Path, tokenizer, vocab_size: int, cut: TextCut = TextCut()) -> TextSplits:
-    """`text_batches`' calibration and held-out batches (the same sequences), plus a validation split and a
-    training stream from the text before the held-out part: on a long text every character before the held-out
-    end, tokenized whole; on a short one every sequence before the held-out ones. ``val`` is the last ``n_val``
-    of those sequences (at most a quarter of them); the stream is the rest, in the order ``cut.seed`` draws. A
-    text with fewer than two sequences there is a clear error."""
+def text_splits(path: str | Path, tokenizer: object | None, vocab_size: int, cut: TextCut = TextCut()) -> TextSplits:
+    """A text cut four ways: `text_batches`' calibration and held-out batches (the same sequences), a validation
+    split and a training stream from the text before the held-out part.
+
+    The stream holds, on a long text, every character before the held-out end, tokenized whole; on a short one,
+    every sequence before the held-out ones. ``val`` is the last ``n_val`` of those sequences (at most a quarter of
+    them); the stream is the rest, in the order ``cut.seed`` draws. A text with fewer than two sequences there is
+    a clear error.
+
+    Args:
+        path: a text file.
+        tokenizer: the model's tokenizer; None takes byte values mod ``vocab_size`` as token ids.
+        vocab_size: the model's vocabulary size.
+        cut: how the text is cut (`TextCut`).
+
+    Returns:
+        A `TextSplits`: ``calib``, ``held``, ``val`` (lists of batches) and ``stream`` (a `TokenStream`).
+    """
     seq_len, n_val = cut.seq_len, cut.n_val
     if isinstance(n_val, bool) or not isinstance(n_val, int) or n_val < 1:
         raise ValueError(f"n_val: expected an int >= 1, got {n_val!r}")

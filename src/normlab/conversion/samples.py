@@ -117,10 +117,22 @@ def _draw(model: nn.Module, which: SampleSet, progress: bool) -> torch.Tensor:
 def self_samples(
     model: nn.Module, which: SampleSet, *, cache: Path | None = None, progress: bool = False
 ) -> torch.Tensor:
-    """The sample set ``which`` of ``model``, (n, seq_len), read from the cache when a set with the same identity
-    is there (``cache``: default ``<normlab cache>/samples``). The cache file is owned (locked) while it is written
-    and replaced atomically; a second process that asks for the same set meanwhile waits for it and reads it,
-    rather than failing after its own calibration or drawing it twice."""
+    """Sequences sampled from ``model``, read from the cache when a set with the same identity is there.
+
+    The cache file is owned (locked) while it is written and replaced atomically; a second process that asks for
+    the same set meanwhile waits for it and reads it, rather than failing after its own calibration or drawing it
+    twice.
+
+    Args:
+        model: a Hugging Face causal LM (its forward with a KV cache draws the tokens).
+        which: the set: the model's fingerprint, the count, the length, the start token, the seed, the
+            temperature and the batch (`SampleSet`); its ``identity()`` names the cache file.
+        cache: the cache folder (default ``<normlab cache>/samples``).
+        progress: a progress bar, and a line with the tokens/s once drawn.
+
+    Returns:
+        The token ids, (n, seq_len).
+    """
     ident = which.identity()
     n, seq_len = which.n, which.seq_len
     key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
