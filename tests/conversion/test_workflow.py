@@ -433,3 +433,29 @@ def test_a_resume_from_a_file_that_is_no_checkpoint_is_refused_before_the_model_
                 str(bogus), "--resume", "--no-progress", "--eval-text", "none"]  # fmt: skip
         assert main(argv) == 2
         assert f"--resume: {bogus} is not a heal checkpoint" in capsys.readouterr().err
+
+
+def test_the_gpu_convert_script_runs_on_the_cpu_on_a_tiny_model(tmp_path):
+    """scripts/gpu_convert.sh end to end with DEVICE=cpu: its three conversions (per channel, the budget walk, the
+    self recipe's heal) and its table of stage seconds, each row read from the run's fidelity.json."""
+    import os
+
+    from conftest import tiny_hf
+
+    repo = Path(__file__).resolve().parents[2]
+    text = tmp_path / "t.txt"
+    text.write_text("the of and to in a is that it was for on are as with his they at be this " * 300)
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "DEVICE": "cpu", "MODEL": str(tiny_hf(tmp_path / "m")),
+           "NORMLAB": str(Path(sys.executable).parent / "normlab"), "PYTHON": sys.executable,
+           "EXTRA": f"--calibrate {text} --seq-len 16 --sequences 4 --eval-text none --set heal.self_sequences=32",
+           "HEAL": "--heal-tokens 256"}  # fmt: skip
+    proc = subprocess.run(
+        ["bash", str(repo / "scripts" / "gpu_convert.sh")], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = proc.stdout.strip().splitlines()[-3:]
+    assert [r.split()[0] for r in rows] == ["per-channel", "budget-walk", "self-recipe"], proc.stdout[-1500:]
+    assert "budget walk" in rows[1] and "heal" in rows[2] and "samples" in rows[2]
+    for name in ("per-channel", "budget-walk", "self-recipe"):
+        cfg = json.loads((tmp_path / "out" / name / "convert_config.json").read_text())
+        assert cfg["device"] == "cpu" and cfg["per"] == "channel"
