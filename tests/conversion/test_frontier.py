@@ -175,7 +175,14 @@ def test_the_skip_walk_never_ends_above_its_budget_and_tries_every_site(folder, 
     sel = json.loads((out / "fidelity.json").read_text())["budget_walk"]
     assert sel["ce_converted"] <= sel["ce_original"] + budget + 1e-9
     cfg = json.loads((out / "convert_config.json").read_text())
-    assert cfg["budget"] == {"nats": budget, "walk": "skip", "refit_every": 4, "rank_batches": 4, "refit_batches": 1}
+    assert cfg["budget"] == {
+        "nats": budget,
+        "walk": "skip",
+        "refit_every": 4,
+        "rank_batches": 4,
+        "refit_batches": 1,
+        "defer": 0.0,
+    }
     splits = normlab.conversion.hf.text_splits(folder / "text.txt", None, 100, TextCut(16, 16, 16, n_val=16))
     assert sel["selection_sequences"] == sum(len(b) for b in splits.val) == 16  # as many as it reports on
     assert len(splits.calib) == 2  # both calibration batches rank the sites
@@ -252,3 +259,30 @@ def test_the_walk_on_cached_block_outputs_keeps_what_the_walk_on_whole_passes_ke
     assert fast.curve == pytest.approx(slow.curve, abs=1e-5)
     assert fast.costs == pytest.approx(slow.costs, abs=1e-5)
     assert 0 < len(fast.converted) < len(fast.order)  # the budget bites: some kept, some put back
+
+
+def test_a_site_that_rises_steeply_in_the_walk_waits_for_the_others_and_the_budget_holds():
+    """budget.defer: a site whose rise in the walk is more than defer x its cost alone is put back and tried again
+    after every other site; every site is still tried, the kept ones stay within the budget, and defer=0 defers
+    nothing."""
+    from normlab.conversion.fidelity import cross_entropy
+    from normlab.conversion.frontier import frontier
+
+    model = _peaked(seed=1, layers=4)
+    calib, held = _batches(2, 1), _batches(2, 2)
+    curve, _ = frontier(copy.deepcopy(model), "dyisru", calib, held, budget=_plain(), progress=False)
+    budget = (max(curve.curve) - curve.ce_original) * 0.6  # room for some of the sites, not all
+    plain, _ = frontier(copy.deepcopy(model), "dyisru", calib, held, budget=_plain(nats=budget, walk="skip"),
+                        progress=False)  # fmt: skip
+    assert plain.deferred == []
+    m = copy.deepcopy(model)
+    waits = _plain(nats=budget, walk="skip", defer=1.0)
+    front, record = frontier(m, "dyisru", calib, held, budget=waits, progress=False)
+    assert front.deferred, "no site rose faster than its cost alone: the test exercises nothing"
+    assert sorted(front.converted + front.passed) == sorted(front.order)  # every site tried once in the end
+    assert all(front.converted.index(n) >= len(front.converted) - len(front.deferred)
+               for n in front.deferred if n in front.converted)  # fmt: skip  # the deferred came last
+    assert cross_entropy(m, held) <= front.ce_original + budget + 1e-6
+    assert sorted(s.name for s in record.sites) == sorted(front.converted)
+    with pytest.raises(ValueError, match="budget.defer must be 0"):
+        frontier(model, "dyisru", calib, held, budget=_plain(defer=0.5), progress=False)

@@ -105,6 +105,10 @@ class BudgetConfig:
     refit_batches: int = 1
     """Calibration batches each site is fitted again on, in the model converted so far, when its turn comes (0: it
     keeps its fit on the original's activations)."""
+    defer: float = 0.0
+    """A site whose rise in the walk is more than this many times its cost alone (at least 0.01 nats) is put back
+    and tried again after every other site, so that it does not spend the budget many cheaper sites could use (0:
+    never)."""
 
     def validate(self, calibrated: bool = True) -> None:
         self.check()
@@ -126,6 +130,9 @@ class BudgetConfig:
         _int_at_least("budget.refit_every", self.refit_every, 0, " (sites between refits; 0: never)")
         _int_at_least("budget.rank_batches", self.rank_batches, 1, " (calibration batches)")
         _int_at_least("budget.refit_batches", self.refit_batches, 0, " (calibration batches; 0: no refit)")
+        if not (_finite(self.defer) and (self.defer == 0 or self.defer >= 1)):
+            raise ValueError(f"{flag('budget.defer')} must be 0 (never) or a number >= 1 (times the cost alone), got "
+                             f"{self.defer!r}")  # fmt: skip
 
 
 def _finite(v) -> bool:

@@ -43,6 +43,7 @@ __all__ = ["FEW_SELECTION", "Frontier", "frontier", "site_costs"]
 # budget 0.4) 8 sequences kept 44 sites at +0.39 on them but +0.62 on 8 held-out ones and +0.55 on 32; 32 sequences
 # ended within 0.03 of their budget (docs/frontier-results.md, "Selecting on few sequences").
 FEW_SELECTION = 32
+DEFER_FLOOR = 0.01  # nats: a site's cost alone below this counts as this much (budget.defer)
 
 
 @dataclass
@@ -58,6 +59,7 @@ class Frontier:
     seconds: float = 0.0
     skip: bool = False  # the walk went past a site that broke the budget instead of stopping there
     passed: list[str] = field(default_factory=list)  # the sites it went past (skip=True)
+    deferred: list[str] = field(default_factory=list)  # the sites put back once for rising steeply (budget.defer)
 
     def within(self, nats: float) -> int:
         """How many sites the greedy walk converts before the held-out cross-entropy first rises above
@@ -249,21 +251,35 @@ def _walk(model: nn.Module, front: Frontier, budget: BudgetConfig, walk: dict, p
 
     replay, by_name, originals = walk["replay"], walk["by_name"], walk["originals"]
     ce0 = front.ce_original
-    bar = tqdm(front.order, desc=f"converting cheapest first to {front.target}", unit="site",
+    bar = tqdm(total=len(front.order), desc=f"converting cheapest first to {front.target}", unit="site",
                disable={True: False, False: True}.get(progress))  # fmt: skip
-    for name in bar:
+    queue = list(front.order)
+    while queue:
+        name = queue.pop(0)
         if budget.refit_batches:  # fitted again on its input in the model as converted so far
             originals[name] = model.get_submodule(name)
             by_name[name] = _refit(model, name, front.target, by_name[name], walk["batches"], walk["kwargs"])
         else:
             originals[name] = swap(model, name, walk["fitted"][name])
         ce = replay.cross_entropy(replay.block_of(name), keep=False)
-        if budget.nats is not None and not ce <= ce0 + budget.nats:
-            swap(model, name, originals.pop(name))  # this one would break the budget: put it back
+        over = budget.nats is not None and not ce <= ce0 + budget.nats
+        steep = (
+            budget.defer
+            and name not in front.deferred
+            and ce - front.curve[-1] > budget.defer * max(front.costs[name], DEFER_FLOOR)
+        )
+        if over or steep:
+            swap(model, name, originals.pop(name))  # put it back: over the budget, or to be tried again at the end
+            if steep and not over:
+                front.deferred.append(name)
+                queue.append(name)
+                continue
             if budget.walk == "stop":
                 break
             front.passed.append(name)
+            bar.update(1)
             continue
+        bar.update(1)
         replay.commit()
         front.converted.append(name)
         if budget.refit_every and budget.refit_batches and len(front.converted) % budget.refit_every == 0:
