@@ -255,6 +255,7 @@ def fit_replacement(
     if solver not in ("profile", "lbfgs") or (solver == "profile" and linear):
         raise ValueError(f"solver: 'profile' (targets without extras), 'lbfgs' or 'auto', got {solver!r}")
     notes: list[str] = []
+    x, y = x.detach(), y.detach()  # data, not a graph (a target computed with gradients on, "local")
     finite = torch.isfinite(x).all(-1) & torch.isfinite(y).all(-1)
     if not bool(finite.all()):
         notes.append(f"{int((~finite).sum())} token(s) with NaN/Inf left out")
