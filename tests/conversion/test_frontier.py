@@ -32,7 +32,7 @@ def _peaked(seed: int = 0, layers: int = 3):
 def _plain(**fields) -> BudgetConfig:
     """The plain walk: ranked on the first calibration batch, stopping at the first site over the budget, no refit
     of all (each field overridable)."""
-    return BudgetConfig(**{"walk": "stop", "refit_every": 0, "rank_batches": 1, **fields})
+    return BudgetConfig(**{"walk": "stop", "refit_every": 0, "rank_batches": 1, "defer": 0.0, **fields})
 
 
 def _batches(n: int, seed: int):
@@ -121,6 +121,7 @@ def test_budget_nats_never_ends_above_its_budget(folder, tmp_path, capsys, refit
                 "--set",  # the walk that stops at the first site over the budget, with no refits of all
                 "budget.walk=stop",
                 "budget.refit_every=0",
+                "budget.defer=0",
                 "--out",
                 str(out),
                 "--no-progress",
@@ -181,7 +182,7 @@ def test_the_skip_walk_never_ends_above_its_budget_and_tries_every_site(folder, 
         "refit_every": 4,
         "rank_batches": 4,
         "refit_batches": 1,
-        "defer": 0.0,
+        "defer": 4.0,
     }
     splits = normlab.conversion.hf.text_splits(folder / "text.txt", None, 100, TextCut(16, 16, 16, n_val=16))
     assert sel["selection_sequences"] == sum(len(b) for b in splits.val) == 16  # as many as it reports on

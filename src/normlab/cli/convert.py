@@ -141,7 +141,8 @@ def add_convert(sub) -> None:
         metavar="X",
         help="convert only the norms that fit in +X nats of cross-entropy on a validation split, cheapest first "
         "(each ranked by its cost alone), going past any that would break it and refitting all every 4 kept "
-        "(--set budget.walk=stop budget.refit_every=0 budget.rank_batches=1 for the plain walk); keep the rest",
+        "(--set budget.walk=stop budget.refit_every=0 budget.rank_batches=1 budget.defer=0 for the plain walk); "
+        "keep the rest",
     )
     cv.add_argument(
         "--eval-text",

@@ -105,10 +105,10 @@ class BudgetConfig:
     refit_batches: int = 1
     """Calibration batches each site is fitted again on, in the model converted so far, when its turn comes (0: it
     keeps its fit on the original's activations)."""
-    defer: float = 0.0
+    defer: float = 4.0
     """A site whose rise in the walk is more than this many times its cost alone (at least 0.01 nats) is put back
     and tried again after every other site, so that it does not spend the budget many cheaper sites could use (0:
-    never)."""
+    never). On SmolLM2 at --budget-nats 0.4 it keeps 49 sites where 0 keeps 36."""
 
     def validate(self, calibrated: bool = True) -> None:
         self.check()
