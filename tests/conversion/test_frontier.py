@@ -192,6 +192,7 @@ def test_the_skip_walk_never_ends_above_its_budget_and_tries_every_site(folder, 
     _, record = normlab.load_converted(out)
     assert sorted(s.name for s in record.sites) == sorted(front.converted)  # the CLI's walk is the library's
     assert sel["walk"]["kept"] == front.converted and sel["walk"]["curve"] == pytest.approx(front.curve)  # recorded
+    assert sel["walk"]["deferred"] == front.deferred
     resolve = normlab.conversion.config.resolve_convert_config
     for bad, says in (
         (["budget.walk=stop"], "budget.walk applies only with --budget-nats"),

@@ -410,7 +410,8 @@ def _convert_sites(cfg: ConvertConfig, net, calib: list, held: list, select: lis
         walk = {"budget_nats": b.nats, "selection_sequences": n_select,
                 "ce_original": front.ce_original, "ce_converted": front.curve[-1],
                 "converted": len(front.converted), "sites": len(front.order),
-                "walk": {"kept": front.converted, "curve": front.curve, "passed": front.passed, "costs": front.costs,
+                "walk": {"kept": front.converted, "curve": front.curve, "passed": front.passed,
+                         "deferred": front.deferred, "costs": front.costs,
                          "seconds": round(front.seconds, 1)}}  # fmt: skip
     else:
         record = convert_norms(
