@@ -53,21 +53,11 @@ def tiny_lm(family: str = "Llama", seed: int = 0, layers: int = 2, **config):
     weights drawn after ``torch.manual_seed(seed)``;
     ``config`` overrides any field (``initializer_range=0.5`` for peaked next-token distributions,
     ``tie_word_embeddings=True``)."""
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
+    from normlab.features import tiny_causal_lm
+
     torch.manual_seed(seed)
-    kw = dict(
-        vocab_size=100,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    if family.startswith("Gemma") or family == "Qwen3":
-        kw["head_dim"] = 8
-    config_class = "Gemma3TextConfig" if family == "Gemma3" else f"{family}Config"  # Gemma3Config is multimodal
-    cfg = getattr(transformers, config_class)(**{**kw, **config})
-    return getattr(transformers, f"{family}ForCausalLM")(cfg).eval()
+    return tiny_causal_lm(family, layers, **config)
 
 
 def id_batches(n: int, seed: int = 1, t: int = 16, batch: int = 4, vocab: int = 100) -> list[torch.Tensor]:

@@ -41,7 +41,7 @@ def test_the_conversion_guide_holds_the_current_family_matrix():
 def test_the_family_matrix_says_what_export_onnx_does():
     """A family the matrix calls refused is refused by export_onnx itself, before any work, with that reason."""
     pytest.importorskip("onnx")
-    from normlab.features import _tiny
+    from normlab.features import tiny_causal_lm
 
     rows = family_features()
     assert rows["Qwen3"]["sites"] == "4 per block + 1"  # input, post-attention and the per-head q/k norms
@@ -50,7 +50,7 @@ def test_the_family_matrix_says_what_export_onnx_does():
     for family in refused:
         reason = rows[family]["onnx"].removeprefix("refused: ")
         with pytest.raises(ValueError, match=reason):
-            normlab.export_onnx(_tiny(family, 2), REPO / "never-written.onnx")
+            normlab.export_onnx(tiny_causal_lm(family, 2), REPO / "never-written.onnx")
 
 
 def test_the_matrix_reads_the_code():

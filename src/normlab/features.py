@@ -22,7 +22,7 @@ import normlab.kernels as K
 from normlab.registry import create_norm, list_norms, norm_spec
 
 __all__ = ["COLUMNS", "norm_features", "markdown", "BEGIN", "END", "FAMILIES", "family_features", "family_markdown",
-           "FAMILY_BEGIN", "FAMILY_END"]  # fmt: skip
+           "FAMILY_BEGIN", "FAMILY_END", "tiny_causal_lm"]  # fmt: skip
 
 BEGIN, END = "<!-- features: begin (python -m normlab.features --write) -->", "<!-- features: end -->"
 COLUMNS = {
@@ -89,8 +89,10 @@ FAMILY_END = "<!-- families: end -->"
 FAMILIES = ("Llama", "Mistral", "Qwen2", "Qwen3", "Gemma", "Gemma3")  # the transformers causal LMs the tests build
 
 
-def _tiny(family: str, layers: int):
-    """A tiny random ``family`` causal LM from its transformers config (width 32, vocabulary 100)."""
+def tiny_causal_lm(family: str = "Llama", layers: int = 2, **config):
+    """A tiny random Hugging Face causal LM of ``family`` (one of `FAMILIES`) in eval mode: vocabulary 100, width
+    32, 4 heads (2 key-value heads; head_dim 8 for Qwen3 and Gemma), ``layers`` blocks; ``config`` overrides any
+    field of the family's config. Its weights come from torch's global generator (seed it first)."""
     import transformers
 
     kw = dict(
@@ -102,8 +104,8 @@ def _tiny(family: str, layers: int):
         num_key_value_heads=2,
         **({"head_dim": 8} if family.startswith("Gemma") or family == "Qwen3" else {}),
     )
-    config = getattr(transformers, "Gemma3TextConfig" if family == "Gemma3" else f"{family}Config")(**kw)
-    return getattr(transformers, f"{family}ForCausalLM")(config).eval()
+    cfg = getattr(transformers, "Gemma3TextConfig" if family == "Gemma3" else f"{family}Config")(**{**kw, **config})
+    return getattr(transformers, f"{family}ForCausalLM")(cfg).eval()
 
 
 def family_features() -> dict[str, dict[str, str]]:
@@ -119,10 +121,10 @@ def family_features() -> dict[str, dict[str, str]]:
 
     rows = {}
     for family in FAMILIES:
-        model = _tiny(family, 2)
+        model = tiny_causal_lm(family, 2)
         refusal, autos = export_refusal(model), auto_classes(model)
         two = [s.name for s in convert_norms(model, "dyt", progress=False).sites]
-        counts = [len(convert_norms(_tiny(family, 1), "dyt", progress=False).sites), len(two)]
+        counts = [len(convert_norms(tiny_causal_lm(family, 1), "dyt", progress=False).sites), len(two)]
         blocks = find_blocks(model, two)
         rows[family] = {
             "sites": f"{counts[1] - counts[0]} per block + {2 * counts[0] - counts[1]}",
