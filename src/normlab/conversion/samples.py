@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from normlab.conversion.batches import cache_kwarg
+from normlab.conversion.batches import cache_kwarg, model_device
 from normlab.conversion.hf import TokenStream
 from normlab.corpus import cache_dir
 from normlab.owner import hold
@@ -81,7 +81,7 @@ def _draw(model: nn.Module, which: SampleSet, progress: bool) -> torch.Tensor:
     eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     eos = [e for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if isinstance(e, int) and 0 <= e < vocab]
     n, seq_len, start, batch_size = which.n, which.seq_len, which.start, which.batch_size
-    device = next(model.parameters()).device
+    device = model_device(model)
     gen = torch.Generator().manual_seed(which.seed)
     key = cache_kwarg(model)
     out = []
