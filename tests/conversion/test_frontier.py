@@ -31,8 +31,10 @@ def _peaked(seed: int = 0, layers: int = 3):
 
 def _plain(**fields) -> BudgetConfig:
     """The plain walk: ranked on the first calibration batch, stopping at the first site over the budget, no refit
-    of all (each field overridable)."""
-    return BudgetConfig(**{"walk": "stop", "refit_every": 0, "rank_batches": 1, "defer": 0.0, **fields})
+    of all, measured in float32, so that a test can compare it with a float32 pass (each field overridable)."""
+    return BudgetConfig(
+        **{"walk": "stop", "refit_every": 0, "rank_batches": 1, "defer": 0.0, "precision": "float32", **fields}
+    )
 
 
 def _batches(n: int, seed: int):
@@ -122,6 +124,7 @@ def test_budget_nats_never_ends_above_its_budget(folder, tmp_path, capsys, refit
                 "budget.walk=stop",
                 "budget.refit_every=0",
                 "budget.defer=0",
+                "budget.precision=float32",
                 "--out",
                 str(out),
                 "--no-progress",
@@ -182,7 +185,8 @@ def test_the_skip_walk_never_ends_above_its_budget_and_tries_every_site(folder, 
         "refit_every": 4,
         "rank_batches": 4,
         "refit_batches": 1,
-        "defer": 4.0,
+        "defer": 3.0,
+        "precision": "auto",
     }
     splits = normlab.conversion.hf.text_splits(folder / "text.txt", None, 100, TextCut(16, 16, 16, n_val=16))
     assert sel["selection_sequences"] == sum(len(b) for b in splits.val) == 16  # as many as it reports on
@@ -252,7 +256,8 @@ def test_the_walk_on_cached_block_outputs_keeps_what_the_walk_on_whole_passes_ke
 
     model = _peaked(layers=4)
     calib, held = _batches(2, 1), _batches(2, 2)
-    args = dict(budget=BudgetConfig(nats=0.01, refit_every=2, rank_batches=1), progress=False, per="channel")
+    budget = BudgetConfig(nats=0.01, refit_every=2, rank_batches=1, precision="float32")
+    args = dict(budget=budget, progress=False, per="channel")
     fast, _ = frontier_module.frontier(copy.deepcopy(model), "dyisru", calib, held, **args)
     monkeypatch.setattr(frontier_module, "find_blocks", lambda *a, **k: None)  # no replay: whole passes
     monkeypatch.setattr(calibrate_module, "find_blocks", lambda *a, **k: None)  # no stream: the prefix re-run
@@ -288,3 +293,36 @@ def test_a_site_that_rises_steeply_in_the_walk_waits_for_the_others_and_the_budg
     assert sorted(s.name for s in record.sites) == sorted(front.converted)
     with pytest.raises(ValueError, match="budget.defer must be 0"):
         frontier(model, "dyisru", calib, held, budget=_plain(defer=0.5), progress=False)
+
+
+def test_the_walks_precision_is_float32_where_bf16_does_not_run_natively_and_bf16_insists_clearly(monkeypatch):
+    """budget.precision: "float32" never autocasts; "auto" falls back to float32, saying why, on a CPU without
+    native bf16 or where the bf16 probe fails; "bf16" refuses there, naming the field; the walk records which ran."""
+    import normlab.errors
+    from normlab.conversion.frontier import frontier, walk_dtype
+
+    model = _peaked()
+    assert walk_dtype("float32", model) == (None, "float32 (budget.precision=float32)")
+    dtype, why = walk_dtype("auto", model)  # this machine: either, with its reason
+    assert (dtype, why.split(" ")[0]) in ((torch.bfloat16, "bf16"), (None, "float32")), why
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    assert walk_dtype("auto", model) == (
+        None,
+        "float32 (budget.precision=auto: this CPU has neither AVX512-BF16 nor AMX)",
+    )
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+
+    def dies(**kw):
+        raise normlab.errors.NormlabError(f"{kw['what']} on this CPU dies with SIGILL")
+
+    monkeypatch.setattr(normlab.errors, "check_cpu_bf16", dies)
+    dtype, why = walk_dtype("auto", model)
+    assert dtype is None and "dies with SIGILL" in why
+    with pytest.raises(normlab.errors.NormlabError, match="budget.precision=bf16 on this CPU dies"):
+        walk_dtype("bf16", model)
+    calib, held = _batches(2, 1), _batches(2, 2)
+    front, record = frontier(model, "dyisru", calib, held, budget=_plain(nats=0.01, precision="auto"), progress=False)
+    assert front.precision == why and any("measured in float32 (budget.precision=auto" in n for n in record.notes)
+    with pytest.raises(ValueError, match="budget.precision"):
+        BudgetConfig(precision="fp16").check()

@@ -157,6 +157,29 @@ def test_a_replay_from_a_sites_block_measures_what_the_whole_model_measures():
     assert replay.cross_entropy(3) == pytest.approx(cross_entropy(model, batches), abs=1e-6)
 
 
+def test_a_bf16_replay_replays_its_own_passes_exactly_and_reads_near_float32():
+    """BlockReplay(dtype=bf16), the budget walk's default where bf16 runs natively: a replay from a block equals a
+    whole bf16 pass, and the bf16 cross-entropy is within bf16's rounding of the float32 one."""
+    from normlab.conversion.batches import swap
+    from normlab.conversion.fidelity import cross_entropy
+    from normlab.conversion.frontier import walk_dtype
+    from normlab.conversion.stream import BlockReplay
+
+    model = tiny_lm("Llama", layers=3)
+    if walk_dtype("auto", model)[0] is None:
+        pytest.skip("bf16 does not run natively on this CPU")
+    batches = id_batches(2, t=12)
+    sites = [n for n, m in model.named_modules() if type(m).__name__ == "LlamaRMSNorm"]
+    replay = BlockReplay(model, batches, find_blocks(model, sites), sites, torch.bfloat16)
+    first = replay.cross_entropy()
+    assert first != cross_entropy(model, batches) and first == pytest.approx(cross_entropy(model, batches), abs=0.02)
+    name = "model.layers.1.post_attention_layernorm"
+    swap(model, name, normlab.create_norm("dyt", 32, alpha_init=2.0))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        whole = cross_entropy(model, batches)
+    assert replay.cross_entropy(replay.block_of(name)) == pytest.approx(whole, abs=1e-6)
+
+
 def test_a_subset_of_early_sites_streams_though_its_passes_stop_before_the_last_block(monkeypatch):
     """Calibration passes stop once every site has run: sites only in blocks 0-1 of 4 still take the stream (the
     budget walk's refit of its kept sites converts such subsets), with the prefix path's fits."""

@@ -28,7 +28,7 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor, nn
 
-from normlab.conversion.batches import Stop, run_batch
+from normlab.conversion.batches import Stop, model_device, run_batch
 from normlab.errors import machine_memory
 
 __all__ = ["BlockStream", "find_blocks"]
@@ -240,10 +240,13 @@ class BlockReplay:
     Exact where the stream is: the first measurement runs the whole model and checks the chain (`BlockStream.record`);
     where it does not hold (``broken`` says why) every measurement runs the whole model. ``keep=True`` keeps what the
     blocks it ran gave, for the next measurement; ``keep=False`` leaves the kept outputs as they were (for a change that
-    is undone after)."""
+    is undone after). ``dtype`` (bf16) autocasts every measurement, the kept outputs included."""
 
-    def __init__(self, model: nn.Module, batches: list, blocks: tuple[str, int] | None, sites: list[str]) -> None:
-        self.model, self.batches, self.sites = model, batches, sites
+    def __init__(
+        self, model: nn.Module, batches: list, blocks: tuple[str, int] | None, sites: list[str],
+        dtype: torch.dtype | None = None,
+    ) -> None:  # fmt: skip
+        self.model, self.batches, self.sites, self.dtype = model, batches, sites, dtype
         self.stream = BlockStream(model, *blocks) if blocks else None
         self.outputs: list[list] | None = None
         self._pending: tuple[int, list] | None = None
@@ -260,6 +263,12 @@ class BlockReplay:
 
     def cross_entropy(self, start: int = 0, *, keep: bool = True) -> float:
         """The mean next-token cross-entropy on the batches, blocks before ``start`` replayed."""
+        if self.dtype is None:
+            return self._cross_entropy(start, keep)
+        with torch.autocast((model_device(self.model) or torch.device("cpu")).type, dtype=self.dtype):
+            return self._cross_entropy(start, keep)
+
+    def _cross_entropy(self, start: int, keep: bool) -> float:
         from normlab.conversion.fidelity import cross_entropy
 
         self._pending = None

@@ -396,7 +396,8 @@ def _convert_sites(cfg: ConvertConfig, net, calib: list, held: list, select: lis
         print(
             f"--budget-nats {b.nats:g}: {len(front.converted)} of {len(front.order)} norms fit "
             f"(cross-entropy on the {n_select} validation sequences that select them {front.ce_original:.3f} -> "
-            f"{front.curve[-1]:.3f}; the held-out sequences below decide nothing); converted, cheapest "
+            f"{front.curve[-1]:.3f} in {front.precision.split(' (')[0]}; the held-out sequences below decide nothing); "
+            "converted, cheapest "
             f"first: {', '.join(front.converted) or 'none'}"
             + (f"; went past {len(front.passed)} over the budget" if front.passed else "")
             + "\n"
@@ -409,7 +410,7 @@ def _convert_sites(cfg: ConvertConfig, net, calib: list, held: list, select: lis
             )
         walk = {"budget_nats": b.nats, "selection_sequences": n_select,
                 "ce_original": front.ce_original, "ce_converted": front.curve[-1],
-                "converted": len(front.converted), "sites": len(front.order),
+                "converted": len(front.converted), "sites": len(front.order), "precision": front.precision,
                 "walk": {"kept": front.converted, "curve": front.curve, "passed": front.passed,
                          "deferred": front.deferred, "costs": front.costs,
                          "seconds": round(front.seconds, 1)}}  # fmt: skip
