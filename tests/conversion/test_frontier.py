@@ -299,7 +299,10 @@ def test_the_walks_precision_is_float32_where_bf16_does_not_run_natively_and_bf1
     """budget.precision: "float32" never autocasts; "auto" falls back to float32, saying why, on a CPU without
     native bf16 or where the bf16 probe fails; "bf16" refuses there, naming the field; the walk records which ran."""
     import normlab.errors
-    from normlab.conversion.frontier import frontier, walk_dtype
+    from normlab.conversion.batches import autocast_dtype
+    from normlab.conversion.frontier import frontier
+
+    walk_dtype = lambda precision, model: autocast_dtype(precision, model, "budget.precision")  # noqa: E731
 
     model = _peaked()
     assert walk_dtype("float32", model) == (None, "float32 (budget.precision=float32)")

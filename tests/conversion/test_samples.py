@@ -212,3 +212,58 @@ def test_calibration_on_the_models_own_samples_fits_on_them_and_is_measured_on_t
     fids = [json.loads((tmp_path / d / "fidelity.json").read_text()) for d in ("own", "text")]
     assert fids[0]["ce_original"] == fids[1]["ce_original"]  # the text's held-out end measures both
     assert json.loads((tmp_path / "own" / "convert_config.json").read_text())["calibrate"]["source"] == "self"
+
+
+@pytest.mark.parametrize("family", ["Llama", "Qwen3", "Gemma3"])
+def test_the_decode_steps_attention_gives_sdpas_logits_and_is_put_back(family):
+    """issue 48: `_fast_decode` replaces SDPA by two grouped matmuls for a one-token step that sees every key; each
+    step's logits equal SDPA's (GQA: 4 heads on 2 key-value heads; Gemma3's sliding window, 6 tokens here, hides
+    keys from step 7 on, where SDPA answers), and the model's attention is SDPA again after."""
+    from conftest import tiny_lm
+    from normlab.conversion.batches import cache_kwarg
+    from normlab.conversion.samples import _fast_decode
+
+    model = tiny_lm(family, layers=2, sliding_window=6) if family == "Gemma3" else tiny_lm(family, layers=2)
+    model.set_attn_implementation("sdpa")
+    key = cache_kwarg(model)
+
+    def decode(steps=10):
+        step, cache, out = torch.full((3, 1), 1), None, []
+        with torch.no_grad():
+            for i in range(steps):
+                o = model(input_ids=step, use_cache=True, **{key: cache})
+                cache, logits = o[key], o.logits[:, -1]
+                out.append(logits)
+                step = torch.tensor([[(7 * i + r) % 100] for r in range(3)])
+        return torch.stack(out)
+
+    plain = decode()
+    with _fast_decode(model):
+        assert model.config._attn_implementation == "normlab_decode"
+        fast = decode()
+    assert model.config._attn_implementation == "sdpa"
+    torch.testing.assert_close(fast, plain, atol=1e-5, rtol=1e-5)
+    assert not torch.equal(fast[1:6], plain[1:6])  # the matmuls ran: equal up to rounding, not bit for bit
+
+
+def test_the_inverse_cdf_draw_follows_the_softmax_and_never_draws_a_masked_token():
+    """`_draw_tokens`: 40,000 draws from one row's softmax(logits / T) land on each token at its probability (within
+    five standard errors), and a -inf token (a masked end-of-sequence) is never drawn."""
+    from normlab.conversion.samples import _draw_tokens
+
+    logits = torch.tensor([0.0, 1.0, -torch.inf, 2.0, -1.0])
+    n, temperature = 40_000, 1.5
+    got = _draw_tokens(logits.expand(n, -1).clone(), temperature, torch.Generator().manual_seed(0))
+    assert got.shape == (n, 1)
+    freq = torch.bincount(got[:, 0], minlength=5).double() / n
+    p = torch.softmax(logits.double() / temperature, -1)
+    assert freq[2] == 0 and (freq - p).abs().max() < 5 * (p * (1 - p) / n).sqrt().max()
+
+
+def test_the_sample_precision_names_the_set_and_bad_values_are_refused(model, tmp_path):
+    """heal.sample_precision: bf16 samples are another set (another cache file) than float32 ones; a bad value is
+    refused naming the field."""
+    a = SampleSet("f", 6, 8, 1).identity()
+    assert a["precision"] == "float32" and SampleSet("f", 6, 8, 1, precision="bf16").identity() != a
+    with pytest.raises(ValueError, match="heal.sample_precision"):
+        resolve_convert_config(["heal.sample_precision=fp16"])

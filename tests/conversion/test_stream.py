@@ -160,13 +160,12 @@ def test_a_replay_from_a_sites_block_measures_what_the_whole_model_measures():
 def test_a_bf16_replay_replays_its_own_passes_exactly_and_reads_near_float32():
     """BlockReplay(dtype=bf16), the budget walk's default where bf16 runs natively: a replay from a block equals a
     whole bf16 pass, and the bf16 cross-entropy is within bf16's rounding of the float32 one."""
-    from normlab.conversion.batches import swap
+    from normlab.conversion.batches import autocast_dtype, swap
     from normlab.conversion.fidelity import cross_entropy
-    from normlab.conversion.frontier import walk_dtype
     from normlab.conversion.stream import BlockReplay
 
     model = tiny_lm("Llama", layers=3)
-    if walk_dtype("auto", model)[0] is None:
+    if autocast_dtype("auto", model, "budget.precision")[0] is None:
         pytest.skip("bf16 does not run natively on this CPU")
     batches = id_batches(2, t=12)
     sites = [n for n, m in model.named_modules() if type(m).__name__ == "LlamaRMSNorm"]

@@ -1,5 +1,6 @@
 """Batches, for every part of conversion: what a batch may be, the one way a batch is run through a model, the one
-signal that ends a forward pass early, and the one way a submodule is swapped."""
+signal that ends a forward pass early, the one way a submodule is swapped, and the autocast a precision field asks
+for."""
 
 from __future__ import annotations
 
@@ -9,7 +10,17 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-__all__ = ["Stop", "as_batches", "cache_kwarg", "input_ids", "model_device", "run_batch", "run_hooked", "swap"]
+__all__ = [
+    "Stop",
+    "as_batches",
+    "autocast_dtype",
+    "cache_kwarg",
+    "input_ids",
+    "model_device",
+    "run_batch",
+    "run_hooked",
+    "swap",
+]
 
 
 class Stop(Exception):
@@ -65,6 +76,34 @@ def model_device(model: nn.Module) -> torch.device | None:
     """The device of ``model``'s first parameter (None without parameters): where its inputs go."""
     p = next(model.parameters(), None)
     return None if p is None else p.device
+
+
+def autocast_dtype(precision: str, model: nn.Module, key: str) -> tuple[torch.dtype | None, str]:
+    """The autocast dtype that the config field ``key`` (its value ``precision``: "auto", "float32" or "bf16") asks
+    for on ``model``'s device (None: float32), and why. "auto" takes bf16 where the device runs bf16 matmuls
+    natively: a GPU that supports bf16, or a CPU with AVX512-BF16 or AMX whose bf16 matmul runs in a child process
+    (`normlab.errors.check_cpu_bf16`); "bf16" insists, with a clear error where it cannot run."""
+    from normlab.errors import NormlabError, check_cpu_bf16
+
+    if precision == "float32":
+        return None, f"float32 ({key}=float32)"
+    device = model_device(model) or torch.device("cpu")
+    if device.type == "cuda":
+        if torch.cuda.is_bf16_supported():
+            return torch.bfloat16, f"bf16 autocast ({key}={precision}, a GPU with bf16)"
+        if precision == "bf16":
+            raise NormlabError(f"{key}=bf16: this GPU does not support bf16; use {key}=float32")
+        return None, f"float32 ({key}=auto: this GPU has no bf16)"
+    native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    if precision == "auto" and not native:
+        return None, f"float32 ({key}=auto: this CPU has neither AVX512-BF16 nor AMX)"
+    try:
+        check_cpu_bf16(what=f"{key}={precision}", instead=f"{key}=float32")
+    except NormlabError as e:
+        if precision == "bf16":
+            raise
+        return None, f"float32 ({key}=auto: {e})"
+    return torch.bfloat16, f"bf16 autocast ({key}={precision})"
 
 
 def input_ids(batch) -> torch.Tensor:

@@ -32,13 +32,13 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from normlab.conversion.batches import as_batches, model_device, swap
+from normlab.conversion.batches import as_batches, autocast_dtype, swap
 from normlab.conversion.config import BudgetConfig
 from normlab.conversion.convert import convert_norms
 from normlab.conversion.record import ConversionRecord
 from normlab.conversion.stream import BlockReplay, find_blocks
 
-__all__ = ["FEW_SELECTION", "Frontier", "frontier", "site_costs", "walk_dtype"]
+__all__ = ["FEW_SELECTION", "Frontier", "frontier", "site_costs"]
 
 # Fewer validation sequences than this select a budget walk's sites poorly: on SmolLM2 (DyISRU, per channel,
 # budget 0.4) 8 sequences kept 44 sites at +0.39 on them but +0.62 on 8 held-out ones and +0.55 on 32; 32 sequences
@@ -61,7 +61,7 @@ class Frontier:
     skip: bool = False  # the walk went past a site that broke the budget instead of stopping there
     passed: list[str] = field(default_factory=list)  # the sites it went past (skip=True)
     deferred: list[str] = field(default_factory=list)  # the sites put back once for rising steeply (budget.defer)
-    precision: str = "float32"  # the arithmetic of the walk's measurements, and why (walk_dtype)
+    precision: str = "float32"  # the arithmetic of the walk's measurements, and why (batches.autocast_dtype)
 
     def within(self, nats: float) -> int:
         """How many sites the greedy walk converts before the held-out cross-entropy first rises above
@@ -100,34 +100,6 @@ def site_costs(
         finally:
             swap(model, name, old)
     return costs
-
-
-def walk_dtype(precision: str, model: nn.Module) -> tuple[torch.dtype | None, str]:
-    """The autocast dtype of the walk's measurements for ``budget.precision`` (None: float32) and why. "auto" takes
-    bf16 where the model's device runs bf16 matmuls natively: a GPU that supports bf16, or a CPU with AVX512-BF16
-    or AMX whose bf16 matmul runs in a child process (`normlab.errors.check_cpu_bf16`); "bf16" insists, with a
-    clear error where it cannot run."""
-    from normlab.errors import NormlabError, check_cpu_bf16
-
-    if precision == "float32":
-        return None, "float32 (budget.precision=float32)"
-    device = model_device(model) or torch.device("cpu")
-    if device.type == "cuda":
-        if torch.cuda.is_bf16_supported():
-            return torch.bfloat16, f"bf16 autocast (budget.precision={precision}, a GPU with bf16)"
-        if precision == "bf16":
-            raise NormlabError("budget.precision=bf16: this GPU does not support bf16; use budget.precision=float32")
-        return None, "float32 (budget.precision=auto: this GPU has no bf16)"
-    native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-    if precision == "auto" and not native:
-        return None, "float32 (budget.precision=auto: this CPU has neither AVX512-BF16 nor AMX)"
-    try:
-        check_cpu_bf16(what=f"budget.precision={precision}", instead="budget.precision=float32")
-    except NormlabError as e:
-        if precision == "bf16":
-            raise
-        return None, f"float32 (budget.precision=auto: {e})"
-    return torch.bfloat16, f"bf16 autocast (budget.precision={precision})"
 
 
 def _note_budget(record, model, front: Frontier, originals: dict) -> None:
@@ -248,7 +220,7 @@ def frontier(
     import time
 
     budget, calib, held, rank = _checked(calibrate, held, budget)
-    dtype, precision = walk_dtype(budget.precision, model)
+    dtype, precision = autocast_dtype(budget.precision, model, "budget.precision")
     start = time.monotonic()
     fitted_model = copy.deepcopy(model)
     record = convert_norms(fitted_model, to, calibrate=calib, sequential=False, progress=progress, **convert_kwargs)
