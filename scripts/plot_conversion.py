@@ -21,8 +21,8 @@ ROWS = [
     ("calibrated per site\n(3b43a2e)", "3b43a2e", "calibrated"),
     ("calibrated per channel", "bbb5b7e", "calibrated, one beta"),
     ("budget walk, 51 of 61\n(8c977a9)", "8c977a9", "no heal: budget 0.4"),
-    ("budget walk, 36 of 61\n(f38cec9)", "f38cec9", "no heal: budget 0.4"),
-    ("budget walk, 49 of 61\n(now: defer=4)", "fe02fce", "no heal: budget 0.4"),
+    ("budget walk, 49 of 61\n(fe02fce: float32, defer=4)", "fe02fce", "no heal: budget 0.4"),
+    ("budget walk, 50 of 61\n(now: bf16 steps, defer=3)", "ad7114d", "no heal: budget 0.4"),
     ("self recipe, bf16\n(from nothing)", "2031abe", "self recipe from nothing"),
 ]
 
