@@ -5,7 +5,8 @@
 Each curve is a walk that converts the sites cheapest first and measures the held-out cross-entropy after each; each
 point is a walk that selected its sites on validation sequences and was measured on held-out ones. The entries
 were measured with the frontier study's former script (scripts/frontier_study.py, at the commits each entry
-records); `normlab study frontier` runs the same walks now, its cells' result.json holding each walk
+records), but for the command's walk as it runs now (``curve_validation``: `normlab study budget_walk --only
+walk`); `normlab study frontier` runs the same walks now, its cells' result.json holding each walk
 (`fidelity.budget_walk.walk`).
 """
 
@@ -27,6 +28,14 @@ def plot(results: dict, path: Path) -> None:
     fig, (ax, zoom) = plt.subplots(1, 2, figsize=(12, 6))
     markers = iter("os^vDP*X")
     for to, r in results.items():
+        if "curve_validation" in r:  # the command's walk: its curve on the sequences that chose, and its held-out end
+            rise = [c - r["ce_validation_original"] for c in r["curve_validation"]]
+            for a in (ax, zoom):
+                label = f"the command's walk now ({r['commit']}): {r['sites_kept']} sites, on validation"
+                a.plot(range(len(rise)), rise, color="k", ls="--", lw=1.2, label=label)
+            held = r["ce_held"] - r["ce_held_original"]
+            zoom.plot(r["sites_kept"], held, marker="*", ms=13, color="k", ls="", label=f"... held out: {held:+.2f}")
+            continue
         if "curve" not in r:  # a --select-on validation entry: one point, the sites kept and their held-out rise
             rise = r["ce_held"] - r["ce_held_original"]
             zoom.plot(

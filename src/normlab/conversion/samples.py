@@ -78,7 +78,7 @@ def _sees_all(mask) -> bool:
     return bool(mask.all()) if mask.dtype == torch.bool else bool((mask == 0).all())
 
 
-def _decode_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+def _decode_attention(module, query, key, value, attention_mask, **kwargs):
     """Attention for one query position that sees every key (a decode step without padding), as two matmuls with the
     query heads grouped by their key/value head: SDPA's answer, faster on the CPU (bf16 SDPA spent 5.8 ms a layer at
     128 keys where this takes 0.4). Anything else (a prompt, a mask that hides keys, a soft cap, sinks) is SDPA's."""
@@ -87,9 +87,15 @@ def _decode_attention(module, query, key, value, attention_mask, dropout: float 
     b, h, q, d = query.shape
     kv = key.shape[1]
     extras = any(kwargs.get(k) is not None for k in ("softcap", "s_aux", "sinks", "position_bias"))
-    if q != 1 or dropout or h % kv or extras or (attention_mask is not None and not _sees_all(attention_mask)):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
-    scale = d**-0.5 if scaling is None else scaling
+    if (
+        q != 1
+        or kwargs.get("dropout")
+        or h % kv
+        or extras
+        or (attention_mask is not None and not _sees_all(attention_mask))
+    ):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    scale = d**-0.5 if kwargs.get("scaling") is None else kwargs["scaling"]
     w = torch.softmax((query.reshape(b, kv, h // kv, d) @ key.transpose(-1, -2)).float() * scale, -1)
     out = (w.to(value.dtype) @ value).reshape(b, h, 1, value.shape[-1])
     return out.transpose(1, 2).contiguous(), None
