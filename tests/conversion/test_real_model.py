@@ -103,7 +103,7 @@ def test_smollm2_budget_nats_converts_only_what_fits(smollm2):
 
     model, calib, held, _ = smollm2
     conv = copy.deepcopy(model)
-    plain = BudgetConfig(nats=0.1, walk="stop", refit_every=0, rank_batches=1)
+    plain = BudgetConfig(nats=0.1, walk="stop", refit_every=0, rank_batches=1, precision="float32")  # the float32 check
     front, record = frontier(conv, "dyisru", calib, held, budget=plain, progress=False)
     assert 1 <= len(front.converted) < 61, front.curve
     assert cross_entropy(conv, held) <= front.ce_original + 0.1 + 1e-9
