@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from normlab.conversion.batches import as_batches, input_ids, run_batch
+from normlab.conversion.batches import as_batches, autocast_dtype, input_ids, run_batch
 from normlab.conversion.config import HealConfig, flag
 from normlab.conversion.heal_blocks import blocks
 from normlab.conversion.heal_run import (
@@ -67,7 +67,7 @@ from normlab.conversion.lora import add_lora, merge_lora
 from normlab.conversion.record import ConversionRecord
 from normlab.conversion.samples import MixedStream
 from normlab.conversion.teacher import TeacherCache
-from normlab.errors import check_cpu_bf16, check_memory
+from normlab.errors import check_memory
 
 __all__ = [
     "heal",
@@ -201,8 +201,8 @@ def heal(
     logits = original.get_output_embeddings() if hasattr(original, "get_output_embeddings") else None
     vocab = logits.out_features if isinstance(logits, nn.Linear) else 0
     check_heal_resources(cfg, converted, stream.seq_len, vocab)
-    if cfg.precision == "bf16" and next(converted.parameters()).device.type == "cpu":
-        check_cpu_bf16(what="heal.precision=bf16", instead="heal.precision=float32")
+    if cfg.precision == "bf16":  # refused where it cannot run, before any step (the one resolver of a precision)
+        autocast_dtype("bf16", converted, "heal.precision")
     sites = (
         [s.name for s in record.sites]
         if record is not None
