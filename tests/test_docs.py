@@ -282,3 +282,63 @@ def test_scripts_import_only_modules_of_the_api_reference():
     undocumented = {m: s for m, s in used.items() if m not in documented | packages}
     assert not undocumented, undocumented
     assert "normlab.conversion.convert" in documented and len(used) >= 10  # the check sees the scripts' imports
+
+
+# The modules whose every public function and class documents each parameter in an Args section, rendered by
+# mkdocstrings as a table (docs/api): the library's front door first; the list grows as modules are written up.
+ARGS_DOCUMENTED = ("normlab", "normlab.functional", "normlab.modules", "normlab.elementwise", "normlab.arguments",
+                   "normlab.registry")
+
+
+def undocumented_args(obj) -> list[str]:
+    """The parameters of a function (or a class's constructor) that its docstring's Args section does not name."""
+    import dataclasses
+    import inspect
+    import re
+
+    target = obj.__init__ if inspect.isclass(obj) else obj
+    if inspect.isclass(obj) and dataclasses.is_dataclass(obj):
+        return []  # a config: its fields carry their own docstrings
+    try:
+        params = [p for p in inspect.signature(target).parameters if p not in ("self", "cls") and not p.startswith("_")]
+    except (TypeError, ValueError):
+        return []
+    params = [p for p in params if inspect.signature(target).parameters[p].kind not in (
+        inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)]  # fmt: skip
+    doc = inspect.getdoc(obj) or ""
+    section = re.search(r"^(?:Args|Attributes):\n((?:    .*\n?|\n)*)", doc, re.M)
+    named = set(re.findall(r"^    (\w+)(?: \(.*?\))?:", section.group(1), re.M)) if section else set()
+    return [p for p in params if p not in named]
+
+
+@pytest.mark.parametrize("module", ARGS_DOCUMENTED)
+def test_every_public_parameter_is_in_an_args_table(module):
+    import importlib
+    import inspect
+
+    mod = importlib.import_module(module)
+    missing = {}
+    for name in mod.__all__:
+        obj = getattr(mod, name)
+        if (inspect.isfunction(obj) or inspect.isclass(obj)) and (gaps := undocumented_args(obj)):
+            missing[name] = gaps
+    assert not missing, f"{module}: parameters missing from the Args section: {missing}"
+
+
+def test_the_args_check_fails_on_a_missing_parameter():
+    def documented(a: int, b: int) -> int:
+        """Sum.
+
+        Args:
+            a: One.
+            b: Two.
+        """
+
+    def half(a: int, b: int) -> int:
+        """Sum.
+
+        Args:
+            a: One.
+        """
+
+    assert undocumented_args(documented) == [] and undocumented_args(half) == ["b"]

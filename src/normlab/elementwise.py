@@ -12,8 +12,9 @@ from torch import Tensor, nn
 
 from normlab import functional as FN
 from normlab import kernels as K
+from normlab.arguments import check_dim, check_finite, check_flag, check_positive_finite, kernel_choice
 from normlab.kernels import cpu
-from normlab.modules import NormModule, check_dim, check_finite, check_flag, check_positive_finite, kernel_choice
+from normlab.modules import NormModule
 
 __all__ = [
     "DyT",
@@ -43,8 +44,8 @@ class _DyTFamily(NormModule):
         per_channel_alpha: bool = False,
         bias: bool = True,
         channel_dim: int = -1,
-        device=None,
-        dtype=None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__(dim, weight=True, bias=bias, channel_dim=channel_dim, device=device, dtype=dtype)
         self.alpha_init = check_finite(alpha_init, "alpha_init", type(self).__name__)
@@ -65,9 +66,17 @@ class _DyTFamily(NormModule):
 
 
 class DyT(_DyTFamily):
-    """DyT; ``kernel="auto"`` runs the Triton kernel on CUDA tensors and the fused CPU path on CPU tensors."""
+    """DyT; ``kernel="auto"`` runs the Triton kernel on CUDA tensors and the fused CPU path on CPU tensors.
 
-    def __init__(self, dim: int, *, kernel: str = "auto", **kwargs) -> None:
+    Args:
+        dim: The number of channels C: the size of the normalized axis.
+        kernel: "auto" runs Triton on CUDA tensors and the fused C++ op on CPU tensors; "triton", "cpu" or
+            "reference" (`normlab.functional`) forces one path.
+        **kwargs: The DyT family's keywords: ``alpha_init`` (0.5, Zhu et al.), ``per_channel_alpha`` (False: one
+            alpha; True: one per channel), ``bias`` (True), ``channel_dim`` (-1), ``device``, ``dtype``.
+    """
+
+    def __init__(self, dim: int, *, kernel: str = "auto", **kwargs: object) -> None:
         self.kernel = kernel_choice(kernel, "DyT")
         super().__init__(dim, **kwargs)
 
@@ -86,9 +95,18 @@ class DyT(_DyTFamily):
 class Derf(_DyTFamily):
     """Derf: weight * erf(alpha * x + shift) + bias (arXiv 2512.10938), a learnable scalar shift (per channel
     with ``per_channel_alpha``); alpha0 = 0.5 and shift0 = 0 as published. ``kernel="auto"`` runs the Triton
-    kernel on CUDA tensors and the fused CPU path on CPU tensors."""
+    kernel on CUDA tensors and the fused CPU path on CPU tensors.
 
-    def __init__(self, dim: int, *, shift_init: float = 0.0, kernel: str = "auto", **kwargs) -> None:
+    Args:
+        dim: The number of channels C: the size of the normalized axis.
+        shift_init: The initial shift inside erf.
+        kernel: "auto" runs Triton on CUDA tensors and the fused C++ op on CPU tensors; "triton", "cpu" or
+            "reference" (`normlab.functional`) forces one path.
+        **kwargs: The DyT family's keywords: ``alpha_init`` (0.5, Zhu et al.), ``per_channel_alpha`` (False: one
+            alpha; True: one per channel), ``bias`` (True), ``channel_dim`` (-1), ``device``, ``dtype``.
+    """
+
+    def __init__(self, dim: int, *, shift_init: float = 0.0, kernel: str = "auto", **kwargs: object) -> None:
         self.shift_init = check_finite(shift_init, "shift_init", "Derf")
         self.kernel = kernel_choice(kernel, "Derf")
         super().__init__(dim, **kwargs)
@@ -115,15 +133,50 @@ class Derf(_DyTFamily):
 
 
 class DyTHardtanh(_DyTFamily):
+    """DyT with hardtanh for tanh (`normlab.functional.dyt_hardtanh`).
+
+    Args:
+        dim: The number of channels C: the size of the normalized axis.
+        alpha_init: The initial alpha, a finite number.
+        per_channel_alpha: One alpha per channel instead of one for the layer.
+        bias: Whether the layer has the channel shift beta (a learnable (C,) vector, initialised to 0).
+        channel_dim: The axis of the channels: -1 (the last, as in a transformer) or another, e.g. 1 for NCHW
+            images.
+        device: Where the parameters are created.
+        dtype: The parameters' dtype.
+    """
+
     _fn = staticmethod(FN.dyt_hardtanh)
 
 
 class DyTSigmoid(_DyTFamily):
+    """DyT with 2 sigmoid - 1 for tanh (`normlab.functional.dyt_sigmoid`).
+
+    Args:
+        dim: The number of channels C: the size of the normalized axis.
+        alpha_init: The initial alpha, a finite number.
+        per_channel_alpha: One alpha per channel instead of one for the layer.
+        bias: Whether the layer has the channel shift beta (a learnable (C,) vector, initialised to 0).
+        channel_dim: The axis of the channels: -1 (the last, as in a transformer) or another, e.g. 1 for NCHW
+            images.
+        device: Where the parameters are created.
+        dtype: The parameters' dtype.
+    """
+
     _fn = staticmethod(FN.dyt_sigmoid)
 
 
 class DyTRMSDenominator(_DyTFamily):
-    def __init__(self, dim: int, *, eps: float = FN.EPS, **kwargs) -> None:
+    """DyT of the RMS-normalized input (`normlab.functional.dyt_rms_denominator`).
+
+    Args:
+        dim: The number of channels C: the size of the normalized axis.
+        eps: Added to the mean square under the root.
+        **kwargs: The DyT family's keywords: ``alpha_init`` (0.5, Zhu et al.), ``per_channel_alpha`` (False: one
+            alpha; True: one per channel), ``bias`` (True), ``channel_dim`` (-1), ``device``, ``dtype``.
+    """
+
+    def __init__(self, dim: int, *, eps: float = FN.EPS, **kwargs: object) -> None:
         self.eps = check_positive_finite(eps, "eps", "DyTRMSDenominator")
         super().__init__(dim, **kwargs)
 
@@ -133,9 +186,18 @@ class DyTRMSDenominator(_DyTFamily):
 
 
 class ScaledDyT(_DyTFamily):
-    """sqrt(C) * tanh(alpha * x) (the DyISRU paper eq. 12), or sqrt(C-1) with ``scale="C-1"``."""
+    """sqrt(C) * tanh(alpha * x) (the DyISRU paper eq. 12), or sqrt(C-1) with ``scale="C-1"``.
 
-    def __init__(self, dim: int, *, scale: FN.Scale = "C", kernel: str = "auto", **kwargs) -> None:
+    Args:
+        dim: The number of channels C: the size of the normalized axis.
+        scale: "C" for sqrt(C), "C-1" for sqrt(C-1).
+        kernel: "auto" runs Triton on CUDA tensors and the fused C++ op on CPU tensors; "triton", "cpu" or
+            "reference" (`normlab.functional`) forces one path.
+        **kwargs: The DyT family's keywords: ``alpha_init`` (0.5, Zhu et al.), ``per_channel_alpha`` (False: one
+            alpha; True: one per channel), ``bias`` (True), ``channel_dim`` (-1), ``device``, ``dtype``.
+    """
+
+    def __init__(self, dim: int, *, scale: FN.Scale = "C", kernel: str = "auto", **kwargs: object) -> None:
         FN.channel_scale(max(check_dim(dim, "ScaledDyT"), 2), scale)  # validates the name
         self.scale = scale
         self.kernel = kernel_choice(kernel, "ScaledDyT")
@@ -157,7 +219,24 @@ class ScaledDyT(_DyTFamily):
 
 
 class TanhFixed(NormModule):
-    def __init__(self, dim: int, *, channel_dim: int = -1, device=None, dtype=None) -> None:
+    """tanh(x) times a channel gain, no alpha (`normlab.functional.tanh_fixed`).
+
+    Args:
+        dim: The number of channels C: the size of the normalized axis.
+        channel_dim: The axis of the channels: -1 (the last, as in a transformer) or another, e.g. 1 for NCHW
+            images.
+        device: Where the parameters are created.
+        dtype: The parameters' dtype.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        *,
+        channel_dim: int = -1,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__(dim, weight=True, bias=False, channel_dim=channel_dim, device=device, dtype=dtype)
         self.reset_parameters()
 
@@ -167,7 +246,26 @@ class TanhFixed(NormModule):
 
 
 class LayerScale(NormModule):
-    def __init__(self, dim: int, *, bias: bool = True, channel_dim: int = -1, device=None, dtype=None) -> None:
+    """The channel affine alone, weight * x + bias (`normlab.functional.layer_scale`).
+
+    Args:
+        dim: The number of channels C: the size of the normalized axis.
+        bias: Whether the layer has the channel shift beta (a learnable (C,) vector, initialised to 0).
+        channel_dim: The axis of the channels: -1 (the last, as in a transformer) or another, e.g. 1 for NCHW
+            images.
+        device: Where the parameters are created.
+        dtype: The parameters' dtype.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        *,
+        bias: bool = True,
+        channel_dim: int = -1,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__(dim, weight=True, bias=bias, channel_dim=channel_dim, device=device, dtype=dtype)
         self.reset_parameters()
 
@@ -177,8 +275,27 @@ class LayerScale(NormModule):
 
 
 class SignSqrt(NormModule):
+    """sign(x) sqrt(|x| + eps), then the affine (`normlab.functional.sign_sqrt`).
+
+    Args:
+        dim: The number of channels C: the size of the normalized axis.
+        eps: Added to |x| under the root.
+        bias: Whether the layer has the channel shift beta (a learnable (C,) vector, initialised to 0).
+        channel_dim: The axis of the channels: -1 (the last, as in a transformer) or another, e.g. 1 for NCHW
+            images.
+        device: Where the parameters are created.
+        dtype: The parameters' dtype.
+    """
+
     def __init__(
-        self, dim: int, *, eps: float = 1e-6, bias: bool = True, channel_dim: int = -1, device=None, dtype=None
+        self,
+        dim: int,
+        *,
+        eps: float = 1e-6,
+        bias: bool = True,
+        channel_dim: int = -1,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__(dim, weight=True, bias=bias, channel_dim=channel_dim, device=device, dtype=dtype)
         self.eps = check_positive_finite(eps, "eps", "SignSqrt")
@@ -208,8 +325,8 @@ class _ISRUFamily(NormModule):
         scale: FN.Scale | None = None,
         bias: bool = True,
         channel_dim: int = -1,
-        device=None,
-        dtype=None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__(dim, weight=True, bias=bias, channel_dim=channel_dim, device=device, dtype=dtype)
         self.beta_init = check_positive_finite(beta_init, "beta_init", type(self).__name__)
@@ -243,11 +360,20 @@ class _ISRUFamily(NormModule):
 
 
 class DyISRU(_ISRUFamily):
-    """sqrt(C) * x / sqrt(beta + x^2) (the DyISRU paper eq. 16); ``kernel="auto"`` fuses it on CUDA and CPU tensors."""
+    """sqrt(C) * x / sqrt(beta + x^2) (the DyISRU paper eq. 16); ``kernel="auto"`` fuses it on CUDA and CPU tensors.
+
+    Args:
+        dim: The number of channels C: the size of the normalized axis.
+        kernel: "auto" runs Triton on CUDA tensors and the fused C++ op on CPU tensors; "triton", "cpu" or
+            "reference" (`normlab.functional`) forces one path.
+        **kwargs: The ISRU family's keywords: ``beta_init`` (4.0 = 1 / 0.5**2, DyT's slope at 0),
+            ``per_channel_beta`` (False), ``scale`` ("C" for sqrt(C), "C-1" for sqrt(C-1)), ``bias`` (True),
+            ``channel_dim`` (-1), ``device``, ``dtype``.
+    """
 
     _default_scale, _op = "C", "dyisru"
 
-    def __init__(self, dim: int, *, kernel: str = "auto", **kwargs) -> None:
+    def __init__(self, dim: int, *, kernel: str = "auto", **kwargs: object) -> None:
         self.kernel = kernel_choice(kernel, "DyISRU")
         super().__init__(dim, **kwargs)
 
@@ -260,11 +386,18 @@ class ELN(_ISRUFamily):
     """sqrt(C-1) * (x - mu) / sqrt(beta + (x - mu)^2) (the ELN paper eq. 13); not point-wise: mu couples channels.
 
     ``kernel="auto"`` runs the fused CPU path on CPU tensors (there is no Triton kernel for ELN).
+
+    Args:
+        dim: The number of channels C: the size of the normalized axis.
+        kernel: "auto" runs the fused C++ op on CPU tensors; "cpu" or "reference" forces one path.
+        **kwargs: The ISRU family's keywords: ``beta_init`` (4.0 = 1 / 0.5**2, DyT's slope at 0),
+            ``per_channel_beta`` (False), ``scale`` ("C" for sqrt(C), "C-1" for sqrt(C-1)), ``bias`` (True),
+            ``channel_dim`` (-1), ``device``, ``dtype``.
     """
 
     _default_scale, _op = "C-1", "eln"
 
-    def __init__(self, dim: int, *, kernel: str = "auto", **kwargs) -> None:
+    def __init__(self, dim: int, *, kernel: str = "auto", **kwargs: object) -> None:
         self.kernel = kernel_choice(kernel, "ELN", ("auto", "cpu", "reference"))
         super().__init__(dim, **kwargs)
 

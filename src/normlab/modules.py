@@ -20,14 +20,13 @@ RMSNorm's gain at an input std sigma0 instead, use beta_init = C * sigma0**2.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from normlab import functional as FN
 from normlab import kernels as K
+from normlab.arguments import check_dim, check_finite, check_flag, check_positive_finite, kernel_choice
 
 __all__ = [
     "prime_running_stats",
@@ -40,60 +39,33 @@ __all__ = [
     "RMSEMA",
     "RMSPartialCoupling",
     "NormModule",
-    "check_real",
-    "check_positive_finite",
-    "check_finite",
-    "check_flag",
-    "check_dim",
-    "kernel_choice",
 ]
-
-
-_FLOAT32_MAX = torch.finfo(torch.float32).max
-
-
-def check_real(value, name: str, owner: str) -> float | None:
-    """A finite real number a float32 parameter can hold (True is not a number here)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        return None
-    if abs(value) > _FLOAT32_MAX:
-        raise ValueError(
-            f"{owner}: expected {name} at most {_FLOAT32_MAX:.3g} in magnitude (float32's largest), got {value!r}"
-        )
-    return float(value)
-
-
-def check_positive_finite(value: float, name: str, owner: str) -> float:
-    v = check_real(value, name, owner)
-    if v is None or v <= 0:
-        raise ValueError(f"{owner}: expected {name} to be a finite number > 0, got {value!r}")
-    return v
-
-
-def check_finite(value: float, name: str, owner: str) -> float:
-    v = check_real(value, name, owner)
-    if v is None:
-        raise ValueError(f"{owner}: expected {name} to be a finite number, got {value!r}")
-    return v
-
-
-def check_flag(value, name: str, owner: str) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"{owner}: expected {name} to be True or False, got {value!r}")
-    return value
-
-
-def check_dim(dim, owner: str) -> int:
-    if not isinstance(dim, int) or isinstance(dim, bool) or dim < 1:
-        raise ValueError(f"{owner}: expected dim (the number of channels) to be an int >= 1, got {dim!r}")
-    return dim
 
 
 class NormModule(nn.Module):
     """The base of every normlab norm: ``dim``, the input check, the optional channel affine. ``isinstance(m,
-    NormModule)`` tells normlab's norms from a model's own."""
+    NormModule)`` tells normlab's norms from a model's own.
 
-    def __init__(self, dim: int, *, weight: bool, bias: bool, channel_dim: int = -1, device=None, dtype=None) -> None:
+    Args:
+        dim: The number of channels C: the size of the normalized axis.
+        weight: Whether the layer has the channel gain gamma (a learnable (C,) vector, initialised to 1).
+        bias: Whether the layer has the channel shift beta (a learnable (C,) vector, initialised to 0).
+        channel_dim: The axis of the channels: -1 (the last, as in a transformer) or another, e.g. 1 for NCHW
+            images.
+        device: Where the parameters are created.
+        dtype: The parameters' dtype.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        *,
+        weight: bool,
+        bias: bool,
+        channel_dim: int = -1,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__()
         self.dim = check_dim(dim, type(self).__name__)
         if isinstance(channel_dim, bool) or not isinstance(channel_dim, int):
@@ -142,7 +114,18 @@ class NormModule(nn.Module):
 # statistic norms
 # --------------------------------------------------------------------------
 class LayerNorm(NormModule):
-    """LayerNorm; ``kernel="auto"`` runs PyTorch's fused op (``F.layer_norm``) on every device."""
+    """LayerNorm; ``kernel="auto"`` runs PyTorch's fused op (``F.layer_norm``) on every device.
+
+    Args:
+        dim: The number of channels C: the size of the normalized axis.
+        eps: Added to the variance under the root.
+        bias: Whether the layer has the channel shift beta (a learnable (C,) vector, initialised to 0).
+        kernel: "auto" runs PyTorch's fused op; "reference" runs `normlab.functional.layer_norm`.
+        channel_dim: The axis of the channels: -1 (the last, as in a transformer) or another, e.g. 1 for NCHW
+            images.
+        device: Where the parameters are created.
+        dtype: The parameters' dtype.
+    """
 
     def __init__(
         self,
@@ -152,8 +135,8 @@ class LayerNorm(NormModule):
         bias: bool = True,
         kernel: str = "auto",
         channel_dim: int = -1,
-        device=None,
-        dtype=None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         self.kernel = kernel_choice(kernel, "LayerNorm", ("auto", "reference"))
         super().__init__(dim, weight=True, bias=bias, channel_dim=channel_dim, device=device, dtype=dtype)
@@ -177,7 +160,15 @@ class _ScaleNorm(NormModule):
 
     _fn = staticmethod(FN.rms_norm)
 
-    def __init__(self, dim: int, *, eps: float = FN.EPS, channel_dim: int = -1, device=None, dtype=None) -> None:
+    def __init__(
+        self,
+        dim: int,
+        *,
+        eps: float = FN.EPS,
+        channel_dim: int = -1,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__(dim, weight=True, bias=False, channel_dim=channel_dim, device=device, dtype=dtype)
         self.eps = check_positive_finite(eps, "eps", type(self).__name__)
         self.reset_parameters()
@@ -190,18 +181,29 @@ class _ScaleNorm(NormModule):
         return f"{self.dim}, eps={self.eps}"
 
 
-def kernel_choice(kernel: str, owner: str, choices: tuple[str, ...] | None = None) -> str:
-    choices = choices or K.KERNEL_CHOICES
-    if kernel not in choices:
-        raise ValueError(f"{owner}: expected kernel in {choices}, got {kernel!r}")
-    return kernel
-
-
 class RMSNorm(_ScaleNorm):
-    """RMSNorm; ``kernel="auto"`` runs the Triton kernel on CUDA tensors and the fused CPU path on CPU tensors."""
+    """RMSNorm; ``kernel="auto"`` runs the Triton kernel on CUDA tensors and the fused CPU path on CPU tensors.
+
+    Args:
+        dim: The number of channels C: the size of the normalized axis.
+        eps: Added to the mean square under the root.
+        kernel: "auto" runs Triton on CUDA tensors and the fused C++ op on CPU tensors; "triton", "cpu" or
+            "reference" (`normlab.functional`) forces one path.
+        channel_dim: The axis of the channels: -1 (the last, as in a transformer) or another, e.g. 1 for NCHW
+            images.
+        device: Where the parameters are created.
+        dtype: The parameters' dtype.
+    """
 
     def __init__(
-        self, dim: int, *, eps: float = FN.EPS, kernel: str = "auto", channel_dim: int = -1, device=None, dtype=None
+        self,
+        dim: int,
+        *,
+        eps: float = FN.EPS,
+        kernel: str = "auto",
+        channel_dim: int = -1,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         self.kernel = kernel_choice(kernel, "RMSNorm")
         super().__init__(dim, eps=eps, channel_dim=channel_dim, device=device, dtype=dtype)
@@ -218,20 +220,72 @@ class RMSNorm(_ScaleNorm):
 
 
 class L1Norm(_ScaleNorm):
+    """L1Norm: x over its mean absolute value (`normlab.functional.l1_norm`).
+
+    Args:
+        dim: The number of channels C: the size of the normalized axis.
+        eps: Added to the mean absolute value.
+        channel_dim: The axis of the channels: -1 (the last, as in a transformer) or another, e.g. 1 for NCHW
+            images.
+        device: Where the parameters are created.
+        dtype: The parameters' dtype.
+    """
+
     _fn = staticmethod(FN.l1_norm)
 
 
 class LMaxNorm(_ScaleNorm):
+    """LMaxNorm: x over its largest absolute value (`normlab.functional.lmax_norm`).
+
+    Args:
+        dim: The number of channels C: the size of the normalized axis.
+        eps: Added to the largest absolute value.
+        channel_dim: The axis of the channels: -1 (the last, as in a transformer) or another, e.g. 1 for NCHW
+            images.
+        device: Where the parameters are created.
+        dtype: The parameters' dtype.
+    """
+
     _fn = staticmethod(FN.lmax_norm)
 
 
 class RMSDetached(_ScaleNorm):
+    """RMSNorm with no gradient through its denominator (`normlab.functional.rms_detached`).
+
+    Args:
+        dim: The number of channels C: the size of the normalized axis.
+        eps: Added to the mean square under the root.
+        channel_dim: The axis of the channels: -1 (the last, as in a transformer) or another, e.g. 1 for NCHW
+            images.
+        device: Where the parameters are created.
+        dtype: The parameters' dtype.
+    """
+
     _fn = staticmethod(FN.rms_detached)
 
 
 class GroupRMS(_ScaleNorm):
+    """RMSNorm over groups of consecutive channels (`normlab.functional.group_rms`).
+
+    Args:
+        dim: The number of channels C: the size of the normalized axis.
+        group_size: Channels per group; the last group holds the remainder.
+        eps: Added to the mean square under the root.
+        channel_dim: The axis of the channels: -1 (the last, as in a transformer) or another, e.g. 1 for NCHW
+            images.
+        device: Where the parameters are created.
+        dtype: The parameters' dtype.
+    """
+
     def __init__(
-        self, dim: int, *, group_size: int = 8, eps: float = FN.EPS, channel_dim: int = -1, device=None, dtype=None
+        self,
+        dim: int,
+        *,
+        group_size: int = 8,
+        eps: float = FN.EPS,
+        channel_dim: int = -1,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 1:
             raise ValueError(f"GroupRMS: expected group_size to be an int >= 1, got {group_size!r}")
@@ -247,10 +301,27 @@ class GroupRMS(_ScaleNorm):
 
 
 class RMSPartialCoupling(_ScaleNorm):
-    """RMSNorm whose backward keeps a fraction ``lam`` of the coupling term (``lam=1`` is exact)."""
+    """RMSNorm whose backward keeps a fraction ``lam`` of the coupling term (``lam=1`` is exact).
+
+    Args:
+        dim: The number of channels C: the size of the normalized axis.
+        lam: The coupling term's share of the backward (1: RMSNorm's exact gradient, 0: RMSDetached's).
+        eps: Added to the mean square under the root.
+        channel_dim: The axis of the channels: -1 (the last, as in a transformer) or another, e.g. 1 for NCHW
+            images.
+        device: Where the parameters are created.
+        dtype: The parameters' dtype.
+    """
 
     def __init__(
-        self, dim: int, *, lam: float = 1.0, eps: float = FN.EPS, channel_dim: int = -1, device=None, dtype=None
+        self,
+        dim: int,
+        *,
+        lam: float = 1.0,
+        eps: float = FN.EPS,
+        channel_dim: int = -1,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         self.lam = check_finite(lam, "lam", "RMSPartialCoupling")
         super().__init__(dim, eps=eps, channel_dim=channel_dim, device=device, dtype=dtype)
@@ -272,10 +343,26 @@ class RMSEMA(_ScaleNorm):
     the first call sets it. Eval mode only reads it. No gradient flows through it.
     The update is computed in float32 whatever the module's dtype, and a batch whose mean is not
     finite (a NaN or Inf token) leaves the running mean as it was.
+
+    Args:
+        dim: The number of channels C: the size of the normalized axis.
+        momentum: The running mean's step, in (0, 1].
+        eps: Added to the mean square under the root.
+        channel_dim: The axis of the channels: -1 (the last, as in a transformer) or another, e.g. 1 for NCHW
+            images.
+        device: Where the parameters are created.
+        dtype: The parameters' dtype.
     """
 
     def __init__(
-        self, dim: int, *, momentum: float = 0.01, eps: float = FN.EPS, channel_dim: int = -1, device=None, dtype=None
+        self,
+        dim: int,
+        *,
+        momentum: float = 0.01,
+        eps: float = FN.EPS,
+        channel_dim: int = -1,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0.0 < momentum <= 1.0:
             raise ValueError(f"RMSEMA: expected momentum in (0, 1], got {momentum!r}")
@@ -307,11 +394,17 @@ class RMSEMA(_ScaleNorm):
 
 
 @torch.no_grad()
-def prime_running_stats(model: nn.Module, *inputs, **kwargs) -> int:
+def prime_running_stats(model: nn.Module, *inputs: object, **kwargs: object) -> int:
     """Set every not yet initialised running statistic (RMSEMA's mean of x^2) from one forward of ``inputs``, as
     the first training step would, and leave the model's mode as it was; returns how many modules were primed.
     What reads a model at init (``normlab predict``, ``normlab jacobian``) must see what training sees, not the
-    placeholder 1.0."""
+    placeholder 1.0.
+
+    Args:
+        model: The model whose RMSEMA modules are primed.
+        *inputs: Its forward's positional inputs.
+        **kwargs: Its forward's keyword inputs.
+    """
     fresh = [m for m in model.modules() if isinstance(m, RMSEMA) and not bool(m.initialized)]
     if not fresh:
         return 0

@@ -59,7 +59,16 @@ def register(
     centred: bool = False,
     also_fits: tuple[str, ...] = (),
 ):
-    """Class decorator (or a call): add a layer to the registry under a lower-case ``name``."""
+    """Class decorator (or a call): add a layer to the registry under a lower-case ``name``.
+
+    Args:
+        name: The lower-case registry name, unique.
+        pointwise: Output channel i depends on x_i alone.
+        exact_grad: The backward is the forward's derivative.
+        fits: The parameter a conversion calibrates, or None.
+        centred: The formula acts on x - mean(x).
+        also_fits: Parameters a calibration fits from their init.
+    """
 
     def deco(cls: type[nn.Module]) -> type[nn.Module]:
         if name != name.lower() or name in _REGISTRY:
@@ -102,7 +111,11 @@ def list_norms() -> list[str]:
 
 
 def norm_spec(name: str) -> NormSpec:
-    """The `NormSpec` of ``name``; an unknown name raises a ValueError listing the valid ones."""
+    """The `NormSpec` of ``name``; an unknown name raises a ValueError listing the valid ones.
+
+    Args:
+        name: A registry name, as `list_norms` gives them ("dyt", "dyisru", ...).
+    """
     if not isinstance(name, str) or name not in _REGISTRY:
         close = difflib.get_close_matches(str(name), _REGISTRY, n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
@@ -111,7 +124,11 @@ def norm_spec(name: str) -> NormSpec:
 
 
 def init_kwargs(name: str) -> list[str]:
-    """The keyword arguments that ``create_norm(name, dim, ...)`` accepts."""
+    """The keyword arguments that ``create_norm(name, dim, ...)`` accepts.
+
+    Args:
+        name: A registry name, as `list_norms` gives them.
+    """
     return list(_class_kwargs(norm_spec(name).cls))
 
 
@@ -130,7 +147,12 @@ def _class_kwargs(cls: type[nn.Module]) -> tuple[str, ...]:
 
 
 def accepted_kwargs(name: str, kwargs: dict) -> dict:
-    """The items of ``kwargs`` that ``create_norm(name, ...)`` accepts (one init shared by several norms)."""
+    """The items of ``kwargs`` that ``create_norm(name, ...)`` accepts (one init shared by several norms).
+
+    Args:
+        name: A registry name, as `list_norms` gives them.
+        kwargs: Keyword arguments meant for several norms.
+    """
     valid = init_kwargs(name)
     return {k: v for k, v in kwargs.items() if k in valid}
 

@@ -28,6 +28,7 @@ from normlab.conversion.first_token import FirstToken
 __all__ = ["MODELING_FILE", "PortableError", "auto_classes", "site_spec", "modeling_source", "write_portable"]
 
 MODELING_FILE = "modeling_normlab.py"
+FUNCTIONAL_FILES = ("common.py", "statistic.py", "pointwise.py")  # normlab.functional's, shared helpers first
 
 
 class PortableError(ValueError):
@@ -66,33 +67,39 @@ def _formulas(spec: dict) -> set[str]:
 
 
 def _functional_text(names: set[str]) -> str:
-    """The imports of `normlab.functional`, then each top-level definition that ``names`` need (the formulas, their
-    decorator, the helpers and constants they read), in the module's own order and text."""
-    source = Path(FN.__file__).read_text()
-    tree = ast.parse(source)
-    defs: dict[str, ast.stmt] = {}
-    imports = []
-    for node in tree.body:
-        if isinstance(node, (ast.Import, ast.ImportFrom)) and not (
-            isinstance(node, ast.ImportFrom) and node.module == "__future__"
-        ):
-            imports.append(ast.get_source_segment(source, node))
-        elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
-            defs[node.name] = node
-        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
-            for t in node.targets if isinstance(node, ast.Assign) else [node.target]:
-                if isinstance(t, ast.Name):
-                    defs[t.id] = node
+    """The imports of `normlab.functional`'s modules, then each top-level definition that ``names`` need (the
+    formulas, their decorator, the helpers and constants they read), in the modules' own order and text (the
+    shared helpers first)."""
+    folder = Path(FN.__file__).parent
+    defs: dict[str, tuple[ast.stmt, str]] = {}
+    imports: list[str] = []
+    for file in FUNCTIONAL_FILES:
+        source = (folder / file).read_text()
+        for node in ast.parse(source).body:
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                package = (node.module or "").split(".")[0] if isinstance(node, ast.ImportFrom) else ""
+                own = package in ("__future__", "normlab")
+                text = ast.get_source_segment(source, node)
+                if not own and text not in imports:
+                    imports.append(text)
+            elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                defs[node.name] = (node, source)
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                for t in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                    if isinstance(t, ast.Name):
+                        defs[t.id] = (node, source)
     wanted, todo = set(), list(names)
     while todo:
         n = todo.pop()
         if n in wanted or n not in defs:
             continue
         wanted.add(n)
-        todo += [x.id for x in ast.walk(defs[n]) if isinstance(x, ast.Name)]
-    chosen = [node for node in tree.body if any(defs.get(n) is node for n in wanted)]
-    body = []
-    for node in chosen:
+        todo += [x.id for x in ast.walk(defs[n][0]) if isinstance(x, ast.Name)]
+    body, seen = [], set()
+    for node, source in defs.values():  # the files' order, then each file's
+        if id(node) in seen or not any(defs[n][0] is node for n in wanted):
+            continue
+        seen.add(id(node))
         start = node.decorator_list[0].lineno if getattr(node, "decorator_list", None) else node.lineno
         body.append("\n".join(source.splitlines()[start - 1 : node.end_lineno]))
     imports += ["from torch import nn", "import transformers"]  # for the glue
