@@ -45,7 +45,12 @@ def _parts(tp) -> tuple:
 
 
 def choices(cls: type, name: str) -> tuple:
-    """The values a ``Literal`` field of ``cls`` allows, in the order declared (``None`` not included)."""
+    """The values a ``Literal`` field of ``cls`` allows, in the order declared (``None`` not included).
+
+    Args:
+        cls: A config dataclass.
+        name: One of its ``Literal`` fields.
+    """
     for part in _parts(hints(cls)[name]):
         if typing.get_origin(part) is typing.Literal:
             return typing.get_args(part)
@@ -64,8 +69,12 @@ def _accepts(tp, value) -> bool | None:
     return isinstance(value, _KINDS[base]) and not (isinstance(value, bool) and base is not bool)
 
 
-def describe(tp) -> str:
-    """What a field of type ``tp`` takes, in words: ``'auto', 'own' or 'shared'``, ``a number or null``."""
+def describe(tp: object) -> str:
+    """What a field of type ``tp`` takes, in words: ``'auto', 'own' or 'shared'``, ``a number or null``.
+
+    Args:
+        tp: A field's annotation.
+    """
     words = []
     for part in _parts(tp):
         if part is type(None):
@@ -79,18 +88,28 @@ def describe(tp) -> str:
 
 
 def set_name(key: str) -> str:
-    """How a field is named in a type error by default: as ``--set`` takes it."""
+    """How a field is named in a type error by default: as ``--set`` takes it.
+
+    Args:
+        key: A dotted field name.
+    """
     return f"--set {key}"
 
 
-def check_types(section, prefix: str = "", name: Callable[[str], str] = set_name) -> None:
+def check_types(section: object, prefix: str = "", name: Callable[[str], str] = set_name) -> None:
     """Every field of ``section`` (a config dataclass) against its declared type, before any other check.
 
     A bool field takes true or false only (the word "no" is a string, and a non-empty string is true:
     ``--set overwrite=no`` once replaced an output); an int field refuses a float (32.0) and a bool; a float field
     takes an int or a float; a str field a string or a path; a ``Literal`` field one of its values; ``X | None``
     also takes null. A nested section is checked by its own call. The error names the field as ``name(prefix +
-    field)`` says the user typed it (``--set calibrate.solver``, or a keyword of the Python API)."""
+    field)`` says the user typed it (``--set calibrate.solver``, or a keyword of the Python API).
+
+    Args:
+        section: A config dataclass instance.
+        prefix: Its fields' dotted prefix in errors (``heal.``).
+        name: How an error names a field (default: as ``--set`` takes it).
+    """
     types_ = hints(type(section))
     for f in fields(section):
         value, tp = getattr(section, f.name), types_[f.name]

@@ -59,7 +59,11 @@ __all__ = ["FitOutcome", "fit_replacement", "calibrate_sites", "per_channel_kwar
 # the sequential pass over a model's sites
 # --------------------------------------------------------------------------
 def per_channel_kwargs(spec: NormSpec | str) -> dict:
-    """The init kwargs that give ``spec``'s fitted parameter one value per channel (a name is looked up)."""
+    """The init kwargs that give ``spec``'s fitted parameter one value per channel (a name is looked up).
+
+    Args:
+        spec: The target norm's `NormSpec`, or its registry name.
+    """
     spec = norm_spec(spec) if isinstance(spec, str) else spec
     return {"per_channel_beta": True} if spec.fits == "log_beta" else {"per_channel_alpha": True}
 
@@ -181,7 +185,7 @@ class _OriginalPass:
 def calibrate_sites(
     model: nn.Module,
     sites: list[tuple[Site, nn.Module]],
-    calibrate,
+    calibrate: list,
     config: ConvertConfig,
     *,
     spec: NormSpec,
@@ -197,6 +201,14 @@ def calibrate_sites(
 
     ``sites`` pairs each of the conversion's Site records (name, dim, kwargs; this fills in fit, notes and
     first_token) with its built replacement. On any failure every original is put back.
+
+    Args:
+        model: The model, changed in place: each site is swapped for its fitted replacement.
+        sites: (site, replacement) pairs in the order the model runs them.
+        calibrate: The calibration batches (token ids or model inputs).
+        config: The `ConvertConfig` (its ``calibrate`` section and ``per``).
+        spec: The target norm's registry facts.
+        progress: Show a progress bar; None: when stderr is a terminal.
     """
     batches = list(as_batches(calibrate))
     if not batches:

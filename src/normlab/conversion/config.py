@@ -17,6 +17,7 @@ hash). A resume whose identity differs is refused, naming the fields (`ConvertCo
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
@@ -432,7 +433,11 @@ _FLAG_OF = {v: k for k, v in SHORTHANDS.items()}
 
 
 def flag(key: str) -> str:
-    """How a user names a field: its flag where it has one (``--heal-minutes``), else ``--set key``."""
+    """How a user names a field: its flag where it has one (``--heal-minutes``), else ``--set key``.
+
+    Args:
+        key: A dotted field name, e.g. ``heal.minutes``.
+    """
     return _FLAG_OF.get(key, f"--set {key}")
 
 
@@ -447,9 +452,15 @@ def _flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
-def identity_difference(saved: dict | None, now: dict, keys=None) -> str | None:
+def identity_difference(saved: dict | None, now: dict, keys: Iterable[str] | None = None) -> str | None:
     """What differs between a checkpoint's identity and this run's (over ``keys``, default all), each field named;
-    None when they match."""
+    None when they match.
+
+    Args:
+        saved: The identity a checkpoint or cache recorded, or None (nothing recorded).
+        now: This run's identity.
+        keys: The fields compared; None compares every one.
+    """
     if saved is None:
         return "it records no identity (written by an older normlab)"
     keys = sorted(set(saved) | set(now)) if keys is None else sorted(keys)
@@ -457,10 +468,15 @@ def identity_difference(saved: dict | None, now: dict, keys=None) -> str | None:
     return "; ".join(diffs) or None
 
 
-def resolve_convert_config(overrides: dict | list[str] | None = None, **fields_) -> ConvertConfig:
+def resolve_convert_config(overrides: dict | list[str] | None = None, **fields_: object) -> ConvertConfig:
     """The defaults, then ``fields_`` (dotted or top-level names: ``model="smollm2"``, ``**{"heal.minutes": 5}``),
     then ``overrides`` (``["heal.lr=3e-3"]``, as ``--set`` gives them); validated. A field given both ways with two
-    values (``--heal-tokens 1000 --set heal.tokens=2000``) is an error, not a silent choice."""
+    values (``--heal-tokens 1000 --set heal.tokens=2000``) is an error, not a silent choice.
+
+    Args:
+        overrides: Dotted ``key=value`` strings (a list) or a dict, applied last.
+        **fields_: Fields by name, dotted for a section's (``**{"heal.minutes": 5}``).
+    """
     pairs = (
         parse_pairs(overrides, "--set", "heal.lr=3e-3") if isinstance(overrides, list) else (overrides or {}).items()
     )

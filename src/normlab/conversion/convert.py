@@ -178,11 +178,20 @@ def _keyword(key: str) -> str:
     return key.rsplit(".", 1)[-1]
 
 
-def resolve_options(to: str | None, config, overrides: dict, calibrating: bool) -> tuple[NormSpec, ConvertConfig]:
+def resolve_options(
+    to: str | None, config: ConvertConfig | CalibrateConfig | None, overrides: dict, calibrating: bool
+) -> tuple[NormSpec, ConvertConfig]:
     """convert_norms's target (its `NormSpec`, resolved here once and passed down) and its settings as one
     `ConvertConfig`: ``config`` (a `ConvertConfig`, a `CalibrateConfig` or None: the defaults), then ``overrides``
     (any field of `CalibrateConfig`, or per / init / site_init), validated by the config's own checks, so that the
-    Python API and ``normlab convert`` cannot disagree on a default or a rule."""
+    Python API and ``normlab convert`` cannot disagree on a default or a rule.
+
+    Args:
+        to: The target norm's registry name; None takes the config's.
+        config: A `ConvertConfig`, a `CalibrateConfig` or None (the defaults).
+        overrides: Fields set on top of ``config``.
+        calibrating: Whether a calibration will run (a fitted parameter is needed).
+    """
     if config is None or isinstance(config, CalibrateConfig):
         base = ConvertConfig(calibrate=config or CalibrateConfig())
     elif isinstance(config, ConvertConfig):

@@ -79,12 +79,26 @@ class Frontier:
 
 
 def site_costs(
-    model: nn.Module, fitted: dict[str, nn.Module], batches, *, progress: bool | None = None, base: float | None = None,
+    model: nn.Module,
+    fitted: dict[str, nn.Module],
+    batches: list,
+    *,
+    progress: bool | None = None,
+    base: float | None = None,
     dtype: torch.dtype | None = None,
-) -> dict[str, float]:  # fmt: skip
+) -> dict[str, float]:
     """The cross-entropy rise of each site of ``fitted`` (name -> calibrated replacement) swapped into ``model``
     alone, on ``batches``; ``model`` is left as it was. Each is measured from the site's block on (`BlockReplay`),
-    autocast to ``dtype`` when given."""
+    autocast to ``dtype`` when given.
+
+    Args:
+        model: The original model (left as it was).
+        fitted: Site name -> its calibrated replacement.
+        batches: The measurement batches.
+        progress: Show a progress bar; None: when stderr is a terminal.
+        base: The original's cross-entropy on ``batches``, if already measured.
+        dtype: The autocast dtype of the measurements (bf16), or None for float32.
+    """
     from tqdm.auto import tqdm
 
     batches = list(as_batches(batches))

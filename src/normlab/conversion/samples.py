@@ -28,7 +28,8 @@ import torch
 from torch import nn
 
 from normlab.conversion.batches import autocast_dtype, cache_kwarg, model_device
-from normlab.conversion.hf import TokenStream
+from normlab.conversion.config import HealConfig
+from normlab.conversion.hf import TextSplits, TokenStream
 from normlab.corpus import cache_dir
 from normlab.owner import hold
 
@@ -43,7 +44,11 @@ SAMPLE_BATCH = 256  # sequences decoded together (SmolLM2, bf16, 2 cores: 850 to
 
 def weights_fingerprint(model: nn.Module) -> str:
     """A content hash of every parameter and buffer (by name): samples are the model's, so any changed weight,
-    a fine-tune that froze the embedding included, is another model."""
+    a fine-tune that froze the embedding included, is another model.
+
+    Args:
+        model: The model hashed.
+    """
     h = hashlib.sha256()
     for name, t in sorted(model.state_dict().items()):
         h.update(name.encode())
@@ -230,7 +235,13 @@ def self_samples(
 
 class MixedStream:
     """Two token streams as one: ``fraction`` of every draw (rounded) from ``first``, the rest from ``second``.
-    It has a TokenStream's interface (``next``, ``state``/``load_state``, ``chunks``, ``seq_len``, ``drawn``)."""
+    It has a TokenStream's interface (``next``, ``state``/``load_state``, ``chunks``, ``seq_len``, ``drawn``).
+
+    Args:
+        first: The stream ``fraction`` of each batch comes from.
+        second: The stream of the rest.
+        fraction: The share of ``first``, in [0, 1].
+    """
 
     def __init__(self, first: TokenStream, second: TokenStream, fraction: float) -> None:
         if first.seq_len != second.seq_len:
@@ -271,28 +282,55 @@ class MixedStream:
         self.second.load_state(state["second"])
 
 
-def own_samples(original: nn.Module, cfg, seq_len: int, *, start: int | None, progress: bool = False) -> torch.Tensor:
+def own_samples(
+    original: nn.Module, cfg: HealConfig, seq_len: int, *, start: int | None, progress: bool = False
+) -> torch.Tensor:
     """The original's sample set that ``cfg`` (a `normlab.conversion.config.HealConfig`) names: its
     ``self_sequences`` count, seed and temperature, cached under the original's `weights_fingerprint`. The heal's
-    ``self`` stream and ``calibrate.source = "self"`` read the same set."""
+    ``self`` stream and ``calibrate.source = "self"`` read the same set.
+
+    Args:
+        original: The unconverted model, which samples.
+        cfg: The heal's config, a `normlab.conversion.config.HealConfig`.
+        seq_len: Tokens per sample.
+        start: The token each sample starts from (the BOS token); None draws a uniform random first token.
+        progress: Show a progress bar while it samples.
+    """
     dtype, _ = autocast_dtype(cfg.sample_precision, original, "heal.sample_precision")
     which = SampleSet(weights_fingerprint(original), cfg.self_sequences, seq_len, start, cfg.seed, cfg.temperature,
                       precision="bf16" if dtype is not None else "float32")  # fmt: skip
     return self_samples(original, which, progress=progress)
 
 
-def calibration_samples(original: nn.Module, cfg, seq_len: int, n: int, *, start: int | None,
+def calibration_samples(original: nn.Module, cfg: HealConfig, seq_len: int, n: int, *, start: int | None,
                         progress: bool = False) -> list[torch.Tensor]:  # fmt: skip
     """The first ``n`` of the original's own samples (`own_samples`) as calibration batches of 8, (8, seq_len):
-    calibration that needs no text. They are drawn before the heal's validation part, which they never reach."""
+    calibration that needs no text. They are drawn before the heal's validation part, which they never reach.
+
+    Args:
+        original: The unconverted model, which samples.
+        cfg: The heal's config, a `normlab.conversion.config.HealConfig`.
+        seq_len: Tokens per sample.
+        n: How many samples.
+        start: The token each sample starts from (the BOS token); None draws a uniform random first token.
+        progress: Show a progress bar while it samples.
+    """
     return list(own_samples(original, cfg, seq_len, start=start, progress=progress)[:n].split(8))
 
 
-def heal_splits(splits, original: nn.Module, cfg, *, start: int | None, progress: bool = False):
+def heal_splits(splits: TextSplits, original: nn.Module, cfg: HealConfig, *, start: int | None, progress: bool = False):
     """The heal's data for ``cfg.text`` (a `normlab.conversion.config.HealConfig`): ``splits`` itself for
     "text"; for "self", the original's samples (the last eighth, at most 8, validate; the rest is the stream),
     with the calibration and held-out parts of ``splits`` unchanged; for "self+text", a `MixedStream` of
-    both, validated on both. The samples are cached under the original's `weights_fingerprint`."""
+    both, validated on both. The samples are cached under the original's `weights_fingerprint`.
+
+    Args:
+        splits: The conversion text's calibration, held-out and stream parts.
+        original: The unconverted model, which samples.
+        cfg: The heal's config, a `normlab.conversion.config.HealConfig`.
+        start: The token each sample starts from (the BOS token); None draws a uniform random first token.
+        progress: Show a progress bar while it samples.
+    """
     from normlab.conversion.hf import TextSplits
 
     if cfg.text == "text":

@@ -22,7 +22,12 @@ __all__ = ["RECORD_FILE", "save_converted", "load_converted", "apply_record", "m
 
 
 def apply_record(model: nn.Module, record: ConversionRecord) -> nn.Module:
-    """Rebuild a recorded conversion's structure on a fresh model (no calibration); load the weights after."""
+    """Rebuild a recorded conversion's structure on a fresh model (no calibration); load the weights after.
+
+    Args:
+        model: A fresh model of the recorded architecture (changed in place and returned).
+        record: The `ConversionRecord` a save wrote.
+    """
     names = {name for name, _ in model.named_modules()}
     missing = [s.name for s in record.sites if s.name not in names]
     if missing:
@@ -124,7 +129,12 @@ def _portable_plan(model: nn.Module, record: ConversionRecord, portable: bool | 
 def module_names(model: nn.Module, state: dict) -> dict:
     """A saved state's keys as the model names its parameters. transformers' ``save_pretrained`` may write legacy
     names (ViT: ``vit.encoder.layer.0`` for ``vit.layers.0``); its own reverse mapping, applied to the model's
-    state, says which saved name each parameter gets, and the file's keys are renamed back by it."""
+    state, says which saved name each parameter gets, and the file's keys are renamed back by it.
+
+    Args:
+        model: The model the state is loaded into.
+        state: The saved state dict, by its file's names.
+    """
     try:
         from transformers.core_model_loading import revert_weight_conversion
     except ImportError:  # an older transformers saves the names it loads
