@@ -300,6 +300,12 @@ ARGS_DOCUMENTED = (
     "normlab.conversion.frontier",
     "normlab.conversion.samples",
     "normlab.conversion.saving",
+    "normlab.conversion.teacher",
+    "normlab.conversion.fidelity",
+    "normlab.conversion.portable",
+    "normlab.conversion.onnx_export",
+    "normlab.conversion.record",
+    "normlab.conversion.hf",
 )
 
 

@@ -115,9 +115,14 @@ def _ce_sum(logits: torch.Tensor, ids: torch.Tensor) -> tuple[float, int]:
 
 
 @torch.no_grad()
-def cross_entropy(model: nn.Module, batches) -> float:
+def cross_entropy(model: nn.Module, batches: Iterable[torch.Tensor]) -> float:
     """The mean next-token cross-entropy (nats/token) of a language model (outputs with ``.logits``) on batches of
-    token ids; the same number `fidelity` reports as ``ce_converted``."""
+    token ids; the same number `fidelity` reports as ``ce_converted``.
+
+    Args:
+        model: A language model whose outputs have ``.logits``.
+        batches: Batches of token ids, each (B, T).
+    """
     total, count = 0.0, 0
     was = model.training
     model.eval()

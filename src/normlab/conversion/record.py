@@ -14,7 +14,11 @@ POOR_FIT = 0.2  # a calibrated site whose fit explains less than this fraction o
 
 def fit_status(fit: dict | None) -> str:
     """'ok', 'poor fit (explains N%)', 'FLAGGED' (the fit did not converge, or is degenerate), or for a site that
-    was not calibrated 'not calibrated (default init)': nothing vouches for it, so it is never called ok."""
+    was not calibrated 'not calibrated (default init)': nothing vouches for it, so it is never called ok.
+
+    Args:
+        fit: A site's fit record (its error, the share it explains, its flags), or None where it was not calibrated.
+    """
     if fit is None:
         return "not calibrated (default init)"
     f = fit

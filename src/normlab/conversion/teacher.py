@@ -29,7 +29,13 @@ __all__ = ["TeacherCache", "top_k_kl", "teacher_top_k"]
 
 def teacher_top_k(original: nn.Module, ids: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The original's k largest next-token log-probabilities at every position of ``ids`` (B, T): (values
-    float32 (B, T, k), token ids int64 (B, T, k)), in decreasing order."""
+    float32 (B, T, k), token ids int64 (B, T, k)), in decreasing order.
+
+    Args:
+        original: The unconverted model.
+        ids: Token ids, (B, T).
+        k: How many log-probabilities per position.
+    """
     with torch.no_grad():
         logp = run_batch(original, ids, no_cache=True).logits.float().log_softmax(-1)
     return logp.topk(min(k, logp.shape[-1]), dim=-1)
@@ -44,7 +50,13 @@ def _log1mexp(x: torch.Tensor) -> torch.Tensor:
 
 def top_k_kl(logq: torch.Tensor, values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """KL_k(p || q) of the module docstring, averaged over tokens: ``logq`` the student's log-probabilities
-    (B, T, V), ``values`` / ``index`` the teacher's top k (B, T, k) from `teacher_top_k`."""
+    (B, T, V), ``values`` / ``index`` the teacher's top k (B, T, k) from `teacher_top_k`.
+
+    Args:
+        logq: The student's log-probabilities, (B, T, V).
+        values: The teacher's top k log-probabilities, (B, T, k).
+        index: Their token ids, (B, T, k).
+    """
     lq = logq.gather(-1, index)
     p = values.exp()
     p_tail = (1.0 - p.sum(-1)).clamp_min(0.0)
@@ -57,7 +69,12 @@ def top_k_kl(logq: torch.Tensor, values: torch.Tensor, index: torch.Tensor) -> t
 class TeacherCache:
     """The original's top-k per training sequence, keyed by the sequence's tokens (so any stream, a mixed one
     included, is served), computed for the rows not seen before in one batch. ``reused`` and ``computed`` count
-    sequences. Memory: 8 bytes x k per token (1,016 sequences of 128 tokens at k = 64: 67 MB)."""
+    sequences. Memory: 8 bytes x k per token (1,016 sequences of 128 tokens at k = 64: 67 MB).
+
+    Args:
+        original: The unconverted model, the teacher.
+        k: How many of its largest log-probabilities are kept per token.
+    """
 
     def __init__(self, original: nn.Module, k: int) -> None:
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
