@@ -22,14 +22,21 @@ __all__ = [
     "swap",
 ]
 
+#: What one batch may be: a dict of model kwargs, an input tensor, or an (inputs, ...) tuple from a dataloader.
+Batch = dict | torch.Tensor | tuple | list
+
 
 class Stop(Exception):
     """Raised by a hook to end a forward pass once the module of interest has seen its input."""
 
 
-def as_batches(calibrate) -> Iterable:
+def as_batches(calibrate: object) -> Iterable:
     """A tensor of inputs, a dict of model kwargs, a list of those, or a dataloader yielding them, as an iterable
-    of batches; anything else (a string of text, a number) is a clear TypeError."""
+    of batches; anything else (a string of text, a number) is a clear TypeError.
+
+    Args:
+        calibrate: What the caller gave as calibration data.
+    """
     if isinstance(calibrate, (torch.Tensor, dict)):
         return [calibrate]
     if isinstance(calibrate, (str, bytes)) or not isinstance(calibrate, Iterable):
@@ -40,11 +47,17 @@ def as_batches(calibrate) -> Iterable:
     return calibrate
 
 
-def run_batch(model: nn.Module, batch, i: int = 0, *, no_cache: bool = False):
+def run_batch(model: nn.Module, batch: Batch, i: int = 0, *, no_cache: bool = False):
     """Run batch ``i``: a dict of model kwargs, an input tensor, or an (inputs, ...) tuple from a dataloader.
 
     ``no_cache`` asks a Hugging Face model not to build a KV cache (``use_cache=False``); a model without that
     argument is called without it. ``Stop`` passes through; any other failure is a ValueError naming the batch.
+
+    Args:
+        model: The model.
+        batch: A dict of model kwargs, an input tensor, or an (inputs, ...) tuple.
+        i: The batch's index, named in errors.
+        no_cache: Ask for no KV cache.
     """
     if isinstance(batch, (list, tuple)) and batch and isinstance(batch[0], torch.Tensor):
         batch = batch[0]
@@ -73,7 +86,11 @@ def run_batch(model: nn.Module, batch, i: int = 0, *, no_cache: bool = False):
 
 
 def model_device(model: nn.Module) -> torch.device | None:
-    """The device of ``model``'s first parameter (None without parameters): where its inputs go."""
+    """The device of ``model``'s first parameter (None without parameters): where its inputs go.
+
+    Args:
+        model: The model.
+    """
     p = next(model.parameters(), None)
     return None if p is None else p.device
 
@@ -82,7 +99,13 @@ def autocast_dtype(precision: str, model: nn.Module, key: str) -> tuple[torch.dt
     """The autocast dtype that the config field ``key`` (its value ``precision``: "auto", "float32" or "bf16") asks
     for on ``model``'s device (None: float32), and why. "auto" takes bf16 where the device runs bf16 matmuls
     natively: a GPU that supports bf16, or a CPU with AVX512-BF16 or AMX whose bf16 matmul runs in a child process
-    (`normlab.errors.check_cpu_bf16`); "bf16" insists, with a clear error where it cannot run."""
+    (`normlab.errors.check_cpu_bf16`); "bf16" insists, with a clear error where it cannot run.
+
+    Args:
+        precision: "auto", "float32" or "bf16".
+        model: The model whose device decides.
+        key: The config field, named in the reason and in errors (``budget.precision``).
+    """
     from normlab.errors import NormlabError, check_cpu_bf16
 
     if precision == "float32":
@@ -106,8 +129,12 @@ def autocast_dtype(precision: str, model: nn.Module, key: str) -> tuple[torch.dt
     return torch.bfloat16, f"bf16 autocast ({key}={precision})"
 
 
-def input_ids(batch) -> torch.Tensor:
-    """The token ids of a batch: its ``input_ids``, the tensor itself, or the first element of a tuple."""
+def input_ids(batch: Batch) -> torch.Tensor:
+    """The token ids of a batch: its ``input_ids``, the tensor itself, or the first element of a tuple.
+
+    Args:
+        batch: A dict of model kwargs, an input tensor, or an (inputs, ...) tuple.
+    """
     if isinstance(batch, dict):
         return batch["input_ids"]
     return batch[0] if isinstance(batch, (list, tuple)) else batch
@@ -115,12 +142,22 @@ def input_ids(batch) -> torch.Tensor:
 
 def cache_kwarg(model: nn.Module) -> str:
     """The name under which ``model``'s forward takes (and its output holds) the KV cache: ``cache`` in
-    transformers 5, which deprecates ``past_key_values``."""
+    transformers 5, which deprecates ``past_key_values``.
+
+    Args:
+        model: The model.
+    """
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def swap(model: nn.Module, name: str, new: nn.Module) -> nn.Module:
-    """Put ``new`` at the submodule ``name`` of ``model``; returns the module it replaces."""
+    """Put ``new`` at the submodule ``name`` of ``model``; returns the module it replaces.
+
+    Args:
+        model: The model.
+        name: The submodule's dotted name.
+        new: The module put in its place.
+    """
     parent_name, _, child = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
     old = getattr(parent, child)
@@ -128,8 +165,16 @@ def swap(model: nn.Module, name: str, new: nn.Module) -> nn.Module:
     return old
 
 
-def run_hooked(model: nn.Module, batch, i: int, hooks: dict[str, Callable], kind: str) -> None:
-    """Run batch i with hooks on the named modules ("out": forward hooks, "pre": pre-hooks); a hook may stop it."""
+def run_hooked(model: nn.Module, batch: Batch, i: int, hooks: dict[str, Callable], kind: str) -> None:
+    """Run batch i with hooks on the named modules ("out": forward hooks, "pre": pre-hooks); a hook may stop it.
+
+    Args:
+        model: The model.
+        batch: A dict of model kwargs, an input tensor, or an (inputs, ...) tuple.
+        i: The batch's index, named in errors.
+        hooks: Module name -> its hook.
+        kind: "out" for forward hooks, "pre" for pre-hooks.
+    """
     handles = [
         model.get_submodule(n).register_forward_hook(h)
         if kind == "out"

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from normlab.conversion.batches import Stop, input_ids, run_hooked
+from normlab.conversion.stream import BlockStream
 
 __all__ = ["FirstRows", "FirstToken", "first_rows", "first_token_batches", "first_token_decision", "first_token_ratio"]
 
@@ -29,6 +30,10 @@ class FirstToken(nn.Module):
 
     Under ``torch.export`` (an ONNX export) the branch on T is a ``torch.cond`` (an ONNX ``If``), so that the
     exported graph keeps T dynamic and a decoding step runs the main copy alone.
+
+    Args:
+        main: The replacement for every later token.
+        first: The replacement for the first token.
     """
 
     def __init__(self, main: nn.Module, first: nn.Module) -> None:
@@ -52,7 +57,11 @@ class FirstToken(nn.Module):
 
 def first_token_ratio(x: Tensor) -> float:
     """RMS of the first token over the median token RMS, for inputs (B, T, C); nan when T < 2 or when the input is
-    not a sequence (an image's (N, H, W, C) has no first token)."""
+    not a sequence (an image's (N, H, W, C) has no first token).
+
+    Args:
+        x: A site's input, (B, T, C).
+    """
     if x.dim() != 3 or x.shape[-2] < 2:
         return math.nan
     rms = x.detach().float().pow(2).mean(-1).sqrt()  # (B, T)
@@ -64,7 +73,14 @@ def first_token_decision(
     ratios: dict[str, list[float]], order: list[str], first_token: str, massive: float
 ) -> tuple[bool, str]:
     """Whether the first token gets its own replacement, and the sentence that says why: the largest ratio of the
-    first token's RMS to the median token's over the sites (NaN when there is no sequence axis)."""
+    first token's RMS to the median token's over the sites (NaN when there is no sequence axis).
+
+    Args:
+        ratios: Site name -> the first token's RMS over the median token's, per batch.
+        order: The sites in the order the model runs them.
+        first_token: The config's choice: "auto", "own" or "shared".
+        massive: The ratio above which "auto" gives the first token its own replacement.
+    """
     worst = max(
         ((max((r for r in ratios[n] if r == r), default=math.nan), n) for n in order),
         key=lambda t: -math.inf if t[0] != t[0] else t[0],
@@ -81,7 +97,13 @@ def first_token_decision(
 def first_token_batches(batches: list, max_tokens: int, size: int = 256) -> list[Tensor]:
     """Two-token sequences whose first token is each distinct token of the calibration batches (a seeded sample of
     ``max_tokens`` of them when there are more), in batches of ``size``; empty when the batches are not token ids
-    (an image model's pixels, a dict with more than the ids)."""
+    (an image model's pixels, a dict with more than the ids).
+
+    Args:
+        batches: The calibration batches.
+        max_tokens: The most distinct tokens used.
+        size: Sequences per batch.
+    """
     ids = []
     for b in batches:
         if isinstance(b, dict) and set(b) - {"input_ids"}:
@@ -98,7 +120,14 @@ def first_token_batches(batches: list, max_tokens: int, size: int = 256) -> list
 
 def first_rows(model: nn.Module, firsts: list, dims: dict[str, int], kind: str) -> dict[str, Tensor]:
     """Each site's input (``kind="in"``) or output ("out") at position 0 of the two-token ``firsts``, in the model as
-    it is now, channels last (``dims``: site name -> its channel dim); each pass stops once every site has run."""
+    it is now, channels last (``dims``: site name -> its channel dim); each pass stops once every site has run.
+
+    Args:
+        model: The model.
+        firsts: The two-token batches (`first_token_batches`).
+        dims: Site name -> its channel dim.
+        kind: "in" for the sites' inputs, "out" for their outputs.
+    """
     names = list(dims)
     rows = {n: [] for n in names}
 
@@ -123,10 +152,25 @@ class FirstRows:
     """The first token's fitting data at each site: every distinct calibration token put first (first_token_batches).
     The original model's output at every site is taken at once; a site's input is taken when asked, in the model as
     converted so far (``sequential``), or at once in the original model (``sequential=False``). ``ready`` is False
-    when the batches are not token ids: the calibration sequences' own first tokens are then all there is."""
+    when the batches are not token ids: the calibration sequences' own first tokens are then all there is.
+
+    Args:
+        model: The model.
+        batches: The calibration batches.
+        dims: Site name -> its channel dim.
+        max_tokens: The most distinct first tokens used (a seeded sample beyond).
+        sequential: Take each site's input in the model as converted so far (else at once in the original).
+        stream: A `BlockStream` of the pairs that serves the inputs block by block; None: hooked passes.
+    """
 
     def __init__(
-        self, model: nn.Module, batches: list, dims: dict[str, int], max_tokens: int, sequential: bool, stream=None
+        self,
+        model: nn.Module,
+        batches: list,
+        dims: dict[str, int],
+        max_tokens: int,
+        sequential: bool,
+        stream: BlockStream | None = None,
     ):
         self.firsts, self.dims = first_token_batches(batches, max_tokens), dims
         self.ready = bool(self.firsts)

@@ -84,7 +84,12 @@ _RUN_OPTIONS = ("val", "progress")  # the call's own keywords besides HealConfig
 
 
 def find_blocks(model: nn.Module, site_names: Iterable[str]) -> str:
-    """The name of the ``nn.ModuleList`` holding the transformer blocks: the one that holds the most sites."""
+    """The name of the ``nn.ModuleList`` holding the transformer blocks: the one that holds the most sites.
+
+    Args:
+        model: The converted model.
+        site_names: The converted sites' names.
+    """
     sites = list(site_names)
     best, count = None, 0
     for name, m in model.named_modules():
@@ -144,7 +149,14 @@ def check_heal_resources(cfg: HealConfig, model: nn.Module, seq_len: int, vocab:
     """Refuse, before any work, a heal this machine cannot hold or a LoRA rank the layers cannot take: the memory
     of the student's weights, gradients and Adam moments, the teacher's weights, and a step's activations and
     logits (teacher and student) for ``cfg.batch_size`` x ``seq_len`` tokens, estimated as ``train`` does; and a
-    ``lora_rank`` above the smallest dimension of the linear layers it adapts."""
+    ``lora_rank`` above the smallest dimension of the linear layers it adapts.
+
+    Args:
+        cfg: The heal's config section.
+        model: The converted model to be healed.
+        seq_len: Tokens per training sequence.
+        vocab: The vocabulary size (the logits' width).
+    """
     n = sum(p.numel() for p in model.parameters())
     linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
     if cfg.train == "lora" and linears:
@@ -261,7 +273,13 @@ def _check_logits(original: nn.Module, stream) -> None:
 
 def distill_loss(original: nn.Module, converted: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     """KL(original || converted) of the next-token distributions on ``ids`` (B, T), averaged over tokens: the
-    distill objective with the live teacher."""
+    distill objective with the live teacher.
+
+    Args:
+        original: The unconverted model, the teacher.
+        converted: The student.
+        ids: Token ids, (B, T).
+    """
     with torch.no_grad():
         target = run_batch(original, ids, no_cache=True).logits.float().log_softmax(-1)
     logp = run_batch(converted, ids, no_cache=True).logits.float().log_softmax(-1)
@@ -269,7 +287,11 @@ def distill_loss(original: nn.Module, converted: nn.Module, ids: torch.Tensor) -
 
 
 def distill(run: HealRun) -> None:
-    """End to end: KL(original || converted) on fresh batches; a curve point every ``eval_every`` tokens."""
+    """End to end: KL(original || converted) on fresh batches; a curve point every ``eval_every`` tokens.
+
+    Args:
+        run: The heal's state: the models, the data, the optimizer, the budget and the curve.
+    """
     from tqdm.auto import tqdm
 
     cfg, report, check, budget = run.cfg, run.report, run.check, run.budget

@@ -95,7 +95,11 @@ def _pool_size(run: HealRun, n_blocks: int, block: nn.Module, call, x0: torch.Te
 
 def blocks(run: HealRun) -> None:
     """Train the converted model's blocks one at a time (see the module docstring); a curve point about every
-    tenth block, a checkpoint after each."""
+    tenth block, a checkpoint after each.
+
+    Args:
+        run: The heal's state: the models, the data, the optimizer, the budget and the curve.
+    """
     from tqdm.auto import tqdm
 
     cfg, report = run.cfg, run.report

@@ -6,12 +6,17 @@ from __future__ import annotations
 from pathlib import Path
 
 from normlab.conversion.heal import OBJECTIVES
+from normlab.conversion.heal_run import HealReport
 
 __all__ = ["heal_summary", "write_curve"]
 
 
-def heal_summary(rep) -> str:
-    """One line on a heal: tokens, minutes, how much of the stream, and the validation curve's start and kept point."""
+def heal_summary(rep: HealReport) -> str:
+    """One line on a heal: tokens, minutes, how much of the stream, and the validation curve's start and kept point.
+
+    Args:
+        rep: The heal's `HealReport`.
+    """
     line = (
         f"healed ({rep.objective}, {rep.train}): {rep.tokens:,} tokens in {rep.seconds / 60:.1f} min "
         f"({rep.tokens / max(rep.seconds, 1e-9):.0f} tokens/s), {rep.sequences:,} stream sequences "
@@ -32,8 +37,13 @@ def heal_summary(rep) -> str:
     return line
 
 
-def write_curve(rep, folder: Path) -> None:
-    """The heal's validation curve as heal_curve.csv and heal_curve.png in ``folder``."""
+def write_curve(rep: HealReport, folder: Path) -> None:
+    """The heal's validation curve as heal_curve.csv and heal_curve.png in ``folder``.
+
+    Args:
+        rep: The heal's `HealReport`.
+        folder: Where the two files go.
+    """
     import csv
 
     if not rep.curve:

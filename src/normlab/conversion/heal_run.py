@@ -45,12 +45,21 @@ class HealReport:
 
 
 def is_ours(m: nn.Module) -> bool:
-    """A module normlab put into the model (a replacement norm, not a LoRA wrapper)."""
+    """A module normlab put into the model (a replacement norm, not a LoRA wrapper).
+
+    Args:
+        m: A module of the model.
+    """
     return type(m).__module__.startswith("normlab.") and not isinstance(m, LoRALinear)
 
 
 def trainable(module: nn.Module, train: str) -> list[nn.Parameter]:
-    """The parameters a heal with ``train`` ("norms", "lora", "all") trains inside ``module``."""
+    """The parameters a heal with ``train`` ("norms", "lora", "all") trains inside ``module``.
+
+    Args:
+        module: The converted model.
+        train: "norms", "lora" or "all".
+    """
     if train == "all":
         return list(module.parameters())
     params = [p for m in module.modules() if is_ours(m) for p in m.parameters(recurse=False)]
@@ -62,7 +71,12 @@ def trainable(module: nn.Module, train: str) -> list[nn.Parameter]:
 @contextlib.contextmanager
 def frozen(original: nn.Module, converted: nn.Module):
     """Both models in eval mode and every parameter of ``converted`` frozen (the trainer unfreezes what it trains);
-    modes and flags are restored on the way out."""
+    modes and flags are restored on the way out.
+
+    Args:
+        original: The unconverted model.
+        converted: The model healed.
+    """
     modes = (original.training, converted.training)
     grads = [(p, p.requires_grad) for p in converted.parameters()]
     original.eval()
@@ -82,7 +96,14 @@ def frozen(original: nn.Module, converted: nn.Module):
 def make_optimizer(params: list, lr: float, converted: nn.Module, scale: float = 1.0) -> torch.optim.Optimizer:
     """Adam over ``params``. DyT's alpha is stored as is and can sit anywhere from 1e-4 to 10 after calibration,
     and Adam's steps are absolute, so each alpha gets a rate relative to its own size (log_beta is already a
-    log); LoRA's adapters get their own rate. ``scale`` multiplies every group's rate (after a rollback)."""
+    log); LoRA's adapters get their own rate. ``scale`` multiplies every group's rate (after a rollback).
+
+    Args:
+        params: The trained parameters.
+        lr: The base rate.
+        converted: The model they belong to (to find DyT's alphas and LoRA's adapters).
+        scale: A multiple of every group's rate.
+    """
     alphas = {
         id(m.alpha) for m in converted.modules() if is_ours(m) and isinstance(getattr(m, "alpha", None), nn.Parameter)
     }
@@ -102,7 +123,12 @@ def lr_factor(schedule: str, used: float) -> float:
     "cosine", a linear warmup over the first 5% of the budget, then a cosine down to 0.1 at its end; for
     "cooldown", 1 until the last 20% of the budget, then a straight line down to 0 at its end (the constant
     rate's noise averaged away at the end, as in a warmup-stable-decay schedule: Hägele et al. 2024, "Scaling Laws
-    and Compute-Optimal Training Beyond Fixed Training Durations", arXiv 2405.18392)."""
+    and Compute-Optimal Training Beyond Fixed Training Durations", arXiv 2405.18392).
+
+    Args:
+        schedule: "constant", "cosine" or "cooldown".
+        used: The fraction of the budget spent, in [0, 1].
+    """
     if schedule == "constant":
         return 1.0
     used = min(max(used, 0.0), 1.0)
@@ -120,24 +146,44 @@ COOLDOWN = 0.2  # the cooldown schedule's last part of the budget, over which th
 
 def set_lr(opt: torch.optim.Optimizer, factor: float) -> float:
     """Every group's rate at ``factor`` times its base (recorded in the group on the first call, so it survives a
-    checkpoint); returns the first group's rate."""
+    checkpoint); returns the first group's rate.
+
+    Args:
+        opt: The optimizer.
+        factor: The multiple of each group's base rate.
+    """
     for g in opt.param_groups:
         g["lr"] = g.setdefault("base_lr", g["lr"]) * factor
     return opt.param_groups[0]["lr"]
 
 
 def postfix(point: dict) -> str:
-    """A curve point as the progress bar shows it."""
+    """A curve point as the progress bar shows it.
+
+    Args:
+        point: A validation curve point.
+    """
     return f"val CE {point['val_ce']:.3f}, KL {point['val_kl']:.3f}"
 
 
 def mean_finite(xs: list[float]) -> float:
+    """The mean of the finite values of ``xs``; NaN when there is none.
+
+    Args:
+        xs: Numbers.
+    """
+
     xs = [x for x in xs if math.isfinite(x)]
     return sum(xs) / len(xs) if xs else math.nan
 
 
 class Budget:
-    """The heal's budget (minutes or tokens) and how much of it is spent, across a resume."""
+    """The heal's budget (minutes or tokens) and how much of it is spent, across a resume.
+
+    Args:
+        cfg: The heal's config section.
+        report: The heal's report, whose tokens and seconds a resume continues from.
+    """
 
     def __init__(self, cfg: HealConfig, report: HealReport) -> None:
         self.minutes, self.tokens, self.report = cfg.minutes, cfg.tokens, report
@@ -155,9 +201,16 @@ class Budget:
 
 class Validation:
     """The validation split's cross-entropy and KL to the original (whose log-probabilities are computed once),
-    and the best state seen (of the trained parameters only)."""
+    and the best state seen (of the trained parameters only).
 
-    def __init__(self, original: nn.Module, converted: nn.Module, val, params: list[nn.Parameter]) -> None:
+    Args:
+        original: The unconverted model.
+        converted: The model healed.
+        val: The validation batches (token ids), or None for none.
+        params: The trained parameters, whose best state is kept.
+    """
+
+    def __init__(self, original: nn.Module, converted: nn.Module, val: list | None, params: list[nn.Parameter]) -> None:
         self.converted, self.batches = converted, [input_ids(b) for b in as_batches(val)] if val is not None else []
         with torch.no_grad():
             self.targets = [
@@ -263,7 +316,14 @@ class HealRun:
 
 def load_checkpoint(ckpt: Path, converted: nn.Module, identity: dict | None, objective: str) -> dict:
     """A heal checkpoint, checked (a heal of this normlab, of the same identity and objective) and loaded into
-    ``converted``; a bad one is a clear error."""
+    ``converted``; a bad one is a clear error.
+
+    Args:
+        ckpt: The checkpoint file.
+        converted: The model its state is loaded into.
+        identity: This heal's identity, compared with the checkpoint's; None skips the comparison.
+        objective: "distill" or "blocks", compared with the checkpoint's.
+    """
     try:
         state = torch.load(ckpt, map_location="cpu", weights_only=False)
     except Exception as e:  # noqa: BLE001  (any unpickling error means the file is unusable)

@@ -19,7 +19,13 @@ LORA_RANK = 8
 
 
 class LoRALinear(nn.Module):
-    """``base(x) + (x A^T) B^T * scale``; B starts at zero, so the output starts equal to the base layer's."""
+    """``base(x) + (x A^T) B^T * scale``; B starts at zero, so the output starts equal to the base layer's.
+
+    Args:
+        base: The wrapped layer (frozen).
+        rank: The adapters' rank.
+        scale: The low-rank term's multiple.
+    """
 
     def __init__(self, base: nn.Linear, rank: int = LORA_RANK, scale: float = 1.0) -> None:
         super().__init__()
@@ -41,7 +47,12 @@ class LoRALinear(nn.Module):
 
 
 def add_lora(module: nn.Module, rank: int = LORA_RANK) -> list[LoRALinear]:
-    """Wrap every ``nn.Linear`` inside ``module`` in a `LoRALinear`; returns the wrappers."""
+    """Wrap every ``nn.Linear`` inside ``module`` in a `LoRALinear`; returns the wrappers.
+
+    Args:
+        module: The model or block whose linear layers are wrapped.
+        rank: The adapters' rank.
+    """
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
         raise ValueError(f"LoRA rank: expected an int >= 1, got {rank!r}")
     wrapped = []
@@ -55,7 +66,11 @@ def add_lora(module: nn.Module, rank: int = LORA_RANK) -> list[LoRALinear]:
 
 
 def merge_lora(module: nn.Module) -> int:
-    """Fold every `LoRALinear` inside ``module`` into its base layer, in place; returns how many."""
+    """Fold every `LoRALinear` inside ``module`` into its base layer, in place; returns how many.
+
+    Args:
+        module: The model or block.
+    """
     n = 0
     for m in list(module.modules()):
         for child_name, child in list(m.named_children()):

@@ -36,7 +36,12 @@ __all__ = ["BlockStream", "find_blocks"]
 
 def find_blocks(model: nn.Module, sites: list[str]) -> tuple[str, int] | None:
     """The model's decoder blocks: the name of the ``nn.ModuleList`` of one class holding the most sites (at least
-    two of its blocks holding one), and its length; None when there is none."""
+    two of its blocks holding one), and its length; None when there is none.
+
+    Args:
+        model: The model.
+        sites: The names of the sites to be converted.
+    """
     best = None
     for name, m in model.named_modules():
         if not isinstance(m, nn.ModuleList) or len(m) < 2 or len({type(c) for c in m}) != 1:
@@ -67,7 +72,13 @@ def _output(out) -> Tensor:
 class BlockStream:
     """One set of batches (the calibration sequences, or the first-token pairs) flowing through the converted model
     block by block. ``record`` it during the original model's pass; then `site_inputs` gives a site's inputs in the
-    model as converted so far, and the stream advances itself to the site's block (module docstring)."""
+    model as converted so far, and the stream advances itself to the site's block (module docstring).
+
+    Args:
+        model: The model.
+        prefix: The name of the ``nn.ModuleList`` of its blocks (`find_blocks`).
+        n_blocks: How many blocks it holds.
+    """
 
     def __init__(self, model: nn.Module, prefix: str, n_blocks: int) -> None:
         self.model, self.prefix, self.n = model, prefix, n_blocks

@@ -36,7 +36,13 @@ CONFIG_FILE = "convert_config.json"  # the resolved ConvertConfig, beside the re
 
 def check_out(out: str | None, model: str, overwrite: bool) -> None:
     """Refuse, before any work, an output that is the source model, an existing path, a folder normlab did not
-    write (whatever the flags), or a place that cannot be written."""
+    write (whatever the flags), or a place that cannot be written.
+
+    Args:
+        out: The output folder, or None for none.
+        model: The source model's path or name.
+        overwrite: Whether an existing normlab output may be replaced.
+    """
     if out is None:
         return
     if not str(out).strip():
@@ -222,7 +228,13 @@ def convert_model(cfg: ConvertConfig, *, progress: bool = True, markdown: bool =
     OUT/convert_config.json.
 
     Every field is checked before the model is loaded; ``out`` (and the heal checkpoint) are owned by this process
-    for the whole job, so a second convert to the same place is refused."""
+    for the whole job, so a second convert to the same place is refused.
+
+    Args:
+        cfg: The conversion's config.
+        progress: Show progress bars (``--no-progress``: False).
+        markdown: Print the tables as Markdown.
+    """
     if not isinstance(cfg, ConvertConfig):
         raise TypeError(
             f"convert_model: expected a ConvertConfig (resolve_convert_config(...) builds one), got "
