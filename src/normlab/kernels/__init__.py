@@ -78,7 +78,15 @@ def auto_choice() -> str:
 
 def select(choice: str, x: torch.Tensor, owner: str, *params: torch.Tensor | None, min_fused: int | None = None) -> str:
     """The path ``owner`` takes on ``x`` for the module setting ``choice``: 'triton', 'cpu' or 'reference'.
-    ``min_fused``: the smallest CPU input ``auto`` fuses (default ``cpu.MIN_FUSED``)."""
+    ``min_fused``: the smallest CPU input ``auto`` fuses (default ``cpu.MIN_FUSED``).
+
+    Args:
+        choice: The module's ``kernel`` setting.
+        x: The input.
+        owner: The layer named in errors.
+        *params: Its parameters (None where absent).
+        min_fused: The smallest CPU input ``auto`` fuses; None: ``cpu.MIN_FUSED``.
+    """
     if choice == "auto":
         choice = auto_choice()
     if choice == "reference":
@@ -108,14 +116,20 @@ def select(choice: str, x: torch.Tensor, owner: str, *params: torch.Tensor | Non
     return "triton"
 
 
-def direct(module, x, *params: torch.Tensor | None) -> bool:
+def direct(module: torch.nn.Module, x: torch.Tensor, *params: torch.Tensor | None) -> bool:
     """Whether a fused norm module's call on ``x`` may go straight to its CPU op, past the routing: autograd is off
     (inference mode or no_grad, as in a decode step), ``x`` is a non-empty CPU tensor of a fused dtype whose last axis
     is the module's channels, the parameters are CPU tensors of x's dtype (so autocast, which would cast them to it,
     changes nothing), outside torch.compile and torch.func, ``module.kernel`` allows the CPU path, and the library is
     loaded. Where this answers True, `select` answers 'cpu' for the same call and the module calls the same function,
     so the output is the same; every other call takes the routed path and its checks. Measured in a decoding SmolLM2
-    (docs/folding.md): the routed path's Python, about 20 calls per norm site, cost 2-3% of a decode step."""
+    (docs/folding.md): the routed path's Python, about 20 calls per norm site, cost 2-3% of a decode step.
+
+    Args:
+        module: A fused norm module.
+        x: Its input.
+        *params: Its parameters (None where absent).
+    """
     if torch.is_grad_enabled() or type(x) is not torch.Tensor or x.dim() == 0 or x.shape[-1] != module.dim:
         return False
     kernel = module.kernel
@@ -127,7 +141,12 @@ def direct(module, x, *params: torch.Tensor | None) -> bool:
 
 
 def autocast_params(x: torch.Tensor, *params: torch.Tensor | None) -> tuple:
-    """Under torch.autocast the fused kernels take the parameters in the input's dtype, as autocast would."""
+    """Under torch.autocast the fused kernels take the parameters in the input's dtype, as autocast would.
+
+    Args:
+        x: The input.
+        *params: The parameters (None where absent).
+    """
     if torch.is_autocast_enabled(x.device.type):
         return tuple(None if p is None else p.to(x.dtype) for p in params)
     return params
@@ -138,8 +157,24 @@ def _route(kernel: str, owner: str, x: torch.Tensor, *params: torch.Tensor | Non
     return select(kernel, x, owner, *cast, min_fused=min_fused), cast
 
 
-def dyt(x, alpha, weight, bias=None, *, kernel: str = "auto"):
-    """weight * tanh(alpha x) + bias on the path ``kernel`` picks; alpha of shape (1,) or (C,)."""
+def dyt(
+    x: torch.Tensor,
+    alpha: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None = None,
+    *,
+    kernel: str = "auto",
+) -> torch.Tensor:
+    """weight * tanh(alpha x) + bias on the path ``kernel`` picks; alpha of shape (1,) or (C,).
+
+    Args:
+        x: The input, (..., C), channels last.
+        alpha: (1,) or (C,).
+        weight: gamma, (C,), or None (1).
+        bias: beta, (C,), or None.
+        kernel: "auto" (Triton on CUDA tensors, the C++ op on CPU tensors, else the reference), "triton", "cpu" or
+            "reference".
+    """
     path, p = _route(kernel, "DyT", x, alpha, weight, bias)
     if path == "triton":
         return fused.dyt(x, *p)
@@ -148,8 +183,26 @@ def dyt(x, alpha, weight, bias=None, *, kernel: str = "auto"):
     return FN.dyt(x, alpha, weight, bias)
 
 
-def scaled_dyt(x, alpha, weight, bias=None, *, scale: FN.Scale = "C", kernel: str = "auto"):
-    """sqrt(C) weight * tanh(alpha x) + bias (``scale`` 'C' or 'C-1'): DyT's kernels with the scale folded in."""
+def scaled_dyt(
+    x: torch.Tensor,
+    alpha: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None = None,
+    *,
+    scale: FN.Scale = "C",
+    kernel: str = "auto",
+) -> torch.Tensor:
+    """sqrt(C) weight * tanh(alpha x) + bias (``scale`` 'C' or 'C-1'): DyT's kernels with the scale folded in.
+
+    Args:
+        x: The input, (..., C), channels last.
+        alpha: (1,) or (C,).
+        weight: gamma, (C,), or None (1).
+        bias: beta, (C,), or None.
+        scale: "C" for sqrt(C), "C-1" for sqrt(C-1).
+        kernel: "auto" (Triton on CUDA tensors, the C++ op on CPU tensors, else the reference), "triton", "cpu" or
+            "reference".
+    """
     path, (a, w, b) = _route(kernel, "ScaledDyT", x, alpha, weight, bias)
     s = FN.channel_scale(x.shape[-1], scale)
     if path == "triton":
@@ -159,8 +212,26 @@ def scaled_dyt(x, alpha, weight, bias=None, *, scale: FN.Scale = "C", kernel: st
     return FN.scaled_dyt(x, alpha, weight, bias, scale)
 
 
-def derf(x, alpha, shift, weight, bias=None, *, kernel: str = "auto"):
-    """weight * erf(alpha x + shift) + bias on the path ``kernel`` picks."""
+def derf(
+    x: torch.Tensor,
+    alpha: torch.Tensor,
+    shift: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None = None,
+    *,
+    kernel: str = "auto",
+) -> torch.Tensor:
+    """weight * erf(alpha x + shift) + bias on the path ``kernel`` picks.
+
+    Args:
+        x: The input, (..., C), channels last.
+        alpha: (1,) or (C,).
+        shift: (1,) or (C,).
+        weight: gamma, (C,), or None (1).
+        bias: beta, (C,), or None.
+        kernel: "auto" (Triton on CUDA tensors, the C++ op on CPU tensors, else the reference), "triton", "cpu" or
+            "reference".
+    """
     path, p = _route(kernel, "Derf", x, alpha, shift, weight, bias)
     if path == "triton":
         return fused.derf(x, *p)
@@ -173,8 +244,26 @@ def _isru_min_fused() -> int:
     return cpu.MIN_FUSED_ISRU
 
 
-def dyisru(x, beta, weight, bias=None, *, scale: FN.Scale = "C", kernel: str = "auto"):
-    """sqrt(C) weight * x / sqrt(beta + x^2) + bias on the path ``kernel`` picks."""
+def dyisru(
+    x: torch.Tensor,
+    beta: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None = None,
+    *,
+    scale: FN.Scale = "C",
+    kernel: str = "auto",
+) -> torch.Tensor:
+    """sqrt(C) weight * x / sqrt(beta + x^2) + bias on the path ``kernel`` picks.
+
+    Args:
+        x: The input, (..., C), channels last.
+        beta: (1,) or (C,), > 0.
+        weight: gamma, (C,), or None (1).
+        bias: beta, (C,), or None.
+        scale: "C" for sqrt(C), "C-1" for sqrt(C-1).
+        kernel: "auto" (Triton on CUDA tensors, the C++ op on CPU tensors, else the reference), "triton", "cpu" or
+            "reference".
+    """
     path, (be, w, b) = _route(kernel, "DyISRU", x, beta, weight, bias, min_fused=_isru_min_fused())
     s = FN.channel_scale(x.shape[-1], scale)
     if path == "triton":
@@ -184,8 +273,25 @@ def dyisru(x, beta, weight, bias=None, *, scale: FN.Scale = "C", kernel: str = "
     return FN.dyisru(x, beta, weight, bias, scale)
 
 
-def eln(x, beta, weight, bias=None, *, scale: FN.Scale = "C-1", kernel: str = "auto"):
-    """ELN on the CPU path or the reference (there is no Triton kernel for ELN: on CUDA, the reference)."""
+def eln(
+    x: torch.Tensor,
+    beta: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None = None,
+    *,
+    scale: FN.Scale = "C-1",
+    kernel: str = "auto",
+) -> torch.Tensor:
+    """ELN on the CPU path or the reference (there is no Triton kernel for ELN: on CUDA, the reference).
+
+    Args:
+        x: The input, (..., C), channels last.
+        beta: (1,) or (C,), > 0.
+        weight: gamma, (C,), or None (1).
+        bias: beta, (C,), or None.
+        scale: "C" for sqrt(C), "C-1" for sqrt(C-1).
+        kernel: "auto" (the C++ op on CPU tensors, else the reference), "cpu" or "reference".
+    """
     kernel = "reference" if kernel == "auto" and on_cuda(x) else kernel
     path, (be, w, b) = _route(kernel, "ELN", x, beta, weight, bias, min_fused=_isru_min_fused())
     if path == "cpu":
@@ -193,8 +299,16 @@ def eln(x, beta, weight, bias=None, *, scale: FN.Scale = "C-1", kernel: str = "a
     return FN.eln(x, beta, weight, bias, scale)
 
 
-def rms_norm(x, weight, eps: float, *, kernel: str = "auto"):
-    """RMSNorm with a weight on the path ``kernel`` picks."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *, kernel: str = "auto") -> torch.Tensor:
+    """RMSNorm with a weight on the path ``kernel`` picks.
+
+    Args:
+        x: The input, (..., C), channels last.
+        weight: gamma, (C,), or None (1).
+        eps: Added to the mean square under the root.
+        kernel: "auto" (Triton on CUDA tensors, the C++ op on CPU tensors, else the reference), "triton", "cpu" or
+            "reference".
+    """
     path, (w,) = _route(kernel, "RMSNorm", x, weight)
     if path == "triton":
         return fused.rms_norm(x, w, eps)

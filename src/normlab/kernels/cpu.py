@@ -64,7 +64,11 @@ BACKWARD_SAVES = {"dyt": "x", "derf": "x"}
 
 def ready(wait: bool = False) -> bool:
     """Whether the kernels are loaded. With ``wait``, build them first if needed (about 25 s, once per
-    machine); without, start that build in the background and answer at once."""
+    machine); without, start that build in the background and answer at once.
+
+    Args:
+        wait: Build them first if needed (else the build starts in the background).
+    """
     return cpu_build.load(wait=wait)
 
 
@@ -82,7 +86,13 @@ def usable(x: Tensor, *params: Tensor | None, wait: bool = False) -> bool:
     """Whether the fused CPU path applies now: a CPU float tensor of a fast dtype, outside torch.compile and
     torch.func, with parameters of the input's dtype (under autocast the module casts them first), and the
     kernels loaded (``wait``: build them first if needed). A decode step asks this for every norm: ``is_cpu`` and
-    a plain loop, not ``device.type`` and a generator (2.8 against 1.2 us for four tensors)."""
+    a plain loop, not ``device.type`` and a generator (2.8 against 1.2 us for four tensors).
+
+    Args:
+        x: The input.
+        *params: The parameters (None where absent).
+        wait: Wait for the kernels' build.
+    """
     if not (x.is_cpu and x.dtype in FAST_DTYPES and x.numel() > 0):
         return False
     for p in params:
@@ -164,11 +174,30 @@ def pointwise_forward(
     log_p0: bool = False,
 ) -> Tensor:
     """``kind`` 'dyt', 'derf', 'dyisru' or 'eln'; p0 alpha (DyT, Derf) or beta (DyISRU, ELN), p1 Derf's shift.
-    ``log_p0``: p0 is log(beta), and the op takes its exp (the same ATen exp as ``torch.exp``)."""
+    ``log_p0``: p0 is log(beta), and the op takes its exp (the same ATen exp as ``torch.exp``).
+
+    Args:
+        x: The input, (..., C), channels last.
+        kind: 'dyt', 'derf', 'dyisru' or 'eln'.
+        p0: alpha (DyT, Derf) or beta (DyISRU, ELN), (1,) or (C,).
+        p1: Derf's shift, else None.
+        weight: gamma, (C,), or None (1).
+        bias: beta, (C,), or None.
+        scale: A multiple of the output before the bias (sqrt(C) for scaled DyT and DyISRU).
+        log_p0: ``p0`` holds log(beta).
+    """
     return torch.ops.normlab_cpu.pointwise_fwd(x, p0, p1, unit_weight(weight, x), bias, scale, _KIND[kind], log_p0)
 
 
 def rms_forward(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
+    """RMSNorm's forward op alone: weight * x / sqrt(mean(x^2) + eps), no autograd record.
+
+    Args:
+        x: The input, (..., C), channels last.
+        weight: gamma, (C,), or None (1).
+        eps: Added to the mean square under the root.
+    """
+
     return torch.ops.normlab_cpu.rms_fwd(x, unit_weight(weight, x), float(eps))[0]
 
 
@@ -181,31 +210,69 @@ def _need() -> None:
 # the ops: same signatures as normlab.functional
 # --------------------------------------------------------------------------
 def dyt(x: Tensor, alpha: Tensor, weight: Tensor | None, bias: Tensor | None = None, scale: float = 1.0) -> Tensor:
-    """scale * weight * tanh(alpha x) + bias (scale sqrt(C) gives scaled DyT); alpha of shape (1,) or (C,)."""
+    """scale * weight * tanh(alpha x) + bias (scale sqrt(C) gives scaled DyT); alpha of shape (1,) or (C,).
+
+    Args:
+        x: The input, (..., C), channels last.
+        alpha: (1,) or (C,).
+        weight: gamma, (C,), or None (1).
+        bias: beta, (C,), or None.
+        scale: A multiple of the output before the bias (sqrt(C) for scaled DyT and DyISRU).
+    """
     _need()
     return _pointwise(x, unit_weight(weight, x), bias, float(scale), "dyt", alpha, None)
 
 
 def derf(x: Tensor, alpha: Tensor, shift: Tensor, weight: Tensor | None, bias: Tensor | None = None) -> Tensor:
-    """weight * erf(alpha x + shift) + bias; alpha and shift of shape (1,) or (C,)."""
+    """weight * erf(alpha x + shift) + bias; alpha and shift of shape (1,) or (C,).
+
+    Args:
+        x: The input, (..., C), channels last.
+        alpha: (1,) or (C,).
+        shift: (1,) or (C,).
+        weight: gamma, (C,), or None (1).
+        bias: beta, (C,), or None.
+    """
     _need()
     return _pointwise(x, unit_weight(weight, x), bias, 1.0, "derf", alpha, shift)
 
 
 def dyisru(x: Tensor, beta: Tensor, weight: Tensor | None, bias: Tensor | None = None, scale: float = 1.0) -> Tensor:
-    """scale * weight * x / sqrt(beta + x^2) + bias; beta of shape (1,) or (C,)."""
+    """scale * weight * x / sqrt(beta + x^2) + bias; beta of shape (1,) or (C,).
+
+    Args:
+        x: The input, (..., C), channels last.
+        beta: (1,) or (C,), > 0.
+        weight: gamma, (C,), or None (1).
+        bias: beta, (C,), or None.
+        scale: A multiple of the output before the bias (sqrt(C) for scaled DyT and DyISRU).
+    """
     _need()
     return _pointwise(x, unit_weight(weight, x), bias, float(scale), "dyisru", beta, None)
 
 
 def eln(x: Tensor, beta: Tensor, weight: Tensor | None, bias: Tensor | None = None, scale: float = 1.0) -> Tensor:
-    """scale * weight * u / sqrt(beta + u^2) + bias with u = x - mean(x); beta of shape (1,) or (C,)."""
+    """scale * weight * u / sqrt(beta + u^2) + bias with u = x - mean(x); beta of shape (1,) or (C,).
+
+    Args:
+        x: The input, (..., C), channels last.
+        beta: (1,) or (C,), > 0.
+        weight: gamma, (C,), or None (1).
+        bias: beta, (C,), or None.
+        scale: A multiple of the output before the bias (sqrt(C) for scaled DyT and DyISRU).
+    """
     _need()
     return _pointwise(x, unit_weight(weight, x), bias, float(scale), "eln", beta, None)
 
 
 def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
-    """weight * x / sqrt(mean(x^2) + eps), fp32 statistics."""
+    """weight * x / sqrt(mean(x^2) + eps), fp32 statistics.
+
+    Args:
+        x: The input, (..., C), channels last.
+        weight: gamma, (C,), or None (1).
+        eps: Added to the mean square under the root.
+    """
     _need()
     weight = unit_weight(weight, x)
     if records_grad(x, weight):

@@ -42,7 +42,12 @@ _STATE: dict = {"loaded": False, "failure": None, "thread": None, "advice": None
 
 
 class BuildError(OSError):
-    """A build that cannot happen here, with the fix that applies to its cause (not always a compiler)."""
+    """A build that cannot happen here, with the fix that applies to its cause (not always a compiler).
+
+    Args:
+        message: What went wrong.
+        advice: The fix that applies to its cause.
+    """
 
     def __init__(self, message: str, advice: str) -> None:
         super().__init__(message)
@@ -154,6 +159,13 @@ def _identity(cxx: str) -> dict:
 
 
 def build_dir(ident: dict) -> Path:
+    """The cache folder of one build: ``<cache>/kernels/cpu-<key>``, the key naming the source, the compiler, its
+    version, torch and the CPU.
+
+    Args:
+        ident: The build's identity (its ``key``).
+    """
+
     try:
         root = cache_dir()
     except NormlabError as e:  # NORMLAB_CACHE names a file
@@ -217,7 +229,13 @@ ISA_FLAGS = {"avx2": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2"], "de
 def compile_command(src: Path, out: Path, isa: str | None = None) -> list[str]:
     """The command that builds ``src`` into ``out`` as this machine's build does: the compiler and its flags (for
     scripts that build another version of the source to compare, ``scripts/bench_kernel_builds.py``). ``isa``
-    ("avx2", "default": ATen's portable vectors) replaces the machine's instruction set, for tests."""
+    ("avx2", "default": ATen's portable vectors) replaces the machine's instruction set, for tests.
+
+    Args:
+        src: The C++ source.
+        out: The shared library written.
+        isa: An instruction set in place of the machine's ("avx2", "default"), or None.
+    """
     flags = _flags()
     if isa is not None:
         if isa not in ISA_FLAGS:
@@ -337,7 +355,11 @@ def _attempt(detached: bool = False) -> None:
 
 
 def load(wait: bool = True) -> bool:
-    """Whether the kernels are loaded; build or load them first (in the background when ``wait`` is False)."""
+    """Whether the kernels are loaded; build or load them first (in the background when ``wait`` is False).
+
+    Args:
+        wait: Block until the build is done (else build in the background and return False meanwhile).
+    """
     if _STATE["loaded"] or _STATE["failure"]:
         return _STATE["loaded"]
     with _LOCK:
@@ -366,7 +388,11 @@ def load(wait: bool = True) -> bool:
 
 def use_library(path: str | Path) -> None:
     """Load a library built elsewhere (another instruction set's build, `compile_command`) in place of this machine's:
-    for tests of the code paths this machine would not take. Call it before anything loads the kernels."""
+    for tests of the code paths this machine would not take. Call it before anything loads the kernels.
+
+    Args:
+        path: The built shared library.
+    """
     if _STATE["loaded"]:
         raise RuntimeError("normlab's CPU kernels are already loaded in this process")
     torch.ops.load_library(str(path))
