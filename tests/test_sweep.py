@@ -250,7 +250,7 @@ def _toml_text(top: dict, run: dict) -> str:
 
 def _kind_ok(field: str, v) -> bool:
     """Whether ``v`` happens to be a valid value of ``field`` (then it is not a wrong kind for it)."""
-    from normlab.sweep import _RUN, _TOP, _is
+    from normlab.experiment import _RUN, _TOP, _is
 
     kind = {**_TOP, **_RUN}.get(field)
     return kind is not None and _is(v, kind)

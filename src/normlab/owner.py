@@ -26,7 +26,12 @@ class Locked(NormlabError):
 def take_lock(lock: Path, wait: bool = False) -> int | str:
     """Take the OS advisory lock on the file ``lock`` (made if absent) and write this process into it: the
     open descriptor (close it to release), or, when a live process holds it, that holder's line (``wait=True``:
-    wait for it instead). On a system without ``fcntl`` (not POSIX) there is no lock: -1."""
+    wait for it instead). On a system without ``fcntl`` (not POSIX) there is no lock: -1.
+
+    Args:
+        lock: The lock file.
+        wait: Wait for a live holder instead of answering with its line.
+    """
     try:
         import fcntl
     except ImportError:
@@ -47,7 +52,13 @@ def take_lock(lock: Path, wait: bool = False) -> int | str:
 def hold(target: str | Path, what: str, wait: bool = False):
     """Own ``target`` (a file or folder, existing or not) for the duration: a second process is refused with the
     first one's pid and command, or with ``wait=True`` waits its turn (a table's append; a sample set that another
-    process is drawing), saying on stderr whom it waits for. The lock file is ``.<name>.lock`` beside the target."""
+    process is drawing), saying on stderr whom it waits for. The lock file is ``.<name>.lock`` beside the target.
+
+    Args:
+        target: The file or folder owned.
+        what: What the path is, as errors name it ("the output folder").
+        wait: Wait for another owner instead of refusing.
+    """
     target = Path(target)
     lock = target.parent / f".{target.name}.lock"
     check_writable(lock, what)
@@ -67,7 +78,12 @@ def hold(target: str | Path, what: str, wait: bool = False):
 
 def check_writable(path: str | Path, what: str) -> None:
     """Raise, before any work, if ``path`` could not be written: its nearest existing ancestor must be a writable
-    folder, and the path itself must not be a folder where a file is meant (or the reverse)."""
+    folder, and the path itself must not be a folder where a file is meant (or the reverse).
+
+    Args:
+        path: The file or folder to be written.
+        what: What the path is, as errors name it ("the output folder").
+    """
     path = Path(path)
     probe = path if path.exists() else next((p for p in path.parents if p.exists()), Path("."))
     folder = probe if probe.is_dir() else probe.parent
@@ -78,7 +94,12 @@ def check_writable(path: str | Path, what: str) -> None:
 
 
 def check_folder(path: str | Path, what: str) -> None:
-    """A folder normlab will write into: not an existing file, and writable (`check_writable`)."""
+    """A folder normlab will write into: not an existing file, and writable (`check_writable`).
+
+    Args:
+        path: The folder.
+        what: What the path is, as errors name it ("the output folder").
+    """
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise ValueError(f"{what} {path} is a file; give a folder (or a path that does not exist yet)")
@@ -87,7 +108,12 @@ def check_folder(path: str | Path, what: str) -> None:
 
 def inside(path: str | Path, *roots: str | Path | None) -> str | None:
     """The first of ``roots`` (files or folders) that ``path`` equals or lies within, else None. A root that does
-    not exist yet (an output folder to be made) counts as a folder."""
+    not exist yet (an output folder to be made) counts as a folder.
+
+    Args:
+        path: The path tested.
+        *roots: Files or folders (None entries are skipped).
+    """
     p = Path(path).resolve()
     for root in roots:
         if root is None:
@@ -100,7 +126,11 @@ def inside(path: str | Path, *roots: str | Path | None) -> str | None:
 
 def path_segment_error(name: object) -> str | None:
     """Why ``name`` cannot be one path segment (a file or folder name inside a root), or None when it can: a
-    non-empty string with no separator, not '.' or '..', so that a file named after it stays in its root."""
+    non-empty string with no separator, not '.' or '..', so that a file named after it stays in its root.
+
+    Args:
+        name: The proposed name.
+    """
     if not isinstance(name, str) or not name.strip():
         return f"must be one path segment (a non-empty string), got {name!r}"
     if "/" in name or "\\" in name or name.strip(".") == "" or "\0" in name:

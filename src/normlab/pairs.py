@@ -9,7 +9,11 @@ __all__ = ["parse_value", "parse_pairs", "apply_overrides"]
 
 
 def parse_value(text: str):
-    """A command-line value: JSON (numbers, true/false, null, lists), else a float ('.5', 'inf'), else the word."""
+    """A command-line value: JSON (numbers, true/false, null, lists), else a float ('.5', 'inf'), else the word.
+
+    Args:
+        text: The value as typed.
+    """
     try:
         return json.loads(text)
     except json.JSONDecodeError:
@@ -21,7 +25,13 @@ def parse_value(text: str):
 
 
 def parse_pairs(items: list[str], flag: str, example: str) -> list[tuple[str, object]]:
-    """KEY=VALUE strings as (key, parsed value) pairs; the one parser of --set, --init and their kin."""
+    """KEY=VALUE strings as (key, parsed value) pairs; the one parser of --set, --init and their kin.
+
+    Args:
+        items: ``KEY=VALUE`` strings.
+        flag: The flag named in errors (``--set``).
+        example: An example shown in errors.
+    """
     pairs = []
     for item in items or []:
         key, sep, value = item.partition("=")
@@ -36,6 +46,11 @@ def apply_overrides(d: dict, overrides: dict | list[str], free: tuple[str, ...] 
 
     An unknown field raises an error that names it and lists the valid ones. Inside a table whose name ends in
     ``kwargs``, or is one of ``free``, any key is allowed (those keys are the user's).
+
+    Args:
+        d: The config dict (not changed).
+        overrides: Dotted key -> value, or ``KEY=VALUE`` strings.
+        free: Table names whose keys are the user's (no check).
     """
     d = copy.deepcopy(d)
     items = overrides.items() if isinstance(overrides, dict) else []

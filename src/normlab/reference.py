@@ -7,7 +7,7 @@ import numpy as np
 __all__ = ["dynamic_tanh"]
 
 
-def dynamic_tanh(x, alpha: float, gamma, beta) -> list:
+def dynamic_tanh(x: np.typing.ArrayLike, alpha: float, gamma: np.typing.ArrayLike, beta: np.typing.ArrayLike) -> list:
     """DyT(x) = gamma * tanh(alpha * x) + beta, rounded to 4 decimals, as a nested list.
 
     ``x`` has shape (..., C); ``gamma`` and ``beta`` have shape (C,) and broadcast
@@ -18,6 +18,12 @@ def dynamic_tanh(x, alpha: float, gamma, beta) -> list:
     dynamic_tanh([[[0.14115588, 0.00372817, 0.24126647, 0.22183601]]], 0.5, [1, 1, 1, 1], [0, 0, 0, 0])
     # [[[0.0705, 0.0019, 0.1201, 0.1105]]]
     ```
+
+    Args:
+        x: An array of shape (..., C).
+        alpha: A scalar.
+        gamma: (C,).
+        beta: (C,).
     """
     if not isinstance(alpha, (int, float, np.integer, np.floating)) or isinstance(alpha, bool):
         raise ValueError(f"dynamic_tanh: expected alpha to be a real number, got {alpha!r}")

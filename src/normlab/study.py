@@ -89,7 +89,11 @@ def builtin_studies() -> dict[str, Path]:
 
 def load_study(source: str | Path) -> Study:
     """A study from a built-in name or a TOML file, every cell resolved and validated: a bad field, cell or check
-    is a ValueError naming the file and where in it, before any work."""
+    is a ValueError naming the file and where in it, before any work.
+
+    Args:
+        source: A built-in study's name (`builtin_studies`) or a TOML file.
+    """
     builtin = builtin_studies()
     path = builtin[str(source)] if str(source) in builtin else Path(source)
     if not path.is_file():
@@ -147,7 +151,11 @@ def machine() -> str:
 
 
 def cell_metrics(fid: dict) -> dict:
-    """Every metric of `METRICS` that a cell's fidelity holds (None where it has none: no heal, no second text)."""
+    """Every metric of `METRICS` that a cell's fidelity holds (None where it has none: no heal, no second text).
+
+    Args:
+        fid: A cell's fidelity (its result's ``fidelity``).
+    """
     return {name: read(fid) for name, read in METRICS.items()}
 
 
@@ -201,7 +209,15 @@ def run_study(
     progress: bool = True,
 ) -> dict[str, dict]:  # fmt: skip
     """Run every cell of a study (or those in ``only``) that has no result yet; returns each cell's result (or
-    its failure), by name. See the module docstring for the folders, the locks and the tables."""
+    its failure), by name. See the module docstring for the folders, the locks and the tables.
+
+    Args:
+        source: A built-in study's name or a TOML file.
+        root: The folder of the study's cells.
+        only: The cells to run; None runs every one.
+        bench: Also append each cell's row to ``<bench>/study_<name>.csv``.
+        progress: Show progress bars.
+    """
     study = load_study(source)
     missing = sorted(set(only or []) - set(study.cells))
     if missing:
@@ -259,7 +275,12 @@ def _as_run(cfg: ConvertConfig, folder: Path) -> ConvertConfig:
 
 
 def check_results(study: Study, results: dict[str, dict]) -> list[dict]:
-    """Each check of the study against the results: passed True / False, or None when its cell has no result."""
+    """Each check of the study against the results: passed True / False, or None when its cell has no result.
+
+    Args:
+        study: The study.
+        results: Cell name -> its result.
+    """
     out = []
     for c in study.checks:
         value = (results.get(c["cell"]) or {}).get("metrics", {}).get(c["metric"])

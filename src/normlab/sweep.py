@@ -1,4 +1,4 @@
-"""Experiments as data, and a sweep runner that survives failure.
+"""A sweep runner that survives failure, over experiments as data (`normlab.experiment`).
 
 An experiment is a small TOML file listing runs (``normlab/experiments/*.toml``, one per
 table of the dissection, or a file of your own). A *profile* scales every experiment to a
@@ -19,44 +19,20 @@ import os
 import shlex
 import sys
 import traceback
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import dataclass, field
-from importlib import resources
+from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from normlab.experiment import Experiment, builtin_experiments, check_experiment_fields, load_experiment, lr_variants
 from normlab.lab.config import TrainConfig, resolve_config
 from normlab.lab.runs import SUMMARY, TERMINAL, RunFolder, RunLocked, read_summary
-from normlab.owner import path_segment_error
 from normlab.profiles import PROFILES
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 __all__ = ["PROFILES", "Experiment", "RunSpec", "Workers", "builtin_experiments", "load_experiment", "expand",
            "run_sweep", "parse_shard", "lr_variants", "check_experiment_fields"]  # fmt: skip
-
-
-@dataclass
-class Experiment:
-    name: str
-    title: str
-    source: str
-    claim: str
-    runs: list[dict]
-    seeds: list[int] = field(default_factory=lambda: [0])
-    metrics: list[str] = field(default_factory=lambda: ["final_val_loss"])
-    base: dict = field(default_factory=dict)  # overrides for every run (e.g. data = ["my.txt"])
-    path: str = ""
-    baseline: str | None = None  # the run *frac* and the checks measure from
-    checks: list[dict] = field(default_factory=list)  # the verdicts, applied by normlab.report
-    figures: list[str] = field(default_factory=lambda: ["loss"])
-    guard: bool = True  # judge the checks only once the baseline has trained past the attractor
-    mechanism: list[str] = field(default_factory=list)  # runs whose telemetry the "mechanism" figure draws
-    profiles: list[str] | None = None  # the only profiles it runs at (the scaling study: its own); None: all
 
 
 @dataclass
@@ -76,172 +52,18 @@ class RunSpec:
         return f"{self.config.model.norm}-{digest}-s{self.seed}"
 
 
-def builtin_experiments(profile: str | None = None) -> list[str]:
-    """Names of the experiments shipped with normlab, in report order; with ``profile``, those that run at it
-    (the scaling study runs only at its own profile, so `normlab reproduce` leaves it out)."""
-    order = ["phase", "pointwise", "width", "denominator", "coupling", "coupling_sweep", "rank", "beyond"]
-    found = {p.name[:-5] for p in resources.files("normlab.experiments").iterdir() if p.name.endswith(".toml")}
-    names = [n for n in order if n in found] + sorted(found - set(order))
-    if profile is None:
-        return names
-    return [n for n in names if (ps := load_experiment(n).profiles) is None or profile in ps]
-
-
-# An experiment TOML's fields and their kinds; a run's own extra keys (paper, flags, cell, ...) are free metadata.
-_TOP = {"name": "str", "title": "str", "source": "str", "claim": "str", "runs": "list[table]", "seeds": "list[int]",
-        "metrics": "list[str]", "base": "table", "baseline": "str", "checks": "list[table]", "figures": "list[str]",
-        "guard": "bool", "mechanism": "list[str]", "profiles": "list[str]"}  # fmt: skip
-_RUN = {"name": "str", "label": "str", "set": "table", "shape": "str", "profiles": "list[str]", "budget": "int",
-        "lrs": "list[number]", "lr_field": "str"}  # fmt: skip
-_KINDS = {"str": str, "int": int, "bool": bool, "table": dict, "number": (int, float)}
-
-
-def _is(value, kind: str) -> bool:
-    if kind.startswith("list["):
-        return isinstance(value, list) and all(_is(v, kind[5:-1]) for v in value)
-    want = _KINDS[kind]
-    return isinstance(value, want) and not (kind in ("int", "number") and isinstance(value, bool))
-
-
-def check_experiment_fields(d: dict, where: str) -> None:
-    """Each field of an experiment TOML has its kind (``_TOP``, ``_RUN``): else one line naming the file and the
-    field, what was expected and what was given, before any run is expanded."""
-    missing = [k for k in ("name", "runs") if k not in d]
-    if missing:
-        raise ValueError(f"{where}: missing {', '.join(missing)}")
-    unknown = sorted(set(d) - set(_TOP))
-    if unknown:
-        raise ValueError(f"{where}: unknown field {unknown[0]!r}; an experiment has {', '.join(_TOP)}")
-    for key, kind in _TOP.items():
-        if key in d and not _is(d[key], kind):
-            raise ValueError(f"{where}: {key} must be {kind.replace('table', 'a table')}, got {d[key]!r}")
-    if (why := path_segment_error(d["name"])) is not None:  # figures are named after it, inside the report's root
-        raise ValueError(f"{where}: name {why}")
-    if set(d.get("base", {})) - {"set"} or not _is(d.get("base", {}).get("set", {}), "table"):
-        raise ValueError(
-            f"{where}: base must be a table with one table, set (e.g. base = {{ set = {{ lr = 1e-3 }} }})"
-            f", got {d['base']!r}"
-        )
-    for i, r in enumerate(d["runs"]):
-        for key in ("name", "set"):
-            if key not in r:
-                raise ValueError(f"{where}: run {i} needs 'name' and 'set'")
-        for key, kind in _RUN.items():
-            if key in r and not _is(r[key], kind):
-                raise ValueError(
-                    f"{where}: run {i} ({r.get('name')!r}): {key} must be "
-                    f"{kind.replace('table', 'a table')}, got {r[key]!r}"
-                )
-
-
-def _read_toml(name_or_path: str) -> tuple[dict, str]:
-    """A built-in experiment's or a file's TOML, parsed, and where it came from (for messages)."""
-    p = Path(name_or_path)
-    if p.suffix == ".toml" or p.exists():
-        if not p.is_file():
-            raise FileNotFoundError(f"experiment file {name_or_path!r} does not exist")
-        text, where = p.read_text(), str(p)
-    else:
-        res = resources.files("normlab.experiments") / f"{name_or_path}.toml"
-        if not res.is_file():
-            raise ValueError(
-                f"unknown experiment {name_or_path!r}; built-in: {', '.join(builtin_experiments())}, "
-                "or pass a path to a .toml file"
-            )
-        text, where = res.read_text(), f"normlab/experiments/{name_or_path}.toml"
-    try:
-        return tomllib.loads(text), where
-    except tomllib.TOMLDecodeError as e:
-        raise ValueError(f"{where}: not valid TOML ({e})") from None
-
-
-def _check_runs(d: dict, where: str) -> None:
-    """Each run's profiles, learning-rate grid, budget, and a name of its own."""
-    seen: set[str] = set()
-    for r in d["runs"]:
-        unknown = [p for p in r.get("profiles", []) if p not in PROFILES]
-        if unknown:
-            raise ValueError(
-                f"{where}: run {r['name']!r}: unknown profile {unknown[0]!r}; valid: {', '.join(PROFILES)}"
-            )
-        lrs = r.get("lrs")
-        if lrs is not None and (len(lrs) < 2 or len(set(lrs)) != len(lrs) or not all(v > 0 for v in lrs)):
-            raise ValueError(
-                f"{where}: run {r['name']!r}: lrs must be a list of at least two distinct learning "
-                f"rates > 0 (the grid its best is chosen from), got {lrs!r}"
-            )
-        if r.get("lr_field", "lr") not in ("lr", "muon_lr"):
-            raise ValueError(f"{where}: run {r['name']!r}: lr_field must be 'lr' or 'muon_lr', got {r['lr_field']!r}")
-        if r.get("budget", 1) < 1:
-            raise ValueError(
-                f"{where}: run {r['name']!r}: budget (a multiple of the profile's steps) must be an "
-                f"int >= 1, got {r['budget']!r}"
-            )
-        if r["name"] in seen:
-            raise ValueError(
-                f"{where}: two runs are named {r['name']!r}; each run needs its own name (the report "
-                "would average them as seeds of one run)"
-            )
-        seen.add(r["name"])
-
-
-def _check_references(d: dict, where: str) -> None:
-    """What the experiment names beyond its runs: the mechanism runs, profiles, baseline, checks and figures."""
-    from normlab.report import CHECKS, FIGURES  # the kinds a report can apply: known before any run trains
-
-    names = {r["name"] for r in d["runs"]}
-    missing_runs = [n for n in d.get("mechanism", []) if n not in names]
-    if missing_runs:
-        raise ValueError(f"{where}: mechanism names a run that does not exist: {missing_runs[0]!r}")
-    profiles = d.get("profiles")
-    if profiles is not None and not all(p in PROFILES for p in profiles):
-        raise ValueError(f"{where}: profiles must name profiles ({', '.join(PROFILES)}), got {profiles!r}")
-    if d.get("baseline") is not None and d["baseline"] not in names:
-        raise ValueError(f"{where}: baseline {d['baseline']!r} is not one of its runs ({', '.join(sorted(names))})")
-    for i, c in enumerate(d.get("checks", [])):
-        if "kind" not in c:
-            raise ValueError(f"{where}: check {i} needs a 'kind'")
-        if c["kind"] not in CHECKS:
-            raise ValueError(f"{where}: check {i}: unknown kind {c['kind']!r}; known: {', '.join(sorted(CHECKS))}")
-        unknown = [c[k] for k in ("run", "a", "b") if k in c and c[k] not in names]
-        if unknown:
-            raise ValueError(f"{where}: check {i} ({c['kind']}) names a run that does not exist: {unknown[0]!r}")
-    unknown_figs = [f for f in d.get("figures", []) if f not in FIGURES]
-    if unknown_figs:
-        raise ValueError(f"{where}: figures: unknown figure {unknown_figs[0]!r}; known: {', '.join(sorted(FIGURES))}")
-
-
-def load_experiment(name_or_path: str) -> Experiment:
-    """A built-in experiment by name, or a TOML file by path; a malformed file raises a clear error."""
-    d, where = _read_toml(name_or_path)
-    check_experiment_fields(d, where)
-    _check_runs(d, where)
-    _check_references(d, where)
-    return Experiment(
-        name=d["name"],
-        title=d.get("title", d["name"]),
-        source=d.get("source", ""),
-        claim=d.get("claim", ""),
-        runs=d["runs"],
-        seeds=d.get("seeds", [0, 1, 2]),
-        metrics=d.get("metrics", ["final_val_loss"]),
-        base=d.get("base", {}).get("set", {}),
-        path=where,
-        baseline=d.get("baseline"),
-        checks=d.get("checks", []),
-        figures=d.get("figures", ["loss"]),
-        guard=d.get("guard", True),
-        mechanism=d.get("mechanism", []),
-        profiles=d.get("profiles"),
-    )
-
-
 def expand(exp: Experiment, profile: str, root: str | Path, extra: dict | None = None) -> list[RunSpec]:
     """The runs of ``exp`` at ``profile``, each with a resolved, validated config.
 
     Overrides apply in order: the profile, the run's shape, the experiment's [base], the run's set, ``extra``.
     A run's ``budget = k`` multiplies the profile's steps by k (16x the default's tokens at ``long``'s 4x);
     a run's ``profiles = [...]`` names the only profiles it runs at (a long cell the demo cannot afford).
+
+    Args:
+        exp: The experiment.
+        profile: A profile name (``default``, ``quick``, ...).
+        root: The sweep's output folder.
+        extra: Overrides applied last (dotted keys).
     """
     if profile not in PROFILES:
         raise ValueError(f"unknown profile {profile!r}; valid: {', '.join(PROFILES)}")
@@ -280,26 +102,6 @@ def expand(exp: Experiment, profile: str, root: str | Path, extra: dict | None =
     return specs
 
 
-def lr_variants(run: dict) -> list[tuple[str, str, dict, dict]]:
-    """The runs one TOML entry stands for: itself, or with ``lrs = [...]`` one run per learning rate, named
-    ``name@lr=0.002`` (``lr_field`` = "muon_lr" sweeps Muon's rate instead). Each variant's meta names the
-    sweep it belongs to (``sweep``) and its rate, so the report can pick the best and draw the curve."""
-    meta = {k: v for k, v in run.items() if k not in ("name", "label", "set", "lrs")}
-    label = run.get("label", run["name"])
-    if not run.get("lrs"):
-        return [(run["name"], label, {}, meta)]
-    field_ = run.get("lr_field", "lr")
-    return [
-        (
-            f"{run['name']}@{field_}={lr:g}",
-            f"{label}, {field_} {lr:g}",
-            {field_: lr},
-            {**meta, "sweep": run["name"], "lr": lr, "lr_field": field_},
-        )
-        for lr in sorted(run["lrs"])
-    ]
-
-
 @dataclass(frozen=True)
 class Workers:
     """How a sweep's runs are spread: ``jobs`` at a time in this process's pool, and this machine's ``shard``
@@ -310,6 +112,12 @@ class Workers:
 
 
 def parse_shard(text: str | None) -> tuple[int, int]:
+    """``--shard i/n`` as (i, n): this machine runs every n-th run from the i-th; None or empty: (0, 1).
+
+    Args:
+        text: ``i/n``, or None.
+    """
+
     if not text:
         return 0, 1
     try:
@@ -367,12 +175,23 @@ def default_jobs() -> int:
 
 
 def run_sweep(
-    specs: list[RunSpec], *, workers: Workers = Workers(), progress: bool = True, on_done=None
+    specs: list[RunSpec],
+    *,
+    workers: Workers = Workers(),
+    progress: bool = True,
+    on_done: Callable[[RunSpec, str], None] | None = None,
 ) -> dict[str, str]:
     """Run every spec of this shard that has not finished, ``jobs`` at a time (``workers``); returns
     {run_id: status}.
 
-    ``on_done(spec, status)``, if given, is called in this process as each run ends (a study records it there)."""
+    ``on_done(spec, status)``, if given, is called in this process as each run ends (a study records it there).
+
+    Args:
+        specs: The runs (`expand`).
+        workers: Runs at a time and this machine's shard.
+        progress: Show a progress bar.
+        on_done: Called as ``on_done(spec, status)`` as each run ends; None: nothing.
+    """
     shard, jobs = workers.shard, workers.jobs
     unique = list({s.run_id: s for s in specs}.values())  # a run shared by several tables runs once
     mine = unique[shard[0] :: shard[1]]

@@ -20,6 +20,15 @@ def _cell(v) -> str:
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence], markdown: bool = False) -> str:
+    """Rows under their headers as aligned plain text, or as a Markdown table.
+
+    Args:
+        headers: The column names.
+        rows: The rows, one value per column (floats to 4 significant digits, or as 1.2e+04 beyond 1e4 and below
+            1e-3).
+        markdown: A Markdown table instead of plain text.
+    """
+
     cells = [[_cell(v) for v in row] for row in rows]
     if markdown:
         esc = lambda s: s.replace("|", "\\|")  # noqa: E731
@@ -35,7 +44,12 @@ def append_csv(path: str | Path, rows: list[dict]) -> Path:
     """Append rows to a CSV: benchmarks keep one growing table. When the rows bring columns the file lacks,
     the file is rewritten under the union of the columns (older rows leave the new cells empty), so that
     every row has as many cells as the header. Two benchmarks appending to one table take turns (a lock beside it,
-    ``.<name>.lock``), so neither loses the other's rows."""
+    ``.<name>.lock``), so neither loses the other's rows.
+
+    Args:
+        path: The CSV file (made when absent).
+        rows: The rows, as column name -> value.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with hold(path, "benchmark table", wait=True):

@@ -68,6 +68,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The ``normlab`` command: parse ``argv`` and run its subcommand; returns the exit status (2 for an error the
+    user can fix, printed as one line).
+
+    Args:
+        argv: The arguments; None: ``sys.argv[1:]``.
+    """
+
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     args.argv = argv

@@ -61,6 +61,11 @@ def write_report(root: str | Path, *, elapsed_s: float | None = None, compare: s
 
     With ``compare`` (the root of the same experiments at another budget), each verdict also states the
     verdict there, and the loss curves of both budgets share one figure against tokens seen.
+
+    Args:
+        root: The folder of the experiments' runs (`normlab reproduce`'s ``--root``).
+        elapsed_s: The runs' wall time, stated in the report.
+        compare: The root of the same experiments at another budget.
     """
     other_index = _compare_index(compare)
     others = {e["name"]: e for e in other_index.get("experiments", [])}

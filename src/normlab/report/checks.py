@@ -213,7 +213,11 @@ def register_check(kind: str):
 
 
 def claims(res: Results) -> list[Verdict]:
-    """The verdicts of the experiment's TOML ``[[checks]]``, each applied by its kind."""
+    """The verdicts of the experiment's TOML ``[[checks]]``, each applied by its kind.
+
+    Args:
+        res: The experiment's runs.
+    """
     if res.exp.get("guard", True) and (why := untrained(res)):
         return [verdict(None, why)]
     unknown = [c["kind"] for c in res.exp.get("checks", []) if c["kind"] not in CHECKS]

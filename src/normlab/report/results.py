@@ -24,7 +24,13 @@ __all__ = ["Results", "PAPER_RMS", "PAPER_ATTRACTOR", "frac", "untrained", "fmt"
 
 class Results:
     """Runs of one experiment grouped by name: status, values per seed, links. Each run's summary, metrics and
-    config are read from disk once, on first use, and kept."""
+    config are read from disk once, on first use, and kept.
+
+    Args:
+        exp: The experiment (its TOML as a dict).
+        root: The folder of its runs.
+        profile: The budget they ran at, named in figures.
+    """
 
     def __init__(self, exp: dict, root: Path, profile: str = "") -> None:
         self.exp, self.root, self.profile = exp, root, profile

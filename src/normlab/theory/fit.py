@@ -141,8 +141,8 @@ def _fit_unit(kind: Kind, x: np.ndarray, y: np.ndarray, amp: float | None, max_n
 
 
 def fit_elementwise(
-    x,
-    y,
+    x: np.ndarray | torch.Tensor,
+    y: np.ndarray | torch.Tensor,
     kind: Kind = "dyisru",
     *,
     scale: float | str | None = "C",
@@ -154,6 +154,14 @@ def fit_elementwise(
     x, y: arrays of one shape. For ``per="channel"`` or ``"group"`` the last axis is the channel axis. ``scale``:
     the amplitude, a number, None (fitted too), or "C" / "C-1" for sqrt(x.shape[-1]) / sqrt(x.shape[-1] - 1). Each fit
     is bounded by `MAX_NFEV` evaluations.
+
+    Args:
+        x: The norm's inputs, an array or tensor.
+        y: Its outputs, of x's shape.
+        kind: "dyt" (fits alpha) or "dyisru" (fits beta).
+        scale: The amplitude: a number, None (fitted too), or "C" / "C-1".
+        per: "global" (one parameter), "channel" (one per channel, the last axis) or "group".
+        group_size: Channels per group, for ``per="group"``.
     """
     if kind not in ("dyt", "dyisru"):
         raise ValueError(f"unknown fit kind {kind!r}: expected 'dyt' or 'dyisru'")

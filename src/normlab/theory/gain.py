@@ -40,7 +40,15 @@ def gain_curve(
     samples: int = 256,
     seed: int = 0,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Monte Carlo G(sigma) and its standard error, for each sigma, from ``samples`` tokens of width ``dim``."""
+    """Monte Carlo G(sigma) and its standard error, for each sigma, from ``samples`` tokens of width ``dim``.
+
+    Args:
+        norm: A norm module.
+        sigmas: The input standard deviations, each > 0.
+        dim: The token width C.
+        samples: Tokens per sigma (at least 2).
+        seed: Of the tokens.
+    """
     sig = np.asarray(sigmas, dtype=float)
     if sig.ndim != 1 or len(sig) == 0 or not np.all(np.isfinite(sig)) or np.any(sig <= 0):
         raise ValueError(f"expected a non-empty list of sigmas > 0, got {list(np.atleast_1d(sig))}")
@@ -71,6 +79,10 @@ def pointwise_gain_limit(norm: nn.Module, dim: int) -> float:
 
     With a scalar slope f'(0) and gamma = 1 this is |f'(0)|. The bias must be zero
     (f(0) = 0 is the theorem's assumption); a non-zero bias raises.
+
+    Args:
+        norm: A point-wise norm module with zero bias.
+        dim: The token width C.
     """
     bias = getattr(norm, "bias", None)
     if bias is not None and bool((bias != 0).any()):
@@ -104,5 +116,10 @@ def gain_curves(
 
 
 def rms_norm_gain(sigma: np.ndarray | float, eps: float = FN.EPS) -> np.ndarray:
-    """Theorem 2: RMSNorm's gain 1 / sqrt(sigma^2 + eps), -> 1/sigma as eps -> 0."""
+    """Theorem 2: RMSNorm's gain 1 / sqrt(sigma^2 + eps), -> 1/sigma as eps -> 0.
+
+    Args:
+        sigma: The input standard deviation(s).
+        eps: Added to the mean square under the root.
+    """
     return 1.0 / np.sqrt(np.asarray(sigma, dtype=float) ** 2 + eps)

@@ -53,6 +53,10 @@ def autograd_jacobian(fn: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
     gradient the layer really defines (for ``rms_detached`` that is the
     surrogate, not the derivative of the forward), and works for custom
     ``autograd.Function``s. Layers with running statistics should be in eval mode.
+
+    Args:
+        fn: A per-token map (..., C) -> (..., C).
+        x: One token, (C,).
     """
     _check_token(x)
     c = x.shape[0]
@@ -64,7 +68,13 @@ def autograd_jacobian(fn: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
 
 @torch.no_grad()
 def numerical_jacobian(fn: Callable[[Tensor], Tensor], x: Tensor, h: float = 1e-7) -> Tensor:
-    """J by central differences, (f(x + h e_j) - f(x - h e_j)) / 2h, all columns in one batch."""
+    """J by central differences, (f(x + h e_j) - f(x - h e_j)) / 2h, all columns in one batch.
+
+    Args:
+        fn: A per-token map (..., C) -> (..., C).
+        x: One token, (C,).
+        h: The difference step.
+    """
     _check_token(x)
     c = x.shape[0]
     step = h * torch.eye(c, dtype=x.dtype, device=x.device)
@@ -82,6 +92,11 @@ def rms_norm_terms(x: Tensor, weight: Tensor | None = None, eps: float = FN.EPS)
     """The dissection's split of RMSNorm's Jacobian: (diagonal gain term, rank-1 coupling term), J = D + K.
 
     D = diag(gamma) / r,  K = -(gamma * x) x^T / (C r^3).
+
+    Args:
+        x: One token, (C,).
+        weight: gamma, (C,), or None (1).
+        eps: Added to the mean square under the root.
     """
     _check_token(x)
     g = _gamma(weight, x)
@@ -91,13 +106,23 @@ def rms_norm_terms(x: Tensor, weight: Tensor | None = None, eps: float = FN.EPS)
 
 
 def rms_norm_jacobian(x: Tensor, weight: Tensor | None = None, eps: float = FN.EPS) -> Tensor:
-    """RMSNorm's Jacobian, D + K of `rms_norm_terms`."""
+    """RMSNorm's Jacobian, D + K of `rms_norm_terms`.
+
+    Args:
+        x: One token, (C,).
+        weight: gamma, (C,), or None (1).
+        eps: Added to the mean square under the root.
+    """
     d, k = rms_norm_terms(x, weight, eps)
     return d + k
 
 
 def rms_norm_jacobian_eq6(x: Tensor) -> Tensor:
-    """The DyISRU paper eq. (6), RMSNorm with eps = 0 and no affine: sqrt(C)/||x|| (delta_ij - y_i y_j / C)."""
+    """The DyISRU paper eq. (6), RMSNorm with eps = 0 and no affine: sqrt(C)/||x|| (delta_ij - y_i y_j / C).
+
+    Args:
+        x: One token, (C,).
+    """
     _check_token(x)
     c = x.shape[0]
     y = FN.rms_norm(x, eps=0.0)
@@ -105,7 +130,13 @@ def rms_norm_jacobian_eq6(x: Tensor) -> Tensor:
 
 
 def layer_norm_jacobian(x: Tensor, weight: Tensor | None = None, eps: float = 1e-5) -> Tensor:
-    """LayerNorm: J_ij = gamma_i / s (delta_ij - 1/C - xhat_i xhat_j / C), s = sqrt(var + eps)."""
+    """LayerNorm: J_ij = gamma_i / s (delta_ij - 1/C - xhat_i xhat_j / C), s = sqrt(var + eps).
+
+    Args:
+        x: One token, (C,).
+        weight: gamma, (C,), or None (1).
+        eps: Added to the variance under the root.
+    """
     _check_token(x)
     c = x.shape[0]
     xc = x - x.mean()
@@ -116,7 +147,13 @@ def layer_norm_jacobian(x: Tensor, weight: Tensor | None = None, eps: float = 1e
 
 
 def dyt_jacobian(x: Tensor, alpha: Tensor | float, weight: Tensor | None = None) -> Tensor:
-    """DyT is point-wise: J = diag(gamma * alpha * sech^2(alpha x)) (the dissection)."""
+    """DyT is point-wise: J = diag(gamma * alpha * sech^2(alpha x)) (the dissection).
+
+    Args:
+        x: One token, (C,).
+        alpha: A number or (C,).
+        weight: gamma, (C,), or None (1).
+    """
     _check_token(x)
     a = torch.as_tensor(alpha, dtype=x.dtype, device=x.device)
     return torch.diag(_gamma(weight, x) * a / torch.cosh(a * x).pow(2))
@@ -125,14 +162,28 @@ def dyt_jacobian(x: Tensor, alpha: Tensor | float, weight: Tensor | None = None)
 def scaled_dyt_jacobian(
     x: Tensor, alpha: Tensor | float, weight: Tensor | None = None, scale: FN.Scale = "C"
 ) -> Tensor:
-    """Scaled DyT (the DyISRU paper eq. 12): J = diag(gamma * s * alpha * sech^2(alpha x)), s = sqrt(C) or sqrt(C-1)."""
+    """Scaled DyT (the DyISRU paper eq. 12): J = diag(gamma * s * alpha * sech^2(alpha x)), s = sqrt(C) or sqrt(C-1).
+
+    Args:
+        x: One token, (C,).
+        alpha: A number or (C,).
+        weight: gamma, (C,), or None (1).
+        scale: "C" for sqrt(C), "C-1" for sqrt(C-1).
+    """
     return FN.channel_scale(x.shape[0], scale) * dyt_jacobian(x, alpha, weight)
 
 
 def derf_jacobian(
     x: Tensor, alpha: Tensor | float, shift: Tensor | float = 0.0, weight: Tensor | None = None
 ) -> Tensor:
-    """Derf is point-wise: J = diag(gamma * alpha * 2 / sqrt(pi) * exp(-(alpha x + s)^2))."""
+    """Derf is point-wise: J = diag(gamma * alpha * 2 / sqrt(pi) * exp(-(alpha x + s)^2)).
+
+    Args:
+        x: One token, (C,).
+        alpha: A number or (C,).
+        shift: A number or (C,).
+        weight: gamma, (C,), or None (1).
+    """
     _check_token(x)
     a = torch.as_tensor(alpha, dtype=x.dtype, device=x.device)
     z = a * x + torch.as_tensor(shift, dtype=x.dtype, device=x.device)
@@ -140,7 +191,14 @@ def derf_jacobian(
 
 
 def dyisru_jacobian(x: Tensor, beta: Tensor | float, weight: Tensor | None = None, scale: FN.Scale = "C") -> Tensor:
-    """DyISRU (the DyISRU paper eq. 16): J = diag(gamma * s * beta / (beta + x^2)^(3/2))."""
+    """DyISRU (the DyISRU paper eq. 16): J = diag(gamma * s * beta / (beta + x^2)^(3/2)).
+
+    Args:
+        x: One token, (C,).
+        beta: A number or (C,).
+        weight: gamma, (C,), or None (1).
+        scale: "C" for sqrt(C), "C-1" for sqrt(C-1).
+    """
     _check_token(x)
     b = torch.as_tensor(beta, dtype=x.dtype, device=x.device)
     s = FN.channel_scale(x.shape[0], scale)
@@ -164,8 +222,12 @@ def decompose(jac: Tensor, *, terms: tuple[Tensor, Tensor] | None = None) -> Jac
     """Frobenius norms of J, its diagonal part and its coupling part.
 
     With ``terms=(D, K)`` (e.g. from `rms_norm_terms`) the split is the
-    seed's; otherwise D = diag(J) and K = J - diag(J), which is exactly zero for
+    dissection's; otherwise D = diag(J) and K = J - diag(J), which is exactly zero for
     a point-wise norm.
+
+    Args:
+        jac: A Jacobian, (C, C).
+        terms: (D, K), the diagonal and coupling terms; None: the diagonal of ``jac`` and the rest.
     """
     if terms is not None:
         d, k = terms
@@ -196,6 +258,14 @@ def jacobian_table(
     accepts, in float64, and evaluated at ``tokens`` tokens x ~ N(0, std^2 I). A key that no selected norm takes
     is an error.
     RMSNorm uses the dissection's gain/rank-1 split; other norms the diagonal/off-diagonal split.
+
+    Args:
+        norms: Registry names.
+        widths: Token widths C.
+        std: The tokens' standard deviation.
+        init: Init keywords, each given to the norms that take it.
+        tokens: Tokens averaged per norm and width.
+        seed: Of the tokens.
     """
     from normlab.modules import prime_running_stats
     from normlab.registry import accepted_kwargs, create_norm, init_kwargs

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
@@ -153,7 +154,15 @@ def simulate_outliers(
 ) -> OutlierSimulation:
     """Run the simulation on a seeded `Sample`, or on a given vector (C,) (then C comes from it, and sigma, mu and
     the seed are None): its largest entry grows by ``step``, ``steps`` times (eq. 18), through ``norm``; the fits'
-    amplitude is sqrt(``scale``) ("C" or "C-1"; default: the norm's own)."""
+    amplitude is sqrt(``scale``) ("C" or "C-1"; default: the norm's own).
+
+    Args:
+        sample: A seeded `Sample`, or a vector (C,).
+        step: How much the largest entry grows each step.
+        steps: How many steps.
+        norm: The norm simulated: "rms_norm" or "layer_norm".
+        scale: The fits' amplitude, sqrt("C") or sqrt("C-1"); None: the norm's own.
+    """
     if norm not in ("rms_norm", "layer_norm"):
         raise ValueError(
             f"norm must be 'rms_norm' (the DyISRU paper) or 'layer_norm' (its LayerNorm version), got {norm!r}"
@@ -193,8 +202,14 @@ def simulate_outliers(
     )
 
 
-def simulate_many(seeds, sample: Sample = Sample(), **kwargs) -> dict:
-    """Run `simulate_outliers` on ``sample`` drawn with each seed; the spread of alpha, beta and the residuals."""
+def simulate_many(seeds: Iterable[int], sample: Sample = Sample(), **kwargs: object) -> dict:
+    """Run `simulate_outliers` on ``sample`` drawn with each seed; the spread of alpha, beta and the residuals.
+
+    Args:
+        seeds: The seeds, one simulation each.
+        sample: The sample drawn with each seed.
+        **kwargs: `simulate_outliers`'s keywords.
+    """
     sims = [simulate_outliers(replace(sample, seed=s), **kwargs) for s in seeds]
     cols = {
         "alpha": [s.dyt.param.item() for s in sims],
