@@ -154,8 +154,14 @@ PRESETS: dict[str, dict] = {
 }  # fmt: skip
 
 
-def resolve_config(preset: str = "cpu", overrides: dict | list[str] | None = None, **fields) -> TrainConfig:
-    """A preset, then ``fields`` (e.g. norm="dyt", out=...), then ``overrides``; validated."""
+def resolve_config(preset: str = "cpu", overrides: dict | list[str] | None = None, **fields: object) -> TrainConfig:
+    """A preset, then ``fields`` (e.g. norm="dyt", out=...), then ``overrides``; validated.
+
+    Args:
+        preset: A preset of `PRESETS` ("cpu", "gpu", ...).
+        overrides: Dotted ``key=value`` strings or a dict, applied last.
+        **fields: Fields by name (``norm`` stands for ``model.norm``); None values are skipped.
+    """
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; valid: {', '.join(PRESETS)}")
     base = TrainConfig().to_dict()

@@ -36,7 +36,12 @@ class Corpus:
 
 
 def unigram_entropy(tokens: torch.Tensor, vocab_size: int = 256) -> float:
-    """Entropy (nats) of the token frequencies: the loss of the embedding-only attractor (the dissection)."""
+    """Entropy (nats) of the token frequencies: the loss of the embedding-only attractor (the dissection).
+
+    Args:
+        tokens: Token ids.
+        vocab_size: The vocabulary (256 for bytes).
+    """
     counts = torch.bincount(tokens.long().flatten(), minlength=vocab_size).double()
     p = counts[counts > 0] / counts.sum()
     return float(-(p * p.log()).sum())
@@ -46,6 +51,10 @@ def load_corpus(paths: list[str] | None = None, val_fraction: float = 0.1) -> Co
     """The user's text files (concatenated in the given order), or the default Shakespeare corpus.
 
     The split is deterministic: the last ``val_fraction`` of the bytes is validation.
+
+    Args:
+        paths: Text files; None: the Shakespeare corpus.
+        val_fraction: The share of the bytes that validates.
     """
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"data.val_fraction must be in (0, 1), got {val_fraction}")
@@ -69,7 +78,16 @@ def get_batch(
     data: torch.Tensor, shape: tuple[int, int], *, seed: int, step: int, rank: int = 0, salt: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Inputs and next-byte targets, ``shape`` = (B, T) each, drawn from a generator seeded by (seed, step, rank,
-    salt)."""
+    salt).
+
+    Args:
+        data: A split's tokens.
+        shape: (B, T).
+        seed: The run's seed.
+        step: The step.
+        rank: The process's rank (DDP).
+        salt: Tells apart two draws of one step (evaluation batches use 1, training 0).
+    """
     batch_size, context = shape
     if len(data) <= context + 1:
         raise ValueError(f"data split of {len(data)} bytes is shorter than context + 1 = {context + 1}")

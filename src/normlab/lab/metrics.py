@@ -32,7 +32,11 @@ __all__ = ["effective_rank", "norm_parameters", "projection_ranks", "Probe", "sa
 
 @torch.no_grad()
 def effective_rank(w: torch.Tensor) -> float:
-    """exp(H(p)), p = s / sum(s) over the singular values s of w: between 1 and min(w.shape)."""
+    """exp(H(p)), p = s / sum(s) over the singular values s of w: between 1 and min(w.shape).
+
+    Args:
+        w: A matrix.
+    """
     s = torch.linalg.svdvals(w.detach().float())
     p = s / s.sum()
     p = p[p > 0]
@@ -40,7 +44,11 @@ def effective_rank(w: torch.Tensor) -> float:
 
 
 def projection_ranks(model: nn.Module) -> dict[str, float]:
-    """Mean effective rank of the attention and MLP output projections ("c_proj") over layers."""
+    """Mean effective rank of the attention and MLP output projections ("c_proj") over layers.
+
+    Args:
+        model: The GPT.
+    """
     attn = [effective_rank(b.attn.proj.weight) for b in model.blocks]
     mlp = [effective_rank(b.mlp.proj.weight) for b in model.blocks]
     return {"erank_attn_proj": sum(attn) / len(attn), "erank_mlp_proj": sum(mlp) / len(mlp)}
@@ -48,7 +56,11 @@ def projection_ranks(model: nn.Module) -> dict[str, float]:
 
 @torch.no_grad()
 def norm_parameters(model: nn.Module) -> dict[str, float]:
-    """Mean learned alpha and beta of every norm site that has them."""
+    """Mean learned alpha and beta of every norm site that has them.
+
+    Args:
+        model: The GPT.
+    """
     out = {}
     for name, m in model.norm_modules().items():
         if hasattr(m, "alpha"):
@@ -60,7 +72,11 @@ def norm_parameters(model: nn.Module) -> dict[str, float]:
 
 def saturation_slope(m: nn.Module) -> float | None:
     """The slope alpha whose |alpha x| = 1 marks where a point-wise f leaves its linear region: alpha for the
-    tanh / erf family (mean |alpha| when per channel), 1/sqrt(beta) for DyISRU and ELN; None otherwise."""
+    tanh / erf family (mean |alpha| when per channel), 1/sqrt(beta) for DyISRU and ELN; None otherwise.
+
+    Args:
+        m: A norm module.
+    """
     if hasattr(m, "alpha"):
         return float(m.alpha.detach().float().abs().mean())
     if hasattr(m, "log_beta"):
@@ -72,7 +88,14 @@ def saturation_slope(m: nn.Module) -> float | None:
 def site_telemetry(m: nn.Module, x: torch.Tensor, y: torch.Tensor, name: str) -> dict[str, float]:
     """At one norm site with input x and output y (..., C): rms_in, rms_out, and where the norm has a
     saturation slope, alpha_rms = alpha * rms_in, sat_frac = the fraction of entries with |alpha x| > 1 and
-    gain = alpha * mean |gamma| (the site's slope at 0, up to DyISRU's sqrt(C))."""
+    gain = alpha * mean |gamma| (the site's slope at 0, up to DyISRU's sqrt(C)).
+
+    Args:
+        m: The norm module.
+        x: Its input.
+        y: Its output.
+        name: The site's name, the keys' suffix.
+    """
     x, y = x.detach().float(), y.detach().float()
     out = {f"rms_in/{name}": float(x.pow(2).mean().sqrt()), f"rms_out/{name}": float(y.pow(2).mean().sqrt())}
     alpha = saturation_slope(m)
@@ -85,10 +108,16 @@ def site_telemetry(m: nn.Module, x: torch.Tensor, y: torch.Tensor, name: str) ->
 
 
 @torch.no_grad()
-def attention_entropy(attn: nn.Module, h: torch.Tensor, rope=None) -> float:
+def attention_entropy(attn: nn.Module, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> float:
     """Mean entropy of causal attention weights relative to uniform, over heads and query positions t >= 1:
     H(p_t) / log(t + 1), in [0, 1]; 1 means every query attends uniformly to its past. ``h``: (B, T, C);
-    ``rope``: the llama block's (cos, sin) tables, applied to q and k as the model does."""
+    ``rope``: the llama block's (cos, sin) tables, applied to q and k as the model does.
+
+    Args:
+        attn: A block's attention module.
+        h: Its input, (B, T, C).
+        rope: The (cos, sin) tables of a LLaMA block; None for GPT-2.
+    """
     h = h.detach().float()
     b, t, c = h.shape
     q, k, _ = attn.qk(h.to(attn.qkv.weight.dtype), rope)
@@ -103,7 +132,12 @@ def attention_entropy(attn: nn.Module, h: torch.Tensor, rope=None) -> float:
 
 @torch.no_grad()
 def init_telemetry(model: nn.Module, idx: torch.Tensor) -> dict[str, float]:
-    """The mechanism's numbers on a forward pass of ``idx`` (no training step): what a run logs at step 0."""
+    """The mechanism's numbers on a forward pass of ``idx`` (no training step): what a run logs at step 0.
+
+    Args:
+        model: The GPT.
+        idx: Token ids, (B, T).
+    """
     was_training = model.training
     model.eval()
     with Probe(model) as probe:
@@ -113,7 +147,12 @@ def init_telemetry(model: nn.Module, idx: torch.Tensor) -> dict[str, float]:
 
 
 class Probe:
-    """Hooks for one measured step: norm inputs and their gradients, block outputs."""
+    """Hooks for one measured step: norm inputs and their gradients, block outputs.
+
+    Args:
+        model: The GPT.
+        jacobian_site: A norm site whose Jacobian's coupling part is measured; None for none.
+    """
 
     def __init__(self, model: nn.Module, jacobian_site: str | None = None) -> None:
         self.model = model

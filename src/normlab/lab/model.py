@@ -173,7 +173,13 @@ class GPTConfig:
 
 
 def rope_tables(context: int, head_size: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of RoPE's angles t * theta^(-2i / hs), each (T, hs): the halves repeated, as LLaMA lays them."""
+    """cos and sin of RoPE's angles t * theta^(-2i / hs), each (T, hs): the halves repeated, as LLaMA lays them.
+
+    Args:
+        context: The longest sequence.
+        head_size: One head's width (even).
+        theta: The base of the rotation frequencies.
+    """
     inv_freq = theta ** (-torch.arange(0, head_size, 2, dtype=torch.float32) / head_size)  # (hs/2,)
     angles = torch.arange(context, dtype=torch.float32)[:, None] * inv_freq[None, :]  # (T, hs/2)
     angles = torch.cat([angles, angles], dim=-1)  # (T, hs)
@@ -181,7 +187,13 @@ def rope_tables(context: int, head_size: int, theta: float) -> tuple[torch.Tenso
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate each pair (x_i, x_{i + hs/2}) of ``x`` (B, nh, T, hs) by its angle: x cos + rotate_half(x) sin."""
+    """Rotate each pair (x_i, x_{i + hs/2}) of ``x`` (B, nh, T, hs) by its angle: x cos + rotate_half(x) sin.
+
+    Args:
+        x: Queries or keys, (B, heads, T, head_size).
+        cos: `rope_tables`' cos for positions 0..T-1, (T, head_size).
+        sin: Its sin, likewise.
+    """
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
@@ -251,6 +263,13 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
+    """The lab's language model: token (and, for GPT-2 blocks, position) embeddings, ``cfg.depth`` blocks, each with a
+    norm before its attention and its MLP, a final norm and a head tied to the embedding unless ``cfg`` unties it.
+
+    Args:
+        cfg: The model's config: width, depth, heads, the block (GPT-2 or LLaMA), the norm and its init.
+    """
+
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         cfg.validate()

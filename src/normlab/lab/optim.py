@@ -13,7 +13,12 @@ __all__ = ["lr_at", "muon_parameters", "Optimizers", "build_optimizer"]
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warmup to cfg.lr, then cosine decay to cfg.min_lr at cfg.steps."""
+    """Linear warmup to cfg.lr, then cosine decay to cfg.min_lr at cfg.steps.
+
+    Args:
+        step: The step.
+        cfg: The run's config.
+    """
     if step < cfg.warmup:
         return cfg.lr * (step + 1) / cfg.warmup
     progress = min(1.0, (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup))
@@ -22,7 +27,11 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 def muon_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     """The hidden matrices Muon updates: every 2-D weight inside the blocks (attention and MLP projections).
-    The embedding, the head and every vector or scalar stay with AdamW, as in modded-nanogpt."""
+    The embedding, the head and every vector or scalar stay with AdamW, as in modded-nanogpt.
+
+    Args:
+        model: The GPT.
+    """
     return [p for p in model.blocks.parameters() if p.dim() == 2]
 
 
@@ -55,7 +64,13 @@ class Optimizers:
 def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device):
     """AdamW (weight decay on matrices and embeddings only), or with ``optimizer = "muon"`` torch.optim.Muon for
     the blocks' matrices (``muon_parameters``) and AdamW for the rest. Each group keeps its peak rate in
-    ``peak_lr``; the schedule (``lr_at``) scales every group alike."""
+    ``peak_lr``; the schedule (``lr_at``) scales every group alike.
+
+    Args:
+        model: The GPT.
+        cfg: The run's config.
+        device: Where it trains (fused AdamW on CUDA).
+    """
     muon = muon_parameters(model) if cfg.optimizer == "muon" else []
     taken = {id(p) for p in muon}
     rest = [p for p in model.parameters() if id(p) not in taken]

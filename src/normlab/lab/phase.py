@@ -36,13 +36,26 @@ ESCAPE_THRESHOLD = 0.5  # logit_gain at which a run is predicted to leave the at
 
 
 def predicted_escape(logit_gain: float) -> bool:
+    """Whether a model leaves the unigram attractor, by the prediction: its logits' scale at init is at least
+    `ESCAPE_THRESHOLD` times RMSNorm's at GPT-2 init.
+
+    Args:
+        logit_gain: The logits' std at init over RMSNorm's (`predict`).
+    """
+
     return logit_gain >= ESCAPE_THRESHOLD
 
 
 @torch.no_grad()
 def predict(cfg: GPTConfig, *, seed: int = 0, batch: int = 8) -> dict[str, float | bool]:
     """The model of ``cfg`` at init, on random bytes: alpha_rms and rms_out at block 0's attention norm,
-    the logits' std, logit_gain (relative to RMSNorm at GPT-2 init), and the predicted escape."""
+    the logits' std, logit_gain (relative to RMSNorm at GPT-2 init), and the predicted escape.
+
+    Args:
+        cfg: The model's config.
+        seed: Of the init and the bytes.
+        batch: Sequences of random bytes.
+    """
     from normlab.errors import check_memory
 
     with torch.device("meta"):  # the size first: a width of 100000 must be refused, not swapped to death

@@ -39,8 +39,13 @@ class RunLocked(NormlabError):
     """Another live process owns the run folder."""
 
 
-def write_json(path: Path, obj) -> None:
-    """Write to a temporary file, then rename: a kill never leaves half a JSON file."""
+def write_json(path: Path, obj: object) -> None:
+    """Write to a temporary file, then rename: a kill never leaves half a JSON file.
+
+    Args:
+        path: The file.
+        obj: What is written, as JSON.
+    """
     tmp = path.with_suffix(path.suffix + ".tmp")
     try:
         tmp.write_text(json.dumps(obj, indent=2) + "\n")
@@ -51,7 +56,11 @@ def write_json(path: Path, obj) -> None:
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    """The records of a JSONL log; a line cut short by a kill mid-write is skipped, not fatal."""
+    """The records of a JSONL log; a line cut short by a kill mid-write is skipped, not fatal.
+
+    Args:
+        path: The log.
+    """
     rows = []
     for line in path.read_text().splitlines() if path.exists() else []:
         try:
@@ -65,7 +74,11 @@ def read_jsonl(path: Path) -> list[dict]:
 
 def read_summary(run_dir: str | Path) -> dict | None:
     """summary.json of a run, or None when it has none (or only a half-written one). A summary that is JSON
-    but not an object was not written by normlab: a clear error naming the file."""
+    but not an object was not written by normlab: a clear error naming the file.
+
+    Args:
+        run_dir: The run's folder.
+    """
     p = Path(run_dir) / SUMMARY
     try:
         summary = json.loads(p.read_text()) if p.exists() else None
@@ -83,7 +96,12 @@ ESCAPE_MARGIN = 0.1  # nats below the unigram entropy that count as having left 
 
 def escape_step(rows: list[dict], entropy: float | None) -> int | None:
     """The first evaluation step whose validation loss is ESCAPE_MARGIN below the unigram entropy (the
-    embedding-only attractor of the dissection), or None if the run never got there."""
+    embedding-only attractor of the dissection), or None if the run never got there.
+
+    Args:
+        rows: The run's metrics rows.
+        entropy: The unigram entropy (nats); None: the answer is None.
+    """
     if entropy is None:
         return None
     for r in rows:
@@ -93,7 +111,11 @@ def escape_step(rows: list[dict], entropy: float | None) -> int | None:
 
 
 class RunFolder:
-    """One run's folder. ``begin`` applies the rules; ``lock`` makes this process its only writer."""
+    """One run's folder. ``begin`` applies the rules; ``lock`` makes this process its only writer.
+
+    Args:
+        path: The run's folder.
+    """
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)

@@ -17,13 +17,13 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from normlab.errors import NormlabError, check_cpu_bf16
+from normlab.lab.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from normlab.lab.config import TrainConfig
 from normlab.lab.data import get_batch, load_corpus
 from normlab.lab.metrics import Probe, init_telemetry, norm_parameters, projection_ranks
@@ -33,76 +33,6 @@ from normlab.lab.runs import CONFIG, METRICS, SUMMARY, VERSION, RunFolder, escap
 from normlab.version import code_version
 
 __all__ = ["train", "CheckpointError"]
-
-# config fields that may change when a run is resumed; every other field must match the checkpoint
-RESUMABLE = {
-    "steps",
-    "eval_every",
-    "log_every",
-    "metrics_every",
-    "checkpoint_every",
-    "out",
-    "tensorboard",
-    "device",
-    "compile",
-    "eval_batches",
-    "jacobian_site",
-}
-
-
-class CheckpointError(NormlabError):
-    pass
-
-
-# --------------------------------------------------------------------------
-# checkpoints
-# --------------------------------------------------------------------------
-def save_checkpoint(path: Path, model, opt, step: int, cfg: TrainConfig) -> None:
-    """torch.save to a temporary file, then an atomic rename: a kill never leaves a half checkpoint."""
-    state = {
-        "format": "normlab-checkpoint-1",
-        "step": step,
-        "config": cfg.to_dict(),
-        "model": model.state_dict(),
-        "optimizer": opt.state_dict(),
-        "rng": torch.get_rng_state(),
-        "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-    }
-    tmp = path.with_suffix(".tmp")
-    try:
-        torch.save(state, tmp)
-        os.replace(tmp, path)
-    except (OSError, RuntimeError) as e:  # a full disk surfaces as either ("unexpected pos ...")
-        tmp.unlink(missing_ok=True)
-        raise OSError(
-            f"could not write the checkpoint {path} ({str(e).splitlines()[0][:200]}); is the disk "
-            "full? The last complete checkpoint is kept"
-        ) from None
-
-
-def load_checkpoint(path: Path, cfg: TrainConfig) -> dict:
-    """Load and check a checkpoint: a corrupt file or one from a different run is refused."""
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as e:  # noqa: BLE001  (any unpickling error means the file is unusable)
-        raise CheckpointError(
-            f"checkpoint {path} is corrupt or truncated ({type(e).__name__}: {e}); "
-            "pass --overwrite to start the run over, or point --out at another run"
-        ) from None
-    if not isinstance(state, dict) or state.get("format") != "normlab-checkpoint-1":
-        raise CheckpointError(f"{path} is not a normlab checkpoint")
-    missing = [k for k in ("step", "config", "model", "optimizer", "rng", "cuda_rng") if k not in state]
-    if missing:
-        raise CheckpointError(
-            f"checkpoint {path} lacks {', '.join(missing)} (damaged or hand-edited); pass "
-            "--overwrite to start the run over"
-        )
-    saved, now = state["config"], cfg.to_dict()
-    diffs = [k for k in now if k not in RESUMABLE and saved.get(k) != now[k]]
-    if diffs:
-        detail = "; ".join(f"{k}: checkpoint {saved.get(k)!r} vs now {now[k]!r}" for k in diffs)
-        raise CheckpointError(f"checkpoint {path} was written by a different run configuration ({detail})")
-    return state
 
 
 # --------------------------------------------------------------------------
@@ -343,6 +273,13 @@ def train(
     'interrupted' after a checkpoint; ``resume_command`` is the command recorded to continue it.
     Everything that can be checked (config, device, data splits, the run folder's rules) is checked
     before the first step; a config that fails creates no folder.
+
+    Args:
+        cfg: The run's config.
+        resume: Continue the run in ``cfg.out`` from its checkpoint.
+        overwrite: Start over in a folder that holds a run.
+        progress: Show a progress bar.
+        resume_command: The command recorded to continue an interrupted run.
     """
     cfg.validate()
     for d in cfg.data:  # inputs are never outputs: a text that a fresh start (--overwrite) would clear is refused
