@@ -66,7 +66,9 @@ class _DyTFamily(NormModule):
 
 
 class DyT(_DyTFamily):
-    """DyT; ``kernel="auto"`` runs the Triton kernel on CUDA tensors and the fused CPU path on CPU tensors.
+    """Dynamic Tanh, weight * tanh(alpha * x) + bias: the DyT paper's drop-in for LayerNorm and RMSNorm (Zhu, Chen,
+    He, LeCun, Liu, "Transformers without Normalization", arXiv 2503.10622). ``kernel="auto"`` runs the Triton
+    kernel on CUDA tensors and the fused CPU path on CPU tensors.
 
     Args:
         dim: The number of channels C: the size of the normalized axis.
@@ -360,7 +362,9 @@ class _ISRUFamily(NormModule):
 
 
 class DyISRU(_ISRUFamily):
-    """sqrt(C) * x / sqrt(beta + x^2) (the DyISRU paper eq. 16); ``kernel="auto"`` fuses it on CUDA and CPU tensors.
+    """DyISRU, sqrt(C) * x / sqrt(beta + x^2), then the affine: the exact element-wise counterpart of RMSNorm (the
+    DyISRU paper eq. 16: Stollenwerk, "On the Mathematical Relationship Between Layer Normalization and Dynamic
+    Activation Functions", arXiv 2503.21708). ``kernel="auto"`` fuses it on CUDA and CPU tensors.
 
     Args:
         dim: The number of channels C: the size of the normalized axis.
