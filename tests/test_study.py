@@ -180,3 +180,23 @@ def test_a_cell_another_process_holds_is_left_to_it(tmp_path, capsys):
     assert results["channel"]["status"] == "done"
     assert not (root / "tiny" / "global" / "result.json").exists()
     assert "tiny/global" in capsys.readouterr().err
+
+
+def test_a_cell_records_the_commit_it_started_at(tmp_path, monkeypatch):
+    """A commit made while a cell runs is not the code that ran: the result names the commit at the cell's start."""
+    import normlab.conversion.workflow as workflow
+    import normlab.study as study
+
+    head = {"commit": "at-start"}
+    convert = workflow.convert_model
+
+    def convert_then_commit(*args, **kwargs):
+        fid = convert(*args, **kwargs)
+        head["commit"] = "made-while-it-ran"
+        return fid
+
+    monkeypatch.setattr(workflow, "convert_model", convert_then_commit)
+    monkeypatch.setattr(study, "code_version", lambda: {"git_commit": head["commit"], "git_dirty": False})
+    path = _study(tmp_path, '[[cells]]\nname = "global"\n')
+    results = run_study(path, tmp_path / "runs", progress=False)
+    assert results["global"]["git_commit"] == "at-start"

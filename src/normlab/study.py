@@ -168,9 +168,10 @@ def _run_cell(name: str, cfg: ConvertConfig, folder: Path, progress: bool) -> di
     cfg = _as_run(cfg, folder)
     (folder / CONFIG).write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
     resume = cfg.heal.budgeted and (folder / "heal.pt").exists()  # a heal killed part-way goes on from there
+    version = code_version()  # the code as the cell starts: a commit made while it runs is not the code that ran
     fid = convert_model(dataclasses.replace(cfg, heal=dataclasses.replace(cfg.heal, resume=resume)), progress=progress)
     result = {"cell": name, "config_sha": _fingerprint(cfg), "status": "done", "metrics": cell_metrics(fid),
-              "fidelity": fid, "machine": machine(), **code_version()}  # fmt: skip
+              "fidelity": fid, "machine": machine(), **version}  # fmt: skip
     (folder / RESULT).write_text(json.dumps(result, indent=2) + "\n")
     (folder / "heal.pt").unlink(missing_ok=True)  # served its purpose
     return result
