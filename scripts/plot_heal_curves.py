@@ -42,6 +42,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--title", default="SmolLM2-135M, DyISRU at all 61 sites: the stream heal")
     ap.add_argument("--ylim", type=float, nargs=2, metavar=("LOW", "HIGH"), help="the CE axis (a diverged curve)")
+    ap.add_argument("--tokens-only", action="store_true", help="one panel: tokens (for runs that shared a CPU)")
     args = ap.parse_args()
     if len(args.pairs) % 2 or not (args.pairs or args.study):
         ap.error("give each CSV a label: CSV LABEL [CSV LABEL ...], or a --study folder")
@@ -56,14 +57,17 @@ def main() -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    panels = 1 if args.tokens_only else 2
+    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels + 1, 4), sharey=True, squeeze=False)
+    axes = axes[0]
     for c, label in curves:
         best = min(range(len(c["val_ce"])), key=c["val_ce"].__getitem__)
-        for ax, x in zip(axes, ([s / 60 for s in c["seconds"]], c["tokens"]), strict=True):
+        xs = [c["tokens"]] if args.tokens_only else [[s / 60 for s in c["seconds"]], c["tokens"]]
+        for ax, x in zip(axes, xs, strict=True):
             (line,) = ax.plot(x, c["val_ce"], marker=".", label=f"{label}: {int(c['tokens'][-1]):,} tokens")
             ax.plot(x[best], c["val_ce"][best], "o", mfc="none", ms=10, color=line.get_color())
-    axes[0].set_xlabel("minutes of healing")
-    axes[1].set_xlabel("tokens healed on")
+    for ax, name in zip(axes, ["tokens healed on"] if args.tokens_only else ["minutes of healing", "tokens healed on"]):
+        ax.set_xlabel(name)
     axes[0].set_ylabel("validation CE (nats/token)")
     axes[0].legend(fontsize=8)
     if args.ylim:
