@@ -28,7 +28,6 @@ from normlab.conversion.first_token import FirstToken
 __all__ = ["MODELING_FILE", "PortableError", "auto_classes", "site_spec", "modeling_source", "write_portable"]
 
 MODELING_FILE = "modeling_normlab.py"
-FUNCTIONAL_FILES = ("common.py", "statistic.py", "pointwise.py")  # normlab.functional's, shared helpers first
 
 
 class PortableError(ValueError):
@@ -76,9 +75,10 @@ def _functional_text(names: set[str]) -> str:
     formulas, their decorator, the helpers and constants they read), in the modules' own order and text (the
     shared helpers first)."""
     folder = Path(FN.__file__).parent
+    files = ["common.py", *sorted(p.name for p in folder.glob("*.py") if p.name not in ("__init__.py", "common.py"))]
     defs: dict[str, tuple[ast.stmt, str]] = {}
     imports: list[str] = []
-    for file in FUNCTIONAL_FILES:
+    for file in files:  # the shared helpers first: the formulas' decorator must be defined before them
         source = (folder / file).read_text()
         for node in ast.parse(source).body:
             if isinstance(node, (ast.Import, ast.ImportFrom)):
