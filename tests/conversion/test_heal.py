@@ -76,6 +76,36 @@ def test_heal_blocks_reduces_every_block_error_and_resumes(tmp_path):
     torch.testing.assert_close(again.model.layers[0].input_layernorm.alpha, model.model.layers[0].input_layernorm.alpha)
 
 
+@pytest.mark.parametrize("train", ["norms", "lora"])
+def test_a_distill_heal_resumed_from_its_small_checkpoint_ends_where_an_unbroken_one_does(train, tmp_path):
+    """The checkpoint keeps the trained parameters (and the buffers normlab's modules hold), not the frozen
+    weights, which a resume loads again; a heal stopped halfway and resumed ends bit for bit where one that ran
+    through does."""
+    original = tiny_lm(layers=2)
+
+    def fresh():
+        m = copy.deepcopy(original)
+        rec = normlab.convert_norms(m, "dyisru", calibrate=id_batches(2))
+        torch.manual_seed(0)  # LoRA's adapters start from the same draw in each heal
+        return m, rec
+
+    kw = {"val": id_batches(1, seed=9), "train": train, "eval_every": 2 * 4 * 16, "progress": False}
+    whole, rec = fresh()
+    normlab.heal(original, whole, _stream(), rec, tokens=12 * 4 * 16, **kw)
+    half, rec = fresh()
+    ck = tmp_path / "heal.pt"
+    normlab.heal(original, half, _stream(), rec, tokens=6 * 4 * 16, checkpoint=ck, **kw)
+    saved = torch.load(ck, weights_only=False)["model"]
+    frozen = {n for n, _ in original.named_parameters()} - {n for n in saved}
+    assert "model.embed_tokens.weight" in frozen and "model.layers.0.mlp.up_proj.weight" in frozen
+    assert any(n.endswith(".lora_a") for n in saved) == (train == "lora")
+    resumed, rec = fresh()
+    rep = normlab.heal(original, resumed, _stream(), rec, tokens=12 * 4 * 16, checkpoint=ck, resume=True, **kw)
+    assert rep.resumed_from == 6 * 4 * 16
+    for (name, a), b in zip(whole.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
 def test_a_diverging_block_is_put_back():
     original = tiny_lm()
     model = copy.deepcopy(original)
