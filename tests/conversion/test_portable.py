@@ -133,3 +133,22 @@ def test_a_model_no_auto_class_builds_saves_for_normlab_and_says_why(tmp_path):
 def test_a_site_the_modeling_file_cannot_rebuild_is_named():
     with pytest.raises(PortableError, match="the site layers.3 holds a RMSEMA"):
         site_spec(normlab.create_norm("rms_ema", 8), "layers.3")
+
+
+def test_a_model_healed_with_lora_loads_without_normlab_with_its_merged_weights(tmp_path):
+    """A LoRA heal merges its adapters into the linear layers' weights, so the folder carries healed weights, and
+    the Auto class outside normlab gives the healed model's logits, not the original's."""
+    import copy
+
+    original = tiny_lm()
+    model = copy.deepcopy(original)
+    rec = normlab.convert_norms(model, "dyisru", calibrate=id_batches(2), per="channel", progress=False)
+    normlab.heal(original, model, id_batches(8, seed=3), rec, tokens=1024, train="lora", progress=False)
+    up = model.model.layers[0].mlp.up_proj
+    assert isinstance(up, torch.nn.Linear) and not torch.equal(up.weight, original.model.layers[0].mlp.up_proj.weight)
+    folder = tmp_path / "healed"
+    _save_case(model, rec, folder, id_batches(1, seed=5, t=12)[0], "logits")
+    seen = load_without_normlab([(str(folder), "AutoModelForCausalLM", "logits")], tmp_path)
+    assert seen.pop("normlab_imported") is False
+    assert seen[str(folder)]["diff"] <= 1e-5, seen
+    assert seen[str(folder)]["generated"] == json.loads((folder / "greedy.json").read_text())
