@@ -194,7 +194,7 @@ class HealConfig:
     temperature: float = 1.0
     """Of the sampling."""
     seed: int = 0
-    """Of the sampling."""
+    """Of the sampling, and of the order the text's stream is drawn in ("text", "self+text")."""
     sample_precision: Literal["auto", "float32", "bf16"] = "auto"
     """The arithmetic of the sampling's forward passes: "bf16" autocasts them, "auto" does where the device runs bf16
     matmuls natively (as budget.precision), else float32. On SmolLM2 (2 cores) 1,024 samples take 2.6 min in bf16,

@@ -316,7 +316,8 @@ def _convert(job: _Job, markdown: bool) -> dict:
     with stages("load"):
         if cfg.heal.budgeted or cfg.budget.nats is not None:
             val = cfg.sequences if cfg.budget.nats is not None else TextCut.n_val  # a budget selects on as many as held
-            splits = text_splits(text, tokenizer, vocab, TextCut(cfg.seq_len, cfg.sequences, cfg.sequences, val))
+            cut = TextCut(cfg.seq_len, cfg.sequences, cfg.sequences, val, seed=cfg.heal.seed)  # the stream's order
+            splits = text_splits(text, tokenizer, vocab, cut)
             calib, held = splits.calib, splits.held
         else:
             splits = None
