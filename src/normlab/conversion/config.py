@@ -30,7 +30,7 @@ __all__ = ["CalibrateConfig", "HealConfig", "BudgetConfig", "ConvertConfig", "re
            "check_types"]  # fmt: skip
 
 FREE_TABLES = ("init", "site_init")  # tables whose keys are the user's (init.alpha_init=0.5)
-HEAL_LEARNING_RATES = {"norms": 1e-3, "lora": 1e-3, "all": 2e-5}  # Adam; the norms' rate also applies under "lora"
+HEAL_LEARNING_RATES = {"norms": 2.5e-4, "lora": 1e-3, "all": 2e-5, "blocks": 1e-3}  # Adam's; HealConfig.rate
 SECTIONS = ("calibrate", "heal", "budget")
 LEGACY_KEYS = {"budget_nats": "budget.nats", "budget_walk": "budget.walk", "budget_refit_every": "budget.refit_every",
                "budget_rank_batches": "budget.rank_batches"}  # fmt: skip  # convert_config.json before 0.2
@@ -167,7 +167,7 @@ class HealConfig:
     """What is trained: the replacements' parameters ("norms"), those plus low-rank adapters merged at the end
     ("lora"), or every parameter ("all")."""
     lr: float | None = None
-    """Adam's rate; None: the default for ``train`` (HEAL_LEARNING_RATES)."""
+    """Adam's rate; None: the default for ``train`` (HEAL_LEARNING_RATES; the norms' 2.5e-4 since 0.3.4, was 1e-3)."""
     schedule: Literal["constant", "cosine", "cooldown"] = "constant"
     """The rate over the budget: "cosine" warms up over 5% and falls to lr/10; "cooldown" holds lr, then falls to 0
     over the last 20%."""
@@ -209,8 +209,9 @@ class HealConfig:
     def budgeted(self) -> bool:
         return self.minutes is not None or self.tokens is not None
 
-    def rate(self) -> float:
-        return self.lr if self.lr is not None else HEAL_LEARNING_RATES[self.train]
+    def rate(self) -> float:  # the norms' rate applies under "lora" too; "blocks" keeps 1e-3, measured at it
+        key = "all" if self.train == "all" else "blocks" if self.objective == "blocks" else "norms"
+        return self.lr if self.lr is not None else HEAL_LEARNING_RATES[key]
 
     def validate(self) -> None:
         check_types(self, "heal.")
