@@ -68,7 +68,7 @@ def test_round_trip_through_a_dict_and_json():
 def test_identity_names_the_field_that_differs_and_ignores_the_budget():
     a = resolve_convert_config(["heal.minutes=5"])
     b = resolve_convert_config(["heal.minutes=30", "heal.lr=3e-3"])
-    assert a.difference(b.identity()) == "heal.lr: checkpoint 0.003 vs now None"
+    assert a.difference(b.identity()) == "heal.lr: checkpoint 0.003 vs now 0.00025"  # the rate it runs at
     assert a.difference(resolve_convert_config(["heal.tokens=100"]).identity()) is None  # only the budget differs
     assert (
         a.difference(a.identity(model_fingerprint="x"), model_fingerprint="y")
@@ -234,3 +234,14 @@ def test_the_heal_rate_defaults_by_what_it_trains_and_an_explicit_rate_wins():
     assert HealConfig(objective="blocks").rate() == HealConfig(objective="blocks", train="lora").rate() == 1e-3
     assert HealConfig(train="all").rate() == 2e-5
     assert HealConfig(objective="blocks", lr=3e-3).rate() == 3e-3
+
+
+def test_a_heal_checkpoint_records_the_rate_it_runs_at_not_the_absence_of_one():
+    """A checkpoint written before 0.3.4 with no rate given healed at 1e-3; resumed now with none given it would go
+    on at 2.5e-4 unseen. The identity holds the rate the heal runs at, so that resume is refused, naming heal.lr,
+    and a rate given as the default's value matches a checkpoint written without one."""
+    default = resolve_convert_config(["heal.minutes=5"])
+    assert default.identity()["heal.lr"] == 2.5e-4
+    assert default.difference(resolve_convert_config(["heal.minutes=5", "heal.lr=2.5e-4"]).identity()) is None
+    assert "heal.lr: checkpoint None vs now 0.00025" in default.difference({**default.identity(), "heal.lr": None})
+    assert "heal.lr" in default.difference(resolve_convert_config(["heal.minutes=5", "heal.lr=1e-3"]).identity())

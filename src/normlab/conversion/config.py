@@ -412,7 +412,7 @@ class ConvertConfig:
             "heal.resume",
         ):
             flat.pop(key)
-        return {**flat, **facts}
+        return {**flat, "heal.lr": self.heal.rate(), **facts}  # the rate the heal runs at: a default may move
 
     def difference(self, saved: dict | None, **facts) -> str | None:
         """How a checkpoint's identity differs from this config's (the fields named), or None when it does not."""
