@@ -26,6 +26,7 @@ CELLS = {
     "self+text-30min": "half each\n2.5e-4",
     "self+text-30min-lr1e-3": "half each\n1e-3",
     "recipe-lr2.5e-4": "the recipe\n(own samples)\n2.5e-4",
+    "recipe-lr2.5e-4-noclip": "the recipe\nnot clipped\n2.5e-4",
     "recipe-lora": "the recipe\n+ LoRA\n2.5e-4",
 }
 
