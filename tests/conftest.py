@@ -66,6 +66,48 @@ def id_batches(n: int, seed: int = 1, t: int = 16, batch: int = 4, vocab: int = 
     return [torch.randint(0, vocab, (batch, t), generator=g) for _ in range(n)]
 
 
+def with_sinks(model, value: float = 8.0):
+    """Tokens 0 and 1 become massive tokens wherever they occur, as real LLMs' BOS and early delimiters are: their
+    embeddings get ``value`` in channels 0-1 (token 0) and 2-3 (token 1), which the residual stream carries to
+    every site (an RMS hundreds of times the median token's). Returns the model, changed in place."""
+    with torch.no_grad():
+        emb = model.get_input_embeddings().weight
+        emb[0, :2] = value
+        emb[1, 2:4] = -value
+    return model
+
+
+def sink_batches(n: int, seed: int = 1, t: int = 16, batch: int = 4) -> list[torch.Tensor]:
+    """`id_batches` that start with the sink token 0 and hold the sink token 1 at position 5."""
+    out = id_batches(n, seed=seed, t=t, batch=batch)
+    for b in out:
+        b[:, 0], b[:, 5] = 0, 1
+    return out
+
+
+def tiny_tokenizer(vocab: int = 100):
+    """A BPE tokenizer of ``vocab`` ids trained on this file's texts, with a BOS ``<s>`` (id 0) and an EOS ``</s>``
+    (id 1), the sink tokens of `with_sinks`, and a chat template with a default system prompt, as SmolLM2's has."""
+    pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<s>", "</s>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet()[:60])  # fmt: skip
+    tok.train_from_iterator([TEXT, CALIB, "What is the capital? Write a poem. 0123456789 def f(x): return x"], trainer)
+    from tokenizers import decoders
+
+    tok.decoder = decoders.ByteLevel()
+    template = (
+        "{% for m in messages %}{% if loop.first and m['role'] != 'system' %}<s>system\nYou are a tiny test model "
+        "made for the tests</s>\n{% endif %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
+        "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
+    )
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", chat_template=template)
+
+
 def tiny_hf(path: Path, family: str = "Llama", seed: int = 0) -> Path:
     """`tiny_lm` saved to ``path``."""
     tiny_lm(family, seed).save_pretrained(path)
@@ -204,7 +246,8 @@ for folder, auto, key in json.loads(sys.argv[1]):
     case = torch.load(folder + "/case.pt")
     with torch.no_grad():
         got = getattr(model(case["x"]), key)
-    out[folder] = {"diff": (got - case["y"]).abs().max().item(), "class": type(model).__name__}
+    out[folder] = {"diff": (got - case["y"]).abs().max().item(), "scale": case["y"].abs().max().item(),
+                   "class": type(model).__name__}
     if key == "logits" and auto == "AutoModelForCausalLM":
         out[folder]["generated"] = model.generate(case["x"][:1, :4], max_new_tokens=6, do_sample=False).tolist()
 out["normlab_imported"] = any(m.split(".")[0] == "normlab" for m in sys.modules)

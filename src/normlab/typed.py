@@ -4,8 +4,8 @@ A config section is a dataclass whose fields carry their type, their default and
 
     @dataclass
     class CalibrateConfig:
-        first_token: Literal["auto", "own", "shared"] = "auto"
-        \"\"\"Give the first token its own replacement: "own", "shared", or "auto" (own when ...).\"\"\"
+        massive_tokens: Literal["auto", "shared"] = "auto"
+        \"\"\"Give massive tokens their own replacement: "auto" (where they separate) or "shared".\"\"\"
 
 Everything else reads them from there: `check_types` (the one check of a section's values, a choice included),
 `choices` (what a ``Literal`` field allows: argparse's ``choices=``), `field_docs` (``--help`` and the API

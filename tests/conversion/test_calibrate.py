@@ -1,6 +1,6 @@
-"""Sequential calibration (normlab.conversion.calibrate): the first token's own replacement, the fits, and their bad
-input. The mechanics run on tiny random Hugging Face models; tests/conversion/test_real_model.py checks the same code
-on a real pretrained model."""
+"""Sequential calibration (normlab.conversion.calibrate): the massive tokens' own replacement, the fits, and
+their bad input. The mechanics run on tiny random Hugging Face models; tests/conversion/test_real_model.py checks the
+same code on a real pretrained model."""
 
 from __future__ import annotations
 
@@ -11,38 +11,34 @@ import pytest
 import torch
 
 import normlab
-from conftest import id_batches, tiny_lm
-from normlab.conversion.first_token import FirstToken
+from conftest import id_batches, sink_batches, tiny_lm, with_sinks
 from normlab.conversion.fit import fit_replacement
+from normlab.conversion.massive import MassiveTokens
 
 transformers = pytest.importorskip("transformers")
 
 
-def _with_sink(model):
-    """Give the first position a massive activation, as real LLMs have: a huge embedding channel for token 0."""
-    with torch.no_grad():
-        model.model.embed_tokens.weight[0, :2] = 400.0
-    return model
-
-
-def test_first_token_module_routes_index_zero_only():
-    main, first = normlab.create_norm("dyisru", 8, beta_init=1.0), normlab.create_norm("dyisru", 8, beta_init=100.0)
-    ft = FirstToken(main, first)
+def test_the_massive_token_module_routes_by_the_channels_not_the_position():
+    main, heavy = normlab.create_norm("dyisru", 8, beta_init=1.0), normlab.create_norm("dyisru", 8, beta_init=100.0)
+    m = MassiveTokens(main, heavy, channels=[2, 5], threshold=10.0)
     x = torch.randn(2, 5, 8)
-    y = ft(x)
-    torch.testing.assert_close(y[:, :1], first(x[:, :1]))
-    torch.testing.assert_close(y[:, 1:], main(x[:, 1:]))
-    torch.testing.assert_close(ft(x[:, 2:3]), main(x[:, 2:3]))  # one decoding step is a later token
+    x[0, 3, 5], x[1, 0, 2], x[1, 4, 2] = 50.0, -40.0, float("nan")  # two massive tokens; a NaN is not one
+    y = m(x)
+    routed = torch.zeros(2, 5, dtype=torch.bool)
+    routed[0, 3] = routed[1, 0] = True
+    torch.testing.assert_close(y[routed], heavy(x)[routed])
+    torch.testing.assert_close(y[~routed], main(x)[~routed], equal_nan=True)
+    torch.testing.assert_close(m(x[:, 3:4]), torch.where(routed[:, 3:4, None], heavy(x[:, 3:4]), main(x[:, 3:4])))
 
 
-def test_sequential_calibration_gives_the_sink_token_its_own_norm_and_round_trips(tmp_path):
-    model = _with_sink(tiny_lm())
-    calib = [torch.cat([torch.zeros(4, 1, dtype=torch.long), b[:, 1:]], 1) for b in id_batches(2)]
+def test_sequential_calibration_gives_massive_tokens_their_own_norm_and_round_trips(tmp_path):
+    model = with_sinks(tiny_lm())
+    calib = sink_batches(2)
     rec = normlab.convert_norms(model, "dyisru", calibrate=calib)
-    assert any("first token own" in n for n in rec.notes)
-    assert all(s.first_token for s in rec.sites)
-    assert isinstance(model.model.norm, FirstToken)
-    assert model.model.norm.first.log_beta.shape == (32,)  # the first token's fit is per channel
+    assert any("massive tokens routed to their own copy" in n for n in rec.notes)
+    assert all(s.massive and s.massive["channels"] == [0, 1, 2, 3] for s in rec.sites)  # the sinks' channels
+    assert isinstance(model.model.norm, MassiveTokens)
+    assert model.model.norm.massive.log_beta.shape == (32,)  # the massive copy's fit is per channel
     normlab.save_converted(model, rec, tmp_path / "m")
     loaded, rec2 = normlab.load_converted(tmp_path / "m")
     with torch.no_grad():
@@ -110,13 +106,13 @@ def test_a_failed_calibration_puts_every_norm_back():
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
-def test_first_token_split_agrees_with_and_without_a_kv_cache():
-    """Greedy decoding of a converted model with FirstToken: the cached path (one token per call) and the
+def test_massive_routing_agrees_with_and_without_a_kv_cache():
+    """Greedy decoding of a converted model with massive-token copies: the cached path (one token per call) and the
     uncached path (the whole sequence every call) give the same tokens and logits."""
-    model = _with_sink(tiny_lm())
-    calib = [torch.cat([torch.zeros(4, 1, dtype=torch.long), b[:, 1:]], 1) for b in id_batches(2)]
-    normlab.convert_norms(model, "dyisru", calibrate=calib, first_token="own")
-    prompt = calib[0][:1, :5]
+    model = with_sinks(tiny_lm())
+    calib = sink_batches(2)
+    normlab.convert_norms(model, "dyisru", calibrate=calib)
+    prompt = calib[0][:1, :7]  # the sinks at positions 0 and 5
     kw = {"max_new_tokens": 6, "do_sample": False, "output_scores": True, "return_dict_in_generate": True,
           "pad_token_id": 0}  # fmt: skip
     with torch.no_grad():

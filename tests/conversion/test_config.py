@@ -142,8 +142,8 @@ def test_every_calibrate_field_is_an_override_checked_by_the_config():
     assert spec is normlab.registry.norm_spec("dyt")  # the conversion modules receive the spec
     with pytest.raises(TypeError, match="unknown option 'max_token'.*CalibrateConfig's"):
         normlab.convert_norms(model, "dyisru", max_token=16)
-    with pytest.raises(ValueError, match="first_token must be 'auto', 'own' or 'shared', got 'first'"):
-        normlab.convert_norms(model, "dyisru", first_token="first")
+    with pytest.raises(ValueError, match="massive_tokens must be 'auto', 'route' or 'shared', got 'own'"):
+        normlab.convert_norms(model, "dyisru", massive_tokens="own")
     with pytest.raises(ValueError, match="max_tokens: expected an int >= 16"):
         normlab.convert_norms(model, "dyisru", config=CalibrateConfig(max_tokens=8))
     with pytest.raises(ValueError, match="per must be 'global' or 'channel', got 'token'"):
@@ -154,7 +154,7 @@ def test_every_calibrate_field_is_an_override_checked_by_the_config():
 
 
 def test_choices_are_the_literal_types_and_the_objectives_table_follows_them():
-    assert choices(CalibrateConfig, "first_token") == ("auto", "own", "shared")
+    assert choices(CalibrateConfig, "massive_tokens") == ("auto", "route", "shared")
     assert choices(ConvertConfig, "per") == ("global", "channel")
     assert set(OBJECTIVES) == set(choices(HealConfig, "objective"))
     docs = field_docs(HealConfig)
@@ -168,7 +168,7 @@ def test_convert_help_shows_each_fields_docstring_and_choices(capsys):
     with pytest.raises(SystemExit):
         main(["convert", "--help"])
     out = " ".join(capsys.readouterr().out.split())
-    assert "--first-token {auto,own,shared}" in out
+    assert "--massive-tokens {auto,route,shared}" in out
     assert " ".join(field_docs(CalibrateConfig)["solver"].split()) in out  # the field's own words
     assert "budget.walk = 'skip' ('skip' or 'stop')" in out
 
@@ -191,7 +191,7 @@ def test_the_python_api_and_the_cli_give_the_same_record(tiny, tmp_path):
     assert [s["name"] for s in api["sites"]] == [s["name"] for s in cli["sites"]]
     assert (api["target"], api["per"], api["notes"]) == (cli["target"], cli["per"], cli["notes"])
     for a, c in zip(api["sites"], cli["sites"]):
-        assert a["kwargs"] == c["kwargs"] and a["first_token"] == c["first_token"]
+        assert a["kwargs"] == c["kwargs"] and a["massive"] == c["massive"]
         assert set(a["fit"]) == set(c["fit"])
         for key, value in a["fit"].items():
             exact = not isinstance(value, (int, float, list)) or isinstance(value, bool)

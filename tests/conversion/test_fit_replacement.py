@@ -45,13 +45,13 @@ def test_derf_keeps_the_lbfgs_solver_for_its_shift():
 
 @pytest.mark.parametrize("solver", ["lbfgs", "profile"])
 def test_the_solver_asked_for_is_the_solver_every_fit_ran(solver, tmp_path):
-    """calibrate.solver reaches every fit, the first token's copies included, from convert_norms and from the
+    """calibrate.solver reaches every fit, the massive tokens' copies included, from convert_norms and from the
     command line (a first version dropped it on the way to calibrate_sites)."""
-    from conftest import id_batches, tiny_hf, tiny_lm
+    from conftest import sink_batches, tiny_hf, tiny_lm, with_sinks
     from normlab.cli import main
 
-    record = normlab.convert_norms(tiny_lm(), "dyisru", calibrate=id_batches(1), first_token="own", solver=solver)
-    fits = [s.fit for s in record.sites] + [s.fit["first_token"] for s in record.sites]
+    record = normlab.convert_norms(with_sinks(tiny_lm()), "dyisru", calibrate=sink_batches(1), solver=solver)
+    fits = [s.fit for s in record.sites] + [s.fit["massive"] for s in record.sites]
     assert {f["solver"] for f in fits} == {solver}
     text = tmp_path / "t.txt"
     text.write_text("the of and to in a is that " * 400)

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 import normlab
-from conftest import tiny_lm
-from normlab.conversion.first_token import FirstToken
+from conftest import sink_batches, tiny_lm, with_sinks
+from normlab.conversion.massive import MassiveTokens
 
 transformers = pytest.importorskip("transformers")
 
@@ -19,10 +19,10 @@ def _tiny_llama(tied: bool) -> nn.Module:
     return tiny_lm(tie_word_embeddings=tied)
 
 
-def _converted(tied: bool, first_token: str = "shared"):
-    model = _tiny_llama(tied)
-    calib = [torch.randint(0, 100, (4, 16), generator=torch.Generator().manual_seed(i)) for i in range(2)]
-    record = normlab.convert_norms(model, "dyisru", calibrate=calib, first_token=first_token, progress=False)
+def _converted(tied: bool, massive_tokens: str = "shared"):
+    model = with_sinks(_tiny_llama(tied))
+    calib = sink_batches(2)
+    record = normlab.convert_norms(model, "dyisru", calibrate=calib, massive_tokens=massive_tokens, progress=False)
     g = torch.Generator().manual_seed(1)
     for m in model.modules():  # gammas far from 1, so that a fold that drops one shows
         if isinstance(m, normlab.DyISRU):
@@ -55,21 +55,21 @@ def test_folded_model_gives_the_same_logits_saves_and_loads(tied, tmp_path):
         torch.testing.assert_close(loaded(x).logits, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
 
 
-def test_first_token_sites_keep_both_copies_exact():
-    model, _ = _converted(tied=False, first_token="own")
-    sites = [m for m in model.modules() if isinstance(m, FirstToken)]
+def test_massive_token_sites_keep_both_copies_exact():
+    model, _ = _converted(tied=False, massive_tokens="auto")
+    sites = [m for m in model.modules() if isinstance(m, MassiveTokens)]
     assert sites
-    for s in sites:  # a first-token copy with its own bias, so that (b1 - b) / w is exercised
+    for s in sites:  # a massive copy with its own bias, so that (b1 - b) / w is exercised
         with torch.no_grad():
-            s.first.bias.normal_()
-            s.main.bias.zero_()  # the readers have no bias: only the first copy may carry one
-    x = torch.randint(0, 100, (2, 10), generator=torch.Generator().manual_seed(3))
+            s.massive.bias.normal_()
+            s.main.bias.zero_()  # the readers have no bias: only the massive copy may carry one
+    x = sink_batches(1, seed=3, t=10, batch=2)[0]
     with torch.no_grad():
         want = model(x).logits
     report = normlab.fold(model)
     assert not report.skipped
     with torch.no_grad():
-        got, step = model(x).logits, model(x[:, :1]).logits  # a single token takes the main copy alone
+        got, step = model(x).logits, model(x[:, :1]).logits  # a single (massive) token
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
     assert torch.isfinite(step).all()
 

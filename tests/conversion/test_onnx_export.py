@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import normlab
-from conftest import id_batches, tiny_lm
+from conftest import id_batches, sink_batches, tiny_lm, with_sinks
 from normlab import functional as FN
 from normlab.conversion.onnx_export import OnnxCheck, export_onnx, export_program, hypot
 
@@ -59,10 +59,9 @@ def test_each_formula_in_onnx_runtime_gives_the_references_answer_at_the_edges(n
 
 
 def _case(family: str, target: str, **config):
-    model = tiny_lm(family, **config)
-    record = normlab.convert_norms(
-        model, target, calibrate=id_batches(2), first_token="own", per="channel", progress=False
-    )
+    model = with_sinks(tiny_lm(family, **config))
+    record = normlab.convert_norms(model, target, calibrate=sink_batches(2), per="channel", progress=False)
+    assert any(s.massive for s in record.sites)
     return model, record
 
 
@@ -74,7 +73,7 @@ def _case(family: str, target: str, **config):
 )  # fmt: skip
 def test_a_converted_lm_exports_with_its_cache_and_runs_in_onnx_runtime(family, target, config, tmp_path):
     """Folded, exported, and in ONNX Runtime: the logits of held-out ids within float32 rounding of PyTorch's,
-    and 32 greedy tokens decoded with the cache (first-token copies included) identical to generate's."""
+    and 32 greedy tokens decoded with the cache (massive-token copies included) identical to generate's."""
     model, _ = _case(family, target, **config)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     report = export_onnx(model, tmp_path / "m.onnx", check=OnnxCheck(id_batches(1, seed=5, t=12)[0]))

@@ -117,3 +117,22 @@ def test_a_folder_whose_config_names_another_family_is_a_clear_error(tmp_path):
     (folder / RECORD_FILE).write_text(json.dumps({**d, "model_class": "Gemma3ForCausalLM"}))
     with pytest.raises(ValueError, match=r"names Gemma3ForCausalLM, but config.json is a LlamaConfig"):
         normlab.load_converted(folder)
+
+
+def test_every_file_of_a_converted_folder_is_readable_by_others_under_umask_022(tmp_path):
+    """transformers writes model.safetensors 0600 through a temporary file; the folder is for sharing, so every file
+    gets what a plain write gives under umask 022: 0644."""
+    import os
+    import stat
+
+    from conftest import id_batches, tiny_lm
+
+    model = tiny_lm()
+    rec = normlab.convert_norms(model, "dyisru", calibrate=id_batches(1), progress=False)
+    old = os.umask(0o022)
+    try:
+        folder = normlab.save_converted(model, rec, tmp_path / "m")
+    finally:
+        os.umask(old)
+    modes = {f.name: oct(stat.S_IMODE(f.stat().st_mode)) for f in folder.iterdir() if f.is_file()}
+    assert "model.safetensors" in modes and set(modes.values()) == {"0o644"}, modes

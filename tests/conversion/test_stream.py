@@ -12,7 +12,7 @@ from torch import nn
 
 import normlab
 import normlab.conversion.calibrate as calibrate
-from conftest import id_batches, tiny_lm
+from conftest import id_batches, sink_batches, tiny_lm, with_sinks
 from normlab.conversion.stream import BlockStream, find_blocks
 
 pytest.importorskip("transformers")
@@ -23,48 +23,49 @@ FAMILIES = ["Llama", "Mistral", "Qwen2", "Qwen3", "Gemma", "Gemma3"]
 def _convert(model, to="dyisru", *, blocks=True, monkeypatch=None, **kw):
     if not blocks:
         monkeypatch.setattr(calibrate, "find_blocks", lambda *a, **k: None)
-    record = normlab.convert_norms(model, to, calibrate=id_batches(2, t=12), progress=False, **kw)
+    record = normlab.convert_norms(model, to, calibrate=sink_batches(2, t=12), progress=False, **kw)
     if not blocks:
         monkeypatch.undo()
     return record
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("first_token", ["own", "shared"])
+@pytest.mark.parametrize("massive_tokens", ["auto", "shared"])
 @pytest.mark.parametrize("per", ["global", "channel"])
-def test_the_block_stream_fits_what_re_running_the_prefix_fits(family, first_token, per, monkeypatch):
-    model = tiny_lm(family, layers=3)
+def test_the_block_stream_fits_what_re_running_the_prefix_fits(family, massive_tokens, per, monkeypatch):
+    model = with_sinks(tiny_lm(family, layers=3))
     a, b = copy.deepcopy(model), copy.deepcopy(model)
-    ra = _convert(a, first_token=first_token, per=per)
-    rb = _convert(b, blocks=False, monkeypatch=monkeypatch, first_token=first_token, per=per)
+    ra = _convert(a, massive_tokens=massive_tokens, per=per)
+    rb = _convert(b, blocks=False, monkeypatch=monkeypatch, massive_tokens=massive_tokens, per=per)
     assert ra.calibration["path"] == "blocks" and rb.calibration["path"] == "prefix"
     assert ra.calibration["outside"] == []  # every site streams, the final norm (the last block's output) included
-    assert [s.first_token for s in ra.sites] == [s.first_token for s in rb.sites]
+    assert [s.massive for s in ra.sites] == [s.massive for s in rb.sites]
+    assert any(s.massive for s in ra.sites) == (massive_tokens == "auto")
     for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
         torch.testing.assert_close(pa, pb, atol=1e-5, rtol=0, msg=name)
 
 
-def test_per_head_norms_share_their_replacement_when_the_first_token_has_its_own():
-    """Qwen3's q_norm and k_norm normalize (B, T, heads, head_dim): no (B, T, C) sequence axis, so no first-token
-    copy there (this crashed calibration with an expand error before); the residual-stream sites get one."""
-    model = tiny_lm("Qwen3")
-    record = _convert(model, first_token="own")
-    firsts = {s.name: s.first_token for s in record.sites}
-    assert firsts["model.layers.0.self_attn.q_norm"] is False and firsts["model.layers.0.self_attn.k_norm"] is False
-    assert firsts["model.layers.0.input_layernorm"] is True and firsts["model.norm"] is True
+def test_per_head_norms_share_their_replacement_when_massive_tokens_have_their_own():
+    """Qwen3's q_norm and k_norm normalize (B, T, heads, head_dim), not the residual stream: no massive copy there
+    (a first version crashed calibration with an expand error); the residual-stream sites get one."""
+    model = with_sinks(tiny_lm("Qwen3"))
+    record = _convert(model)
+    copies = {s.name: s.massive is not None for s in record.sites}
+    assert copies["model.layers.0.self_attn.q_norm"] is False and copies["model.layers.0.self_attn.k_norm"] is False
+    assert copies["model.layers.0.input_layernorm"] is True and copies["model.norm"] is True
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("to", normlab.conversion.convert.CALIBRATABLE)
 def test_every_family_and_target_calibrates_saves_and_reloads(family, to, tmp_path):
-    """The family matrix: every supported family, every calibratable target, the first token own and shared, per
+    """The family matrix: every supported family, every calibratable target, massive tokens routed and shared, per
     global and channel; the reloaded model gives the converted model's logits."""
-    ids = id_batches(1, seed=5, t=12)[0]
-    for first_token, per in (("own", "channel"), ("shared", "global"), ("own", "global"), ("shared", "channel")):
-        model = tiny_lm(family)
-        record = _convert(model, to, first_token=first_token, per=per)
+    ids = sink_batches(1, seed=5, t=12)[0]
+    for massive, per in (("auto", "channel"), ("shared", "global"), ("auto", "global"), ("shared", "channel")):
+        model = with_sinks(tiny_lm(family))
+        record = _convert(model, to, massive_tokens=massive, per=per)
         assert all(s.fit is not None for s in record.sites)
-        out = tmp_path / f"{first_token}-{per}"
+        out = tmp_path / f"{massive}-{per}"
         normlab.save_converted(model, record, out)
         loaded, _ = normlab.load_converted(out)
         with torch.no_grad():
@@ -182,11 +183,11 @@ def test_a_bf16_replay_replays_its_own_passes_exactly_and_reads_near_float32():
 def test_a_subset_of_early_sites_streams_though_its_passes_stop_before_the_last_block(monkeypatch):
     """Calibration passes stop once every site has run: sites only in blocks 0-1 of 4 still take the stream (the
     budget walk's refit of its kept sites converts such subsets), with the prefix path's fits."""
-    model = tiny_lm("Llama", layers=4)
+    model = with_sinks(tiny_lm("Llama", layers=4))
     a, b = copy.deepcopy(model), copy.deepcopy(model)
     early = lambda name, m: name.startswith(("model.layers.0.", "model.layers.1."))  # noqa: E731
-    ra = _convert(a, include=early, first_token="own")
-    rb = _convert(b, blocks=False, monkeypatch=monkeypatch, include=early, first_token="own")
+    ra = _convert(a, include=early)
+    rb = _convert(b, blocks=False, monkeypatch=monkeypatch, include=early)
     assert ra.calibration["path"] == "blocks" and ra.calibration["outside"] == [] and rb.calibration["path"] == "prefix"
     for pa, pb in zip(a.parameters(), b.parameters()):
         torch.testing.assert_close(pa, pb, atol=1e-5, rtol=0)

@@ -7,6 +7,7 @@ import argparse
 import sys
 
 from normlab.cli.convert import add_build_kernels, add_convert, add_study
+from normlab.cli.evaluate import add_evaluate
 from normlab.cli.export import add_export
 from normlab.cli.lab import add_predict, add_report, add_reproduce, add_sweep, add_train
 from normlab.cli.theory import add_demo, add_gain, add_jacobian, add_simulate
@@ -33,6 +34,7 @@ DOCS = {
     "reproduce": "docs/results.md",
     "convert": "docs/conversion.md",
     "study": "docs/conversion.md",
+    "evaluate": "docs/conversion.md",
     "export": "docs/export.md",
     "build-kernels": "docs/kernels.md",
 }
@@ -57,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_reproduce,
         add_convert,
         add_study,
+        add_evaluate,
         add_export,
         add_build_kernels,
     )

@@ -177,7 +177,7 @@ def _add_calibrate_flags(cv, d) -> None:
     _shorthand(cv, "--device", "device")
     cv.add_argument("--no-calibrate", action="store_true", help="keep the default init (calibrate.enabled=false)")
     _shorthand(cv, "--per", "per")
-    _shorthand(cv, "--first-token", "calibrate.first_token")
+    _shorthand(cv, "--massive-tokens", "calibrate.massive_tokens")
 
 
 def _add_heal_flags(cv, d) -> None:

@@ -14,15 +14,18 @@ parameter (DyISRU/ELN beta, DyT alpha) and an amplitude folded into its weight, 
 on (`normlab.conversion.fit`). The inputs come block by block from cached block inputs where the model is a chain
 of blocks (`normlab.conversion.stream`), else from passes of the converted prefix.
 
-Massive activations. Real LLMs give a few tokens, above all the first one, an RMS 30-200x the median (the
-attention sink). No element-wise function maps both those and ordinary tokens, so:
+Massive activations. Real LLMs give a few tokens an RMS 30-200x the median, carried by a few fixed channels: the
+first token, and early delimiters such as a leading "\n\n" (the attention sinks). No element-wise function maps both
+those and ordinary tokens, so:
 
-* the first token gets its own replacement (`FirstToken`, ``first_token="own"``; ``"auto"`` turns it on
-  when the first token's RMS is a massive outlier at some site). Its fit is per channel: the sink token has a
-  fixed shape, so ||x without channel i|| hardly varies across sequences, and Theorem 3 makes DyISRU nearly exact.
-  It is fitted on every distinct calibration token put first (`normlab.conversion.first_token`);
-* other massive tokens are left out of the fit of the shared replacement (``massive=10``: RMS above 10x the
-  median), so that a handful of tokens does not drag the fit for every other token. Their count is recorded.
+* at each site where they occur and a few channels tell them apart, massive tokens get their own replacement
+  (`normlab.conversion.massive.MassiveTokens`, routed by those channels' magnitude, wherever the token sits;
+  ``massive_tokens="auto"``). Its fit is per channel: a sink token has a fixed shape, so ||x without channel i||
+  hardly varies across them, and Theorem 3 makes DyISRU nearly exact. It is fitted on every massive row of the
+  calibration sequences and of ``[t, t]`` for every distinct calibration token ``t``;
+* massive tokens that no channel separates are left out of the fit of the shared replacement (``massive=10``: RMS
+  above 10x the median), so that a handful of tokens does not drag the fit for every other token. Their count is
+  recorded.
 
 Guard rails: calibration tokens with NaN or Inf are left out (and counted); a fit whose loss is not finite,
 or that ends worse than its start, keeps the start point and is flagged; a fit that runs to a degenerate value
@@ -41,13 +44,16 @@ from tqdm.auto import tqdm
 
 from normlab.conversion.batches import Stop, as_batches, run_hooked, swap
 from normlab.conversion.config import ConvertConfig
-from normlab.conversion.first_token import (
-    FirstRows,
-    FirstToken,
-    first_token_decision,
-    first_token_ratio,
-)
 from normlab.conversion.fit import FitOutcome, fit_replacement
+from normlab.conversion.massive import (
+    MassiveRows,
+    MassiveTokens,
+    detector,
+    early_rows,
+    formation_site,
+    massive_decision,
+    massive_ratio,
+)
 from normlab.conversion.record import Site
 from normlab.conversion.stream import BlockStream, find_blocks
 from normlab.registry import NormSpec, create_norm, norm_spec
@@ -68,11 +74,11 @@ def per_channel_kwargs(spec: NormSpec | str) -> dict:
     return {"per_channel_beta": True} if spec.fits == "log_beta" else {"per_channel_alpha": True}
 
 
-def _first_copy(new: nn.Module, site, spec: NormSpec) -> nn.Module:
-    """The first token's own replacement: per channel, with the shared replacement's copied affine."""
-    first = create_norm(spec.name, site.dim, **{**site.kwargs, **per_channel_kwargs(spec)})
-    first.load_state_dict({k: v.expand_as(first.state_dict()[k]) for k, v in new.state_dict().items()})
-    return first.to(device=new.weight.device, dtype=new.weight.dtype).train(new.training)
+def _massive_copy(new: nn.Module, site, spec: NormSpec) -> nn.Module:
+    """The massive tokens' own replacement: per channel, with the shared replacement's copied affine."""
+    twin = create_norm(spec.name, site.dim, **{**site.kwargs, **per_channel_kwargs(spec)})
+    twin.load_state_dict({k: v.expand_as(twin.state_dict()[k]) for k, v in new.state_dict().items()})
+    return twin.to(device=new.weight.device, dtype=new.weight.dtype).train(new.training)
 
 
 class _Rows:
@@ -120,10 +126,10 @@ def _site_inputs(model: nn.Module, batches: list, name: str, quota: int, channel
     return rows
 
 
-def _local_targets(old: nn.Module, xf: Tensor, xr: Tensor) -> tuple[Tensor, Tensor]:
+def _local_targets(old: nn.Module, *xs: Tensor) -> tuple[Tensor, ...]:
     """The original norm applied to the site's input in the converted model (``target="local"``)."""
-    ref = next(old.parameters(), xr)
-    return tuple(old(t.to(ref)).float().cpu() if len(t) else t for t in (xf, xr))
+    ref = next(old.parameters(), xs[0])
+    return tuple(old(t.to(ref)).float().cpu() if len(t) else t for t in xs)
 
 
 def _drop_massive(site: Site, x: Tensor, y: Tensor, massive: float) -> tuple[Tensor, Tensor]:
@@ -137,25 +143,27 @@ def _drop_massive(site: Site, x: Tensor, y: Tensor, massive: float) -> tuple[Ten
     return x, y
 
 
-def _record(site: Site, out: FitOutcome, out_first: FitOutcome | None, per: str) -> None:
-    """A site's fits (and its first token's) in its record."""
+def _record(site: Site, out: FitOutcome, out_massive: FitOutcome | None, per: str) -> None:
+    """A site's fits (and its massive copy's) in its record."""
     site.fit = {**out.to_dict(), "per": per}
     site.notes += out.notes
-    if out_first is not None:
-        site.fit["first_token"] = out_first.to_dict()
-        site.notes += [f"first token: {m}" for m in out_first.notes]
+    if out_massive is not None:
+        site.fit["massive"] = out_massive.to_dict()
+        site.notes += [f"massive copy: {m}" for m in out_massive.notes]
 
 
 class _OriginalPass:
     """One pass of the model as it is over the batches, hooked at every site: the order the sites run in, their
-    outputs (the fits' targets), their inputs too with ``keep_inputs``, each input's dimension and the first token's
-    RMS ratio. A pass stops once every site has run (an LM head is idle)."""
+    outputs (the fits' targets), their inputs too with ``keep_inputs``, each input's dimension and its largest token
+    RMS over the median's. A pass stops once every site has run (an LM head is idle)."""
 
     def __init__(self, model: nn.Module, batches: list, dims: dict[str, int], quota: int, keep_inputs: bool) -> None:
         self.order: list[str] = []
         self.targets = {n: _Rows(quota) for n in dims}
         self.inputs = {n: _Rows(quota) for n in dims} if keep_inputs else None
         self.ratios: dict[str, list[float]] = {n: [] for n in dims}
+        self.medians: dict[str, list[float]] = {n: [] for n in dims}
+        self.sample = {n: _Rows(64) for n in dims}  # a few input rows of each batch: where massive tokens separate
         self.ndim: dict[str, int] = {}
         self.dims = dims
         for i, batch in enumerate(batches):
@@ -174,7 +182,10 @@ class _OriginalPass:
             self.targets[n].add(y.movedim(self.dims[n], -1), self.batch)
             if self.inputs is not None:
                 self.inputs[n].add(x, self.batch)
-            self.ratios[n].append(first_token_ratio(x))
+            self.ratios[n].append(massive_ratio(x) if x.dim() == 3 else math.nan)
+            self.medians[n].append(float(x.detach().float().pow(2).mean(-1).sqrt().median()))
+            if x.dim() == 3:
+                self.sample[n].add(x, self.batch)
             self.fired.add(n)
             if len(self.fired) == len(self.dims):
                 raise Stop
@@ -191,8 +202,9 @@ def calibrate_sites(
     spec: NormSpec,
     progress: bool | None = None,
 ) -> tuple[str, dict]:
-    """Fit and swap every site in the order the model runs them (the module docstring); returns the first-token
-    decision (a note) and how the inputs were taken (`_path`, for the record).
+    """Fit and swap every site in the order the model runs them (the module docstring); returns the massive-token
+    decision (a note), how the inputs were taken (`_path`, for the record) and the sites kept as they were, with
+    the reason (``massive_tokens="auto"``: the sites before the massive activation forms).
 
     ``config`` (a `ConvertConfig`) gives the ``calibrate`` section and ``per``. ``config.calibrate.sequential=False``
     fits every site on its input in the *original* model instead (one pass for all sites): each fit is then exact
@@ -200,7 +212,7 @@ def calibrate_sites(
     errors compound when many such fits are used together.
 
     ``sites`` pairs each of the conversion's Site records (name, dim, kwargs; this fills in fit, notes and
-    first_token) with its built replacement. On any failure every original is put back.
+    massive) with its built replacement. On any failure every original is put back.
 
     Args:
         model: The model, changed in place: each site is swapped for its fitted replacement.
@@ -233,25 +245,28 @@ def calibrate_sites(
         order, targets, inputs, ndim = seen.order, seen.targets, seen.inputs, seen.ndim
         if stream is not None:
             stream.check_fits()
-        own, decision = first_token_decision(seen.ratios, order, c.first_token, c.massive)
-        firsts = None
-        if own:  # the first-token pairs, their targets, and their own block stream, in one pass of the original
-            seq = {n: dims[n] for n in order if ndim[n] == 3}  # a per-head norm's input has no sequence axis
+        route, decision = massive_decision(seen.ratios, order, c.massive_tokens, c.massive)
+        extra = None
+        if route:  # the [t, t] pairs, their targets, and their own block stream, in one pass of the original
+            seq = {n: dims[n] for n in order if ndim[n] == 3 and dims[n] in (-1, 2)}  # (B, T, C), channels last
             pairs = BlockStream(model, *blocks) if stream is not None and stream.broken is None else None
-            firsts = FirstRows(model, batches, seq, max_tokens, sequential, pairs)
+            extra = MassiveRows(model, batches, seq, max_tokens, sequential, pairs)
+        kept = _before_formation(model, extra, order, seen, c) if route and c.massive_tokens == "auto" else {}
         path = _path(stream, sequential, order)
         bar = tqdm(
             order, desc=f"calibrating {spec.name}", unit="site", disable={True: False, False: True}.get(progress)
         )
         for n in bar:  # 2. each site on the input of the model converted so far
+            if n in kept:
+                continue
             site, new = by_name[n], replacements[n]
             rows_in = inputs[n] if inputs is not None else _site_inputs(model, batches, n, quota, dims[n], stream)
-            (xf, xr), (yf, yr) = rows_in.tensors(), targets[n].tensors()
-            if firsts is not None and firsts.ready and len(xf):  # every calibration token put first
-                xf, yf = firsts(model, n)
+            x, y = torch.cat(rows_in.tensors()), torch.cat(targets[n].tensors())
+            xe, ye = extra(model, n) if extra is not None and n in extra.dims else (x[:0], y[:0])
             if c.target == "local":  # the original norm on the converted input: no correction of upstream drift
-                yf, yr = _local_targets(model.get_submodule(n), xf, xr)
-            new, out = _fit_site(site, new, ((xf, xr), (yf, yr)), config, spec, own)
+                y, ye = _local_targets(model.get_submodule(n), x, xe)
+            routed = route and extra is not None and n in extra.dims
+            new, out = _fit_site(site, new, (x, y), (xe, ye), config, spec, routed)
             swapped[n] = swap(model, n, new)
             bar.set_postfix_str(f"{n}: rel. error {out.rel_error:.3f}")
         path["seconds"] = round(time.perf_counter() - t0, 2)
@@ -261,26 +276,53 @@ def calibrate_sites(
         raise
     finally:
         model.train(was_training)
-    return decision, path
+    return decision, path, kept
 
 
-def _fit_site(site: Site, new: nn.Module, rows: tuple, config: ConvertConfig, spec: NormSpec, own: bool):
-    """One site's fit on its rows, ((xf, xr), (yf, yr)): the first tokens' and the rest's inputs and targets. With
-    ``own``, the first token gets its own copy of the replacement, fitted per channel on the first tokens, and the
-    shared one fits the rest; else the shared one fits all. Massive tokens stay out of the shared fit. Fills in the
-    site's record; returns the module to swap in and the shared fit's outcome."""
-    c, ((xf, xr), (yf, yr)) = config.calibrate, rows
-    first = out_first = None
-    if own and len(xf):
-        first = _first_copy(new, site, spec)
-        out_first = fit_replacement(first, xf, yf, per_channel=True, config=c)
-        site.first_token = True
-    else:
-        xr, yr = torch.cat([xf, xr]), torch.cat([yf, yr])
-    xr, yr = _drop_massive(site, xr, yr, c.massive)
-    out = fit_replacement(new, xr, yr, per_channel=config.per == "channel", config=c)
-    _record(site, out, out_first, config.per)
-    return (FirstToken(new, first) if first is not None else new), out
+def _before_formation(model: nn.Module, extra: MassiveRows, order: list[str], seen: _OriginalPass, c) -> dict:
+    """The sites before the massive activation forms (`normlab.conversion.massive.formation_site`), each with the
+    reason it keeps its original norm; none when it never forms or forms at the first site."""
+    if not extra.ready:
+        return {}
+    pairs = extra.inputs if extra.inputs is not None else early_rows(model, extra.pairs, extra.dims, "in")
+    rows = {n: torch.cat([*seen.sample[n].tensors(), pairs[n]]) for n in pairs}
+    medians = {n: float(torch.tensor(v).median()) for n, v in seen.medians.items() if v}
+    at = formation_site(rows, order, medians, c.massive)
+    if at is None:
+        return {}
+    why = (
+        f"before the massive activation forms ({at}): the tokens that will carry it are not told apart here, and "
+        "a shared element-wise norm keeps it from forming (calibrate.massive_tokens=route converts it)"
+    )
+    return {n: why for n in order[: order.index(at)]}
+
+
+def _fit_site(site: Site, new: nn.Module, rows: tuple, extra: tuple, config: ConvertConfig, spec: NormSpec,
+              route: bool):  # fmt: skip
+    """One site's fit on its calibration rows (x, y) and, for the massive copy, the ``extra`` rows of the [t, t]
+    pairs. With ``route`` and a `detector` that separates the site's massive rows, those get their own copy,
+    fitted per channel, and the shared replacement fits the rest; else the shared one fits all. Massive tokens no
+    detector separates stay out of the shared fit. Fills in the site's record; returns the module to swap in and the
+    shared fit's outcome."""
+    c, (x, y), (xe, ye) = config.calibrate, rows, extra
+    finite = x[torch.isfinite(x).all(-1)]
+    typical = float(finite.pow(2).mean(-1).sqrt().median()) if route and len(finite) else None
+    found = detector(torch.cat([x, xe]), c.massive, median=typical) if route else None
+    twin = out_massive = None
+    if found is not None:
+        pool_x, pool_y = torch.cat([x, xe]), torch.cat([y, ye])
+        heavy = found.route(pool_x)
+        twin = _massive_copy(new, site, spec)
+        out_massive = fit_replacement(twin, pool_x[heavy], pool_y[heavy], per_channel=True, config=c)
+        site.massive = found.to_dict()
+        light = ~found.route(x)
+        x, y = x[light], y[light]
+    x, y = _drop_massive(site, x, y, c.massive)
+    out = fit_replacement(new, x, y, per_channel=config.per == "channel", config=c)
+    _record(site, out, out_massive, config.per)
+    if found is None:
+        return new, out
+    return MassiveTokens(new, twin, list(found.channels), found.threshold), out
 
 
 def _path(stream: BlockStream | None, sequential: bool, order: list[str]) -> dict:

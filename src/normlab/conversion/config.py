@@ -4,10 +4,8 @@
     cfg = resolve_convert_config(["heal.minutes=10", "heal.lr=3e-3"], model="smollm2", to="dyisru")
     normlab.conversion.workflow.convert_model(cfg)
 
-The lab's pattern (`normlab.lab.config`): a dataclass of sections, ``to_dict``/``from_dict``, one ``validate``
-that fails before any work, and dotted ``--set`` overrides through `normlab.pairs.apply_overrides`.
-``normlab convert`` keeps its flags as shorthands for fields (`SHORTHANDS`) and writes the resolved config
-to ``OUT/convert_config.json``.
+A dataclass of sections, ``to_dict``/``from_dict``, one ``validate`` that fails before any work, dotted ``--set``
+overrides (`normlab.pairs.apply_overrides`); flags are shorthands for fields (`SHORTHANDS`).
 
 The heal checkpoint's identity is `ConvertConfig.identity`: every field that shapes the converted model or
 the heal, flattened to dotted keys, plus the facts only the run knows (the model's fingerprint, the text's
@@ -45,15 +43,17 @@ class CalibrateConfig:
     source: Literal["text", "self"] = "text"
     """What calibration fits on: the text's first sequences, or "self", the first of the original's own samples (the
     heal's "self" set)."""
-    first_token: Literal["auto", "own", "shared"] = "auto"
-    """"own" gives the first token of each sequence its own replacement (`FirstToken`), "shared" does not, "auto"
-    does when the first token's RMS is a massive outlier (above ``massive`` x the median token's) at some site."""
+    massive_tokens: Literal["auto", "route", "shared"] = "auto"
+    """"route": massive tokens (an RMS above ``massive`` x the median, wherever they occur) get their own copy at each
+    site where a few channels tell them apart; "auto" also keeps the original norm at the sites before the massive
+    activation forms, where no channel tells apart the tokens that will carry it (`normlab.conversion.massive`);
+    "shared": one replacement for every token."""
     target: Literal["original", "local"] = "original"
     """What each site is fitted to reproduce: the original model's output there, which also corrects the drift
     inherited from earlier sites, or "local": the original norm applied to the site's input in the model converted
     so far."""
     max_tokens: int = 4096
-    """Calibration tokens kept per site (besides every first token), >= 16."""
+    """Calibration tokens kept per site (besides every first token and the massive copies' rows), >= 16."""
     massive: float = 10.0
     """Tokens with an RMS above this multiple of the median (> 1) stay out of the shared fit."""
     fit_amplitude: bool = True
@@ -425,7 +425,7 @@ SHORTHANDS: dict[str, str] = {
     "--model": "model", "--to": "to", "--calibrate": "text", "--per": "per", "--exclude": "exclude",
     "--init": "init", "--seq-len": "seq_len", "--sequences": "sequences", "--budget-nats": "budget.nats",
     "--out": "out", "--overwrite": "overwrite", "--no-calibrate": "calibrate.enabled",
-    "--first-token": "calibrate.first_token", "--heal-minutes": "heal.minutes", "--heal-tokens": "heal.tokens",
+    "--massive-tokens": "calibrate.massive_tokens", "--heal-minutes": "heal.minutes", "--heal-tokens": "heal.tokens",
     "--heal-objective": "heal.objective", "--heal-train": "heal.train", "--checkpoint": "heal.checkpoint",
     "--resume": "heal.resume", "--heal-text": "heal.text", "--eval-text": "eval_text",
     "--calibrate-on": "calibrate.source", "--device": "device",

@@ -13,7 +13,7 @@ with the reason; nothing is skipped silently.
 
 Calibration (``calibrate=`` sample inputs or a dataloader) fits each replacement, site by site in the order the
 model runs them, on the activations of the model as converted so far, so that its output after the affine
-matches the original norm's; the first token can get its own replacement (`normlab.conversion.calibrate`). Every
+matches the original norm's; massive tokens can get their own replacement (`normlab.conversion.massive`). Every
 target is fitted with the same two degrees of freedom, its parameter (DyISRU/ELN beta, DyT alpha) and an
 amplitude folded into the copied weight. ``per="channel"`` fits one of each per channel.
 
@@ -174,7 +174,7 @@ SITE_FIELDS = ("per", "init", "site_init")  # ConvertConfig's fields that shape 
 
 
 def _keyword(key: str) -> str:
-    """How the Python API names a field: its keyword (``calibrate.first_token`` -> ``first_token``)."""
+    """How the Python API names a field: its keyword (``calibrate.massive_tokens`` -> ``massive_tokens``)."""
     return key.rsplit(".", 1)[-1]
 
 
@@ -252,7 +252,7 @@ def convert_norms(
 
     Its settings are the fields of `normlab.conversion.config.ConvertConfig` that ``normlab convert`` uses, with
     the same defaults and checks: ``config`` gives a `CalibrateConfig` (or a whole `ConvertConfig`), and a keyword
-    overrides one field (``per="channel"``, ``first_token="own"``, ``solver="lbfgs"``, ...).
+    overrides one field (``per="channel"``, ``massive_tokens="shared"``, ``solver="lbfgs"``, ...).
 
     Args:
         model: the model, converted in place.
@@ -267,7 +267,7 @@ def convert_norms(
         **overrides: fields of the config, by name: ``per`` ("global" or "channel": one fitted parameter per
             channel), ``init`` (kwargs of every replacement), ``site_init`` ({fnmatch pattern: kwargs}, e.g. DyT's
             LLaMA recipe ``{"*input_layernorm": {"alpha_init": 0.8}}``), and any `CalibrateConfig` field
-            (``first_token``, ``target``, ``max_tokens``, ``massive``, ``fit_amplitude``, ``sequential``,
+            (``massive_tokens``, ``target``, ``max_tokens``, ``massive``, ``fit_amplitude``, ``sequential``,
             ``solver``), whose docstrings say what each does.
     """
     spec, cfg = resolve_options(to, config, overrides, calibrate is not None)
@@ -311,8 +311,12 @@ def convert_norms(
     notes, path = [], {}
     if calibrate is not None:  # fits and swaps site by site; puts every original back if anything fails
         pairs = [(site, replacements[site.name]) for site in sites]
-        decision, path = calibrate_sites(model, pairs, calibrate, cfg, spec=spec, progress=progress)
+        decision, path, kept = calibrate_sites(model, pairs, calibrate, cfg, spec=spec, progress=progress)
         notes.append(decision)
+        if kept:
+            notes.append(f"{len(kept)} sites before the massive activation forms keep their original norm")
+            skipped += [{"name": s.name, "class": s.source, "reason": kept[s.name]} for s in sites if s.name in kept]
+            sites = [s for s in sites if s.name not in kept]
     else:
         for name, new in replacements.items():  # the swap itself
             swap(model, name, new)

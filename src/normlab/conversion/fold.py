@@ -22,7 +22,7 @@ The check is in the model's own dtype. A badly conditioned model can fail it in 
 fold: SmolLM2 converted to DyT without calibration moves its logits by 2.6% when one weight of its first layer
 changes by 1e-7. Check such a model in float64 (``model.double()``), or pass a larger ``tolerance``.
 
-A first-token site (`normlab.conversion.calibrate.FirstToken`) folds its main copy's ``w``; its first-token
+A massive-token site (`normlab.conversion.massive.MassiveTokens`) folds its main copy's ``w``; its massive
 copy keeps ``w1 / w`` and ``(b1 - b) / w``, so both stay exact.
 """
 
@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from normlab.conversion.first_token import FirstToken
+from normlab.conversion.massive import MassiveTokens
 from normlab.modules import NormModule
 from normlab.table import format_table
 
@@ -57,12 +57,12 @@ class FoldReport:
 
 
 def _sites(model: nn.Module) -> dict[str, nn.Module]:
-    """The foldable sites: normlab norms with a channel-last weight, and first-token pairs of them."""
+    """The foldable sites: normlab norms with a channel-last weight, and massive-token pairs of them."""
     out, inside = {}, set()
     for name, m in model.named_modules():
-        if isinstance(m, FirstToken) and all(_affine(p) for p in (m.main, m.first)):
+        if isinstance(m, MassiveTokens) and all(_affine(p) for p in (m.main, m.massive)):
             out[name] = m
-            inside.update({f"{name}.main", f"{name}.first"})
+            inside.update({f"{name}.main", f"{name}.massive"})
         elif name not in inside and _affine(m):
             out[name] = m
     return out
@@ -137,7 +137,7 @@ def _untie(model: nn.Module, linear: nn.Linear, lname: str, report: FoldReport, 
 
 
 def _fold_site(site: nn.Module, readers: list[nn.Linear], undo: list) -> None:
-    main = site.main if isinstance(site, FirstToken) else site
+    main = site.main if isinstance(site, MassiveTokens) else site
     w, b = main.weight.detach().clone(), None if main.bias is None else main.bias.detach().clone()
     for linear in readers:
         old_w, old_b = linear.weight.detach().clone(), None if linear.bias is None else linear.bias.detach().clone()
@@ -149,8 +149,8 @@ def _fold_site(site: nn.Module, readers: list[nn.Linear], undo: list) -> None:
                 linear.bias += old_w.to(torch.float64).matmul(b.to(torch.float64)).to(linear.bias.dtype)
             linear.weight.mul_(w.to(linear.weight.dtype))
         undo.append(lambda lin=linear, ow=old_w, ob=old_b: _restore(lin, ow, ob))
-    if isinstance(site, FirstToken):
-        f = site.first
+    if isinstance(site, MassiveTokens):
+        f = site.massive
         old = (f.weight.detach().clone(), None if f.bias is None else f.bias.detach().clone())
         with torch.no_grad():
             if f.bias is not None:
@@ -172,11 +172,11 @@ def _restore(m: nn.Module, weight: Tensor, bias: Tensor | None) -> None:
 
 
 def _why_not(site: nn.Module, readers: list, add_biases: bool) -> str | None:
-    main = site.main if isinstance(site, FirstToken) else site
+    main = site.main if isinstance(site, MassiveTokens) else site
     if not readers:
         return "no linear layer reads its output"
-    if isinstance(site, FirstToken) and bool((main.weight == 0).any()):
-        return "a zero in its weight (the first-token copy would divide by it)"
+    if isinstance(site, MassiveTokens) and bool((main.weight == 0).any()):
+        return "a zero in its weight (the massive copy would divide by it)"
     nonzero = main.bias is not None and bool(main.bias.ne(0).any())
     if nonzero and not add_biases and any(lin.bias is None for _, lin in readers):
         return "a nonzero bias, and a reader without one (fold(..., add_biases=True) gives it one)"

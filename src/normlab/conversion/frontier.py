@@ -158,11 +158,11 @@ def _refit(model, name: str, to: str, site, batches: list, convert_kwargs: dict)
         model,
         to,
         calibrate=batches,
-        first_token="own" if site.first_token else "shared",
+        massive_tokens="route" if site.massive else "shared",
         progress=False,
         include=lambda n, m: n == name,
         sequential=False,  # one site: its input in the model as it is now, from the pass that takes its target
-        **{k: v for k, v in convert_kwargs.items() if k not in ("include", "first_token", "sequential")},
+        **{k: v for k, v in convert_kwargs.items() if k not in ("include", "massive_tokens", "sequential")},
     )
     return sub.sites[0]
 
@@ -184,11 +184,15 @@ def _refit_all(model, done: list, walk: dict, ce: float) -> float:
             model,
             walk["to"],
             calibrate=walk["batches"],
-            first_token="own" if any(records[n].first_token for n in names) else "shared",
+            massive_tokens="route" if any(records[n].massive for n in names) else "shared",  # noqa: E501
             progress=False,
             include=lambda n, m: n in chosen,
             target="local",  # as each site's own refit: the original norm on its input in the model as it is now
-            **{k: v for k, v in walk["kwargs"].items() if k not in ("include", "first_token", "sequential", "target")},
+            **{
+                k: v
+                for k, v in walk["kwargs"].items()
+                if k not in ("include", "massive_tokens", "sequential", "target")
+            },
         )
     except BaseException:
         for n in names:
@@ -226,7 +230,7 @@ def frontier(
             as converted so far (0 keeps the independent fits). ``refit_every=K`` fits every kept site again after
             every K, keeping the refit only where it lowers the cross-entropy on ``held``.
         progress: progress bars (None: only on a terminal).
-        **convert_kwargs: passed to `convert_norms` (``per``, ``init``, ``include``, ``first_token``, ``config``).
+        **convert_kwargs: passed to `convert_norms` (``per``, ``init``, ``include``, ``massive_tokens``, ``config``).
 
     Returns:
         The `Frontier` (costs, order, curve, the sites kept and passed, seconds) and the conversion record of the

@@ -15,8 +15,8 @@ file needs nothing custom. What the export does, in order, on a copy of the mode
 3. ``torch.export`` traces one decoding step with dynamic batch, length and cache length, and the dynamo
    exporter of ``torch.onnx`` writes it. Inputs: ``input_ids`` (B, T) and ``past.{i}.key`` / ``past.{i}.value``
    (B, heads, P, head_dim) per layer (P = 0 for a prompt); outputs: ``logits`` (B, T, V) and
-   ``present.{i}.key`` / ``present.{i}.value``. A first-token copy applies at index 0 of a call of T >= 2
-   tokens, as in PyTorch.
+   ``present.{i}.key`` / ``present.{i}.value``. A massive-token copy is routed by the token's own channels, as in
+   PyTorch, wherever the token sits.
 4. The check, in ONNX Runtime on the CPU: the logits of ``probe`` sequences against the model as given, and
    greedy tokens decoded with the cache against the model's own ``generate``.
 
@@ -38,8 +38,8 @@ import torch
 from torch import nn
 
 from normlab.conversion.batches import cache_kwarg
-from normlab.conversion.first_token import FirstToken
 from normlab.conversion.fold import fold
+from normlab.conversion.massive import MassiveTokens
 from normlab.owner import hold
 
 __all__ = [
@@ -235,7 +235,7 @@ def _prepare(model: nn.Module, do_fold: bool, report: OnnxExport) -> nn.Module:
             report.fold_note = f"not folded ({e})"
         for name in report.folded:
             site = net.get_submodule(name)
-            site = site.main if isinstance(site, FirstToken) else site
+            site = site.main if isinstance(site, MassiveTokens) else site
             for p in ("weight", "bias"):
                 t = site._parameters.get(p)
                 if t is not None and bool(torch.all(t == (1 if p == "weight" else 0))):

@@ -6,8 +6,8 @@
 builds the converted model with torch and transformers alone.
 
 The file is generated, not kept by hand: its formulas are the text of `normlab.functional` (each norm the
-conversion used, with the helpers it calls), and its first-token wrapper is the text of
-`normlab.conversion.first_token.FirstToken`. What is new in it is the glue: a module that holds a site's
+conversion used, with the helpers it calls), and its massive-token wrapper is the text of
+`normlab.conversion.massive.MassiveTokens`. What is new in it is the glue: a module that holds a site's
 parameters under their normlab names (so the saved weights load by name) and calls the formula, and a subclass
 of the model's own class that puts these modules at the recorded sites. ``config.json`` carries the sites
 (``normlab_sites``: the formula, the parameter shapes, the settings of each).
@@ -23,7 +23,7 @@ from pathlib import Path
 from torch import nn
 
 import normlab.functional as FN
-from normlab.conversion.first_token import FirstToken
+from normlab.conversion.massive import MassiveTokens
 
 __all__ = ["MODELING_FILE", "PortableError", "auto_classes", "site_spec", "modeling_source", "write_portable"]
 
@@ -37,21 +37,22 @@ class PortableError(ValueError):
 
 def site_spec(module: nn.Module, name: str = "") -> dict:
     """What the modeling file needs to rebuild a replacement: its formula, its parameters' shapes (by their
-    normlab names), its settings and its channel axis; a first-token pair as
-    ``{"first_token": {"main": ..., "first": ...}}``.
+    normlab names), its settings and its channel axis; a massive-token pair as
+    ``{"massive_tokens": {"main": ..., "massive": ..., "channels": [...], "threshold": t}}``.
 
     Args:
-        module: A site's replacement (or its first-token pair).
+        module: A site's replacement (or its massive-token pair).
         name: The site's name, for errors.
     """
-    if isinstance(module, FirstToken):
-        return {"first_token": {"main": site_spec(module.main, name), "first": site_spec(module.first, name)}}
+    if isinstance(module, MassiveTokens):
+        return {"massive_tokens": {"main": site_spec(module.main, name), "massive": site_spec(module.massive, name),
+                                   "channels": module.channels, "threshold": module.threshold}}  # fmt: skip
     formula = getattr(module, "registry_name", None)
     fn = getattr(FN, formula, None) if isinstance(formula, str) else None
     if fn is None or list(module.buffers(recurse=False)) or list(module.children()):
         raise PortableError(
             f"the site {name or '?'} holds a {type(module).__name__}, which the modeling file cannot rebuild (it "
-            "writes the element-wise norms of normlab.functional, plain or with a first-token copy)"
+            "writes the element-wise norms of normlab.functional, plain or with a massive-token copy)"
         )
     params = {k: list(p.shape) for k, p in module.named_parameters(recurse=False)}
     settings = {}
@@ -65,8 +66,8 @@ def site_spec(module: nn.Module, name: str = "") -> dict:
 
 
 def _formulas(spec: dict) -> set[str]:
-    if "first_token" in spec:
-        return _formulas(spec["first_token"]["main"]) | _formulas(spec["first_token"]["first"])
+    if "massive_tokens" in spec:
+        return _formulas(spec["massive_tokens"]["main"]) | _formulas(spec["massive_tokens"]["massive"])
     return {spec["formula"]}
 
 
@@ -139,8 +140,9 @@ class ElementwiseNorm(nn.Module):
 
 
 def build_site(spec):
-    if "first_token" in spec:
-        return FirstToken(build_site(spec["first_token"]["main"]), build_site(spec["first_token"]["first"]))
+    if "massive_tokens" in spec:
+        pair = spec["massive_tokens"]
+        return MassiveTokens(build_site(pair["main"]), build_site(pair["massive"]), pair["channels"], pair["threshold"])
     return ElementwiseNorm(spec)
 
 
@@ -165,8 +167,8 @@ def modeling_source(base: str, specs: dict[str, dict], version: str) -> str:
     formulas = sorted(set().union(*(_formulas(s) for s in specs.values())))
     header = (
         f'"""A model converted by normlab {version}: transformers\' {base} with element-wise norms at '
-        f"{len(specs)} sites.\n\nGenerated: the formulas are normlab.functional's, the first-token wrapper is "
-        "normlab.conversion.first_token's.\nIt needs torch and transformers, not normlab. Load the folder with\n"
+        f"{len(specs)} sites.\n\nGenerated: the formulas are normlab.functional's, the massive-token wrapper is "
+        "normlab.conversion.massive's.\nIt needs torch and transformers, not normlab. Load the folder with\n"
         f"    transformers.AutoModel...from_pretrained(folder, trust_remote_code=True)\n"
         '"""\n\nfrom __future__ import annotations\n\n'
     )
@@ -175,7 +177,7 @@ def modeling_source(base: str, specs: dict[str, dict], version: str) -> str:
         .replace("{CLASS}", portable_class(base))
         .replace("{BASE}", base)
     )
-    first = inspect.getsource(FirstToken)
+    first = inspect.getsource(MassiveTokens)
     return f"{header}{_functional_text(set(formulas))}\n\n\n{first}{glue}"
 
 

@@ -39,7 +39,7 @@ _RECORD_FIELDS = {"target": ((str,), True), "per": ((str,), True), "sites": ((li
 _SITE_FIELDS = {"name": ((str,), True), "source": ((str,), True), "kind": ((str,), True), "dim": ((int,), True),
                 "eps": ((int, float), True), "kwargs": ((dict,), True), "copied": ((list,), False),
                 "notes": ((list,), False), "fit": ((dict, type(None)), False),
-                "first_token": ((bool,), False)}  # fmt: skip
+                "massive": ((dict, type(None)), False)}  # fmt: skip
 
 
 def _fields(d: dict, spec: dict, prefix: str) -> None:
@@ -65,7 +65,7 @@ class Site:
     copied: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     fit: dict | None = None
-    first_token: bool = False  # the first token has its own replacement (normlab.conversion.calibrate.FirstToken)
+    massive: dict | None = None  # massive tokens' own copy: its channels and threshold (conversion.massive.Detector)
 
 
 @dataclass
@@ -115,6 +115,13 @@ class ConversionRecord:
         for i, s in enumerate(d["sites"]):
             if not isinstance(s, dict):
                 raise ValueError(f"sites[{i}] must be an object, got {s!r}")
+            if s.get("first_token"):
+                raise ValueError(
+                    f"sites[{i}].first_token: this conversion gave position 0 its own copy (normlab < 0.4), a rule "
+                    "that breaks on left-padded batches, chunks after a KV cache and massive tokens after position 0; "
+                    "convert the model again"
+                )
+            s = {k: v for k, v in s.items() if k != "first_token"}
             _fields(s, _SITE_FIELDS, f"sites[{i}].")
             unknown = sorted(set(s) - set(_SITE_FIELDS))
             if unknown:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import os
+import stat
 from pathlib import Path
 
 import torch
@@ -11,14 +13,14 @@ from torch import nn
 
 from normlab.conversion.batches import swap
 from normlab.conversion.calibrate import per_channel_kwargs
-from normlab.conversion.first_token import FirstToken
+from normlab.conversion.massive import MassiveTokens
 from normlab.conversion.portable import MODELING_FILE, PortableError, auto_classes, site_spec, write_portable
 from normlab.conversion.record import ConversionRecord
 from normlab.corpus import sha256_file
 from normlab.registry import create_norm
 from normlab.version import __version__
 
-__all__ = ["RECORD_FILE", "save_converted", "load_converted", "apply_record", "module_names"]
+__all__ = ["RECORD_FILE", "save_converted", "load_converted", "apply_record", "module_names", "shareable"]
 
 
 def apply_record(model: nn.Module, record: ConversionRecord) -> nn.Module:
@@ -34,9 +36,9 @@ def apply_record(model: nn.Module, record: ConversionRecord) -> nn.Module:
         raise ValueError(f"the model has no module {missing[0]!r} from the conversion record; is it the same model?")
     for s in record.sites:
         new = create_norm(record.target, s.dim, **s.kwargs)
-        if s.first_token:
-            first_kwargs = {**s.kwargs, **per_channel_kwargs(record.target)}
-            new = FirstToken(new, create_norm(record.target, s.dim, **first_kwargs))
+        if s.massive:
+            twin = create_norm(record.target, s.dim, **{**s.kwargs, **per_channel_kwargs(record.target)})
+            new = MassiveTokens(new, twin, s.massive["channels"], s.massive["threshold"])
         old = model.get_submodule(s.name)
         ref = next(iter(old.parameters()), None)
         if ref is not None:
@@ -96,7 +98,26 @@ def save_converted(
     if identity is not None:  # what made it: the source model, the text and the settings (by hash)
         d["made_from"] = identity
     (path / RECORD_FILE).write_text(json.dumps(d, indent=2) + "\n")
+    shareable(path)
     return path
+
+
+def shareable(folder: Path) -> None:
+    """Give every file in ``folder`` at least the mode a plain write gives under the user's umask (0644 under umask
+    022): transformers writes ``model.safetensors`` through a private temporary file (0600), which would leave the
+    weights unreadable to anyone the folder is shared with. A mode the user widened is left as it is.
+
+    Args:
+        folder: The folder written.
+    """
+    mask = os.umask(0)
+    os.umask(mask)
+    plain = 0o666 & ~mask
+    for f in folder.rglob("*"):
+        if f.is_file() and not f.is_symlink():
+            mode = stat.S_IMODE(f.stat().st_mode)
+            if mode & plain != plain:
+                f.chmod(mode | plain)
 
 
 def _portable_plan(model: nn.Module, record: ConversionRecord, portable: bool | None) -> list[str] | str:

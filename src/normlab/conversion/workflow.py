@@ -23,13 +23,14 @@ from normlab.conversion.convert import convert_norms, fidelity, save_converted
 from normlab.conversion.frontier import FEW_SELECTION, frontier
 from normlab.conversion.heal import check_heal_resources, heal
 from normlab.conversion.heal_report import heal_summary, write_curve
-from normlab.conversion.hf import TextCut, load_model, quiet, smollm2, text_batches, text_splits
+from normlab.conversion.hf import TextCut, load_model, quiet, smollm2, text_batches, text_splits, usable_tokenizer
 from normlab.conversion.samples import calibration_samples, heal_splits
 from normlab.conversion.saving import RECORD_FILE
+from normlab.conversion.usage import usage_lines, usage_report
 from normlab.corpus import DOCS, fetch_docs, fetch_shakespeare, sha256_file
 from normlab.owner import check_writable, hold, inside
 
-__all__ = ["convert_model", "check_out", "CONFIG_FILE"]
+__all__ = ["convert_model", "check_out", "CONFIG_FILE", "model_fingerprint"]
 
 CONFIG_FILE = "convert_config.json"  # the resolved ConvertConfig, beside the record in every output folder
 
@@ -188,7 +189,7 @@ def _file_sha(path) -> str:
     return sha256_file(Path(path))[:16]
 
 
-def _fingerprint(net) -> str:
+def model_fingerprint(net) -> str:
     """A content hash of the model's input embedding: tells two models apart without hashing every weight."""
     w = net.get_input_embeddings().weight.detach().float().cpu().contiguous()
     return hashlib.sha256(w.numpy().tobytes()).hexdigest()[:16]
@@ -306,7 +307,7 @@ def _convert(job: _Job, markdown: bool) -> dict:
         net, tokenizer = load_model(model_path, progress=progress)
         net = net.to(cfg.device)  # every stage runs where the model is (batches follow it: run_batch)
     _check_exclude(cfg, net)
-    facts["model_fingerprint"] = _fingerprint(net)
+    facts["model_fingerprint"] = model_fingerprint(net)
     _check_resume_identity(ckpt, cfg, {"model_fingerprint": facts["model_fingerprint"]})
     vocab = net.get_input_embeddings().num_embeddings
     if cfg.heal.budgeted:  # its memory and LoRA rank, before the calibration it follows
@@ -344,16 +345,21 @@ def _convert(job: _Job, markdown: bool) -> dict:
         with stages("samples") if cfg.heal.text != "text" else contextlib.nullcontext():
             splits = heal_splits(splits, original, cfg.heal, start=start, progress=progress)
         with stages("heal"):
-            rep = _heal(job, original, net, splits, record)
+            rep, guard = _guarded_heal(job, original, net, splits, record, tokenizer)
         before = fid
         with stages("measurement"):
             fid = _measure(original, net, held, record, held2, name2)
-        fid["heal"] = rep.to_dict()
+        fid["heal"] = {**rep.to_dict(), "guard": guard}
         fid["before_heal"] = {k: before[k] for k in ("ce_converted", "kl") if k in before}
         if "second_text" in before:
             fid["before_heal"]["second_text"] = before["second_text"]
     if record.calibration:
         fid["calibration"] = record.calibration
+    if record.sites and usable_tokenizer(tokenizer):
+        with stages("judgement"):
+            texts = {k: v for k, v in (("held-out", held), (name2, held2)) if v is not None}
+            fid["usage"] = usage_report(original, net, tokenizer, texts, Path(text).read_text(errors="replace"))
+        print("\n" + usage_lines(fid["usage"], markdown))
     fid["stages"] = stages.seconds
     print(f"\n{stages.line()}")
     if cfg.out:
@@ -437,6 +443,30 @@ def _convert_sites(cfg: ConvertConfig, net, calib: list, held: list, select: lis
     how = f"calibrated on {n_calib} sequences {where}" if c.enabled else "default init"
     print(f"converted {len(record.sites)} norms of {type(net).__name__} to {cfg.to} ({how})\n")
     return record, walk
+
+
+def _guarded_heal(job: _Job, original, net, splits, record, tokenizer):
+    """The heal, kept only when it raises neither the worst sequence nor the p99 KL divergence on the validation
+    split and its variants (`normlab.conversion.judge.heal_verdict`); else the model goes back to its state before."""
+    import torch
+
+    from normlab.conversion.judge import guard_items, heal_verdict, judge_tokens
+
+    prefixes = []
+    if usable_tokenizer(tokenizer):
+        prefixes.append(torch.tensor(tokenizer("\n\n", add_special_tokens=False)["input_ids"], dtype=torch.long))
+        if getattr(tokenizer, "bos_token_id", None) is not None:
+            prefixes.append(torch.tensor([tokenizer.bos_token_id]))
+    items = guard_items(splits.val, prefixes)
+    before = judge_tokens(original, net, items)
+    snapshot = {k: v.detach().clone() for k, v in net.state_dict().items()}
+    rep = _heal(job, original, net, splits, record)
+    verdict = heal_verdict(before, judge_tokens(original, net, items))
+    if not verdict["kept"]:
+        net.load_state_dict(snapshot)
+        print(f"heal not kept: on the validation split it raised the {'; the '.join(verdict['rose'])}; the model "
+              "is the calibrated one")  # fmt: skip
+    return rep, verdict
 
 
 def _heal(job: _Job, original, net, splits, record):

@@ -1,0 +1,100 @@
+"""Each recipe the README names, judged as it will be used: a real `normlab convert` of SmolLM2-135M-Instruct per
+recipe, in a fresh process, and the statistics its judgement prints (`normlab.conversion.usage`), one row each.
+
+    python scripts/bench_usable.py                                   # every job, in order
+    python scripts/bench_usable.py --jobs per_channel budget        # some of them
+
+A row holds the command, the commit, the machine and the date, the minutes the command took, and per text (held
+out Shakespeare, docutils, the chat set) same top-1, mean and p99 KL divergence, the median and worst sequence gap;
+the gap by position on the long sequences; the blow-ups; the chat score, system-prompt answers and the first
+answer. Rows go to bench/usable.csv. A benchmark, not a test: nothing is asserted. Each run's folder is kept under
+--keep (default: a temporary folder, removed), so `normlab evaluate` and `normlab export` can be run on it after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench_kernels import cpu_name  # scripts/ is on the path when a script runs
+from normlab.table import append_csv
+
+ROOT = Path(__file__).resolve().parent.parent
+RECIPE = ["--per", "channel", "--heal-text", "self", "--heal-minutes", "22", "--heal-train", "lora", "--set",
+          "heal.schedule=cooldown", "heal.teacher_top_k=1024", "heal.precision=bf16"]  # fmt: skip
+JOBS = {
+    "per_channel": ["--per", "channel"],
+    "per_channel_route": ["--per", "channel", "--massive-tokens", "route"],
+    "per_channel_shared": ["--per", "channel", "--massive-tokens", "shared"],
+    "budget": ["--per", "channel", "--budget-nats", "0.4"],
+    "recipe": RECIPE,
+}
+
+
+def _row(job: str, argv: list[str], fid: dict, minutes: float, commit: str) -> dict:
+    u = fid["usage"]
+    row = {"job": job, "command": shlex.join(["normlab", *argv]), "commit": commit, "machine": cpu_name(),
+           "threads": os.environ.get("OMP_NUM_THREADS", str(os.cpu_count())),
+           "date": datetime.date.today().isoformat(), "minutes": round(minutes, 1),
+           "sites": len(fid.get("sites", {}))}  # fmt: skip
+    for name, key in (("held-out", "held"), (next((k for k in u["texts"] if "docutils" in k), ""), "docs"),
+                      ("chat", "chat")):  # fmt: skip
+        t = u["texts"].get(name)
+        if t is None:
+            continue
+        row |= {f"{key}_same_top1": round(t["same_top1"], 4), f"{key}_kld_mean": round(t["kld"]["mean"], 4),
+                f"{key}_kld_p99": round(t["kld"]["p99"], 3), f"{key}_gap_median": round(t["gap"]["median"], 3),
+                f"{key}_gap_worst": round(t["gap"]["worst"], 3)}  # fmt: skip
+    pos = u.get("long", {}).get("by_position", {})
+    row |= {"long_gap_0_127": round(pos.get("0-127", float("nan")), 3),
+            "long_gap_512_1023": round(pos.get("512-1023", float("nan")), 3),
+            "stress_gap_worst": round(max(t["gap"]["worst"] for t in u["stress"].values()), 3),
+            "blowups": len(u["blowups"]["over"])}  # fmt: skip
+    g = u.get("generation")
+    if g:
+        a = g["answers"][0]
+        row |= {"chat_score": round(g["chat_score"], 3), "system_echoes": g["system_echoes"],
+                "answer_prompt": a["prompt"], "answer_original": a["original"][:160],
+                "answer_converted": a["converted"][:160]}  # fmt: skip
+    if "heal" in fid:
+        row["heal_kept"] = fid["heal"].get("guard", {}).get("kept")
+    return row
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--jobs", nargs="+", choices=list(JOBS), default=list(JOBS))
+    p.add_argument("--keep", type=Path, help="keep each run's folder under this folder")
+    p.add_argument("--csv", type=Path, default=ROOT / "bench" / "usable.csv")
+    args = p.parse_args()
+    commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                            check=True).stdout.strip()  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        root = args.keep or Path(tmp)
+        for job in args.jobs:
+            out = root / job
+            argv = ["convert", "--model", "smollm2", "--to", "dyisru", *JOBS[job], "--no-progress", "--out", str(out)]
+            if out.exists():
+                argv.append("--overwrite")
+            t0 = time.perf_counter()
+            proc = subprocess.run([sys.executable, "-m", "normlab.cli", *argv], capture_output=True, text=True)
+            minutes = (time.perf_counter() - t0) / 60
+            if proc.returncode != 0:
+                raise SystemExit(f"{job} failed:\n{proc.stderr[-3000:]}")
+            print(proc.stdout[proc.stdout.find("judged as used") :], flush=True)
+            fid = json.loads((out / "fidelity.json").read_text())
+            row = _row(job, [a for a in argv if a not in ("--overwrite",)][:-2], fid, minutes, commit)
+            append_csv(args.csv, [row])
+            print(f"{job}: {minutes:.1f} min -> {args.csv}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

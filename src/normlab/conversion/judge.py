@@ -1,0 +1,169 @@
+"""Judging a converted language model as it will be used, against its original, as quantizers judge theirs
+(llama.cpp's ``llama-perplexity --kl-divergence``): statistics per token and per sequence, not a mean alone.
+
+Per token (every scored position):
+
+* the KL divergence KL(original || converted) of the next-token distributions: mean, median, 99th percentile, max;
+* "same top-1": the share of positions where both models' most likely next token is the same.
+
+Per sequence: the gap of next-token cross-entropy (converted minus original, nats per token): its mean, median,
+worst, and the count of sequences more than 2 nats above the original. By position: the gap over bins of the
+position, which shows a conversion that drifts past the length it was fitted at.
+
+`TokenTally` accumulates these over (ids, start) items: sequences of token ids scored from position ``start`` on
+(a chat answer after its prompt; 0 for plain text). Logits are taken one sequence at a time and reduced in chunks
+of positions, so a 152k vocabulary at 2,048 tokens costs one sequence's logits at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["BINS", "TokenTally", "guard_items", "heal_verdict", "judge_tokens", "kl_rows"]
+
+BINS = (0, 128, 256, 512, 1024, 2048, 4096)  # the position bins of the gap by position: [0, 128), [128, 256), ...
+_CHUNK = 256  # positions reduced at a time
+
+
+def kl_rows(a: Tensor, b: Tensor) -> Tensor:
+    """KL(softmax(a) || softmax(b)) per row of logits (..., V), float32."""
+    la, lb = a.float().log_softmax(-1), b.float().log_softmax(-1)
+    return (la.exp() * (la - lb)).sum(-1)
+
+
+class TokenTally:
+    """The per-token and per-sequence statistics of one text (module docstring), accumulated item by item."""
+
+    def __init__(self) -> None:
+        self.kld: list[Tensor] = []
+        self.same: list[Tensor] = []
+        self.gaps: list[float] = []
+        self.ce = [0.0, 0.0]
+        self.n_ce = 0
+        self.by_bin: dict[int, list[float]] = {}  # bin start -> [summed gap, count]
+
+    def add(self, a: Tensor, b: Tensor, ids: Tensor, start: int = 0) -> None:
+        """One sequence: the original's logits ``a`` and the converted model's ``b`` (T, V), its token ids (T,),
+        scored from position ``start`` (the first position whose next token counts is ``start - 1``)."""
+        first = max(start - 1, 0)
+        seq_ce = [0.0, 0.0]
+        n = 0
+        for lo in range(first, a.shape[0], _CHUNK):
+            hi = min(lo + _CHUNK, a.shape[0])
+            ca, cb = a[lo:hi].float(), b[lo:hi].float()
+            self.kld.append(kl_rows(ca, cb).cpu())
+            self.same.append((ca.argmax(-1) == cb.argmax(-1)).cpu())
+            nxt = ids[lo + 1 : hi + 1].to(ca.device)  # the next token of each position that has one
+            k = len(nxt)
+            if k == 0:
+                continue
+            ce_a = torch.nn.functional.cross_entropy(ca[:k], nxt, reduction="none")
+            ce_b = torch.nn.functional.cross_entropy(cb[:k], nxt, reduction="none")
+            seq_ce[0], seq_ce[1], n = seq_ce[0] + float(ce_a.sum()), seq_ce[1] + float(ce_b.sum()), n + k
+            positions = torch.arange(lo, lo + k)
+            gap = (ce_b - ce_a).cpu()
+            for b0, b1 in zip(BINS, BINS[1:]):
+                m = (positions >= b0) & (positions < b1)
+                if bool(m.any()):
+                    acc = self.by_bin.setdefault(b0, [0.0, 0])
+                    acc[0], acc[1] = acc[0] + float(gap[m].sum()), acc[1] + int(m.sum())
+        if n:
+            self.gaps.append((seq_ce[1] - seq_ce[0]) / n)
+            self.ce, self.n_ce = [self.ce[0] + seq_ce[0], self.ce[1] + seq_ce[1]], self.n_ce + n
+
+    def result(self) -> dict:
+        """The statistics as a dict (nats; ``same_top1`` a fraction; ``by_position`` keyed "lo-hi")."""
+        if not self.kld:
+            raise ValueError("judge: no scored positions (empty items, or every item scored from its end)")
+        kld = torch.cat(self.kld).double()
+        gaps = torch.tensor(self.gaps, dtype=torch.float64)
+        out = {
+            "tokens": len(kld),
+            "kld": {
+                "mean": float(kld.mean()),
+                "median": float(kld.median()),
+                "p99": float(torch.quantile(kld, 0.99)),
+                "max": float(kld.max()),
+            },
+            "same_top1": float(torch.cat(self.same).double().mean()),
+        }
+        if self.n_ce:
+            out["ce_original"], out["ce_converted"] = self.ce[0] / self.n_ce, self.ce[1] / self.n_ce
+            out["sequences"] = len(gaps)
+            out["gap"] = {
+                "mean": float(gaps.mean()),
+                "median": float(gaps.median()),
+                "worst": float(gaps.max()),
+                "over_2": int((gaps > 2).sum()),
+            }
+            out["by_position"] = {
+                f"{b0}-{BINS[BINS.index(b0) + 1] - 1}": s / c for b0, (s, c) in sorted(self.by_bin.items())
+            }
+        return out
+
+
+@torch.no_grad()
+def judge_tokens(original: nn.Module, converted: nn.Module, items: Iterable[tuple[Tensor, int]]) -> dict:
+    """`TokenTally`'s statistics of ``converted`` against ``original`` over ``items``: (ids, start) pairs, ids a
+    (T,) or (1, T) sequence of token ids, scored from position ``start`` (0: every position).
+
+    Args:
+        original: The model before conversion (outputs with ``.logits``).
+        converted: The converted model, same tokenizer.
+        items: The sequences and where each is scored from.
+    """
+    tally = TokenTally()
+    modes = (original.training, converted.training)
+    original.eval()
+    converted.eval()
+    try:
+        for ids, start in items:
+            ids = ids.reshape(1, -1)
+            device = next(original.parameters()).device
+            x = ids.to(device)
+            a = original(x, use_cache=False).logits[0]
+            b = converted(x, use_cache=False).logits[0]
+            tally.add(a, b, ids[0], start)
+    finally:
+        original.train(modes[0])
+        converted.train(modes[1])
+    return tally.result()
+
+
+def guard_items(val: list[Tensor], prefixes: list[Tensor]) -> list[tuple[Tensor, int]]:
+    """What a heal is judged on before it is kept: the validation sequences, and each again after each of
+    ``prefixes`` (e.g. two newline tokens, a BOS: the starts a heal on samples from BOS never sees), scored whole.
+
+    Args:
+        val: The validation batches, (B, T) each.
+        prefixes: Token ids put before each sequence, (k,) each.
+    """
+    seqs = [s for b in val for s in b]
+    return [(s, 0) for s in seqs] + [(torch.cat([p, s])[: len(s)], 0) for p in prefixes for s in seqs]
+
+
+def heal_verdict(before: dict, after: dict) -> dict:
+    """Whether a heal is kept: its worst sequence and its p99 KL divergence on the guard items (`guard_items`) must
+    not rise; a mean that fell does not buy a tail that rose.
+
+    Args:
+        before: `judge_tokens` on the guard items before the heal.
+        after: The same after it.
+    """
+    rose = [
+        f"{what} {b:.3g} -> {a:.3g}"
+        for what, b, a in (
+            ("worst sequence gap", before["gap"]["worst"], after["gap"]["worst"]),
+            ("p99 KLD", before["kld"]["p99"], after["kld"]["p99"]),
+        )
+        if not a <= b
+    ]
+    return {
+        "kept": not rose,
+        "rose": rose,
+        "before": {"worst": before["gap"]["worst"], "p99": before["kld"]["p99"], "mean": before["kld"]["mean"]},
+        "after": {"worst": after["gap"]["worst"], "p99": after["kld"]["p99"], "mean": after["kld"]["mean"]},
+    }
