@@ -266,7 +266,7 @@ def calibrate_sites(
             if c.target == "local":  # the original norm on the converted input: no correction of upstream drift
                 y, ye = _local_targets(model.get_submodule(n), x, xe)
             routed = route and extra is not None and n in extra.dims
-            new, out = _fit_site(site, new, (x, y), (xe, ye), config, spec, routed)
+            new, out = _fit_site(site, new, (x, y), (xe, ye) if routed else None, config, spec)
             swapped[n] = swap(model, n, new)
             bar.set_postfix_str(f"{n}: rel. error {out.rel_error:.3f}")
         path["seconds"] = round(time.perf_counter() - t0, 2)
@@ -297,17 +297,17 @@ def _before_formation(model: nn.Module, extra: MassiveRows, order: list[str], se
     return {n: why for n in order[: order.index(at)]}
 
 
-def _fit_site(site: Site, new: nn.Module, rows: tuple, extra: tuple, config: ConvertConfig, spec: NormSpec,
-              route: bool):  # fmt: skip
-    """One site's fit on its calibration rows (x, y) and, for the massive copy, the ``extra`` rows of the [t, t]
-    pairs. With ``route`` and a `detector` that separates the site's massive rows, those get their own copy,
-    fitted per channel, and the shared replacement fits the rest; else the shared one fits all. Massive tokens no
-    detector separates stay out of the shared fit. Fills in the site's record; returns the module to swap in and the
-    shared fit's outcome."""
-    c, (x, y), (xe, ye) = config.calibrate, rows, extra
+def _fit_site(site: Site, new: nn.Module, rows: tuple, extra: tuple | None, config: ConvertConfig, spec: NormSpec):
+    """One site's fit on its calibration rows (x, y) and, where massive tokens are routed, the ``extra`` rows of the
+    [t, t] pairs (None: not routed). With a `detector` that separates the site's massive rows, those get their own
+    copy, fitted per channel, and the shared replacement fits the rest; else the shared one fits all. Massive tokens
+    no detector separates stay out of the shared fit. Fills in the site's record; returns the module to swap in and
+    the shared fit's outcome."""
+    c, (x, y) = config.calibrate, rows
+    xe, ye = extra if extra is not None else (x[:0], y[:0])
     finite = x[torch.isfinite(x).all(-1)]
-    typical = float(finite.pow(2).mean(-1).sqrt().median()) if route and len(finite) else None
-    found = detector(torch.cat([x, xe]), c.massive, median=typical) if route else None
+    typical = float(finite.pow(2).mean(-1).sqrt().median()) if extra is not None and len(finite) else None
+    found = detector(torch.cat([x, xe]), c.massive, median=typical) if extra is not None else None
     twin = out_massive = None
     if found is not None:
         pool_x, pool_y = torch.cat([x, xe]), torch.cat([y, ye])

@@ -22,14 +22,19 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor, nn
 
-__all__ = ["BINS", "TokenTally", "guard_items", "heal_verdict", "judge_tokens", "kl_rows"]
+__all__ = ["BINS", "TokenTally", "guard_items", "guard_prefixes", "heal_verdict", "judge_tokens", "kl_rows"]
 
 BINS = (0, 128, 256, 512, 1024, 2048, 4096)  # the position bins of the gap by position: [0, 128), [128, 256), ...
 _CHUNK = 256  # positions reduced at a time
 
 
 def kl_rows(a: Tensor, b: Tensor) -> Tensor:
-    """KL(softmax(a) || softmax(b)) per row of logits (..., V), float32."""
+    """KL(softmax(a) || softmax(b)) per row of logits (..., V), float32.
+
+    Args:
+        a: The reference logits (the original's).
+        b: The other logits (the converted model's).
+    """
     la, lb = a.float().log_softmax(-1), b.float().log_softmax(-1)
     return (la.exp() * (la - lb)).sum(-1)
 
@@ -131,6 +136,20 @@ def judge_tokens(original: nn.Module, converted: nn.Module, items: Iterable[tupl
         original.train(modes[0])
         converted.train(modes[1])
     return tally.result()
+
+
+def guard_prefixes(tokenizer: object | None) -> list[Tensor]:
+    """The starts a heal on samples from BOS never sees, as token ids: two newlines, and the BOS itself (where the
+    tokenizer has one); none without a tokenizer.
+
+    Args:
+        tokenizer: The model's tokenizer, or None.
+    """
+    if tokenizer is None:
+        return []
+    out = [torch.tensor(tokenizer("\n\n", add_special_tokens=False)["input_ids"], dtype=torch.long)]
+    bos = getattr(tokenizer, "bos_token_id", None)
+    return out + ([torch.tensor([bos])] if bos is not None else [])
 
 
 def guard_items(val: list[Tensor], prefixes: list[Tensor]) -> list[tuple[Tensor, int]]:

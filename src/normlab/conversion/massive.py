@@ -51,9 +51,10 @@ class MassiveTokens(nn.Module):
     """A norm with its own copy for massive tokens: a token (a row of the last axis) whose largest magnitude over
     ``channels`` exceeds ``threshold`` goes through ``massive``, every other through ``main``.
 
-    Both copies run on every row and `torch.where` picks (no data-dependent shapes: one graph for any batch,
-    padding, cache or length, in eager mode, under ``torch.compile`` and in an ONNX export). A NaN in the channels
-    routes its row to ``main``.
+    Where any row is massive, both copies run on every row and `torch.where` picks (no data-dependent shapes); a
+    call with none (a decoding step, most chunks) runs ``main`` alone. Under ``torch.export`` (an ONNX export) that
+    branch is a ``torch.cond`` (an ONNX ``If``); under ``torch.compile`` both copies always run. A NaN in the
+    channels routes its row to ``main``.
 
     Args:
         main: The replacement for ordinary tokens.
@@ -70,8 +71,18 @@ class MassiveTokens(nn.Module):
         self.threshold = float(threshold)  # plain values, not buffers: a model built on the meta device keeps them
 
     def forward(self, x: Tensor) -> Tensor:
-        score = x[..., self.channels].abs().amax(-1, keepdim=True)  # (..., 1)
-        return torch.where(score > self.threshold, self.massive(x), self.main(x))
+        heavy = x[..., self.channels].abs().amax(-1, keepdim=True) > self.threshold  # (..., 1)
+        if getattr(torch.compiler, "is_exporting", bool)():  # bool() is False: torch < 2.5
+            return torch.cond(heavy.any(), self._routed, self._plain, (x, heavy))
+        if torch.compiler.is_compiling() or bool(heavy.any()):
+            return self._routed(x, heavy)
+        return self.main(x)
+
+    def _routed(self, x: Tensor, heavy: Tensor) -> Tensor:
+        return torch.where(heavy, self.massive(x), self.main(x))
+
+    def _plain(self, x: Tensor, heavy: Tensor) -> Tensor:
+        return self.main(x)
 
     def extra_repr(self) -> str:
         return f"channels={self.channels}, threshold={self.threshold:.4g}"

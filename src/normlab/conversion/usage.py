@@ -103,7 +103,7 @@ def greedy_answers(model: nn.Module, prompts: list[Tensor], new_tokens: int, eos
     return out
 
 
-def _chat(tokenizer, prompts: tuple[str, ...]) -> tuple[list[Tensor], str] | None:
+def _chat(tokenizer: object, prompts: tuple[str, ...]) -> tuple[list[Tensor], str] | None:
     """The prompts through the chat template, and the text the template adds before the first user turn (its system
     prompt); None when the tokenizer has no chat template."""
     if not getattr(tokenizer, "chat_template", None):
@@ -124,7 +124,7 @@ def _echoes(answer: str, system: str, n: int = 5) -> bool:
     return any(" ".join(words[i : i + n]) in sys_text for i in range(max(len(words) - n + 1, 0))) if words else False
 
 
-def _generation(original, converted, tokenizer, cfg: UsageConfig) -> tuple[dict, list] | None:
+def _generation(original, converted, tokenizer: object, cfg: UsageConfig) -> tuple[dict, list] | None:
     """Both models' answers to the chat prompts: the chat score, the system-prompt echoes, the shown answers; and the
     chat set's items (prompt + the original's answer, scored on the answer)."""
     chat = _chat(tokenizer, PROMPTS[: cfg.prompts])
@@ -147,14 +147,14 @@ def _generation(original, converted, tokenizer, cfg: UsageConfig) -> tuple[dict,
     return result, items
 
 
-def _long(text: str, tokenizer, vocab: int, cfg: UsageConfig, max_positions: int | None) -> list | None:
+def _long(text: str, tokenizer: object, vocab: int, cfg: UsageConfig, max_positions: int | None) -> list | None:
     length = min(cfg.long_tokens, max_positions or cfg.long_tokens)
     span = 8 * length * (cfg.long_sequences + 1)  # characters: ample for that many tokens
     chunks = token_chunks(text[-span:], tokenizer, vocab, length)[-cfg.long_sequences :]
     return [(c, 0) for c in chunks] if len(chunks) else None
 
 
-def stress_items(tokenizer, text: str, vocab: int, max_positions: int | None = None) -> dict[str, Tensor]:
+def stress_items(tokenizer: object, text: str, vocab: int, max_positions: int | None = None) -> dict[str, Tensor]:
     """The stress inputs as token ids, each (T,): real text from the end of ``text`` with delimiters, a BOS mid-way,
     normlab's own source code, digits, long words, and 2,048 tokens of the text (capped by the model's positions).
 
@@ -218,7 +218,7 @@ def _consistency(model: nn.Module, ids: Tensor, pad: int) -> dict:
 def usage_report(
     original: nn.Module,
     converted: nn.Module,
-    tokenizer,
+    tokenizer: object,
     texts: dict[str, list],
     held_text: str,
     cfg: UsageConfig = UsageConfig(),  # noqa: B008  (frozen)
@@ -268,7 +268,12 @@ def _blowups(report: dict, nats: float) -> dict:
 
 
 def usage_lines(report: dict, markdown: bool = False) -> str:
-    """The report as the tables ``normlab convert`` and ``normlab evaluate`` print."""
+    """The report as the tables ``normlab convert`` and ``normlab evaluate`` print.
+
+    Args:
+        report: A `usage_report`.
+        markdown: Print the tables as Markdown.
+    """
     rows = []
     for name, t in report["texts"].items():
         g = t.get("gap", {})

@@ -189,8 +189,12 @@ def _file_sha(path) -> str:
     return sha256_file(Path(path))[:16]
 
 
-def model_fingerprint(net) -> str:
-    """A content hash of the model's input embedding: tells two models apart without hashing every weight."""
+def model_fingerprint(net: object) -> str:
+    """A content hash of the model's input embedding: tells two models apart without hashing every weight.
+
+    Args:
+        net: A model with ``get_input_embeddings``.
+    """
     w = net.get_input_embeddings().weight.detach().float().cpu().contiguous()
     return hashlib.sha256(w.numpy().tobytes()).hexdigest()[:16]
 
@@ -448,16 +452,9 @@ def _convert_sites(cfg: ConvertConfig, net, calib: list, held: list, select: lis
 def _guarded_heal(job: _Job, original, net, splits, record, tokenizer):
     """The heal, kept only when it raises neither the worst sequence nor the p99 KL divergence on the validation
     split and its variants (`normlab.conversion.judge.heal_verdict`); else the model goes back to its state before."""
-    import torch
+    from normlab.conversion.judge import guard_items, guard_prefixes, heal_verdict, judge_tokens
 
-    from normlab.conversion.judge import guard_items, heal_verdict, judge_tokens
-
-    prefixes = []
-    if usable_tokenizer(tokenizer):
-        prefixes.append(torch.tensor(tokenizer("\n\n", add_special_tokens=False)["input_ids"], dtype=torch.long))
-        if getattr(tokenizer, "bos_token_id", None) is not None:
-            prefixes.append(torch.tensor([tokenizer.bos_token_id]))
-    items = guard_items(splits.val, prefixes)
+    items = guard_items(splits.val, guard_prefixes(tokenizer if usable_tokenizer(tokenizer) else None))
     before = judge_tokens(original, net, items)
     snapshot = {k: v.detach().clone() for k, v in net.state_dict().items()}
     rep = _heal(job, original, net, splits, record)
