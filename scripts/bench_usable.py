@@ -1,5 +1,6 @@
-"""Each recipe the README names, judged as it will be used: a real `normlab convert` of SmolLM2-135M-Instruct per
-recipe, in a fresh process, and the statistics its judgement prints (`normlab.conversion.usage`), one row each.
+"""Each recipe the README names, judged as it will be used: a real `normlab convert` of SmolLM2-135M-Instruct (and,
+asked for, of Qwen2.5-Coder-0.5B-Instruct: the qwen_ jobs) per recipe, in a fresh process, and the statistics its
+judgement prints (`normlab.conversion.usage`), one row each.
 
     python scripts/bench_usable.py                                   # every job, in order
     python scripts/bench_usable.py --jobs per_channel budget        # some of them
@@ -30,18 +31,21 @@ from normlab.table import append_csv
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE = ["--per", "channel", "--heal-text", "self", "--heal-minutes", "22", "--heal-train", "lora", "--set",
           "heal.schedule=cooldown", "heal.teacher_top_k=1024", "heal.precision=bf16"]  # fmt: skip
-JOBS = {
-    "per_channel": ["--per", "channel"],
-    "per_channel_route": ["--per", "channel", "--massive-tokens", "route"],
-    "per_channel_shared": ["--per", "channel", "--massive-tokens", "shared"],
-    "budget": ["--per", "channel", "--budget-nats", "0.4"],
-    "recipe": RECIPE,
+JOBS = {  # name -> the model and the flags after --to dyisru
+    "per_channel": ("smollm2", ["--per", "channel"]),
+    "per_channel_route": ("smollm2", ["--per", "channel", "--massive-tokens", "route"]),
+    "per_channel_shared": ("smollm2", ["--per", "channel", "--massive-tokens", "shared"]),
+    "budget": ("smollm2", ["--per", "channel", "--budget-nats", "0.4"]),
+    "recipe": ("smollm2", RECIPE),
+    "qwen_per_channel": ("qwen-coder", ["--per", "channel"]),
+    "qwen_budget": ("qwen-coder", ["--per", "channel", "--budget-nats", "0.4"]),
 }
 
 
 def _row(job: str, argv: list[str], fid: dict, minutes: float, commit: str) -> dict:
     u = fid["usage"]
-    row = {"job": job, "command": shlex.join(["normlab", *argv]), "commit": commit, "machine": cpu_name(),
+    row = {"job": job, "model": argv[argv.index("--model") + 1],
+           "command": shlex.join(["normlab", *argv]), "commit": commit, "machine": cpu_name(),
            "threads": os.environ.get("OMP_NUM_THREADS", str(os.cpu_count())),
            "date": datetime.date.today().isoformat(), "minutes": round(minutes, 1),
            "sites": len(fid.get("sites", {}))}  # fmt: skip
@@ -71,7 +75,7 @@ def _row(job: str, argv: list[str], fid: dict, minutes: float, commit: str) -> d
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--jobs", nargs="+", choices=list(JOBS), default=list(JOBS))
+    p.add_argument("--jobs", nargs="+", choices=list(JOBS), default=[j for j in JOBS if not j.startswith("qwen")])
     p.add_argument("--keep", type=Path, help="keep each run's folder under this folder")
     p.add_argument("--csv", type=Path, default=ROOT / "bench" / "usable.csv")
     args = p.parse_args()
@@ -81,7 +85,8 @@ def main() -> None:
         root = args.keep or Path(tmp)
         for job in args.jobs:
             out = root / job
-            argv = ["convert", "--model", "smollm2", "--to", "dyisru", *JOBS[job], "--no-progress", "--out", str(out)]
+            model, flags = JOBS[job]
+            argv = ["convert", "--model", model, "--to", "dyisru", *flags, "--no-progress", "--out", str(out)]
             if out.exists():
                 argv.append("--overwrite")
             t0 = time.perf_counter()

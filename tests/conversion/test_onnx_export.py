@@ -124,10 +124,35 @@ def test_normlab_export_writes_a_checked_file_from_a_converted_folder(tmp_path):
     run = _cli("export", str(folder), "--onnx", str(out))
     assert run.returncode == 0, run.stderr[-2000:]
     assert "identical to generate's" in run.stdout
+    for stage in ("fold", "export (torch.export, then torch.onnx)", "check in ONNX Runtime"):
+        assert f"export: {stage}: " in run.stderr and " s\n" in run.stderr, run.stderr  # each stage with seconds
+    assert "torchvision" not in run.stderr and "FutureWarning" not in run.stderr
     meta = json.loads(out.with_suffix(".onnx.json").read_text())
     assert meta["made_from"]["folder"] == str(folder.resolve()) and meta["greedy_equal"] is True
     again = _cli("export", str(folder), "--onnx", str(out))  # an existing file is not replaced unasked
     assert again.returncode == 2 and "exists; pass --overwrite" in again.stderr
+
+
+@pytest.mark.slow
+def test_an_interrupted_export_leaves_nothing_under_the_final_names_and_a_retry_is_clean(tmp_path, monkeypatch):
+    """The graph and its weights are written into .NAME.partial and moved only once checked: a kill during the check
+    leaves no .onnx, .data or .json; the next export says what it found, replaces it and finishes."""
+    import normlab.conversion.onnx_export as ox
+
+    model, _ = _case("Llama", "dyisru")
+    out = tmp_path / "m.onnx"
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ox, "_check", killed)
+    with pytest.raises(KeyboardInterrupt):
+        export_onnx(model, out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".m.onnx.partial"]  # nothing under the final names
+    monkeypatch.undo()
+    report = export_onnx(model, out, check=OnnxCheck(id_batches(1, seed=5, t=12)[0]), progress=True)
+    assert report.greedy_equal
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx", "m.onnx.data", "m.onnx.json"]
 
 
 def test_normlab_export_says_what_is_wrong_in_one_line(tmp_path):
@@ -138,6 +163,12 @@ def test_normlab_export_says_what_is_wrong_in_one_line(tmp_path):
     run = _cli("export", str(tmp_path / "plain"), "--onnx", str(tmp_path / "m.onnx"), env_code=blocked)
     assert run.returncode == 2 and "ONNX export needs onnxruntime: pip install 'normlab[onnx]'" in run.stderr
     assert "Traceback" not in run.stderr
+    folder = normlab.save_converted(*_case("Llama", "dyisru"), tmp_path / "c")
+    (tmp_path / "dir.onnx").mkdir()
+    bad_targets = ((tmp_path / "dir.onnx", "is a folder; name the .onnx file"), (tmp_path / "m.bin", "end in .onnx"))
+    for bad, says in bad_targets:
+        run = _cli("export", str(folder), "--onnx", str(bad))
+        assert run.returncode == 2 and says in run.stderr and "Traceback" not in run.stderr, run.stderr
 
 
 @pytest.mark.slow

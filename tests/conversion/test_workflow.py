@@ -509,3 +509,30 @@ def test_a_heal_that_lowers_the_tails_is_kept():
     worse_tail = heal_verdict(before, {"gap": {"worst": 1.5}, "kld": {"p99": 1.2, "mean": 0.1}})
     assert not worse_tail["kept"] and worse_tail["rose"] == ["p99 KLD 1 -> 1.2"]
     assert not heal_verdict(before, {"gap": {"worst": float("nan")}, "kld": {"p99": 0.5, "mean": 0.1}})["kept"]
+
+
+def test_a_converted_folder_is_refused_as_an_original_and_the_cache_is_not_inside_out(
+    models, tmp_path, capsys, monkeypatch
+):
+    """Issue 65, G3 and F21: `convert --model` of a converted folder would load it as a plain model (its original
+    norms, the fitted weights unused) and report a wrong original; an --out that holds NORMLAB_CACHE would take the
+    cache (kernels, samples, downloads) with it on --overwrite. Both are refused before any work."""
+    out = tmp_path / "o"
+    assert main(_convert(models["m"], models["text"], "--out", out)) == 0
+    capsys.readouterr()
+    assert main(_convert(out, models["text"], "--out", tmp_path / "o2")) == 2
+    err = capsys.readouterr().err
+    assert "is a converted model" in err and str(models["m"].resolve()) in err and not (tmp_path / "o2").exists()
+    monkeypatch.setenv("NORMLAB_CACHE", str(out / "cache"))
+    assert main(_convert(models["m"], models["text"], "--out", out, "--overwrite")) == 2
+    assert "holds normlab's cache" in capsys.readouterr().err and (out / "normlab_conversion.json").is_file()
+
+
+def test_saving_over_the_folder_the_model_was_loaded_from_is_refused(models):
+    """Issue 65, A30: save_converted into the folder the model came from would replace its original weights."""
+    from normlab.conversion.hf import load_model
+
+    net, _ = load_model(models["m"], progress=False)
+    rec = normlab.convert_norms(net, "dyisru", progress=False)
+    with pytest.raises(ValueError, match="is the folder the model was loaded from"):
+        normlab.save_converted(net, rec, models["m"])

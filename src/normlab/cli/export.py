@@ -10,7 +10,15 @@ __all__ = ["add_export"]
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from normlab.conversion.onnx_export import MIN_OPSET, OnnxCheck, export_onnx, onnx_missing, output_files
+    from normlab.conversion.onnx_export import (
+        MIN_OPSET,
+        OnnxCheck,
+        check_target,
+        export_onnx,
+        onnx_missing,
+        output_files,
+        partial_folder,
+    )
     from normlab.conversion.saving import RECORD_FILE, load_converted
     from normlab.corpus import sha256_file
 
@@ -28,10 +36,16 @@ def _cmd_export(args: argparse.Namespace) -> int:
     if taken and not args.overwrite:
         raise ValueError(f"{taken[0]} exists; pass --overwrite to replace it, or choose another --onnx path")
     opset = MIN_OPSET if args.opset is None else args.opset
+    check_target(out, opset)  # a bad name or opset is refused before the model loads
+    if partial_folder(out).exists():
+        print(f"normlab export: {partial_folder(out)} is what an interrupted export left; it is replaced",
+              file=sys.stderr)  # fmt: skip
     model, _ = load_converted(folder)
     made_from = {"folder": str(folder.resolve()), "record_sha256": sha256_file(folder / RECORD_FILE)}
     check = None if args.no_check else OnnxCheck()
-    report = export_onnx(model, out, opset=opset, fold=not args.no_fold, check=check, made_from=made_from)
+    report = export_onnx(
+        model, out, opset=opset, fold=not args.no_fold, check=check, made_from=made_from, progress=True
+    )
     print(report.summary())
     return 0
 

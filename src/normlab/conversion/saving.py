@@ -79,6 +79,12 @@ def save_converted(
         The folder's path.
     """
     path = Path(path)
+    source = getattr(getattr(model, "config", None), "_name_or_path", "") or ""
+    if source and Path(source).is_dir() and Path(source).resolve() == path.resolve():
+        raise ValueError(
+            f"save_converted: {path} is the folder the model was loaded from; saving there would replace the "
+            "original weights. Choose another folder"
+        )
     autos = _portable_plan(model, record, portable)
     path.mkdir(parents=True, exist_ok=True)
     if tokenizer is not None:

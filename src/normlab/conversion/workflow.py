@@ -15,7 +15,6 @@ import json
 import shlex
 import shutil
 import sys
-import time
 from pathlib import Path
 
 from normlab.conversion.config import ConvertConfig, flag, identity_difference
@@ -23,11 +22,12 @@ from normlab.conversion.convert import convert_norms, fidelity, save_converted
 from normlab.conversion.frontier import FEW_SELECTION, frontier
 from normlab.conversion.heal import check_heal_resources, heal
 from normlab.conversion.heal_report import heal_summary, write_curve
-from normlab.conversion.hf import TextCut, load_model, quiet, smollm2, text_batches, text_splits, usable_tokenizer
+from normlab.conversion.hf import TextCut, fixture_path, load_model, quiet, text_batches, text_splits, usable_tokenizer
 from normlab.conversion.samples import calibration_samples, heal_splits
 from normlab.conversion.saving import RECORD_FILE
+from normlab.conversion.stages import Stages
 from normlab.conversion.usage import usage_lines, usage_report
-from normlab.corpus import DOCS, fetch_docs, fetch_shakespeare, sha256_file
+from normlab.corpus import DOCS, cache_dir, fetch_docs, fetch_shakespeare, sha256_file
 from normlab.owner import check_writable, hold, inside
 
 __all__ = ["convert_model", "check_out", "CONFIG_FILE", "model_fingerprint"]
@@ -54,6 +54,12 @@ def check_out(out: str | None, model: str, overwrite: bool) -> None:
         raise ValueError(f"--out {out} would write over or inside the source model {model}; choose another folder")
     if o.exists() and not overwrite:
         raise ValueError(f"--out {out} already exists; choose a new folder, or pass --overwrite to replace it")
+    cache = cache_dir().resolve()
+    if cache == o or cache.is_relative_to(o):
+        raise ValueError(
+            f"--out {out} holds normlab's cache ({cache}: NORMLAB_CACHE), which --overwrite would delete with it; "
+            "choose another --out, or point NORMLAB_CACHE elsewhere"
+        )
     if o.exists():
         if not o.is_dir():
             raise ValueError(f"--out {out} is a file, not a folder; choose another --out")
@@ -105,9 +111,15 @@ def _check_inputs(cfg: ConvertConfig) -> str:
             raise FileNotFoundError(f"{flag(key)} {path} {what}; give a text file")
         if path is not None and path != "docs" and not Path(path).read_bytes().strip():
             raise ValueError(f"{flag(key)} {path} is empty; give a text file with text in it")
-    model_path = str(smollm2()) if cfg.model == "smollm2" else cfg.model
+    model_path = fixture_path(cfg.model)
     if not Path(model_path).exists():
         raise FileNotFoundError(f"--model {cfg.model}: no such folder or .gguf file")
+    if (Path(model_path) / RECORD_FILE).is_file():
+        made = json.loads((Path(model_path) / RECORD_FILE).read_text()).get("made_from", {}).get("model", "?")
+        raise ValueError(
+            f"--model {cfg.model} is a converted model (it holds {RECORD_FILE}), not an original: convert the model "
+            f"it was made from ({made}); `normlab evaluate {cfg.model}` judges it"
+        )
     return model_path
 
 
@@ -257,27 +269,6 @@ def convert_model(cfg: ConvertConfig, *, progress: bool = True, markdown: bool =
         if ckpt:
             owned.enter_context(hold(ckpt, "--checkpoint"))
         return _convert(_Job(cfg, model_path, ckpt, {"model": str(Path(model_path).resolve())}, progress), markdown)
-
-
-class Stages:
-    """Wall-clock seconds of each stage of a conversion, in the order they ran: ``with stages("load"): ...``. A stage
-    entered twice (the measurement before and after a heal) adds up."""
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
-
-    @contextlib.contextmanager
-    def __call__(self, name: str):
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.seconds[name] = round(self.seconds.get(name, 0.0) + time.perf_counter() - t0, 2)
-
-    def line(self) -> str:
-        total = sum(self.seconds.values())
-        parts = ", ".join(f"{k} {v:.1f}" for k, v in self.seconds.items())
-        return f"stage seconds: {parts} (total {total:.1f} s, {total / 60:.1f} min)"
 
 
 @dataclasses.dataclass
