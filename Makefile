@@ -4,7 +4,8 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.normlab-installed
 DEV    := $(VENV)/.normlab-dev
-DOCS   := $(VENV)/.normlab-docs
+DOCS_VENV ?= .venv-docs
+DOCS   := $(DOCS_VENV)/.normlab-docs
 
 .PHONY: setup dev test lint demo docs clean
 
@@ -37,16 +38,20 @@ test: lint
 demo: setup
 	$(VENV)/bin/normlab reproduce
 
-# the documentation site, into site/; --strict fails on a broken link or a missing API reference. It needs only
-# the docs extra (mkdocs reads the sources; it imports nothing of the dev extra)
+# the documentation site, into site/; --strict fails on a broken link or a missing API reference. mkdocstrings
+# reads the sources statically (griffe), so the site needs only the docs extra, in a venv of its own: no torch, no
+# kernel build. The extra's packages are read from pyproject.toml, the one place they are written.
 docs: $(DOCS)
-	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
+	NO_MKDOCS_2_WARNING=1 $(DOCS_VENV)/bin/python -m mkdocs build --strict
 
-$(DOCS): $(STAMP)
-	$(PY) -m pip install --quiet -e ".[docs]"
+$(DOCS): pyproject.toml
+	@test -x $(DOCS_VENV)/bin/python || $(PYTHON) -m venv $(DOCS_VENV)
+	$(DOCS_VENV)/bin/python -m pip install --quiet $$($(PYTHON) -c "import tomllib; print(' '.join(\
+		tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['docs']))")
 	@touch $(DOCS)
 
 clean:  # removes the venv only where it is one (a pyvenv.cfg inside), never whatever path VENV names
+	@if [ -f "$(DOCS_VENV)/pyvenv.cfg" ]; then rm -rf "$(DOCS_VENV)"; fi
 	@if [ -f "$(VENV)/pyvenv.cfg" ]; then rm -rf "$(VENV)"; elif [ -e "$(VENV)" ]; then \
 		echo "make clean: $(VENV) is not a virtual environment (no pyvenv.cfg); left as it is"; fi
 	rm -rf site build *.egg-info src/*.egg-info .pytest_cache .ruff_cache

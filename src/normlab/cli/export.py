@@ -32,20 +32,19 @@ def _cmd_export(args: argparse.Namespace) -> int:
             f"{folder} is not a converted model's folder (no {RECORD_FILE}): give normlab export the --out "
             "folder of `normlab convert`, or a folder normlab.save_converted wrote"
         )
+    opset = MIN_OPSET if args.opset is None else args.opset
+    check_target(out, opset)  # a bad name or opset is refused before the model loads
     taken = [str(f) for f in output_files(out) if f.exists()]
     if taken and not args.overwrite:
         raise ValueError(f"{taken[0]} exists; pass --overwrite to replace it, or choose another --onnx path")
-    opset = MIN_OPSET if args.opset is None else args.opset
-    check_target(out, opset)  # a bad name or opset is refused before the model loads
     if partial_folder(out).exists():
-        print(f"normlab export: {partial_folder(out)} is what an interrupted export left; it is replaced",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"normlab export: {partial_folder(out)} is what an interrupted export left; it is replaced", file=sys.stderr
+        )
     model, _ = load_converted(folder)
     made_from = {"folder": str(folder.resolve()), "record_sha256": sha256_file(folder / RECORD_FILE)}
     check = None if args.no_check else OnnxCheck()
-    report = export_onnx(
-        model, out, opset=opset, fold=not args.no_fold, check=check, made_from=made_from, progress=True
-    )
+    report = export_onnx(model, out, opset=opset, fold=not args.no_fold, check=check, made_from=made_from)
     print(report.summary())
     return 0
 

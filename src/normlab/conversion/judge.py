@@ -152,16 +152,25 @@ def guard_prefixes(tokenizer: object | None) -> list[Tensor]:
     return out + ([torch.tensor([bos])] if bos is not None else [])
 
 
-def guard_items(val: list[Tensor], prefixes: list[Tensor]) -> list[tuple[Tensor, int]]:
-    """What a heal is judged on before it is kept: the validation sequences, and each again after each of
-    ``prefixes`` (e.g. two newline tokens, a BOS: the starts a heal on samples from BOS never sees), scored whole.
+def guard_items(val: list[Tensor], prefixes: list[Tensor], starts: int = 16) -> list[tuple[Tensor, int]]:
+    """What a heal is judged on before it is kept: the validation sequences; each again after each of ``prefixes``
+    (e.g. two newline tokens, a BOS: starts a heal on samples from BOS never sees); and windows of half a sequence
+    cut at ``starts`` offsets of each, so that many different tokens come first (a first token is a massive one, and
+    a heal on samples that all start from BOS can break the others: on SmolLM2 the self recipe with LoRA read +13
+    nats on a held-out sequence that begins "ath" while its 8 validation sequences improved).
 
     Args:
         val: The validation batches, (B, T) each.
         prefixes: Token ids put before each sequence, (k,) each.
+        starts: Offsets per sequence of the half-length windows.
     """
     seqs = [s for b in val for s in b]
-    return [(s, 0) for s in seqs] + [(torch.cat([p, s])[: len(s)], 0) for p in prefixes for s in seqs]
+    items = [(s, 0) for s in seqs] + [(torch.cat([p, s])[: len(s)], 0) for p in prefixes for s in seqs]
+    for s in seqs:
+        half = max(len(s) // 2, 2)
+        step = max((len(s) - half) // starts, 1)
+        items += [(s[o : o + half], 0) for o in range(step, len(s) - half + 1, step)][:starts]
+    return items
 
 
 def heal_verdict(before: dict, after: dict) -> dict:

@@ -371,13 +371,13 @@ def export_onnx(
     fold: bool = True,
     check: OnnxCheck | None = OnnxCheck(),
     made_from: dict | None = None,
-    progress: bool = False,
 ) -> OnnxExport:
     """Export a (converted) causal LM to ``path`` with its KV cache, and check the file in ONNX Runtime.
 
     The model is not changed. Everything is checked before the export starts: the packages, the model's kind
     (`export_refusal`), the opset, the path. The files are written into `partial_folder` and moved under their
-    names only once checked, so an interrupted export leaves no file under the final names.
+    names only once checked, so an interrupted export leaves no file under the final names. Each stage is printed on
+    stderr as it starts and ends, with its seconds.
 
     Args:
         model: a Hugging Face causal LM (converted or not).
@@ -388,7 +388,6 @@ def export_onnx(
             the cache); None: no check.
         made_from: what the model was made from (a converted folder and its record's hash), recorded in the
             identity.
-        progress: print each stage and its seconds on stderr (``normlab export`` does).
 
     Returns:
         An `OnnxExport`: the file, the layers, the folded sites, and the check's largest logit difference and
@@ -405,7 +404,7 @@ def export_onnx(
         check = OnnxCheck(random_ids, check.new_tokens)
     start = time.perf_counter()
     report = OnnxExport(path=str(path), opset=opset, layers=0, made_from=made_from)
-    stage = Stages(progress, prefix="export: ")
+    stage = Stages(progress=True, prefix="export: ")
     with hold(path, "the ONNX file"):
         partial = partial_folder(path)
         if partial.exists():

@@ -56,18 +56,23 @@ class _NoTorchvision(logging.Filter):
 
 @contextlib.contextmanager
 def library_noise():
-    """torch.onnx's own deprecation warnings and transformers' note that torchvision is absent concern a library's
-    internals, not the user: silenced while the block runs."""
+    """torch.onnx's own deprecation warnings and its note that torchvision is absent (it registers torchvision's
+    operators when it can) concern a library's internals, not the user: silenced while the block runs (torch.onnx's
+    loggers to errors only; the warnings filtered)."""
     quiet = _NoTorchvision()
-    loggers = [logging.getLogger(n) for n in ("", "transformers", "torch.onnx", "torch._dynamo")]
+    handlers = logging.getLogger().handlers
+    onnx_log = logging.getLogger("torch.onnx")
+    level = onnx_log.level
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=FutureWarning)
         warnings.filterwarnings("ignore", category=DeprecationWarning)
         warnings.filterwarnings("ignore", message=".*torchvision.*")
-        for lg in loggers:
-            lg.addFilter(quiet)
+        onnx_log.setLevel(logging.ERROR)
+        for h in handlers:
+            h.addFilter(quiet)
         try:
             yield
         finally:
-            for lg in loggers:
-                lg.removeFilter(quiet)
+            onnx_log.setLevel(level)
+            for h in handlers:
+                h.removeFilter(quiet)
