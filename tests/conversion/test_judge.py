@@ -3,6 +3,7 @@ report of normlab.conversion.usage on a tiny model with a tokenizer."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -113,3 +114,59 @@ def test_a_converted_model_is_judged_and_its_report_is_consistent(lm):
     assert t["gap"]["median"] <= t["gap"]["worst"]
     assert r["consistency"]["padded"] < 1e-4 and r["consistency"]["kv_chunks"] < 1e-4  # massive copies included
     assert len(r["generation"]["answers"]) == 3
+
+
+def test_a_heal_that_raises_the_worst_sequence_is_not_kept(models, tmp_path, monkeypatch, capsys):
+    """A heal whose mean may fall while its tail rises is not kept: here the heal is followed by a harm (every
+    norm's gain times 5), which raises the worst validation sequence; the saved model is the calibrated one."""
+    import normlab
+    import normlab.conversion.workflow as workflow
+
+    real = workflow.heal
+
+    def harmful(original, net, *args, **kwargs):
+        rep = real(original, net, *args, **kwargs)
+        with torch.no_grad():
+            for m in net.modules():
+                if isinstance(m, normlab.DyISRU):
+                    m.weight.mul_(5.0)
+        return rep
+
+    monkeypatch.setattr(workflow, "heal", harmful)
+    from normlab.cli import main
+
+    out = tmp_path / "o"
+    argv = [
+        "convert",
+        "--model",
+        str(models["m"]),
+        "--calibrate",
+        str(models["text"]),
+        "--seq-len",
+        "16",
+        "--sequences",
+        "4",
+        "--eval-text",
+        "none",
+        "--no-progress",
+        "--heal-tokens",
+        "200",
+        "--out",
+        str(out),
+    ]
+    assert main(argv) == 0
+    assert "heal not kept" in capsys.readouterr().out
+    fid = json.loads((out / "fidelity.json").read_text())
+    guard = fid["heal"]["guard"]
+    assert guard["kept"] is False and any("worst sequence" in r for r in guard["rose"])
+    assert fid["ce_converted"] == pytest.approx(fid["before_heal"]["ce_converted"], rel=1e-6)
+
+
+def test_a_heal_that_lowers_the_tails_is_kept():
+    from normlab.conversion.judge import heal_verdict
+
+    before = {"gap": {"worst": 2.0}, "kld": {"p99": 1.0, "mean": 0.3}}
+    assert heal_verdict(before, {"gap": {"worst": 1.5}, "kld": {"p99": 0.9, "mean": 0.2}})["kept"]
+    worse_tail = heal_verdict(before, {"gap": {"worst": 1.5}, "kld": {"p99": 1.2, "mean": 0.1}})
+    assert not worse_tail["kept"] and worse_tail["rose"] == ["p99 KLD 1 -> 1.2"]
+    assert not heal_verdict(before, {"gap": {"worst": float("nan")}, "kld": {"p99": 0.5, "mean": 0.1}})["kept"]

@@ -474,49 +474,11 @@ def test_heal_seed_orders_the_text_stream(models, tmp_path):
     assert curves[0][0] != curves[1][0]
 
 
-def test_a_heal_that_raises_the_worst_sequence_is_not_kept(models, tmp_path, monkeypatch, capsys):
-    """A heal whose mean may fall while its tail rises is not kept: here the heal is followed by a harm (every
-    norm's gain times 5), which raises the worst validation sequence; the saved model is the calibrated one."""
-    import torch
-
-    import normlab.conversion.workflow as workflow
-
-    real = workflow.heal
-
-    def harmful(original, net, *args, **kwargs):
-        rep = real(original, net, *args, **kwargs)
-        with torch.no_grad():
-            for m in net.modules():
-                if isinstance(m, normlab.DyISRU):
-                    m.weight.mul_(5.0)
-        return rep
-
-    monkeypatch.setattr(workflow, "heal", harmful)
-    out = tmp_path / "o"
-    assert main(_convert(models["m"], models["text"], "--heal-tokens", 200, "--out", out)) == 0
-    assert "heal not kept" in capsys.readouterr().out
-    fid = json.loads((out / "fidelity.json").read_text())
-    guard = fid["heal"]["guard"]
-    assert guard["kept"] is False and any("worst sequence" in r for r in guard["rose"])
-    assert fid["ce_converted"] == pytest.approx(fid["before_heal"]["ce_converted"], rel=1e-6)
-
-
-def test_a_heal_that_lowers_the_tails_is_kept():
-    from normlab.conversion.judge import heal_verdict
-
-    before = {"gap": {"worst": 2.0}, "kld": {"p99": 1.0, "mean": 0.3}}
-    assert heal_verdict(before, {"gap": {"worst": 1.5}, "kld": {"p99": 0.9, "mean": 0.2}})["kept"]
-    worse_tail = heal_verdict(before, {"gap": {"worst": 1.5}, "kld": {"p99": 1.2, "mean": 0.1}})
-    assert not worse_tail["kept"] and worse_tail["rose"] == ["p99 KLD 1 -> 1.2"]
-    assert not heal_verdict(before, {"gap": {"worst": float("nan")}, "kld": {"p99": 0.5, "mean": 0.1}})["kept"]
-
-
 def test_a_converted_folder_is_refused_as_an_original_and_the_cache_is_not_inside_out(
     models, tmp_path, capsys, monkeypatch
 ):
-    """Issue 65, G3 and F21: `convert --model` of a converted folder would load it as a plain model (its original
-    norms, the fitted weights unused) and report a wrong original; an --out that holds NORMLAB_CACHE would take the
-    cache (kernels, samples, downloads) with it on --overwrite. Both are refused before any work."""
+    """Issue 65, G3 and F21: `convert --model` of a converted folder loaded it as a plain model and reported a wrong
+    original; an --out holding NORMLAB_CACHE lost the cache on --overwrite. Both are refused before any work."""
     out = tmp_path / "o"
     assert main(_convert(models["m"], models["text"], "--out", out)) == 0
     capsys.readouterr()

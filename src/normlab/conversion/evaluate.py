@@ -10,6 +10,7 @@ from pathlib import Path
 from normlab.conversion.config import ConvertConfig
 from normlab.conversion.hf import TextCut, fixture_path, load_model, text_batches, usable_tokenizer
 from normlab.conversion.saving import RECORD_FILE, load_converted
+from normlab.conversion.stages import Stages
 from normlab.conversion.usage import UsageConfig, usage_lines, usage_report
 from normlab.conversion.workflow import CONFIG_FILE, model_fingerprint
 from normlab.corpus import DOCS, fetch_docs, fetch_shakespeare
@@ -57,9 +58,11 @@ def evaluate_folder(
     """
     folder = Path(folder)
     path, record, conv_cfg = _source(folder, original)
+    stage = Stages(progress=True, prefix="evaluate: ")
     with hold(folder, "the folder"):
-        net, _ = load_converted(folder)
-        source, tokenizer = load_model(path, progress=False)
+        with stage("load the converted model and its original"):
+            net, _ = load_converted(folder)
+            source, tokenizer = load_model(path, progress=False)
         want = record.get("made_from", {}).get("model_fingerprint")
         if want is not None and model_fingerprint(source) != want:
             raise ValueError(
@@ -68,18 +71,23 @@ def evaluate_folder(
             )
         if not usable_tokenizer(tokenizer):
             raise ValueError(f"{path} has no usable tokenizer: the judgement reads text and generates answers")
-        vocab = source.get_input_embeddings().num_embeddings
         text = conv_cfg.text or str(fetch_shakespeare())
-        cut = TextCut(conv_cfg.seq_len, n_calib=1, n_held=conv_cfg.sequences)
-        texts = {"held-out": text_batches(text, tokenizer, vocab, cut)[1]}
-        e = conv_cfg.eval_text
-        if e is not None and e.strip().lower() != "none":
-            second = str(fetch_docs()) if e == "docs" else e
-            name = f"{DOCS} documentation" if e == "docs" else Path(e).name
-            texts[name] = text_batches(second, tokenizer, vocab, cut)[1]
-        report = usage_report(
-            source, net, tokenizer, texts, Path(text).read_text(errors="replace"), cfg or UsageConfig()
-        )
+        texts = _texts(conv_cfg, text, tokenizer, source.get_input_embeddings().num_embeddings)
+        with stage("judge: texts, chat answers, long sequences, stress inputs"):
+            report = usage_report(
+                source, net, tokenizer, texts, Path(text).read_text(errors="replace"), cfg or UsageConfig()
+            )
         print(usage_lines(report, markdown))
         (folder / EVALUATION_FILE).write_text(json.dumps(report, indent=2) + "\n")
     return report
+
+
+def _texts(conv_cfg: ConvertConfig, text: str, tokenizer: object, vocab: int) -> dict:
+    """The held-out batches of the texts the conversion measured: its own text's, and its second text's."""
+    cut = TextCut(conv_cfg.seq_len, n_calib=1, n_held=conv_cfg.sequences)
+    texts = {"held-out": text_batches(text, tokenizer, vocab, cut)[1]}
+    e = conv_cfg.eval_text
+    if e is not None and e.strip().lower() != "none":
+        second = str(fetch_docs()) if e == "docs" else e
+        texts[f"{DOCS} documentation" if e == "docs" else Path(e).name] = text_batches(second, tokenizer, vocab, cut)[1]
+    return texts

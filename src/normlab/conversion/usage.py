@@ -275,36 +275,24 @@ def usage_lines(report: dict, markdown: bool = False) -> str:
         markdown: Print the tables as Markdown.
     """
     rows = []
-    for name, t in report["texts"].items():
-        g = t.get("gap", {})
+    named = list(report["texts"].items())
+    if "long" in report:
+        t = report["long"]
+        named.append((f"long ({t['tokens'] // max(t['sequences'], 1)} tokens)", t))
+    for name, t in named:
+        g, k = t.get("gap", {}), t["kld"]
         rows.append(
             [
                 name,
                 t["tokens"],
                 f"{t['same_top1']:.1%}",
-                f"{t['kld']['mean']:.3f}",
-                f"{t['kld']['median']:.3f}",
-                f"{t['kld']['p99']:.3f}",
-                f"{t['kld']['max']:.2f}",
+                f"{k['mean']:.3f}",
+                f"{k['median']:.3f}",
+                f"{k['p99']:.3f}",
+                f"{k['max']:.2f}",
                 _n(g.get("median")),
                 _n(g.get("worst")),
                 g.get("over_2", "-"),
-            ]
-        )
-    if "long" in report:
-        t = report["long"]
-        rows.append(
-            [
-                f"long ({t['tokens'] // max(t['sequences'], 1)} tokens)",
-                t["tokens"],
-                f"{t['same_top1']:.1%}",
-                f"{t['kld']['mean']:.3f}",
-                f"{t['kld']['median']:.3f}",
-                f"{t['kld']['p99']:.3f}",
-                f"{t['kld']['max']:.2f}",
-                _n(t["gap"]["median"]),
-                _n(t["gap"]["worst"]),
-                t["gap"]["over_2"],
             ]
         )
     head = ["text", "tokens", "same top-1", "KLD mean", "median", "p99", "max", "gap median", "worst seq.", "> +2"]

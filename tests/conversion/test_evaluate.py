@@ -1,0 +1,57 @@
+"""``normlab evaluate DIR`` (normlab.conversion.evaluate): a converted folder judged against the original it
+records, as a user runs it, on a tiny Llama with a real tokenizer and a chat template."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import TEXT, tiny_lm, tiny_tokenizer, with_sinks
+from normlab.cli import main
+
+pytest.importorskip("transformers")
+
+
+@pytest.mark.slow
+def test_evaluate_judges_a_converted_folder_against_its_original(tmp_path, capsys):
+    src = tmp_path / "llama"
+    with_sinks(tiny_lm(seed=4, max_position_embeddings=4096)).save_pretrained(src)
+    tiny_tokenizer().save_pretrained(src)
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT * 4)
+    out = tmp_path / "o"
+    argv = [
+        "convert",
+        "--model",
+        str(src),
+        "--calibrate",
+        str(text),
+        "--seq-len",
+        "32",
+        "--sequences",
+        "8",
+        "--eval-text",
+        "none",
+        "--per",
+        "channel",
+        "--no-progress",
+        "--out",
+        str(out),
+    ]
+    assert main(argv) == 0
+    printed = capsys.readouterr()
+    assert "judged as used" in printed.out and "blow-ups" in printed.out and "Q: What is the capital" in printed.out
+    at_convert = json.loads((out / "fidelity.json").read_text())["usage"]
+    assert main(["evaluate", str(out), "--prompts", "3"]) == 0
+    printed = capsys.readouterr()
+    assert "evaluate: judge: texts, chat answers, long sequences, stress inputs:" in printed.err  # its stages
+    report = json.loads((out / "evaluation.json").read_text())
+    assert report["generation"]["prompts"] == 3 and set(report["texts"]) == {"held-out", "chat"}
+    got, want = report["texts"]["held-out"], at_convert["texts"]["held-out"]  # the same model on the same text
+    assert got["kld"] == pytest.approx(want["kld"], rel=1e-4) and got["gap"] == pytest.approx(want["gap"], rel=1e-4)
+    assert got["same_top1"] == want["same_top1"] and got["tokens"] == want["tokens"]
+    assert main(["evaluate", str(out), "--original", str(tmp_path / "nothing")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["evaluate", str(src)]) == 2
+    assert "is not a converted model's folder" in capsys.readouterr().err
