@@ -289,8 +289,6 @@ class MassiveRows:
 
     def __call__(self, model: nn.Module, name: str) -> tuple[Tensor, Tensor]:
         """Site ``name``'s (input, original output) rows at the pairs' positions."""
-        if not self.ready or name not in self.dims:
-            return torch.empty(0), torch.empty(0)
         if self.inputs is not None:
             return self.inputs[name], self.targets[name]
         s = self.stream
