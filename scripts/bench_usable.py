@@ -36,6 +36,8 @@ JOBS = {  # name -> the model and the flags after --to dyisru
     "per_channel_route": ("smollm2", ["--per", "channel", "--massive-tokens", "route"]),
     "per_channel_shared": ("smollm2", ["--per", "channel", "--massive-tokens", "shared"]),
     "budget": ("smollm2", ["--per", "channel", "--budget-nats", "0.4"]),
+    "budget_0.2": ("smollm2", ["--per", "channel", "--budget-nats", "0.2"]),
+    "budget_0.1": ("smollm2", ["--per", "channel", "--budget-nats", "0.1"]),
     "recipe": ("smollm2", RECIPE),
     "qwen_per_channel": ("qwen-coder", ["--per", "channel"]),
     "qwen_budget": ("qwen-coder", ["--per", "channel", "--budget-nats", "0.4"]),

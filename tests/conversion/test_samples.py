@@ -9,11 +9,19 @@ import json
 import pytest
 import torch
 
-from conftest import tiny_hf
+from conftest import tiny_hf, tiny_tokenizer
 from normlab.cli import main
 from normlab.conversion.config import resolve_convert_config
 from normlab.conversion.hf import TextSplits, TokenStream
-from normlab.conversion.samples import MixedStream, SampleSet, calibration_samples, heal_splits, self_samples
+from normlab.conversion.samples import (
+    MixedStream,
+    SampleSet,
+    Starts,
+    calibration_samples,
+    heal_splits,
+    sample_starts,
+    self_samples,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -30,7 +38,7 @@ def model(tmp_path):
 
 
 def _samples(model, cache, **kw):
-    args = dict(n=6, seq_len=8, fingerprint="f", start=1, seed=0, batch_size=4)
+    args = dict(n=6, seq_len=8, fingerprint="f", starts=Starts(1, varied=False), seed=0, batch_size=4)
     return self_samples(model, SampleSet(**{**args, **kw}), cache=cache)
 
 
@@ -105,7 +113,7 @@ def test_a_model_without_generate_is_refused_with_the_way_out(tmp_path):
     net = torch.nn.Sequential(torch.nn.Embedding(10, 4))
     net.get_input_embeddings = lambda: net[0]
     with pytest.raises(ValueError, match=r"not a Hugging Face causal LM: heal on a text instead \(heal.text=text\)"):
-        self_samples(net, SampleSet("f", 2, 4, start=None), cache=tmp_path)
+        self_samples(net, SampleSet("f", 2, 4, Starts(None)), cache=tmp_path)
 
 
 def _stream(lo: int, n: int = 8, seq_len: int = 4) -> TokenStream:
@@ -132,7 +140,7 @@ def test_the_held_out_text_never_reaches_the_heal(model, tmp_path):
     splits = TextSplits([torch.zeros(2, 8, dtype=torch.long)], held, [torch.full((2, 8), 5)], _stream(0, seq_len=8))
     for text in ("self", "self+text"):
         cfg = resolve_convert_config(["heal.tokens=100", f"heal.text={text}", "heal.self_sequences=16"]).heal
-        got = heal_splits(splits, model, cfg, start=1)
+        got = heal_splits(splits, model, cfg, starts=Starts(1, varied=False))
         assert got.held is held and got.calib is splits.calib  # measured on the same held-out text as before
         chunks = got.stream.chunks
         assert not any(torch.equal(row, h) for row in chunks for h in held[0])
@@ -141,7 +149,7 @@ def test_the_held_out_text_never_reaches_the_heal(model, tmp_path):
         val = torch.cat(got.val)
         assert not any(torch.equal(row, v) for row in own.chunks for v in val)  # validation is not trained on
         assert len(val) == (2 if text == "self" else 4)  # "self+text" validates on both
-    assert heal_splits(splits, model, resolve_convert_config(["heal.tokens=100"]).heal, start=1) is (splits)
+    assert heal_splits(splits, model, resolve_convert_config(["heal.tokens=100"]).heal, starts=Starts(1)) is splits
 
 
 @pytest.mark.parametrize(("sets", "match"), [
@@ -201,7 +209,7 @@ def test_calibration_on_the_models_own_samples_fits_on_them_and_is_measured_on_t
     assert "calibrated on 4 sequences from the text's start" in capsys.readouterr().out
     net, tok = load_model(str(models["m"]))
     cfg = resolve_convert_config(["heal.self_sequences=16"], model=str(models["m"]), seq_len=16, sequences=4)
-    calib = calibration_samples(net, cfg.heal, 16, 4, start=getattr(tok, "bos_token_id", None))
+    calib = calibration_samples(net, cfg.heal, 16, 4, starts=sample_starts(tok))
     assert sum(len(b) for b in calib) == 4
     convert_norms(net, "dyisru", calibrate=calib, progress=False)
     own = load_converted(tmp_path / "own")[0].state_dict()
@@ -263,7 +271,46 @@ def test_the_inverse_cdf_draw_follows_the_softmax_and_never_draws_a_masked_token
 def test_the_sample_precision_names_the_set_and_bad_values_are_refused(model, tmp_path):
     """heal.sample_precision: bf16 samples are another set (another cache file) than float32 ones; a bad value is
     refused naming the field."""
-    a = SampleSet("f", 6, 8, 1).identity()
-    assert a["precision"] == "float32" and SampleSet("f", 6, 8, 1, precision="bf16").identity() != a
+    a = SampleSet("f", 6, 8, Starts(1)).identity()
+    assert a["precision"] == "float32" and SampleSet("f", 6, 8, Starts(1), precision="bf16").identity() != a
     with pytest.raises(ValueError, match="heal.sample_precision"):
         resolve_convert_config(["heal.sample_precision=fp16"])
+
+
+def test_varied_samples_hold_chats_through_the_template_and_other_starts(model, tmp_path):
+    """issue 64: `heal.starts = "varied"`. Half the samples open with the chat template's system turn and a user
+    header; each time such a row draws the end-of-turn token, the template's next header follows token for token
+    (the assistant's after a user turn, the user's after an answer). A quarter start at BOS, a quarter at a uniform
+    token; the end-of-sequence token is masked outside the chats. "bos" starts every sample at BOS."""
+    tok = tiny_tokenizer()
+    model.generation_config.eos_token_id = tok.eos_token_id
+    starts = sample_starts(tok)
+    rendered = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    assert list(starts.chat) == tok(rendered[: rendered.index("hi")], add_special_tokens=False)["input_ids"]
+    assert [tok.decode(t) for t in starts.turns] == ["</s>\n<s>assistant\n", "</s>\n<s>user\n"]
+    n, seq_len, end = 32, 4 * len(starts.chat), tok.eos_token_id
+    assert starts.shares(seq_len) == {"chat": 0.5, "bos": 0.25, "free": 0.25}
+    # a temperature of 50 draws nearly uniformly, so the end-of-turn token comes up often in 32 rows
+    got = self_samples(model, SampleSet("f", n, seq_len, starts, temperature=50.0, batch_size=8), cache=tmp_path)
+    chat = [r for r in got.tolist() if r[: len(starts.chat)] == list(starts.chat)]
+    assert len(chat) == n // 2 and sum(r[0] == tok.bos_token_id for r in got.tolist()) == n // 2 + n // 4
+    turns = 0
+    for row in chat:
+        i, k = len(starts.chat), 0
+        while i < seq_len:
+            if row[i] == end:
+                header = list(starts.turns[k % 2][1:])
+                assert row[i + 1 : i + 1 + len(header)] == header[: seq_len - i - 1], (row, i)
+                i, k, turns = i + 1 + len(header), k + 1, turns + 1
+            else:
+                i += 1
+    assert turns >= 4, "too few turn ends to check the headers"
+    others = [r for r in got.tolist() if r not in chat]
+    assert all(end not in r for r in others)  # outside a chat the end-of-sequence token is never drawn
+    assert got[: n // 2, 0].unique().numel() > 1  # the kinds are shuffled together
+    plain = sample_starts(tok, varied=False)
+    assert plain.shares(seq_len) == {"bos": 1.0}
+    assert SampleSet("f", n, seq_len, plain).identity() != SampleSet("f", n, seq_len, starts).identity()
+    short = self_samples(model, SampleSet("f", 4, 8, plain), cache=tmp_path)
+    assert (short[:, 0] == tok.bos_token_id).all()
+    assert sample_starts(None).shares(16) == {"free": 1.0} and not sample_starts(None).chat

@@ -7,9 +7,9 @@
 A dataclass of sections, ``to_dict``/``from_dict``, one ``validate`` that fails before any work, dotted ``--set``
 overrides (`normlab.pairs.apply_overrides`); flags are shorthands for fields (`SHORTHANDS`).
 
-The heal checkpoint's identity is `ConvertConfig.identity`: every field that shapes the converted model or
-the heal, flattened to dotted keys, plus the facts only the run knows (the model's fingerprint, the text's
-hash). A resume whose identity differs is refused, naming the fields (`ConvertConfig.difference`).
+The heal checkpoint's identity is `ConvertConfig.identity`: every field that shapes the converted model or the heal,
+flattened, plus the facts only the run knows (the model's fingerprint, the text's hash). A resume whose identity
+differs is refused, naming the fields (`ConvertConfig.difference`).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from normlab.conversion.lora import LORA_RANK
 from normlab.pairs import apply_overrides, parse_pairs
 from normlab.typed import check_types, choices, field_docs, set_name
 
-__all__ = ["CalibrateConfig", "HealConfig", "BudgetConfig", "ConvertConfig", "resolve_convert_config",
-           "identity_difference", "SHORTHANDS", "HEAL_LEARNING_RATES", "flag", "choices", "field_docs",
+__all__ = ["CalibrateConfig", "HealConfig", "BudgetConfig", "ConvertConfig", "resolve_convert_config", "flag",
+           "identity_difference", "SHORTHANDS", "HEAL_LEARNING_RATES", "choices", "field_docs",
            "check_types"]  # fmt: skip
 
 FREE_TABLES = ("init", "site_init")  # tables whose keys are the user's (init.alpha_init=0.5)
@@ -191,14 +191,15 @@ class HealConfig:
     """Sequences sampled from the original for "self" and "self+text" (cached on disk)."""
     self_fraction: float = 0.5
     """Of every "self+text" batch, the part drawn from the samples."""
+    starts: Literal["varied", "bos"] = "varied"
+    """How samples begin: "varied", half chats through the template, a quarter at BOS, a quarter at a random token."""
     temperature: float = 1.0
     """Of the sampling."""
     seed: int = 0
     """Of the sampling, and of the order the text's stream is drawn in ("text", "self+text")."""
     sample_precision: Literal["auto", "float32", "bf16"] = "auto"
-    """The arithmetic of the sampling's forward passes: "bf16" autocasts them, "auto" does where the device runs bf16
-    matmuls natively (as budget.precision), else float32. On SmolLM2 (2 cores) 1,024 samples take 2.6 min in bf16,
-    5.2 in float32. The samples' cache names it."""
+    """The sampling's arithmetic: "bf16" autocasts its forward passes, "auto" where the device runs bf16 matmuls
+    natively (as budget.precision), else float32 (SmolLM2, 2 cores: 1,024 samples in 2.6 min bf16, 5.2 float32)."""
     teacher_top_k: int | None = None
     """Distill: cache the original's top k logits per sequence (teacher.py); None: the teacher runs live."""
     precision: Literal["float32", "bf16"] = "float32"
@@ -245,10 +246,8 @@ class HealConfig:
         if self.teacher_top_k is not None and self.objective != "distill":
             raise ValueError(f"{flag('heal.teacher_top_k')} caches the distill objective's teacher; blocks has none")
         if self.rollback_nats is not None and not (_finite(self.rollback_nats) and self.rollback_nats > 0):
-            raise ValueError(
-                f"{flag('heal.rollback_nats')} must be a finite number > 0 (nats above the best validation point), "
-                f"or null to never roll back; got {self.rollback_nats!r}"
-            )
+            raise ValueError(f"{flag('heal.rollback_nats')} must be a finite number > 0 (nats above the best "
+                             f"validation point), or null to never roll back; got {self.rollback_nats!r}")  # fmt: skip
         if not (_finite(self.grad_clip) and self.grad_clip >= 0):
             raise ValueError(
                 f"{flag('heal.grad_clip')} must be a finite number >= 0 (the gradient's largest norm; 0 does not "

@@ -4,10 +4,11 @@ Distilling on a user's text teaches the converted model to behave like the origi
 the original's own samples teaches it to behave like the original wherever the original puts its probability.
 `self_samples` draws them (ancestral sampling at temperature 1 by default, no top-k, no top-p, by a decode loop
 over the model's forward with its KV cache, `SAMPLE_BATCH` sequences at a time, in bf16 where the device runs it
-natively: ``heal.sample_precision``), each sequence started from the model's BOS token, or, for a model without
-one, from a token drawn uniformly from the vocabulary. They are cached on disk under their identity (the model's
-fingerprint, the count, the length, the seed, the temperature, the start token, the batch, the precision), so a
-second heal of the same model reads them back, and a changed setting samples afresh.
+natively: ``heal.sample_precision``). How they begin is `Starts`: by default (``heal.starts = "varied"``) half are
+conversations through the model's chat template, a quarter start at BOS and a quarter at a token drawn uniformly
+from the vocabulary, so the heal sees the model as a user meets it and not only after BOS. They are cached on disk
+under their identity (the model's fingerprint, the count, the length, the seed, the temperature, the starts, the
+batch, the precision), so a second heal of the same model reads them back, and a changed setting samples afresh.
 
 `MixedStream` draws a fixed fraction of every batch from the samples and the rest from the user's text
 (``heal.text = "self+text"``).
@@ -33,12 +34,12 @@ from normlab.conversion.hf import TextSplits, TokenStream
 from normlab.corpus import cache_dir
 from normlab.owner import hold
 
-__all__ = ["self_samples", "own_samples", "calibration_samples", "SampleSet", "weights_fingerprint",
-           "MixedStream", "heal_splits", "SAMPLES_VERSION"]  # fmt: skip
+__all__ = ["self_samples", "own_samples", "calibration_samples", "SampleSet", "Starts", "sample_starts",
+           "weights_fingerprint", "MixedStream", "heal_splits", "SAMPLES_VERSION"]  # fmt: skip
 
-SAMPLES_VERSION = 3  # bump when the sampling procedure changes, so old caches are not read as new (2: own decode loop,
+SAMPLES_VERSION = 4  # bump when the sampling procedure changes, so old caches are not read as new (2: own decode loop,
 # batches of SAMPLE_BATCH, one generator for the whole set; 3: inverse-CDF draws, the decode step's attention as two
-# matmuls, the precision in the identity)
+# matmuls, the precision in the identity; 4: `Starts`, the kinds drawn apart and shuffled together)
 SAMPLE_BATCH = 256  # sequences decoded together (SmolLM2, bf16, 2 cores: 850 tokens/s at 256, 785 at 128)
 
 
@@ -57,15 +58,87 @@ def weights_fingerprint(model: nn.Module) -> str:
 
 
 @dataclass(frozen=True)
+class Starts:
+    """How the samples begin, by kind of row:
+
+    * "chat": the chat template's opening (its system turn and a user header). The model writes the user's words;
+      each time it ends a turn (draws ``turns[i][0]``, the end-of-turn token) the rest of the template's next header
+      follows, the assistant's after a user turn and the user's after an assistant turn, so it answers its own
+      question and goes on to a next one.
+    * "bos": the BOS token, then free text (the model's end-of-sequence tokens masked, as for "free").
+    * "free": one token drawn uniformly from the vocabulary, no BOS: as a chunk cut from the middle of a text starts.
+
+    ``shares`` gives each kind's part of a set.
+    """
+
+    bos: int | None
+    chat: tuple[int, ...] = ()
+    turns: tuple[tuple[int, ...], ...] = ()  # (a user turn's end + the assistant header, an answer's end + user header)
+    varied: bool = True
+
+    def shares(self, seq_len: int) -> dict[str, float]:
+        """Each kind's part of a set of ``seq_len``-token samples: "varied" gives half to "chat" (when the template's
+        opening leaves at least half the length to write), and splits the rest between "bos" and "free"; otherwise
+        every sample starts at BOS, or, without one, at a uniform token."""
+        if not self.varied:
+            return {"bos": 1.0} if self.bos is not None else {"free": 1.0}
+        kinds = [k for k, ok in (("bos", self.bos is not None), ("free", True)) if ok]
+        chat = 0.5 if self.chat and len(self.chat) <= seq_len // 2 else 0.0
+        return ({"chat": chat} if chat else {}) | {k: (1 - chat) / len(kinds) for k in kinds}
+
+    def identity(self) -> dict:
+        return {"bos": self.bos, "chat": list(self.chat), "turns": [list(t) for t in self.turns],
+                "varied": self.varied}  # fmt: skip
+
+
+def _chat_opening(tokenizer: object) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
+    """The chat template's tokens up to a user's first words, and its two turn changes (a user turn's end and the
+    assistant's header; an answer's end and the user's header), read by rendering a three-turn conversation with
+    marker words. ((), ()) when the tokenizer has no template, or its turns do not end on one token."""
+    if not getattr(tokenizer, "chat_template", None):
+        return (), ()
+    marks = ("NLMARKA", "NLMARKB", "NLMARKC")
+    try:
+        text = tokenizer.apply_chat_template(
+            [{"role": r, "content": m} for r, m in zip(("user", "assistant", "user"), marks)], tokenize=False
+        )
+    except Exception:  # noqa: BLE001  (a template that wants other roles: no chat samples)
+        return (), ()
+    cut = [text.find(m) for m in marks]
+    if min(cut) < 0 or cut != sorted(cut):
+        return (), ()
+    ids = [
+        tuple(tokenizer(t, add_special_tokens=False)["input_ids"])
+        for t in (text[: cut[0]], text[cut[0] + len(marks[0]) : cut[1]], text[cut[1] + len(marks[1]) : cut[2]])
+    ]
+    opening, *turns = ids  # fmt: skip
+    if not opening or any(len(t) < 2 for t in turns) or turns[0][0] != turns[1][0]:
+        return (), ()
+    return opening, tuple(turns)
+
+
+def sample_starts(tokenizer: object | None, varied: bool = True) -> Starts:
+    """The `Starts` of a model's samples, read from its tokenizer (its BOS token and chat template).
+
+    Args:
+        tokenizer: The model's tokenizer, or None (uniform first tokens).
+        varied: Mix the kinds (``heal.starts = "varied"``); False starts every sample at BOS (``"bos"``).
+    """
+    bos = getattr(tokenizer, "bos_token_id", None) if tokenizer is not None else None
+    chat, turns = _chat_opening(tokenizer) if varied and tokenizer is not None else ((), ())
+    return Starts(bos, chat, turns, varied)
+
+
+@dataclass(frozen=True)
 class SampleSet:
     """Which sample set: everything that changes the tokens drawn (the batch size too: one generator draws a whole
-    batch per step). ``fingerprint`` names the model (its `weights_fingerprint`); ``start`` is the first token of
-    every sequence (the BOS id), or None for a uniformly drawn one."""
+    batch per step). ``fingerprint`` names the model (its `weights_fingerprint`); ``starts`` says how sequences
+    begin (`Starts`)."""
 
     fingerprint: str
     n: int
     seq_len: int
-    start: int | None
+    starts: Starts
     seed: int = 0
     temperature: float = 1.0
     batch_size: int = SAMPLE_BATCH
@@ -74,8 +147,9 @@ class SampleSet:
     def identity(self) -> dict:
         """The cache's identity of the set (its file name is this dictionary's hash)."""
         return {"model_fingerprint": self.fingerprint, "n": self.n, "seq_len": self.seq_len, "seed": self.seed,
-                "temperature": self.temperature, "start": self.start, "batch": self.batch_size or SAMPLE_BATCH,
-                "precision": self.precision, "version": SAMPLES_VERSION}  # fmt: skip
+                "temperature": self.temperature, "starts": self.starts.identity(),
+                "batch": self.batch_size or SAMPLE_BATCH, "precision": self.precision,
+                "version": SAMPLES_VERSION}  # fmt: skip
 
 
 def _sees_all(mask) -> bool:
@@ -139,53 +213,92 @@ def _draw_tokens(logits: torch.Tensor, temperature: float, gen: torch.Generator)
     return torch.searchsorted(cdf, u, right=True).clamp_max(cdf.shape[-1] - 1)
 
 
+class _Decoder:
+    """Batches of one kind of `Starts` row, drawn by a plain decode loop: the model's forward with its KV cache,
+    one token per step for the whole batch, from softmax(logits / temperature) by one generator (`_draw_tokens`; no
+    top-k, no top-p). The model's end-of-sequence tokens are masked, as ``generate``'s ``min_new_tokens`` masks
+    them, except a chat row's end-of-turn token, after which the template's next header is written in."""
+
+    def __init__(self, model: nn.Module, which: SampleSet, gen: torch.Generator, bar) -> None:
+        self.model, self.which, self.gen, self.bar = model, which, gen, bar
+        self.vocab = model.get_input_embeddings().num_embeddings
+        eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        self.eos = [e for e in (eos if isinstance(eos, (list, tuple)) else [eos])
+                    if isinstance(e, int) and 0 <= e < self.vocab]  # fmt: skip
+        self.device, self.key = model_device(model), cache_kwarg(model)
+
+    def _opening(self, kind: str, b: int) -> torch.Tensor:
+        starts = self.which.starts
+        if kind == "chat":
+            return torch.tensor(starts.chat, dtype=torch.long).expand(b, -1)[:, : self.which.seq_len]
+        if kind == "bos":
+            return torch.full((b, 1), starts.bos, dtype=torch.long)
+        return torch.randint(0, self.vocab, (b, 1), generator=self.gen)
+
+    def batch(self, kind: str, b: int) -> torch.Tensor:
+        """``b`` sequences of ``kind``, (b, seq_len)."""
+        turns = self.which.starts.turns if kind == "chat" else ()
+        end = turns[0][0] if turns else None
+        masked = [e for e in self.eos if e != end]
+        step = self._opening(kind, b)
+        rows, cache, pending, turn = [step], None, {}, {}
+        self.bar.update(step.numel())
+        for _ in range(self.which.seq_len - step.shape[1]):
+            o = self.model(input_ids=step.to(self.device), use_cache=True, **{self.key: cache})
+            cache, logits = o[self.key], o.logits[:, -1, : self.vocab].float().cpu()  # drawn on the CPU: one generator
+            if masked:
+                logits[:, masked] = -torch.inf
+            step = _draw_tokens(logits, self.which.temperature, self.gen)
+            if end is not None:
+                for r in sorted(set(pending) | set((step[:, 0] == end).nonzero()[:, 0].tolist())):
+                    if pending.get(r):  # the template's header after a turn's end, token by token
+                        step[r, 0] = pending[r].pop(0)
+                    else:
+                        pending[r], turn[r] = list(turns[turn.get(r, 0) % 2][1:]), turn.get(r, 0) + 1
+            rows.append(step)
+            self.bar.update(b)
+        return torch.cat(rows, 1)
+
+
+def _kind_counts(starts: Starts, n: int, seq_len: int) -> list[tuple[str, int]]:
+    """How many of ``n`` samples each kind of row gets (`Starts.shares`, rounded; the last kind takes the rest)."""
+    shares, out, left = list(starts.shares(seq_len).items()), [], n
+    for i, (kind, share) in enumerate(shares):
+        count = left if i == len(shares) - 1 else min(left, round(n * share))
+        out.append((kind, count))
+        left -= count
+    return [(k, c) for k, c in out if c]
+
+
 def _draw(model: nn.Module, which: SampleSet, progress: bool) -> torch.Tensor:
-    """Ancestral sampling by a plain decode loop: the model's forward with its KV cache (`_fast_decode`, autocast to
-    bf16 with ``which.precision``), one token per step for a whole batch, drawn from softmax(logits / temperature)
-    by this function's own generator (`_draw_tokens`; no top-k, no top-p, the end-of-sequence tokens masked as
-    ``generate``'s ``min_new_tokens`` masks them)."""
+    """Every kind's rows (`_kind_counts`), ``which.batch_size`` at a time by `_Decoder`, autocast to bf16 with
+    ``which.precision``, then shuffled together by the same generator (so a validation tail holds every kind)."""
     if not hasattr(model, "generate"):
         raise ValueError(
             "heal.text=self samples from the original model's causal-LM forward with a KV cache; "
             f"{type(model).__name__} is not a Hugging Face causal LM: heal on a text instead (heal.text=text)"
         )
-    vocab = model.get_input_embeddings().num_embeddings
-    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    eos = [e for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if isinstance(e, int) and 0 <= e < vocab]
-    n, seq_len, start, batch_size = which.n, which.seq_len, which.start, which.batch_size
-    device = model_device(model)
     gen = torch.Generator().manual_seed(which.seed)
-    key = cache_kwarg(model)
-    out = []
+    device = model_device(model)
     from tqdm.auto import tqdm
 
-    bar = tqdm(total=n * seq_len, desc="sampling the original", unit="tok", unit_scale=True, disable=not progress,
-               leave=False)  # fmt: skip
+    bar = tqdm(total=which.n * which.seq_len, desc="sampling the original", unit="tok", unit_scale=True,
+               disable=not progress, leave=False)  # fmt: skip
     was = model.training
     model.eval()
     cast = torch.autocast(device.type if device is not None else "cpu", dtype=torch.bfloat16,
                           enabled=which.precision == "bf16")  # fmt: skip
+    out, batch = [], which.batch_size or SAMPLE_BATCH
     try:
         with torch.no_grad(), _fast_decode(model), cast:
-            for i in range(0, n, batch_size):
-                b = min(batch_size, n - i)
-                ids = (torch.full((b, 1), start, dtype=torch.long) if start is not None
-                       else torch.randint(0, vocab, (b, 1), generator=gen))  # fmt: skip
-                step, cache, rows = ids, None, [ids]
-                for _ in range(seq_len - 1):
-                    o = model(input_ids=step.to(device), use_cache=True, **{key: cache})
-                    cache, logits = o[key], o.logits[:, -1, :vocab].float().cpu()  # drawn on the CPU: one generator
-                    if eos:
-                        logits[:, eos] = -torch.inf
-                    step = _draw_tokens(logits, which.temperature, gen)
-                    rows.append(step)
-                    bar.update(b)
-                bar.update(b)
-                out.append(torch.cat(rows, 1))
+            decoder = _Decoder(model, which, gen, bar)
+            for kind, count in _kind_counts(which.starts, which.n, which.seq_len):
+                out += [decoder.batch(kind, min(batch, count - i)) for i in range(0, count, batch)]
     finally:
         model.train(was)
         bar.close()
-    return torch.cat(out)
+    tokens = torch.cat(out)
+    return tokens[torch.randperm(len(tokens), generator=gen)]
 
 
 def self_samples(
@@ -199,7 +312,7 @@ def self_samples(
 
     Args:
         model: a Hugging Face causal LM (its forward with a KV cache draws the tokens).
-        which: the set: the model's fingerprint, the count, the length, the start token, the seed, the
+        which: the set: the model's fingerprint, the count, the length, the starts, the seed, the
             temperature and the batch (`SampleSet`); its ``identity()`` names the cache file.
         cache: the cache folder (default ``<normlab cache>/samples``).
         progress: a progress bar, and a line with the tokens/s once drawn.
@@ -283,7 +396,7 @@ class MixedStream:
 
 
 def own_samples(
-    original: nn.Module, cfg: HealConfig, seq_len: int, *, start: int | None, progress: bool = False
+    original: nn.Module, cfg: HealConfig, seq_len: int, *, starts: Starts, progress: bool = False
 ) -> torch.Tensor:
     """The original's sample set that ``cfg`` (a `normlab.conversion.config.HealConfig`) names: its
     ``self_sequences`` count, seed and temperature, cached under the original's `weights_fingerprint`. The heal's
@@ -293,16 +406,16 @@ def own_samples(
         original: The unconverted model, which samples.
         cfg: The heal's config, a `normlab.conversion.config.HealConfig`.
         seq_len: Tokens per sample.
-        start: The token each sample starts from (the BOS token); None draws a uniform random first token.
+        starts: How the samples begin (`sample_starts` of the model's tokenizer).
         progress: Show a progress bar while it samples.
     """
     dtype, _ = autocast_dtype(cfg.sample_precision, original, "heal.sample_precision")
-    which = SampleSet(weights_fingerprint(original), cfg.self_sequences, seq_len, start, cfg.seed, cfg.temperature,
+    which = SampleSet(weights_fingerprint(original), cfg.self_sequences, seq_len, starts, cfg.seed, cfg.temperature,
                       precision="bf16" if dtype is not None else "float32")  # fmt: skip
     return self_samples(original, which, progress=progress)
 
 
-def calibration_samples(original: nn.Module, cfg: HealConfig, seq_len: int, n: int, *, start: int | None,
+def calibration_samples(original: nn.Module, cfg: HealConfig, seq_len: int, n: int, *, starts: Starts,
                         progress: bool = False) -> list[torch.Tensor]:  # fmt: skip
     """The first ``n`` of the original's own samples (`own_samples`) as calibration batches of 8, (8, seq_len):
     calibration that needs no text. They are drawn before the heal's validation part, which they never reach.
@@ -312,13 +425,13 @@ def calibration_samples(original: nn.Module, cfg: HealConfig, seq_len: int, n: i
         cfg: The heal's config, a `normlab.conversion.config.HealConfig`.
         seq_len: Tokens per sample.
         n: How many samples.
-        start: The token each sample starts from (the BOS token); None draws a uniform random first token.
+        starts: How the samples begin (`sample_starts` of the model's tokenizer).
         progress: Show a progress bar while it samples.
     """
-    return list(own_samples(original, cfg, seq_len, start=start, progress=progress)[:n].split(8))
+    return list(own_samples(original, cfg, seq_len, starts=starts, progress=progress)[:n].split(8))
 
 
-def heal_splits(splits: TextSplits, original: nn.Module, cfg: HealConfig, *, start: int | None, progress: bool = False):
+def heal_splits(splits: TextSplits, original: nn.Module, cfg: HealConfig, *, starts: Starts, progress: bool = False):
     """The heal's data for ``cfg.text`` (a `normlab.conversion.config.HealConfig`): ``splits`` itself for
     "text"; for "self", the original's samples (the last eighth, at most 8, validate; the rest is the stream),
     with the calibration and held-out parts of ``splits`` unchanged; for "self+text", a `MixedStream` of
@@ -328,14 +441,14 @@ def heal_splits(splits: TextSplits, original: nn.Module, cfg: HealConfig, *, sta
         splits: The conversion text's calibration, held-out and stream parts.
         original: The unconverted model, which samples.
         cfg: The heal's config, a `normlab.conversion.config.HealConfig`.
-        start: The token each sample starts from (the BOS token); None draws a uniform random first token.
+        starts: How the samples begin (`sample_starts` of the model's tokenizer).
         progress: Show a progress bar while it samples.
     """
     from normlab.conversion.hf import TextSplits
 
     if cfg.text == "text":
         return splits
-    samples = own_samples(original, cfg, splits.stream.seq_len, start=start, progress=progress)
+    samples = own_samples(original, cfg, splits.stream.seq_len, starts=starts, progress=progress)
     n_val = min(8, max(1, len(samples) // 8))
     own = TokenStream(samples[:-n_val], cfg.seed)
     own_val = list(samples[-n_val:].split(8))

@@ -23,7 +23,7 @@ from normlab.conversion.frontier import FEW_SELECTION, frontier
 from normlab.conversion.heal import check_heal_resources, heal
 from normlab.conversion.heal_report import heal_summary, write_curve
 from normlab.conversion.hf import TextCut, fixture_path, load_model, quiet, text_batches, text_splits, usable_tokenizer
-from normlab.conversion.samples import calibration_samples, heal_splits
+from normlab.conversion.samples import calibration_samples, heal_splits, sample_starts
 from normlab.conversion.saving import RECORD_FILE
 from normlab.conversion.stages import Stages
 from normlab.conversion.usage import usage_lines, usage_report
@@ -319,10 +319,10 @@ def _convert(job: _Job, markdown: bool) -> dict:
             splits = None
             calib, held = text_batches(text, tokenizer, vocab, TextCut(cfg.seq_len, cfg.sequences, cfg.sequences))
         held2, name2 = _second_text(cfg, tokenizer, vocab)
-    start = getattr(tokenizer, "bos_token_id", None) if tokenizer is not None else None
+    starts = sample_starts(tokenizer, cfg.heal.starts == "varied")
     if cfg.calibrate.source == "self":
         with stages("samples"):
-            calib = calibration_samples(net, cfg.heal, cfg.seq_len, cfg.sequences, start=start, progress=progress)
+            calib = calibration_samples(net, cfg.heal, cfg.seq_len, cfg.sequences, starts=starts, progress=progress)
         if splits is not None:
             splits = dataclasses.replace(splits, calib=calib)
     original = copy.deepcopy(net)
@@ -338,7 +338,7 @@ def _convert(job: _Job, markdown: bool) -> dict:
         print("\nnothing converted: no heal")
     elif cfg.heal.budgeted:
         with stages("samples") if cfg.heal.text != "text" else contextlib.nullcontext():
-            splits = heal_splits(splits, original, cfg.heal, start=start, progress=progress)
+            splits = heal_splits(splits, original, cfg.heal, starts=starts, progress=progress)
         with stages("heal"):
             rep, guard = _guarded_heal(job, original, net, splits, record, tokenizer)
         before = fid
