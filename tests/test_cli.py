@@ -116,3 +116,11 @@ def test_counts_below_one_are_refused_by_the_parser(argv, match, capsys):
     with pytest.raises(SystemExit) as e:
         main(argv)
     assert e.value.code == 2 and match in capsys.readouterr().err
+
+
+def test_version_is_the_packages(capsys):
+    """`normlab --version` prints the version pyproject.toml and ``normlab.__version__`` read (issue 67)."""
+    with pytest.raises(SystemExit) as stop:
+        main(["--version"])
+    assert stop.value.code == 0
+    assert capsys.readouterr().out.strip() == f"normlab {normlab.__version__}"

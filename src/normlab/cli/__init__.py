@@ -45,7 +45,10 @@ def _docs_line(command: str | None) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from normlab.version import __version__
+
     p = argparse.ArgumentParser(prog="normlab", description=DESCRIPTION, epilog=_docs_line(None))
+    p.add_argument("--version", action="version", version=f"normlab {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     commands = (
         add_demo,
