@@ -1,11 +1,12 @@
-"""SmolLM2-135M converted to DyISRU step by step, as `normlab convert` runs it: the figure of bench/real_model.csv.
+"""SmolLM2-135M converted to DyISRU by each recipe, judged as it will be used: the figure of bench/usable.csv.
 
     python scripts/plot_conversion.py                  # docs/figures/real_model.png
 
-Each bar is one row of bench/real_model.csv (chosen by its commit and the start of its stage), the held-out
-Shakespeare cross-entropy beside the docutils documentation's, the original's as dashed lines; the label says how
-long the command took on 2 cores. The uncalibrated conversion (380 nats) is left out of the axis and named in the
-title.
+Each recipe is the newest row of its job in bench/usable.csv (`python scripts/bench_usable.py` appends them, each
+with its command, commit, machine and date). Left: the share of positions where the converted model's top-1 token
+is the original's, on held-out Shakespeare, docutils and the chat set, with the chat score (greedy answers whose
+first six words are the original's) as a dot. Right: the median and the worst 128-token sequence's rise over the
+original, log scale, with the blow-ups counted. The label says how long the command took on 2 cores.
 """
 
 from __future__ import annotations
@@ -16,53 +17,66 @@ from pathlib import Path
 
 from _study import ROOT, save
 
-# (label, commit, the stage's start): the rows the figure shows, in the order a user would run them
-ROWS = [
-    ("calibrated per site\n(3b43a2e)", "3b43a2e", "calibrated"),
-    ("calibrated per channel", "bbb5b7e", "calibrated, one beta"),
-    ("budget walk, 51 of 61\n(8c977a9)", "8c977a9", "no heal: budget 0.4"),
-    ("budget walk, 49 of 61\n(fe02fce: float32, defer=4)", "fe02fce", "no heal: budget 0.4"),
-    ("budget walk, 50 of 61\n(now: bf16 steps, defer=3)", "ad7114d", "no heal: budget 0.4"),
-    ("self recipe, bf16\n(from nothing)", "2031abe", "self recipe from nothing"),
-]
+JOBS = {  # job -> its label, in the order the README's table lists the recipes
+    "per_channel": "per channel",
+    "budget": "budget walk 0.4",
+    "budget_0.2": "budget walk 0.2",
+    "budget_heal": "budget walk 0.4\n+ heal",
+    "recipe": "self recipe\n(LoRA heal)",
+    "per_channel_route": "per channel,\nevery site",
+}
+
+
+def newest(rows: list[dict], model: str = "smollm2") -> list[tuple[str, dict]]:
+    """The newest row (by date, then file order) of each job in `JOBS` that bench/usable.csv has for ``model``."""
+    out = []
+    for job, label in JOBS.items():
+        hit = [r for r in rows if r["job"] == job and r.get("model", model) in (model, "")]
+        if hit:
+            out.append((label, max(enumerate(hit), key=lambda ir: (ir[1]["date"], ir[0]))[1]))
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--csv", type=Path, default=ROOT / "bench" / "real_model.csv")
+    ap.add_argument("--csv", type=Path, default=ROOT / "bench" / "usable.csv")
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "figures" / "real_model.png")
     args = ap.parse_args()
-    rows = list(csv.DictReader(args.csv.open()))
-    picked = []
-    for label, commit, stage in ROWS:
-        hit = [r for r in rows if r["commit"] == commit and r["stage"].startswith(stage) and r["target"] == "dyisru"]
-        if len(hit) != 1:
-            raise SystemExit(f"{args.csv}: {len(hit)} rows of commit {commit} with a stage starting {stage!r}")
-        picked.append((label, hit[0]))
+    picked = newest(list(csv.DictReader(args.csv.open())))
+    if not picked:
+        raise SystemExit(f"{args.csv}: no row of any job in {sorted(JOBS)}")
 
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(10, 4.2))
-    width = 0.38
-    for k, (key, base, name) in enumerate((("ce", "ce_original", "held-out Shakespeare"),
-                                           ("ce_second", "ce_second_original", "docutils documentation"))):  # fmt: skip
-        xs = [i + (k - 0.5) * width for i in range(len(picked))]
-        ys = [float(r[key]) for _, r in picked]
-        bars = ax.bar(xs, ys, width, label=name, color=f"C{k}")
-        for b, (_, r) in zip(bars, picked):
-            ax.text(b.get_x() + b.get_width() / 2, b.get_height() + 0.05, f"+{float(r[key]) - float(r[base]):.2f}",
-                    ha="center", fontsize=8)  # fmt: skip
-        original = float(next(r[base] for _, r in picked if r[base]))
-        ax.axhline(original, color=f"C{k}", ls="--", lw=1, label=f"original, {name} ({original:.2f})")
-    minutes = [float(r["minutes"]) for _, r in picked]
-    ax.set_xticks(range(len(picked)), [f"{label}\n{m:.1f} min" for (label, _), m in zip(picked, minutes)], fontsize=8)
-    ax.set_ylim(3, max(float(r["ce"]) for _, r in picked) + 0.8)
-    ax.set_ylabel("cross-entropy (nats/token)")
-    ax.set_title("SmolLM2-135M, RMSNorm -> DyISRU: no calibration reads 380 nats; each step below, 2 CPU cores")
-    ax.legend(fontsize=8, loc="upper right")
+    fig, (top1, gap) = plt.subplots(1, 2, figsize=(12, 4.4))
+    width = 0.26
+    xs = range(len(picked))
+    for k, (key, name) in enumerate((("held", "held-out Shakespeare"), ("docs", "docutils"), ("chat", "chat set"))):
+        ys = [100 * float(r[f"{key}_same_top1"]) for _, r in picked]
+        top1.bar([x + (k - 1) * width for x in xs], ys, width, label=name, color=f"C{k}")
+    top1.plot(xs, [100 * float(r["chat_score"]) for _, r in picked], "kD", label="chat score (first 6 words)")
+    top1.axhline(75, color="grey", ls=":", lw=1)
+    top1.set_ylabel("same top-1 token as the original (%)")
+    top1.set_ylim(0, 100)
+    labels = [f"{label}\n{float(r['minutes']):.1f} min" for label, r in picked]
+    top1.set_xticks(list(xs), labels, fontsize=7)
+    top1.legend(fontsize=7, loc="upper right")
+    for k, (key, name) in enumerate((("held_gap_median", "median sequence"), ("held_gap_worst", "worst sequence"))):
+        ys = [max(float(r[key]), 1e-3) for _, r in picked]
+        gap.bar([x + (k - 0.5) * 0.38 for x in xs], ys, 0.38, label=name, color=f"C{k + 3}")
+    for x, (_, r) in zip(xs, picked):
+        gap.text(x, max(float(r["held_gap_worst"]), 1e-3) * 1.15, f"{r['blowups']} blow-ups", ha="center",
+                 fontsize=7)  # fmt: skip
+    gap.set_yscale("log")
+    gap.set_ylim(top=max(float(r["held_gap_worst"]) for _, r in picked) * 4)
+    gap.set_ylabel("rise over the original, held out (nats/token)")
+    gap.set_xticks(list(xs), labels, fontsize=7)
+    gap.legend(fontsize=7, loc="upper left")
+    machine = picked[0][1]["machine"]
+    fig.suptitle(f"SmolLM2-135M-Instruct, RMSNorm -> DyISRU, judged as used ({machine}, 2 cores; bench/usable.csv)")
     save(fig, args.out)
 
 

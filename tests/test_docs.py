@@ -260,6 +260,26 @@ def test_the_readme_is_a_front_page():
     assert len((REPO / "README.md").read_text().splitlines()) <= 200
 
 
+COMMIT = re.compile(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b")
+
+
+def commits_in_prose(text: str) -> list[str]:
+    """The commit hashes of a Markdown page outside its code blocks and link targets (a GitHub user's name in a
+    web address is not a hash): seven or more hex digits with at least one letter and one digit."""
+    text = re.sub(r"```.*?```", "", text, flags=re.S)
+    text = re.sub(r"\]\([^)]*\)", "]", text)
+    return COMMIT.findall(text)
+
+
+def test_the_docs_state_results_not_commits():
+    """issue 67: README.md and docs/ name no commit in their prose, tables or figure captions; a result's commit is in
+    its bench row, and history is in CHANGELOG.md."""
+    hits = {p.relative_to(REPO).as_posix(): commits_in_prose(p.read_text()) for p in PAGES}
+    assert not {k: v for k, v in hits.items() if v}
+    assert commits_in_prose("measured at 6201ef4, and `3683c49` too") == ["6201ef4", "3683c49"]
+    assert commits_in_prose("```\ngit checkout 6201ef4\n```\n[repo](https://github.com/abcde17/x), 2026") == []
+
+
 def test_scripts_import_only_modules_of_the_api_reference():
     """The scripts are tools and benchmarks on normlab's public modules: every normlab module they import is in the
     API reference (docs/api), where its names are documented, or is a package whose modules are."""
