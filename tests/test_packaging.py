@@ -26,7 +26,8 @@ def test_the_version_is_written_once_and_the_changelog_names_it():
     assert importlib.metadata.version("normlab") == normlab.__version__
     newest = re.search(r"^## (\S+)", (REPO / "CHANGELOG.md").read_text(), re.M).group(1)
     assert newest == normlab.__version__, "a new version needs its CHANGELOG.md entry"
-    assert "MIT License" in (REPO / "LICENSE").read_text() and 'license = { text = "MIT" }' in pyproject
+    assert "MIT License" in (REPO / "LICENSE").read_text()
+    assert 'license = "MIT"' in pyproject and 'license-files = ["LICENSE"]' in pyproject  # SPDX, not a TOML table
 
 
 def _readme_example() -> str:
@@ -45,6 +46,7 @@ def test_the_wheel_installs_in_a_fresh_venv_and_runs(tmp_path):
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert built.returncode == 0, built.stderr[-3000:]
+    assert "TOML table is deprecated" not in built.stdout + built.stderr  # issue 65: the license as SPDX
     wheel = next(dist.glob(f"normlab-{normlab.__version__}-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
     assert "normlab/kernels/csrc/cpu_norms.cpp" in names and "normlab/version.py" in names
