@@ -16,6 +16,7 @@ from normlab.cli import main
 from normlab.conversion.calibrate import calibrate_sites
 from normlab.conversion.config import (
     SHORTHANDS,
+    BudgetConfig,
     CalibrateConfig,
     ConvertConfig,
     HealConfig,
@@ -151,6 +152,37 @@ def test_every_calibrate_field_is_an_override_checked_by_the_config():
     with pytest.raises(ValueError, match="to='dyt' and config.to='dyisru' disagree"):
         normlab.convert_norms(model, "dyt", config=ConvertConfig())
     assert isinstance(model[1], torch.nn.LayerNorm)  # every refusal before the model is touched
+
+
+def test_the_python_api_applies_the_configs_exclude_and_refuses_what_it_would_drop():
+    """issue 65, A15 and A14: ``convert_norms(config=ConvertConfig(exclude=[...]))`` leaves the excluded norms as
+    ``normlab convert`` does (it converted them); a config's heal or budget section, which only convert_model runs,
+    is refused, not dropped; a keyword that contradicts a value the config sets is refused, naming both, while a
+    keyword may still set a field the config leaves at its default."""
+
+    def model():
+        return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.LayerNorm(8))
+
+    m = model()
+    record = normlab.convert_norms(m, config=ConvertConfig(to="dyt", exclude=["2"]), progress=False)
+    assert [s.name for s in record.sites] == ["1"] and isinstance(m[2], torch.nn.LayerNorm)
+    with pytest.raises(ValueError, match="every one of the 2 norms"):  # the config's exclude and the caller's include
+        normlab.convert_norms(model(), config=ConvertConfig(exclude=["2"]), include=lambda n, _: n != "1")
+    refused = [
+        (ConvertConfig(heal=HealConfig(minutes=1.0)), "heal"),
+        (ConvertConfig(budget=BudgetConfig(nats=0.4)), "budget"),
+    ]
+    for cfg, what in refused:
+        m = model()
+        with pytest.raises(ValueError, match=f"asks for a {what}.*convert_model"):
+            normlab.convert_norms(m, config=cfg)
+        assert isinstance(m[1], torch.nn.LayerNorm)
+    with pytest.raises(ValueError, match="per='global' and the config's per='channel' disagree"):
+        normlab.convert_norms(model(), config=ConvertConfig(per="channel"), per="global")
+    with pytest.raises(ValueError, match="max_tokens=64 and the config's max_tokens=32 disagree"):
+        normlab.convert_norms(model(), config=CalibrateConfig(max_tokens=32), max_tokens=64)
+    spec, cfg = resolve_options(None, ConvertConfig(per="channel"), {"per": "channel", "solver": "lbfgs"}, True)
+    assert (cfg.per, cfg.calibrate.solver) == ("channel", "lbfgs")  # agreeing, or a field left at its default
 
 
 def test_choices_are_the_literal_types_and_the_objectives_table_follows_them():

@@ -209,6 +209,8 @@ def resolve_options(
         )
     if to is not None and isinstance(config, ConvertConfig) and to != config.to:
         raise ValueError(f"convert_norms: to={to!r} and config.to={config.to!r} disagree: give the target once")
+    if config is not None:
+        _check_agree(base, overrides, cal_fields)
     cfg = dataclasses.replace(
         base,
         to=base.to if to is None else to,
@@ -221,6 +223,24 @@ def resolve_options(
     check_types(cfg, "", _keyword)
     cfg.calibrate.validate(cfg.to if calibrating else None, _keyword)
     return spec, cfg
+
+
+def _check_agree(base: ConvertConfig, overrides: dict, cal_fields: set) -> None:
+    """A keyword may set a field the given config leaves at its default; one that contradicts a value the config
+    sets is refused, naming both (it won silently before, issue 65). A config's heal and budget sections are run by
+    `normlab.conversion.workflow.convert_model` (``normlab convert``), not here: refused rather than dropped."""
+    plain, plain_cal = ConvertConfig(), CalibrateConfig()
+    for key, value in overrides.items():
+        section, plain_section = (base.calibrate, plain_cal) if key in cal_fields else (base, plain)
+        have = getattr(section, key)
+        if have != getattr(plain_section, key) and have != value:
+            raise ValueError(f"convert_norms: {key}={value!r} and the config's {key}={have!r} disagree: give it once")
+    if base.heal.budgeted or base.budget.nats is not None:
+        part = "heal (heal.minutes / heal.tokens)" if base.heal.budgeted else "budget walk (budget.nats)"
+        raise ValueError(
+            f"convert_norms: the config asks for a {part}, which convert_norms does not run: pass the config to "
+            "normlab.conversion.workflow.convert_model (what normlab convert runs), or drop that section"
+        )
 
 
 def _check_options(model, to, calibrate, extra_classes) -> None:
@@ -276,6 +296,10 @@ def convert_norms(
         calibrate = None
     _check_options(model, to, calibrate, extra_classes)
     extra = dict(extra_classes or {})
+    if cfg.exclude:  # the config's exclude, as normlab convert applies it, beside any include= of the caller's
+        given = include
+        include = lambda name, m: (not any(fnmatch.fnmatch(name, p) for p in cfg.exclude)  # noqa: E731
+                                   and (given is None or given(name, m)))  # fmt: skip
     found, skipped = _find(model, extra, include)
     excluded = [s["name"] for s in skipped if s["reason"] == "excluded by include="]
     if not found and excluded:

@@ -26,6 +26,7 @@ in a chosen order for the same reason: some norms cost nearly nothing to lose, o
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
@@ -34,7 +35,7 @@ import torch
 from torch import nn
 
 from normlab.conversion.batches import as_batches, autocast_dtype, swap
-from normlab.conversion.config import BudgetConfig
+from normlab.conversion.config import BudgetConfig, CalibrateConfig
 from normlab.conversion.convert import convert_norms
 from normlab.conversion.record import ConversionRecord
 from normlab.conversion.stream import BlockReplay, find_blocks
@@ -151,19 +152,25 @@ def _checked(calibrate, held, budget: BudgetConfig | None) -> tuple[BudgetConfig
     return budget, calib, held, rank
 
 
+def _setting(convert_kwargs: dict, **fields: object) -> dict:
+    """``convert_kwargs`` with ``fields`` (of the calibrate section) set for one internal call: in the config when
+    one is given, since `convert_norms` refuses a keyword that contradicts its config, else as keywords."""
+    rest = {k: v for k, v in convert_kwargs.items() if k not in fields}
+    cfg = rest.get("config")
+    if cfg is None:
+        return {**rest, **fields}
+    if isinstance(cfg, CalibrateConfig):
+        return {**rest, "config": dataclasses.replace(cfg, **fields)}
+    return {**rest, "config": dataclasses.replace(cfg, calibrate=dataclasses.replace(cfg.calibrate, **fields))}
+
+
 def _refit(model, name: str, to: str, site, batches: list, convert_kwargs: dict):
     """Convert the one site ``name`` of ``model`` in place, fitted on its input in the model as it is now;
     returns the new site record."""
-    sub = convert_norms(
-        model,
-        to,
-        calibrate=batches,
-        massive_tokens="route" if site.massive else "shared",
-        progress=False,
-        include=lambda n, m: n == name,
-        sequential=False,  # one site: its input in the model as it is now, from the pass that takes its target
-        **{k: v for k, v in convert_kwargs.items() if k not in ("include", "massive_tokens", "sequential")},
-    )
+    kwargs = {k: v for k, v in convert_kwargs.items() if k != "include"}
+    # one site: its input in the model as it is now, from the pass that takes its target
+    kwargs = _setting(kwargs, massive_tokens="route" if site.massive else "shared", sequential=False)
+    sub = convert_norms(model, to, calibrate=batches, progress=False, include=lambda n, m: n == name, **kwargs)
     return sub.sites[0]
 
 
@@ -180,20 +187,12 @@ def _refit_all(model, done: list, walk: dict, ce: float) -> float:
         swap(model, n, walk["originals"][n])
     chosen = set(names)
     try:
-        sub = convert_norms(
-            model,
-            walk["to"],
-            calibrate=walk["batches"],
-            massive_tokens="route" if any(records[n].massive for n in names) else "shared",  # noqa: E501
-            progress=False,
-            include=lambda n, m: n in chosen,
-            target="local",  # as each site's own refit: the original norm on its input in the model as it is now
-            **{
-                k: v
-                for k, v in walk["kwargs"].items()
-                if k not in ("include", "massive_tokens", "sequential", "target")
-            },
-        )
+        kwargs = {k: v for k, v in walk["kwargs"].items() if k not in ("include", "sequential")}
+        # as each site's own refit: the original norm on its input in the model as it is now
+        kwargs = _setting(kwargs, massive_tokens="route" if any(records[n].massive for n in names) else "shared",
+                          target="local")  # fmt: skip
+        sub = convert_norms(model, walk["to"], calibrate=walk["batches"], progress=False,
+                            include=lambda n, m: n in chosen, **kwargs)  # fmt: skip
     except BaseException:
         for n in names:
             swap(model, n, before[n])
@@ -242,7 +241,8 @@ def frontier(
     dtype, precision = autocast_dtype(budget.precision, model, "budget.precision")
     start = time.monotonic()
     fitted_model = copy.deepcopy(model)
-    record = convert_norms(fitted_model, to, calibrate=calib, sequential=False, progress=progress, **convert_kwargs)
+    record = convert_norms(fitted_model, to, calibrate=calib, progress=progress,
+                           **_setting(convert_kwargs, sequential=False))  # fmt: skip
     fitted = {s.name: fitted_model.get_submodule(s.name) for s in record.sites}
     costs = site_costs(model, fitted, rank, progress=progress, dtype=dtype)
     order = sorted(costs, key=lambda n: costs[n] if math.isfinite(costs[n]) else math.inf)

@@ -17,7 +17,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from normlab.conversion.config import ConvertConfig, flag, identity_difference
+from normlab.conversion.config import BudgetConfig, ConvertConfig, HealConfig, flag, identity_difference
 from normlab.conversion.convert import convert_norms, fidelity, save_converted
 from normlab.conversion.frontier import FEW_SELECTION, frontier
 from normlab.conversion.heal import check_heal_resources, heal
@@ -394,6 +394,7 @@ def _convert_sites(cfg: ConvertConfig, net, calib: list, held: list, select: lis
     text the heal never trains on and the held-out measurement never reuses), so the held-out cross-entropy
     printed after it is an honest estimate, not the number the walk was chosen to keep under the budget."""
     c, b = cfg.calibrate, cfg.budget
+    sites_cfg = dataclasses.replace(cfg, heal=HealConfig(), budget=BudgetConfig())  # what convert_norms runs
     include = (lambda name, m: not any(fnmatch.fnmatch(name, pat) for pat in cfg.exclude)) if cfg.exclude else None
     if b.nats is not None:
         front, record = frontier(
@@ -402,7 +403,7 @@ def _convert_sites(cfg: ConvertConfig, net, calib: list, held: list, select: lis
             calib,
             select,
             budget=b,
-            config=cfg,
+            config=sites_cfg,
             include=include,
             progress=progress,
         )  # the frontier ranks on independent fits
@@ -430,7 +431,7 @@ def _convert_sites(cfg: ConvertConfig, net, calib: list, held: list, select: lis
                          "seconds": round(front.seconds, 1)}}  # fmt: skip
     else:
         record = convert_norms(
-            net, calibrate=calib if c.enabled else None, config=cfg, include=include, progress=progress
+            net, calibrate=calib if c.enabled else None, config=sites_cfg, include=include, progress=progress
         )
         walk = None
     n_calib = sum(len(b) for b in calib)
