@@ -3,14 +3,17 @@
     python scripts/bench_convert.py --against 012416b                      # per-channel calibration, both commits
     python scripts/bench_convert.py --against 012416b --jobs per_channel budget
     python scripts/bench_convert.py --jobs samples                         # this commit only
+    python scripts/bench_convert.py --model qwen-coder --jobs per_channel budget   # the 0.5B second family
 
-Each job is a real `normlab convert` of SmolLM2-135M-Instruct (``--model smollm2``) in a fresh process, its output in
-a temporary folder; the earlier commit runs from a git worktree of it (its own ``src/`` first on the path, the same
-venv). A commit whose convert records stage timings (``fidelity.json``'s ``stages``) gives one row per stage, an
-older one its wall time only. The held-out and docutils cross-entropies go beside the times, so a faster stage that
-changed the result shows it. Rows go to bench/convert_stages.csv with the machine and both commits. A benchmark, not
-a test: nothing is asserted; the samples job draws its set in a cache folder of its own (a cached set reads back in a
-second), the user's cached sets untouched.
+Each job is a real `normlab convert` of SmolLM2-135M-Instruct (``--model smollm2``, or another fixture with
+``--model``) in a fresh process, its output in a temporary folder; the earlier commit runs from a git worktree of it
+(its own ``src/`` first on the path, the same venv). A commit whose convert records stage timings
+(``fidelity.json``'s ``stages``) gives one row per stage, an older one its wall time only; each stage's row carries
+its peak resident memory (``peak_gb``) and the model's parameter count where the commit records them, so a stage's
+memory reads against the float32 model's size. The held-out and docutils cross-entropies go beside the times, so a
+faster stage that changed the result shows it. Rows go to bench/convert_stages.csv with the command, the machine and
+both commits. A benchmark, not a test: nothing is asserted; the samples job draws its set in a cache folder of its
+own (a cached set reads back in a second), the user's cached sets untouched.
 """
 
 from __future__ import annotations
@@ -41,29 +44,38 @@ def _commit(ref: str) -> str:
                           check=True).stdout.strip()  # fmt: skip
 
 
-def _run(src: Path, job: str, out: Path, threads: int, cache: Path | None = None) -> dict:
+def _run(src: Path, job: str, out: Path, threads: int, cache: Path | None = None, model: str = "smollm2") -> dict:
     """One convert in a fresh process from ``src`` (``cache``: its NORMLAB_CACHE); returns its wall time and what its
     fidelity.json says."""
     env = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": str(threads)}
     if cache is not None:
         env["NORMLAB_CACHE"] = str(cache)
     code = "import sys; from normlab.cli import main; sys.exit(main())"
-    argv = [sys.executable, "-c", code, "convert", "--model", "smollm2", *JOBS[job], "--no-progress", "--out", str(out)]
+    argv = [sys.executable, "-c", code, "convert", "--model", model, *JOBS[job], "--no-progress", "--out", str(out)]
     t0 = time.perf_counter()
     proc = subprocess.run(argv, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         raise SystemExit(f"{job} at {src} failed:\n{proc.stderr[-2000:]}")
     fid = json.loads((out / "fidelity.json").read_text())
-    return {"wall": wall, "fid": fid}
+    return {"wall": wall, "fid": fid, "command": " ".join(["normlab", *argv[3:-2]])}
 
 
 def _rows(job: str, commit: str, res: dict) -> list[dict]:
     fid = res["fid"]
-    common = {"job": job, "commit": commit, "ce_held_out": round(fid.get("ce_converted", float("nan")), 4),
-              "ce_original": round(fid.get("ce_original", float("nan")), 4),
-              "ce_docs": round(fid.get("second_text", {}).get("ce_converted", float("nan")), 4)}  # fmt: skip
-    rows = [{**common, "stage": stage, "seconds": s} for stage, s in fid.get("stages", {}).items()]
+    common = {
+        "job": job,
+        "commit": commit,
+        "command": res["command"],
+        "parameters": fid.get("parameters", ""),
+        "ce_held_out": round(fid.get("ce_converted", float("nan")), 4),
+        "ce_original": round(fid.get("ce_original", float("nan")), 4),
+        "ce_docs": round(fid.get("second_text", {}).get("ce_converted", float("nan")), 4),
+    }
+    peaks = fid.get("stage_peak_gb", {})
+    rows = [
+        {**common, "stage": st, "seconds": s, "peak_gb": peaks.get(st, "")} for st, s in fid.get("stages", {}).items()
+    ]
     return [*rows, {**common, "stage": "wall (process)", "seconds": round(res["wall"], 1)}]
 
 
@@ -85,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--against", help="an earlier commit to time beside this one (a git worktree of it)")
     ap.add_argument("--jobs", nargs="+", choices=list(JOBS), default=["per_channel"])
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--model", default="smollm2", help="a fixture (smollm2, qwen-coder) or a model path")
     ap.add_argument("--csv", default=str(ROOT / "bench" / "convert_stages.csv"))
     args = ap.parse_args(argv)
     here = _commit("HEAD")
@@ -101,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
             for job in args.jobs:
                 for commit, src in sides:
                     cache = _fresh_samples_cache(Path(tmp) / f"cache-{commit}") if job == "samples" else None
-                    res = _run(src, job, Path(tmp) / f"{job}-{commit}", args.threads, cache)
+                    res = _run(src, job, Path(tmp) / f"{job}-{commit}", args.threads, cache, args.model)
                     rows += _rows(job, commit, res)
                     print(f"{job} at {commit}: {res['wall'] / 60:.1f} min", flush=True)
         finally:
@@ -110,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     machine = f"{cpu_name()}, {args.threads} threads"
     stamp = {"date": datetime.date.today().isoformat(), "machine": machine, "bench_commit": here}
     append_csv(args.csv, [{**stamp, **r} for r in rows])
-    cols = ["job", "commit", "stage", "seconds", "ce_held_out", "ce_docs"]
+    cols = ["job", "commit", "stage", "seconds", "peak_gb", "ce_held_out", "ce_docs"]
     print(format_table(cols, [[r[k] for k in cols] for r in rows]))
     print(f"\n{machine}; rows appended to {args.csv}")
     return 0

@@ -151,21 +151,50 @@ def test_a_killed_study_resumes_its_heal_from_the_cell_checkpoint(tmp_path):
         proc.wait()
     first = (root / "tiny" / "first" / "result.json").stat().st_mtime_ns
     assert not (root / "tiny" / "heal" / "result.json").exists()
+    spent = torch_report(ckpt)["seconds"]  # what the killed heal had run when it last saved
     assert main(["study", str(path), "--root", str(root), "--no-progress"]) == 0
     assert (root / "tiny" / "first" / "result.json").stat().st_mtime_ns == first
     heal = json.loads((root / "tiny" / "heal" / "result.json").read_text())["fidelity"]["heal"]
     assert heal["resumed_from"] >= 1024 and heal["tokens"] >= 16000
+    assert spent > 0 and heal["seconds"] >= spent  # issue 65, G4: the seconds before the kill count
     assert not ckpt.exists()
+
+
+def torch_report(ckpt: Path) -> dict:
+    """A heal checkpoint's report ({"tokens": 0} while it is being replaced)."""
+    import torch
+
+    try:
+        return torch.load(ckpt, weights_only=False)["report"]
+    except Exception:  # noqa: BLE001  (a checkpoint being written)
+        return {"tokens": 0}
 
 
 def torch_tokens(ckpt: Path) -> int:
     """Tokens a heal checkpoint has trained (0 while it is being replaced)."""
-    import torch
+    return torch_report(ckpt)["tokens"]
 
-    try:
-        return torch.load(ckpt, weights_only=False)["report"]["tokens"]
-    except Exception:  # noqa: BLE001  (a checkpoint being written)
-        return 0
+
+def test_two_studies_of_one_name_cannot_share_a_root(tmp_path, capsys):
+    """issue 65, G5: ``a/s1.toml`` then ``b/s1.toml`` under one --root: the second is refused before any cell runs,
+    naming both, and the first's results and checks are left as they were; the first runs again as before."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    first, second = _study(a, TWO_CELLS, name="s1"), _study(b, TWO_CELLS, name="s1")
+    root = tmp_path / "runs"
+    run_study(first, root, only=["global"], progress=False)
+    result = (root / "s1" / "global" / "result.json").read_bytes()
+    checks = (root / "s1" / "checks.json").read_bytes()
+    with pytest.raises(ValueError, match=r"holds the study .*a/s1.toml, not .*b/s1.toml.*another --root"):
+        run_study(second, root, progress=False)
+    assert (root / "s1" / "global" / "result.json").read_bytes() == result
+    assert (root / "s1" / "checks.json").read_bytes() == checks
+    assert not (root / "s1" / "channel").exists()
+    assert main(["study", str(second), "--root", str(root), "--no-progress"]) == 2
+    assert "another --root" in capsys.readouterr().err
+    run_study(first, root, only=["global"], progress=False)  # the study the root holds runs as before
+    assert (root / "s1" / "global" / "result.json").read_bytes() == result
 
 
 def test_a_cell_another_process_holds_is_left_to_it(tmp_path, capsys):

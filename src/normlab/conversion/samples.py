@@ -30,16 +30,17 @@ from torch import nn
 
 from normlab.conversion.batches import autocast_dtype, cache_kwarg, model_device
 from normlab.conversion.config import HealConfig
-from normlab.conversion.hf import TextSplits, TokenStream
+from normlab.conversion.hf import TextSplits, TokenStream, leading_bos
 from normlab.corpus import cache_dir
 from normlab.owner import hold
 
 __all__ = ["self_samples", "own_samples", "calibration_samples", "SampleSet", "Starts", "sample_starts",
            "weights_fingerprint", "MixedStream", "heal_splits", "SAMPLES_VERSION"]  # fmt: skip
 
-SAMPLES_VERSION = 4  # bump when the sampling procedure changes, so old caches are not read as new (2: own decode loop,
+SAMPLES_VERSION = 5  # bump when the sampling procedure changes, so old caches are not read as new (2: own decode loop,
 # batches of SAMPLE_BATCH, one generator for the whole set; 3: inverse-CDF draws, the decode step's attention as two
-# matmuls, the precision in the identity; 4: `Starts`, the kinds drawn apart and shuffled together)
+# matmuls, the precision in the identity; 4: `Starts`, the kinds drawn apart and shuffled together; 5: a chat
+# row's header follows only a drawn end of turn: 4 wrote headers back to back once the first one ended)
 SAMPLE_BATCH = 256  # sequences decoded together (SmolLM2, bf16, 2 cores: 850 tokens/s at 256, 785 at 128)
 
 
@@ -66,7 +67,8 @@ class Starts:
       follows, the assistant's after a user turn and the user's after an assistant turn, so it answers its own
       question and goes on to a next one.
     * "bos": the BOS token, then free text (the model's end-of-sequence tokens masked, as for "free").
-    * "free": one token drawn uniformly from the vocabulary, no BOS: as a chunk cut from the middle of a text starts.
+    * "free": one token drawn uniformly from the vocabulary, no BOS: as a chunk cut from the middle of a text starts
+      (after BOS for a model whose tokenizer starts every text with it, ``always_bos``).
 
     ``shares`` gives each kind's part of a set.
     """
@@ -75,6 +77,7 @@ class Starts:
     chat: tuple[int, ...] = ()
     turns: tuple[tuple[int, ...], ...] = ()  # (a user turn's end + the assistant header, an answer's end + user header)
     varied: bool = True
+    always_bos: bool = False
 
     def shares(self, seq_len: int) -> dict[str, float]:
         """Each kind's part of a set of ``seq_len``-token samples: "varied" gives half to "chat" (when the template's
@@ -88,7 +91,7 @@ class Starts:
 
     def identity(self) -> dict:
         return {"bos": self.bos, "chat": list(self.chat), "turns": [list(t) for t in self.turns],
-                "varied": self.varied}  # fmt: skip
+                "varied": self.varied, "always_bos": self.always_bos}  # fmt: skip
 
 
 def _chat_opening(tokenizer: object) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
@@ -126,7 +129,7 @@ def sample_starts(tokenizer: object | None, varied: bool = True) -> Starts:
     """
     bos = getattr(tokenizer, "bos_token_id", None) if tokenizer is not None else None
     chat, turns = _chat_opening(tokenizer) if varied and tokenizer is not None else ((), ())
-    return Starts(bos, chat, turns, varied)
+    return Starts(bos, chat, turns, varied, always_bos=leading_bos(tokenizer) is not None)
 
 
 @dataclass(frozen=True)
@@ -233,7 +236,8 @@ class _Decoder:
             return torch.tensor(starts.chat, dtype=torch.long).expand(b, -1)[:, : self.which.seq_len]
         if kind == "bos":
             return torch.full((b, 1), starts.bos, dtype=torch.long)
-        return torch.randint(0, self.vocab, (b, 1), generator=self.gen)
+        free = torch.randint(0, self.vocab, (b, 1), generator=self.gen)
+        return torch.cat([torch.full((b, 1), starts.bos), free], 1) if starts.always_bos else free
 
     def batch(self, kind: str, b: int) -> torch.Tensor:
         """``b`` sequences of ``kind``, (b, seq_len)."""
@@ -251,9 +255,11 @@ class _Decoder:
             step = _draw_tokens(logits, self.which.temperature, self.gen)
             if end is not None:
                 for r in sorted(set(pending) | set((step[:, 0] == end).nonzero()[:, 0].tolist())):
-                    if pending.get(r):  # the template's header after a turn's end, token by token
+                    if r in pending:  # the template's header after a turn's end, token by token
                         step[r, 0] = pending[r].pop(0)
-                    else:
+                        if not pending[r]:
+                            del pending[r]
+                    else:  # a turn ends: the next role's header follows
                         pending[r], turn[r] = list(turns[turn.get(r, 0) % 2][1:]), turn.get(r, 0) + 1
             rows.append(step)
             self.bar.update(b)

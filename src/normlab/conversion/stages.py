@@ -1,21 +1,48 @@
-"""The stages of a long command (``normlab convert``, ``normlab export``): the seconds of each, printed as it goes
-where asked, and the library warnings that do not concern the user kept out of the way."""
+"""The stages of a long command (``normlab convert``, ``normlab export``): the seconds and the peak memory of each,
+printed as it goes where asked, and the library warnings that do not concern the user kept out of the way."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import sys
 import time
 import warnings
 
-__all__ = ["Stages", "library_noise"]
+__all__ = ["Stages", "library_noise", "peak_rss_gb"]
+
+
+def _reset_peak() -> bool:
+    """Start the process's peak resident set size afresh (Linux: ``5`` to ``/proc/self/clear_refs``); False where
+    it cannot be, so a peak reads since the process began."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_gb() -> float:
+    """The process's peak resident set size in GB (1e9 bytes) since it began or since the last `_reset_peak`:
+    ``VmHWM`` of /proc/self/status, or ``ru_maxrss`` where there is none."""
+    try:
+        with open("/proc/self/status") as f:
+            return int(re.search(r"VmHWM:\s+(\d+)\s+kB", f.read()).group(1)) * 1e3 / 1e9
+    except (OSError, AttributeError):
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KB on Linux, bytes on macOS
+        return peak / (1e9 if sys.platform == "darwin" else 1e6)
 
 
 class Stages:
-    """Wall-clock seconds of each stage, in the order they ran: ``with stages("load"): ...``. A stage entered twice
-    (the measurement before and after a heal) adds up. With ``progress``, each stage's start and seconds are printed
-    on stderr, behind ``prefix``.
+    """Wall-clock seconds and peak memory of each stage, in the order they ran: ``with stages("load"): ...``. A
+    stage entered twice (the measurement before and after a heal) adds up its seconds and keeps the larger peak.
+    The peak is the process's resident set size at its highest during the stage (``peak_gb``, GB), where the system
+    can restart the count (Linux); elsewhere it is the peak since the process began. With ``progress``, each
+    stage's start, seconds and peak are printed on stderr, behind ``prefix``.
 
     Args:
         progress: Print each stage as it starts and ends.
@@ -24,6 +51,7 @@ class Stages:
 
     def __init__(self, progress: bool = False, prefix: str = "") -> None:
         self.seconds: dict[str, float] = {}
+        self.peak_gb: dict[str, float] = {}
         self.progress, self.prefix = progress, prefix
 
     def say(self, line: str) -> None:
@@ -34,19 +62,23 @@ class Stages:
     @contextlib.contextmanager
     def __call__(self, name: str):
         self.say(f"{name} ...")
+        _reset_peak()
         t0 = time.perf_counter()
         try:
             yield
         finally:
             took = time.perf_counter() - t0
             self.seconds[name] = round(self.seconds.get(name, 0.0) + took, 2)
-        self.say(f"{name}: {took:.1f} s")
+            self.peak_gb[name] = round(max(self.peak_gb.get(name, 0.0), peak_rss_gb()), 2)
+        self.say(f"{name}: {took:.1f} s, peak {self.peak_gb[name]:.1f} GB")
 
     def line(self) -> str:
-        """Every stage's seconds and the total, in one line."""
+        """Every stage's seconds and peak memory, and the total, in two lines."""
         total = sum(self.seconds.values())
         parts = ", ".join(f"{k} {v:.1f}" for k, v in self.seconds.items())
-        return f"stage seconds: {parts} (total {total:.1f} s, {total / 60:.1f} min)"
+        peaks = ", ".join(f"{k} {v:.1f}" for k, v in self.peak_gb.items())
+        head = f"stage seconds: {parts} (total {total:.1f} s, {total / 60:.1f} min)"
+        return f"{head}\nstage peak memory (GB, resident): {peaks}"
 
 
 class _NoTorchvision(logging.Filter):

@@ -22,12 +22,19 @@ from normlab.conversion.convert import convert_norms, fidelity, save_converted
 from normlab.conversion.frontier import FEW_SELECTION, frontier
 from normlab.conversion.heal import check_heal_resources, heal
 from normlab.conversion.heal_report import heal_summary, write_curve
-from normlab.conversion.hf import TextCut, fixture_path, load_model, quiet, text_batches, text_splits, usable_tokenizer
+from normlab.conversion.hf import (
+    fixture_path,
+    leading_bos,
+    load_model,
+    quiet,
+    usable_tokenizer,
+)
 from normlab.conversion.samples import calibration_samples, heal_splits, sample_starts
 from normlab.conversion.saving import RECORD_FILE
 from normlab.conversion.stages import Stages
+from normlab.conversion.texts import conversion_texts, eval_file
 from normlab.conversion.usage import usage_lines, usage_report
-from normlab.corpus import DOCS, cache_dir, fetch_docs, fetch_shakespeare, sha256_file
+from normlab.corpus import cache_dir, fetch_shakespeare, sha256_file
 from normlab.owner import check_writable, hold, inside
 
 __all__ = ["convert_model", "check_out", "CONFIG_FILE", "model_fingerprint"]
@@ -105,7 +112,7 @@ def _check_checkpoint(cfg: ConvertConfig, inputs: list) -> str | None:
 
 def _check_inputs(cfg: ConvertConfig) -> str:
     """The files the config names, checked before any work; returns the model's path."""
-    for key, path in (("text", cfg.text), ("eval_text", _eval_file(cfg))):
+    for key, path in (("text", cfg.text), ("eval_text", eval_file(cfg))):
         if path is not None and path != "docs" and not Path(path).is_file():
             what = "is a folder" if Path(path).is_dir() else "does not exist"
             raise FileNotFoundError(f"{flag(key)} {path} {what}; give a text file")
@@ -129,7 +136,7 @@ def _check_inputs_outside(cfg: ConvertConfig) -> None:
     checked by `_check_checkpoint`)."""
     if not cfg.out:
         return
-    for key, path in (("text", cfg.text), ("eval_text", _eval_file(cfg))):
+    for key, path in (("text", cfg.text), ("eval_text", eval_file(cfg))):
         if path is None or (key == "eval_text" and path == "docs"):
             continue
         if inside(path, cfg.out) is not None:
@@ -162,23 +169,6 @@ def _check_resume_identity(ckpt: str | None, cfg: ConvertConfig, identity: dict)
             f"--resume: checkpoint {ckpt} was made from another model, text or settings ({diff}); "
             "resume with the same ones, or start afresh with another --checkpoint"
         )
-
-
-def _eval_file(cfg: ConvertConfig) -> str | None:
-    """The second text's path as given ('docs' for the docutils documentation), or None when it is off."""
-    e = cfg.eval_text
-    return None if e is None or e.strip().lower() == "none" else e
-
-
-def _second_text(cfg: ConvertConfig, tokenizer, vocab: int):
-    """The second text's held-out batches and its name, or (None, None). Only its last sequences are read, and
-    nothing of it reaches calibration or the heal."""
-    e = _eval_file(cfg)
-    if e is None:
-        return None, None
-    path, name = (fetch_docs(), f"{DOCS} documentation") if e == "docs" else (e, Path(e).name)
-    _, held = text_batches(path, tokenizer, vocab, TextCut(cfg.seq_len, n_calib=1, n_held=cfg.sequences))
-    return held, name
 
 
 def second_text_line(second: dict) -> str:
@@ -310,15 +300,7 @@ def _convert(job: _Job, markdown: bool) -> dict:
     if tokenizer is None:
         print(f"{cfg.model} has no tokenizer: using byte values mod {vocab} as token ids")
     with stages("load"):
-        if cfg.heal.budgeted or cfg.budget.nats is not None:
-            val = cfg.sequences if cfg.budget.nats is not None else TextCut.n_val  # a budget selects on as many as held
-            cut = TextCut(cfg.seq_len, cfg.sequences, cfg.sequences, val, seed=cfg.heal.seed)  # the stream's order
-            splits = text_splits(text, tokenizer, vocab, cut)
-            calib, held = splits.calib, splits.held
-        else:
-            splits = None
-            calib, held = text_batches(text, tokenizer, vocab, TextCut(cfg.seq_len, cfg.sequences, cfg.sequences))
-        held2, name2 = _second_text(cfg, tokenizer, vocab)
+        splits, calib, held, held2, name2 = conversion_texts(cfg, text, tokenizer, vocab)
     starts = sample_starts(tokenizer, cfg.heal.starts == "varied")
     if cfg.calibrate.source == "self":
         with stages("samples"):
@@ -355,8 +337,10 @@ def _convert(job: _Job, markdown: bool) -> dict:
             texts = {k: v for k, v in (("held-out", held), (name2, held2)) if v is not None}
             fid["usage"] = usage_report(original, net, tokenizer, texts, Path(text).read_text(errors="replace"))
         print("\n" + usage_lines(fid["usage"], markdown))
-    fid["stages"] = stages.seconds
-    print(f"\n{stages.line()}")
+    fid["stages"], fid["stage_peak_gb"] = stages.seconds, stages.peak_gb
+    fid["bos_every_sequence"] = leading_bos(tokenizer) is not None
+    fid["parameters"] = sum(p.numel() for p in original.parameters())  # the float32 model: 4 bytes each
+    print(f"\n{stages.line()} (the float32 model: {fid['parameters'] * 4 / 1e9:.2f} GB)")
     if cfg.out:
         with quiet(not progress):
             _save(job, net, record, tokenizer, fid, rep)

@@ -1,0 +1,47 @@
+"""The texts a conversion reads: its own text cut into calibration, held-out, validation and stream parts, and the
+second text it is measured on and never trained on (``--eval-text``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from normlab.conversion.config import ConvertConfig
+from normlab.conversion.hf import TextCut, leading_bos, text_batches, text_splits
+from normlab.corpus import DOCS, fetch_docs
+
+__all__ = ["conversion_texts", "second_text", "eval_file"]
+
+
+def eval_file(cfg: ConvertConfig) -> str | None:
+    """The second text's path as given ('docs' for the docutils documentation), or None when it is off."""
+    e = cfg.eval_text
+    return None if e is None or e.strip().lower() == "none" else e
+
+
+def second_text(cfg: ConvertConfig, tokenizer, vocab: int):
+    """The second text's held-out batches and its name, or (None, None). Only its last sequences are read, and
+    nothing of it reaches calibration or the heal."""
+    e = eval_file(cfg)
+    if e is None:
+        return None, None
+    path, name = (fetch_docs(), f"{DOCS} documentation") if e == "docs" else (e, Path(e).name)
+    _, held = text_batches(path, tokenizer, vocab, TextCut(cfg.seq_len, n_calib=1, n_held=cfg.sequences))
+    return held, name
+
+
+def conversion_texts(cfg: ConvertConfig, text, tokenizer, vocab: int) -> tuple:
+    """The conversion text cut for this run (with a heal or a budget, its four splits; else its two ends) and the
+    second text: (splits or None, calib, held, held2, name2). A model whose tokenizer starts every text with BOS
+    gets it at the start of every sequence (`normlab.conversion.hf.leading_bos`), and the run says so."""
+    bos = leading_bos(tokenizer)
+    if bos is not None:
+        print(f"every sequence starts with BOS (id {bos}), as {cfg.model}'s tokenizer starts every text")
+    if cfg.heal.budgeted or cfg.budget.nats is not None:
+        val = cfg.sequences if cfg.budget.nats is not None else TextCut.n_val  # a budget selects on as many as held
+        cut = TextCut(cfg.seq_len, cfg.sequences, cfg.sequences, val, seed=cfg.heal.seed)  # the stream's order
+        splits = text_splits(text, tokenizer, vocab, cut)
+        calib, held = splits.calib, splits.held
+    else:
+        splits = None
+        calib, held = text_batches(text, tokenizer, vocab, TextCut(cfg.seq_len, cfg.sequences, cfg.sequences))
+    return (splits, calib, held, *second_text(cfg, tokenizer, vocab))
