@@ -111,14 +111,18 @@ def test_the_output_check_can_fail():
 
 
 def _tiny_llama(path: Path) -> Path:
-    """A tiny random Llama with a byte vocabulary, saved without a tokenizer (so text is read as bytes)."""
+    """A tiny random Llama saved with a tiny BPE tokenizer that has a chat template (`conftest.tiny_tokenizer`), so
+    a block that prompts through the template and decodes runs as printed."""
     import torch
     import transformers
+
+    from conftest import tiny_tokenizer
 
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
     transformers.LlamaForCausalLM(cfg).eval().save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
     return path
 
 
