@@ -332,3 +332,38 @@ def test_excluding_every_norm_says_so_not_that_the_model_has_none():
     model = tiny_lm()
     with pytest.raises(ValueError, match=r"every one of the 5 norms of LlamaForCausalLM is excluded"):
         normlab.convert_norms(model, "dyt", include=lambda name, m: False)
+
+
+def test_fidelity_holds_one_batch_of_site_outputs_and_sums_in_chunks_yet_gives_the_whole_numbers(monkeypatch):
+    """issue 66: `fidelity` sums each site's error batch by batch and the KL and cross-entropy ``ROWS`` rows at a
+    time (a 152k vocabulary's logits and 49 sites' outputs no longer sit in memory whole); its numbers equal the
+    ones computed on everything at once, here by hand."""
+    import importlib
+
+    from conftest import id_batches
+
+    original = tiny_lm(layers=2)
+    converted = copy.deepcopy(original)
+    record = normlab.convert_norms(converted, "dyt", progress=False)
+    held = id_batches(3, seed=4, t=40, batch=5)  # 200 rows a batch: with ROWS at 64, four chunks of the KL
+    monkeypatch.setattr(importlib.import_module("normlab.conversion.fidelity"), "ROWS", 64)
+    got = normlab.fidelity(original, converted, held, record)
+    outs = {"a": {}, "b": {}}
+    hooks = []
+    for k, m in (("a", original), ("b", converted)):
+        for s in record.sites:
+            keep = lambda mod, a, y, k=k, n=s.name: outs[k].setdefault(n, []).append(y)  # noqa: E731
+            hooks.append(m.get_submodule(s.name).register_forward_hook(keep))
+    with torch.no_grad():
+        la = torch.cat([original(b).logits.reshape(-1, 100) for b in held])
+        lb = torch.cat([converted(b).logits.reshape(-1, 100) for b in held])
+    for h in hooks:
+        h.remove()
+    for s in record.sites:
+        ya, yb = torch.cat(outs["a"][s.name]), torch.cat(outs["b"][s.name])
+        assert got["sites"][s.name] == pytest.approx(float((yb - ya).norm() / ya.norm()), rel=1e-5)
+    kl = torch.nn.functional.kl_div(lb.log_softmax(-1), la.log_softmax(-1), log_target=True, reduction="sum")
+    assert got["kl"] == pytest.approx(float(kl) / len(la), rel=1e-5)
+    ids = torch.cat(held)
+    ce = torch.nn.functional.cross_entropy(la.reshape(*ids.shape, -1)[:, :-1].reshape(-1, 100), ids[:, 1:].reshape(-1))
+    assert got["ce_original"] == pytest.approx(float(ce), rel=1e-5)
