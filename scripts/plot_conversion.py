@@ -19,10 +19,10 @@ from _study import ROOT, save
 
 JOBS = {  # job -> its label, in the order the README's table lists the recipes
     "per_channel": "per channel",
-    "budget": "budget walk 0.4",
-    "budget_0.2": "budget walk 0.2",
-    "budget_heal": "budget walk 0.4\n+ heal",
-    "recipe": "self recipe\n(LoRA heal)",
+    "budget": "budget walk\n0.4",
+    "budget_0.2": "budget walk\n0.2",
+    "budget_heal": "budget walk\n0.4 + heal",
+    "recipe": "per channel\n+ heal",
     "per_channel_route": "per channel,\nevery site",
 }
 
