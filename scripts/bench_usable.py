@@ -8,7 +8,8 @@ judgement prints (`normlab.conversion.usage`), one row each.
 A row holds the command, the commit, the machine and the date, the minutes the command took, and per text (held
 out Shakespeare, docutils, the chat set) same top-1, mean and p99 KL divergence, the median and worst sequence gap;
 the gap by position on the long sequences; the blow-ups; the chat score, system-prompt answers and the first
-answer. Rows go to bench/usable.csv. A benchmark, not a test: nothing is asserted. Each run's folder is kept under
+answer. Rows go to bench/usable.csv, and each stage's seconds and peak memory to bench/convert_stages.csv. A
+benchmark, not a test: nothing is asserted. Each run's folder is kept under
 --keep (default: a temporary folder, removed), so `normlab evaluate` and `normlab export` can be run on it after.
 """
 
@@ -94,11 +95,31 @@ def _row(job: str, argv: list[str], fid: dict, minutes: float, commit: str) -> d
     return row
 
 
+def _stage_rows(row: dict, fid: dict) -> list[dict]:
+    """One bench/convert_stages.csv row per stage of the run: its seconds and peak resident memory, beside the
+    model's parameter count (so a stage's memory reads against the float32 model's size)."""
+    common = {
+        "date": row["date"],
+        "machine": f"{row['machine']}, {row['threads']} threads",
+        "bench_commit": row["commit"],
+        "job": f"usable:{row['job']}",
+        "commit": row["commit"],
+        "command": row["command"],
+        "parameters": fid.get("parameters", ""),
+        "ce_held_out": round(fid.get("ce_converted", float("nan")), 4),
+        "ce_original": round(fid.get("ce_original", float("nan")), 4),
+    }
+    peaks = fid.get("stage_peak_gb", {})
+    return [{**common, "stage": k, "seconds": v, "peak_gb": peaks.get(k, "")} for k, v in fid.get("stages", {}).items()]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--jobs", nargs="+", choices=list(JOBS), default=[j for j in JOBS if not j.startswith("qwen")])
     p.add_argument("--keep", type=Path, help="keep each run's folder under this folder")
     p.add_argument("--csv", type=Path, default=ROOT / "bench" / "usable.csv")
+    p.add_argument("--stages", type=Path, default=ROOT / "bench" / "convert_stages.csv",
+                   help="each stage's seconds and peak memory go here")  # fmt: skip
     args = p.parse_args()
     commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                             check=True).stdout.strip()  # fmt: skip
@@ -119,7 +140,8 @@ def main() -> None:
             fid = json.loads((out / "fidelity.json").read_text())
             row = _row(job, [a for a in argv if a not in ("--overwrite",)][:-2], fid, minutes, commit)
             append_csv(args.csv, [row])
-            print(f"{job}: {minutes:.1f} min -> {args.csv}", flush=True)
+            append_csv(args.stages, _stage_rows(row, fid))
+            print(f"{job}: {minutes:.1f} min -> {args.csv}, its stages -> {args.stages}", flush=True)
 
 
 if __name__ == "__main__":
