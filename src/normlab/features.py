@@ -144,12 +144,40 @@ def family_features() -> dict[str, dict[str, str]]:
     return rows
 
 
+CHECKPOINTS = {"smollm2": ("Llama", "SmolLM2-135M-Instruct"), "qwen-coder": ("Qwen2", "Qwen2.5-Coder-0.5B-Instruct")}
+USABLE = Path(__file__).resolve().parents[2] / "bench" / "usable.csv"  # in a checkout; absent from a wheel
+
+
+def measured(table: Path = USABLE) -> dict[str, str]:
+    """Family -> its real checkpoint's best conversion judged as used, from bench/usable.csv (the row with the
+    highest same top-1 on held-out text, newest first on a tie): the checkpoint, same top-1, the worst sequence,
+    the job and its minutes. A family with no row, or a checkout without the table, has none."""
+    import csv
+
+    if not table.is_file():
+        return {}
+    best: dict[str, dict] = {}
+    for row in csv.DictReader(table.open()):
+        model = row.get("model") or row["command"].split("--model ")[1].split()[0]
+        if model in CHECKPOINTS and row.get("held_same_top1"):
+            family = CHECKPOINTS[model][0]
+            if family not in best or float(row["held_same_top1"]) >= float(best[family]["held_same_top1"]):
+                best[family] = row | {"model": model}
+    return {
+        f: f"{CHECKPOINTS[r['model']][1]}: {float(r['held_same_top1']):.0%} same top-1, worst sequence "
+        f"+{float(r['held_gap_worst']):.2f} (`{r['job']}`, {r['minutes']} min)"
+        for f, r in best.items()
+    }
+
+
 def family_markdown() -> str:
-    """The family matrix as a Markdown table, between its markers."""
-    head = ["family", "norms converted", "calibration", "heal objectives", "loads without normlab", "ONNX export"]
+    """The family matrix as a Markdown table, between its markers; its last column is read from bench/ (`measured`)."""
+    head = ["family", "norms converted", "calibration", "heal objectives", "loads without normlab", "ONNX export",
+            "measured on a real checkpoint"]  # fmt: skip
     lines = [FAMILY_BEGIN, "| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    real = measured()
     for family, row in family_features().items():
-        lines.append(f"| {family} | " + " | ".join(row.values()) + " |")
+        lines.append(f"| {family} | " + " | ".join([*row.values(), real.get(family, "")]) + " |")
     return "\n".join([*lines, FAMILY_END])
 
 
