@@ -462,8 +462,7 @@ def test_the_gpu_convert_script_runs_on_the_cpu_on_a_tiny_model(tmp_path):
 
 
 def test_heal_seed_orders_the_text_stream(models, tmp_path):
-    """issue 48: heal.seed draws the order of the text's stream too, so a text heal can be run again with another
-    batch order (a second run at one rate); the default, 0, keeps the order every earlier run trained in."""
+    """issue 48: heal.seed draws the order of the text's stream too (0, the default, keeps every earlier order)."""
     curves = {}
     for seed in (0, 0, 1):
         out = tmp_path / f"o{seed}-{len(curves)}"
