@@ -225,6 +225,15 @@ def resolve_options(
     return spec, cfg
 
 
+def _excluding(patterns: list[str], include: Callable | None) -> Callable:
+    """``include`` (None: every norm) without the norms whose names match one of ``patterns`` (fnmatch)."""
+
+    def keep(name: str, module: nn.Module) -> bool:
+        return not any(fnmatch.fnmatch(name, p) for p in patterns) and (include is None or include(name, module))
+
+    return keep
+
+
 def _check_agree(base: ConvertConfig, overrides: dict, cal_fields: set) -> None:
     """A keyword may set a field the given config leaves at its default; one that contradicts a value the config
     sets is refused, naming both (it won silently before, issue 65). A config's heal and budget sections are run by
@@ -297,9 +306,7 @@ def convert_norms(
     _check_options(model, to, calibrate, extra_classes)
     extra = dict(extra_classes or {})
     if cfg.exclude:  # the config's exclude, as normlab convert applies it, beside any include= of the caller's
-        given = include
-        include = lambda name, m: (not any(fnmatch.fnmatch(name, p) for p in cfg.exclude)  # noqa: E731
-                                   and (given is None or given(name, m)))  # fmt: skip
+        include = _excluding(cfg.exclude, include)
     found, skipped = _find(model, extra, include)
     excluded = [s["name"] for s in skipped if s["reason"] == "excluded by include="]
     if not found and excluded:

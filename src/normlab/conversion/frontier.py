@@ -189,10 +189,12 @@ def _refit_all(model, done: list, walk: dict, ce: float) -> float:
     try:
         kwargs = {k: v for k, v in walk["kwargs"].items() if k not in ("include", "sequential")}
         # as each site's own refit: the original norm on its input in the model as it is now
-        kwargs = _setting(kwargs, massive_tokens="route" if any(records[n].massive for n in names) else "shared",
-                          target="local")  # fmt: skip
-        sub = convert_norms(model, walk["to"], calibrate=walk["batches"], progress=False,
-                            include=lambda n, m: n in chosen, **kwargs)  # fmt: skip
+        kwargs = _setting(
+            kwargs, massive_tokens="route" if any(records[n].massive for n in names) else "shared", target="local"
+        )
+        sub = convert_norms(
+            model, walk["to"], calibrate=walk["batches"], progress=False, include=lambda n, m: n in chosen, **kwargs
+        )
     except BaseException:
         for n in names:
             swap(model, n, before[n])
@@ -241,8 +243,9 @@ def frontier(
     dtype, precision = autocast_dtype(budget.precision, model, "budget.precision")
     start = time.monotonic()
     fitted_model = copy.deepcopy(model)
-    record = convert_norms(fitted_model, to, calibrate=calib, progress=progress,
-                           **_setting(convert_kwargs, sequential=False))  # fmt: skip
+    record = convert_norms(
+        fitted_model, to, calibrate=calib, progress=progress, **_setting(convert_kwargs, sequential=False)
+    )
     fitted = {s.name: fitted_model.get_submodule(s.name) for s in record.sites}
     costs = site_costs(model, fitted, rank, progress=progress, dtype=dtype)
     order = sorted(costs, key=lambda n: costs[n] if math.isfinite(costs[n]) else math.inf)

@@ -114,7 +114,7 @@ def _chat_opening(tokenizer: object) -> tuple[tuple[int, ...], tuple[tuple[int, 
         tuple(tokenizer(t, add_special_tokens=False)["input_ids"])
         for t in (text[: cut[0]], text[cut[0] + len(marks[0]) : cut[1]], text[cut[1] + len(marks[1]) : cut[2]])
     ]
-    opening, *turns = ids  # fmt: skip
+    opening, *turns = ids
     if not opening or any(len(t) < 2 for t in turns) or turns[0][0] != turns[1][0]:
         return (), ()
     return opening, tuple(turns)
@@ -226,8 +226,8 @@ class _Decoder:
         self.model, self.which, self.gen, self.bar = model, which, gen, bar
         self.vocab = model.get_input_embeddings().num_embeddings
         eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-        self.eos = [e for e in (eos if isinstance(eos, (list, tuple)) else [eos])
-                    if isinstance(e, int) and 0 <= e < self.vocab]  # fmt: skip
+        eos = eos if isinstance(eos, (list, tuple)) else [eos]
+        self.eos = [e for e in eos if isinstance(e, int) and 0 <= e < self.vocab]
         self.device, self.key = model_device(model), cache_kwarg(model)
 
     def _opening(self, kind: str, b: int) -> torch.Tensor:
