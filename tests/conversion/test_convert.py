@@ -362,6 +362,8 @@ def test_fidelity_holds_one_batch_of_site_outputs_and_sums_in_chunks_yet_gives_t
     for s in record.sites:
         ya, yb = torch.cat(outs["a"][s.name]), torch.cat(outs["b"][s.name])
         assert got["sites"][s.name] == pytest.approx(float((yb - ya).norm() / ya.norm()), rel=1e-5)
+    cos = torch.nn.functional.cosine_similarity(la, lb, dim=-1).mean()
+    assert got["output_cosine"] == pytest.approx(float(cos), rel=1e-5)
     kl = torch.nn.functional.kl_div(lb.log_softmax(-1), la.log_softmax(-1), log_target=True, reduction="sum")
     assert got["kl"] == pytest.approx(float(kl) / len(la), rel=1e-5)
     ids = torch.cat(held)
