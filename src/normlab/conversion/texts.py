@@ -13,14 +13,24 @@ __all__ = ["conversion_texts", "second_text", "eval_file"]
 
 
 def eval_file(cfg: ConvertConfig) -> str | None:
-    """The second text's path as given ('docs' for the docutils documentation), or None when it is off."""
+    """The second text's path as given ('docs' for the docutils documentation), or None when it is off.
+
+    Args:
+        cfg: The conversion's config (its ``eval_text``).
+    """
     e = cfg.eval_text
     return None if e is None or e.strip().lower() == "none" else e
 
 
-def second_text(cfg: ConvertConfig, tokenizer, vocab: int):
+def second_text(cfg: ConvertConfig, tokenizer: object | None, vocab: int) -> tuple[list | None, str | None]:
     """The second text's held-out batches and its name, or (None, None). Only its last sequences are read, and
-    nothing of it reaches calibration or the heal."""
+    nothing of it reaches calibration or the heal.
+
+    Args:
+        cfg: The conversion's config (its ``eval_text``, ``seq_len`` and ``sequences``).
+        tokenizer: The model's tokenizer, or None (byte ids).
+        vocab: The model's vocabulary size.
+    """
     e = eval_file(cfg)
     if e is None:
         return None, None
@@ -29,10 +39,17 @@ def second_text(cfg: ConvertConfig, tokenizer, vocab: int):
     return held, name
 
 
-def conversion_texts(cfg: ConvertConfig, text, tokenizer, vocab: int) -> tuple:
+def conversion_texts(cfg: ConvertConfig, text: str | Path, tokenizer: object | None, vocab: int) -> tuple:
     """The conversion text cut for this run (with a heal or a budget, its four splits; else its two ends) and the
     second text: (splits or None, calib, held, held2, name2). A model whose tokenizer starts every text with BOS
-    gets it at the start of every sequence (`normlab.conversion.hf.leading_bos`), and the run says so."""
+    gets it at the start of every sequence (`normlab.conversion.hf.leading_bos`), and the run says so.
+
+    Args:
+        cfg: The conversion's config (its sequence length and counts, whether it heals or walks a budget).
+        text: The conversion text's file.
+        tokenizer: The model's tokenizer, or None (byte ids).
+        vocab: The model's vocabulary size.
+    """
     bos = leading_bos(tokenizer)
     if bos is not None:
         print(f"every sequence starts with BOS (id {bos}), as {cfg.model}'s tokenizer starts every text")
