@@ -277,3 +277,22 @@ def test_a_heal_checkpoint_records_the_rate_it_runs_at_not_the_absence_of_one():
     assert default.difference(resolve_convert_config(["heal.minutes=5", "heal.lr=2.5e-4"]).identity()) is None
     assert "heal.lr: checkpoint None vs now 0.00025" in default.difference({**default.identity(), "heal.lr": None})
     assert "heal.lr" in default.difference(resolve_convert_config(["heal.minutes=5", "heal.lr=1e-3"]).identity())
+
+
+@pytest.mark.parametrize(
+    "sets, says",
+    [
+        (["heal.lora_rank=4"], "heal.lora_rank sizes heal.train=lora's adapters: it does nothing here"),
+        (["heal.objective=blocks", "heal.grad_clip=0.5"], "heal.grad_clip clips the distill objective's steps"),
+        (["heal.objective=blocks", "heal.rollback_nats=1"], "heal.rollback_nats rolls the distill objective back"),
+        (["heal.objective=blocks", "heal.teacher_top_k=64"], "heal.teacher_top_k caches the distill objective's"),
+    ],
+)
+def test_a_knob_the_heal_would_ignore_is_refused(sets, says):
+    """issue 65: a setting that the chosen heal does not read (a LoRA rank without LoRA, the distill objective's
+    clip, rollback and teacher cache under blocks) is refused, naming it, rather than accepted and ignored; the same
+    knob where it applies, and any knob at its default, pass."""
+    with pytest.raises(ValueError, match=says):
+        resolve_convert_config(["heal.tokens=1000", *sets])
+    resolve_convert_config(["heal.tokens=1000", "heal.train=lora", "heal.lora_rank=4", "heal.grad_clip=0.5"])
+    resolve_convert_config(["heal.tokens=1000", "heal.objective=blocks", "heal.grad_clip=1.0"])  # the default

@@ -227,9 +227,7 @@ class HealConfig:
         if self.tokens is not None and not float(self.tokens).is_integer():
             raise ValueError(f"{flag('heal.tokens')} must be a whole number of tokens, got {self.tokens!r}")
         if self.lr is not None and not (self.lr > 0 and math.isfinite(self.lr)):
-            raise ValueError(
-                f"{flag('heal.lr')} must be a finite number > 0 (or null for the default), got {self.lr!r}"
-            )
+            raise ValueError(f"{flag('heal.lr')} must be a finite number > 0 (or null: the default), got {self.lr!r}")
         if self.precision != "float32" and self.objective != "distill":
             raise ValueError(f"{flag('heal.precision')} {self.precision} applies to the distill objective's steps")
         if self.schedule != "constant" and self.objective != "distill":
@@ -243,22 +241,24 @@ class HealConfig:
             if v is None and name in ("eval_every", "teacher_top_k"):  # None: every 8 steps; the live teacher
                 continue
             _int_at_least(f"heal.{name}", v, least)
-        if self.teacher_top_k is not None and self.objective != "distill":
-            raise ValueError(f"{flag('heal.teacher_top_k')} caches the distill objective's teacher; blocks has none")
         if self.rollback_nats is not None and not (_finite(self.rollback_nats) and self.rollback_nats > 0):
             raise ValueError(f"{flag('heal.rollback_nats')} must be a finite number > 0 (nats above the best "
                              f"validation point), or null to never roll back; got {self.rollback_nats!r}")  # fmt: skip
         if not (_finite(self.grad_clip) and self.grad_clip >= 0):
-            raise ValueError(
-                f"{flag('heal.grad_clip')} must be a finite number >= 0 (the gradient's largest norm; 0 does not "
-                f"clip), got {self.grad_clip!r}"
-            )
+            raise ValueError(f"{flag('heal.grad_clip')} must be a finite number >= 0 (0: none), got {self.grad_clip!r}")
         for name, lo, hi in (("self_fraction", 0.0, 1.0), ("temperature", 0.0, math.inf)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo < v < hi:
                 raise ValueError(f"{flag('heal.' + name)} must be a number in ({lo:g}, {hi:g}), got {v!r}")
         if self.checkpoint is not None and not str(self.checkpoint).strip():
             raise ValueError(f"{flag('heal.checkpoint')} must name a file, got {self.checkpoint!r}")
+        blocks, plain = self.objective != "distill", HealConfig.__dataclass_fields__  # knobs this heal would ignore
+        for name, idle, why in (("teacher_top_k", blocks, "caches the distill objective's teacher; blocks has none"),
+                                ("grad_clip", blocks, "clips the distill objective's steps; blocks does not clip"),
+                                ("rollback_nats", blocks, "rolls the distill objective back; blocks keeps its best"),
+                                ("lora_rank", self.train != "lora", "sizes heal.train=lora's adapters")):  # fmt: skip
+            if idle and getattr(self, name) != plain[name].default:
+                raise ValueError(f"{flag('heal.' + name)} {why}: it does nothing here; drop it")
         if not self.budgeted:
             default = HealConfig.__dataclass_fields__
             given = [
