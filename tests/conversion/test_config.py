@@ -59,7 +59,7 @@ def test_set_reaches_every_section_and_unknown_fields_are_named():
 
 def test_round_trip_through_a_dict_and_json():
     site_init = 'site_init={"*input*": {"alpha_init": 0.8}}'
-    cfg = resolve_convert_config(["heal.tokens=500", "heal.train=lora", site_init], to="dyt")
+    cfg = resolve_convert_config(["heal.tokens=5000", "heal.train=lora", site_init], to="dyt")
     again = ConvertConfig.from_dict(json.loads(json.dumps(cfg.to_dict())))
     assert again == cfg
     with pytest.raises(ValueError, match="heal must be a table"):
@@ -70,7 +70,7 @@ def test_identity_names_the_field_that_differs_and_ignores_the_budget():
     a = resolve_convert_config(["heal.minutes=5"])
     b = resolve_convert_config(["heal.minutes=30", "heal.lr=3e-3"])
     assert a.difference(b.identity()) == "heal.lr: checkpoint 0.003 vs now 0.00025"  # the rate it runs at
-    assert a.difference(resolve_convert_config(["heal.tokens=100"]).identity()) is None  # only the budget differs
+    assert a.difference(resolve_convert_config(["heal.tokens=1000"]).identity()) is None  # only the budget differs
     assert (
         a.difference(a.identity(model_fingerprint="x"), model_fingerprint="y")
         == "model_fingerprint: checkpoint 'x' vs now 'y'"
@@ -296,3 +296,23 @@ def test_a_knob_the_heal_would_ignore_is_refused(sets, says):
         resolve_convert_config(["heal.tokens=1000", *sets])
     resolve_convert_config(["heal.tokens=1000", "heal.train=lora", "heal.lora_rank=4", "heal.grad_clip=0.5"])
     resolve_convert_config(["heal.tokens=1000", "heal.objective=blocks", "heal.grad_clip=1.0"])  # the default
+
+
+@pytest.mark.parametrize(
+    "sets, says",
+    [
+        (["heal.temperature=0.7"], "heal.temperature does nothing here: only a conversion that samples"),
+        (["heal.tokens=1000", "heal.self_sequences=64"], "heal.self_sequences does nothing here"),
+        (["heal.tokens=1000", "heal.starts=bos"], "heal.starts does nothing here"),
+        (["heal.tokens=1000", "heal.text=self", "heal.self_fraction=0.3"], "only --heal-text self\\+text, whose"),
+        (["heal.tokens=1000", "heal.batch_size=2000"], "batch_size 2000 x --seq-len 128 = 256,000 tokens a step, more than"),
+    ],
+)
+def test_a_sampling_knob_with_nothing_to_sample_and_a_step_over_the_budget_are_refused(sets, says):
+    """issue 65: heal.self_sequences, heal.self_fraction and heal.temperature were accepted without a self heal,
+    and heal.batch_size=2000 with a 1,000-token budget trained 64,000 tokens in one step."""
+    with pytest.raises(ValueError, match=says):
+        resolve_convert_config(sets)
+    resolve_convert_config(["heal.tokens=1000", "heal.text=self+text", "heal.self_fraction=0.3", "heal.starts=bos"])
+    resolve_convert_config(["calibrate.source=self", "heal.temperature=0.7", "heal.self_sequences=64"])
+    resolve_convert_config(["heal.tokens=512", "heal.batch_size=4"])  # one step is the whole budget

@@ -139,7 +139,7 @@ def test_the_held_out_text_never_reaches_the_heal(model, tmp_path):
     held = [torch.full((2, 8), 7)]
     splits = TextSplits([torch.zeros(2, 8, dtype=torch.long)], held, [torch.full((2, 8), 5)], _stream(0, seq_len=8))
     for text in ("self", "self+text"):
-        cfg = resolve_convert_config(["heal.tokens=100", f"heal.text={text}", "heal.self_sequences=16"]).heal
+        cfg = resolve_convert_config(["heal.tokens=1000", f"heal.text={text}", "heal.self_sequences=16"]).heal
         got = heal_splits(splits, model, cfg, starts=Starts(1, varied=False))
         assert got.held is held and got.calib is splits.calib  # measured on the same held-out text as before
         chunks = got.stream.chunks
@@ -149,7 +149,7 @@ def test_the_held_out_text_never_reaches_the_heal(model, tmp_path):
         val = torch.cat(got.val)
         assert not any(torch.equal(row, v) for row in own.chunks for v in val)  # validation is not trained on
         assert len(val) == (2 if text == "self" else 4)  # "self+text" validates on both
-    assert heal_splits(splits, model, resolve_convert_config(["heal.tokens=100"]).heal, starts=Starts(1)) is splits
+    assert heal_splits(splits, model, resolve_convert_config(["heal.tokens=1000"]).heal, starts=Starts(1)) is splits
 
 
 @pytest.mark.parametrize(("sets", "match"), [
@@ -208,7 +208,9 @@ def test_calibration_on_the_models_own_samples_fits_on_them_and_is_measured_on_t
     assert main(_convert(models, tmp_path / "text")) == 0
     assert "calibrated on 4 sequences from the text's start" in capsys.readouterr().out
     net, tok = load_model(str(models["m"]))
-    cfg = resolve_convert_config(["heal.self_sequences=16"], model=str(models["m"]), seq_len=16, sequences=4)
+    cfg = resolve_convert_config(
+        ["heal.self_sequences=16", "calibrate.source=self"], model=str(models["m"]), seq_len=16, sequences=4
+    )
     calib = calibration_samples(net, cfg.heal, 16, 4, starts=sample_starts(tok))
     assert sum(len(b) for b in calib) == 4
     convert_norms(net, "dyisru", calibrate=calib, progress=False)

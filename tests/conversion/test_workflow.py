@@ -222,7 +222,7 @@ def test_defect_5_a_trailing_slash_keeps_the_heal_checkpoint_beside_the_output(t
             "4",
             "--no-progress",
             "--heal-tokens",
-            "200",
+            "1000",
             "--out",
             out,
         ]
@@ -246,7 +246,7 @@ def test_defect_5_a_checkpoint_inside_an_output_to_be_made_is_refused(tmp_path, 
             "--calibrate",
             str(text),
             "--heal-tokens",
-            "200",
+            "1000",
             "--out",
             str(tmp_path / "o"),
             "--checkpoint",
@@ -409,7 +409,7 @@ def test_a_heal_the_machine_cannot_run_is_refused_before_the_calibration(tmp_pat
     text.write_text(CALIB)
     model = tiny_hf(tmp_path / "m")
     argv = ["convert", "--model", str(model), "--calibrate", str(text), "--seq-len", "16", "--sequences", "2",
-            "--eval-text", "none", "--heal-tokens", "64", "--no-progress", "--set", *settings]  # fmt: skip
+            "--eval-text", "none", "--heal-minutes", "1", "--no-progress", "--set", *settings]  # fmt: skip
     rc = main(argv)
     err = capsys.readouterr().err
     assert rc == 2 and message in err, err
@@ -429,7 +429,7 @@ def test_a_resume_from_a_file_that_is_no_checkpoint_is_refused_before_the_model_
             torch.save({"weights": torch.zeros(2)}, bogus)  # a torch file, but not a heal's state
         else:
             bogus.write_bytes(content)
-        argv = ["convert", "--model", str(model), "--calibrate", str(text), "--heal-tokens", "64", "--checkpoint",
+        argv = ["convert", "--model", str(model), "--calibrate", str(text), "--heal-tokens", "1000", "--checkpoint",
                 str(bogus), "--resume", "--no-progress", "--eval-text", "none"]  # fmt: skip
         assert main(argv) == 2
         assert f"--resume: {bogus} is not a heal checkpoint" in capsys.readouterr().err
@@ -447,8 +447,8 @@ def test_the_gpu_convert_script_runs_on_the_cpu_on_a_tiny_model(tmp_path):
     text.write_text("the of and to in a is that it was for on are as with his they at be this " * 300)
     env = {**os.environ, "OUT": str(tmp_path / "out"), "DEVICE": "cpu", "MODEL": str(tiny_hf(tmp_path / "m")),
            "NORMLAB": str(Path(sys.executable).parent / "normlab"), "PYTHON": sys.executable,
-           "EXTRA": f"--calibrate {text} --seq-len 16 --sequences 4 --eval-text none --set heal.self_sequences=32",
-           "HEAL": "--heal-tokens 256"}  # fmt: skip
+           "EXTRA": f"--calibrate {text} --seq-len 16 --sequences 4 --eval-text none",
+           "HEAL": "--heal-tokens 256 --set heal.self_sequences=32"}  # fmt: skip
     proc = subprocess.run(
         ["bash", str(repo / "scripts" / "gpu_convert.sh")], env=env, capture_output=True, text=True, timeout=600
     )

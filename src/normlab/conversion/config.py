@@ -19,6 +19,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
+from normlab.conversion.flags import SHORTHANDS, finite, flag, int_at_least
 from normlab.conversion.lora import LORA_RANK
 from normlab.pairs import apply_overrides, parse_pairs
 from normlab.typed import check_types, choices, field_docs, set_name
@@ -134,23 +135,13 @@ class BudgetConfig:
                 f"{flag('budget.nats')} must be a finite number >= 0 (nats of held-out cross-entropy), got "
                 f"{self.nats!r}"
             )
-        _int_at_least("budget.refit_every", self.refit_every, 0, " (sites between refits; 0: never)")
-        _int_at_least("budget.rank_batches", self.rank_batches, 1, " (calibration batches)")
-        _int_at_least("budget.refit_batches", self.refit_batches, 0, " (calibration batches; 0: no refit)")
-        if not (_finite(self.defer) and (self.defer == 0 or self.defer >= 1)):
-            raise ValueError(f"{flag('budget.defer')} must be 0 (never) or a number >= 1 (times the cost alone), got "
-                             f"{self.defer!r}")  # fmt: skip
-
-
-def _finite(v) -> bool:
-    """A finite int or float, not a bool."""
-    return not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
-
-
-def _int_at_least(key: str, v, least: int, meaning: str = "") -> None:
-    """Refuse ``v`` unless it is an int (not a bool) >= ``least``, naming the field as the user names it."""
-    if isinstance(v, bool) or not isinstance(v, int) or v < least:
-        raise ValueError(f"{flag(key)} must be an int >= {least}{meaning}, got {v!r}")
+        int_at_least("budget.refit_every", self.refit_every, 0, " (sites between refits; 0: never)")
+        int_at_least("budget.rank_batches", self.rank_batches, 1, " (calibration batches)")
+        int_at_least("budget.refit_batches", self.refit_batches, 0, " (calibration batches; 0: no refit)")
+        if not (finite(self.defer) and (self.defer == 0 or self.defer >= 1)):
+            raise ValueError(
+                f"{flag('budget.defer')} must be 0 (never) or a number >= 1 (times the cost alone), got {self.defer!r}"
+            )
 
 
 @dataclass
@@ -240,11 +231,13 @@ class HealConfig:
             v = getattr(self, name)
             if v is None and name in ("eval_every", "teacher_top_k"):  # None: every 8 steps; the live teacher
                 continue
-            _int_at_least(f"heal.{name}", v, least)
-        if self.rollback_nats is not None and not (_finite(self.rollback_nats) and self.rollback_nats > 0):
-            raise ValueError(f"{flag('heal.rollback_nats')} must be a finite number > 0 (nats above the best "
-                             f"validation point), or null to never roll back; got {self.rollback_nats!r}")  # fmt: skip
-        if not (_finite(self.grad_clip) and self.grad_clip >= 0):
+            int_at_least(f"heal.{name}", v, least)
+        if self.rollback_nats is not None and not (finite(self.rollback_nats) and self.rollback_nats > 0):
+            raise ValueError(
+                f"{flag('heal.rollback_nats')} must be a finite number > 0 (nats above the best validation point), "
+                f"or null to never roll back; got {self.rollback_nats!r}"
+            )
+        if not (finite(self.grad_clip) and self.grad_clip >= 0):
             raise ValueError(f"{flag('heal.grad_clip')} must be a finite number >= 0 (0: none), got {self.grad_clip!r}")
         for name, lo, hi in (("self_fraction", 0.0, 1.0), ("temperature", 0.0, math.inf)):
             v = getattr(self, name)
@@ -392,6 +385,27 @@ class ConvertConfig:
                 raise ValueError(f"{what} {' '.join(f'{k}={v}' for k, v in kwargs.items())}: {e}") from None
         self.heal.validate()
         self._validate_source()
+        self._validate_samples()
+
+    def _validate_samples(self) -> None:
+        """The original's samples' knobs are refused where nothing samples, and a heal step may not exceed the
+        heal's token budget."""
+        h, plain = self.heal, HealConfig.__dataclass_fields__
+        sampled = (h.budgeted and h.text != "text") or self.calibrate.source == "self"
+        why = "a conversion that samples the original (--heal-text self or self+text, --calibrate-on self)"
+        for name, idle, needs in (("self_sequences", not sampled, why), ("temperature", not sampled, why),
+                                  ("starts", not sampled, why), ("sample_precision", not sampled, why),
+                                  ("self_fraction", not (h.budgeted and h.text == "self+text"), "--heal-text "
+                                   "self+text, whose batches it splits,")):  # fmt: skip
+            if idle and getattr(h, name) != plain[name].default:
+                raise ValueError(f"{flag('heal.' + name)} does nothing here: only {needs} uses it; drop it")
+        step = h.batch_size * self.seq_len
+        if h.tokens is not None and step > h.tokens:
+            raise ValueError(
+                f"{flag('heal.batch_size')} {h.batch_size} x {flag('seq_len')} {self.seq_len} = {step:,} tokens a "
+                f"step, more than the whole budget {flag('heal.tokens')} {h.tokens:,}: lower the batch or raise the "
+                "budget"
+            )
 
     def identity(self, **facts) -> dict:
         """What a heal checkpoint must share to be resumed: every field that shapes the converted model or the heal
@@ -416,29 +430,6 @@ class ConvertConfig:
     def difference(self, saved: dict | None, **facts) -> str | None:
         """How a checkpoint's identity differs from this config's (the fields named), or None when it does not."""
         return identity_difference(saved, self.identity(**facts))
-
-
-# The command line's flags that stand for a field (``normlab convert --heal-minutes 5`` is
-# ``--set heal.minutes=5``). Every other field is reached with --set.
-SHORTHANDS: dict[str, str] = {
-    "--model": "model", "--to": "to", "--calibrate": "text", "--per": "per", "--exclude": "exclude",
-    "--init": "init", "--seq-len": "seq_len", "--sequences": "sequences", "--budget-nats": "budget.nats",
-    "--out": "out", "--overwrite": "overwrite", "--no-calibrate": "calibrate.enabled",
-    "--massive-tokens": "calibrate.massive_tokens", "--heal-minutes": "heal.minutes", "--heal-tokens": "heal.tokens",
-    "--heal-objective": "heal.objective", "--heal-train": "heal.train", "--checkpoint": "heal.checkpoint",
-    "--resume": "heal.resume", "--heal-text": "heal.text", "--eval-text": "eval_text",
-    "--calibrate-on": "calibrate.source", "--device": "device",
-}  # fmt: skip
-_FLAG_OF = {v: k for k, v in SHORTHANDS.items()}
-
-
-def flag(key: str) -> str:
-    """How a user names a field: its flag where it has one (``--heal-minutes``), else ``--set key``.
-
-    Args:
-        key: A dotted field name, e.g. ``heal.minutes``.
-    """
-    return _FLAG_OF.get(key, f"--set {key}")
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:

@@ -1,0 +1,55 @@
+"""How a user names a conversion field, and the number checks every config section shares.
+
+A field with a flag of its own is named by it (``--heal-minutes``); every other field by ``--set heal.KEY``, so an
+error names the field as the user typed it.
+"""
+
+from __future__ import annotations
+
+import math
+
+__all__ = ["SHORTHANDS", "flag", "finite", "int_at_least"]
+
+# The command line's flags that stand for a field (``normlab convert --heal-minutes 5`` is
+# ``--set heal.minutes=5``). Every other field is reached with --set.
+SHORTHANDS: dict[str, str] = {
+    "--model": "model", "--to": "to", "--calibrate": "text", "--per": "per", "--exclude": "exclude",
+    "--init": "init", "--seq-len": "seq_len", "--sequences": "sequences", "--budget-nats": "budget.nats",
+    "--out": "out", "--overwrite": "overwrite", "--no-calibrate": "calibrate.enabled",
+    "--massive-tokens": "calibrate.massive_tokens", "--heal-minutes": "heal.minutes", "--heal-tokens": "heal.tokens",
+    "--heal-objective": "heal.objective", "--heal-train": "heal.train", "--checkpoint": "heal.checkpoint",
+    "--resume": "heal.resume", "--heal-text": "heal.text", "--eval-text": "eval_text",
+    "--calibrate-on": "calibrate.source", "--device": "device",
+}  # fmt: skip
+_FLAG_OF = {v: k for k, v in SHORTHANDS.items()}
+
+
+def flag(key: str) -> str:
+    """How a user names a field: its flag where it has one (``--heal-minutes``), else ``--set key``.
+
+    Args:
+        key: A dotted field name, e.g. ``heal.minutes``.
+    """
+    return _FLAG_OF.get(key, f"--set {key}")
+
+
+def finite(v: object) -> bool:
+    """Whether ``v`` is a finite int or float, not a bool.
+
+    Args:
+        v: The value a user gave.
+    """
+    return not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
+
+
+def int_at_least(key: str, v: object, least: int, meaning: str = "") -> None:
+    """Refuse ``v`` unless it is an int (not a bool) >= ``least``, naming the field as the user names it.
+
+    Args:
+        key: The dotted field name.
+        v: The value a user gave.
+        least: The smallest value allowed.
+        meaning: Words after the bound, e.g. " (tokens)".
+    """
+    if isinstance(v, bool) or not isinstance(v, int) or v < least:
+        raise ValueError(f"{flag(key)} must be an int >= {least}{meaning}, got {v!r}")
