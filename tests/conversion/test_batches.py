@@ -36,3 +36,16 @@ def test_a_model_without_parameters_keeps_its_batches_where_they_are():
     assert model_device(nn.ReLU()) is None
     x = torch.randn(2, 4)
     assert torch.equal(run_batch(nn.ReLU(), x), x.relu())
+
+
+def test_a_token_id_outside_the_vocabulary_is_named_with_the_vocabulary():
+    """issue 65: ids at or above the vocabulary gave "IndexError: index out of range in self", which names neither
+    the id nor the vocabulary."""
+    from conftest import tiny_lm
+
+    model = tiny_lm()
+    ids = torch.randint(0, 100, (2, 16))
+    run_batch(model, ids)
+    ids[1, 3] = 5000
+    with pytest.raises(ValueError, match=r"token id 5000 is outside the model's vocabulary of 100 .* \[0, 100\)"):
+        run_batch(model, {"input_ids": ids})

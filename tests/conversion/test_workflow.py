@@ -498,3 +498,29 @@ def test_saving_over_the_folder_the_model_was_loaded_from_is_refused(models):
     rec = normlab.convert_norms(net, "dyisru", progress=False)
     with pytest.raises(ValueError, match="is the folder the model was loaded from"):
         normlab.save_converted(net, rec, models["m"])
+
+
+def test_a_masked_lm_gets_no_next_token_cross_entropy_and_no_walk_or_heal(tmp_path, capsys):
+    """issue 65: a converted BERT printed a next-token cross-entropy, which means nothing for a masked LM (its
+    logits predict their own position). Its KL is still measured; the budget walk and the heal, which rank and
+    validate by that cross-entropy, are refused before calibration."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(
+        vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64
+    )
+    transformers.BertForMaskedLM(cfg).save_pretrained(tmp_path / "bert")
+    text = tmp_path / "t.txt"
+    text.write_text(CALIB)
+    argv = ["convert", "--model", str(tmp_path / "bert"), "--calibrate", str(text), "--seq-len", "16",
+            "--no-progress", "--eval-text", str(text)]  # fmt: skip
+    assert main([*argv, "--out", str(tmp_path / "o")]) == 0
+    out = capsys.readouterr().out
+    assert "KL" in out and "cross-entropy" not in out, out
+    fid = json.loads((tmp_path / "o" / "fidelity.json").read_text())
+    assert "kl" in fid and "ce_original" not in fid and "ce_original" not in fid["second_text"]
+    for extra in (["--budget-nats", "0.2"], ["--heal-tokens", "1000"]):
+        assert main([*argv, *extra]) == 2
+        assert "does not predict the next token (a masked LM)" in capsys.readouterr().err

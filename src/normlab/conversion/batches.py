@@ -82,7 +82,25 @@ def run_batch(model: nn.Module, batch: Batch, i: int = 0, *, no_cache: bool = Fa
     except Stop:
         raise
     except Exception as e:  # noqa: BLE001
-        raise ValueError(f"calibration batch {i} could not be run through the model: {type(e).__name__}: {e}") from e
+        why = _outside_vocabulary(model, batch) or f"{type(e).__name__}: {e}"
+        raise ValueError(f"calibration batch {i} could not be run through the model: {why}") from e
+
+
+def _outside_vocabulary(model: nn.Module, batch: Batch) -> str | None:
+    """Why a batch of token ids failed, when some id is outside the model's vocabulary (its input embedding's
+    rows); None otherwise."""
+    embed = getattr(model, "get_input_embeddings", lambda: None)()
+    ids = batch.get("input_ids") if isinstance(batch, dict) else batch
+    if not isinstance(embed, nn.Embedding) or not isinstance(ids, torch.Tensor) or ids.is_floating_point():
+        return None
+    lo, hi, n = int(ids.min()), int(ids.max()), embed.num_embeddings
+    if 0 <= lo and hi < n:
+        return None
+    bad = hi if hi >= n else lo
+    return (
+        f"token id {bad} is outside the model's vocabulary of {n:,} (its input embedding's rows): ids must be in "
+        f"[0, {n}); were they made by another model's tokenizer?"
+    )
 
 
 def model_device(model: nn.Module) -> torch.device | None:

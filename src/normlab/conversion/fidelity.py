@@ -11,7 +11,7 @@ from torch import nn
 from normlab.conversion.batches import as_batches, run_batch
 from normlab.conversion.record import ConversionRecord
 
-__all__ = ["fidelity", "cross_entropy"]
+__all__ = ["fidelity", "cross_entropy", "predicts_next_token"]
 
 
 def _logits(out, lm: bool | None):
@@ -46,9 +46,9 @@ def fidelity(
     Returns:
         A dict: per site, the relative error of the norm's output ||y_conv - y_orig|| / ||y_orig|| (both models fed
         the same inputs) and its mean (``mean_site_error``); the mean per-token cosine of the final outputs
-        (``output_cosine``); for language models the mean KL(original || converted) of the next-token
-        distributions (``kl``) and, when the inputs are token ids, both models' next-token cross-entropy
-        (``ce_original``, ``ce_converted``, nats/token).
+        (``output_cosine``); for language models the mean KL(original || converted) of the output distributions
+        (``kl``) and, when the inputs are token ids and the model predicts the next token (`predicts_next_token`:
+        not a masked LM), both models' next-token cross-entropy (``ce_original``, ``ce_converted``, nats/token).
     """
     sites = [s.name for s in record.sites] if record else []
     # each site's error summed batch by batch: the original's output of the batch waits for the converted's, so
@@ -69,6 +69,7 @@ def fidelity(
         for n in sites:
             handles.append(model.get_submodule(n).register_forward_hook(lambda m, a, y, n=n, f=hook: f(m, a, y, n)))
     cos, kl, n_tok = 0.0, 0.0, 0
+    next_token = predicts_next_token(original)
     ce, n_ce = [0.0, 0.0], 0
     has_logits = False
     modes = (original.training, converted.training)
@@ -83,7 +84,7 @@ def fidelity(
             if is_lm:
                 has_logits = True
                 kl += _kl_sum(a, b)
-                ids = _token_ids(batch)
+                ids = _token_ids(batch) if next_token else None
                 if ids is not None and ids.shape[-1] > 1 and ids.numel() == a.shape[0]:  # next-token cross-entropy
                     for j, logits in enumerate((a, b)):
                         total, n = _ce_sum(logits, ids)
@@ -106,6 +107,18 @@ def fidelity(
     if n_ce:
         result["ce_original"], result["ce_converted"] = ce[0] / n_ce, ce[1] / n_ce
     return result
+
+
+def predicts_next_token(model: nn.Module) -> bool:
+    """Whether ``model``'s logits at position t predict token t + 1: a Hugging Face model that can generate (a
+    causal LM), or any module that is not a Hugging Face model (the caller says, with ``lm=``). A masked LM's
+    logits predict the token at their own position, so a next-token cross-entropy means nothing for it.
+
+    Args:
+        model: The model.
+    """
+    can_generate = getattr(model, "can_generate", None)
+    return not (hasattr(model, "config") and callable(can_generate)) or bool(can_generate())
 
 
 ROWS = 256  # logits rows per chunk of the KL and cross-entropy sums: 152k-word vocabularies stay at 0.16 GB a chunk

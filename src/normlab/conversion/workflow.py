@@ -19,6 +19,7 @@ from pathlib import Path
 
 from normlab.conversion.config import BudgetConfig, ConvertConfig, HealConfig, flag, identity_difference
 from normlab.conversion.convert import convert_norms, fidelity, save_converted
+from normlab.conversion.fidelity import predicts_next_token
 from normlab.conversion.frontier import FEW_SELECTION, frontier
 from normlab.conversion.heal import check_heal_resources, heal
 from normlab.conversion.heal_report import heal_summary, write_curve
@@ -172,10 +173,14 @@ def _check_resume_identity(ckpt: str | None, cfg: ConvertConfig, identity: dict)
 
 
 def second_text_line(second: dict) -> str:
+    ce = (
+        f"cross-entropy {second['ce_original']:.3f} (original) -> {second['ce_converted']:.3f}, "
+        if "ce_original" in second
+        else ""
+    )
     return (
         f"second text ({second['name']}, never calibrated or healed on), {second['sequences']} held-out sequences: "
-        f"cross-entropy {second['ce_original']:.3f} (original) -> {second['ce_converted']:.3f}, KL "
-        f"{second['kl']:.4g} nats/token"
+        f"{ce}KL {second['kl']:.4g} nats/token"
     )
 
 
@@ -183,8 +188,23 @@ def _measure_second(original, net, held2, name: str | None) -> dict | None:
     if held2 is None:
         return None
     f = fidelity(original, net, held2)
-    return {"name": name, "sequences": sum(len(b) for b in held2), "ce_original": f["ce_original"],
-            "ce_converted": f["ce_converted"], "kl": f["kl"]}  # fmt: skip
+    kept = {k: f[k] for k in ("ce_original", "ce_converted", "kl") if k in f}  # a masked LM has no cross-entropy
+    return {"name": name, "sequences": sum(len(b) for b in held2), **kept}
+
+
+def _check_next_token(cfg: ConvertConfig, net) -> None:
+    """The budget walk and the heal measure next-token cross-entropy: refused, before calibration, for a model whose
+    logits do not predict the next token (a masked LM)."""
+    if predicts_next_token(net):
+        return
+    asked = [
+        f for f, on in (("--budget-nats", cfg.budget.nats is not None), ("a heal budget", cfg.heal.budgeted)) if on
+    ]
+    if asked:
+        raise ValueError(
+            f"{' and '.join(asked)}: the budget walk and the heal measure next-token cross-entropy, and "
+            f"{type(net).__name__} does not predict the next token (a masked LM); convert every site without them"
+        )
 
 
 def _file_sha(path) -> str:
@@ -292,6 +312,7 @@ def _convert(job: _Job, markdown: bool) -> dict:
         net, tokenizer = load_model(model_path, progress=progress)
         net = net.to(cfg.device)  # every stage runs where the model is (batches follow it: run_batch)
     _check_exclude(cfg, net)
+    _check_next_token(cfg, net)
     facts["model_fingerprint"] = model_fingerprint(net)
     _check_resume_identity(ckpt, cfg, {"model_fingerprint": facts["model_fingerprint"]})
     vocab = net.get_input_embeddings().num_embeddings
@@ -332,7 +353,7 @@ def _convert(job: _Job, markdown: bool) -> dict:
             fid["before_heal"]["second_text"] = before["second_text"]
     if record.calibration:
         fid["calibration"] = record.calibration
-    if record.sites and usable_tokenizer(tokenizer):
+    if record.sites and usable_tokenizer(tokenizer) and predicts_next_token(net):
         with stages("judgement"):
             texts = {k: v for k, v in (("held-out", held), (name2, held2)) if v is not None}
             fid["usage"] = usage_report(original, net, tokenizer, texts, Path(text).read_text(errors="replace"))
