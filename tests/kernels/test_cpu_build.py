@@ -132,3 +132,33 @@ def test_a_build_started_by_a_short_process_finishes_for_the_next(tmp_path):
         time.sleep(1)
     assert list(cache.glob("kernels/cpu-*/build.json")), "the build did not outlive the process that started it"
     assert run() == "FUSED"
+
+
+def test_a_second_build_says_it_waits_for_the_first(tmp_path, monkeypatch):
+    """issue 65: a second `build-kernels` while another process held the build lock waited 53 s without a word.
+    Here the test holds the lock of an empty cache's build; the child says whom it waits for before it blocks."""
+    import fcntl
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from normlab.kernels import cpu_build
+
+    monkeypatch.setenv("NORMLAB_CACHE", str(tmp_path))
+    folder = cpu_build.build_dir(cpu_build._identity(cpu_build._compiler()))
+    folder.mkdir(parents=True)
+    code = "from normlab.kernels import cpu_build\ncpu_build.load(wait=True)"
+    with open(folder / "build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        env = {**os.environ, "NORMLAB_CACHE": str(tmp_path)}
+        child = subprocess.Popen([sys.executable, "-c", code], env=env, stderr=subprocess.PIPE, text=True)
+        try:
+            deadline, said = time.time() + 120, ""
+            while "waiting for it" not in said and time.time() < deadline and child.poll() is None:
+                said += child.stderr.readline()
+            assert "another process is building the CPU kernels" in said and str(folder) in said, said
+            assert child.poll() is None  # still waiting: the lock is the test's
+        finally:
+            child.kill()
+            child.wait()

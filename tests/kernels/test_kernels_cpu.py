@@ -315,3 +315,36 @@ def test_torch_func_transforms_work_on_the_default_path(name):
 
     for k, g in grad(loss)(params, auto).items():
         KC.close(g, grad(loss)(params, ref)[k], 1e-5, f"{name} grad {k}")
+
+
+def test_a_second_derivative_through_the_fused_path_names_the_reference():
+    """issue 65: double backward through the default kernel worked at 4 rows (the reference, below MIN_FUSED) and
+    failed at 8,192 with torch's "trying to differentiate twice", which does not name kernel="reference"."""
+    import normlab
+    from normlab.errors import NormlabError
+
+    if not cpu.ready(wait=True):
+        pytest.skip("no CPU kernels on this machine")
+    x = torch.randn(8192, 64, requires_grad=True)
+    for kernel, works in (("auto", False), ("reference", True)):
+        y = normlab.DyT(64, kernel=kernel)(x).pow(2).sum()
+        if works:
+            (g,) = torch.autograd.grad(y, x, create_graph=True)
+            g.sum().backward()
+        else:
+            with pytest.raises(NormlabError, match="kernel='reference'"):
+                torch.autograd.grad(y, x, create_graph=True)
+    y = normlab.DyT(64)(x).pow(2).sum()
+    torch.autograd.grad(y, x)  # a first derivative takes the fused path as before
+
+
+def test_a_number_for_alpha_or_beta_is_taken_as_the_reference_takes_it():
+    """issue 65: a float alpha to normlab.kernels.dyt raised a raw AttributeError; the functional form takes one."""
+    from normlab import functional as FN
+    from normlab import kernels
+
+    x = torch.randn(512, 64)
+    torch.testing.assert_close(kernels.dyt(x, 0.5, None), FN.dyt(x, 0.5))
+    torch.testing.assert_close(kernels.dyisru(x, 2.0, None), FN.dyisru(x, 2.0))
+    with pytest.raises(TypeError, match="DyT: a parameter must be a tensor or a number, got str"):
+        kernels.dyt(x, "0.5", None)

@@ -152,8 +152,21 @@ def autocast_params(x: torch.Tensor, *params: torch.Tensor | None) -> tuple:
     return params
 
 
-def _route(kernel: str, owner: str, x: torch.Tensor, *params: torch.Tensor | None, min_fused: int | None = None):
-    cast = autocast_params(x, *params)
+def _as_param(p: torch.Tensor | float | None, x: torch.Tensor, owner: str) -> torch.Tensor | None:
+    """A parameter as the fused paths take it: a number becomes a (1,) tensor of x's dtype on x's device."""
+    if p is None or isinstance(p, torch.Tensor):
+        return p
+    if isinstance(p, (int, float)) and not isinstance(p, bool):
+        return torch.full((1,), float(p), dtype=x.dtype, device=x.device)
+    raise TypeError(f"{owner}: a parameter must be a tensor or a number, got {type(p).__name__}")
+
+
+def _route(
+    kernel: str, owner: str, x: torch.Tensor, *params: torch.Tensor | float | None, min_fused: int | None = None
+):
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{owner}: x must be a tensor, got {type(x).__name__}")
+    cast = autocast_params(x, *(_as_param(p, x, owner) for p in params))
     return select(kernel, x, owner, *cast, min_fused=min_fused), cast
 
 

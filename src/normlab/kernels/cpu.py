@@ -36,6 +36,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from normlab.errors import NormlabError
 from normlab.kernels import cpu_build
 from normlab.kernels.fused import unit_weight  # a missing weight means 1: the library reads it as zeros
 
@@ -104,6 +105,27 @@ def usable(x: Tensor, *params: Tensor | None, wait: bool = False) -> bool:
 # --------------------------------------------------------------------------
 # autograd functions: one call into the library each way (it reshapes, casts and reduces the parameters)
 # --------------------------------------------------------------------------
+SECOND_DERIVATIVE = (
+    "normlab's fused CPU kernels have a first-order backward: a second derivative (backward with "
+    "create_graph=True) needs the reference path, kernel='reference' on the module or the call, or "
+    "NORMLAB_KERNEL=reference for the process"
+)
+
+
+def first_order(backward):
+    """``torch.autograd.function.once_differentiable``, but a backward asked to build a graph (``create_graph=True``,
+    for a second derivative) is refused at once, naming the reference path, rather than failing later with torch's
+    "trying to differentiate twice"."""
+    once = torch.autograd.function.once_differentiable(backward)
+
+    def run(ctx, *grads):
+        if torch.is_grad_enabled():  # the engine runs a backward in grad mode only under create_graph=True
+            raise NormlabError(SECOND_DERIVATIVE)
+        return once(ctx, *grads)
+
+    return run
+
+
 class _PointwiseFn(torch.autograd.Function):
     """y = scale w f(x; p0, p1) + b: DyT (alpha), Derf (alpha, shift), DyISRU and ELN (beta).
 
@@ -123,7 +145,7 @@ class _PointwiseFn(torch.autograd.Function):
         return torch.ops.normlab_cpu.pointwise_fwd(x, p0, p1, weight, bias, scale, _KIND[kind])
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @first_order
     def backward(ctx, grad):
         x, weight, bias, p0, p1, f = ctx.saved_tensors
         dx, dp0, dp1, dw, db = torch.ops.normlab_cpu.pointwise_bwd(
@@ -140,7 +162,7 @@ class _RMSNormFn(torch.autograd.Function):
         return y
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @first_order
     def backward(ctx, grad):
         x, rstd, weight = ctx.saved_tensors
         dx, dw = torch.ops.normlab_cpu.rms_bwd(grad, x, rstd, weight)

@@ -297,13 +297,27 @@ def _build_and_load() -> None:
     if _intact(folder, ident) is not None:
         _writable_folder(folder)
         with open(folder / "build.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # parallel workers: one builds, the others wait and load
+            _wait_for(lock, folder)  # parallel workers: one builds, the others wait and load
             why = _intact(folder, ident)
             if why is not None:
                 _announce(folder, why)
                 _compile(folder, ident)
     torch.ops.load_library(str(folder / "normlab_cpu.so"))
     _STATE["folder"] = folder
+
+
+def _wait_for(lock, folder: Path) -> None:
+    """Take the build lock; when another process holds it (building), say so on stderr before waiting."""
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        print(
+            f"normlab: another process is building the CPU kernels into {folder}; waiting for it (one C++ compile, "
+            "about 20-40 s)",
+            file=sys.stderr,
+            flush=True,
+        )
+        fcntl.flock(lock, fcntl.LOCK_EX)
 
 
 def _announce(folder: Path, why: str) -> None:
