@@ -129,3 +129,16 @@ def test_knobs_that_would_be_ignored_are_refused(tmp_path, capsys, setting, matc
     out = tmp_path / "r"
     assert main(["train", "--preset", "tiny", "--out", str(out), "--set", *setting]) == 2
     assert match in capsys.readouterr().err and not out.exists()
+
+
+def test_a_bad_kernel_choice_or_a_data_folder_is_refused_before_the_run_folder(tmp_path, capsys, monkeypatch):
+    """issue 65: NORMLAB_KERNEL=bogus left a run folder behind, and --data naming a folder said "not found"."""
+    out = tmp_path / "r"
+    monkeypatch.setenv("NORMLAB_KERNEL", "bogus")
+    assert main(["train", "--preset", "tiny", "--out", str(out), "--no-progress"]) == 2
+    assert "NORMLAB_KERNEL='bogus'" in capsys.readouterr().err and not out.exists()
+    monkeypatch.delenv("NORMLAB_KERNEL")
+    (tmp_path / "texts").mkdir()
+    assert main(["train", "--preset", "tiny", "--out", str(out), "--data", str(tmp_path / "texts")]) == 2
+    assert f"{tmp_path / 'texts'} is a folder; give its text files instead" in capsys.readouterr().err
+    assert not out.exists()

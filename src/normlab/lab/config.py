@@ -10,6 +10,8 @@ import copy
 import math
 from dataclasses import asdict, dataclass, field, fields
 
+from normlab.kernels import auto_choice
+from normlab.lab.data import check_text_files
 from normlab.lab.model import GPTConfig, check_types
 from normlab.pairs import apply_overrides
 
@@ -97,6 +99,8 @@ class TrainConfig:
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if not isinstance(self.data, list):
             raise ValueError(f"data must be a list of text files, got {self.data!r}")
+        check_text_files(self.data)  # before the run folder is made
+        auto_choice()  # NORMLAB_KERNEL, if set, must be valid
         if not isinstance(self.out, str) or not self.out.strip():
             raise ValueError(f"out must name a folder, got {self.out!r}")
         for f in ("beta1", "beta2"):

@@ -18,7 +18,7 @@ import torch
 
 from normlab.corpus import SHAKESPEARE, fetch_shakespeare
 
-__all__ = ["Corpus", "load_corpus", "unigram_entropy", "get_batch"]
+__all__ = ["Corpus", "load_corpus", "unigram_entropy", "get_batch", "check_text_files"]
 
 
 @dataclass
@@ -59,9 +59,7 @@ def load_corpus(paths: list[str] | None = None, val_fraction: float = 0.1) -> Co
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"data.val_fraction must be in (0, 1), got {val_fraction}")
     if paths:
-        missing = [p for p in paths if not Path(p).is_file()]
-        if missing:
-            raise FileNotFoundError(f"data: file(s) not found: {', '.join(missing)}")
+        check_text_files(paths)
         raw = b"\n".join(Path(p).read_bytes() for p in paths)
         name = ",".join(Path(p).name for p in paths)
     else:
@@ -96,3 +94,17 @@ def get_batch(
     offsets = torch.arange(context + 1)
     chunk = data[ix[:, None] + offsets].long()  # (B, T + 1)
     return chunk[:, :-1], chunk[:, 1:]
+
+
+def check_text_files(paths: list[str]) -> None:
+    """Refuse ``--data`` paths that are not files: a folder is named as one, with the files to give instead.
+
+    Args:
+        paths: The paths given.
+    """
+    for p in paths:
+        if Path(p).is_dir():
+            raise FileNotFoundError(f"data: {p} is a folder; give its text files instead (e.g. --data {p}/*.txt)")
+    missing = [str(p) for p in paths if not Path(p).is_file()]
+    if missing:
+        raise FileNotFoundError(f"data: file(s) not found: {', '.join(missing)}")
