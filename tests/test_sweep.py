@@ -310,3 +310,14 @@ def test_sweep_and_reproduce_check_their_arguments_before_writing(tmp_path, caps
         assert main([*command, "--root", str(a_file), "--no-progress"]) == 2
         assert f"--root {a_file} is a file; give a folder" in capsys.readouterr().err
     assert a_file.read_text() == "x"
+
+
+@pytest.mark.parametrize("seeds", ["[]", "[0, 0]", "[-1]"])
+def test_an_experiment_with_no_seed_or_a_repeated_one_is_refused(corpus, tmp_path, capsys, seeds):
+    """issue 65: a sweep with seeds = [] exited 0 and wrote a report of nothing."""
+    exp = write_experiment(tmp_path, corpus, 5)
+    exp.write_text(f"seeds = {seeds}\n" + exp.read_text())
+    with pytest.raises(ValueError, match=r"own\.toml: seeds must list at least one distinct int >= 0"):
+        load_experiment(str(exp))
+    assert main(["sweep", str(exp), "--profile", "tiny", "--root", str(tmp_path / "r"), "--no-progress"]) == 2
+    assert not (tmp_path / "r").exists()

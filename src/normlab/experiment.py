@@ -166,6 +166,11 @@ def _check_references(d: dict, where: str) -> None:
     from normlab.report import CHECKS, FIGURES  # the kinds a report can apply: known before any run trains
 
     names = {r["name"] for r in d["runs"]}
+    seeds = d.get("seeds", [0])
+    if not seeds or len(set(seeds)) != len(seeds) or any(isinstance(s, bool) or s < 0 for s in seeds):
+        raise ValueError(
+            f"{where}: seeds must list at least one distinct int >= 0 (each run trains once per seed), got {seeds!r}"
+        )
     missing_runs = [n for n in d.get("mechanism", []) if n not in names]
     if missing_runs:
         raise ValueError(f"{where}: mechanism names a run that does not exist: {missing_runs[0]!r}")

@@ -369,3 +369,11 @@ def test_fidelity_holds_one_batch_of_site_outputs_and_sums_in_chunks_yet_gives_t
     ids = torch.cat(held)
     ce = torch.nn.functional.cross_entropy(la.reshape(*ids.shape, -1)[:, :-1].reshape(-1, 100), ids[:, 1:].reshape(-1))
     assert got["ce_original"] == pytest.approx(float(ce), rel=1e-5)
+
+
+def test_a_running_mean_target_says_its_mean_is_a_placeholder_until_primed():
+    """issue 65: --to rms_ema --no-calibrate gave no note that the running mean square stays at 1.0 until a forward
+    in training mode (or prime_running_stats) sets it."""
+    record = normlab.convert_norms(tiny_lm(), "rms_ema")
+    assert record.sites and all(any("placeholder 1.0 until primed" in n for n in s.notes) for s in record.sites)
+    assert not any("placeholder" in n for s in normlab.convert_norms(tiny_lm(), "dyt").sites for n in s.notes)

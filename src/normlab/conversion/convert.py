@@ -162,6 +162,11 @@ def _build(name: str, m: nn.Module, kind: str, spec: NormSpec, kwargs: dict) -> 
                 site.copied.append("bias")
             else:
                 site.notes.append("bias dropped: the target has none")
+    if getattr(new, "initialized", None) is not None and "running_ms" in dict(new.named_buffers()):  # rms_ema
+        site.notes.append(
+            "its running mean square is the placeholder 1.0 until primed: normlab.modules.prime_running_stats(model, "
+            "batch), or a forward in training mode"
+        )
     ref = w if w is not None else next(iter(m.parameters()), None)
     if ref is not None:
         new = new.to(device=ref.device, dtype=ref.dtype)
