@@ -13,6 +13,9 @@ from normlab.cli import main
     (["gain", "--norm", "rms_norm", "--init", "foo=1"], "--init foo: none of rms_norm takes it"),
     (["simulate", "--mu", "inf"], "expected a finite number"),
     (["demo", "--std", "nan"], "expected a finite number"),
+    (["gain", "--sigma-max", "1e200"], "overflows float64 (every G would read 0 or NaN); keep it below"),
+    (["simulate", "--sigma", "1e160"], "the sample is too large for float64"),
+    (["simulate", "--step", "1e300"], "sum of squares of C = 100 such entries overflows"),
 ])  # fmt: skip
 def test_theory_arguments_are_checked(argv, message, capsys):
     try:

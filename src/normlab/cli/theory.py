@@ -63,6 +63,12 @@ def _cmd_gain(args: argparse.Namespace) -> int:
     init = parse_init(args.init) if args.init is not None else {"alpha_init": 1.0}  # the dissection's alpha = 1
     if args.sigma_min >= args.sigma_max:
         raise ValueError(f"--sigma-min {args.sigma_min} must be below --sigma-max {args.sigma_max}")
+    limit = float(np.sqrt(np.finfo(np.float64).max / args.width)) / 1e3  # tokens of width d, a few sigmas out
+    if not args.sigma_max < limit:
+        raise ValueError(
+            f"--sigma-max {args.sigma_max:g}: the norms' mean square of {args.width} channels at that std overflows "
+            f"float64 (every G would read 0 or NaN); keep it below {limit:.2g}"
+        )
     from normlab.registry import init_kwargs
 
     idle = sorted(set(init) - {k for n in args.norm for k in init_kwargs(n)}) if args.init is not None else []

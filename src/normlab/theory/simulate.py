@@ -144,6 +144,19 @@ def _check(sample: Sample | np.ndarray, step: float, steps: int) -> None:
         raise ValueError(f"expected steps (S) to be an int >= 1, got {steps!r}")
 
 
+def _check_range(x: np.ndarray, step: float, steps: int) -> None:
+    """Refuse a sample whose sum of squares (the norms' statistic, Theorem 3's beta) overflows float64 once the
+    outlier has grown: every row would read inf or NaN."""
+    top = float(np.max(np.abs(x))) + step * steps
+    if not math.isfinite(top * top * x.shape[0]):
+        limit = math.sqrt(np.finfo(np.float64).max / x.shape[0]) / 10
+        raise ValueError(
+            f"the sample is too large for float64: its largest entry with the outlier grown is {top:.3g}, and the "
+            f"sum of squares of C = {x.shape[0]} such entries overflows; keep |x| (sigma, mu, the step) below "
+            f"{limit:.2g}"
+        )
+
+
 def simulate_outliers(
     sample: Sample | np.ndarray = Sample(),
     *,
@@ -177,6 +190,7 @@ def simulate_outliers(
         x, (C, sigma, mu, seed) = sample.draw(), (sample.C, sample.sigma, sample.mu, sample.seed)
     else:
         x, (C, sigma, mu, seed) = sample, (sample.shape[0], None, None, None)
+    _check_range(x, step, steps)
     o = int(np.argmax(x))
     xs = np.repeat(x[None], steps + 1, axis=0)
     xs[:, o] += step * np.arange(steps + 1)  # eq. (18)
