@@ -56,8 +56,8 @@ def test_defect_1_heal_resume_from_another_models_checkpoint_is_refused(models, 
         main(_convert(models["m"], models["text"], "--heal-tokens", 500, "--checkpoint", ck, "--out", tmp_path / "o1"))
         == 0
     )
-    assert ck.is_file()
-    capsys.readouterr()
+    assert ck.is_file()  # named by the user: kept, and the output says so (issue 65)
+    assert f"the heal checkpoint {ck} is kept, as --checkpoint named it" in capsys.readouterr().out
     rc = main(
         _convert(
             models["m2"], models["text"], "--heal-tokens", 500, "--checkpoint", ck, "--resume", "--out", tmp_path / "o2"

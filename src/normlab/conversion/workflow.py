@@ -367,6 +367,8 @@ def _convert(job: _Job, markdown: bool) -> dict:
             _save(job, net, record, tokenizer, fid, rep)
         if ckpt is not None and cfg.heal.checkpoint is None:  # the default heal checkpoint has served its purpose
             Path(ckpt).unlink(missing_ok=True)
+        elif ckpt is not None and Path(ckpt).is_file():
+            print(f"the heal checkpoint {ckpt} is kept, as --checkpoint named it; {cfg.out} holds the result")
     return fid
 
 
