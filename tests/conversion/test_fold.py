@@ -98,6 +98,38 @@ def test_a_site_read_by_more_than_linear_layers_is_refused_and_nothing_changes()
         assert torch.equal(v, before[k]), k
 
 
+class _Sliced(nn.Module):
+    """A norm read whole by one linear layer, in part (its first 4 channels) by another, and last token only by a
+    third."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm, self.whole, self.part = normlab.DyT(8), nn.Linear(8, 3), nn.Linear(4, 3)
+        self.tail = normlab.DyT(3)
+        self.last = nn.Linear(3, 2)
+        with torch.no_grad():
+            self.norm.weight.uniform_(0.5, 2.0)
+            self.tail.weight.uniform_(0.5, 2.0)
+
+    def forward(self, x):
+        y = self.norm(x)
+        z = self.tail(self.whole(y) + self.part(y[..., :4]))
+        return self.last(z[:, -1:])
+
+
+def test_a_site_read_in_part_by_a_linear_layer_is_left_with_the_reason():
+    """issue 65: a Linear reading a slice of a site's channels raised a raw size mismatch; a reader of some of the
+    tokens (the last one) still takes the gamma."""
+    model = _Sliced()
+    x = torch.randn(2, 5, 8)
+    want = model(x)
+    report = normlab.fold(model, x)
+    why = "part reads part of its channels (a slice), so the gamma cannot move into its columns"
+    assert report.skipped == {"norm": why}
+    assert report.folded == {"tail": ["last"]}
+    torch.testing.assert_close(model(x), want)
+
+
 def test_a_site_with_a_bias_and_a_bias_free_reader_is_left_with_the_reason():
     model = nn.Sequential(normlab.DyT(8), nn.Linear(8, 4, bias=False), normlab.DyT(4, bias=False), nn.Linear(4, 2))
     with torch.no_grad():

@@ -72,6 +72,17 @@ def _affine(m: nn.Module) -> bool:
     return isinstance(m, NormModule) and m.weight is not None and m.channel_dim in (-1,)
 
 
+def _whole_channels(x: Tensor, y: Tensor) -> bool:
+    """Whether ``x``, a view of ``y``, holds whole tokens of y's channels in their order (a reshape, or some of
+    the tokens), so that a gamma folded into the columns of the layer reading x meets the right channels; a slice
+    of the channels does not."""
+    if not y.is_contiguous() or x.shape[-1] != y.shape[-1] or x.stride(-1) != 1:
+        return False
+    return (x.storage_offset() - y.storage_offset()) % y.shape[-1] == 0 and all(
+        st % y.shape[-1] == 0 for st in x.stride()[:-1] if st
+    )
+
+
 def _readers(model: nn.Module, sites: dict[str, nn.Module], probe) -> dict[str, list[tuple[str, nn.Linear]]]:
     """Run ``probe`` once; for each site, the linear layers whose input is a view of the site's output."""
     outputs, readers, hooks = {}, {name: [] for name in sites}, []
@@ -86,7 +97,7 @@ def _readers(model: nn.Module, sites: dict[str, nn.Module], probe) -> dict[str, 
                 return
             for name, y in outputs.items():
                 if isinstance(y, Tensor) and x.untyped_storage().data_ptr() == y.untyped_storage().data_ptr():
-                    readers[name].append((lname, linear))
+                    readers[name].append((lname, linear if _whole_channels(x, y) else None))
 
         return hook
 
@@ -175,6 +186,9 @@ def _why_not(site: nn.Module, readers: list, add_biases: bool) -> str | None:
     main = site.main if isinstance(site, MassiveTokens) else site
     if not readers:
         return "no linear layer reads its output"
+    part = [lname for lname, lin in readers if lin is None]
+    if part:
+        return f"{part[0]} reads part of its channels (a slice), so the gamma cannot move into its columns"
     if isinstance(site, MassiveTokens) and bool((main.weight == 0).any()):
         return "a zero in its weight (the massive copy would divide by it)"
     nonzero = main.bias is not None and bool(main.bias.ne(0).any())
