@@ -90,10 +90,10 @@ def test_a_changed_cell_runs_again_and_a_failed_cell_does_not_stop_the_study(tmp
     path.write_text(path.read_text().replace('name = "global"', 'name = "global"\nset = { sequences = 3 }'))
     assert run_study(path, root, only=["global"], progress=False)["global"]["status"] == "done"
     assert "done before" not in capsys.readouterr().out  # its config changed: run again
-    bad = _study(tmp_path, '[[cells]]\nname = "gone"\nset = { model = "/nowhere/model" }\n[[cells]]\nname = "ok"\n',
-                 name="half")  # fmt: skip
-    results = run_study(bad, root, progress=False)
-    assert results["gone"]["status"] == "failed" and "no such folder or .gguf" in results["gone"]["error"]
+    (tmp_path / "empty").mkdir()  # a folder, so it passes the check before the cells; no model in it
+    body = f'[[cells]]\nname = "gone"\nset = {{ model = "{tmp_path / "empty"}" }}\n[[cells]]\nname = "ok"\n'
+    results = run_study(_study(tmp_path, body, name="half"), root, progress=False)
+    assert results["gone"]["status"] == "failed"
     assert results["ok"]["status"] == "done" and (root / "half" / "gone" / "failed.txt").exists()
 
 
@@ -109,6 +109,8 @@ def test_a_changed_cell_runs_again_and_a_failed_cell_does_not_stop_the_study(tmp
     ('cells = []\n', "no cells"),
     ('[[cells]]\nname = "a"\n[extra]\nx = 1\n', "unknown key 'extra'"),
     ('[[cells]\n', "not valid TOML"),
+    ('[[cells]]\nname = "a"\nset = { model = "/nowhere/model" }\n', r"cells\[0\] \(a\): --model /nowhere/model: no such"),
+    ('[[cells]]\nname = "a"\nset = { text = "/nowhere.txt" }\n', r"cells\[0\] \(a\): --calibrate /nowhere.txt does not"),
 ])  # fmt: skip
 def test_a_bad_study_is_refused_naming_the_file_and_the_cell_before_any_work(tmp_path, body, says):
     path = _study(tmp_path, body)

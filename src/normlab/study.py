@@ -94,6 +94,8 @@ def load_study(source: str | Path) -> Study:
     Args:
         source: A built-in study's name (`builtin_studies`) or a TOML file.
     """
+    from normlab.conversion.workflow import check_files
+
     builtin = builtin_studies()
     path = builtin[str(source)] if str(source) in builtin else Path(source)
     if not path.is_file():
@@ -123,6 +125,10 @@ def load_study(source: str | Path) -> Study:
             raise ValueError(f"{where} ({name}): {e}") from None
         if cfg.out is not None or cfg.heal.checkpoint is not None:
             raise ValueError(f"{where} ({name}): out and heal.checkpoint are the cell's folder's; drop them")
+        try:
+            check_files(cfg)  # every cell's model and texts, before the first cell runs
+        except (ValueError, FileNotFoundError) as e:
+            raise ValueError(f"{where} ({name}): {e}") from None
         cells[name] = cfg
     if not cells:
         raise ValueError(f"{path}: no cells; give at least one [[cells]] with a name")
@@ -254,16 +260,17 @@ def _claim(home: Path, study: Study) -> None:
     """The study's folder names the study it holds (``study.json``): a second study of the same file name under the
     same ``--root`` is refused before it runs a cell, rather than running over the first's results (issue 65, G5)."""
     mark, source = home / "study.json", _source(study)
-    if mark.is_file():
-        held = json.loads(mark.read_text()).get("source")
-        if held != source:
-            raise ValueError(
-                f"{home} holds the study {held}, not {source}: two studies named {study.name!r} cannot share "
-                "a --root; give this one another --root (or rename its file)"
-            )
-        return
-    home.mkdir(parents=True, exist_ok=True)
-    mark.write_text(json.dumps({"source": source}) + "\n")
+    with hold(mark, "the study's mark", wait=True):  # two processes may share a study: one writes its mark
+        if mark.is_file():
+            held = json.loads(mark.read_text()).get("source")
+            if held != source:
+                raise ValueError(
+                    f"{home} holds the study {held}, not {source}: two studies named {study.name!r} cannot share "
+                    "a --root; give this one another --root (or rename its file)"
+                )
+            return
+        home.mkdir(parents=True, exist_ok=True)
+        mark.write_text(json.dumps({"source": source}) + "\n")
 
 
 def _cell(study: str, name: str, cfg: ConvertConfig, folder: Path, progress: bool) -> tuple[dict, bool]:

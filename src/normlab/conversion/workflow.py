@@ -24,6 +24,7 @@ from normlab.conversion.frontier import FEW_SELECTION, frontier
 from normlab.conversion.heal import check_heal_resources, heal
 from normlab.conversion.heal_report import heal_summary, write_curve
 from normlab.conversion.hf import (
+    FIXTURES,
     fixture_path,
     leading_bos,
     load_model,
@@ -112,14 +113,29 @@ def _check_checkpoint(cfg: ConvertConfig, inputs: list) -> str | None:
 
 
 def _check_inputs(cfg: ConvertConfig) -> str:
-    """The files the config names, checked before any work; returns the model's path."""
+    """The files the config names, checked before any work; returns the model's path (a fixture fetched)."""
+    check_files(cfg)
+    return _check_model(fixture_path(cfg.model), cfg)
+
+
+def check_files(cfg: ConvertConfig) -> None:
+    """The texts and the model the config names exist and are what they should be (a fixture's name, such as
+    "smollm2", is fetched later, not here): what a study checks for every cell before it runs the first.
+
+    Args:
+        cfg: The conversion's config.
+    """
     for key, path in (("text", cfg.text), ("eval_text", eval_file(cfg))):
         if path is not None and path != "docs" and not Path(path).is_file():
             what = "is a folder" if Path(path).is_dir() else "does not exist"
             raise FileNotFoundError(f"{flag(key)} {path} {what}; give a text file")
         if path is not None and path != "docs" and not Path(path).read_bytes().strip():
             raise ValueError(f"{flag(key)} {path} is empty; give a text file with text in it")
-    model_path = fixture_path(cfg.model)
+    if cfg.model not in FIXTURES:
+        _check_model(cfg.model, cfg)
+
+
+def _check_model(model_path: str, cfg: ConvertConfig) -> str:
     if not Path(model_path).exists():
         raise FileNotFoundError(f"--model {cfg.model}: no such folder or .gguf file")
     if (Path(model_path) / RECORD_FILE).is_file():
