@@ -109,8 +109,8 @@ def test_a_changed_cell_runs_again_and_a_failed_cell_does_not_stop_the_study(tmp
     ('cells = []\n', "no cells"),
     ('[[cells]]\nname = "a"\n[extra]\nx = 1\n', "unknown key 'extra'"),
     ('[[cells]\n', "not valid TOML"),
-    ('[[cells]]\nname = "a"\nset = { model = "/nowhere/model" }\n', r"cells\[0\] \(a\): --model /nowhere/model: no such"),
-    ('[[cells]]\nname = "a"\nset = { text = "/nowhere.txt" }\n', r"cells\[0\] \(a\): --calibrate /nowhere.txt does not"),
+    ('[[cells]]\nname = "a"\nset = { model = "/nowhere/model" }\n', r"\(a\): --model /nowhere/model: no such"),
+    ('[[cells]]\nname = "a"\nset = { text = "/nowhere.txt" }\n', r"\(a\): --calibrate /nowhere.txt does not"),
 ])  # fmt: skip
 def test_a_bad_study_is_refused_naming_the_file_and_the_cell_before_any_work(tmp_path, body, says):
     path = _study(tmp_path, body)
