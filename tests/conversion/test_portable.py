@@ -100,13 +100,17 @@ def test_the_folder_records_how_it_loads_and_the_modeling_file_is_normlabs_own_t
     rec = normlab.convert_norms(model, "dyisru", calibrate=sink_batches(1), progress=False)
     folder = normlab.save_converted(model, rec, tmp_path / "m")
     record = json.loads((folder / "normlab_conversion.json").read_text())
+    heads = ["AutoModel", "AutoModelForQuestionAnswering", "AutoModelForSequenceClassification",
+             "AutoModelForTokenClassification"]  # fmt: skip
     assert record["portable"] == {
         "loads_without_normlab": True,
-        "auto_classes": ["AutoModelForCausalLM"],
+        "auto_classes": ["AutoModelForCausalLM", *heads],
         "modeling_file": MODELING_FILE,
     }
     config = json.loads((folder / "config.json").read_text())
-    assert config["auto_map"] == {"AutoModelForCausalLM": "modeling_normlab.NormlabLlamaForCausalLM"}
+    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_normlab.NormlabLlamaForCausalLM"
+    assert config["auto_map"]["AutoModel"] == "modeling_normlab.NormlabLlamaModel" and set(config["auto_map"]) == {
+        "AutoModelForCausalLM", *heads}  # fmt: skip
     assert set(config["normlab_sites"]) == {s.name for s in rec.sites}
     text = (folder / MODELING_FILE).read_text()
     import inspect
@@ -150,3 +154,90 @@ def test_a_model_healed_with_lora_loads_without_normlab_with_its_merged_weights(
     assert seen.pop("normlab_imported") is False
     assert seen[str(folder)]["diff"] <= 1e-5, seen
     assert seen[str(folder)]["generated"] == json.loads((folder / "greedy.json").read_text())
+
+
+def test_every_auto_class_the_folder_names_builds_the_converted_norms(tmp_path):
+    """issue 65, G2: AutoModel.from_pretrained(folder, trust_remote_code=True) built LlamaRMSNorms (hidden states off
+    by 1.46), since auto_map named only the saved class. Every Auto class that knows the model type is named now: the
+    base model finds the sites without its prefix, a head class keeps them, and a masked LM's head norm is left out
+    of its base model."""
+    model = with_sinks(tiny_lm())
+    rec = normlab.convert_norms(model, "dyisru", calibrate=sink_batches(1), per="channel", progress=False)
+    x = sink_batches(1, seed=4)[0]
+    cases = []
+    for auto, key, net in (("AutoModel", "last_hidden_state", model.model), ("AutoModelForCausalLM", "logits", model)):
+        folder = tmp_path / auto
+        normlab.save_converted(model, rec, folder)
+        with torch.no_grad():
+            torch.save({"x": x, "y": getattr(net(x), key)}, folder / "case.pt")
+        cases.append((str(folder), auto, key))
+    torch.manual_seed(0)
+    bert = transformers.BertForMaskedLM(
+        transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                intermediate_size=64)
+    ).eval()  # fmt: skip
+    rec = normlab.convert_norms(bert, "dyt", calibrate=id_batches(1), per="channel", progress=False)
+    folder = tmp_path / "bert"
+    normlab.save_converted(bert, rec, folder)
+    with torch.no_grad():
+        torch.save({"x": x, "y": bert.bert(x).last_hidden_state}, folder / "case.pt")
+    cases.append((str(folder), "AutoModel", "last_hidden_state"))
+    out = load_without_normlab(cases, tmp_path)
+    assert not out["normlab_imported"]
+    for folder, _, _ in cases:
+        got = out[folder]
+        assert got["class"].startswith("Normlab") and got["diff"] <= 1e-5 * got["scale"], (folder, got)
+
+
+EDITS = {  # an edit of a converted folder's config.json -> what loading it says
+    "massive copy dropped": (lambda c, wrapped: c["normlab_sites"].__setitem__(
+        wrapped, c["normlab_sites"][wrapped]["massive_tokens"]["main"]), "the weights file has no value for"),
+    "site removed": (lambda c, wrapped: c["normlab_sites"].pop(wrapped),
+                     "the weights and config.json disagree at a norm"),
+    "no sites": (lambda c, wrapped: c.pop("normlab_sites"), "config.json has no normlab_sites"),
+    "another formula": (lambda c, wrapped: c["normlab_sites"][wrapped]["massive_tokens"]["main"].__setitem__(
+        "formula", "dyt"), "names the formula 'dyt', which modeling_normlab.py does not define"),
+}  # fmt: skip
+
+REFUSALS = """
+import json, sys, transformers
+out = {}
+for folder in json.loads(sys.argv[1]):
+    try:
+        transformers.AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
+        out[folder] = "loaded"
+    except Exception as e:
+        out[folder] = f"{type(e).__name__}: {e}"
+print(json.dumps(out))
+"""
+
+
+def test_an_edited_folder_is_refused_naming_the_file_and_the_fix(tmp_path):
+    """issue 65: an edited converted folder loaded into garbage with only transformers' UNEXPECTED/MISSING report
+    (a dropped massive copy left parameters uninitialised: logits of 1e37; a site removed from normlab_sites left
+    the original norm there), or failed raw (no normlab_sites: AttributeError; another formula: KeyError)."""
+    import shutil
+    import subprocess
+    import sys
+
+    model = with_sinks(tiny_lm())
+    rec = normlab.convert_norms(model, "dyisru", calibrate=sink_batches(1), progress=False)
+    whole = normlab.save_converted(model, rec, tmp_path / "whole")
+    wrapped = next(s.name for s in rec.sites if s.massive)
+    folders = {}
+    for name, (edit, _) in EDITS.items():
+        folder = tmp_path / name.replace(" ", "_")
+        shutil.copytree(whole, folder)
+        config = json.loads((folder / "config.json").read_text())
+        edit(config, wrapped)
+        (folder / "config.json").write_text(json.dumps(config))
+        folders[name] = str(folder)
+    env = {"HF_MODULES_CACHE": str(tmp_path / "hf_modules"), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
+    proc = subprocess.run([sys.executable, "-I", "-c", REFUSALS, json.dumps([str(whole), *folders.values()])],
+                          capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert said[str(whole)] == "loaded"
+    for name, (_, message) in EDITS.items():
+        assert said[folders[name]].startswith("ValueError") and message in said[folders[name]], (name, said)
+        assert "convert the original again" in said[folders[name]]

@@ -25,7 +25,15 @@ from torch import nn
 import normlab.functional as FN
 from normlab.conversion.massive import MassiveTokens
 
-__all__ = ["MODELING_FILE", "PortableError", "auto_classes", "site_spec", "modeling_source", "write_portable"]
+__all__ = [
+    "MODELING_FILE",
+    "PortableError",
+    "auto_classes",
+    "auto_map",
+    "site_spec",
+    "modeling_source",
+    "write_portable",
+]
 
 MODELING_FILE = "modeling_normlab.py"
 
@@ -115,19 +123,26 @@ def _functional_text(names: set[str]) -> str:
 _GLUE = '''
 
 FORMULAS = {FORMULAS}
+FILE = "modeling_normlab.py"  # this file, named in its errors
+RECONVERT = "convert the original again (normlab convert), or restore the folder as the conversion wrote it"
 
 
 class ElementwiseNorm(nn.Module):
     """One replacement: its parameters under normlab's names, the formula called with them (a ``log_`` parameter
     is passed as its exp), its settings, over the channel axis ``channel_dim``."""
 
-    def __init__(self, spec):
+    def __init__(self, spec, name):
         super().__init__()
+        if spec.get("formula") not in FORMULAS:
+            raise ValueError(
+                f"config.json normlab_sites[{name!r}] names the formula {spec.get('formula')!r}, which {FILE} does "
+                f"not define ({', '.join(FORMULAS)}): the config and {FILE} come from two conversions; {RECONVERT}"
+            )
         self.formula = FORMULAS[spec["formula"]]
         self.settings = dict(spec["settings"])
         self.channel_dim = spec["channel_dim"]
-        for name, shape in spec["parameters"].items():
-            self.register_parameter(name, nn.Parameter(torch.empty(shape)))
+        for pname, shape in spec["parameters"].items():
+            self.register_parameter(pname, nn.Parameter(torch.full(shape, float("nan"))))  # NaN until loaded
 
     def forward(self, x):
         kwargs = dict(self.settings)
@@ -139,55 +154,121 @@ class ElementwiseNorm(nn.Module):
         return self.formula(x.movedim(self.channel_dim, -1), **kwargs).movedim(-1, self.channel_dim)
 
 
-def build_site(spec):
+def build_site(spec, name):
     if "massive_tokens" in spec:
         pair = spec["massive_tokens"]
-        return MassiveTokens(build_site(pair["main"]), build_site(pair["massive"]), pair["channels"], pair["threshold"])
-    return ElementwiseNorm(spec)
+        return MassiveTokens(
+            build_site(pair["main"], name), build_site(pair["massive"], name), pair["channels"], pair["threshold"]
+        )
+    return ElementwiseNorm(spec, name)
 
 
-class {CLASS}(transformers.{BASE}):
-    """transformers' {BASE} with the element-wise norms of a normlab conversion at the sites its config names."""
+def place_sites(model, config):
+    """Put each site of ``config.normlab_sites`` (named in the converted model's class) where it sits in
+    ``model``, whichever head class it is: the base model alone finds it without the base model's prefix; a site
+    in a head this class does not have (a masked LM's head norm, read as the base model) is left out."""
+    sites = getattr(config, "normlab_sites", None)
+    if not isinstance(sites, dict) or not sites:
+        raise ValueError(f"config.json has no normlab_sites, which {FILE} reads: {RECONVERT}")
+    prefix = model.base_model_prefix + "."
+    for name, spec in sites.items():
+        short = name[len(prefix):] if name.startswith(prefix) else None
+        target = next((t for t in (name, short) if t and _has(model, t)), None)
+        if target is not None:
+            model.set_submodule(target, build_site(spec, name))
+        elif short is not None:
+            raise ValueError(
+                f"config.json normlab_sites names {name!r}, which {type(model).__name__} does not have: {RECONVERT}"
+            )
+
+
+def _has(model, name):
+    try:
+        model.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
+
+
+def check_loaded(model, info, folder):
+    """After the weights have loaded: every site's parameters came from the folder, and the weights hold no norm
+    parameters that no site took (a site dropped from config.json)."""
+    sites = [n for n, m in model.named_modules() if isinstance(m, (ElementwiseNorm, MassiveTokens))]
+    unloaded = [k for k in info.get("missing_keys", []) if any(k.startswith(n + ".") for n in sites)]
+    unloaded += [f"{n}.{k}" for n, m in model.named_modules() if isinstance(m, ElementwiseNorm)
+                 for k, p in m.named_parameters() if bool(p.isnan().all())]
+    if unloaded:
+        raise ValueError(
+            f"{folder}: the weights file has no value for {unloaded[0]}, which config.json's normlab_sites "
+            f"declares: the weights and the config come from two conversions; {RECONVERT}"
+        )
+    norms = {n for n, m in model.named_modules() if "Norm" in type(m).__name__}
+    keys = [*info.get("unexpected_keys", []), *info.get("missing_keys", [])]
+    stray = [k for k in keys if any(k[:i] in norms for i in range(len(k)) if k[i] == ".")]
+    if stray:
+        raise ValueError(
+            f"{folder}: the weights and config.json disagree at a norm ({stray[0]} is "
+            f"{'unexpected' if stray[0] in info.get('unexpected_keys', []) else 'missing'}): a site was removed from "
+            f"or added to its normlab_sites, so a norm would stand there with weights of another kind: {RECONVERT}"
+        )
+    bad = [k for k in info.get("mismatched_keys", []) if any(str(k).startswith(n + ".") for n in sites)]
+    if bad:
+        raise ValueError(f"{folder}: the weights of {bad[0]} have another shape than config.json declares: {RECONVERT}")
+
+
+def with_sites(base):
+    """transformers' class ``base`` with the element-wise norms of the conversion at the sites its config names,
+    loaded and checked."""
 
     def __init__(self, config, *args, **kwargs):
-        super().__init__(config, *args, **kwargs)
-        for name, spec in config.normlab_sites.items():
-            self.set_submodule(name, build_site(spec))
+        base.__init__(self, config, *args, **kwargs)
+        place_sites(self, config)
+
+    @classmethod
+    def from_pretrained(cls, folder, *args, **kwargs):
+        asked = kwargs.pop("output_loading_info", False)
+        model, info = super(made, cls).from_pretrained(folder, *args, output_loading_info=True, **kwargs)
+        check_loaded(model, info, folder)
+        return (model, info) if asked else model
+
+    name = f"Normlab{base.__name__}"
+    made = type(name, (base,), {"__init__": __init__, "from_pretrained": from_pretrained, "__module__": __name__,
+                                "__qualname__": name, "__doc__": with_sites.__doc__})
+    return made
 '''
 
 
-def modeling_source(base: str, specs: dict[str, dict], version: str) -> str:
-    """The text of the modeling file for a model of transformers class ``base`` with the sites ``specs``.
+def modeling_source(classes: list[str], specs: dict[str, dict], version: str) -> str:
+    """The text of the modeling file for a model converted from the transformers class ``classes[0]``, built by
+    each of ``classes`` (its other head classes and its base model) with the sites ``specs``.
 
     Args:
-        base: The transformers class, e.g. ``LlamaForCausalLM``.
+        classes: transformers classes, the converted model's first (e.g. ``LlamaForCausalLM``, ``LlamaModel``).
         specs: Site name -> `site_spec`.
         version: normlab's version, written into the file's header.
     """
     formulas = sorted(set().union(*(_formulas(s) for s in specs.values())))
     header = (
-        f'"""A model converted by normlab {version}: transformers\' {base} with element-wise norms at '
+        f'"""A model converted by normlab {version}: transformers\' {classes[0]} with element-wise norms at '
         f"{len(specs)} sites.\n\nGenerated: the formulas are normlab.functional's, the massive-token wrapper is "
         "normlab.conversion.massive's.\nIt needs torch and transformers, not normlab. Load the folder with\n"
         f"    transformers.AutoModel...from_pretrained(folder, trust_remote_code=True)\n"
         '"""\n\nfrom __future__ import annotations\n\n'
     )
-    glue = (
-        _GLUE.replace("{FORMULAS}", "{" + ", ".join(f'"{f}": {f}' for f in formulas) + "}")
-        .replace("{CLASS}", portable_class(base))
-        .replace("{BASE}", base)
-    )
+    glue = _GLUE.replace("{FORMULAS}", "{" + ", ".join(f'"{f}": {f}' for f in formulas) + "}")
+    made = "\n".join(f"{portable_class(c)} = with_sites(transformers.{c})" for c in classes)
     first = inspect.getsource(MassiveTokens)
-    return f"{header}{_functional_text(set(formulas))}\n\n\n{first}{glue}"
+    return f"{header}{_functional_text(set(formulas))}\n\n\n{first}{glue}{made}\n"
 
 
 def portable_class(base: str) -> str:
     return f"Normlab{base}"
 
 
-def auto_classes(model: nn.Module) -> list[str]:
-    """The transformers Auto classes that build ``model``'s class from its config (``AutoModelForCausalLM`` for
-    ``LlamaForCausalLM``); empty for a model that is not a transformers model or that no Auto class builds.
+def auto_map(model: nn.Module) -> dict[str, str]:
+    """Every transformers Auto class that knows ``model``'s model type, with the class it builds for it
+    (``{"AutoModelForCausalLM": "LlamaForCausalLM", "AutoModel": "LlamaModel", ...}``); empty for a model that is
+    not a transformers model.
 
     Args:
         model: A model.
@@ -195,18 +276,31 @@ def auto_classes(model: nn.Module) -> list[str]:
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     if not isinstance(model_type, str) or not type(model).__module__.startswith("transformers."):
-        return []
+        return {}
+    import transformers
     from transformers.models.auto import modeling_auto
 
-    found = []
+    found = {}
     for name in sorted(dir(modeling_auto)):
         mapping = getattr(getattr(modeling_auto, name), "_model_mapping", None)
         if not name.startswith("AutoModel") or not hasattr(mapping, "_model_mapping"):
             continue
         value = mapping._model_mapping.get(model_type)
-        if type(model).__name__ in (value if isinstance(value, (list, tuple)) else [value]):
-            found.append(name)
+        for cls in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(cls, str) and hasattr(transformers, cls):
+                found[name] = cls
+                break
     return found
+
+
+def auto_classes(model: nn.Module) -> list[str]:
+    """The transformers Auto classes that build ``model``'s own class from its config (``AutoModelForCausalLM``
+    for ``LlamaForCausalLM``); empty for a model that is not a transformers model or that no Auto class builds.
+
+    Args:
+        model: A model.
+    """
+    return [a for a, cls in auto_map(model).items() if cls == type(model).__name__]
 
 
 def write_portable(model: nn.Module, path: Path, sites: list[str], version: str) -> list[str]:
@@ -220,7 +314,7 @@ def write_portable(model: nn.Module, path: Path, sites: list[str], version: str)
         sites: The converted sites' names.
         version: normlab's version, written into the file's header.
     """
-    autos = auto_classes(model)
+    autos, every = auto_classes(model), auto_map(model)
     base = type(model).__name__
     if not autos:
         raise PortableError(
@@ -228,10 +322,11 @@ def write_portable(model: nn.Module, path: Path, sites: list[str], version: str)
             "folder of it cannot name its modeling file; it loads with normlab.load_converted"
         )
     specs = {name: site_spec(model.get_submodule(name), name) for name in sites}
-    (path / MODELING_FILE).write_text(modeling_source(base, specs, version))
+    classes = [base, *sorted(set(every.values()) - {base})]  # every head class and the base model load it too
+    (path / MODELING_FILE).write_text(modeling_source(classes, specs, version))
     config_file = path / "config.json"
     config = json.loads(config_file.read_text())
-    config["auto_map"] = {a: f"{MODELING_FILE[:-3]}.{portable_class(base)}" for a in autos}
+    config["auto_map"] = {a: f"{MODELING_FILE[:-3]}.{portable_class(c)}" for a, c in every.items()}
     config["normlab_sites"] = specs
     config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    return autos
+    return [*autos, *(a for a in every if a not in autos)]

@@ -14,7 +14,13 @@ from torch import nn
 from normlab.conversion.batches import swap
 from normlab.conversion.calibrate import per_channel_kwargs
 from normlab.conversion.massive import MassiveTokens
-from normlab.conversion.portable import MODELING_FILE, PortableError, auto_classes, site_spec, write_portable
+from normlab.conversion.portable import (
+    MODELING_FILE,
+    PortableError,
+    auto_classes,
+    site_spec,
+    write_portable,
+)
 from normlab.conversion.record import ConversionRecord
 from normlab.corpus import sha256_file
 from normlab.registry import create_norm
