@@ -1,13 +1,14 @@
 """Heal curves side by side: validation cross-entropy against minutes and against tokens, one line per heal_curve.csv.
 
-    python scripts/plot_heal_curves.py bench/heal_30min_dyisru.csv "one core" \
-        bench/heal_30min_dyisru_2threads.csv "two threads" --out docs/figures/heal_30min.png
+    python scripts/plot_heal_curves.py bench/heal_curves.csv:heal_30min_dyisru "one core" \
+        bench/heal_curves.csv:heal_30min_dyisru_2threads "two threads" --out docs/figures/heal_30min.png
     python scripts/plot_heal_curves.py A.csv "batch 8" B.csv "batch 4" --ylim 4.8 9.5 --out FIG.png   # clip a spike
 
     python scripts/plot_heal_curves.py --study runs/heal_grid --out FIG.png   # every healed cell of a study
 
 Each CSV is what `normlab convert --heal-minutes N --out DIR` writes as DIR/heal_curve.csv (columns tokens,
-seconds, val_ce, ...); a study cell's result.json (`normlab study`) holds the same curve. The kept point (the best
+seconds, val_ce, ...), or FILE.csv:NAME, the rows of curve NAME in a table of curves (bench/heal_curves.csv, with
+each curve's command, commit, machine and date); a study cell's result.json (`normlab study`) holds the same curve. The kept point (the best
 validation CE) is circled on each line.
 """
 
@@ -27,12 +28,18 @@ def read_curve(path: Path) -> dict[str, list[float]]:
         if not rows:
             raise SystemExit(f"{path}: a study result without a heal curve")
         return {k: [float(r[k]) for r in rows] for k in ("tokens", "seconds", "val_ce")}
+    name = None
+    if ":" in path.name:  # FILE.csv:NAME, one curve of a table of curves
+        file, name = path.name.split(":", 1)
+        path = path.with_name(file)
     with path.open() as f:
-        rows = list(csv.DictReader(f))
+        rows = [r for r in csv.DictReader(f) if name is None or r.get("curve") == name]
+    if name is not None and not rows:
+        raise SystemExit(f"{path}: no curve named {name!r}")
     missing = {"tokens", "seconds", "val_ce"} - set(rows[0] if rows else {})
     if missing:
         raise SystemExit(f"{path}: not a heal curve (no {', '.join(sorted(missing))} column)")
-    return {k: [float(r[k]) for r in rows] for k in ("tokens", "seconds", "val_ce")}
+    return {k: [float(r[k]) if r[k] else float("nan") for r in rows] for k in ("tokens", "seconds", "val_ce")}
 
 
 def main() -> None:
