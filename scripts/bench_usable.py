@@ -69,6 +69,9 @@ JOBS = {  # name -> the model and the flags after --to dyisru
 }
 
 
+LONG = ("budget_heal_45",)  # not run by default: an hour
+
+
 def _row(job: str, argv: list[str], fid: dict, minutes: float, commit: str) -> dict:
     u = fid["usage"]
     row = {"job": job, "model": argv[argv.index("--model") + 1],
@@ -120,7 +123,7 @@ def _stage_rows(row: dict, fid: dict) -> list[dict]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--jobs", nargs="+", choices=list(JOBS), default=[j for j in JOBS if not j.startswith("qwen") and j != "budget_heal_45"])
+    p.add_argument("--jobs", nargs="+", choices=list(JOBS), default=[j for j in JOBS if not j.startswith("qwen") and j not in LONG])
     p.add_argument("--keep", type=Path, help="keep each run's folder under this folder")
     p.add_argument("--csv", type=Path, default=ROOT / "bench" / "usable.csv")
     p.add_argument("--stages", type=Path, default=ROOT / "bench" / "convert_stages.csv",

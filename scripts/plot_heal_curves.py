@@ -8,8 +8,8 @@
 
 Each CSV is what `normlab convert --heal-minutes N --out DIR` writes as DIR/heal_curve.csv (columns tokens,
 seconds, val_ce, ...), or FILE.csv:NAME, the rows of curve NAME in a table of curves (bench/heal_curves.csv, with
-each curve's command, commit, machine and date); a study cell's result.json (`normlab study`) holds the same curve. The kept point (the best
-validation CE) is circled on each line.
+each curve's command, commit, machine and date); a study cell's result.json (`normlab study`) holds the same curve.
+The kept point (the best validation CE) is circled on each line.
 """
 
 from __future__ import annotations
