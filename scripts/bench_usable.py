@@ -61,8 +61,22 @@ JOBS = {  # name -> the model and the flags after --to dyisru
     ),
     "budget_heal_45": (  # the stretch: the same recipe with a 45-minute heal (about an hour in all)
         "smollm2",
-        ["--per", "channel", "--budget-nats", "0.4", "--heal-text", "self", "--heal-minutes", "45", "--heal-train",
-         "lora", "--set", "heal.schedule=cooldown", "heal.teacher_top_k=1024", "heal.precision=bf16"],
+        [
+            "--per",
+            "channel",
+            "--budget-nats",
+            "0.4",
+            "--heal-text",
+            "self",
+            "--heal-minutes",
+            "45",
+            "--heal-train",
+            "lora",
+            "--set",
+            "heal.schedule=cooldown",
+            "heal.teacher_top_k=1024",
+            "heal.precision=bf16",
+        ],
     ),  # fmt: skip
     "qwen_per_channel": ("qwen-coder", ["--per", "channel"]),
     "qwen_budget": ("qwen-coder", ["--per", "channel", "--budget-nats", "0.4"]),
@@ -123,7 +137,9 @@ def _stage_rows(row: dict, fid: dict) -> list[dict]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--jobs", nargs="+", choices=list(JOBS), default=[j for j in JOBS if not j.startswith("qwen") and j not in LONG])
+    p.add_argument(
+        "--jobs", nargs="+", choices=list(JOBS), default=[j for j in JOBS if not j.startswith("qwen") and j not in LONG]
+    )
     p.add_argument("--keep", type=Path, help="keep each run's folder under this folder")
     p.add_argument("--csv", type=Path, default=ROOT / "bench" / "usable.csv")
     p.add_argument("--stages", type=Path, default=ROOT / "bench" / "convert_stages.csv",
