@@ -1,8 +1,12 @@
-"""What the study scripts share: the commit and machine a row was measured on, and saving a figure."""
+"""What the bench and study scripts share: the command, commit, machine and date a row was measured with, and
+saving a figure."""
 
 from __future__ import annotations
 
+import datetime
+import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,6 +27,15 @@ def machine() -> str:
     from normlab.study import machine as study_machine
 
     return study_machine()
+
+
+def stamp() -> dict:
+    """What every bench row records of how it was measured: the command as typed (the script's path from the
+    repository), the commit, the machine and the date."""
+    script = Path(sys.argv[0]).resolve()
+    shown = script.relative_to(ROOT) if script.is_relative_to(ROOT) else script
+    command = shlex.join(["python", str(shown), *sys.argv[1:]])
+    return {"command": command, "commit": commit(), "machine": machine(), "date": datetime.date.today().isoformat()}
 
 
 def save(fig, path: Path, rect: tuple | None = None) -> None:

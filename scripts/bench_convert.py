@@ -28,6 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from _study import stamp
 from bench_kernels import cpu_name  # scripts/ is on the path when a script runs
 from normlab.table import append_csv, format_table
 
@@ -121,8 +122,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.against:
                 subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT, capture_output=True)
     machine = f"{cpu_name()}, {args.threads} threads"
-    stamp = {"date": datetime.date.today().isoformat(), "machine": machine, "bench_commit": here}
-    append_csv(args.csv, [{**stamp, **r} for r in rows])
+    measured = {"date": datetime.date.today().isoformat(), "machine": machine, "bench_commit": here}
+    append_csv(args.csv, [{**measured, **r} for r in rows], stamp=stamp())
     cols = ["job", "commit", "stage", "seconds", "peak_gb", "ce_held_out", "ce_docs"]
     print(format_table(cols, [[r[k] for k in cols] for r in rows]))
     print(f"\n{machine}; rows appended to {args.csv}")

@@ -21,6 +21,7 @@ import time
 import torch
 
 import normlab
+from _study import stamp
 from bench_kernels import cpu_name  # scripts/ is on the path when a script runs
 from normlab.table import append_csv, format_table
 from normlab.version import code_version
@@ -84,7 +85,7 @@ def main() -> None:
                         "commit": commit, "date": datetime.date.today().isoformat(), "machine": machine})  # fmt: skip
     print(f"one call on {tuple(args.shape)}, inference mode; {machine}")
     print(format_table(["provider", "us per call", "vs LlamaRMSNorm"], rows, markdown=True))
-    append_csv(args.csv, records)
+    append_csv(args.csv, records, stamp=stamp())
     print(f"rows appended to {args.csv}")
 
 

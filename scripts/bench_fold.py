@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 import normlab
+from _study import stamp
 from bench_kernels import cpu_name  # scripts/ is on the path when a script runs
 from normlab.conversion.hf import load_model, smollm2
 from normlab.conversion.saving import load_converted
@@ -180,7 +181,7 @@ def main() -> None:
         f"time, 95% block bootstrap (blocks of {args.new} steps)"
     )
     print("probe difference of each fold (float32, uncalibrated):", {k: f"{v:.3g}" for k, v in differences.items()})
-    append_csv(args.csv, records)
+    append_csv(args.csv, records, stamp=stamp())
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ import time  # noqa: E402
 import torch  # noqa: E402
 
 import normlab  # noqa: E402
-from _study import commit  # noqa: E402
+from _study import commit, stamp  # noqa: E402
 from bench_kernels import cpu_name  # noqa: E402  (scripts/ is on the path when a script runs)
 from normlab.conversion.heal_run import frozen, make_optimizer, trainable  # noqa: E402
 from normlab.conversion.teacher import TeacherCache  # noqa: E402
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
                         "loss_first_batch": round(losses[name], 5), "rounds": args.rounds})  # fmt: skip
     print(f"one heal step (cached teacher, k = {args.k}), {args.batch} x {batches[0].shape[1]} tokens; {machine}")
     print(format_table(["provider", "s per step", "tokens/s", "speed-up", "loss, first batch"], rows))
-    append_csv(args.csv, records)
+    append_csv(args.csv, records, stamp=stamp())
     return 0
 
 

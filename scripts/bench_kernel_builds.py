@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from _study import stamp
 from bench_kernels import cpu_name  # scripts/ is on the path when a script runs
 from normlab.kernels import cpu_build
 from normlab.table import append_csv, format_table
@@ -105,7 +106,7 @@ def main() -> None:
                          "after_ms": round(after[op], 4), "ratio": round(after[op] / before[op], 3),
                          "pairs": args.pairs, "bench_commit": code_version().get("git_commit", "unknown")[:12]}
                         for op in before]  # fmt: skip
-    append_csv(args.csv, records)
+    append_csv(args.csv, records, stamp=stamp())
 
 
 if __name__ == "__main__":

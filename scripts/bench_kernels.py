@@ -31,6 +31,7 @@ import platform
 import torch
 
 import normlab.functional as FN
+from _study import stamp
 from normlab.table import append_csv
 from normlab.version import code_version
 
@@ -344,7 +345,7 @@ def main() -> None:
         args.channels = [1024]
     rows = run_cpu(args) if on_cpu else run(args)
     args.csv = args.csv or ("bench/kernels_cpu.csv" if on_cpu else "bench/kernels.csv")
-    print(f"appended {len(rows)} rows to {append_csv(args.csv, rows)}")
+    print(f"appended {len(rows)} rows to {append_csv(args.csv, rows, stamp=stamp())}")
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from _study import stamp
 from normlab.lab import GPT, resolve_config, train
 from normlab.lab.data import get_batch, load_corpus
 from normlab.lab.metrics import Probe, norm_parameters, projection_ranks
@@ -209,7 +210,7 @@ def main() -> None:
     }
     for k, v in row.items():
         print(f"{k:28s} {v}")
-    print(f"appended to {append_csv(args.csv, [row])}")
+    print(f"appended to {append_csv(args.csv, [row], stamp=stamp())}")
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ import time
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from _study import ROOT, commit, machine
+from _study import ROOT, commit, machine, stamp
 from normlab.lab import GPT, resolve_config
 from normlab.lab.data import get_batch, load_corpus
 from normlab.lab.optim import build_optimizer
@@ -177,7 +177,7 @@ def main() -> None:
                   f"x{r['vs_eager']:.3f} of eager  setup {r['setup_s'] or 0:6.2f} s  "
                   f"loss diff {r['loss_diff'] or 0:+.5f}",
                   flush=True)  # fmt: skip
-        append_csv(args.csv, rows)
+        append_csv(args.csv, rows, stamp=stamp())
     print(f"appended to {args.csv}")
 
 

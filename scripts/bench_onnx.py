@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 import normlab
-from _study import commit
+from _study import commit, stamp
 from bench_kernels import cpu_name  # scripts/ is on the path when a script runs
 from normlab.conversion.batches import cache_kwarg
 from normlab.conversion.hf import TextCut, load_model, quiet, smollm2, text_batches
@@ -98,8 +98,8 @@ def main(argv: list[str] | None = None) -> int:
                 })  # fmt: skip
                 print(f"{name}, {engine}: {rows[-1]['tokens_per_s']} tokens/s", flush=True)
     machine = f"{cpu_name()}, {args.threads} threads, torch {torch.__version__}"
-    stamp = {"date": datetime.date.today().isoformat(), "machine": machine, "commit": commit()}
-    append_csv(args.csv, [{**stamp, **r} for r in rows])
+    measured = {"date": datetime.date.today().isoformat(), "machine": machine, "commit": commit()}
+    append_csv(args.csv, [{**measured, **r} for r in rows], stamp=stamp())
     cols = ["model", "engine", "tokens_per_s", "prefill_ms", "logit_diff", "greedy_equal"]
     print(format_table(cols, [[r[k] for k in cols] for r in rows]))
     print(f"\n{machine}; rows appended to {args.csv}")

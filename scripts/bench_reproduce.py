@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from _study import stamp
 from normlab.corpus import fetch_shakespeare
 from normlab.kernels import cpu_build
 from normlab.table import append_csv
@@ -93,7 +94,7 @@ def main() -> None:
            "experiments": " ".join(args.experiment) or "all", "reference_s": round(seconds["reference"], 1),
            "fused_s": round(seconds["fused"], 1), "ratio": round(ratio, 3),
            "kernel_build_in_time": "no" if args.warm else "yes"}  # fmt: skip
-    print(f"appended a row to {append_csv(args.csv, [row])}")
+    print(f"appended a row to {append_csv(args.csv, [row], stamp=stamp())}")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from _study import ROOT, commit, machine
+from _study import ROOT, commit, machine, stamp
 from normlab import functional as F
 from normlab.kernels import cpu
 from normlab.table import append_csv
@@ -123,7 +123,7 @@ def main() -> None:
                         print(f"{op:5s} {dtype_name} {args.rows} x {c} saves {r['saves']:8s} fwd+bwd "
                               f"{r['full_ms']:7.3f} ms (x{r['full_vs_x']:.3f})  bwd {r['backward_ms']:7.3f} ms  "
                               f"copy {r['copy_ms']:.3f} ms  grad error {r['grad_rel_error']:.2e}")  # fmt: skip
-                    append_csv(args.csv, rows)
+                    append_csv(args.csv, rows, stamp=stamp())
     finally:
         cpu.BACKWARD_SAVES.update(default)
     print(f"appended to {args.csv}")

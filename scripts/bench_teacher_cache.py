@@ -24,6 +24,7 @@ import time
 import torch
 
 import normlab
+from _study import stamp
 from bench_kernels import cpu_name  # scripts/ is on the path when a script runs
 from normlab.conversion.heal import distill_loss
 from normlab.conversion.heal_run import frozen, make_optimizer, trainable
@@ -85,7 +86,7 @@ def main() -> None:
                         "machine": machine})  # fmt: skip
     print(f"one distillation step, {args.batch} x {batches[0].shape[1]} tokens, SmolLM2 to DyISRU; {machine}")
     print(format_table(["provider", "s per step", "vs live", "teacher mass outside the top k"], rows, markdown=True))
-    append_csv(args.csv, records)
+    append_csv(args.csv, records, stamp=stamp())
 
 
 if __name__ == "__main__":

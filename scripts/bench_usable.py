@@ -26,6 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from _study import stamp
 from bench_kernels import cpu_name  # scripts/ is on the path when a script runs
 from normlab.table import append_csv
 
@@ -163,8 +164,8 @@ def main() -> None:
             print(proc.stdout[proc.stdout.find("judged as used") :], flush=True)
             fid = json.loads((out / "fidelity.json").read_text())
             row = _row(job, [a for a in argv if a not in ("--overwrite",)][:-2], fid, minutes, commit)
-            append_csv(args.csv, [row])
-            append_csv(args.stages, _stage_rows(row, fid))
+            append_csv(args.csv, [row], stamp=stamp())
+            append_csv(args.stages, _stage_rows(row, fid), stamp=stamp())
             print(f"{job}: {minutes:.1f} min -> {args.csv}, its stages -> {args.stages}", flush=True)
 
 

@@ -62,3 +62,18 @@ def test_append_csv_waits_for_another_process_appending(tmp_path):
     assert waited > 0.5, f"append_csv did not wait for the holder ({waited:.2f} s)"
     rows = list(csv.reader(path.open()))
     assert rows == [["a", "b", "c"], ["1", "2", ""], ["3", "4", "5"]]
+
+
+def test_every_shipped_bench_table_says_how_it_was_measured(tmp_path):
+    """issue 67: every bench CSV has a command, commit, machine and date column; a stamp fills them in new rows
+    without overriding a row's own."""
+    from pathlib import Path
+
+    for path in sorted((Path(__file__).parents[1] / "bench").glob("*.csv")):
+        header = next(csv.reader(path.open()))
+        assert {"command", "commit", "machine", "date"} <= set(header), (path.name, header)
+    path = tmp_path / "bench.csv"
+    append_csv(path, [{"a": 1}, {"a": 2, "commit": "mine"}], stamp={"command": "python x.py", "commit": "abc"})
+    rows = list(csv.DictReader(path.open()))
+    assert rows[0] == {"command": "python x.py", "commit": "abc", "a": "1"}
+    assert rows[1] == {"command": "python x.py", "commit": "mine", "a": "2"}

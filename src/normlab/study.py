@@ -34,9 +34,11 @@ from __future__ import annotations
 import contextlib
 import csv
 import dataclasses
+import datetime
 import hashlib
 import json
 import platform
+import shlex
 import sys
 import traceback
 from importlib import resources
@@ -183,7 +185,7 @@ def _run_cell(name: str, cfg: ConvertConfig, folder: Path, progress: bool) -> di
     return result
 
 
-ROW = ["study", "cell", *METRICS, "commit", "dirty", "machine"]  # a results table's columns
+ROW = ["study", "cell", *METRICS, "commit", "dirty", "machine", "command", "date"]  # a results table's columns
 
 
 def _check_table(table: Path | None) -> None:
@@ -192,14 +194,19 @@ def _check_table(table: Path | None) -> None:
         return
     with table.open(newline="") as f:
         header = next(csv.reader(f), [])
+    if header and len(header) < len(ROW) and header == ROW[: len(header)]:
+        missing = ", ".join(ROW[len(header) :])
+        raise ValueError(f"{table} was written by an older normlab (without the {missing} columns); move it aside")
     if header != ROW:
         raise ValueError(f"{table} holds another table (columns {', '.join(header[:4])}, ...); give another --bench")
 
 
 def _append_row(table: Path, study: str, result: dict) -> None:
     """One row per finished cell: the study, the cell, its metrics, the commit and the machine."""
+    command = shlex.join(["normlab", *sys.argv[1:]]) if sys.argv[1:2] == ["study"] else f"run_study({study!r})"
     row = {"study": study, "cell": result["cell"], **result["metrics"], "commit": result.get("git_commit", "")[:12],
-           "dirty": result.get("git_dirty", ""), "machine": result["machine"]}  # fmt: skip
+           "dirty": result.get("git_dirty", ""), "machine": result["machine"], "command": command,
+           "date": datetime.date.today().isoformat()}  # fmt: skip
     assert list(row) == ROW
     table.parent.mkdir(parents=True, exist_ok=True)
     with hold(table, "the study table", wait=True):

@@ -40,7 +40,7 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence], markdown: boo
     return "\n".join([fmt(headers), fmt(["-" * w for w in widths]), *(fmt(r) for r in cells)])
 
 
-def append_csv(path: str | Path, rows: list[dict]) -> Path:
+def append_csv(path: str | Path, rows: list[dict], stamp: dict | None = None) -> Path:
     """Append rows to a CSV: benchmarks keep one growing table. When the rows bring columns the file lacks,
     the file is rewritten under the union of the columns (older rows leave the new cells empty), so that
     every row has as many cells as the header. Two benchmarks appending to one table take turns (a lock beside it,
@@ -49,7 +49,10 @@ def append_csv(path: str | Path, rows: list[dict]) -> Path:
     Args:
         path: The CSV file (made when absent).
         rows: The rows, as column name -> value.
+        stamp: Columns every row gets where it has none of its own: what measured it (a benchmark's command,
+            commit, machine and date).
     """
+    rows = [{**(stamp or {}), **r} for r in rows]
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with hold(path, "benchmark table", wait=True):
