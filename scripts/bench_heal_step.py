@@ -4,7 +4,7 @@ under CPU autocast, ``torch.compile`` of the student, and both.
     python scripts/bench_heal_step.py                  # batch 4 x 128, 5 rounds, the machine's threads
     python scripts/bench_heal_step.py --threads 1
 
-The step is the recipe's (`normlab.conversion.teacher.TeacherCache` with k = 1024, the norms trained, Adam): the
+The step is the recipe's (`normlab.conversion.heal.teacher.TeacherCache` with k = 1024, the norms trained, Adam): the
 converted model's forward and backward against the original's cached top-k. Every provider takes the same batches,
 alternating round by round; the median counts, in seconds per step and tokens per second, beside each
 provider's loss on the first batch (a faster step that computes another loss is not the same heal). bf16 on this
@@ -31,8 +31,8 @@ import torch  # noqa: E402
 import normlab  # noqa: E402
 from _study import commit, stamp  # noqa: E402
 from bench_kernels import cpu_name  # noqa: E402  (scripts/ is on the path when a script runs)
-from normlab.conversion.heal_run import frozen, make_optimizer, trainable  # noqa: E402
-from normlab.conversion.teacher import TeacherCache  # noqa: E402
+from normlab.conversion.heal.loop import frozen, make_optimizer, trainable  # noqa: E402
+from normlab.conversion.heal.teacher import TeacherCache  # noqa: E402
 from normlab.table import append_csv, format_table  # noqa: E402
 
 

@@ -3,7 +3,8 @@
     python scripts/bench_teacher_cache.py                 # batch 4 x 128, k = 64 128 512, 5 rounds
     python scripts/bench_teacher_cache.py --k 128 --rounds 3
 
-What a heal step costs (`normlab.conversion.heal.distill`): the original's forward, the converted model's forward
+What a heal step costs (`normlab.conversion.heal.distill.distill`): the original's forward, the converted model's
+forward
 and backward (norms trained), Adam. With `heal.teacher_top_k` a sequence seen before skips the original. This
 times, alternating round by round on the same batches, a step with the live teacher (the full KL) and a step
 whose teacher is already cached (the top-k KL), for each k; the median is reported in seconds per step and as a
@@ -26,9 +27,9 @@ import torch
 import normlab
 from _study import stamp
 from bench_kernels import cpu_name  # scripts/ is on the path when a script runs
-from normlab.conversion.heal import distill_loss
-from normlab.conversion.heal_run import frozen, make_optimizer, trainable
-from normlab.conversion.teacher import TeacherCache, teacher_top_k
+from normlab.conversion.heal.distill import distill_loss
+from normlab.conversion.heal.loop import frozen, make_optimizer, trainable
+from normlab.conversion.heal.teacher import TeacherCache, teacher_top_k
 from normlab.table import append_csv, format_table
 from normlab.version import code_version
 

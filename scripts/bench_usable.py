@@ -1,6 +1,6 @@
 """Each recipe the README names, judged as it will be used: a real `normlab convert` of SmolLM2-135M-Instruct (and,
 asked for, of Qwen2.5-Coder-0.5B-Instruct: the qwen_ jobs) per recipe, in a fresh process, and the statistics its
-judgement prints (`normlab.conversion.usage`), one row each.
+judgement prints (`normlab.conversion.measure.usage`), one row each.
 
     python scripts/bench_usable.py                                   # every job, in order
     python scripts/bench_usable.py --jobs per_channel budget        # some of them

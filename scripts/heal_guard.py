@@ -1,5 +1,6 @@
 """The heal guard's verdict on two converted folders of one model: the one before a heal and the one after it
-(`normlab.conversion.judge.heal_verdict`), on the validation split the heal would use, its prefixed copies and its
+(`normlab.conversion.measure.judge.heal_verdict`), on the validation split the heal would use, its prefixed copies and
+its
 windows at 16 offsets.
 
     python scripts/heal_guard.py BEFORE_DIR AFTER_DIR
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import normlab
 from normlab.conversion.hf import TextCut, fixture_path, load_model, quiet, text_splits
-from normlab.conversion.judge import guard_items, guard_prefixes, heal_verdict, judge_tokens
+from normlab.conversion.measure.judge import guard_items, guard_prefixes, heal_verdict, judge_tokens
 from normlab.corpus import fetch_shakespeare
 
 

@@ -84,7 +84,7 @@ def test_convnext_converts_every_norm_and_computes_what_it_should():
     rec = normlab.convert_norms(conv, "dyt", calibrate=[torch.randn(4, 3, 32, 32) for _ in range(2)])
     assert not rec.skipped and all(s.fit is not None for s in rec.sites)
     assert "no sequence axis" in rec.notes[0]
-    fresh = normlab.conversion.saving.apply_record(transformers.ConvNextModel(cfg), rec)
+    fresh = normlab.conversion.export.saving.apply_record(transformers.ConvNextModel(cfg), rec)
     fresh.load_state_dict(conv.state_dict())
     with torch.no_grad():
         torch.testing.assert_close(fresh.eval()(x).last_hidden_state, conv(x).last_hidden_state)

@@ -124,7 +124,7 @@ def test_no_private_name_crosses_a_file():
 
 
 def test_the_private_name_check_fails_on_a_crossing():
-    assert private_crossings("from normlab.conversion.heal import _check_budget\n")
+    assert private_crossings("from normlab.conversion.heal.distill import _check_budget\n")
     assert private_crossings("from normlab import _table\n")
     assert private_crossings("import normlab.kernels._common as c\n")
     assert private_crossings("from normlab.lab import train\ntrain._optimizer(1)\n")

@@ -2,9 +2,9 @@
 
 from normlab import functional
 from normlab.conversion.convert import ConversionRecord, convert_norms, fidelity, load_converted, save_converted
-from normlab.conversion.fold import FoldReport, fold
-from normlab.conversion.heal import HealReport, heal
-from normlab.conversion.onnx_export import OnnxCheck, OnnxExport, export_onnx
+from normlab.conversion.export.fold import FoldReport, fold
+from normlab.conversion.export.onnx_export import OnnxCheck, OnnxExport, export_onnx
+from normlab.conversion.heal.distill import HealReport, heal
 from normlab.elementwise import *  # noqa: F401,F403
 from normlab.elementwise import __all__ as _elementwise_names
 from normlab.modules import (  # noqa: F401

@@ -6,7 +6,7 @@
 Every cell is a fact of the code, not a list kept beside it: the registry's `NormSpec` (element-wise, what a
 conversion fits), `normlab.functional` (the reference formula), the dispatcher of `normlab.kernels` named after the
 norm (whether it has a C++ CPU path and a Triton path), a module built by `create_norm` (a weight that
-`normlab.fold` can fold into the next linear layer), and `normlab.conversion.portable.site_spec` (whether the
+`normlab.fold` can fold into the next linear layer), and `normlab.conversion.export.portable.site_spec` (whether the
 modeling file of a converted folder rebuilds it without normlab). A test checks that docs/norms.md holds this table.
 """
 
@@ -53,7 +53,7 @@ def _paths(name: str) -> set[str]:
 
 def norm_features() -> dict[str, dict[str, bool | str]]:
     """Each registered norm's row: COLUMNS' keys to True/False (``calibrates``: the parameter a fit sets, or False)."""
-    from normlab.conversion.portable import PortableError, site_spec
+    from normlab.conversion.export.portable import PortableError, site_spec
 
     rows = {}
     for name in list_norms():
@@ -121,11 +121,11 @@ def family_features() -> dict[str, dict[str, str]]:
     finds (per block, and outside the blocks), whether calibration and the budget walk run on cached block inputs
     (`find_blocks`), the heal objectives it takes, the Auto class a saved folder loads through without normlab,
     and whether `export_onnx` takes it (else its reason, shortened)."""
+    from normlab.conversion.calibrate.stream import find_blocks
     from normlab.conversion.convert import convert_norms
-    from normlab.conversion.heal import OBJECTIVES
-    from normlab.conversion.onnx_export import export_refusal
-    from normlab.conversion.portable import auto_classes
-    from normlab.conversion.stream import find_blocks
+    from normlab.conversion.export.onnx_export import export_refusal
+    from normlab.conversion.export.portable import auto_classes
+    from normlab.conversion.heal.distill import OBJECTIVES
 
     rows = {}
     for family in FAMILIES:

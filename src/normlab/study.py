@@ -96,7 +96,7 @@ def load_study(source: str | Path) -> Study:
     Args:
         source: A built-in study's name (`builtin_studies`) or a TOML file.
     """
-    from normlab.conversion.workflow import check_files
+    from normlab.conversion.checks import check_files
 
     builtin = builtin_studies()
     path = builtin[str(source)] if str(source) in builtin else Path(source)

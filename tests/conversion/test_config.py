@@ -13,7 +13,8 @@ import torch
 import normlab
 from conftest import tiny_hf
 from normlab.cli import main
-from normlab.conversion.calibrate import calibrate_sites
+from normlab.conversion.calibrate.fit import fit_replacement
+from normlab.conversion.calibrate.sites import calibrate_sites
 from normlab.conversion.config import (
     SHORTHANDS,
     BudgetConfig,
@@ -27,8 +28,7 @@ from normlab.conversion.config import (
     resolve_convert_config,
 )
 from normlab.conversion.convert import SITE_FIELDS, resolve_options
-from normlab.conversion.fit import fit_replacement
-from normlab.conversion.heal import OBJECTIVES
+from normlab.conversion.heal.distill import OBJECTIVES
 from normlab.conversion.workflow import CONFIG_FILE, convert_model
 
 transformers = pytest.importorskip("transformers")

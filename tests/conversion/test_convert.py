@@ -274,7 +274,7 @@ def test_convert_command(tmp_path, capsys):
 
 def test_derf_calibration_fits_alpha_and_its_shift():
     """A known Derf (alpha 0.7, shift 0.4) is recovered from its input and output by fit_replacement."""
-    from normlab.conversion.fit import fit_replacement
+    from normlab.conversion.calibrate.fit import fit_replacement
 
     torch.manual_seed(0)
     truth = normlab.create_norm("derf", 16, alpha_init=0.7, shift_init=0.4).double()
@@ -300,7 +300,7 @@ def test_fit_status_says_how_much_of_the_target_a_fit_explains():
 
 def test_a_calibrated_fit_reports_the_variance_it_explains():
     """A DyISRU fitted to data made by a known DyISRU explains ~all of it; fitted to noise, next to none."""
-    from normlab.conversion.fit import fit_replacement
+    from normlab.conversion.calibrate.fit import fit_replacement
 
     torch.manual_seed(0)
     x = torch.randn(512, 16) * 3
@@ -346,7 +346,7 @@ def test_fidelity_holds_one_batch_of_site_outputs_and_sums_in_chunks_yet_gives_t
     converted = copy.deepcopy(original)
     record = normlab.convert_norms(converted, "dyt", progress=False)
     held = id_batches(3, seed=4, t=40, batch=5)  # 200 rows a batch: with ROWS at 64, four chunks of the KL
-    monkeypatch.setattr(importlib.import_module("normlab.conversion.fidelity"), "ROWS", 64)
+    monkeypatch.setattr(importlib.import_module("normlab.conversion.measure.fidelity"), "ROWS", 64)
     got = normlab.fidelity(original, converted, held, record)
     outs = {"a": {}, "b": {}}
     hooks = []

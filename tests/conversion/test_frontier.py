@@ -43,8 +43,8 @@ def _batches(n: int, seed: int):
 
 
 def test_site_costs_are_the_cross_entropy_rise_of_each_site_converted_alone():
-    from normlab.conversion.fidelity import cross_entropy
     from normlab.conversion.frontier import frontier
+    from normlab.conversion.measure.fidelity import cross_entropy
 
     model = _peaked()
     before = copy.deepcopy(model.state_dict())
@@ -86,9 +86,9 @@ def test_budget_nats_never_ends_above_its_budget(folder, tmp_path, capsys, refit
     """On a small model, for budgets from zero to above the whole walk: the held-out cross-entropy of the model
     left (saved, through the CLI) is within the budget, and the sites converted are the walk's prefix up to its
     first step over the budget (the study's ``within``), so partial conversions are exercised."""
-    from normlab.conversion.fidelity import cross_entropy
     from normlab.conversion.frontier import frontier
     from normlab.conversion.hf import text_splits
+    from normlab.conversion.measure.fidelity import cross_entropy
 
     model, _ = normlab.conversion.hf.load_model(folder / "m")
     splits = text_splits(folder / "text.txt", None, 100, TextCut(16, 8, 8))
@@ -147,9 +147,9 @@ def test_the_skip_walk_never_ends_above_its_budget_and_tries_every_site(folder, 
     """``skip=True`` goes past a site that breaks the budget instead of stopping: for budgets from zero to above
     the whole walk, the model left is within its budget, every site was tried (kept or passed), the kept sites
     are at least the stopping walk's, and each passed site was over the budget when its turn came."""
-    from normlab.conversion.fidelity import cross_entropy
     from normlab.conversion.frontier import frontier
     from normlab.conversion.hf import text_batches
+    from normlab.conversion.measure.fidelity import cross_entropy
 
     _peaked(seed=1).save_pretrained(tmp_path / "m")  # its walk rises, falls, rises: there is something to skip
     model, _ = normlab.conversion.hf.load_model(tmp_path / "m")
@@ -215,8 +215,8 @@ def test_refitting_every_converted_site_keeps_what_lowers_the_cross_entropy_and_
     """``refit_every=K``: after every K sites kept, all the converted sites are fitted again on their inputs as
     they are now; the refit is kept only where it lowers the cross-entropy, so the walk is never above the plain
     one at the point of the refit, and a budget still holds."""
-    from normlab.conversion.fidelity import cross_entropy
     from normlab.conversion.frontier import frontier
+    from normlab.conversion.measure.fidelity import cross_entropy
 
     model = _peaked()
     before = copy.deepcopy(model.state_dict())
@@ -251,7 +251,7 @@ def test_a_site_put_back_names_its_cost_alone_with_one_sign():
 def test_the_walk_on_cached_block_outputs_keeps_what_the_walk_on_whole_passes_keeps(monkeypatch):
     """issue 48: the costs and each step of the walk measured from the site's block on (BlockReplay), and the refits
     on the block stream, give the walk that whole passes give: the same order, sites and curve."""
-    import normlab.conversion.calibrate as calibrate_module
+    import normlab.conversion.calibrate.sites as calibrate_module
     import normlab.conversion.frontier as frontier_module
 
     model = _peaked(layers=4)
@@ -272,8 +272,8 @@ def test_a_site_that_rises_steeply_in_the_walk_waits_for_the_others_and_the_budg
     """budget.defer: a site whose rise in the walk is more than defer x its cost alone is put back and tried again
     after every other site; every site is still tried, the kept ones stay within the budget, and defer=0 defers
     nothing."""
-    from normlab.conversion.fidelity import cross_entropy
     from normlab.conversion.frontier import frontier
+    from normlab.conversion.measure.fidelity import cross_entropy
 
     model = _peaked(seed=1, layers=4)
     calib, held = _batches(2, 1), _batches(2, 2)

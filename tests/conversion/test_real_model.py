@@ -32,7 +32,7 @@ def smollm2():
 
 
 def test_smollm2_has_massive_first_token_activations(smollm2):
-    from normlab.conversion.massive import massive_ratio
+    from normlab.conversion.calibrate.massive import massive_ratio
 
     model, calib, _, _ = smollm2
     seen = {}
@@ -101,8 +101,8 @@ def test_smollm2_budget_nats_converts_only_what_fits(smollm2):
     """--budget-nats on the real model: the cheapest sites first, and the held-out cross-entropy of what it leaves
     never above the original's plus the budget; the rest stay RMSNorm."""
     from normlab.conversion.config import BudgetConfig
-    from normlab.conversion.fidelity import cross_entropy
     from normlab.conversion.frontier import frontier
+    from normlab.conversion.measure.fidelity import cross_entropy
 
     model, calib, held, _ = smollm2
     conv = copy.deepcopy(model)
@@ -119,8 +119,8 @@ def test_smollm2_budget_nats_converts_only_what_fits(smollm2):
 def test_smollm2_heal_on_the_stream_keeps_its_best_state(smollm2):
     """A short heal of the real model from the stream: fresh sequences only, a validation curve, the best point's
     state kept (the model's validation CE after the heal is the curve's minimum), LoRA merged away."""
-    from normlab.conversion.fidelity import cross_entropy
     from normlab.conversion.hf import TextCut, text_splits
+    from normlab.conversion.measure.fidelity import cross_entropy
     from normlab.corpus import fetch_shakespeare
 
     model, _, _, tok = smollm2

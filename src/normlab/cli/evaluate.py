@@ -9,7 +9,7 @@ __all__ = ["add_evaluate"]
 
 def _cmd_evaluate(args: argparse.Namespace) -> int:
     from normlab.conversion.evaluate import evaluate_folder
-    from normlab.conversion.usage import UsageConfig
+    from normlab.conversion.measure.usage import UsageConfig
 
     cfg = UsageConfig(prompts=args.prompts, long_tokens=args.long_tokens)
     evaluate_folder(args.folder, args.original, markdown=args.markdown, cfg=cfg)
@@ -30,7 +30,7 @@ def _count(lo: int, hi: int):
 
 
 def add_evaluate(sub) -> None:
-    from normlab.conversion.usage import PROMPTS, UsageConfig
+    from normlab.conversion.measure.usage import PROMPTS, UsageConfig
 
     e = sub.add_parser(
         "evaluate",

@@ -1,4 +1,5 @@
-"""``normlab export``: a converted folder as an ONNX file that ONNX Runtime runs (`normlab.conversion.onnx_export`)."""
+"""``normlab export``: a converted folder as an ONNX file that ONNX Runtime runs
+(`normlab.conversion.export.onnx_export`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ __all__ = ["add_export"]
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from normlab.conversion.onnx_export import (
+    from normlab.conversion.export.onnx_export import (
         MIN_OPSET,
         OnnxCheck,
         check_target,
@@ -19,7 +20,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
         output_files,
         partial_folder,
     )
-    from normlab.conversion.saving import RECORD_FILE, load_converted
+    from normlab.conversion.export.saving import RECORD_FILE, load_converted
     from normlab.corpus import sha256_file
 
     missing = onnx_missing()

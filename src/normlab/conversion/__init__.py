@@ -9,8 +9,8 @@ from normlab.conversion.convert import (
     load_converted,
     save_converted,
 )
-from normlab.conversion.fold import FoldReport, fold
-from normlab.conversion.heal import HealReport, heal
+from normlab.conversion.export.fold import FoldReport, fold
+from normlab.conversion.heal.distill import HealReport, heal
 
 __all__ = [
     "ConversionRecord",

@@ -20,7 +20,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 from normlab.conversion.flags import SHORTHANDS, finite, flag, int_at_least
-from normlab.conversion.lora import LORA_RANK
 from normlab.pairs import apply_overrides, parse_pairs
 from normlab.typed import check_types, choices, field_docs, set_name
 
@@ -29,6 +28,7 @@ __all__ = ["CalibrateConfig", "HealConfig", "BudgetConfig", "ConvertConfig", "re
            "check_types"]  # fmt: skip
 
 FREE_TABLES = ("init", "site_init")  # tables whose keys are the user's (init.alpha_init=0.5)
+LORA_RANK = 8  # the adapters' default rank (heal.train=lora)
 HEAL_LEARNING_RATES = {"norms": 2.5e-4, "lora": 1e-3, "all": 2e-5, "blocks": 1e-3}  # Adam's; HealConfig.rate
 SECTIONS = ("calibrate", "heal", "budget")
 LEGACY_KEYS = {"budget_nats": "budget.nats", "budget_walk": "budget.walk", "budget_refit_every": "budget.refit_every",
@@ -37,7 +37,7 @@ LEGACY_KEYS = {"budget_nats": "budget.nats", "budget_walk": "budget.walk", "budg
 
 @dataclass
 class CalibrateConfig:
-    """Fitting each replacement to the model's own activations (`normlab.conversion.calibrate`)."""
+    """Fitting each replacement to the model's own activations (`normlab.conversion.calibrate.sites`)."""
 
     enabled: bool = True
     """False: the new norms keep their default init (--no-calibrate)."""
@@ -47,7 +47,8 @@ class CalibrateConfig:
     massive_tokens: Literal["auto", "route", "shared"] = "auto"
     """"route": massive tokens (an RMS above ``massive`` x the median, wherever they occur) get their own copy at each
     site where a few channels tell them apart; "auto" also keeps the original norm at the sites before the massive
-    activation forms, where no channel tells apart the tokens that will carry it (`normlab.conversion.massive`);
+    activation forms, where no channel tells apart the tokens that will carry it
+    (`normlab.conversion.calibrate.massive`);
     "shared": one replacement for every token."""
     target: Literal["original", "local"] = "original"
     """What each site is fitted to reproduce: the original model's output there, which also corrects the drift
@@ -65,7 +66,7 @@ class CalibrateConfig:
     alone: the budget walk's ranking)."""
     solver: Literal["auto", "profile", "lbfgs"] = "auto"
     """How each fit is solved: "profile" (float32, the amplitude in closed form), "lbfgs" (float64), or "auto"
-    (profile unless the target has linear extras: Derf). `normlab.conversion.fit.fit_replacement`."""
+    (profile unless the target has linear extras: Derf). `normlab.conversion.calibrate.fit.fit_replacement`."""
 
     def validate(self, to: str | None = None, name=None) -> None:
         """Every field checked; ``to`` (a registered norm), when given, must be one a fit can calibrate. ``name``
@@ -146,7 +147,7 @@ class BudgetConfig:
 
 @dataclass
 class HealConfig:
-    """Training the converted model toward the original within a budget (`normlab.conversion.heal`)."""
+    """Training the converted model toward the original within a budget (`normlab.conversion.heal.distill`)."""
 
     minutes: float | None = None
     """The budget in wall-clock minutes (or give ``tokens``)."""

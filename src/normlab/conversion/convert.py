@@ -13,7 +13,8 @@ with the reason; nothing is skipped silently.
 
 Calibration (``calibrate=`` sample inputs or a dataloader) fits each replacement, site by site in the order the
 model runs them, on the activations of the model as converted so far, so that its output after the affine
-matches the original norm's; massive tokens can get their own replacement (`normlab.conversion.massive`). Every
+matches the original norm's; massive tokens can get their own replacement (`normlab.conversion.calibrate.massive`).
+Every
 target is fitted with the same two degrees of freedom, its parameter (DyISRU/ELN beta, DyT alpha) and an
 amplitude folded into the copied weight. ``per="channel"`` fits one of each per channel.
 
@@ -31,11 +32,11 @@ import torch
 from torch import nn
 
 from normlab.conversion.batches import swap
-from normlab.conversion.calibrate import calibrate_sites, per_channel_kwargs
+from normlab.conversion.calibrate.sites import calibrate_sites, per_channel_kwargs
 from normlab.conversion.config import CalibrateConfig, ConvertConfig
-from normlab.conversion.fidelity import fidelity
+from normlab.conversion.export.saving import apply_record, load_converted, save_converted
+from normlab.conversion.measure.fidelity import fidelity
 from normlab.conversion.record import ConversionRecord, Site
-from normlab.conversion.saving import apply_record, load_converted, save_converted
 from normlab.registry import NormSpec, create_norm, init_kwargs, list_norms, norm_spec
 from normlab.typed import check_types
 
@@ -292,7 +293,7 @@ def convert_norms(
         model: the model, converted in place.
         to: a registered norm (default: the config's, "dyisru").
         calibrate: sample inputs (tensor, dict of kwargs, list, or dataloader) to fit the new parameters on, site by
-            site in the order the model runs them (`normlab.conversion.calibrate`); None keeps the default init.
+            site in the order the model runs them (`normlab.conversion.calibrate.sites`); None keeps the default init.
         config: a `CalibrateConfig` or a `ConvertConfig` (its ``to``, ``per``, ``init``, ``site_init`` and
             ``calibrate`` section); None: the defaults.
         extra_classes: {a norm class of yours: "layer_norm", "rms_norm" or "rms_norm_offset"}.

@@ -1,4 +1,5 @@
-"""``normlab evaluate DIR``: a converted folder judged as it will be used (`normlab.conversion.usage`), against the
+"""``normlab evaluate DIR``: a converted folder judged as it will be used (`normlab.conversion.measure.usage`), against
+the
 original it was made from, on the texts its conversion measured. The result is printed and written to
 ``DIR/evaluation.json``."""
 
@@ -8,10 +9,10 @@ import json
 from pathlib import Path
 
 from normlab.conversion.config import ConvertConfig
+from normlab.conversion.export.saving import RECORD_FILE, load_converted
 from normlab.conversion.hf import TextCut, fixture_path, load_model, text_batches, usable_tokenizer
-from normlab.conversion.saving import RECORD_FILE, load_converted
+from normlab.conversion.measure.usage import UsageConfig, usage_lines, usage_report
 from normlab.conversion.stages import Stages
-from normlab.conversion.usage import UsageConfig, usage_lines, usage_report
 from normlab.conversion.workflow import CONFIG_FILE, model_fingerprint
 from normlab.corpus import DOCS, fetch_docs, fetch_shakespeare
 from normlab.owner import hold

@@ -35,10 +35,10 @@ import torch
 from torch import nn
 
 from normlab.conversion.batches import as_batches, autocast_dtype, swap
+from normlab.conversion.calibrate.stream import BlockReplay, find_blocks
 from normlab.conversion.config import BudgetConfig, CalibrateConfig
 from normlab.conversion.convert import convert_norms
 from normlab.conversion.record import ConversionRecord
-from normlab.conversion.stream import BlockReplay, find_blocks
 
 __all__ = ["FEW_SELECTION", "Frontier", "frontier", "site_costs"]
 

@@ -76,7 +76,7 @@ class ConversionRecord:
     skipped: list[dict]
     notes: list[str] = field(default_factory=list)
     calibration: dict = field(default_factory=dict)  # how calibration ran: its path ("blocks", "prefix" or
-    # "original"), why, its cached inputs' memory and its seconds (normlab.conversion.calibrate.calibrate_sites)
+    # "original"), why, its cached inputs' memory and its seconds (normlab.conversion.calibrate.sites.calibrate_sites)
 
     def to_dict(self) -> dict:
         return {

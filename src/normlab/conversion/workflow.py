@@ -17,175 +17,38 @@ import shutil
 import sys
 from pathlib import Path
 
-from normlab.conversion.config import BudgetConfig, ConvertConfig, HealConfig, flag, identity_difference
+from normlab.conversion.checks import (
+    check_checkpoint,
+    check_exclude,
+    check_inputs,
+    check_inputs_outside,
+    check_next_token,
+    check_out,
+    check_resume_identity,
+)
+from normlab.conversion.config import BudgetConfig, ConvertConfig, HealConfig
 from normlab.conversion.convert import convert_norms, fidelity, save_converted
-from normlab.conversion.fidelity import predicts_next_token
+from normlab.conversion.export.saving import RECORD_FILE
 from normlab.conversion.frontier import FEW_SELECTION, frontier
-from normlab.conversion.heal import check_heal_resources, heal
-from normlab.conversion.heal_report import heal_summary, write_curve
+from normlab.conversion.heal.distill import check_heal_resources, heal
+from normlab.conversion.heal.report import heal_summary, write_curve
+from normlab.conversion.heal.samples import calibration_samples, heal_splits, sample_starts
 from normlab.conversion.hf import (
-    FIXTURES,
-    fixture_path,
     leading_bos,
     load_model,
     quiet,
     usable_tokenizer,
 )
-from normlab.conversion.samples import calibration_samples, heal_splits, sample_starts
-from normlab.conversion.saving import RECORD_FILE
+from normlab.conversion.measure.fidelity import predicts_next_token
+from normlab.conversion.measure.usage import usage_lines, usage_report
 from normlab.conversion.stages import Stages
-from normlab.conversion.texts import conversion_texts, eval_file
-from normlab.conversion.usage import usage_lines, usage_report
-from normlab.corpus import cache_dir, fetch_shakespeare, sha256_file
-from normlab.owner import check_writable, hold, inside
+from normlab.conversion.texts import conversion_texts
+from normlab.corpus import fetch_shakespeare, sha256_file
+from normlab.owner import hold
 
 __all__ = ["convert_model", "check_out", "CONFIG_FILE", "model_fingerprint"]
 
 CONFIG_FILE = "convert_config.json"  # the resolved ConvertConfig, beside the record in every output folder
-
-
-def check_out(out: str | None, model: str, overwrite: bool) -> None:
-    """Refuse, before any work, an output that is the source model, an existing path, a folder normlab did not
-    write (whatever the flags), or a place that cannot be written.
-
-    Args:
-        out: The output folder, or None for none.
-        model: The source model's path or name.
-        overwrite: Whether an existing normlab output may be replaced.
-    """
-    if out is None:
-        return
-    if not str(out).strip():
-        raise ValueError("--out is empty; name a folder")
-    o, m = Path(out).resolve(), Path(model).resolve()
-    src = m.parent if m.is_file() else m
-    if o == src or o == m or src.is_relative_to(o) or (m.is_dir() and o.is_relative_to(m)):
-        raise ValueError(f"--out {out} would write over or inside the source model {model}; choose another folder")
-    if o.exists() and not overwrite:
-        raise ValueError(f"--out {out} already exists; choose a new folder, or pass --overwrite to replace it")
-    cache = cache_dir().resolve()
-    if cache == o or cache.is_relative_to(o):
-        raise ValueError(
-            f"--out {out} holds normlab's cache ({cache}: NORMLAB_CACHE), which --overwrite would delete with it; "
-            "choose another --out, or point NORMLAB_CACHE elsewhere"
-        )
-    if o.exists():
-        if not o.is_dir():
-            raise ValueError(f"--out {out} is a file, not a folder; choose another --out")
-        if any(o.iterdir()) and not (o / RECORD_FILE).is_file():
-            raise ValueError(
-                f"--out {out} holds files that normlab did not write (no {RECORD_FILE}); it is never "
-                "cleared, whatever the flags. Choose another --out"
-            )
-    check_writable(o, "--out")
-
-
-def _check_checkpoint(cfg: ConvertConfig, inputs: list) -> str | None:
-    """The heal checkpoint's place, checked before any work; returns the path the heal will use."""
-    h = cfg.heal
-    if not h.budgeted:
-        return None
-    ckpt = h.checkpoint or (f"{Path(cfg.out)}.heal.pt" if cfg.out else None)  # Path: "DIR/" and "DIR" are one folder
-    if ckpt is None:
-        if h.resume:
-            raise ValueError(
-                "--resume needs the heal checkpoint: pass --checkpoint PATH (or --out, whose default "
-                "checkpoint is OUT.heal.pt)"
-            )
-        return None
-    hit = inside(ckpt, *inputs, cfg.out)
-    if hit is not None:
-        raise ValueError(
-            f"--checkpoint {ckpt} would write over or inside an input or the output ({hit}); choose another path"
-        )
-    p = Path(ckpt)
-    if p.is_dir():
-        raise ValueError(f"--checkpoint {ckpt} is a folder; name a file")
-    if h.resume and not p.is_file():
-        raise ValueError(f"--resume: there is no heal checkpoint at {ckpt}; drop --resume to start the heal")
-    if p.exists() and not h.resume:
-        raise ValueError(
-            f"--checkpoint {ckpt} already exists; pass --resume to continue that heal, or choose "
-            "another path (it is never overwritten)"
-        )
-    check_writable(p, "--checkpoint")
-    return ckpt
-
-
-def _check_inputs(cfg: ConvertConfig) -> str:
-    """The files the config names, checked before any work; returns the model's path (a fixture fetched)."""
-    check_files(cfg)
-    return _check_model(fixture_path(cfg.model), cfg)
-
-
-def check_files(cfg: ConvertConfig) -> None:
-    """The texts and the model the config names exist and are what they should be (a fixture's name, such as
-    "smollm2", is fetched later, not here): what a study checks for every cell before it runs the first.
-
-    Args:
-        cfg: The conversion's config.
-    """
-    for key, path in (("text", cfg.text), ("eval_text", eval_file(cfg))):
-        if path is not None and path != "docs" and not Path(path).is_file():
-            what = "is a folder" if Path(path).is_dir() else "does not exist"
-            raise FileNotFoundError(f"{flag(key)} {path} {what}; give a text file")
-        if path is not None and path != "docs" and not Path(path).read_bytes().strip():
-            raise ValueError(f"{flag(key)} {path} is empty; give a text file with text in it")
-    if cfg.model not in FIXTURES:
-        _check_model(cfg.model, cfg)
-
-
-def _check_model(model_path: str, cfg: ConvertConfig) -> str:
-    if not Path(model_path).exists():
-        raise FileNotFoundError(f"--model {cfg.model}: no such folder or .gguf file")
-    if (Path(model_path) / RECORD_FILE).is_file():
-        made = json.loads((Path(model_path) / RECORD_FILE).read_text()).get("made_from", {}).get("model", "?")
-        raise ValueError(
-            f"--model {cfg.model} is a converted model (it holds {RECORD_FILE}), not an original: convert the model "
-            f"it was made from ({made}); `normlab evaluate {cfg.model}` judges it"
-        )
-    return model_path
-
-
-def _check_inputs_outside(cfg: ConvertConfig) -> None:
-    """Refuse, before any work, an input that lies inside the output folder a run would clear (``--overwrite``): the
-    texts are read before the folder is replaced, so they would be lost with it (the heal checkpoint's place is
-    checked by `_check_checkpoint`)."""
-    if not cfg.out:
-        return
-    for key, path in (("text", cfg.text), ("eval_text", eval_file(cfg))):
-        if path is None or (key == "eval_text" and path == "docs"):
-            continue
-        if inside(path, cfg.out) is not None:
-            raise ValueError(
-                f"{flag(key)} {path} lies inside --out {cfg.out}, which this run writes (and clears with "
-                "--overwrite): move it out of that folder, or choose another --out"
-            )
-
-
-def _check_resume_identity(ckpt: str | None, cfg: ConvertConfig, identity: dict) -> None:
-    """Before the expensive work: a heal checkpoint to resume from must record the same identity (the keys
-    given; the model's fingerprint is checked once the model is loaded). The checkpoint is memory-mapped, so
-    this reads only its small parts."""
-    import torch
-
-    if not (cfg.heal.resume and ckpt):
-        return
-    try:
-        saved = torch.load(ckpt, map_location="cpu", weights_only=False, mmap=True)
-    except Exception as e:  # noqa: BLE001  (any unreadable file: not a checkpoint a heal wrote)
-        saved = f"{type(e).__name__}: {str(e)[:120]}"
-    if not isinstance(saved, dict) or "stream" not in saved:
-        why = saved if isinstance(saved, str) else f"it holds a {type(saved).__name__}, not a heal's state"
-        raise ValueError(f"--resume: {ckpt} is not a heal checkpoint ({why}); give the file a heal wrote, or drop "
-                         "--resume and choose another --checkpoint")  # fmt: skip
-    saved = saved.get("identity")
-    diff = identity_difference(saved, identity, keys=identity)
-    if diff:
-        raise ValueError(
-            f"--resume: checkpoint {ckpt} was made from another model, text or settings ({diff}); "
-            "resume with the same ones, or start afresh with another --checkpoint"
-        )
 
 
 def second_text_line(second: dict) -> str:
@@ -206,21 +69,6 @@ def _measure_second(original, net, held2, name: str | None) -> dict | None:
     f = fidelity(original, net, held2)
     kept = {k: f[k] for k in ("ce_original", "ce_converted", "kl") if k in f}  # a masked LM has no cross-entropy
     return {"name": name, "sequences": sum(len(b) for b in held2), **kept}
-
-
-def _check_next_token(cfg: ConvertConfig, net) -> None:
-    """The budget walk and the heal measure next-token cross-entropy: refused, before calibration, for a model whose
-    logits do not predict the next token (a masked LM)."""
-    if predicts_next_token(net):
-        return
-    asked = [
-        f for f, on in (("--budget-nats", cfg.budget.nats is not None), ("a heal budget", cfg.heal.budgeted)) if on
-    ]
-    if asked:
-        raise ValueError(
-            f"{' and '.join(asked)}: the budget walk and the heal measure next-token cross-entropy, and "
-            f"{type(net).__name__} does not predict the next token (a masked LM); convert every site without them"
-        )
 
 
 def _file_sha(path) -> str:
@@ -284,10 +132,10 @@ def convert_model(cfg: ConvertConfig, *, progress: bool = True, markdown: bool =
             f"{type(cfg).__name__}"
         )
     cfg.validate()  # bad input fails before the model is loaded
-    model_path = _check_inputs(cfg)
+    model_path = check_inputs(cfg)
     check_out(cfg.out, model_path, cfg.overwrite)
-    _check_inputs_outside(cfg)
-    ckpt = _check_checkpoint(cfg, [model_path, cfg.text])
+    check_inputs_outside(cfg)
+    ckpt = check_checkpoint(cfg, [model_path, cfg.text])
     with contextlib.ExitStack() as owned:
         if cfg.out:
             owned.enter_context(hold(cfg.out, "--out"))
@@ -319,7 +167,7 @@ def _convert(job: _Job, markdown: bool) -> dict:
     stages = Stages()
     text = cfg.text or fetch_shakespeare()
     facts["text_sha256"] = _file_sha(text)
-    _check_resume_identity(ckpt, cfg, job.identity())
+    check_resume_identity(ckpt, cfg, job.identity())
     from normlab.kernels import auto_choice, cpu
 
     with stages("load"):
@@ -327,10 +175,10 @@ def _convert(job: _Job, markdown: bool) -> dict:
             cpu.ready(wait=True)  # the one-time build of the CPU kernels (if any) now, so every pass takes one path
         net, tokenizer = load_model(model_path, progress=progress)
         net = net.to(cfg.device)  # every stage runs where the model is (batches follow it: run_batch)
-    _check_exclude(cfg, net)
-    _check_next_token(cfg, net)
+    check_exclude(cfg, net)
+    check_next_token(cfg, net)
     facts["model_fingerprint"] = model_fingerprint(net)
-    _check_resume_identity(ckpt, cfg, {"model_fingerprint": facts["model_fingerprint"]})
+    check_resume_identity(ckpt, cfg, {"model_fingerprint": facts["model_fingerprint"]})
     vocab = net.get_input_embeddings().num_embeddings
     if cfg.heal.budgeted:  # its memory and LoRA rank, before the calibration it follows
         check_heal_resources(cfg.heal, net, cfg.seq_len, vocab)
@@ -399,18 +247,6 @@ def _measure(original, net, held: list, record, held2, name2) -> dict:
     return fid
 
 
-def _check_exclude(cfg: ConvertConfig, net) -> None:
-    if not cfg.exclude:
-        return
-    names = [n for n, _ in net.named_modules()]
-    idle = [pat for pat in cfg.exclude if not any(fnmatch.fnmatch(n, pat) for n in names)]
-    if idle:
-        raise ValueError(
-            f"--exclude {idle[0]!r} matches no module of {cfg.model}; module names look like "
-            f"{', '.join(n for n in names if n.endswith('norm'))[:200]}"
-        )
-
-
 def _convert_sites(cfg: ConvertConfig, net, calib: list, held: list, select: list | None, progress: bool):
     """The conversion itself (every site, or the frontier's within ``budget.nats``); prints what it did. Returns
     the record and, for a budget, what the walk saw. The budget walk decides on ``select`` (the validation split,
@@ -466,8 +302,9 @@ def _convert_sites(cfg: ConvertConfig, net, calib: list, held: list, select: lis
 
 def _guarded_heal(job: _Job, original, net, splits, record, tokenizer):
     """The heal, kept only when it raises neither the worst sequence nor the p99 KL divergence on the validation
-    split and its variants (`normlab.conversion.judge.heal_verdict`); else the model goes back to its state before."""
-    from normlab.conversion.judge import guard_items, guard_prefixes, heal_verdict, judge_tokens
+    split and its variants (`normlab.conversion.measure.judge.heal_verdict`); else the model goes back to its state
+    before."""
+    from normlab.conversion.measure.judge import guard_items, guard_prefixes, heal_verdict, judge_tokens
 
     items = guard_items(splits.val, guard_prefixes(tokenizer if usable_tokenizer(tokenizer) else None))
     before = judge_tokens(original, net, items)

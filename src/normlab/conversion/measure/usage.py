@@ -1,0 +1,334 @@
+"""A converted language model judged as its user will use it (`usage_report`), against its original:
+
+* **texts**: the per-token and per-sequence statistics of `normlab.conversion.measure.judge` on the held-out split, on a
+  second text no stage saw (docutils by default) and on a **chat set**: `PROMPTS` through the model's chat template,
+  with the original's own greedy answers as the reference, scored on the answers;
+* **long context**: sequences of ``long_tokens`` (1,024 by default) from the held-out end of the text, with the gap
+  by position;
+* **generation**: both models' greedy answers to `PROMPTS`; the **chat score** is the share of answers whose first
+  ``words`` words (6) are the original's. An answer that repeats the chat template's system prompt is counted;
+* **stress**: inputs that break a position rule or a short calibration (`stress_items`): leading and repeated
+  delimiters, a BOS mid-sequence, code, digits, long words, 2,048 tokens; and the same sequence alone, left-padded
+  in a batch with an attention mask, and split across calls with a KV cache, which must agree.
+
+A **blow-up** is a sequence (of any text or stress input) whose gap is more than ``blowup`` (3) nats above the
+median gap of the held-out split.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import Tensor, nn
+
+from normlab.conversion.hf import token_chunks
+from normlab.conversion.measure.judge import judge_tokens
+from normlab.table import format_table
+
+__all__ = ["PROMPTS", "UsageConfig", "usage_report", "usage_lines", "stress_items", "greedy_answers"]
+
+PROMPTS = (
+    "What is the capital of France?",
+    "Explain what a neural network is in two sentences.",
+    "Write a haiku about the sea.",
+    "How many legs does a spider have?",
+    "Give me three tips for sleeping better.",
+    "What is the difference between weather and climate?",
+    "Translate 'good morning' into Spanish.",
+    "Write a Python function that returns the square of a number.",
+    "Who wrote Romeo and Juliet?",
+    "What is 12 times 7?",
+    "Summarize the plot of Cinderella in one sentence.",
+    "Why is the sky blue?",
+    "Name three primary colors.",
+    "What does a CPU do in a computer?",
+    "Suggest a name for a pet goldfish.",
+    "How do I boil an egg?",
+    "What is photosynthesis?",
+    "List the planets of the solar system.",
+    "What is the boiling point of water in Celsius?",
+    "Write a short thank-you note to a teacher.",
+    "What is the largest ocean on Earth?",
+    "Explain recursion to a child.",
+    "What are the benefits of regular exercise?",
+    "How does a rainbow form?",
+)
+
+
+@dataclass(frozen=True)
+class UsageConfig:
+    """What `usage_report` measures; the defaults are what ``normlab convert`` and ``normlab evaluate`` run."""
+
+    prompts: int = 24
+    """How many of `PROMPTS` the generation and the chat set use."""
+    new_tokens: int = 48
+    """Greedy tokens per answer."""
+    words: int = 6
+    """An answer scores when its first ``words`` words are the original's."""
+    long_tokens: int = 1024
+    """The length of the long-context sequences (capped by the model's positions)."""
+    long_sequences: int = 4
+    """How many long sequences."""
+    blowup: float = 3.0
+    """Nats above the held-out median gap that make a sequence a blow-up."""
+    shown: int = 3
+    """Answers shown side by side."""
+
+
+def greedy_answers(model: nn.Module, prompts: list[Tensor], new_tokens: int, eos: int | None) -> list[Tensor]:
+    """Each prompt's greedy continuation (at most ``new_tokens`` ids, stopped at ``eos``), one prompt at a time.
+
+    Args:
+        model: A causal LM with ``generate``.
+        prompts: Token ids, each (T,).
+        new_tokens: The most new tokens.
+        eos: The end-of-sequence id, or None.
+    """
+    out = []
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        for p in prompts:
+            ids = p.reshape(1, -1).to(device)
+            g = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=new_tokens,
+                do_sample=False,
+                eos_token_id=eos,
+                pad_token_id=eos if eos is not None else 0,
+            )
+            out.append(g[0, ids.shape[1] :].cpu())
+    return out
+
+
+def _chat(tokenizer: object, prompts: tuple[str, ...]) -> tuple[list[Tensor], str] | None:
+    """The prompts through the chat template, and the text the template adds before the first user turn (its system
+    prompt); None when the tokenizer has no chat template."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    ids, system = [], ""
+    for p in prompts:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
+        )
+        system = text[: text.find(p)]
+        ids.append(torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long))
+    return ids, system
+
+
+def _echoes(answer: str, system: str, n: int = 5) -> bool:
+    """Whether ``answer`` repeats ``n`` consecutive words of the system prompt."""
+    words, sys_text = answer.split(), " ".join(system.split())
+    return any(" ".join(words[i : i + n]) in sys_text for i in range(max(len(words) - n + 1, 0))) if words else False
+
+
+def _generation(original, converted, tokenizer: object, cfg: UsageConfig) -> tuple[dict, list] | None:
+    """Both models' answers to the chat prompts: the chat score, the system-prompt echoes, the shown answers; and the
+    chat set's items (prompt + the original's answer, scored on the answer)."""
+    chat = _chat(tokenizer, PROMPTS[: cfg.prompts])
+    if chat is None:
+        return None
+    prompts, system = chat
+    eos = getattr(tokenizer, "eos_token_id", None)
+    ref = greedy_answers(original, prompts, cfg.new_tokens, eos)
+    got = greedy_answers(converted, prompts, cfg.new_tokens, eos)
+    text = [[tokenizer.decode(a, skip_special_tokens=True).strip() for a in side] for side in (ref, got)]
+    same = [a.split()[: cfg.words] == b.split()[: cfg.words] for a, b in zip(*text)]
+    result = {
+        "prompts": len(prompts),
+        "chat_score": sum(same) / len(same),
+        "system_echoes": sum(_echoes(b, system) for b in text[1]),
+        "system_echoes_original": sum(_echoes(a, system) for a in text[0]),
+        "answers": [{"prompt": p, "original": a, "converted": b} for p, a, b in zip(PROMPTS, *text)],
+    }
+    items = [(torch.cat([p, a]), len(p)) for p, a in zip(prompts, ref) if len(a) > 1]
+    return result, items
+
+
+def _long(text: str, tokenizer: object, vocab: int, cfg: UsageConfig, max_positions: int | None) -> list | None:
+    length = min(cfg.long_tokens, max_positions or cfg.long_tokens)
+    span = 8 * length * (cfg.long_sequences + 1)  # characters: ample for that many tokens
+    chunks = token_chunks(text[-span:], tokenizer, vocab, length)[-cfg.long_sequences :]
+    return [(c, 0) for c in chunks] if len(chunks) else None
+
+
+def stress_items(tokenizer: object, text: str, vocab: int, max_positions: int | None = None) -> dict[str, Tensor]:
+    """The stress inputs as token ids, each (T,): real text from the end of ``text`` with delimiters, a BOS mid-way,
+    normlab's own source code, digits, long words, and 2,048 tokens of the text (capped by the model's positions).
+
+    Args:
+        tokenizer: The model's tokenizer.
+        text: The held-out text (its end is used).
+        vocab: The model's vocabulary size.
+        max_positions: The model's largest position, or None.
+    """
+    import normlab.functional.pointwise as code
+
+    def ids(s: str) -> Tensor:
+        return torch.tensor(tokenizer(s, add_special_tokens=False)["input_ids"], dtype=torch.long) % vocab
+
+    tail = text[-4000:]
+    prose = tail[tail.find("\n") + 1 :][:600]
+    out = {
+        "leading newlines": ids("\n\n" + prose)[:128],
+        "repeated delimiters": ids(prose[:200] + "\n\n\n\n---\n\n###\n\n" + prose[200:])[:128],
+        "code": ids(inspect.getsource(code))[:128],
+        "digits": ids(" ".join(f"{i * 7919 % 100003}.{i % 97:02d}" for i in range(1, 80)))[:128],
+        "long words": ids(" ".join(w * 2 for w in prose.split() if len(w) > 5))[:128],
+    }
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is not None:
+        p = ids(prose)[:127]
+        out["BOS mid-sequence"] = torch.cat([p[:64], torch.tensor([bos]), p[64:]])
+    n = min(2048, max_positions or 2048)
+    long = token_chunks(text[-16 * n :], tokenizer, vocab, n)
+    if len(long):
+        out[f"{n} tokens"] = long[-1]
+    return out
+
+
+def _consistency(model: nn.Module, ids: Tensor, pad: int) -> dict:
+    """The largest logit difference, relative to the logits' scale, of ``ids`` (T,) left-padded by 5 tokens in a
+    batch with an attention mask, and split across calls with a KV cache (a chunk of 16, then one token per call for
+    4 tokens, then the rest), against the sequence alone."""
+    device = next(model.parameters()).device
+    x = ids.reshape(1, -1).to(device)
+    with torch.no_grad():
+        alone = model(x, use_cache=False).logits
+        padded_ids = torch.cat([torch.full((1, 5), pad, device=device), x], 1)
+        batch = torch.cat([padded_ids, x[:, :1].repeat(1, padded_ids.shape[1])])
+        mask = torch.ones_like(batch)
+        mask[0, :5] = 0
+        padded = model(batch, attention_mask=mask).logits[:1, 5:]
+        cuts, parts, past, start = [16, 17, 18, 19, 20], [], None, 0
+        for end in [c for c in cuts if c < x.shape[1]] + [x.shape[1]]:
+            o = model(x[:, start:end], past_key_values=past, use_cache=True)
+            parts.append(o.logits)
+            past, start = o.past_key_values, end
+        split = torch.cat(parts, 1)
+    scale = float(alone.abs().max())
+    return {
+        "padded": float((padded - alone).abs().max()) / scale,
+        "kv_chunks": float((split - alone).abs().max()) / scale,
+    }
+
+
+def usage_report(
+    original: nn.Module,
+    converted: nn.Module,
+    tokenizer: object,
+    texts: dict[str, list],
+    held_text: str,
+    cfg: UsageConfig = UsageConfig(),  # noqa: B008  (frozen)
+) -> dict:
+    """Every measurement of the module docstring; ``texts``: name -> held-out batches (B, T) of that text (the first
+    is the held-out split, whose median gap sets the blow-up line); ``held_text`` is the text the long sequences and
+    the stress inputs come from (its end).
+
+    Args:
+        original: The model before conversion.
+        converted: The converted model.
+        tokenizer: Their tokenizer (a transformers tokenizer).
+        texts: Text name -> its held-out batches.
+        held_text: The held-out text's string.
+        cfg: What to measure.
+    """
+    vocab = converted.get_input_embeddings().num_embeddings
+    max_positions = getattr(getattr(converted, "config", None), "max_position_embeddings", None)
+    report: dict = {"config": asdict(cfg), "texts": {}}
+    for name, batches in texts.items():
+        report["texts"][name] = judge_tokens(original, converted, [(s, 0) for b in batches for s in b])
+    gen = _generation(original, converted, tokenizer, cfg)
+    if gen is not None:
+        report["generation"], items = gen
+        if items:
+            report["texts"]["chat"] = judge_tokens(original, converted, items)
+    long = _long(held_text, tokenizer, vocab, cfg, max_positions)
+    if long:
+        report["long"] = judge_tokens(original, converted, long)
+    stress = stress_items(tokenizer, held_text, vocab, max_positions)
+    report["stress"] = {k: judge_tokens(original, converted, [(v, 0)]) for k, v in stress.items()}
+    pad = getattr(tokenizer, "pad_token_id", None) or 0
+    report["consistency"] = _consistency(converted, stress["leading newlines"], pad)
+    report["blowups"] = _blowups(report, cfg.blowup)
+    return report
+
+
+def _blowups(report: dict, nats: float) -> dict:
+    """The sequences more than ``nats`` above the held-out split's median gap, per text and stress input."""
+    first = next(iter(report["texts"].values()))
+    line = first["gap"]["median"] + nats
+    worst = {name: t["gap"]["worst"] for name, t in report["texts"].items()}
+    worst |= {f"stress: {k}": t["gap"]["worst"] for k, t in report["stress"].items()}
+    if "long" in report:
+        worst["long"] = report["long"]["gap"]["worst"]
+    return {"line": line, "over": sorted(k for k, w in worst.items() if not w <= line), "worst": max(worst.values())}
+
+
+def usage_lines(report: dict, markdown: bool = False) -> str:
+    """The report as the tables ``normlab convert`` and ``normlab evaluate`` print.
+
+    Args:
+        report: A `usage_report`.
+        markdown: Print the tables as Markdown.
+    """
+    rows = []
+    named = list(report["texts"].items())
+    if "long" in report:
+        t = report["long"]
+        named.append((f"long ({t['tokens'] // max(t['sequences'], 1)} tokens)", t))
+    for name, t in named:
+        g, k = t.get("gap", {}), t["kld"]
+        rows.append(
+            [
+                name,
+                t["tokens"],
+                f"{t['same_top1']:.1%}",
+                f"{k['mean']:.3f}",
+                f"{k['median']:.3f}",
+                f"{k['p99']:.3f}",
+                f"{k['max']:.2f}",
+                _n(g.get("median")),
+                _n(g.get("worst")),
+                g.get("over_2", "-"),
+            ]
+        )
+    head = ["text", "tokens", "same top-1", "KLD mean", "median", "p99", "max", "gap median", "worst seq.", "> +2"]
+    out = [
+        "judged as used (KL divergence to the original per token, nats; gap: CE over the original's per sequence)",
+        format_table(head, rows, markdown),
+    ]
+    if "long" in report:
+        out.append("gap by position: " + ", ".join(f"{k} {_n(v)}" for k, v in report["long"]["by_position"].items()))
+    stress = ", ".join(f"{k} {_n(t['gap']['worst'])}" for k, t in report["stress"].items())
+    c = report["consistency"]
+    out.append(
+        f"stress inputs (gap): {stress}; left-padded / KV-cache chunks vs alone: {c['padded']:.1e} / "
+        f"{c['kv_chunks']:.1e} of the logits' scale"
+    )
+    b = report["blowups"]
+    out.append(f"blow-ups (a sequence > {_n(b['line'])} nats): " + (", ".join(b["over"]) if b["over"] else "none"))
+    g = report.get("generation")
+    if g:
+        out.append(
+            f"generation: {g['chat_score']:.0%} of {g['prompts']} greedy answers start with the original's "
+            f"first {report['config']['words']} words; {g['system_echoes']} repeat the system prompt "
+            f"(the original: {g['system_echoes_original']})"
+        )
+        for a in g["answers"][: report["config"]["shown"]]:
+            out.append(
+                f"  Q: {a['prompt']}\n    original:  {_one_line(a['original'])}\n"
+                f"    converted: {_one_line(a['converted'])}"
+            )
+    return "\n".join(out)
+
+
+def _n(v) -> str:
+    return "-" if v is None else f"{v:+.2f}"
+
+
+def _one_line(s: str, n: int = 110) -> str:
+    s = " ".join(s.split())
+    return s if len(s) <= n else s[: n - 3] + "..."

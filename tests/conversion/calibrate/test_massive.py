@@ -1,0 +1,178 @@
+"""Massive tokens (normlab.conversion.calibrate.massive): the data their copy is fitted on, and a converted model that
+no
+input breaks. The stress inputs put the massive tokens where a position rule misses them: two at the start (a
+leading "\\n\\n"), one mid-sequence, a BOS after other text, a left-padded batch, a chunk after a KV cache and
+one-token calls."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import normlab
+from conftest import id_batches, sink_batches, tiny_lm, with_sinks
+from normlab.conversion.calibrate.massive import MassiveRows, detector, early_token_batches
+
+transformers = pytest.importorskip("transformers")
+
+BOUND = 0.35  # the largest relative logit error per token a routed conversion may show on a stress input (0.27 on
+# text without sinks: the tiny random model's own conversion error)
+
+
+def test_early_token_batches_double_each_distinct_calibration_token():
+    calib = [torch.tensor([[5, 7, 7, 9], [9, 11, 5, 5]]), torch.tensor([[13, 13, 2, 7]])]
+    seqs = torch.cat(early_token_batches(calib, max_tokens=100, size=2))
+    assert seqs.shape == (6, 2) and torch.equal(seqs[:, 0], seqs[:, 1])
+    assert sorted(seqs[:, 0].tolist()) == [2, 5, 7, 9, 11, 13]
+    capped = torch.cat(early_token_batches(calib, max_tokens=3))
+    assert len(capped) == 3 and set(capped[:, 0].tolist()) <= {2, 5, 7, 9, 11, 13}
+    assert len(set(capped[:, 0].tolist())) == 3
+
+
+@pytest.mark.parametrize(
+    "batches",
+    [
+        [torch.randn(2, 4, 8)],  # not token ids (an image or embedding input)
+        [torch.arange(8)],  # no batch axis
+        [{"input_ids": torch.zeros(2, 4, dtype=torch.long), "attention_mask": torch.ones(2, 4)}],  # more than ids
+    ],
+)
+def test_early_token_batches_are_empty_when_the_batches_are_not_plain_token_ids(batches):
+    assert early_token_batches(batches, max_tokens=100) == []
+
+
+def test_early_rows_are_the_original_models_first_two_positions():
+    """A causal model's first positions see only the tokens before them: the rows taken from the [t, t] pairs equal
+    the model's activations at positions 0 and 1 of a long sequence that starts with t, t."""
+    model = tiny_lm()
+    name = "model.layers.1.input_layernorm"
+    rows = MassiveRows(model, id_batches(2), {name: -1}, max_tokens=4096, sequential=False)
+    pairs = torch.cat(rows.pairs)
+    x, y = rows(model, name)
+    assert x.shape == y.shape == (2 * len(pairs), 32)
+    seen = {}
+    hook = model.get_submodule(name).register_forward_hook(lambda m, a, o: seen.update(x=a[0], y=o))
+    with torch.no_grad():
+        model(torch.cat([pairs, torch.randint(0, 100, (len(pairs), 9))], 1))
+    hook.remove()
+    torch.testing.assert_close(x, seen["x"][:, :2].reshape(-1, 32).float(), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(y, seen["y"][:, :2].reshape(-1, 32).float(), rtol=1e-4, atol=1e-5)
+
+
+def test_the_detector_separates_by_a_few_channels_or_declines():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(200, 16, generator=g)
+    assert detector(x, massive=10.0) is None  # nothing massive
+    x[:5, 3] = 300.0  # five massive rows, in channel 3
+    found = detector(x, massive=10.0)
+    assert found is not None and 3 in found.channels and len(found.channels) == 4
+    assert found.route(x)[:5].all() and not found.route(x)[5:].any() and found.massive_rows == 5
+    x[5, 3] = 30.0  # an ordinary row (RMS under 10x the median) 10x below the massive ones in channel 3
+    assert not detector(x, massive=10.0, min_margin=4.0).route(x)[5]
+    assert detector(x, massive=10.0, min_margin=20.0) is None  # no cut that clean: declined, not guessed
+
+
+def _stress(vocab: int = 100) -> dict[str, torch.Tensor]:
+    """Inputs where the sinks (0: a BOS, 1: a delimiter) sit anywhere, each (1, T)."""
+    g = torch.Generator().manual_seed(7)
+    body = torch.randint(2, vocab, (64,), generator=g)
+    seqs = {
+        "leading delimiters": torch.cat([torch.tensor([1, 1]), body]),
+        "BOS then a delimiter": torch.cat([torch.tensor([0, 1]), body]),
+        "repeated delimiters mid-sequence": torch.cat([body[:10], torch.tensor([1, 1, 1]), body[10:]]),
+        "BOS mid-sequence": torch.cat([body[:20], torch.tensor([0]), body[20:]]),
+        "no BOS at all": body,
+        "long, sinks every 50 tokens": torch.cat([torch.cat([torch.tensor([1]), body[:49]]) for _ in range(6)]),
+    }
+    return {k: v[None] for k, v in seqs.items()}
+
+
+def _worst(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The largest relative error of logits ``b`` against ``a`` over the positions."""
+    return float(((b - a).norm(dim=-1) / a.norm(dim=-1)).max())
+
+
+def _calls(model, x: torch.Tensor, cuts: list[int]) -> torch.Tensor:
+    """The logits of ``x`` (1, T) computed in chunks ending at ``cuts``, each after the KV cache of the ones before."""
+    out, past, start = [], None, 0
+    with torch.no_grad():
+        for end in [*cuts, x.shape[1]]:
+            o = model(x[:, start:end], past_key_values=past, use_cache=True)
+            out.append(o.logits)
+            past, start = o.past_key_values, end
+    return torch.cat(out, 1)
+
+
+def _padded(model, x: torch.Tensor, pad: int) -> torch.Tensor:
+    """The logits of ``x`` (1, T) left-padded by ``pad`` tokens in a batch beside an unpadded sequence."""
+    other = torch.randint(2, 100, (1, x.shape[1] + pad), generator=torch.Generator().manual_seed(3))
+    ids = torch.cat([torch.cat([torch.full((1, pad), 5), x], 1), other])
+    mask = torch.ones_like(ids)
+    mask[0, :pad] = 0
+    with torch.no_grad():
+        return model(ids, attention_mask=mask).logits[:1, pad:]
+
+
+@pytest.fixture(scope="module")
+def sinks():
+    """The original tiny model with sinks, and its conversion with massive tokens routed and shared."""
+    model = with_sinks(tiny_lm(seed=3), value=8.0)
+    out = {"original": model}
+    for mode in ("auto", "shared"):
+        net = copy.deepcopy(model)
+        normlab.convert_norms(
+            net, "dyisru", calibrate=sink_batches(3), per="channel", massive_tokens=mode, progress=False
+        )
+        out[mode] = net
+    return out
+
+
+@pytest.mark.parametrize("case", list(_stress()))
+def test_no_stress_input_breaks_a_routed_conversion(sinks, case):
+    """Every stress input stays within BOUND of the original's logits at every position, whole, left-padded, in
+    chunks after a KV cache and one token per call. The same inputs through one shared replacement
+    (massive_tokens="shared", which is what a position rule gives any massive token after position 0) go far past
+    it wherever a sink occurs: the test can fail."""
+    x = _stress()[case]
+    with torch.no_grad():
+        want = sinks["original"](x).logits
+    net = sinks["auto"]
+    with torch.no_grad():
+        whole = net(x).logits
+    assert _worst(want, whole) < BOUND, case
+    assert _worst(want, _padded(net, x, pad=3)) < BOUND, case
+    assert _worst(want, _calls(net, x, [1, 2, 7, 30])) < BOUND, case
+    if bool((x < 2).any()):  # a sink in it
+        with torch.no_grad():
+            shared = sinks["shared"](x).logits
+        assert _worst(want, shared) > 2.5 * BOUND, case
+
+
+def test_a_sequence_gives_the_same_logits_alone_padded_and_split_across_a_cache(sinks):
+    """Alone, left-padded in a batch with an attention mask, and split across calls with a KV cache (a chunk of
+    several tokens and one-token calls): the same logits within float32 noise."""
+    x = _stress()["BOS then a delimiter"]
+    net = sinks["auto"]
+    with torch.no_grad():
+        alone = net(x).logits
+    scale = float(alone.abs().max())
+    for got in (_padded(net, x, pad=4), _calls(net, x, [3, 4, 5, 40]), _calls(net, x, list(range(1, 12)))):
+        torch.testing.assert_close(got, alone, rtol=1e-4, atol=1e-4 * scale)
+
+
+def test_the_formation_site_is_the_first_where_the_massive_rows_separate():
+    """Before the massive activation forms, the rows that will carry it are ordinary in magnitude: no detector.
+    From the site where it has formed on, they separate; that site is the formation site."""
+    from normlab.conversion.calibrate.massive import formation_site
+
+    g = torch.Generator().manual_seed(0)
+    ordinary = torch.randn(100, 16, generator=g)
+    forming = torch.cat([ordinary, 3 * torch.randn(10, 16, generator=g)])  # a little larger, not separable
+    formed = torch.cat([ordinary, torch.randn(10, 16, generator=g)])
+    formed[100:, 7] = 500.0
+    rows = {"a": forming, "b": forming, "c": formed, "d": formed}
+    medians = {n: float(ordinary.pow(2).mean(-1).sqrt().median()) for n in rows}
+    assert formation_site(rows, ["a", "b", "c", "d"], medians, massive=10.0) == "c"
+    assert formation_site(rows, ["a", "b"], medians, massive=10.0) is None

@@ -1,0 +1,172 @@
+"""The statistics a converted model is judged by (normlab.conversion.measure.judge) against a hand computation, and the
+report of normlab.conversion.measure.usage on a tiny model with a tokenizer."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from normlab.conversion.measure.judge import BINS, TokenTally, kl_rows
+
+
+def _hand(a: np.ndarray, b: np.ndarray, ids: np.ndarray, start: int):
+    """KL, same top-1 and the per-position CE gap, written from their definitions with NumPy in float64."""
+    pa = np.exp(a - a.max(-1, keepdims=True))
+    pa /= pa.sum(-1, keepdims=True)
+    pb = np.exp(b - b.max(-1, keepdims=True))
+    pb /= pb.sum(-1, keepdims=True)
+    rows = range(max(start - 1, 0), len(a))
+    kl = [float(np.sum(pa[t] * (np.log(pa[t]) - np.log(pb[t])))) for t in rows]
+    same = [int(np.argmax(a[t]) == np.argmax(b[t])) for t in rows]
+    gap = [float(-np.log(pb[t, ids[t + 1]]) + np.log(pa[t, ids[t + 1]])) for t in rows if t + 1 < len(ids)]
+    return kl, same, gap
+
+
+def test_the_statistics_equal_a_hand_computation():
+    g = torch.Generator().manual_seed(0)
+    seqs = []
+    for t, start in ((300, 0), (12, 5), (40, 0)):  # a sequence past the first position bin, a chat item, a short one
+        a = torch.randn(t, 17, generator=g) * 3
+        b = a + torch.randn(t, 17, generator=g) * (0.5 if t != 40 else 4.0)
+        seqs.append((a, b, torch.randint(0, 17, (t,), generator=g), start))
+    tally = TokenTally()
+    kls, sames, gaps, by_pos = [], [], [], {}
+    for a, b, ids, start in seqs:
+        tally.add(a, b, ids, start)
+        kl, same, gap = _hand(a.double().numpy(), b.double().numpy(), ids.numpy(), start)
+        kls += kl
+        sames += same
+        gaps.append(float(np.mean(gap)))
+        for pos, v in zip(range(max(start - 1, 0), len(ids) - 1), gap):
+            by_pos.setdefault(max(x for x in BINS if x <= pos), []).append(v)
+    r = tally.result()
+    assert r["tokens"] == len(kls) == 300 + 8 + 40
+    assert r["kld"]["mean"] == pytest.approx(np.mean(kls), rel=1e-5)
+    assert r["kld"]["median"] == pytest.approx(np.sort(kls)[(len(kls) - 1) // 2], rel=1e-5)  # torch: the lower one
+    assert r["kld"]["p99"] == pytest.approx(np.quantile(kls, 0.99), rel=1e-5)
+    assert r["kld"]["max"] == pytest.approx(max(kls), rel=1e-5)
+    assert r["same_top1"] == pytest.approx(np.mean(sames))
+    assert r["sequences"] == 3 and r["gap"]["worst"] == pytest.approx(max(gaps), rel=1e-5)
+    assert r["gap"]["median"] == pytest.approx(sorted(gaps)[1], rel=1e-5)
+    assert r["gap"]["over_2"] == sum(x > 2 for x in gaps)
+    assert list(r["by_position"]) == ["0-127", "128-255", "256-511"]
+    for (key, value), b0 in zip(r["by_position"].items(), sorted(by_pos)):
+        assert value == pytest.approx(np.mean(by_pos[b0]), rel=1e-5), key
+
+
+def test_kl_of_identical_rows_is_zero_and_never_negative():
+    a = torch.randn(64, 50)
+    assert torch.allclose(kl_rows(a, a), torch.zeros(64), atol=1e-6)
+    assert bool((kl_rows(a, torch.randn(64, 50)) > 0).all())
+    assert math.isinf(float(kl_rows(torch.tensor([[0.0, 0.0]]), torch.tensor([[0.0, -math.inf]]))[0]))
+
+
+@pytest.fixture(scope="module")
+def lm():
+    """A tiny Llama with sinks, its tokenizer, and its held-out batches of real text."""
+    import copy
+
+    import normlab
+    from conftest import TEXT, sink_batches, tiny_lm, tiny_tokenizer, with_sinks
+    from normlab.conversion.hf import token_chunks
+
+    tok = tiny_tokenizer()
+    model = with_sinks(tiny_lm(seed=2, max_position_embeddings=4096))
+    held = list(token_chunks(TEXT[-6000:], tok, 100, 32)[-8:].split(4))
+    conv = copy.deepcopy(model)
+    normlab.convert_norms(conv, "dyisru", calibrate=sink_batches(2), per="channel", progress=False)
+    return model, conv, tok, held
+
+
+def test_the_original_judged_against_itself_is_perfect(lm, tmp_path):
+    """Every statistic of the report at its ideal: the texts, the chat set, the long sequences, the stress inputs and
+    the greedy answers agree."""
+    from conftest import TEXT
+    from normlab.conversion.measure.usage import UsageConfig, usage_lines, usage_report
+
+    model, _, tok, held = lm
+    cfg = UsageConfig(prompts=4, new_tokens=8, long_tokens=256, long_sequences=2)
+    r = usage_report(model, model, tok, {"held-out": held}, TEXT * 3, cfg)
+    assert set(r["texts"]) == {"held-out", "chat"} and r["long"]["tokens"] == 512
+    assert set(r["stress"]) >= {"leading newlines", "repeated delimiters", "code", "digits", "BOS mid-sequence"}
+    for t in [*r["texts"].values(), r["long"], *r["stress"].values()]:
+        assert t["same_top1"] == 1.0 and t["kld"]["max"] < 1e-5 and abs(t["gap"]["worst"]) < 1e-5
+    assert r["generation"]["chat_score"] == 1.0 and r["generation"]["prompts"] == 4
+    assert r["consistency"]["padded"] < 1e-4 and r["consistency"]["kv_chunks"] < 1e-4
+    assert r["blowups"]["over"] == []
+    text = usage_lines(r)
+    assert "same top-1" in text and "blow-ups" in text and "Q: What is the capital of France?" in text
+
+
+def test_a_converted_model_is_judged_and_its_report_is_consistent(lm):
+    from conftest import TEXT
+    from normlab.conversion.measure.usage import UsageConfig, usage_report
+
+    model, conv, tok, held = lm
+    cfg = UsageConfig(prompts=3, new_tokens=6, long_tokens=128, long_sequences=2)
+    r = usage_report(model, conv, tok, {"held-out": held}, TEXT * 3, cfg)
+    t = r["texts"]["held-out"]
+    assert 0 < t["kld"]["median"] <= t["kld"]["p99"] <= t["kld"]["max"] and 0 <= t["same_top1"] <= 1
+    assert t["gap"]["median"] <= t["gap"]["worst"]
+    assert r["consistency"]["padded"] < 1e-4 and r["consistency"]["kv_chunks"] < 1e-4  # massive copies included
+    assert len(r["generation"]["answers"]) == 3
+
+
+def test_a_heal_that_raises_the_worst_sequence_is_not_kept(models, tmp_path, monkeypatch, capsys):
+    """A heal whose mean may fall while its tail rises is not kept: here the heal is followed by a harm (every
+    norm's gain times 5), which raises the worst validation sequence; the saved model is the calibrated one."""
+    import normlab
+    import normlab.conversion.workflow as workflow
+
+    real = workflow.heal
+
+    def harmful(original, net, *args, **kwargs):
+        rep = real(original, net, *args, **kwargs)
+        with torch.no_grad():
+            for m in net.modules():
+                if isinstance(m, normlab.DyISRU):
+                    m.weight.mul_(5.0)
+        return rep
+
+    monkeypatch.setattr(workflow, "heal", harmful)
+    from normlab.cli import main
+
+    out = tmp_path / "o"
+    argv = [
+        "convert",
+        "--model",
+        str(models["m"]),
+        "--calibrate",
+        str(models["text"]),
+        "--seq-len",
+        "16",
+        "--sequences",
+        "4",
+        "--eval-text",
+        "none",
+        "--no-progress",
+        "--heal-tokens",
+        "200",
+        "--out",
+        str(out),
+    ]
+    assert main(argv) == 0
+    assert "heal not kept" in capsys.readouterr().out
+    fid = json.loads((out / "fidelity.json").read_text())
+    guard = fid["heal"]["guard"]
+    assert guard["kept"] is False and any("worst sequence" in r for r in guard["rose"])
+    assert fid["ce_converted"] == pytest.approx(fid["before_heal"]["ce_converted"], rel=1e-6)
+
+
+def test_a_heal_that_lowers_the_tails_is_kept():
+    from normlab.conversion.measure.judge import heal_verdict
+
+    before = {"gap": {"worst": 2.0}, "kld": {"p99": 1.0, "mean": 0.3}}
+    assert heal_verdict(before, {"gap": {"worst": 1.5}, "kld": {"p99": 0.9, "mean": 0.2}})["kept"]
+    worse_tail = heal_verdict(before, {"gap": {"worst": 1.5}, "kld": {"p99": 1.2, "mean": 0.1}})
+    assert not worse_tail["kept"] and worse_tail["rose"] == ["p99 KLD 1 -> 1.2"]
+    assert not heal_verdict(before, {"gap": {"worst": float("nan")}, "kld": {"p99": 0.5, "mean": 0.1}})["kept"]
