@@ -524,3 +524,22 @@ def test_a_masked_lm_gets_no_next_token_cross_entropy_and_no_walk_or_heal(tmp_pa
     for extra in (["--budget-nats", "0.2"], ["--heal-tokens", "1000"]):
         assert main([*argv, *extra]) == 2
         assert "does not predict the next token (a masked LM)" in capsys.readouterr().err
+
+
+def test_a_conversion_the_machine_cannot_hold_is_refused_before_calibration(tmp_path, capsys, monkeypatch):
+    """issue 66: a conversion that will not fit in memory is refused once the model is loaded, with the numbers
+    (the peak measured on Qwen2.5-Coder-0.5B, 5x the float32 model), before any calibration."""
+    from normlab.conversion.checks import CONVERSION_PEAK
+
+    monkeypatch.setattr("normlab.errors.machine_memory", lambda: 10_000)  # bytes: less than the tiny model needs
+    monkeypatch.setattr(
+        "normlab.conversion.workflow.convert_norms", lambda *a, **k: pytest.fail("calibrated before refusing")
+    )
+    text = tmp_path / "t.txt"
+    text.write_text(CALIB)
+    argv = ["convert", "--model", str(tiny_hf(tmp_path / "m")), "--calibrate", str(text), "--seq-len", "16",
+            "--eval-text", "none", "--no-progress", "--out", str(tmp_path / "o")]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"a peak of about {CONVERSION_PEAK:g}x the float32 model's" in err and "can give" in err, err
+    assert not (tmp_path / "o").exists()

@@ -15,10 +15,18 @@ from normlab.conversion.hf import FIXTURES, fixture_path
 from normlab.conversion.measure.fidelity import predicts_next_token
 from normlab.conversion.texts import eval_file
 from normlab.corpus import cache_dir
+from normlab.errors import check_memory
 from normlab.owner import check_writable, inside
 
-__all__ = ["check_out", "check_files", "check_checkpoint", "check_exclude", "check_inputs", "check_inputs_outside",
-           "check_next_token", "check_resume_identity"]  # fmt: skip
+# The largest stage peak of a conversion measured over the float32 model's size: Qwen2.5-Coder-0.5B's budget walk
+# held 12.4 GB of resident memory for a model of 2.52 GB (bench/convert_stages.csv; SmolLM2's stages: at most 12x
+# its 0.54 GB, the fixed costs of a small model). The original's copy, the cached block inputs and full-vocabulary
+# logits make it up.
+CONVERSION_PEAK = 5.0
+
+__all__ = ["CONVERSION_PEAK", "check_conversion_memory", "check_out", "check_files", "check_checkpoint",
+           "check_exclude", "check_inputs", "check_inputs_outside", "check_next_token",
+           "check_resume_identity"]  # fmt: skip
 
 
 def check_out(out: str | None, model: str, overwrite: bool) -> None:
@@ -220,3 +228,19 @@ def check_exclude(cfg: ConvertConfig, net) -> None:
             f"--exclude {idle[0]!r} matches no module of {cfg.model}; module names look like "
             f"{', '.join(n for n in names if n.endswith('norm'))[:200]}"
         )
+
+
+def check_conversion_memory(net) -> None:
+    """Refuse, once the model is loaded and before calibration, a conversion this machine cannot hold: about
+    ``CONVERSION_PEAK`` times the float32 model's size at its largest stage.
+
+    Args:
+        net: The loaded model.
+    """
+    n = sum(p.numel() for p in net.parameters())
+    check_memory(
+        CONVERSION_PEAK * 4 * n,
+        f"converting {n / 1e6:.0f}M parameters (a peak of about {CONVERSION_PEAK:g}x the float32 model's "
+        f"{4 * n / 1e9:.2f} GB, as measured on Qwen2.5-Coder-0.5B)",
+        "convert on a machine with more memory",
+    )

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from normlab.conversion.checks import (
     check_checkpoint,
+    check_conversion_memory,
     check_exclude,
     check_inputs,
     check_inputs_outside,
@@ -177,6 +178,7 @@ def _convert(job: _Job, markdown: bool) -> dict:
         net = net.to(cfg.device)  # every stage runs where the model is (batches follow it: run_batch)
     check_exclude(cfg, net)
     check_next_token(cfg, net)
+    check_conversion_memory(net)
     facts["model_fingerprint"] = model_fingerprint(net)
     check_resume_identity(ckpt, cfg, {"model_fingerprint": facts["model_fingerprint"]})
     vocab = net.get_input_embeddings().num_embeddings
