@@ -150,8 +150,8 @@ USABLE = Path(__file__).resolve().parents[2] / "bench" / "usable.csv"  # in a ch
 
 def measured(table: Path = USABLE) -> dict[str, str]:
     """Family -> its real checkpoint's best conversion judged as used, from bench/usable.csv (the row with the
-    highest same top-1 on held-out text, newest first on a tie): the checkpoint, same top-1, the worst sequence,
-    the job and its minutes. A family with no row, or a checkout without the table, has none."""
+    highest same top-1 on held-out text, newest first on a tie): the checkpoint, the sites converted, same top-1, the
+    worst sequence, the job and its minutes. A family with no row, or a checkout without the table, has none."""
     import csv
 
     if not table.is_file():
@@ -164,8 +164,8 @@ def measured(table: Path = USABLE) -> dict[str, str]:
             if family not in best or float(row["held_same_top1"]) >= float(best[family]["held_same_top1"]):
                 best[family] = row | {"model": model}
     return {
-        f: f"{CHECKPOINTS[r['model']][1]}: {float(r['held_same_top1']):.0%} same top-1, worst sequence "
-        f"+{float(r['held_gap_worst']):.2f} (`{r['job']}`, {r['minutes']} min)"
+        f: f"{CHECKPOINTS[r['model']][1]}: {r['sites']} sites converted, {float(r['held_same_top1']):.0%} same "
+        f"top-1, worst sequence +{float(r['held_gap_worst']):.2f} (`{r['job']}`, {r['minutes']} min)"
         for f, r in best.items()
     }
 
