@@ -31,6 +31,10 @@ __all__ = [
 ]
 
 
+ALPHA_INIT = 0.5  # DyT's alpha at init (Zhu et al.; Derf keeps it)
+BETA_INIT = 4.0  # DyISRU's and ELN's beta at init: 1 / ALPHA_INIT**2, so the slope at 0 is DyT's
+
+
 class _DyTFamily(NormModule):
     """gamma * f(alpha * x) + beta with a learnable alpha (scalar or per channel)."""
 
@@ -40,7 +44,7 @@ class _DyTFamily(NormModule):
         self,
         dim: int,
         *,
-        alpha_init: float = 0.5,
+        alpha_init: float = ALPHA_INIT,
         per_channel_alpha: bool = False,
         bias: bool = True,
         channel_dim: int = -1,
@@ -72,15 +76,38 @@ class DyT(_DyTFamily):
 
     Args:
         dim: The number of channels C: the size of the normalized axis.
+        alpha_init: alpha at init (0.5, Zhu et al.).
+        per_channel_alpha: One alpha per channel instead of one for all.
+        bias: Learn beta, the channel shift (False: none).
+        channel_dim: The axis of the channels: -1 (the last, as in a transformer) or another, e.g. 1 for NCHW.
         kernel: "auto" runs Triton on CUDA tensors and the fused C++ op on CPU tensors; "triton", "cpu" or
             "reference" (`normlab.functional`) forces one path.
-        **kwargs: The DyT family's keywords: ``alpha_init`` (0.5, Zhu et al.), ``per_channel_alpha`` (False: one
-            alpha; True: one per channel), ``bias`` (True), ``channel_dim`` (-1), ``device``, ``dtype``.
+        device: Where the parameters are created.
+        dtype: The parameters' dtype.
     """
 
-    def __init__(self, dim: int, *, kernel: str = "auto", **kwargs: object) -> None:
+    def __init__(
+        self,
+        dim: int,
+        *,
+        alpha_init: float = ALPHA_INIT,
+        per_channel_alpha: bool = False,
+        bias: bool = True,
+        channel_dim: int = -1,
+        kernel: str = "auto",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         self.kernel = kernel_choice(kernel, "DyT")
-        super().__init__(dim, **kwargs)
+        super().__init__(
+            dim,
+            alpha_init=alpha_init,
+            per_channel_alpha=per_channel_alpha,
+            bias=bias,
+            channel_dim=channel_dim,
+            device=device,
+            dtype=dtype,
+        )
 
     def forward(self, x: Tensor) -> Tensor:
         p = self._parameters  # not self.alpha: nn.Module's attribute lookup costs about 0.6 us a parameter
@@ -322,7 +349,7 @@ class _ISRUFamily(NormModule):
         self,
         dim: int,
         *,
-        beta_init: float = 4.0,
+        beta_init: float = BETA_INIT,
         per_channel_beta: bool = False,
         scale: FN.Scale | None = None,
         bias: bool = True,
@@ -368,18 +395,43 @@ class DyISRU(_ISRUFamily):
 
     Args:
         dim: The number of channels C: the size of the normalized axis.
+        beta_init: beta at init (4.0 = 1 / 0.5**2: DyT's slope at 0).
+        per_channel_beta: One beta per channel instead of one for all.
+        scale: "C" for sqrt(C) (the DyISRU paper, the default), "C-1" for sqrt(C-1).
+        bias: Learn the channel shift (False: none).
+        channel_dim: The axis of the channels: -1 (the last, as in a transformer) or another, e.g. 1 for NCHW.
         kernel: "auto" runs Triton on CUDA tensors and the fused C++ op on CPU tensors; "triton", "cpu" or
             "reference" (`normlab.functional`) forces one path.
-        **kwargs: The ISRU family's keywords: ``beta_init`` (4.0 = 1 / 0.5**2, DyT's slope at 0),
-            ``per_channel_beta`` (False), ``scale`` ("C" for sqrt(C), "C-1" for sqrt(C-1)), ``bias`` (True),
-            ``channel_dim`` (-1), ``device``, ``dtype``.
+        device: Where the parameters are created.
+        dtype: The parameters' dtype.
     """
 
     _default_scale, _op = "C", "dyisru"
 
-    def __init__(self, dim: int, *, kernel: str = "auto", **kwargs: object) -> None:
+    def __init__(
+        self,
+        dim: int,
+        *,
+        beta_init: float = BETA_INIT,
+        per_channel_beta: bool = False,
+        scale: FN.Scale | None = None,
+        bias: bool = True,
+        channel_dim: int = -1,
+        kernel: str = "auto",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         self.kernel = kernel_choice(kernel, "DyISRU")
-        super().__init__(dim, **kwargs)
+        super().__init__(
+            dim,
+            beta_init=beta_init,
+            per_channel_beta=per_channel_beta,
+            scale=scale,
+            bias=bias,
+            channel_dim=channel_dim,
+            device=device,
+            dtype=dtype,
+        )
 
     def _forward(self, x: Tensor) -> Tensor:
         self._check(x)
