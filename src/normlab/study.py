@@ -139,8 +139,13 @@ def load_study(source: str | Path) -> Study:
         c = c if isinstance(c, dict) else {}
         bounds = {"at_least", "at_most"} & set(c)
         numbers = all(isinstance(c[b], (int, float)) and not isinstance(c[b], bool) for b in bounds)
-        if c.get("cell") not in cells or c.get("metric") not in METRICS or not bounds or not numbers or set(c) - {
-            "cell", "metric", "at_least", "at_most", "why"}:  # fmt: skip
+        if (
+            c.get("cell") not in cells
+            or c.get("metric") not in METRICS
+            or not bounds
+            or not numbers
+            or set(c) - {"cell", "metric", "at_least", "at_most", "why"}
+        ):
             raise ValueError(
                 f"{path}: checks[{i}] needs a cell of this study ({', '.join(cells)}), a metric "
                 f"({', '.join(METRICS)}) and a number at_least or at_most; got {checks[i]!r}"
@@ -219,9 +224,13 @@ def _append_row(table: Path, study: str, result: dict) -> None:
 
 
 def run_study(
-    source: str | Path, root: str | Path, *, only: list[str] | None = None, bench: str | Path | None = None,
+    source: str | Path,
+    root: str | Path,
+    *,
+    only: list[str] | None = None,
+    bench: str | Path | None = None,
     progress: bool = True,
-) -> dict[str, dict]:  # fmt: skip
+) -> dict[str, dict]:
     """Run every cell of a study (or those in ``only``) that has no result yet; returns each cell's result (or
     its failure), by name. See the module docstring for the folders, the locks and the tables.
 

@@ -16,8 +16,9 @@ def code_version() -> dict:
     info = {"normlab": __version__, "torch": torch.__version__}
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=package, capture_output=True, text=True, timeout=5)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", str(package)], cwd=package,
-                               capture_output=True, text=True, timeout=5)  # fmt: skip
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", str(package)], cwd=package, capture_output=True, text=True, timeout=5
+        )
         if commit.returncode == 0:
             info["git_commit"] = commit.stdout.strip()
             info["git_dirty"] = bool(dirty.stdout.strip())

@@ -181,8 +181,10 @@ def check_resume_identity(ckpt: str | None, cfg: ConvertConfig, identity: dict) 
         saved = f"{type(e).__name__}: {str(e)[:120]}"
     if not isinstance(saved, dict) or "stream" not in saved:
         why = saved if isinstance(saved, str) else f"it holds a {type(saved).__name__}, not a heal's state"
-        raise ValueError(f"--resume: {ckpt} is not a heal checkpoint ({why}); give the file a heal wrote, or drop "
-                         "--resume and choose another --checkpoint")  # fmt: skip
+        raise ValueError(
+            f"--resume: {ckpt} is not a heal checkpoint ({why}); give the file a heal wrote, or drop "
+            "--resume and choose another --checkpoint"
+        )
     saved = saved.get("identity")
     diff = identity_difference(saved, identity, keys=identity)
     if diff:

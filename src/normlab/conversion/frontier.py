@@ -212,9 +212,15 @@ def _refit_all(model, done: list, walk: dict, ce: float) -> float:
 
 
 def frontier(
-    model: nn.Module, to: str, calibrate: Iterable, held: Iterable, *, budget: BudgetConfig | None = None,
-    progress: bool | None = None, **convert_kwargs: object,
-) -> tuple[Frontier, ConversionRecord]:  # fmt: skip
+    model: nn.Module,
+    to: str,
+    calibrate: Iterable,
+    held: Iterable,
+    *,
+    budget: BudgetConfig | None = None,
+    progress: bool | None = None,
+    **convert_kwargs: object,
+) -> tuple[Frontier, ConversionRecord]:
     """Rank ``model``'s norms by the cost of converting each alone to ``to`` and walk them cheapest first (see
     the module docstring).
 
@@ -250,8 +256,9 @@ def frontier(
     costs = site_costs(model, fitted, rank, progress=progress, dtype=dtype)
     order = sorted(costs, key=lambda n: costs[n] if math.isfinite(costs[n]) else math.inf)
     replay = BlockReplay(model, held, find_blocks(model, order), order, dtype)  # each step measured from its block on
-    front = Frontier(to, replay.cross_entropy(), costs, order, [], budget.nats, skip=budget.walk == "skip",
-                     precision=precision)  # fmt: skip
+    front = Frontier(
+        to, replay.cross_entropy(), costs, order, [], budget.nats, skip=budget.walk == "skip", precision=precision
+    )
     front.curve.append(front.ce_original)
     by_name = {s.name: s for s in record.sites}
     walk = {"by_name": by_name, "originals": {}, "to": to, "batches": calib[: budget.refit_batches],
@@ -280,8 +287,12 @@ def _walk(model: nn.Module, front: Frontier, budget: BudgetConfig, walk: dict, p
 
     replay, by_name, originals = walk["replay"], walk["by_name"], walk["originals"]
     ce0 = front.ce_original
-    bar = tqdm(total=len(front.order), desc=f"converting cheapest first to {front.target}", unit="site",
-               disable={True: False, False: True}.get(progress))  # fmt: skip
+    bar = tqdm(
+        total=len(front.order),
+        desc=f"converting cheapest first to {front.target}",
+        unit="site",
+        disable={True: False, False: True}.get(progress),
+    )
     queue = list(front.order)
     while queue:
         name = queue.pop(0)

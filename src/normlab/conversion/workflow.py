@@ -315,8 +315,10 @@ def _guarded_heal(job: _Job, original, net, splits, record, tokenizer):
     verdict = heal_verdict(before, judge_tokens(original, net, items))
     if not verdict["kept"]:
         net.load_state_dict(snapshot)
-        print(f"heal not kept: on the validation split it raised the {'; the '.join(verdict['rose'])}; the model "
-              "is the calibrated one")  # fmt: skip
+        print(
+            f"heal not kept: on the validation split it raised the {'; the '.join(verdict['rose'])}; the model "
+            "is the calibrated one"
+        )
     return rep, verdict
 
 

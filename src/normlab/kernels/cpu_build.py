@@ -349,8 +349,11 @@ def _build_detached() -> None:
     with open(folder / "build.log", "w") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "normlab.kernels.cpu_build"],
-            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     proc.wait()
 
 

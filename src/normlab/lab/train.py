@@ -285,8 +285,10 @@ def train(
     for d in cfg.data:  # inputs are never outputs: a text that a fresh start (--overwrite) would clear is refused
         hit = RunFolder(cfg.out).clears(d)
         if hit is not None:
-            raise ValueError(f"data: {d} is the run's own {hit} in out = {cfg.out}, which a fresh start clears; "
-                             "move the text out of the run folder, or choose another out")  # fmt: skip
+            raise ValueError(
+                f"data: {d} is the run's own {hit} in out = {cfg.out}, which a fresh start clears; "
+                "move the text out of the run folder, or choose another out"
+            )
     corpus = load_corpus(cfg.data or None, cfg.val_fraction)
     for split, data in (("train", corpus.train), ("validation", corpus.val)):
         if len(data) <= cfg.model.context + 1:

@@ -294,8 +294,9 @@ def fit_replacement(
     variance = float((y - y.mean(0)).pow(2).mean())
     explained = 1.0 - final / variance if variance > 0 else None
     errors = (math.sqrt(final) / denom, math.sqrt(start_loss) / denom)
-    return FitOutcome(name.removeprefix("log_"), float(value.mean()), float(la.exp().mean()), *errors, ok, notes,
-                      explained, solver)  # fmt: skip
+    return FitOutcome(
+        name.removeprefix("log_"), float(value.mean()), float(la.exp().mean()), *errors, ok, notes, explained, solver
+    )
 
 
 def _lbfgs_fit(new: nn.Module, x: Tensor, y: Tensor, problem: _Problem, notes: list):

@@ -254,9 +254,13 @@ class BlockReplay:
     is undone after). ``dtype`` (bf16) autocasts every measurement, the kept outputs included."""
 
     def __init__(
-        self, model: nn.Module, batches: list, blocks: tuple[str, int] | None, sites: list[str],
+        self,
+        model: nn.Module,
+        batches: list,
+        blocks: tuple[str, int] | None,
+        sites: list[str],
         dtype: torch.dtype | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.model, self.batches, self.sites, self.dtype = model, batches, sites, dtype
         self.stream = BlockStream(model, *blocks) if blocks else None
         self.outputs: list[list] | None = None
@@ -349,9 +353,13 @@ class BlockReplay:
             handles = [blocks[b].register_forward_hook(self._keeper(self.outputs, b, at)) for b in range(n)]
             ran = {}
             for s in outside:  # a site outside the blocks: did every block run before it, on every batch?
-                handles.append(self.model.get_submodule(s).register_forward_pre_hook(
-                    lambda mod, args, _s=s: ran.__setitem__(_s, ran.get(_s, True) and self.stream.calls != []
-                                                           and len(self.stream.calls[-1]) == n)))  # fmt: skip
+                handles.append(
+                    self.model.get_submodule(s).register_forward_pre_hook(
+                        lambda mod, args, _s=s: ran.__setitem__(
+                            _s, ran.get(_s, True) and self.stream.calls != [] and len(self.stream.calls[-1]) == n
+                        )
+                    )
+                )
             try:
                 with self.stream.record():
                     ce = cross_entropy(self.model, self.batches)
@@ -363,8 +371,9 @@ class BlockReplay:
         self.after = {s for s, ok in ran.items() if ok}
         size = sum(o.numel() * o.element_size() for row in self.outputs for o in row if isinstance(o, Tensor))
         total = machine_memory()
-        if self.broken is None and (any(not isinstance(o, Tensor) for row in self.outputs for o in row)
-                                    or (total and 2 * size > total // 2)):  # fmt: skip
+        if self.broken is None and (
+            any(not isinstance(o, Tensor) for row in self.outputs for o in row) or (total and 2 * size > total // 2)
+        ):
             self.broken = "the blocks' outputs are not tensors, or would not fit in a quarter of the memory"
         if self.broken is not None:
             self.outputs = None

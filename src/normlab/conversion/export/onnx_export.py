@@ -299,9 +299,15 @@ def export_program(
         program = torch.export.export(module, args, dynamic_shapes=dynamic_shapes)
     program = program.run_decompositions({torch.ops.aten.hypot.default: hypot})
     torch.onnx.export(
-        program, args, str(path), dynamo=True, opset_version=opset, input_names=input_names,
-        output_names=output_names, verbose=False,
-    )  # fmt: skip
+        program,
+        args,
+        str(path),
+        dynamo=True,
+        opset_version=opset,
+        input_names=input_names,
+        output_names=output_names,
+        verbose=False,
+    )
 
 
 class OnnxLM:

@@ -245,9 +245,21 @@ def heal(
             if state is not None and state.get("best") is not None:
                 check.best_ce, check.best_point = state["best"]["val_ce"], state["best"]
                 check.best_state = state["best_state"]
-            run = HealRun(original=original, converted=converted, stream=stream, params=params, cfg=cfg, check=check,
-                          budget=Budget(cfg, report), report=report, list_name=list_name, ckpt=ckpt, state=state,
-                          identity=identity, progress=run_options.get("progress"))  # fmt: skip
+            run = HealRun(
+                original=original,
+                converted=converted,
+                stream=stream,
+                params=params,
+                cfg=cfg,
+                check=check,
+                budget=Budget(cfg, report),
+                report=report,
+                list_name=list_name,
+                ckpt=ckpt,
+                state=state,
+                identity=identity,
+                progress=run_options.get("progress"),
+            )
             objective.run(run)
             check.restore()
             report.best = check.best_point

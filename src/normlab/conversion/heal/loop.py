@@ -328,8 +328,12 @@ def heal_state(converted: nn.Module, params: list[nn.Parameter]) -> dict[str, to
     """
     trained = {id(p) for p in params}
     names = {n for n, p in converted.named_parameters(remove_duplicate=False) if id(p) in trained}
-    names |= {f"{m_name}.{b}".lstrip(".") for m_name, m in converted.named_modules() if is_ours(m)
-              for b, _ in m.named_buffers(recurse=False)}  # fmt: skip
+    names |= {
+        f"{m_name}.{b}".lstrip(".")
+        for m_name, m in converted.named_modules()
+        if is_ours(m)
+        for b, _ in m.named_buffers(recurse=False)
+    }
     return {k: v for k, v in converted.state_dict().items() if k in names}
 
 

@@ -65,8 +65,14 @@ def write_curve(rep: HealReport, folder: Path) -> None:
         ax.axvline(rep.best["tokens"], color="green", ls=":", label="kept")
     back = [p for p in rep.curve if p.get("rollback")]
     if back:
-        ax.scatter([p["tokens"] for p in back], [p["val_ce"] for p in back], color="red", marker="x", zorder=3,
-                   label="rolled back to the best, rate halved")  # fmt: skip
+        ax.scatter(
+            [p["tokens"] for p in back],
+            [p["val_ce"] for p in back],
+            color="red",
+            marker="x",
+            zorder=3,
+            label="rolled back to the best, rate halved",
+        )
     handles = ax.get_legend_handles_labels()
     tl = [(p["tokens"], p["train_loss"]) for p in rep.curve if p["train_loss"] == p["train_loss"]]
     if tl:

@@ -288,12 +288,19 @@ def _draw(model: nn.Module, which: SampleSet, progress: bool) -> torch.Tensor:
     device = model_device(model)
     from tqdm.auto import tqdm
 
-    bar = tqdm(total=which.n * which.seq_len, desc="sampling the original", unit="tok", unit_scale=True,
-               disable=not progress, leave=False)  # fmt: skip
+    bar = tqdm(
+        total=which.n * which.seq_len,
+        desc="sampling the original",
+        unit="tok",
+        unit_scale=True,
+        disable=not progress,
+        leave=False,
+    )
     was = model.training
     model.eval()
-    cast = torch.autocast(device.type if device is not None else "cpu", dtype=torch.bfloat16,
-                          enabled=which.precision == "bf16")  # fmt: skip
+    cast = torch.autocast(
+        device.type if device is not None else "cpu", dtype=torch.bfloat16, enabled=which.precision == "bf16"
+    )
     out, batch = [], which.batch_size or SAMPLE_BATCH
     try:
         with torch.no_grad(), _fast_decode(model), cast:
@@ -344,8 +351,10 @@ def self_samples(
         tokens = _draw(model, which, progress)
         seconds = time.perf_counter() - t0
         if progress:
-            print(f"sampled {n:,} sequences of {seq_len} tokens from the original in {seconds / 60:.1f} min "
-                  f"({n * seq_len / seconds:.0f} tokens/s, {which.precision}); cached as {path}")  # fmt: skip
+            print(
+                f"sampled {n:,} sequences of {seq_len} tokens from the original in {seconds / 60:.1f} min "
+                f"({n * seq_len / seconds:.0f} tokens/s, {which.precision}); cached as {path}"
+            )
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         torch.save({"identity": ident, "tokens": tokens}, tmp)
         os.replace(tmp, path)
@@ -416,13 +425,21 @@ def own_samples(
         progress: Show a progress bar while it samples.
     """
     dtype, _ = autocast_dtype(cfg.sample_precision, original, "heal.sample_precision")
-    which = SampleSet(weights_fingerprint(original), cfg.self_sequences, seq_len, starts, cfg.seed, cfg.temperature,
-                      precision="bf16" if dtype is not None else "float32")  # fmt: skip
+    which = SampleSet(
+        weights_fingerprint(original),
+        cfg.self_sequences,
+        seq_len,
+        starts,
+        cfg.seed,
+        cfg.temperature,
+        precision="bf16" if dtype is not None else "float32",
+    )
     return self_samples(original, which, progress=progress)
 
 
-def calibration_samples(original: nn.Module, cfg: HealConfig, seq_len: int, n: int, *, starts: Starts,
-                        progress: bool = False) -> list[torch.Tensor]:  # fmt: skip
+def calibration_samples(
+    original: nn.Module, cfg: HealConfig, seq_len: int, n: int, *, starts: Starts, progress: bool = False
+) -> list[torch.Tensor]:
     """The first ``n`` of the original's own samples (`own_samples`) as calibration batches of 8, (8, seq_len):
     calibration that needs no text. They are drawn before the heal's validation part, which they never reach.
 
