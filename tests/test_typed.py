@@ -29,7 +29,8 @@ def test_every_kind_is_checked_and_named_as_the_user_typed_it():
         ({"count": 2.0}, r"--set s.count must be an int \(not 2.0, not true\), got 2.0"),
         ({"count": True}, "s.count must be an int"),
         ({"flag": "no"}, "--set s.flag must be true or false, got 'no'"),
-        ({"names": "x"}, "--set s.names must be a list, got 'x'"),
+        ({"names": "x"}, r"--set s.names must be a list \(a string each\), got 'x'"),
+        ({"names": ["a", 1]}, r"--set s.names must be a list \(a string each\), got \['a', 1\]"),
     ):
         with pytest.raises(ValueError, match=says):
             check_types(Section(**bad), "s.")

@@ -66,6 +66,8 @@ def _accepts(tp, value) -> bool | None:
     base = typing.get_origin(tp) or tp
     if base not in _KINDS:
         return None
+    if base is list and typing.get_args(tp) and isinstance(value, list):  # list[str]: each element too
+        return all(_accepts(typing.get_args(tp)[0], v) for v in value)
     return isinstance(value, _KINDS[base]) and not (isinstance(value, bool) and base is not bool)
 
 
@@ -82,6 +84,8 @@ def describe(tp: object) -> str:
         if typing.get_origin(part) is typing.Literal:
             args = [repr(a) for a in typing.get_args(part)]
             words.append(", ".join(args[:-1]) + f" or {args[-1]}" if len(args) > 1 else args[0])
+        elif typing.get_origin(part) is list and typing.get_args(part):
+            words.append(f"a list ({describe(typing.get_args(part)[0])} each)")
         else:
             words.append(_WORDS.get(typing.get_origin(part) or part, getattr(part, "__name__", str(part))))
     return " or ".join(words) + (" or null" if type(None) in _parts(tp) else "")

@@ -99,7 +99,7 @@ def test_defect_13_a_folder_that_is_not_a_run_is_never_touched(models, corpus, c
 
 
 @pytest.mark.parametrize("setting,message", [
-    ("data=[1,2]", "data must be list[str]"),
+    ("data=[1,2]", "data must be a list (a string each)"),
     ("model=5", "model must be a table of model settings"),
     ("out=", "out must name a folder"),
 ])  # fmt: skip
@@ -284,9 +284,9 @@ def test_a_signal_ends_with_a_checkpoint_and_the_command_to_resume(corpus_file, 
 
 @pytest.mark.parametrize("setting, match", [
     ("jacobian_site=nope", "jacobian_site 'nope' is not a norm site"),
-    ("seed=abc", "seed must be int, got 'abc'"),
+    ("seed=abc", r"seed must be an int \(not 2.0, not true\), got 'abc'"),
     ("beta1=5", r"beta1 must be in \[0, 1\)"),
-    ("lr=true", "lr must be float, got True"),
+    ("lr=true", "lr must be a number, got True"),
     ("model.context=20000", "validation split .* not more than model.context"),
 ])  # fmt: skip
 def test_a_bad_config_fails_before_any_work_and_leaves_no_folder(corpus_file, tmp_path, capsys, setting, match):

@@ -175,12 +175,12 @@ def test_muon_learning_rate_follows_the_schedule(corpus_file, tmp_path):
 @pytest.mark.parametrize(
     "setting,match",
     [
-        ("model.block=mamba", r"model.block must be one of gpt2, llama, got 'mamba'"),
-        ("optimizer=sgd", r"optimizer must be one of adamw, muon, got 'sgd'"),
+        ("model.block=mamba", r"model.block must be 'gpt2' or 'llama', got 'mamba'"),
+        ("optimizer=sgd", r"optimizer must be 'adamw' or 'muon', got 'sgd'"),
         ("muon_lr=-1", r"muon_lr must be a finite number >= 0"),
         ("muon_momentum=1.5", r"muon_momentum must be in \[0, 1\)"),
         ("model.rope_theta=0.5", r"model.rope_theta must be a finite number > 1"),
-        ("model.tied_embeddings=maybe", r"model.tied_embeddings must be bool or null"),
+        ("model.tied_embeddings=maybe", r"model.tied_embeddings must be true or false or null"),
         # issue 50: a knob the chosen optimizer or block ignores is refused, not silently dropped
         ("muon_lr=0.05", r"muon_lr = 0.05 sets Muon, but optimizer = 'adamw' does not use it"),
         ("model.rope_theta=500000", r"model.rope_theta = 500000 sets RoPE, which only model.block = 'llama' has"),

@@ -9,30 +9,40 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import asdict, dataclass, field, fields
+from typing import Literal
 
 from normlab.kernels import auto_choice
 from normlab.lab.data import check_text_files
-from normlab.lab.model import GPTConfig, check_types
+from normlab.lab.model import GPTConfig
 from normlab.pairs import apply_overrides
+from normlab.typed import check_types, choices
 
 __all__ = ["TrainConfig", "PRESETS", "OPTIMIZERS", "resolve_config", "apply_overrides"]
-
-OPTIMIZERS = ("adamw", "muon")
 
 
 @dataclass
 class TrainConfig:
+    """One training run: the model, the data, the optimizer and its schedule, and what is logged (``--set
+    KEY=VALUE``)."""
+
     model: GPTConfig = field(default_factory=GPTConfig)
-    data: list[str] = field(default_factory=list)  # text files; empty: the default Shakespeare corpus
+    data: list[str] = field(default_factory=list)
+    """Text files; empty: the default Shakespeare corpus."""
     val_fraction: float = 0.1
+    """The share of the bytes held out for validation."""
     steps: int = 600
     batch_size: int = 32
-    lr: float = 3e-4  # AdamW's peak rate (with optimizer = "muon": the embedding, head, scalars and vectors)
+    lr: float = 3e-4
+    """AdamW's peak rate (with optimizer = "muon": the embedding's, the head's, the scalars' and the vectors')."""
     min_lr: float = 3e-5
-    optimizer: str = "adamw"  # or "muon": torch.optim.Muon for the blocks' matrices, AdamW for the rest
-    muon_lr: float = 0.02  # Muon's peak rate (the schedule scales it as it scales lr)
+    """The rate the cosine schedule ends at."""
+    optimizer: Literal["adamw", "muon"] = "adamw"
+    """"adamw", or "muon": torch.optim.Muon for the blocks' matrices, AdamW for the rest."""
+    muon_lr: float = 0.02
+    """Muon's peak rate (the schedule scales it as it scales lr)."""
     muon_momentum: float = 0.95
     warmup: int = 50
+    """Steps of linear warmup."""
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
@@ -41,11 +51,14 @@ class TrainConfig:
     eval_every: int = 100
     eval_batches: int = 20
     log_every: int = 10
-    metrics_every: int = 100  # alignment, ranks, residual std, Jacobian: one probed step every N
+    metrics_every: int = 100
+    """Alignment, ranks, residual std, the Jacobian: one probed step every N."""
     jacobian_site: str = "blocks.0.norm_attn"
     checkpoint_every: int = 100
-    device: str = "auto"  # auto: cuda if available, else cpu
-    amp: str = "auto"  # auto: bf16 autocast on cuda, none on cpu; or "bf16", "none"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """"auto": cuda if available, else cpu."""
+    amp: Literal["auto", "bf16", "none"] = "auto"
+    """"auto": bf16 autocast on cuda, none on cpu; or "bf16", "none"."""
     compile: bool = False
     tensorboard: bool = False
     out: str = "runs/default"
@@ -66,7 +79,7 @@ class TrainConfig:
 
     def validate(self) -> None:
         """Every check that can be made without data, so that a bad config fails before any work."""
-        check_types(self)
+        check_types(self, name=str)
         self.model.validate()
         positive = ("steps", "batch_size", "eval_every", "eval_batches", "log_every", "metrics_every",
                     "checkpoint_every")  # fmt: skip
@@ -78,8 +91,6 @@ class TrainConfig:
             v = getattr(self, f)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0:
                 raise ValueError(f"{f} must be a finite number >= 0, got {v!r}")
-        if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
         if self.optimizer == "muon" and self.lr <= 0:
             raise ValueError(f"optimizer = 'muon' schedules muon_lr as a fraction of lr: lr must be > 0, got {self.lr}")
         if not 0.0 <= self.muon_momentum < 1.0:
@@ -93,10 +104,6 @@ class TrainConfig:
             )
         if self.warmup < 0:
             raise ValueError(f"warmup must be >= 0, got {self.warmup}")
-        if self.amp not in ("auto", "bf16", "none"):
-            raise ValueError(f"amp must be 'auto', 'bf16' or 'none', got {self.amp!r}")
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if not isinstance(self.data, list):
             raise ValueError(f"data must be a list of text files, got {self.data!r}")
         check_text_files(self.data)  # before the run folder is made
@@ -114,6 +121,8 @@ class TrainConfig:
                 f"jacobian_site {self.jacobian_site!r} is not a norm site of this model; sites: {', '.join(sites)}"
             )
 
+
+OPTIMIZERS = choices(TrainConfig, "optimizer")  # ("adamw", "muon"): read from the field
 
 PRESETS: dict[str, dict] = {
     # seconds: for tests

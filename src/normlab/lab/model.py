@@ -17,9 +17,9 @@ RMSNorm's, 1).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import asdict, dataclass, field
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -27,59 +27,59 @@ from torch import nn
 
 from normlab.lab.recipes import parse_alpha_table
 from normlab.registry import accepted_kwargs, create_norm, init_kwargs, norm_spec
+from normlab.typed import check_types, choices
 
 __all__ = ["GPTConfig", "GPT", "BLOCKS", "rope_tables", "apply_rope"]
 
 SITES = ("attn", "mlp", "final")
-BLOCKS = ("gpt2", "llama")
-
-_TYPES = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,), "dict": (dict,), "list[str]": (list,)}
-
-
-def check_types(cfg) -> None:
-    """Each field of a config dataclass has its declared type (an int is a float; a bool is not a number)."""
-    prefix = "model." if type(cfg).__name__ == "GPTConfig" else ""
-    for f in dataclasses.fields(cfg):
-        value, declared = getattr(cfg, f.name), str(f.type)
-        optional = declared.endswith(" | None")
-        kinds = _TYPES.get(declared.removesuffix(" | None"))
-        if kinds is None or (optional and value is None):
-            continue
-        is_number = bool not in kinds
-        if (
-            not isinstance(value, kinds)
-            or (is_number and isinstance(value, bool))
-            or (declared == "list[str]" and not all(isinstance(v, str) for v in value))
-        ):
-            raise ValueError(
-                f"{prefix}{f.name} must be {declared.removesuffix(' | None')}"
-                f"{' or null' if optional else ''}, got {value!r}"
-            )
 
 
 @dataclass
 class GPTConfig:
+    """The model: its shape, its block, and the norm at each site (``--set model.KEY=VALUE``)."""
+
     vocab_size: int = 256
+    """Tokens (256: bytes)."""
     width: int = 128
+    """The residual stream's channels."""
     depth: int = 4
+    """Blocks."""
     heads: int = 4
+    """Attention heads; they divide the width."""
     context: int = 128
-    mlp_ratio: float = 4.0  # gpt2: hidden = ratio x width; llama: 2/3 of that, rounded up to a multiple of 16
-    block: str = "gpt2"  # or "llama": RoPE, SwiGLU, untied head (see the module docstring)
-    rope_theta: float = 10000.0  # llama block: RoPE's base
-    tied_embeddings: bool | None = None  # None: the block's own (gpt2 tied, llama untied)
-    norm: str = "rms_norm"  # the norm at every site, unless a site overrides it
-    norm_kwargs: dict = field(default_factory=dict)  # init values for every site (e.g. alpha_init)
+    """Tokens per sequence."""
+    mlp_ratio: float = 4.0
+    """gpt2: the MLP's hidden size is ratio x width; llama: 2/3 of that, rounded up to a multiple of 16."""
+    block: Literal["gpt2", "llama"] = "gpt2"
+    """"gpt2", or "llama": RoPE, SwiGLU, an untied head (see the module docstring)."""
+    rope_theta: float = 10000.0
+    """The llama block's RoPE base."""
+    tied_embeddings: bool | None = None
+    """Whether the head shares the embedding's matrix; None: the block's own (gpt2 tied, llama untied)."""
+    norm: str = "rms_norm"
+    """The norm at every site, unless a site names its own."""
+    norm_kwargs: dict = field(default_factory=dict)
+    """Init values for every site (e.g. alpha_init)."""
     norm_attn: str | None = None
+    """The norm before attention; None: ``norm``."""
     norm_mlp: str | None = None
+    """The norm before the MLP; None: ``norm``."""
     norm_final: str | None = None
-    norm_attn_kwargs: dict = field(default_factory=dict)  # DyT's LLaMA recipe: a different alpha per site
+    """The final norm; None: ``norm``."""
+    norm_attn_kwargs: dict = field(default_factory=dict)
+    """Init values at the attention sites (DyT's LLaMA recipe: a different alpha per site)."""
     norm_mlp_kwargs: dict = field(default_factory=dict)
+    """Init values at the MLP sites."""
     norm_final_kwargs: dict = field(default_factory=dict)
-    embed_scale: float | str | None = None  # None; a number; or "sqrt_d": a learnable scalar on the embedding
-    init_std: float = 0.02  # std of the N(0, std) init; the residual projections get std / sqrt(2 L)
-    alpha_table: str | None = None  # "dyt_paper" or "dyt_paper@W": alpha_init per site from the DyT paper
-    norm_init: str = "default"  # or "match_rms": point-wise gammas set so each site's output RMS is 1
+    """Init values at the final norm."""
+    embed_scale: float | str | None = None
+    """None; a number; or "sqrt_d": a learnable scalar on the embedding."""
+    init_std: float = 0.02
+    """The std of the N(0, std) init; the residual projections get std / sqrt(2 L)."""
+    alpha_table: str | None = None
+    """"dyt_paper" or "dyt_paper@W": alpha_init per site from the DyT paper."""
+    norm_init: Literal["default", "match_rms"] = "default"
+    """"default", or "match_rms": point-wise gammas set so each site's output RMS is 1."""
 
     def site(self, site: str) -> tuple[str, dict]:
         """The norm name and init kwargs at ``site`` ('attn', 'mlp' or 'final').
@@ -108,7 +108,7 @@ class GPTConfig:
         return [f"blocks.{i}.norm_{s}" for i in range(self.depth) for s in SITES[:2]] + ["norm_final"]
 
     def validate(self) -> None:
-        check_types(self)
+        check_types(self, "model.", name=str)
         for f in ("vocab_size", "width", "depth", "heads", "context"):
             v = getattr(self, f)
             if not isinstance(v, int) or v < 1:
@@ -117,8 +117,6 @@ class GPTConfig:
             raise ValueError(f"model.heads = {self.heads} does not divide model.width = {self.width}")
         if not (math.isfinite(self.mlp_ratio) and self.mlp_ratio > 0):
             raise ValueError(f"model.mlp_ratio must be a finite number > 0, got {self.mlp_ratio}")
-        if self.block not in BLOCKS:
-            raise ValueError(f"model.block must be one of {', '.join(BLOCKS)}, got {self.block!r}")
         if self.block == "llama" and (self.width // self.heads) % 2:
             raise ValueError(
                 f"model.block = 'llama' rotates pairs of channels (RoPE): the head size width / heads "
@@ -139,8 +137,6 @@ class GPTConfig:
             raise ValueError(f"model.init_std must be a finite number > 0, got {self.init_std!r}")
         if self.alpha_table is not None:
             parse_alpha_table(self.alpha_table, self.width)
-        if self.norm_init not in ("default", "match_rms"):
-            raise ValueError(f"model.norm_init must be 'default' or 'match_rms', got {self.norm_init!r}")
         for site in SITES:
             field_name = "norm" if getattr(self, f"norm_{site}") is None else f"norm_{site}"
             try:
@@ -170,6 +166,9 @@ class GPTConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+BLOCKS = choices(GPTConfig, "block")  # ("gpt2", "llama"): read from the field, written once
 
 
 def rope_tables(context: int, head_size: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
