@@ -105,7 +105,7 @@ def test_a_changed_cell_runs_again_and_a_failed_cell_does_not_stop_the_study(tmp
     ('[[cells]]\nname = "a"\nset = { out = "x" }\n', "out and heal.checkpoint are the cell's folder's"),
     ('[[cells]]\nname = "a"\n[[checks]]\ncell = "a"\nmetric = "speed"\nat_most = 1\n', r"checks\[0\] needs"),
     ('[[cells]]\nname = "a"\n[[checks]]\ncell = "b"\nmetric = "sites"\nat_most = 1\n', r"checks\[0\] needs"),
-    ('[[cells]]\nname = "a"\n[[checks]]\ncell = "a"\nmetric = "sites"\nat_least = "51"\n', r"checks\[0\] needs"),
+    ('[[cells]]\nname = "a"\n[[checks]]\ncell = "a"\nmetric = "sites"\nat_least = "51"\n', "at_least must be a number"),
     ('cells = []\n', "no cells"),
     ('[[cells]]\nname = "a"\n[extra]\nx = 1\n', "unknown key 'extra'"),
     ('[[cells]\n', "not valid TOML"),

@@ -250,10 +250,17 @@ def _toml_text(top: dict, run: dict) -> str:
 
 def _kind_ok(field: str, v) -> bool:
     """Whether ``v`` happens to be a valid value of ``field`` (then it is not a wrong kind for it)."""
-    from normlab.experiment import _RUN, _TOP, _is
+    from normlab.experiment import _Run, _Top
+    from normlab.typed import check_table, hints
 
-    kind = {**_TOP, **_RUN}.get(field)
-    return kind is not None and _is(v, kind)
+    schema = _Top if field in hints(_Top) else _Run if field in hints(_Run) else None
+    if schema is None:
+        return False
+    try:
+        check_table({field: v}, schema, "t")
+    except ValueError:
+        return False
+    return True
 
 
 @pytest.mark.parametrize("field", [*_TOML, "runs"])

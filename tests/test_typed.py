@@ -45,3 +45,19 @@ def test_choices_describe_and_docstrings_come_from_the_declaration():
         choices(Section, "rate")
     assert describe(hints(Section)["mode"]) == "'a' or 'b'"
     assert field_docs(Section) == {"mode": "Which mode.", "rate": "A rate, or None."}  # count has none
+
+
+def test_a_toml_table_is_checked_by_the_same_types():
+    """issue 67: an experiment's and a study's TOML are checked by one function, from annotations."""
+    from normlab.typed import check_table
+
+    class Table:
+        name: str
+        seeds: list[int]
+        base: dict
+
+    check_table({"name": "x", "seeds": [0, 1]}, Table, "f.toml")
+    with pytest.raises(ValueError, match=r"^f.toml: unknown key 'sede'; it takes name, seeds, base$"):
+        check_table({"sede": [0]}, Table, "f.toml")
+    with pytest.raises(ValueError, match=r"f.toml: seeds must be a list \(an int \(not 2.0, not true\) each\)"):
+        check_table({"seeds": [0, True]}, Table, "f.toml")

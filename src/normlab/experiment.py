@@ -11,6 +11,7 @@ from pathlib import Path
 
 from normlab.owner import path_segment_error
 from normlab.profiles import PROFILES
+from normlab.typed import check_table, hints
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -54,28 +55,40 @@ def builtin_experiments(profile: str | None = None) -> list[str]:
     return [n for n in names if (ps := load_experiment(n).profiles) is None or profile in ps]
 
 
-# An experiment TOML's fields and their kinds; a run's own extra keys (paper, flags, cell, ...) are free metadata.
-_TOP = {"name": "str", "title": "str", "source": "str", "claim": "str", "runs": "list[table]", "seeds": "list[int]",
-        "metrics": "list[str]", "base": "table", "baseline": "str", "checks": "list[table]", "figures": "list[str]",
-        "guard": "bool", "mechanism": "list[str]", "profiles": "list[str]"}  # fmt: skip
+class _Top:
+    """An experiment TOML's keys and their kinds (`normlab.typed.check_table`)."""
+
+    name: str
+    title: str
+    source: str
+    claim: str
+    runs: list[dict]
+    seeds: list[int]
+    metrics: list[str]
+    base: dict
+    baseline: str
+    checks: list[dict]
+    figures: list[str]
+    guard: bool
+    mechanism: list[str]
+    profiles: list[str]
 
 
-_RUN = {"name": "str", "label": "str", "set": "table", "shape": "str", "profiles": "list[str]", "budget": "int",
-        "lrs": "list[number]", "lr_field": "str"}  # fmt: skip
+class _Run:
+    """A run's keys and their kinds; a run's own extra keys (paper, flags, cell, ...) are free metadata."""
 
-
-_KINDS = {"str": str, "int": int, "bool": bool, "table": dict, "number": (int, float)}
-
-
-def _is(value, kind: str) -> bool:
-    if kind.startswith("list["):
-        return isinstance(value, list) and all(_is(v, kind[5:-1]) for v in value)
-    want = _KINDS[kind]
-    return isinstance(value, want) and not (kind in ("int", "number") and isinstance(value, bool))
+    name: str
+    label: str
+    set: dict
+    shape: str
+    profiles: list[str]
+    budget: int
+    lrs: list[float]
+    lr_field: str
 
 
 def check_experiment_fields(d: dict, where: str) -> None:
-    """Each field of an experiment TOML has its kind (``_TOP``, ``_RUN``): else one line naming the file and the
+    """Each field of an experiment TOML has its kind (``_Top``, ``_Run``): else one line naming the file and the
     field, what was expected and what was given, before any run is expanded.
 
     Args:
@@ -85,15 +98,10 @@ def check_experiment_fields(d: dict, where: str) -> None:
     missing = [k for k in ("name", "runs") if k not in d]
     if missing:
         raise ValueError(f"{where}: missing {', '.join(missing)}")
-    unknown = sorted(set(d) - set(_TOP))
-    if unknown:
-        raise ValueError(f"{where}: unknown field {unknown[0]!r}; an experiment has {', '.join(_TOP)}")
-    for key, kind in _TOP.items():
-        if key in d and not _is(d[key], kind):
-            raise ValueError(f"{where}: {key} must be {kind.replace('table', 'a table')}, got {d[key]!r}")
+    check_table(d, _Top, where)
     if (why := path_segment_error(d["name"])) is not None:  # figures are named after it, inside the report's root
         raise ValueError(f"{where}: name {why}")
-    if set(d.get("base", {})) - {"set"} or not _is(d.get("base", {}).get("set", {}), "table"):
+    if set(d.get("base", {})) - {"set"} or not isinstance(d.get("base", {}).get("set", {}), dict):
         raise ValueError(
             f"{where}: base must be a table with one table, set (e.g. base = {{ set = {{ lr = 1e-3 }} }})"
             f", got {d['base']!r}"
@@ -102,12 +110,8 @@ def check_experiment_fields(d: dict, where: str) -> None:
         for key in ("name", "set"):
             if key not in r:
                 raise ValueError(f"{where}: run {i} needs 'name' and 'set'")
-        for key, kind in _RUN.items():
-            if key in r and not _is(r[key], kind):
-                raise ValueError(
-                    f"{where}: run {i} ({r.get('name')!r}): {key} must be "
-                    f"{kind.replace('table', 'a table')}, got {r[key]!r}"
-                )
+        known = {k: v for k, v in r.items() if k in hints(_Run)}  # the others are the run's metadata
+        check_table(known, _Run, f"{where}: run {i} ({r.get('name')!r})")
 
 
 def _read_toml(name_or_path: str) -> tuple[dict, str]:

@@ -46,6 +46,7 @@ from pathlib import Path
 
 from normlab.conversion.config import ConvertConfig, resolve_convert_config
 from normlab.owner import Locked, check_folder, hold, path_segment_error
+from normlab.typed import check_table
 from normlab.version import code_version
 
 if sys.version_info >= (3, 11):
@@ -56,7 +57,33 @@ else:  # pragma: no cover
 __all__ = ["Study", "load_study", "builtin_studies", "run_study", "METRICS", "cell_metrics", "check_results"]
 
 RESULT, CONFIG = "result.json", "config.json"
-KEYS = {"title", "claim", "base", "cells", "checks"}
+
+
+class _StudyFile:
+    """A study TOML's keys and their kinds (`normlab.typed.check_table`, as an experiment's)."""
+
+    title: str
+    claim: str
+    base: dict
+    cells: list[dict]
+    checks: list[dict]
+
+
+class _Cell:
+    """A cell: its name and the config fields it sets."""
+
+    name: str
+    set: dict
+
+
+class _Check:
+    """A check: a cell's metric and its bounds."""
+
+    cell: str
+    metric: str
+    at_least: float
+    at_most: float
+    why: str
 
 
 def _rise(part: dict | None) -> float | None:
@@ -106,12 +133,8 @@ def load_study(source: str | Path) -> Study:
         data = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"{path}: not valid TOML: {e}") from None
-    unknown = sorted(set(data) - KEYS)
-    if unknown:
-        raise ValueError(f"{path}: unknown key {unknown[0]!r}; a study has {', '.join(sorted(KEYS))}")
+    check_table(data, _StudyFile, str(path))
     cells, base = {}, data.get("base", {})
-    if not isinstance(base, dict):
-        raise ValueError(f"{path}: base must be a table of config fields, got {base!r}")
     for i, cell in enumerate(data.get("cells") or []):
         where = f"{path}: cells[{i}]"
         name = cell.get("name") if isinstance(cell, dict) else None
@@ -119,8 +142,7 @@ def load_study(source: str | Path) -> Study:
             raise ValueError(f"{where}: name {why}")
         if name in cells:
             raise ValueError(f"{where}: a second cell named {name!r}")
-        if set(cell) - {"name", "set"} or not isinstance(cell.get("set", {}), dict):
-            raise ValueError(f"{where}: a cell is a name and a set table of config fields, got {cell!r}")
+        check_table(cell, _Cell, where)
         try:
             cfg = resolve_convert_config({**base, **cell.get("set", {})})
         except (ValueError, TypeError) as e:
@@ -136,16 +158,8 @@ def load_study(source: str | Path) -> Study:
         raise ValueError(f"{path}: no cells; give at least one [[cells]] with a name")
     checks = data.get("checks") or []
     for i, c in enumerate(checks):
-        c = c if isinstance(c, dict) else {}
-        bounds = {"at_least", "at_most"} & set(c)
-        numbers = all(isinstance(c[b], (int, float)) and not isinstance(c[b], bool) for b in bounds)
-        if (
-            c.get("cell") not in cells
-            or c.get("metric") not in METRICS
-            or not bounds
-            or not numbers
-            or set(c) - {"cell", "metric", "at_least", "at_most", "why"}
-        ):
+        check_table(c, _Check, f"{path}: checks[{i}]")
+        if c.get("cell") not in cells or c.get("metric") not in METRICS or not {"at_least", "at_most"} & set(c):
             raise ValueError(
                 f"{path}: checks[{i}] needs a cell of this study ({', '.join(cells)}), a metric "
                 f"({', '.join(METRICS)}) and a number at_least or at_most; got {checks[i]!r}"

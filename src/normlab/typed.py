@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import fields, is_dataclass
 from functools import cache
 
-__all__ = ["check_types", "choices", "field_docs", "describe", "hints", "set_name"]
+__all__ = ["check_types", "check_table", "choices", "field_docs", "describe", "hints", "set_name"]
 
 _KINDS = {bool: (bool,), int: (int,), float: (int, float), str: (str, os.PathLike), list: (list,), dict: (dict,)}
 _WORDS = {bool: "true or false", int: "an int (not 2.0, not true)", float: "a number", str: "a string",
@@ -145,3 +145,23 @@ def field_docs(cls: type) -> dict[str, str]:
         ):
             docs[node.target.id] = inspect.cleandoc(after.value.value)
     return docs
+
+
+def check_table(table: dict, schema: type, where: str) -> None:
+    """The keys of a TOML table (an experiment's, a study's, one of their runs or cells) against ``schema``, a class
+    whose annotations give each key's type as a config field's: a key the schema lacks is refused, naming the keys
+    it has, and a value of another kind is refused as `check_types` refuses it; both errors begin with ``where``.
+
+    Args:
+        table: The parsed table.
+        schema: A class with annotations (``name: str``, ``seeds: list[int]``, ``base: dict``).
+        where: What the errors begin with (the file, and the run or the cell).
+    """
+    kinds = hints(schema)
+    unknown = sorted(set(table) - set(kinds))
+    if unknown:
+        raise ValueError(f"{where}: unknown key {unknown[0]!r}; it takes {', '.join(kinds)}")
+    for key, value in table.items():
+        verdicts = [_accepts(p, value) for p in _parts(kinds[key])]
+        if not (any(verdicts) or None in verdicts):
+            raise ValueError(f"{where}: {key} must be {describe(kinds[key])}, got {value!r}")
