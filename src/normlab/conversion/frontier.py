@@ -174,40 +174,55 @@ def _refit(model, name: str, to: str, site, batches: list, convert_kwargs: dict)
     return sub.sites[0]
 
 
-def _refit_all(model, done: list, walk: dict, ce: float) -> float:
+@dataclasses.dataclass(frozen=True)
+class _Walk:
+    """What the walk works with: the target, the refit batches, the convert keywords, the replay that measures each
+    step, and each site's independent fit (fixed), and the sites' records and the original norms of the sites
+    swapped so far (they grow as the walk goes)."""
+
+    to: str
+    batches: list
+    kwargs: dict
+    replay: BlockReplay
+    fitted: dict
+    by_name: dict
+    originals: dict = dataclasses.field(default_factory=dict)
+
+
+def _refit_all(model, done: list, walk: _Walk, ce: float) -> float:
     """Fit every converted site of ``done`` again, by one sequential calibration of those sites (the block stream:
     each on its input in the model with the sites before it refitted, against the original norm applied to that
     input, as a site's own refit; ``walk``: the originals, the site records, the target, the batches, the convert
     kwargs). Kept when the cross-entropy on ``held`` falls, undone otherwise; returns the cross-entropy the model is
     left at."""
-    names = [n for n in walk["by_name"] if n in set(done)]  # the model's order
+    names = [n for n in walk.by_name if n in set(done)]  # the model's order
     before = {n: model.get_submodule(n) for n in names}
-    records = {n: walk["by_name"][n] for n in names}
+    records = {n: walk.by_name[n] for n in names}
     for n in names:
-        swap(model, n, walk["originals"][n])
+        swap(model, n, walk.originals[n])
     chosen = set(names)
     try:
-        kwargs = {k: v for k, v in walk["kwargs"].items() if k not in ("include", "sequential")}
+        kwargs = {k: v for k, v in walk.kwargs.items() if k not in ("include", "sequential")}
         # as each site's own refit: the original norm on its input in the model as it is now
         kwargs = _setting(
             kwargs, massive_tokens="route" if any(records[n].massive for n in names) else "shared", target="local"
         )
         sub = convert_norms(
-            model, walk["to"], calibrate=walk["batches"], progress=False, include=lambda n, m: n in chosen, **kwargs
+            model, walk.to, calibrate=walk.batches, progress=False, include=lambda n, m: n in chosen, **kwargs
         )
     except BaseException:
         for n in names:
             swap(model, n, before[n])
         raise
-    walk["by_name"].update({s.name: s for s in sub.sites})
-    replay = walk["replay"]
+    walk.by_name.update({s.name: s for s in sub.sites})
+    replay = walk.replay
     new = replay.cross_entropy(min(replay.block_of(n) for n in names), keep=False)
     if new < ce:
         replay.commit()
         return new
     for n in names:
         swap(model, n, before[n])
-    walk["by_name"].update(records)
+    walk.by_name.update(records)
     return ce
 
 
@@ -261,31 +276,30 @@ def frontier(
     )
     front.curve.append(front.ce_original)
     by_name = {s.name: s for s in record.sites}
-    walk = {"by_name": by_name, "originals": {}, "to": to, "batches": calib[: budget.refit_batches],
-            "kwargs": convert_kwargs, "replay": replay, "fitted": fitted}  # fmt: skip
+    walk = _Walk(to, calib[: budget.refit_batches], convert_kwargs, replay, fitted, by_name)
     try:
         _walk(model, front, budget, walk, progress)
     except BaseException:
-        for name, old in walk["originals"].items():
+        for name, old in walk.originals.items():
             swap(model, name, old)
         raise
     if budget.nats is None:  # the study: the model goes back as it was
-        for name, old in walk["originals"].items():
+        for name, old in walk.originals.items():
             swap(model, name, old)
     kept = set(front.converted) if budget.nats is not None else set()
     record.sites = [by_name[s.name] for s in record.sites if s.name in kept]
     if budget.nats is not None:
-        _note_budget(record, model, front, walk["originals"])
+        _note_budget(record, model, front, walk.originals)
     front.seconds = time.monotonic() - start
     return front, record
 
 
-def _walk(model: nn.Module, front: Frontier, budget: BudgetConfig, walk: dict, progress: bool | None) -> None:
+def _walk(model: nn.Module, front: Frontier, budget: BudgetConfig, walk: _Walk, progress: bool | None) -> None:
     """The greedy walk itself, cheapest first: each site swapped in (fitted again first, with ``refit_batches``),
     measured from its block on, and kept or put back; ``front`` grows its curve, ``converted`` and ``passed``."""
     from tqdm.auto import tqdm
 
-    replay, by_name, originals = walk["replay"], walk["by_name"], walk["originals"]
+    replay, by_name, originals = walk.replay, walk.by_name, walk.originals
     ce0 = front.ce_original
     bar = tqdm(
         total=len(front.order),
@@ -298,9 +312,9 @@ def _walk(model: nn.Module, front: Frontier, budget: BudgetConfig, walk: dict, p
         name = queue.pop(0)
         if budget.refit_batches:  # fitted again on its input in the model as converted so far
             originals[name] = model.get_submodule(name)
-            by_name[name] = _refit(model, name, front.target, by_name[name], walk["batches"], walk["kwargs"])
+            by_name[name] = _refit(model, name, front.target, by_name[name], walk.batches, walk.kwargs)
         else:
-            originals[name] = swap(model, name, walk["fitted"][name])
+            originals[name] = swap(model, name, walk.fitted[name])
         ce = replay.cross_entropy(replay.block_of(name), keep=False)
         over = budget.nats is not None and not ce <= ce0 + budget.nats
         steep = (

@@ -146,11 +146,11 @@ def convert_model(cfg: ConvertConfig, *, progress: bool = True, markdown: bool =
         return _convert(_Job(cfg, model_path, ckpt, {"model": str(Path(model_path).resolve())}, progress), markdown)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class _Job:
     """One conversion: its config, the model's path, the heal checkpoint's path (None without an out folder), the
     facts only the run knows (the model's resolved path and fingerprint, the text's hash: part of the heal's
-    identity), and whether it shows progress."""
+    identity), and whether it shows progress. A fact learnt on the way makes a new job (`knowing`)."""
 
     cfg: ConvertConfig
     model_path: str
@@ -161,13 +161,16 @@ class _Job:
     def identity(self) -> dict:
         return self.cfg.identity(**self.facts)
 
+    def knowing(self, **facts: str) -> _Job:
+        return dataclasses.replace(self, facts={**self.facts, **facts})
+
 
 def _convert(job: _Job, markdown: bool) -> dict:
-    cfg, ckpt, facts, progress = job.cfg, job.ckpt, job.facts, job.progress
+    cfg, ckpt, progress = job.cfg, job.ckpt, job.progress
     model_path = job.model_path
     stages = Stages()
     text = cfg.text or fetch_shakespeare()
-    facts["text_sha256"] = _file_sha(text)
+    job = job.knowing(text_sha256=_file_sha(text))
     check_resume_identity(ckpt, cfg, job.identity())
     from normlab.kernels import auto_choice, cpu
 
@@ -179,8 +182,8 @@ def _convert(job: _Job, markdown: bool) -> dict:
     check_exclude(cfg, net)
     check_next_token(cfg, net)
     check_conversion_memory(net)
-    facts["model_fingerprint"] = model_fingerprint(net)
-    check_resume_identity(ckpt, cfg, {"model_fingerprint": facts["model_fingerprint"]})
+    job = job.knowing(model_fingerprint=model_fingerprint(net))
+    check_resume_identity(ckpt, cfg, {"model_fingerprint": job.facts["model_fingerprint"]})
     vocab = net.get_input_embeddings().num_embeddings
     if cfg.heal.budgeted:  # its memory and LoRA rank, before the calibration it follows
         check_heal_resources(cfg.heal, net, cfg.seq_len, vocab)
