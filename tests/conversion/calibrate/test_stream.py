@@ -194,3 +194,31 @@ def test_a_subset_of_early_sites_streams_though_its_passes_stop_before_the_last_
     assert ra.calibration["path"] == "blocks" and ra.calibration["outside"] == [] and rb.calibration["path"] == "prefix"
     for pa, pb in zip(a.parameters(), b.parameters()):
         torch.testing.assert_close(pa, pb, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["Llama", "Qwen2", "Qwen3", "Gemma", "Mistral"])
+def test_a_replay_stands_in_for_the_early_blocks_in_the_models_own_list(family):
+    """What a replay relies on in transformers: the decoder calls each block through its list of blocks at call
+    time, and reads the block's attributes (Qwen2's and Gemma's ``attention_type``) before calling it. A replay puts
+    a stand-in (`Replayed`) in the list for each block before the changed one: those blocks do not run, the
+    cross-entropy equals the whole model's, and the list holds the real blocks again after."""
+    from normlab.conversion.batches import swap
+    from normlab.conversion.calibrate.stream import BlockReplay
+    from normlab.conversion.measure.fidelity import cross_entropy
+
+    model = tiny_lm(family, layers=3)
+    batches = id_batches(2, t=12)
+    sites = [n for n, m in model.named_modules() if type(m).__name__.endswith("RMSNorm")]
+    replay = BlockReplay(model, batches, find_blocks(model, sites), sites)
+    replay.cross_entropy()
+    layers = list(model.model.layers)
+    ran = []
+    hooks = [layer.register_forward_pre_hook(lambda m, a, i=i: ran.append(i)) for i, layer in enumerate(layers)]
+    name = "model.layers.2.input_layernorm"
+    swap(model, name, normlab.create_norm("dyt", 32, alpha_init=2.0))
+    got = replay.cross_entropy(replay.block_of(name), keep=False)
+    assert set(ran) == {2}  # blocks 0 and 1 were replayed, not run
+    assert list(model.model.layers) == layers  # the real blocks are back in the list
+    for h in hooks:
+        h.remove()
+    assert got == pytest.approx(cross_entropy(model, batches), abs=1e-6)

@@ -243,6 +243,33 @@ class BlockStream:
             handle.remove()
 
 
+class Replayed(nn.Module):
+    """Stands in for a block in its model's list of blocks while a replay measures: called, it returns the block's
+    kept output for the batch the model is running (``at["batch"]``) instead of running it. Every other attribute
+    is the block's own (a decoder reads, e.g., a layer's ``attention_type`` before calling it); its parameters are
+    not registered here, so the model's own are unchanged.
+
+    Args:
+        block: The block it stands in for.
+        outputs: The block's kept output, per batch.
+        at: The index of the batch the model is running, as `BlockReplay` counts it.
+    """
+
+    def __init__(self, block: nn.Module, outputs: list, at: dict) -> None:
+        super().__init__()
+        object.__setattr__(self, "block", block)  # not a submodule: the model's parameters stay the block's
+        self.outputs, self.at = outputs, at
+
+    def forward(self, *args, **kwargs):
+        return self.outputs[self.at["batch"]]
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.__dict__["block"], name)
+
+
 class BlockReplay:
     """A language model's cross-entropy on fixed batches, re-measured from a block on: every block's output on the
     batches is kept, and a measurement after a change in block ``start`` (or later) replays blocks 0..start-1 from
@@ -297,19 +324,14 @@ class BlockReplay:
         blocks = self.stream.blocks
         with self._counting() as at:
             handles = [blocks[b].register_forward_hook(self._keeper(fresh, b, at)) for b in range(start, n)]
-            own = [
-                blocks[b].__dict__.get("forward") for b in range(start)
-            ]  # a forward set on the instance (accelerate)
-            for b in range(start):
-                blocks[b].forward = lambda *args, _b=b, **kwargs: self.outputs[_b][at["batch"]]
+            real = [blocks[b] for b in range(start)]
+            for b in range(start):  # the model calls its blocks through the list: a stand-in there is called instead
+                blocks[b] = Replayed(real[b], self.outputs[b], at)
             try:
                 ce = cross_entropy(self.model, self.batches)
             finally:
                 for b in range(start):
-                    if own[b] is None:
-                        del blocks[b].forward
-                    else:
-                        blocks[b].forward = own[b]
+                    blocks[b] = real[b]
                 for h in handles:
                     h.remove()
         self._pending = (start, fresh)
