@@ -200,3 +200,32 @@ def test_no_function_over_6_parameters_outside_the_kernels_and_constructors():
     assert not over, f"functions over 6 parameters: {over}"
     assert many_parameters("def f(a, b, c, *, d, e, f, g, **kw):\n    pass\n", 6) == ["f (7 parameters)"]
     assert many_parameters("class A:\n    def m(self, a, b, c, d, e, f):\n        pass\n", 6) == []
+
+
+def fmt_skips_on_plain_statements(source: str) -> list[int]:
+    """The lines of ``source`` whose ``# fmt: skip`` sits on a plain statement (a call, a signature, a condition, a
+    raise) rather than on a table: an assignment or a return of a literal, or a loop over one."""
+    literal = (ast.Dict, ast.List, ast.Tuple, ast.Set, ast.DictComp, ast.ListComp)
+    statements = [n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.stmt)]
+    found = []
+    for i, line in enumerate(source.splitlines(), 1):
+        if "# fmt: skip" not in line:
+            continue
+        around = [n for n in statements if n.lineno <= i <= n.end_lineno]
+        n = min(around, key=lambda n: n.end_lineno - n.lineno)
+        table = (isinstance(n, (ast.Assign, ast.AnnAssign, ast.Return)) and isinstance(n.value, literal)) or (
+            isinstance(n, ast.For) and isinstance(n.iter, literal)
+        )
+        if not table:
+            found.append(i)
+    return found
+
+
+def test_no_fmt_skip_on_a_plain_statement():
+    """issue 67: the size rules were met by pressing lines against them with ``# fmt: skip``; only tables and
+    literals keep their hand layout."""
+    found = {
+        str(p.relative_to(ROOT)): f for p in ROOT.rglob("*.py") if (f := fmt_skips_on_plain_statements(p.read_text()))
+    }
+    assert not found, found
+    assert fmt_skips_on_plain_statements("f(1,\n  2)  # fmt: skip\nx = {1: 2}  # fmt: skip\n") == [2]
