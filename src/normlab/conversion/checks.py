@@ -9,6 +9,8 @@ import fnmatch
 import json
 from pathlib import Path
 
+from torch import nn
+
 from normlab.conversion.config import ConvertConfig, flag, identity_difference
 from normlab.conversion.export.saving import RECORD_FILE
 from normlab.conversion.hf import FIXTURES, fixture_path
@@ -194,7 +196,7 @@ def check_resume_identity(ckpt: str | None, cfg: ConvertConfig, identity: dict) 
         )
 
 
-def check_next_token(cfg: ConvertConfig, net) -> None:
+def check_next_token(cfg: ConvertConfig, net: nn.Module) -> None:
     """The budget walk and the heal measure next-token cross-entropy: refused, before calibration, for a model whose
     logits do not predict the next token (a masked LM).
 
@@ -214,7 +216,7 @@ def check_next_token(cfg: ConvertConfig, net) -> None:
         )
 
 
-def check_exclude(cfg: ConvertConfig, net) -> None:
+def check_exclude(cfg: ConvertConfig, net: nn.Module) -> None:
     """Each ``--exclude`` pattern matches some module of the loaded model.
 
     Args:
@@ -232,7 +234,7 @@ def check_exclude(cfg: ConvertConfig, net) -> None:
         )
 
 
-def check_conversion_memory(net) -> None:
+def check_conversion_memory(net: nn.Module) -> None:
     """Refuse, once the model is loaded and before calibration, a conversion this machine cannot hold: about
     ``CONVERSION_PEAK`` times the float32 model's size at its largest stage.
 
