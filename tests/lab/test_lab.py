@@ -74,9 +74,10 @@ def test_bad_config_names_the_field(corpus_file, tmp_path, overrides, match):
 
 
 def test_missing_data_file(tmp_path):
-    cfg = resolve_config("tiny", data=[str(tmp_path / "nope.txt")], out=str(tmp_path / "r"))
+    """A missing text file is refused when the config resolves, before train makes its run folder."""
     with pytest.raises(FileNotFoundError, match=r"data: file\(s\) not found: .*nope.txt"):
-        train(cfg, progress=False)
+        resolve_config("tiny", data=[str(tmp_path / "nope.txt")], out=str(tmp_path / "r"))
+    assert not (tmp_path / "r").exists()
 
 
 def test_unwritable_run_directory(corpus_file, tmp_path):
