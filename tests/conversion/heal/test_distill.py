@@ -1,5 +1,4 @@
-"""Healing (normlab.conversion.heal.distill, heal_run, heal_blocks, lora) and loading real models' files: mechanics and
-bad
+"""Healing (normlab.conversion.heal: distill, loop, blocks, lora) and loading real models' files: mechanics and bad
 input. Calibration's own tests are in calibrate/test_sites.py.
 
 The mechanics run on tiny random Hugging Face models (no downloads); tests/conversion/test_real_model.py checks the
