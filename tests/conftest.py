@@ -85,21 +85,35 @@ def sink_batches(n: int, seed: int = 1, t: int = 16, batch: int = 4) -> list[tor
     return out
 
 
-def tiny_tokenizer(vocab: int = 100):
-    """A BPE tokenizer of ``vocab`` ids trained on this file's texts, with a BOS ``<s>`` (id 0) and an EOS ``</s>``
-    (id 1), the sink tokens of `with_sinks`, and a chat template with a default system prompt, as SmolLM2's has."""
-    pytest.importorskip("transformers")
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+TINY_TOKENIZER = Path(__file__).parent / "data" / "tiny_tokenizer.json"
+
+
+def _train_tiny_tokenizer(path: Path) -> None:
+    """Train `tiny_tokenizer`'s BPE on this file's texts and write it to ``path``. The trainer breaks ties between
+    equally frequent pairs in hash order, so two trainings differ (chat openings of 52 to 59 tokens, 100 or 102
+    ids): the tests read one training, kept in tests/data; delete the file to train it again."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<s>", "</s>"], show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=100, special_tokens=["<s>", "</s>"], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet()[:60])  # fmt: skip
     tok.train_from_iterator([TEXT, CALIB, "What is the capital? Write a poem. 0123456789 def f(x): return x"], trainer)
-    from tokenizers import decoders
-
     tok.decoder = decoders.ByteLevel()
+    tok.save(str(path))
+
+
+def tiny_tokenizer():
+    """A byte-level BPE tokenizer of 100 ids trained on this file's texts (`_train_tiny_tokenizer`), with a BOS
+    ``<s>`` (id 0) and an EOS ``</s>`` (id 1), the sink tokens of `with_sinks`, and a chat template with a default
+    system prompt, as SmolLM2's has."""
+    pytest.importorskip("transformers")
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    if not TINY_TOKENIZER.exists():
+        _train_tiny_tokenizer(TINY_TOKENIZER)
+    tok = Tokenizer.from_file(str(TINY_TOKENIZER))
     template = (
         "{% for m in messages %}{% if loop.first and m['role'] != 'system' %}<s>system\nYou are a tiny test model "
         "made for the tests</s>\n{% endif %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"

@@ -323,3 +323,14 @@ def test_varied_samples_hold_chats_through_the_template_and_other_starts(model, 
     always = Starts(tok.bos_token_id, always_bos=True)  # a tokenizer that starts every text with BOS (issue 66)
     rows = self_samples(model, SampleSet("f", 8, 8, always, temperature=50.0), cache=tmp_path)
     assert (rows[:, 0] == tok.bos_token_id).all() and rows[:, 1].unique().numel() > 1
+
+
+def test_a_free_row_never_starts_at_an_end_of_sequence_token(model, tmp_path):
+    """A "free" row starts at a token drawn uniformly from the vocabulary but its end-of-sequence tokens (a CI run
+    drew the tiny tokenizer's EOS, 1 in 100, as a free row's first token). With every id but 0 and 99 an end, every
+    first token is one of those two, and both come up."""
+    vocab = model.get_input_embeddings().num_embeddings
+    model.generation_config.eos_token_id = list(range(1, vocab - 1))
+    got = self_samples(model, SampleSet("f", 16, 2, Starts(None, varied=False), seed=3), cache=tmp_path)
+    assert set(got[:, 0].tolist()) == {0, vocab - 1}
+    assert all(t in (0, vocab - 1) for t in got[:, 1].tolist())  # the end tokens stay masked after the start

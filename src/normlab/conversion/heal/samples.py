@@ -37,10 +37,11 @@ from normlab.owner import hold
 __all__ = ["self_samples", "own_samples", "calibration_samples", "SampleSet", "Starts", "sample_starts",
            "weights_fingerprint", "MixedStream", "heal_splits", "SAMPLES_VERSION"]  # fmt: skip
 
-SAMPLES_VERSION = 5  # bump when the sampling procedure changes, so old caches are not read as new (2: own decode loop,
+SAMPLES_VERSION = 6  # bump when the sampling procedure changes, so old caches are not read as new (2: own decode loop,
 # batches of SAMPLE_BATCH, one generator for the whole set; 3: inverse-CDF draws, the decode step's attention as two
 # matmuls, the precision in the identity; 4: `Starts`, the kinds drawn apart and shuffled together; 5: a chat
-# row's header follows only a drawn end of turn: 4 wrote headers back to back once the first one ended)
+# row's header follows only a drawn end of turn: 4 wrote headers back to back once the first one ended; 6: a free
+# row's first token is never an end-of-sequence token)
 SAMPLE_BATCH = 256  # sequences decoded together (SmolLM2, bf16, 2 cores: 850 tokens/s at 256, 785 at 128)
 
 
@@ -67,8 +68,8 @@ class Starts:
       follows, the assistant's after a user turn and the user's after an assistant turn, so it answers its own
       question and goes on to a next one.
     * "bos": the BOS token, then free text (the model's end-of-sequence tokens masked, as for "free").
-    * "free": one token drawn uniformly from the vocabulary, no BOS: as a chunk cut from the middle of a text starts
-      (after BOS for a model whose tokenizer starts every text with it, ``always_bos``).
+    * "free": one token drawn uniformly from the vocabulary but its end-of-sequence tokens, no BOS: as a chunk cut
+      from the middle of a text starts (after BOS for a model whose tokenizer starts every text with it, ``always_bos``).
 
     ``shares`` gives each kind's part of a set.
     """
@@ -236,8 +237,16 @@ class _Decoder:
             return torch.tensor(starts.chat, dtype=torch.long).expand(b, -1)[:, : self.which.seq_len]
         if kind == "bos":
             return torch.full((b, 1), starts.bos, dtype=torch.long)
-        free = torch.randint(0, self.vocab, (b, 1), generator=self.gen)
+        free = self._uniform(b)
         return torch.cat([torch.full((b, 1), starts.bos), free], 1) if starts.always_bos else free
+
+    def _uniform(self, b: int) -> torch.Tensor:
+        """``b`` tokens drawn uniformly from the vocabulary without its end-of-sequence tokens, (b, 1): a free row
+        starts mid-text, never at an end."""
+        allowed = torch.ones(self.vocab, dtype=torch.bool)
+        allowed[self.eos] = False
+        ids = allowed.nonzero()[:, 0]
+        return ids[torch.randint(0, len(ids), (b, 1), generator=self.gen)]
 
     def batch(self, kind: str, b: int) -> torch.Tensor:
         """``b`` sequences of ``kind``, (b, seq_len)."""
