@@ -33,6 +33,15 @@ from normlab.table import append_csv
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE = ["--per", "channel", "--heal-text", "self", "--heal-minutes", "22", "--heal-train", "lora", "--set",
           "heal.schedule=cooldown", "heal.teacher_top_k=1024", "heal.precision=bf16"]  # fmt: skip
+
+
+def _budget_heal(minutes: int) -> list[str]:
+    """The recommended recipe's flags: the budget walk at 0.4 nats, then a LoRA heal of ``minutes`` on samples."""
+    return ["--per", "channel", "--budget-nats", "0.4", "--heal-text", "self", "--heal-minutes", str(minutes),
+            "--heal-train", "lora", "--set", "heal.schedule=cooldown", "heal.teacher_top_k=1024",
+            "heal.precision=bf16"]  # fmt: skip
+
+
 JOBS = {  # name -> the model and the flags after --to dyisru
     "per_channel": ("smollm2", ["--per", "channel"]),
     "per_channel_route": ("smollm2", ["--per", "channel", "--massive-tokens", "route"]),
@@ -41,46 +50,11 @@ JOBS = {  # name -> the model and the flags after --to dyisru
     "budget_0.2": ("smollm2", ["--per", "channel", "--budget-nats", "0.2"]),
     "budget_0.1": ("smollm2", ["--per", "channel", "--budget-nats", "0.1"]),
     "recipe": ("smollm2", RECIPE),
-    "budget_heal": (
-        "smollm2",
-        [
-            "--per",
-            "channel",
-            "--budget-nats",
-            "0.4",
-            "--heal-text",
-            "self",
-            "--heal-minutes",
-            "15",
-            "--heal-train",
-            "lora",
-            "--set",
-            "heal.schedule=cooldown",
-            "heal.teacher_top_k=1024",
-            "heal.precision=bf16",
-        ],
-    ),
-    "budget_heal_45": (  # the stretch: the same recipe with a 45-minute heal (about an hour in all)
-        "smollm2",
-        [
-            "--per",
-            "channel",
-            "--budget-nats",
-            "0.4",
-            "--heal-text",
-            "self",
-            "--heal-minutes",
-            "45",
-            "--heal-train",
-            "lora",
-            "--set",
-            "heal.schedule=cooldown",
-            "heal.teacher_top_k=1024",
-            "heal.precision=bf16",
-        ],
-    ),  # fmt: skip
+    "budget_heal": ("smollm2", _budget_heal(15)),  # the recommended recipe
+    "budget_heal_45": ("smollm2", _budget_heal(45)),  # the stretch: a 45-minute heal (about an hour in all)
     "qwen_per_channel": ("qwen-coder", ["--per", "channel"]),
     "qwen_budget": ("qwen-coder", ["--per", "channel", "--budget-nats", "0.4"]),
+    "qwen_budget_heal": ("qwen-coder", _budget_heal(15)),  # the recommended recipe, on the 0.5B
 }
 
 
