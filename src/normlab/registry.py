@@ -46,6 +46,19 @@ class NormSpec:
     centred: bool = False
     also_fits: tuple[str, ...] = ()
 
+    @property
+    def init_kwargs(self) -> tuple[str, ...]:
+        """The keyword arguments its class takes (`init_kwargs`)."""
+        return _class_kwargs(self.cls)
+
+    def create(self, dim: int, *, strict: bool = True, **kwargs: object) -> nn.Module:
+        """The layer over ``dim`` channels: `create_norm` for a spec in hand."""
+        valid = self.init_kwargs
+        unknown = sorted(set(kwargs) - set(valid))
+        if unknown and strict:
+            raise TypeError(f"norm {self.name!r} does not take {', '.join(unknown)}; it takes: {', '.join(valid)}")
+        return self.cls(dim, **{k: v for k, v in kwargs.items() if k in self.init_kwargs})
+
 
 _REGISTRY: dict[str, NormSpec] = {}
 
@@ -110,6 +123,11 @@ def list_norms() -> list[str]:
     return sorted(_REGISTRY)
 
 
+def calibratable_norms() -> list[str]:
+    """The registered names whose spec has a parameter a conversion calibrates (``fits``), sorted."""
+    return sorted(n for n, s in _REGISTRY.items() if s.fits)
+
+
 def norm_spec(name: str) -> NormSpec:
     """The `NormSpec` of ``name``; an unknown name raises a ValueError listing the valid ones.
 
@@ -129,7 +147,7 @@ def init_kwargs(name: str) -> list[str]:
     Args:
         name: A registry name, as `list_norms` gives them.
     """
-    return list(_class_kwargs(norm_spec(name).cls))
+    return list(norm_spec(name).init_kwargs)
 
 
 @functools.cache
@@ -170,9 +188,4 @@ def create_norm(name: str, dim: int, *, strict: bool = True, **kwargs: object) -
     Returns:
         The layer, an ``nn.Module`` mapping (..., C) to (..., C).
     """
-    spec = norm_spec(name)  # the name is resolved once; the class's keywords are read once per class
-    valid = _class_kwargs(spec.cls)
-    unknown = sorted(set(kwargs) - set(valid))
-    if unknown and strict:
-        raise TypeError(f"norm {name!r} does not take {', '.join(unknown)}; it takes: {', '.join(valid)}")
-    return spec.cls(dim, **{k: v for k, v in kwargs.items() if k in valid})
+    return norm_spec(name).create(dim, strict=strict, **kwargs)

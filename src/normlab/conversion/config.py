@@ -17,11 +17,14 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from normlab.conversion.flags import SHORTHANDS, finite, flag, int_at_least
 from normlab.pairs import apply_overrides, parse_pairs
 from normlab.typed import check_types, choices, field_docs, set_name
+
+if TYPE_CHECKING:
+    from normlab.registry import NormSpec
 
 __all__ = ["CalibrateConfig", "HealConfig", "BudgetConfig", "ConvertConfig", "resolve_convert_config", "flag",
            "identity_difference", "SHORTHANDS", "HEAL_LEARNING_RATES", "choices", "field_docs",
@@ -68,11 +71,9 @@ class CalibrateConfig:
     """How each fit is solved: "profile" (float32, the amplitude in closed form), "lbfgs" (float64), or "auto"
     (profile unless the target has linear extras: Derf). `normlab.conversion.calibrate.fit.fit_replacement`."""
 
-    def validate(self, to: str | None = None, name=None) -> None:
-        """Every field checked; ``to`` (a registered norm), when given, must be one a fit can calibrate. ``name``
-        maps a field's key to how the user typed it (default: its flag or ``--set calibrate.KEY``)."""
-        from normlab.registry import norm_spec
-
+    def validate(self, to: NormSpec | None = None, name=None) -> None:
+        """Every field checked; ``to`` (the target's registry entry), when given, must be one a fit can calibrate.
+        ``name`` maps a field's key to how the user typed it (default: its flag or ``--set calibrate.KEY``)."""
         name = name or set_name
         check_types(self, "calibrate.", name)
         if self.max_tokens < 16:
@@ -84,10 +85,9 @@ class CalibrateConfig:
             )
         if to is None:
             return
-        spec = norm_spec(to)  # an unknown target lists the valid names
-        if self.solver == "profile" and spec.also_fits:
+        if self.solver == "profile" and to.also_fits:
             raise ValueError(
-                f"{name('calibrate.solver')} profile cannot fit {to}'s {', '.join(spec.also_fits)} (the profile "
+                f"{name('calibrate.solver')} profile cannot fit {to.name}'s {', '.join(to.also_fits)} (the profile "
                 "search fits one parameter and an amplitude): use auto or lbfgs"
             )
 
@@ -339,13 +339,14 @@ class ConvertConfig:
     def validate(self) -> None:
         """Every check that needs neither the model nor a file, so that a bad config fails before any work."""
         from normlab.kernels import auto_choice
-        from normlab.registry import create_norm, list_norms, norm_spec
+        from normlab.registry import calibratable_norms, norm_spec
 
         check_types(self)
         for name in ("model", "to"):
             if not getattr(self, name).strip():
                 raise ValueError(f"{flag(name)} must be a non-empty string, got {getattr(self, name)!r}")
-        self.calibrate.validate(self.to)  # an unknown target lists the valid names
+        spec = norm_spec(self.to)  # the target, resolved once: an unknown name lists the valid ones
+        self.calibrate.validate(spec)
         auto_choice()  # NORMLAB_KERNEL, if set, must be valid
         if self.text is not None and not self.text.strip():
             raise ValueError(f"{flag('text')} must name a text file, got {self.text!r}")
@@ -370,10 +371,9 @@ class ConvertConfig:
             raise ValueError(f"site_init must map name patterns to init tables, got {self.site_init!r}")
         self.budget.validate(calibrated=self.calibrate.enabled)
         c = self.calibrate
-        if c.enabled and not norm_spec(self.to).fits:
-            calibratable = [n for n in list_norms() if norm_spec(n).fits]
+        if c.enabled and not spec.fits:
             raise ValueError(
-                f"--to {self.to}: calibration fits the parameter of {', '.join(calibratable)}; "
+                f"--to {self.to}: calibration fits the parameter of {', '.join(calibratable_norms())}; "
                 f"{self.to} has none to fit: pass --no-calibrate (the new norms keep their default "
                 "init)"
             )
@@ -381,7 +381,7 @@ class ConvertConfig:
             if not isinstance(kwargs, dict):
                 raise ValueError(f"{what} must be a table of init values, got {kwargs!r}")
             try:
-                create_norm(self.to, 8, **kwargs)
+                spec.create(8, **kwargs)
             except (TypeError, ValueError) as e:
                 raise ValueError(f"{what} {' '.join(f'{k}={v}' for k, v in kwargs.items())}: {e}") from None
         self.heal.validate()

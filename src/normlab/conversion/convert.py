@@ -37,7 +37,7 @@ from normlab.conversion.config import CalibrateConfig, ConvertConfig
 from normlab.conversion.export.saving import apply_record, load_converted, save_converted
 from normlab.conversion.measure.fidelity import fidelity
 from normlab.conversion.record import ConversionRecord, Site
-from normlab.registry import NormSpec, create_norm, init_kwargs, list_norms, norm_spec
+from normlab.registry import NormSpec, calibratable_norms, norm_spec
 from normlab.typed import check_types
 
 __all__ = ["KNOWN_NORMS", "ConversionRecord", "convert_norms", "apply_record", "fidelity", "save_converted",
@@ -59,7 +59,7 @@ KNOWN_NORMS: dict[str, str] = {
     "Gemma2RMSNorm": "rms_norm_offset",
     "Gemma3RMSNorm": "rms_norm_offset",
 }
-CALIBRATABLE = tuple(n for n in list_norms() if norm_spec(n).fits)  # the registry says what a fit sets
+CALIBRATABLE = tuple(calibratable_norms())  # the registry says what a fit sets
 
 
 # --------------------------------------------------------------------------
@@ -140,11 +140,10 @@ def _build(name: str, m: nn.Module, kind: str, spec: NormSpec, kwargs: dict) -> 
     dim, eps = _source_dim(m), _source_eps(m)
     if getattr(m, "data_format", None) == "channels_first":  # ConvNeXt's (N, C, H, W) norms
         kwargs = {**kwargs, "channel_dim": 1}
-    to = spec.name
-    if "eps" in init_kwargs(to) and "eps" not in kwargs:
+    if "eps" in spec.init_kwargs and "eps" not in kwargs:
         kwargs = {**kwargs, "eps": eps}  # keep the source's eps where the target has one
     try:
-        new = create_norm(to, dim, **kwargs)
+        new = spec.create(dim, **kwargs)
     except TypeError as e:  # an init argument the target does not take: say which site asked for it
         raise ValueError(f"site {name}: {e}") from None
     site = Site(name, type(m).__name__, kind, dim, eps, kwargs)
@@ -227,7 +226,7 @@ def resolve_options(
         raise TypeError(f"convert_norms: to must be a registered norm's name, got {cfg.to!r}")
     spec = norm_spec(cfg.to)  # the target, resolved here once (an unknown name lists the valid ones)
     check_types(cfg, "", _keyword)
-    cfg.calibrate.validate(cfg.to if calibrating else None, _keyword)
+    cfg.calibrate.validate(spec if calibrating else None, _keyword)
     return spec, cfg
 
 

@@ -78,6 +78,13 @@ class ConversionRecord:
     calibration: dict = field(default_factory=dict)  # how calibration ran: its path ("blocks", "prefix" or
     # "original"), why, its cached inputs' memory and its seconds (normlab.conversion.calibrate.sites.calibrate_sites)
 
+    @property
+    def spec(self):
+        """The target's registry entry (`normlab.registry.NormSpec`)."""
+        from normlab.registry import norm_spec
+
+        return norm_spec(self.target)
+
     def to_dict(self) -> dict:
         return {
             "format": "normlab-conversion-1",

@@ -3,13 +3,35 @@ second text it is measured on and never trained on (``--eval-text``)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from normlab.conversion.config import ConvertConfig
 from normlab.conversion.hf import TextCut, leading_bos, text_batches, text_splits
 from normlab.corpus import DOCS, fetch_docs
 
-__all__ = ["conversion_texts", "second_text", "eval_file"]
+__all__ = ["ConversionTexts", "conversion_texts", "second_text", "eval_file"]
+
+
+@dataclass(frozen=True)
+class ConversionTexts:
+    """A run's texts, as batches: the conversion text's splits (with a heal or a budget; else None), its calibration
+    and held-out parts, and the second text's held-out part with its name (None when ``--eval-text none``)."""
+
+    splits: object | None  # normlab.conversion.hf.TextSplits
+    calib: list
+    held: list
+    second: list | None = None
+    second_name: str | None = None
+
+    def calibrating_on(self, calib: list) -> ConversionTexts:
+        """These texts with ``calib`` as the calibration part (the original's own samples, ``--calibrate-on self``)."""
+        splits = replace(self.splits, calib=calib) if self.splits is not None else None
+        return replace(self, splits=splits, calib=calib)
+
+    def judged(self) -> dict[str, list]:
+        """The texts the judgement reads, by name: the held-out part, and the second text when there is one."""
+        return {"held-out": self.held} | ({self.second_name: self.second} if self.second is not None else {})
 
 
 def eval_file(cfg: ConvertConfig) -> str | None:
@@ -39,9 +61,9 @@ def second_text(cfg: ConvertConfig, tokenizer: object | None, vocab: int) -> tup
     return held, name
 
 
-def conversion_texts(cfg: ConvertConfig, text: str | Path, tokenizer: object | None, vocab: int) -> tuple:
+def conversion_texts(cfg: ConvertConfig, text: str | Path, tokenizer: object | None, vocab: int) -> ConversionTexts:
     """The conversion text cut for this run (with a heal or a budget, its four splits; else its two ends) and the
-    second text: (splits or None, calib, held, held2, name2). A model whose tokenizer starts every text with BOS
+    second text. A model whose tokenizer starts every text with BOS
     gets it at the start of every sequence (`normlab.conversion.hf.leading_bos`), and the run says so.
 
     Args:
@@ -61,4 +83,4 @@ def conversion_texts(cfg: ConvertConfig, text: str | Path, tokenizer: object | N
     else:
         splits = None
         calib, held = text_batches(text, tokenizer, vocab, TextCut(cfg.seq_len, cfg.sequences, cfg.sequences))
-    return (splits, calib, held, *second_text(cfg, tokenizer, vocab))
+    return ConversionTexts(splits, calib, held, *second_text(cfg, tokenizer, vocab))

@@ -43,7 +43,7 @@ from normlab.conversion.hf import (
 from normlab.conversion.measure.fidelity import predicts_next_token
 from normlab.conversion.measure.usage import usage_lines, usage_report
 from normlab.conversion.stages import Stages
-from normlab.conversion.texts import conversion_texts
+from normlab.conversion.texts import ConversionTexts, conversion_texts
 from normlab.corpus import fetch_shakespeare, sha256_file
 from normlab.owner import hold
 
@@ -190,19 +190,19 @@ def _convert(job: _Job, markdown: bool) -> dict:
     if tokenizer is None:
         print(f"{cfg.model} has no tokenizer: using byte values mod {vocab} as token ids")
     with stages("load"):
-        splits, calib, held, held2, name2 = conversion_texts(cfg, text, tokenizer, vocab)
+        texts = conversion_texts(cfg, text, tokenizer, vocab)
     starts = sample_starts(tokenizer, cfg.heal.starts == "varied")
     if cfg.calibrate.source == "self":
         with stages("samples"):
-            calib = calibration_samples(net, cfg.heal, cfg.seq_len, cfg.sequences, starts=starts, progress=progress)
-        if splits is not None:
-            splits = dataclasses.replace(splits, calib=calib)
+            texts = texts.calibrating_on(
+                calibration_samples(net, cfg.heal, cfg.seq_len, cfg.sequences, starts=starts, progress=progress)
+            )
     original = copy.deepcopy(net)
     with stages("budget walk" if cfg.budget.nats is not None else "calibration"):
-        record, walk = _convert_sites(cfg, net, calib, held, splits.val if splits is not None else None, progress)
+        record, walk = _convert_sites(cfg, net, texts, progress)
     print(record.table(markdown=markdown))
     with stages("measurement"):
-        fid = _measure(original, net, held, record, held2, name2)
+        fid = _measure(original, net, texts, record)
     if walk is not None:
         fid["budget_walk"] = walk
     rep = None
@@ -210,12 +210,12 @@ def _convert(job: _Job, markdown: bool) -> dict:
         print("\nnothing converted: no heal")
     elif cfg.heal.budgeted:
         with stages("samples") if cfg.heal.text != "text" else contextlib.nullcontext():
-            splits = heal_splits(splits, original, cfg.heal, starts=starts, progress=progress)
+            splits = heal_splits(texts.splits, original, cfg.heal, starts=starts, progress=progress)
         with stages("heal"):
             rep, guard = _guarded_heal(job, original, net, splits, record, tokenizer)
         before = fid
         with stages("measurement"):
-            fid = _measure(original, net, held, record, held2, name2)
+            fid = _measure(original, net, texts, record)
         fid["heal"] = {**rep.to_dict(), "guard": guard}
         fid["before_heal"] = {k: before[k] for k in ("ce_converted", "kl") if k in before}
         if "second_text" in before:
@@ -224,8 +224,8 @@ def _convert(job: _Job, markdown: bool) -> dict:
         fid["calibration"] = record.calibration
     if record.sites and usable_tokenizer(tokenizer) and predicts_next_token(net):
         with stages("judgement"):
-            texts = {k: v for k, v in (("held-out", held), (name2, held2)) if v is not None}
-            fid["usage"] = usage_report(original, net, tokenizer, texts, Path(text).read_text(errors="replace"))
+            own = Path(text).read_text(errors="replace")
+            fid["usage"] = usage_report(original, net, tokenizer, texts.judged(), own)
         print("\n" + usage_lines(fid["usage"], markdown))
     fid["stages"], fid["stage_peak_gb"] = stages.seconds, stages.peak_gb
     fid["bos_every_sequence"] = leading_bos(tokenizer) is not None
@@ -241,23 +241,24 @@ def _convert(job: _Job, markdown: bool) -> dict:
     return fid
 
 
-def _measure(original, net, held: list, record, held2, name2) -> dict:
+def _measure(original, net, texts: ConversionTexts, record) -> dict:
     """Fidelity on the held-out part of the text, and on the second text when there is one; printed."""
-    fid = fidelity(original, net, held, record)
-    print(fidelity_line(fid, sum(len(b) for b in held)))
-    second = _measure_second(original, net, held2, name2)
+    fid = fidelity(original, net, texts.held, record)
+    print(fidelity_line(fid, sum(len(b) for b in texts.held)))
+    second = _measure_second(original, net, texts.second, texts.second_name)
     if second is not None:
         fid["second_text"] = second
         print(second_text_line(second))
     return fid
 
 
-def _convert_sites(cfg: ConvertConfig, net, calib: list, held: list, select: list | None, progress: bool):
+def _convert_sites(cfg: ConvertConfig, net, texts: ConversionTexts, progress: bool):
     """The conversion itself (every site, or the frontier's within ``budget.nats``); prints what it did. Returns
-    the record and, for a budget, what the walk saw. The budget walk decides on ``select`` (the validation split,
-    text the heal never trains on and the held-out measurement never reuses), so the held-out cross-entropy
-    printed after it is an honest estimate, not the number the walk was chosen to keep under the budget."""
-    c, b = cfg.calibrate, cfg.budget
+    the record and, for a budget, what the walk saw. The budget walk decides on the validation split (text the heal
+    never trains on and the held-out measurement never reuses), so the held-out cross-entropy printed after it is
+    an honest estimate, not the number the walk was chosen to keep under the budget."""
+    c, b, calib = cfg.calibrate, cfg.budget, texts.calib
+    select = texts.splits.val if texts.splits is not None else None
     sites_cfg = dataclasses.replace(cfg, heal=HealConfig(), budget=BudgetConfig())  # what convert_norms runs
     include = (lambda name, m: not any(fnmatch.fnmatch(name, pat) for pat in cfg.exclude)) if cfg.exclude else None
     if b.nats is not None:

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from normlab.conversion.config import CalibrateConfig
-from normlab.registry import norm_spec
+from normlab.registry import NormSpec, norm_spec
 
 __all__ = ["FitOutcome", "fit_replacement"]
 
@@ -55,22 +55,28 @@ class _Problem:
     """One fit's settings: the fitted parameter's name, one per channel or one, whether the amplitude is fitted, and
     the solver's iterations (L-BFGS's, or the profile search's golden-section steps)."""
 
-    name: str
+    spec: NormSpec
     per: bool
     fit_amplitude: bool
     iters: int
 
+    @property
+    def name(self) -> str:
+        return self.spec.fits
 
-def _param_name(new: nn.Module) -> str:
-    fits = norm_spec(getattr(new, "registry_name", "")).fits if hasattr(new, "registry_name") else None
-    if fits is None:
+
+def _spec_of(new: nn.Module) -> NormSpec:
+    """The registry's facts about ``new``, which must have a parameter a calibration fits."""
+    spec = norm_spec(new.registry_name) if hasattr(new, "registry_name") else None
+    if spec is None or spec.fits is None:
         raise ValueError(f"{type(new).__name__} has no parameter a calibration fits (the registry's `fits`)")
-    return fits
+    return spec
 
 
-def _start(new: nn.Module, x: Tensor, per_channel: bool, name: str) -> Tensor:
+def _start(new: nn.Module, x: Tensor, problem: _Problem) -> Tensor:
     """Theorem 3 start: beta_i = median over tokens of ||x without i||^2; DyT: the slope that matches it."""
-    z = x - x.mean(-1, keepdim=True) if norm_spec(new.registry_name).centred else x
+    per_channel, name = problem.per, problem.name
+    z = x - x.mean(-1, keepdim=True) if problem.spec.centred else x
     rest = (z.pow(2).sum(-1, keepdim=True) - z.pow(2)).clamp_min(1e-30)  # (N, C)
     beta = rest.median(0).values if per_channel else rest.median().reshape(1)
     if name == "log_beta":
@@ -176,7 +182,7 @@ def _profile_fit(new: nn.Module, x: Tensor, y: Tensor, problem: _Problem):
             e = (a * g - r).pow(2).sum(dims) * torch.ones_like(p)
         return torch.where(torch.isfinite(e), e, torch.inf), a.log() * torch.ones_like(p)
 
-    start = _start(new, x.double(), per, name).float()
+    start = _start(new, x.double(), problem).float()
     p0 = start if name == "log_beta" else start.log()
     grid = p0 + torch.arange(-8.0, 8.5, 1.0, device=p0.device)[:, None]  # (17, p)
     scan = torch.stack([losses(q)[0] for q in grid])
@@ -248,8 +254,8 @@ def fit_replacement(
         failed fit).
     """
     config = CalibrateConfig() if config is None else config
-    name, solver = _param_name(new), config.solver
-    linear = norm_spec(new.registry_name).also_fits  # fitted as they are, from their init (Derf's shift)
+    spec, solver = _spec_of(new), config.solver
+    name, linear = spec.fits, spec.also_fits  # the extras are fitted as they are, from their init (Derf's shift)
     if solver == "auto":
         solver = "lbfgs" if linear else "profile"
     if solver not in ("profile", "lbfgs") or (solver == "profile" and linear):
@@ -266,7 +272,7 @@ def fit_replacement(
     per = per_channel and shape[0] > 1
     q0 = [getattr(new, k).detach().double().clone() for k in linear]
     iters = max(1, max_iter // 3) if solver == "profile" else max_iter
-    problem = _Problem(name, per, config.fit_amplitude, iters)
+    problem = _Problem(spec, per, config.fit_amplitude, iters)
     if solver == "profile":  # its result is never worse than its start, channel by channel: the start is itself
         p, la, start_loss, final = _profile_fit(new, x, y, problem)
         p0, la0, qs = p, la, q0
@@ -302,11 +308,11 @@ def fit_replacement(
 def _lbfgs_fit(new: nn.Module, x: Tensor, y: Tensor, problem: _Problem, notes: list):
     """The float64 fit by L-BFGS from the coarse scan's point, over the parameter, the amplitude and the linear extras;
     returns (p, log amplitude, extras, final loss, (the start's p, log amplitude and loss))."""
-    name, per = problem.name, problem.per
+    name = problem.name
     x, y = x.double(), y.double()
     on = {"dtype": torch.float64, "device": x.device}  # fitted where the rows are (the CPU)
     w0 = new.weight.detach().to(**on)
-    linear = norm_spec(new.registry_name).also_fits
+    linear = problem.spec.also_fits
     others = {k: v.detach().to(**on) for k, v in new.named_parameters() if k not in (name, "weight", *linear)}
     q0 = [getattr(new, k).detach().to(**on).clone() for k in linear]
     shape = getattr(new, name).shape
@@ -320,7 +326,7 @@ def _lbfgs_fit(new: nn.Module, x: Tensor, y: Tensor, problem: _Problem, notes: l
     def loss(p: Tensor, log_amp: Tensor, qs: list[Tensor] = q0) -> Tensor:
         return (out(p, log_amp, qs=qs) - y).pow(2).mean()
 
-    start = _start(new, x, per, name)
+    start = _start(new, x, problem)
     p0 = start if name == "log_beta" else start.log()
     la0 = torch.zeros_like(p0)
     with torch.no_grad():

@@ -57,7 +57,7 @@ from normlab.conversion.calibrate.massive import (
 from normlab.conversion.calibrate.stream import BlockStream, find_blocks
 from normlab.conversion.config import ConvertConfig
 from normlab.conversion.record import Site
-from normlab.registry import NormSpec, create_norm, norm_spec
+from normlab.registry import NormSpec
 
 __all__ = ["FitOutcome", "fit_replacement", "calibrate_sites", "per_channel_kwargs"]
 
@@ -65,19 +65,18 @@ __all__ = ["FitOutcome", "fit_replacement", "calibrate_sites", "per_channel_kwar
 # --------------------------------------------------------------------------
 # the sequential pass over a model's sites
 # --------------------------------------------------------------------------
-def per_channel_kwargs(spec: NormSpec | str) -> dict:
-    """The init kwargs that give ``spec``'s fitted parameter one value per channel (a name is looked up).
+def per_channel_kwargs(spec: NormSpec) -> dict:
+    """The init kwargs that give ``spec``'s fitted parameter one value per channel.
 
     Args:
-        spec: The target norm's `NormSpec`, or its registry name.
+        spec: The target norm's `NormSpec`.
     """
-    spec = norm_spec(spec) if isinstance(spec, str) else spec
     return {"per_channel_beta": True} if spec.fits == "log_beta" else {"per_channel_alpha": True}
 
 
 def _massive_copy(new: nn.Module, site, spec: NormSpec) -> nn.Module:
     """The massive tokens' own replacement: per channel, with the shared replacement's copied affine."""
-    twin = create_norm(spec.name, site.dim, **{**site.kwargs, **per_channel_kwargs(spec)})
+    twin = spec.create(site.dim, **{**site.kwargs, **per_channel_kwargs(spec)})
     twin.load_state_dict({k: v.expand_as(twin.state_dict()[k]) for k, v in new.state_dict().items()})
     return twin.to(device=new.weight.device, dtype=new.weight.dtype).train(new.training)
 

@@ -23,7 +23,6 @@ from normlab.conversion.export.portable import (
 )
 from normlab.conversion.record import ConversionRecord
 from normlab.corpus import sha256_file
-from normlab.registry import create_norm
 from normlab.version import __version__
 
 __all__ = ["RECORD_FILE", "save_converted", "load_converted", "apply_record", "module_names", "shareable"]
@@ -40,10 +39,11 @@ def apply_record(model: nn.Module, record: ConversionRecord) -> nn.Module:
     missing = [s.name for s in record.sites if s.name not in names]
     if missing:
         raise ValueError(f"the model has no module {missing[0]!r} from the conversion record; is it the same model?")
+    spec = record.spec
     for s in record.sites:
-        new = create_norm(record.target, s.dim, **s.kwargs)
+        new = spec.create(s.dim, **s.kwargs)
         if s.massive:
-            twin = create_norm(record.target, s.dim, **{**s.kwargs, **per_channel_kwargs(record.target)})
+            twin = spec.create(s.dim, **{**s.kwargs, **per_channel_kwargs(spec)})
             new = MassiveTokens(new, twin, s.massive["channels"], s.massive["threshold"])
         old = model.get_submodule(s.name)
         ref = next(iter(old.parameters()), None)

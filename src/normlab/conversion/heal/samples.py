@@ -69,7 +69,8 @@ class Starts:
       question and goes on to a next one.
     * "bos": the BOS token, then free text (the model's end-of-sequence tokens masked, as for "free").
     * "free": one token drawn uniformly from the vocabulary but its end-of-sequence tokens, no BOS: as a chunk cut
-      from the middle of a text starts (after BOS for a model whose tokenizer starts every text with it, ``always_bos``).
+      from the middle of a text starts (after BOS for a model whose tokenizer starts every text with it,
+      ``always_bos``).
 
     ``shares`` gives each kind's part of a set.
     """
