@@ -170,3 +170,27 @@ def test_a_heal_that_lowers_the_tails_is_kept():
     worse_tail = heal_verdict(before, {"gap": {"worst": 1.5}, "kld": {"p99": 1.2, "mean": 0.1}})
     assert not worse_tail["kept"] and worse_tail["rose"] == ["p99 KLD 1 -> 1.2"]
     assert not heal_verdict(before, {"gap": {"worst": float("nan")}, "kld": {"p99": 0.5, "mean": 0.1}})["kept"]
+
+
+@pytest.mark.parametrize("which", ["original", "converted"])
+def test_greedy_answers_decoded_together_are_each_prompts_own_greedy_continuation(lm, which):
+    """The prompts of several lengths are left-padded into one batch: every answer token is, within float noise,
+    the argmax of the model on that prompt alone with the answer so far (the converted model's massive copies
+    included), an answer stops at and keeps the end token, and one that never meets it has every new token."""
+    from normlab.conversion.measure.usage import greedy_answers
+
+    model, conv, _, _ = lm
+    net = model if which == "original" else conv
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(2, 100, (n,), generator=g) for n in (3, 9, 17, 6)]
+    with torch.no_grad():
+        eos = int(net(prompts[1].reshape(1, -1)).logits[0, -1].argmax())  # the second prompt's first answer
+    answers = greedy_answers(net, prompts, 7, eos)
+    assert answers[1].tolist() == [eos]
+    for p, a in zip(prompts, answers, strict=True):
+        assert len(a) == 7 or a[-1] == eos
+        assert eos not in a[:-1].tolist()
+        with torch.no_grad():
+            logits = net(torch.cat([p, a]).reshape(1, -1)).logits[0, len(p) - 1 : -1]
+        picked = logits.gather(1, a.reshape(-1, 1))[:, 0]
+        assert (picked >= logits.max(-1).values - 1e-4 * logits.abs().max()).all(), (p, a)

@@ -78,7 +78,9 @@ class UsageConfig:
 
 
 def greedy_answers(model: nn.Module, prompts: list[Tensor], new_tokens: int, eos: int | None) -> list[Tensor]:
-    """Each prompt's greedy continuation (at most ``new_tokens`` ids, stopped at ``eos``), one prompt at a time.
+    """Each prompt's greedy continuation (at most ``new_tokens`` ids, up to and with ``eos``), the prompts decoded
+    together: left-padded to the longest, the padding masked. A decode step at batch 1 reads every weight for one
+    token, so one prompt at a time cost a 0.5B model about 24 times the batch's decode time.
 
     Args:
         model: A causal LM with ``generate``.
@@ -86,20 +88,28 @@ def greedy_answers(model: nn.Module, prompts: list[Tensor], new_tokens: int, eos
         new_tokens: The most new tokens.
         eos: The end-of-sequence id, or None.
     """
-    out = []
+    if not prompts:
+        return []
     device = next(model.parameters()).device
+    pad = eos if eos is not None else 0
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :], mask[i, width - len(p) :] = p, 1
     with torch.no_grad():
-        for p in prompts:
-            ids = p.reshape(1, -1).to(device)
-            g = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=new_tokens,
-                do_sample=False,
-                eos_token_id=eos,
-                pad_token_id=eos if eos is not None else 0,
-            )
-            out.append(g[0, ids.shape[1] :].cpu())
+        g = model.generate(
+            ids.to(device),
+            attention_mask=mask.to(device),
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            eos_token_id=eos,
+            pad_token_id=pad,
+        )[:, width:].cpu()
+    out = []
+    for row in g:
+        ends = (row == eos).nonzero() if eos is not None else []
+        out.append(row[: int(ends[0]) + 1] if len(ends) else row)  # the rows that ended early are padded after
     return out
 
 
