@@ -164,16 +164,6 @@ def _setting(convert_kwargs: dict, **fields: object) -> dict:
     return {**rest, "config": dataclasses.replace(cfg, calibrate=dataclasses.replace(cfg.calibrate, **fields))}
 
 
-def _refit(model, name: str, to: str, site, batches: list, convert_kwargs: dict):
-    """Convert the one site ``name`` of ``model`` in place, fitted on its input in the model as it is now;
-    returns the new site record."""
-    kwargs = {k: v for k, v in convert_kwargs.items() if k != "include"}
-    # one site: its input in the model as it is now, from the pass that takes its target
-    kwargs = _setting(kwargs, massive_tokens="route" if site.massive else "shared", sequential=False)
-    sub = convert_norms(model, to, calibrate=batches, progress=False, include=lambda n, m: n == name, **kwargs)
-    return sub.sites[0]
-
-
 @dataclasses.dataclass(frozen=True)
 class _Walk:
     """What the walk works with: the target, the refit batches, the convert keywords, the replay that measures each
@@ -187,6 +177,19 @@ class _Walk:
     fitted: dict
     by_name: dict
     originals: dict = dataclasses.field(default_factory=dict)
+
+
+def _refit(model, name: str, walk: _Walk):
+    """Convert the one site ``name`` of ``model`` in place to ``walk.to``, fitted on its input in the model as it is
+    now (``walk.batches``, ``walk.kwargs``); returns the new site record."""
+    kwargs = {k: v for k, v in walk.kwargs.items() if k != "include"}
+    # one site: its input in the model as it is now, from the pass that takes its target
+    kwargs = _setting(kwargs, massive_tokens="route" if walk.by_name[name].massive else "shared", sequential=False)
+
+    def only(n: str, m: nn.Module) -> bool:
+        return n == name
+
+    return convert_norms(model, walk.to, calibrate=walk.batches, progress=False, include=only, **kwargs).sites[0]
 
 
 def _refit_all(model, done: list, walk: _Walk, ce: float) -> float:
@@ -312,7 +315,7 @@ def _walk(model: nn.Module, front: Frontier, budget: BudgetConfig, walk: _Walk, 
         name = queue.pop(0)
         if budget.refit_batches:  # fitted again on its input in the model as converted so far
             originals[name] = model.get_submodule(name)
-            by_name[name] = _refit(model, name, front.target, by_name[name], walk.batches, walk.kwargs)
+            by_name[name] = _refit(model, name, walk)
         else:
             originals[name] = swap(model, name, walk.fitted[name])
         ce = replay.cross_entropy(replay.block_of(name), keep=False)
