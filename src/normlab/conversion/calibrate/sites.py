@@ -57,7 +57,7 @@ from normlab.conversion.calibrate.massive import (
 from normlab.conversion.calibrate.stream import BlockStream, find_blocks
 from normlab.conversion.config import ConvertConfig
 from normlab.conversion.record import Site
-from normlab.registry import NormSpec
+from normlab.registry import NormSpec, norm_spec
 
 __all__ = ["FitOutcome", "fit_replacement", "calibrate_sites", "per_channel_kwargs"]
 
@@ -65,12 +65,13 @@ __all__ = ["FitOutcome", "fit_replacement", "calibrate_sites", "per_channel_kwar
 # --------------------------------------------------------------------------
 # the sequential pass over a model's sites
 # --------------------------------------------------------------------------
-def per_channel_kwargs(spec: NormSpec) -> dict:
+def per_channel_kwargs(spec: NormSpec | str) -> dict:
     """The init kwargs that give ``spec``'s fitted parameter one value per channel.
 
     Args:
-        spec: The target norm's `NormSpec`.
+        spec: The target norm's `NormSpec` (what a conversion passes), or its registry name.
     """
+    spec = norm_spec(spec) if isinstance(spec, str) else spec
     return {"per_channel_beta": True} if spec.fits == "log_beta" else {"per_channel_alpha": True}
 
 
