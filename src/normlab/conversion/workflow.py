@@ -41,6 +41,7 @@ from normlab.conversion.hf import (
     usable_tokenizer,
 )
 from normlab.conversion.measure.fidelity import predicts_next_token
+from normlab.conversion.measure.judge import TokenTally
 from normlab.conversion.measure.usage import usage_lines, usage_report
 from normlab.conversion.stages import Stages
 from normlab.conversion.texts import ConversionTexts, conversion_texts
@@ -64,12 +65,12 @@ def second_text_line(second: dict) -> str:
     )
 
 
-def _measure_second(original, net, held2, name: str | None) -> dict | None:
-    if held2 is None:
+def _measure_second(original, net, texts: ConversionTexts, tally: TokenTally | None) -> dict | None:
+    if texts.second is None:
         return None
-    f = fidelity(original, net, held2)
+    f = fidelity(original, net, texts.second, tally=tally)
     kept = {k: f[k] for k in ("ce_original", "ce_converted", "kl") if k in f}  # a masked LM has no cross-entropy
-    return {"name": name, "sequences": sum(len(b) for b in held2), **kept}
+    return {"name": texts.second_name, "sequences": sum(len(b) for b in texts.second), **kept}
 
 
 def _file_sha(path) -> str:
@@ -201,8 +202,9 @@ def _convert(job: _Job, markdown: bool) -> dict:
     with stages("budget walk" if cfg.budget.nats is not None else "calibration"):
         record, walk = _convert_sites(cfg, net, texts, progress)
     print(record.table(markdown=markdown))
+    judging = bool(record.sites) and usable_tokenizer(tokenizer) and predicts_next_token(net)
     with stages("measurement"):
-        fid = _measure(original, net, texts, record)
+        fid, tallies = _measure(original, net, texts, record, judging)
     if walk is not None:
         fid["budget_walk"] = walk
     rep = None
@@ -215,17 +217,17 @@ def _convert(job: _Job, markdown: bool) -> dict:
             rep, guard = _guarded_heal(job, original, net, splits, record, tokenizer)
         before = fid
         with stages("measurement"):
-            fid = _measure(original, net, texts, record)
+            fid, tallies = _measure(original, net, texts, record, judging)
         fid["heal"] = {**rep.to_dict(), "guard": guard}
         fid["before_heal"] = {k: before[k] for k in ("ce_converted", "kl") if k in before}
         if "second_text" in before:
             fid["before_heal"]["second_text"] = before["second_text"]
     if record.calibration:
         fid["calibration"] = record.calibration
-    if record.sites and usable_tokenizer(tokenizer) and predicts_next_token(net):
+    if judging:
         with stages("judgement"):
             own = Path(text).read_text(errors="replace")
-            fid["usage"] = usage_report(original, net, tokenizer, texts.judged(), own)
+            fid["usage"] = usage_report(original, net, tokenizer, tallies, own)
         print("\n" + usage_lines(fid["usage"], markdown))
     fid["stages"], fid["stage_peak_gb"] = stages.seconds, stages.peak_gb
     fid["bos_every_sequence"] = leading_bos(tokenizer) is not None
@@ -241,15 +243,18 @@ def _convert(job: _Job, markdown: bool) -> dict:
     return fid
 
 
-def _measure(original, net, texts: ConversionTexts, record) -> dict:
-    """Fidelity on the held-out part of the text, and on the second text when there is one; printed."""
-    fid = fidelity(original, net, texts.held, record)
+def _measure(original, net, texts: ConversionTexts, record, judging: bool) -> tuple[dict, dict]:
+    """Fidelity on the held-out part of the text, and on the second text when there is one; printed. With
+    ``judging``, the same pass fills each text's `TokenTally` for the judgement (name -> tally; else name ->
+    batches)."""
+    tallies = {name: TokenTally() if judging else batches for name, batches in texts.judged().items()}
+    fid = fidelity(original, net, texts.held, record, tally=tallies["held-out"] if judging else None)
     print(fidelity_line(fid, sum(len(b) for b in texts.held)))
-    second = _measure_second(original, net, texts.second, texts.second_name)
+    second = _measure_second(original, net, texts, tallies.get(texts.second_name) if judging else None)
     if second is not None:
         fid["second_text"] = second
         print(second_text_line(second))
-    return fid
+    return fid, tallies
 
 
 def _convert_sites(cfg: ConvertConfig, net, texts: ConversionTexts, progress: bool):

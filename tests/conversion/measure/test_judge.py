@@ -194,3 +194,27 @@ def test_greedy_answers_decoded_together_are_each_prompts_own_greedy_continuatio
             logits = net(torch.cat([p, a]).reshape(1, -1)).logits[0, len(p) - 1 : -1]
         picked = logits.gather(1, a.reshape(-1, 1))[:, 0]
         assert (picked >= logits.max(-1).values - 1e-4 * logits.abs().max()).all(), (p, a)
+
+
+def test_the_measurement_pass_fills_the_judgement_of_the_same_texts(lm):
+    """`fidelity(..., tally=)` adds every sequence of its batches to a `TokenTally` from the logits it already has:
+    the statistics equal `judge_tokens`' own pass, sequence by sequence, within float noise, and `usage_report`
+    reads a filled tally in place of the batches."""
+    from conftest import TEXT
+    from normlab.conversion.measure.fidelity import fidelity
+    from normlab.conversion.measure.judge import judge_tokens
+    from normlab.conversion.measure.usage import UsageConfig, usage_report
+
+    model, conv, tok, held = lm
+    tally = TokenTally()
+    fidelity(model, conv, held, tally=tally)
+    got, want = tally.result(), judge_tokens(model, conv, [(s, 0) for b in held for s in b])
+    assert got["tokens"] == want["tokens"] == sum(b.numel() for b in held)
+    assert got["same_top1"] == pytest.approx(want["same_top1"], abs=1.5 / want["tokens"])
+    for key in ("mean", "median", "p99", "max"):
+        assert got["kld"][key] == pytest.approx(want["kld"][key], rel=1e-4, abs=1e-6)
+    for key in ("mean", "median", "worst"):
+        assert got["gap"][key] == pytest.approx(want["gap"][key], rel=1e-4, abs=1e-5)
+    cfg = UsageConfig(prompts=2, new_tokens=4, long_tokens=128, long_sequences=1)
+    r = usage_report(model, conv, tok, {"held-out": tally}, TEXT * 3, cfg)
+    assert r["texts"]["held-out"] == got

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from normlab.conversion.batches import as_batches, run_batch
+from normlab.conversion.measure.judge import TokenTally
 from normlab.conversion.record import ConversionRecord
 
 __all__ = ["fidelity", "cross_entropy", "predicts_next_token"]
@@ -32,6 +33,7 @@ def fidelity(
     record: ConversionRecord | None = None,
     *,
     lm: bool | None = None,
+    tally: TokenTally | None = None,
 ) -> dict:
     """How close ``converted`` is to ``original`` on held-out ``inputs``.
 
@@ -42,6 +44,8 @@ def fidelity(
         record: the conversion's record; with it, each converted site's own error is measured too.
         lm: True says that a plain tensor or tuple output (its first element) holds logits; by default only a
             ``.logits`` attribute does.
+        tally: A `normlab.conversion.measure.judge.TokenTally` that every sequence of token ids is added to, from
+            the same logits: the judgement's statistics of these inputs, without a second pass of both models.
 
     Returns:
         A dict: per site, the relative error of the norm's output ||y_conv - y_orig|| / ||y_orig|| (both models fed
@@ -79,12 +83,15 @@ def fidelity(
         for i, batch in enumerate(as_batches(inputs)):
             a, is_lm = _logits(run_batch(original, batch, i), lm)
             b, _ = _logits(run_batch(converted, batch, i), lm)
+            ids = _token_ids(batch) if next_token else None
+            if tally is not None and is_lm and ids is not None and ids.shape == a.shape[:-1] and ids.dim() == 2:
+                for row in range(len(ids)):
+                    tally.add(a[row], b[row], ids[row])
             a, b = a.float().reshape(-1, a.shape[-1]), b.float().reshape(-1, b.shape[-1])
             cos += _cos_sum(a, b)
             if is_lm:
                 has_logits = True
                 kl += _kl_sum(a, b)
-                ids = _token_ids(batch) if next_token else None
                 if ids is not None and ids.shape[-1] > 1 and ids.numel() == a.shape[0]:  # next-token cross-entropy
                     for j, logits in enumerate((a, b)):
                         total, n = _ce_sum(logits, ids)

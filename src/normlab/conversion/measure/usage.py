@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from normlab.conversion.hf import token_chunks
-from normlab.conversion.measure.judge import judge_tokens
+from normlab.conversion.measure.judge import TokenTally, judge_tokens
 from normlab.table import format_table
 
 __all__ = ["PROMPTS", "UsageConfig", "usage_report", "usage_lines", "stress_items", "greedy_answers"]
@@ -229,19 +229,20 @@ def usage_report(
     original: nn.Module,
     converted: nn.Module,
     tokenizer: object,
-    texts: dict[str, list],
+    texts: dict[str, list | TokenTally],
     held_text: str,
     cfg: UsageConfig = UsageConfig(),  # noqa: B008  (frozen)
 ) -> dict:
-    """Every measurement of the module docstring; ``texts``: name -> held-out batches (B, T) of that text (the first
-    is the held-out split, whose median gap sets the blow-up line); ``held_text`` is the text the long sequences and
-    the stress inputs come from (its end).
+    """Every measurement of the module docstring; ``texts``: name -> held-out batches (B, T) of that text, or the
+    `TokenTally` a pass over them already filled (`normlab.conversion.measure.fidelity.fidelity`'s ``tally``); the
+    first is the held-out split, whose median gap sets the blow-up line. ``held_text`` is the text the long sequences
+    and the stress inputs come from (its end).
 
     Args:
         original: The model before conversion.
         converted: The converted model.
         tokenizer: Their tokenizer (a transformers tokenizer).
-        texts: Text name -> its held-out batches.
+        texts: Text name -> its held-out batches, or their filled `TokenTally`.
         held_text: The held-out text's string.
         cfg: What to measure.
     """
@@ -249,7 +250,10 @@ def usage_report(
     max_positions = getattr(getattr(converted, "config", None), "max_position_embeddings", None)
     report: dict = {"config": asdict(cfg), "texts": {}}
     for name, batches in texts.items():
-        report["texts"][name] = judge_tokens(original, converted, [(s, 0) for b in batches for s in b])
+        if isinstance(batches, TokenTally):
+            report["texts"][name] = batches.result()
+        else:
+            report["texts"][name] = judge_tokens(original, converted, [(s, 0) for b in batches for s in b])
     gen = _generation(original, converted, tokenizer, cfg)
     if gen is not None:
         report["generation"], items = gen
