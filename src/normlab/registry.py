@@ -52,12 +52,18 @@ class NormSpec:
         return _class_kwargs(self.cls)
 
     def create(self, dim: int, *, strict: bool = True, **kwargs: object) -> nn.Module:
-        """The layer over ``dim`` channels: `create_norm` for a spec in hand."""
+        """The layer over ``dim`` channels: `create_norm` for a spec in hand.
+
+        Args:
+            dim: The channel count C.
+            strict: Refuse a keyword the class does not take (False drops it).
+            **kwargs: The layer's own keywords.
+        """
         valid = self.init_kwargs
         unknown = sorted(set(kwargs) - set(valid))
         if unknown and strict:
             raise TypeError(f"norm {self.name!r} does not take {', '.join(unknown)}; it takes: {', '.join(valid)}")
-        return self.cls(dim, **{k: v for k, v in kwargs.items() if k in self.init_kwargs})
+        return self.cls(dim, **{k: v for k, v in kwargs.items() if k in valid})
 
 
 _REGISTRY: dict[str, NormSpec] = {}
