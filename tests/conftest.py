@@ -85,6 +85,19 @@ def sink_batches(n: int, seed: int = 1, t: int = 16, batch: int = 4) -> list[tor
     return out
 
 
+def file_sha256(path: Path) -> str:
+    """A file's SHA-256, hex (written here, not taken from normlab, so a test of normlab's hashes is independent)."""
+    import hashlib
+
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def convert_argv(model, text, *extra) -> list[str]:
+    """The argv of a quick ``normlab convert`` of ``model`` calibrated on ``text`` (4 sequences of 16 tokens)."""
+    return ["convert", "--model", str(model), "--calibrate", str(text), "--seq-len", "16", "--sequences", "4",
+            "--no-progress", *map(str, extra)]  # fmt: skip
+
+
 TINY_TOKENIZER = Path(__file__).parent / "data" / "tiny_tokenizer.json"
 
 

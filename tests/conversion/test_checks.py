@@ -4,34 +4,12 @@ the conversion. Each refusal names the flag and the fix, and nothing is written.
 
 from __future__ import annotations
 
-import hashlib
 import json
-from pathlib import Path
 
 import pytest
 
-from conftest import CALIB, tiny_hf
+from conftest import CALIB, convert_argv, tiny_hf
 from normlab.cli import main
-
-
-def _sha(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def _convert(model, text, *extra) -> list[str]:
-    return [
-        "convert",
-        "--model",
-        str(model),
-        "--calibrate",
-        str(text),
-        "--seq-len",
-        "16",
-        "--sequences",
-        "4",
-        "--no-progress",
-        *map(str, extra),
-    ]
 
 
 def test_defect_5_a_checkpoint_inside_an_output_to_be_made_is_refused(tmp_path, capsys):
@@ -60,11 +38,11 @@ def test_defect_5_a_checkpoint_inside_an_output_to_be_made_is_refused(tmp_path, 
 @pytest.mark.parametrize("key", ["--calibrate", "--eval-text"])
 def test_an_input_inside_the_output_to_be_cleared_is_refused_and_kept(models, tmp_path, capsys, key):
     out = tmp_path / "o1"
-    assert main(_convert(models["m"], models["text"], "--out", out)) == 0
+    assert main(convert_argv(models["m"], models["text"], "--out", out)) == 0
     mine = out / "mytext.txt"
     mine.write_text(models["text"].read_text())
     capsys.readouterr()
-    args = _convert(models["m"], models["text"], "--out", out, "--overwrite")
+    args = convert_argv(models["m"], models["text"], "--out", out, "--overwrite")
     if key == "--calibrate":
         args[args.index("--calibrate") + 1] = str(mine)
     else:
@@ -113,13 +91,13 @@ def test_a_converted_folder_is_refused_as_an_original_and_the_cache_is_not_insid
     """Issue 65, G3 and F21: `convert --model` of a converted folder loaded it as a plain model and reported a wrong
     original; an --out holding NORMLAB_CACHE lost the cache on --overwrite. Both are refused before any work."""
     out = tmp_path / "o"
-    assert main(_convert(models["m"], models["text"], "--out", out)) == 0
+    assert main(convert_argv(models["m"], models["text"], "--out", out)) == 0
     capsys.readouterr()
-    assert main(_convert(out, models["text"], "--out", tmp_path / "o2")) == 2
+    assert main(convert_argv(out, models["text"], "--out", tmp_path / "o2")) == 2
     err = capsys.readouterr().err
     assert "is a converted model" in err and str(models["m"].resolve()) in err and not (tmp_path / "o2").exists()
     monkeypatch.setenv("NORMLAB_CACHE", str(out / "cache"))
-    assert main(_convert(models["m"], models["text"], "--out", out, "--overwrite")) == 2
+    assert main(convert_argv(models["m"], models["text"], "--out", out, "--overwrite")) == 2
     assert "holds normlab's cache" in capsys.readouterr().err and (out / "normlab_conversion.json").is_file()
 
 

@@ -3,7 +3,6 @@ checkpoint owned, resumes refused across models, texts and settings."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import signal
 import subprocess
@@ -14,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import normlab
-from conftest import CALIB, tiny_hf
+from conftest import CALIB, convert_argv, file_sha256, tiny_hf
 from normlab.cli import main
 
 transformers = pytest.importorskip("transformers")
@@ -30,36 +29,20 @@ def test_convert_names_the_number_of_sequences(capsys):
         build_parser().parse_args(["convert", "--model", "m", "--to", "dyt", "--out", "o", "--max-batches", "8"])
 
 
-def _sha(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def _convert(model, text, *extra) -> list[str]:
-    return [
-        "convert",
-        "--model",
-        str(model),
-        "--calibrate",
-        str(text),
-        "--seq-len",
-        "16",
-        "--sequences",
-        "4",
-        "--no-progress",
-        *map(str, extra),
-    ]
-
-
 def test_defect_1_heal_resume_from_another_models_checkpoint_is_refused(models, tmp_path, capsys):
     ck = tmp_path / "ck.pt"
     assert (
-        main(_convert(models["m"], models["text"], "--heal-tokens", 500, "--checkpoint", ck, "--out", tmp_path / "o1"))
+        main(
+            convert_argv(
+                models["m"], models["text"], "--heal-tokens", 500, "--checkpoint", ck, "--out", tmp_path / "o1"
+            )
+        )
         == 0
     )
     assert ck.is_file()  # named by the user: kept, and the output says so (issue 65)
     assert f"the heal checkpoint {ck} is kept, as --checkpoint named it" in capsys.readouterr().out
     rc = main(
-        _convert(
+        convert_argv(
             models["m2"], models["text"], "--heal-tokens", 500, "--checkpoint", ck, "--resume", "--out", tmp_path / "o2"
         )
     )
@@ -71,7 +54,7 @@ def test_defect_1_heal_resume_from_another_models_checkpoint_is_refused(models, 
 
     shutil.copy(models["m2"] / "model.safetensors", models["m"] / "model.safetensors")
     rc = main(
-        _convert(
+        convert_argv(
             models["m"], models["text"], "--heal-tokens", 500, "--checkpoint", ck, "--resume", "--out", tmp_path / "o3"
         )
     )
@@ -82,33 +65,35 @@ def test_defect_1_heal_resume_from_another_models_checkpoint_is_refused(models, 
 
 def test_defect_2_heal_resume_with_another_text_is_refused(models, tmp_path, capsys):
     ck = tmp_path / "ck.pt"
-    assert main(_convert(models["m"], models["text"], "--heal-tokens", 500, "--checkpoint", ck)) == 0
+    assert main(convert_argv(models["m"], models["text"], "--heal-tokens", 500, "--checkpoint", ck)) == 0
     capsys.readouterr()
-    rc = main(_convert(models["m"], models["other"], "--heal-tokens", 500, "--checkpoint", ck, "--resume"))
+    rc = main(convert_argv(models["m"], models["other"], "--heal-tokens", 500, "--checkpoint", ck, "--resume"))
     err = capsys.readouterr().err
     assert rc == 2 and "text_sha256" in err, err
     # the same model, text and settings resume
-    assert main(_convert(models["m"], models["text"], "--heal-tokens", 500, "--checkpoint", ck, "--resume")) == 0
+    assert main(convert_argv(models["m"], models["text"], "--heal-tokens", 500, "--checkpoint", ck, "--resume")) == 0
 
 
 def test_defect_3_default_heal_checkpoint_in_a_missing_parent_folder(models, tmp_path, capsys):
     out = tmp_path / "nest" / "child"
-    assert main(_convert(models["m"], models["text"], "--heal-tokens", 100, "--out", out)) == 0
+    assert main(convert_argv(models["m"], models["text"], "--heal-tokens", 100, "--out", out)) == 0
     assert (out / "normlab_conversion.json").is_file()
     assert not (tmp_path / "nest" / "child.heal.pt").exists()  # the default checkpoint is removed once saved
 
 
 def test_defect_4_checkpoint_never_writes_over_an_input_or_an_existing_file(models, tmp_path, capsys):
     weights = models["m"] / "model.safetensors"
-    before = _sha(weights)
+    before = file_sha256(weights)
     rc = main(
-        _convert(models["m"], models["text"], "--heal-tokens", 100, "--checkpoint", weights, "--out", tmp_path / "x")
+        convert_argv(
+            models["m"], models["text"], "--heal-tokens", 100, "--checkpoint", weights, "--out", tmp_path / "x"
+        )
     )
     assert rc == 2 and "over or inside an input" in capsys.readouterr().err
-    assert _sha(weights) == before
+    assert file_sha256(weights) == before
     keep = tmp_path / "notes.txt"
     keep.write_text("mine")
-    rc = main(_convert(models["m"], models["text"], "--heal-tokens", 100, "--checkpoint", keep))
+    rc = main(convert_argv(models["m"], models["text"], "--heal-tokens", 100, "--checkpoint", keep))
     assert rc == 2 and "already exists" in capsys.readouterr().err
     assert keep.read_text() == "mine" and not (tmp_path / "x").exists()
 
@@ -116,14 +101,14 @@ def test_defect_4_checkpoint_never_writes_over_an_input_or_an_existing_file(mode
 @pytest.mark.slow
 def test_defect_5_two_converts_to_one_folder_one_is_refused(models, tmp_path, capsys):
     out = tmp_path / "cc"
-    cmd = [sys.executable, "-m", "normlab.cli", *_convert(models["m"], models["text"], "--heal-minutes", 0.3,
+    cmd = [sys.executable, "-m", "normlab.cli", *convert_argv(models["m"], models["text"], "--heal-minutes", 0.3,
                                                           "--out", out)]  # fmt: skip
     first = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     lock = tmp_path / ".cc.lock"
     deadline = time.time() + 120
     while time.time() < deadline and not (lock.exists() and lock.read_text().startswith("pid")):
         time.sleep(0.05)
-    rc = main(_convert(models["m"], models["text"], "--out", out))
+    rc = main(convert_argv(models["m"], models["text"], "--out", out))
     err = capsys.readouterr().err
     stdout, _ = first.communicate(timeout=300)
     assert first.returncode == 0 and "saved to" in stdout
@@ -132,7 +117,7 @@ def test_defect_5_two_converts_to_one_folder_one_is_refused(models, tmp_path, ca
 
 
 def test_an_existing_folder_normlab_did_not_write_is_never_cleared(models, tmp_path, capsys):
-    rc = main(_convert(models["m"], models["text"], "--out", models["m2"], "--overwrite"))
+    rc = main(convert_argv(models["m"], models["text"], "--out", models["m2"], "--overwrite"))
     assert rc == 2 and "normlab did not write" in capsys.readouterr().err
     assert (models["m2"] / "config.json").is_file()
 
@@ -149,7 +134,7 @@ def test_an_existing_folder_normlab_did_not_write_is_never_cleared(models, tmp_p
 ])  # fmt: skip
 def test_convert_flags_fail_before_any_work(models, tmp_path, capsys, extra, message, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    args = _convert(models["m"], models["text"], "--out", tmp_path / "out")
+    args = convert_argv(models["m"], models["text"], "--out", tmp_path / "out")
     args[args.index("--seq-len") + 1] = extra[1] if extra[0] == "--seq-len" else "16"
     rc = main([*args, *([] if extra[0] == "--seq-len" else extra)])
     err = capsys.readouterr().err
@@ -158,9 +143,9 @@ def test_convert_flags_fail_before_any_work(models, tmp_path, capsys, extra, mes
 
 
 def test_convert_text_that_is_a_folder_and_out_under_a_file(models, tmp_path, capsys):
-    assert main(_convert(models["m"], tmp_path)) == 2
+    assert main(convert_argv(models["m"], tmp_path)) == 2
     assert "is a folder" in capsys.readouterr().err
-    assert main(_convert(models["m"], models["text"], "--out", models["text"] / "child")) == 2
+    assert main(convert_argv(models["m"], models["text"], "--out", models["text"] / "child")) == 2
     assert "is a file, not a folder" in capsys.readouterr().err
 
 
@@ -181,7 +166,7 @@ def test_conversion_api_errors_name_the_cause(models, tmp_path):
 @pytest.mark.slow
 def test_ctrl_c_during_a_heal_prints_the_command_that_resumes_it(models, tmp_path):
     ck = tmp_path / "heal.pt"
-    cmd = [sys.executable, "-m", "normlab.cli", *_convert(models["m"], models["text"], "--heal-minutes", 2,
+    cmd = [sys.executable, "-m", "normlab.cli", *convert_argv(models["m"], models["text"], "--heal-minutes", 2,
                                                           "--checkpoint", ck, "--out", tmp_path / "out")]  # fmt: skip
     # Ctrl-C reaches the child as in a terminal, even when this suite runs in the background (where a shell starts
     # every process with SIGINT ignored, and Python then installs no KeyboardInterrupt handler)
@@ -261,14 +246,14 @@ def test_a_bogus_kernel_variable_leaves_no_output(tmp_path, capsys, monkeypatch)
 @pytest.mark.parametrize("pair", ["overwrite=no", "heal.resume=no", "overwrite=0", "calibrate.enabled=yes"])
 def test_a_boolean_from_set_is_true_or_false_only_and_nothing_is_replaced(models, tmp_path, capsys, pair):
     out = tmp_path / "keep"
-    assert main(_convert(models["m"], models["text"], "--out", out)) == 0
-    before = _sha(out / "model.safetensors")
+    assert main(convert_argv(models["m"], models["text"], "--out", out)) == 0
+    before = file_sha256(out / "model.safetensors")
     capsys.readouterr()
-    rc = main(_convert(models["m"], models["text"], "--to", "dyt", "--out", out, "--set", pair))
+    rc = main(convert_argv(models["m"], models["text"], "--to", "dyt", "--out", out, "--set", pair))
     err = capsys.readouterr().err
     assert rc == 2 and f"--set {pair.split('=')[0]} must be true or false" in err, err
     assert (
-        _sha(out / "model.safetensors") == before
+        file_sha256(out / "model.safetensors") == before
         and json.loads((out / "convert_config.json").read_text())["to"] == "dyisru"
     )
 
@@ -318,7 +303,7 @@ def test_every_conversion_records_and_prints_its_stage_seconds_and_no_progress_i
     own loading and saving bars too; the record says which calibration path ran."""
     out = tmp_path / "o"
     capfd.readouterr()  # the fixture's own saving
-    assert main(_convert(models["m"], models["text"], "--out", out, "--heal-tokens", 64)) == 0
+    assert main(convert_argv(models["m"], models["text"], "--out", out, "--heal-tokens", 64)) == 0
     captured = capfd.readouterr()
     fid = json.loads((out / "fidelity.json").read_text())
     assert list(fid["stages"]) == ["load", "calibration", "measurement", "heal"]  # no samples stage: a text heal
@@ -334,7 +319,7 @@ def test_every_conversion_records_and_prints_its_stage_seconds_and_no_progress_i
 ])  # fmt: skip
 def test_a_flag_and_a_set_of_the_same_field_that_disagree_are_an_error(models, tmp_path, capsys, flags, pair, message):
     """issue 50: `--to dyt --set to=derf` converted to Derf, silently."""
-    rc = main(_convert(models["m"], models["text"], "--out", tmp_path / "o", *flags, "--set", pair))
+    rc = main(convert_argv(models["m"], models["text"], "--out", tmp_path / "o", *flags, "--set", pair))
     err = capsys.readouterr().err
     assert rc == 2 and message in err, err
     assert not (tmp_path / "o").exists()
@@ -395,7 +380,7 @@ def test_heal_seed_orders_the_text_stream(models, tmp_path):
     curves = {}
     for seed in (0, 0, 1):
         out = tmp_path / f"o{seed}-{len(curves)}"
-        assert main(_convert(models["m"], models["text"], "--out", out, "--heal-tokens", 256, "--set",
+        assert main(convert_argv(models["m"], models["text"], "--out", out, "--heal-tokens", 256, "--set",
                              f"heal.seed={seed}")) == 0  # fmt: skip
         curve = json.loads((out / "fidelity.json").read_text())["heal"]["curve"]
         curves.setdefault(seed, []).append([{k: v for k, v in p.items() if k != "seconds"} for p in curve])
