@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 
+from conftest import id_batches, tiny_lm
 from normlab.conversion.batches import model_device, run_batch
 
 
@@ -49,3 +50,40 @@ def test_a_token_id_outside_the_vocabulary_is_named_with_the_vocabulary():
     ids[1, 3] = 5000
     with pytest.raises(ValueError, match=r"token id 5000 is outside the model's vocabulary of 100 .* \[0, 100\)"):
         run_batch(model, {"input_ids": ids})
+
+
+def test_a_sharing_copy_shares_the_matrices_and_owns_the_norms():
+    """The original kept beside a conversion: the same weight matrices (no second model in memory), its own norms,
+    and a norm swapped in the model leaves the copy's norm and outputs as they were."""
+    import normlab
+    from normlab.conversion.batches import sharing_copy
+    from normlab.conversion.heal.loop import is_ours
+
+    model = tiny_lm()
+    original = sharing_copy(model)
+    mats = {n: p for n, p in model.named_parameters() if p.dim() >= 2}
+    assert mats and all(original.get_parameter(n) is p for n, p in mats.items())
+    vecs = [n for n, p in model.named_parameters() if p.dim() < 2]
+    assert vecs and all(original.get_parameter(n) is not model.get_parameter(n) for n in vecs)
+    ids = id_batches(1)[0]
+    with torch.no_grad():
+        before = original(ids).logits
+        normlab.convert_norms(model, "dyisru", calibrate=[ids])
+        model.get_parameter(vecs[0]).add_(1.0)  # were it shared, the original would move too
+        assert not torch.allclose(model(ids).logits, before, atol=1e-3)
+        torch.testing.assert_close(original(ids).logits, before, rtol=0, atol=0)
+    assert not any(is_ours(m) for m in original.modules())
+
+
+def test_row_chunks_cut_a_batch_along_its_rows_and_keep_the_rest():
+    from normlab.conversion.batches import row_chunks
+
+    x = torch.arange(10).reshape(5, 2)
+    assert [p.tolist() for p in row_chunks(x, 2)] == [[[0, 1], [2, 3]], [[4, 5], [6, 7]], [[8, 9]]]
+    assert row_chunks(x, 5)[0] is x and row_chunks((x, torch.zeros(5)), 9)[0] is x  # whole; a loader's tuple
+    d = {"input_ids": x, "attention_mask": torch.ones(5, 2), "scale": 2.0}
+    parts = row_chunks(d, 3)
+    assert [p["input_ids"].shape[0] for p in parts] == [3, 2] and all(p["scale"] == 2.0 for p in parts)
+    assert torch.equal(torch.cat([p["attention_mask"] for p in parts]), d["attention_mask"])
+    odd = {"input_ids": x, "other": torch.ones(3)}  # tensors without a common first axis: not cut
+    assert row_chunks(odd, 1) == [odd]

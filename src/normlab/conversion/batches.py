@@ -18,7 +18,9 @@ __all__ = [
     "input_ids",
     "model_device",
     "run_batch",
+    "row_chunks",
     "run_hooked",
+    "sharing_copy",
     "swap",
 ]
 
@@ -181,6 +183,48 @@ def swap(model: nn.Module, name: str, new: nn.Module) -> nn.Module:
     old = getattr(parent, child)
     setattr(parent, child, new)
     return old
+
+
+def row_chunks(batch: Batch, rows: int) -> list[Batch]:
+    """``batch`` cut into batches of at most ``rows`` rows (sequences): its tensors split along their first axis,
+    the rest of a dict passed to every part. A batch of ``rows`` rows or fewer, or one whose tensors do not share
+    a first axis, comes back whole.
+
+    Args:
+        batch: A dict of model kwargs, an input tensor, or an (inputs, ...) tuple.
+        rows: The most rows a part holds.
+    """
+    if isinstance(batch, (list, tuple)) and batch and isinstance(batch[0], torch.Tensor):
+        batch = batch[0]
+    if not isinstance(batch, (torch.Tensor, dict)):
+        return [batch]
+    tensors = [batch] if isinstance(batch, torch.Tensor) else [v for v in batch.values() if isinstance(v, torch.Tensor)]
+    n = {t.shape[0] if t.dim() else -1 for t in tensors}
+    if len(n) != 1 or (size := n.pop()) <= rows:
+        return [batch]
+    if isinstance(batch, torch.Tensor):
+        return list(batch.split(rows))
+    return [
+        {k: v[i : i + rows] if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        for i in range(0, size, rows)
+    ]
+
+
+def sharing_copy(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` that shares its weight matrices and copies the rest: the original kept beside the model a
+    conversion changes, at the cost of its norms, biases and buffers rather than of a second model.
+
+    A conversion swaps whole modules (`swap`), so the copy keeps the norms the model had. What may not happen while
+    both are in use is an in-place write to a shared matrix: a LoRA merge builds a new weight (`merge_lora`), and a
+    heal that trains every weight starts from ``copy.deepcopy`` of the original instead.
+
+    Args:
+        model: The model.
+    """
+    import copy
+
+    shared = {id(t): t for t in (*model.parameters(), *model.buffers()) if t.dim() >= 2}
+    return copy.deepcopy(model, memo=shared)
 
 
 def run_hooked(model: nn.Module, batch: Batch, i: int, hooks: dict[str, Callable], kind: str) -> None:

@@ -25,7 +25,6 @@ in a chosen order for the same reason: some norms cost nearly nothing to lose, o
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 from collections.abc import Iterable
@@ -34,7 +33,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from normlab.conversion.batches import as_batches, autocast_dtype, swap
+from normlab.conversion.batches import as_batches, autocast_dtype, sharing_copy, swap
 from normlab.conversion.calibrate.stream import BlockReplay, find_blocks
 from normlab.conversion.config import BudgetConfig, CalibrateConfig
 from normlab.conversion.convert import convert_norms
@@ -266,7 +265,7 @@ def frontier(
     budget, calib, held, rank = _checked(calibrate, held, budget)
     dtype, precision = autocast_dtype(budget.precision, model, "budget.precision")
     start = time.monotonic()
-    fitted_model = copy.deepcopy(model)
+    fitted_model = sharing_copy(model)  # a host for the independent fits: its norms are swapped, its matrices shared
     record = convert_norms(
         fitted_model, to, calibrate=calib, progress=progress, **_setting(convert_kwargs, sequential=False)
     )

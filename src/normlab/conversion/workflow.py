@@ -7,7 +7,6 @@ and calls `convert_model`; a script can call it the same way.
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import fnmatch
 import hashlib
@@ -17,6 +16,7 @@ import shutil
 import sys
 from pathlib import Path
 
+from normlab.conversion.batches import sharing_copy
 from normlab.conversion.checks import (
     check_checkpoint,
     check_conversion_memory,
@@ -198,7 +198,7 @@ def _convert(job: _Job, markdown: bool) -> dict:
             texts = texts.calibrating_on(
                 calibration_samples(net, cfg.heal, cfg.seq_len, cfg.sequences, starts=starts, progress=progress)
             )
-    original = copy.deepcopy(net)
+    original = sharing_copy(net)  # its own norms, the weight matrices shared: conversion swaps modules
     with stages("budget walk" if cfg.budget.nats is not None else "calibration"):
         record, walk = _convert_sites(cfg, net, texts, progress)
     print(record.table(markdown=markdown))
@@ -319,7 +319,9 @@ def _guarded_heal(job: _Job, original, net, splits, record, tokenizer):
 
     items = guard_items(splits.val, guard_prefixes(tokenizer if usable_tokenizer(tokenizer) else None))
     before = judge_tokens(original, net, items)
-    snapshot = {k: v.detach().clone() for k, v in net.state_dict().items()}
+    # what the heal may write in place, copied; a matrix it can only replace (a LoRA merge), referenced
+    copied = job.cfg.heal.train == "all"
+    snapshot = {k: v.detach().clone() if copied or v.dim() < 2 else v.detach() for k, v in net.state_dict().items()}
     rep = _heal(job, original, net, splits, record)
     verdict = heal_verdict(before, judge_tokens(original, net, items))
     if not verdict["kept"]:

@@ -339,6 +339,28 @@ def test_lora_merged_into_the_weights_gives_the_same_outputs():
     torch.testing.assert_close(merged, unmerged, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("train", ["lora", "all"])
+def test_a_heal_leaves_an_original_that_shares_the_weights_as_it_was(train):
+    """``normlab convert`` keeps the original as a copy sharing the weight matrices (`sharing_copy`). The heal
+    changes those matrices (a LoRA merge, or training every weight), and the original must still give its own
+    outputs afterwards; the healed model must have moved."""
+    from normlab.conversion.batches import sharing_copy
+
+    model = _peaked(0)
+    original = sharing_copy(model)
+    ids = id_batches(1, seed=9)[0]
+    with torch.no_grad():
+        before = original(ids).logits
+    rec = normlab.convert_norms(model, "dyt")
+    normlab.heal(original, model, _stream(), rec, val=id_batches(1, seed=9), tokens=2000, objective="distill",
+                 train=train, lr=1e-2 if train != "all" else 1e-3, eval_every=1000, progress=False)  # fmt: skip
+    with torch.no_grad():
+        torch.testing.assert_close(original(ids).logits, before, rtol=0, atol=0)
+        moved = [n for n, p in model.model.layers.named_parameters() if p.dim() >= 2
+                 and not torch.equal(p, original.model.layers.get_parameter(n))]  # fmt: skip
+    assert moved  # the heal changed the block matrices of the model, not of the original
+
+
 def test_the_stream_never_repeats_before_it_has_used_every_sequence_and_never_touches_held_out_text(tmp_path):
     """A text whose held-out end is marked with a byte found nowhere else: no stream or validation sequence ever
     holds it, every held-out sequence does, and the stream goes through all its sequences once before any

@@ -206,6 +206,8 @@ def heal(
         use.
     """
     cfg, run_options = _settings(cfg, options)
+    if cfg.train == "all":  # it writes every weight in place: the ones the original shares become the model's own
+        _own_weights(converted, original)
     val = run_options.get("val")
     if isinstance(data, TextSplits):
         data, val = data.stream, data.val if val is None else val
@@ -270,6 +272,19 @@ def heal(
     report.stream_passes = stream.drawn / len(stream)
     report.seconds = run.budget.seconds()
     return report
+
+
+def _own_weights(converted: nn.Module, original: nn.Module) -> None:
+    """Give ``converted`` its own copy of every parameter it shares with ``original`` (a
+    `normlab.conversion.batches.sharing_copy`), so that training it leaves the original as it was."""
+    theirs = {id(p) for p in original.parameters()}
+    own: dict[int, nn.Parameter] = {}  # one copy of a tied weight, so it stays tied
+    for m in converted.modules():
+        for name, p in list(m.named_parameters(recurse=False)):
+            if id(p) in theirs:
+                if id(p) not in own:
+                    own[id(p)] = nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad)
+                setattr(m, name, own[id(p)])
 
 
 def _check_logits(original: nn.Module, stream) -> None:

@@ -40,9 +40,13 @@ class LoRALinear(nn.Module):
         return self.base(x) + nn.functional.linear(nn.functional.linear(x, self.lora_a), self.lora_b) * self.scale
 
     def merged(self) -> nn.Linear:
-        """The base layer with the update folded into its weight (the same outputs, up to rounding)."""
+        """The base layer with the update folded into a new weight (the same outputs, up to rounding). The old weight
+        is left as it was: the original model may share it (`normlab.conversion.batches.sharing_copy`)."""
+        w = self.base.weight
         with torch.no_grad():
-            self.base.weight.add_((self.lora_b @ self.lora_a).to(self.base.weight) * self.scale)
+            self.base.weight = nn.Parameter(
+                w + (self.lora_b @ self.lora_a).to(w) * self.scale, requires_grad=w.requires_grad
+            )
         return self.base
 
 
