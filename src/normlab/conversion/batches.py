@@ -16,6 +16,7 @@ __all__ = [
     "autocast_dtype",
     "cache_kwarg",
     "input_ids",
+    "logit_rows",
     "model_device",
     "run_batch",
     "row_chunks",
@@ -185,10 +186,37 @@ def swap(model: nn.Module, name: str, new: nn.Module) -> nn.Module:
     return old
 
 
+#: The most bytes one part of a batch's float32 logits may take (`logit_rows`): a pass that holds both models' logits
+#: and their log-softmaxes, or a training step's logits and their gradients, holds several such tensors at once, and
+#: a 152k vocabulary at 8 x 128 tokens is 0.6 GB each.
+LOGITS_PART_BYTES = 2**28
+
+
+def logit_rows(model: nn.Module, batch: Batch) -> int:
+    """How many rows (sequences) of ``batch`` to run at once so that their float32 logits over ``model``'s output
+    layer fit `LOGITS_PART_BYTES` (at least one); every row for a model without a linear output layer or a batch
+    that is not (B, T) token ids.
+
+    Args:
+        model: The model (a Hugging Face model's ``get_output_embeddings`` gives the vocabulary).
+        batch: A dict of model kwargs, an input tensor, or an (inputs, ...) tuple.
+    """
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    ids = batch.get("input_ids") if isinstance(batch, dict) else input_ids(batch) if len(batch) else None
+    if (
+        not isinstance(head, nn.Linear)
+        or not isinstance(ids, torch.Tensor)
+        or ids.is_floating_point()
+        or ids.dim() != 2
+    ):
+        return 2**62
+    return max(1, LOGITS_PART_BYTES // (4 * ids.shape[-1] * head.out_features))
+
+
 def row_chunks(batch: Batch, rows: int) -> list[Batch]:
-    """``batch`` cut into batches of at most ``rows`` rows (sequences): its tensors split along their first axis,
-    the rest of a dict passed to every part. A batch of ``rows`` rows or fewer, or one whose tensors do not share
-    a first axis, comes back whole.
+    """``batch`` cut into batches of at most ``rows`` rows (sequences), as even as can be: its tensors split along
+    their first axis, the rest of a dict passed to every part. A batch of ``rows`` rows or fewer, or one whose
+    tensors do not share a first axis, comes back whole.
 
     Args:
         batch: A dict of model kwargs, an input tensor, or an (inputs, ...) tuple.
@@ -202,6 +230,7 @@ def row_chunks(batch: Batch, rows: int) -> list[Batch]:
     n = {t.shape[0] if t.dim() else -1 for t in tensors}
     if len(n) != 1 or (size := n.pop()) <= rows:
         return [batch]
+    rows = -(-size // -(-size // rows))  # the fewest parts, then their rows as even as can be
     if isinstance(batch, torch.Tensor):
         return list(batch.split(rows))
     return [

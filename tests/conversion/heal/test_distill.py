@@ -7,6 +7,7 @@ same code on a real pretrained model.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 
@@ -359,6 +360,58 @@ def test_a_heal_leaves_an_original_that_shares_the_weights_as_it_was(train):
         moved = [n for n, p in model.model.layers.named_parameters() if p.dim() >= 2
                  and not torch.equal(p, original.model.layers.get_parameter(n))]  # fmt: skip
     assert moved  # the heal changed the block matrices of the model, not of the original
+
+
+@pytest.mark.parametrize("top_k", [None, 8])
+def test_a_step_taken_a_few_rows_at_a_time_is_the_whole_batchs_step(monkeypatch, top_k):
+    """Under a large vocabulary a heal step runs its batch in parts of rows and accumulates their gradients
+    (`normlab.conversion.batches.logit_rows`): the loss and every gradient must be the whole batch's, up to the
+    order of float32 sums."""
+    from types import SimpleNamespace
+
+    from normlab.conversion import batches
+    from normlab.conversion.heal.distill import _accumulated
+    from normlab.conversion.heal.teacher import TeacherCache
+
+    original = _peaked(0)
+    model = copy.deepcopy(original)
+    normlab.convert_norms(model, "dyt")
+    run = SimpleNamespace(original=original, converted=model)
+    ids = id_batches(1, seed=7, batch=5)[0]
+
+    def step(limit):
+        monkeypatch.setattr(batches, "LOGITS_PART_BYTES", limit)
+        model.zero_grad(set_to_none=True)
+        teacher = TeacherCache(original, top_k) if top_k is not None else None
+        loss = _accumulated(run, teacher, ids, contextlib.nullcontext())
+        return loss, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    whole, g_whole = step(2**40)
+    parts, g_parts = step(2 * 16 * 100 * 4)  # two rows' logits: parts of 2, 2 and 1 rows
+    assert parts == pytest.approx(whole, rel=1e-6)
+    assert g_whole and g_parts.keys() == g_whole.keys()
+    for n, g in g_whole.items():
+        torch.testing.assert_close(g_parts[n], g, rtol=1e-4, atol=1e-6)
+
+
+def test_the_validation_measured_in_parts_reads_as_the_whole_split(monkeypatch):
+    """The heal's validation split is stored and measured a few rows at a time under a large vocabulary: its
+    cross-entropy and KL must be the whole split's."""
+    from normlab.conversion import batches
+    from normlab.conversion.heal.loop import Validation
+
+    original = _peaked(0)
+    model = copy.deepcopy(original)
+    normlab.convert_norms(model, "dyt")
+    val = id_batches(2, seed=9, batch=3)
+    read = []
+    for limit in (2**40, 16 * 100 * 4):
+        monkeypatch.setattr(batches, "LOGITS_PART_BYTES", limit)
+        v = Validation(original, model, val, [])
+        read.append((len(v.batches), v.measure()))
+    (n_whole, whole), (n_parts, parts) = read
+    assert (n_whole, n_parts) == (2, 6)
+    assert parts == pytest.approx(whole, rel=1e-6)
 
 
 def test_the_stream_never_repeats_before_it_has_used_every_sequence_and_never_touches_held_out_text(tmp_path):

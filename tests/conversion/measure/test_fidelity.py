@@ -9,13 +9,15 @@ import pytest
 
 import normlab
 from conftest import id_batches, tiny_lm
+from normlab.conversion import batches
 from normlab.conversion.measure import fidelity as fid_mod
 from normlab.conversion.measure.judge import TokenTally
 
 
 def test_a_batch_measured_a_row_at_a_time_reads_as_the_whole_batch(monkeypatch):
     """A 152k vocabulary's logits at 8 x 128 tokens are 0.6 GB for each model: `fidelity` cuts a batch into parts
-    of rows whose logits fit `LOGITS_PART_BYTES`. Every statistic must be the one the whole batch gives."""
+    of rows whose logits fit `normlab.conversion.batches.LOGITS_PART_BYTES`. Every statistic must be the one the
+    whole batch gives."""
     original = tiny_lm(initializer_range=0.5)
     model = copy.deepcopy(original)
     rec = normlab.convert_norms(model, "dyt", calibrate=id_batches(1, seed=3))
@@ -25,7 +27,7 @@ def test_a_batch_measured_a_row_at_a_time_reads_as_the_whole_batch(monkeypatch):
     monkeypatch.setattr(fid_mod, "run_batch", lambda m, b, i, **k: seen.append(len(b)) or run(m, b, i, **k))
 
     def measured(limit):
-        monkeypatch.setattr(fid_mod, "LOGITS_PART_BYTES", limit)
+        monkeypatch.setattr(batches, "LOGITS_PART_BYTES", limit)
         seen.clear()
         tally = TokenTally()
         out = fid_mod.fidelity(original, model, held, rec, tally=tally)

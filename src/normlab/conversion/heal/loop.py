@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from normlab.conversion.batches import as_batches, input_ids, run_batch
+from normlab.conversion.batches import as_batches, input_ids, logit_rows, row_chunks, run_batch
 from normlab.conversion.config import HEAL_LEARNING_RATES, HealConfig, identity_difference
 from normlab.conversion.heal.lora import LoRALinear
 from normlab.conversion.heal.samples import MixedStream
@@ -211,7 +211,11 @@ class Validation:
     """
 
     def __init__(self, original: nn.Module, converted: nn.Module, val: list | None, params: list[nn.Parameter]) -> None:
-        self.converted, self.batches = converted, [input_ids(b) for b in as_batches(val)] if val is not None else []
+        self.converted = converted
+        whole = [input_ids(b) for b in as_batches(val)] if val is not None else []
+        # a few rows at a time where the vocabulary is large: the stored targets are those rows' log-probabilities,
+        # and a measure holds one part's logits beside them (`logit_rows`)
+        self.batches = [p for b in whole for p in row_chunks(b, logit_rows(original, b))]
         with torch.no_grad():
             self.targets = [
                 run_batch(original, b, i, no_cache=True).logits.float().log_softmax(-1)

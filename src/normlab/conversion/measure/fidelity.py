@@ -8,7 +8,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from normlab.conversion.batches import as_batches, row_chunks, run_batch
+from normlab.conversion.batches import as_batches, logit_rows, row_chunks, run_batch
 from normlab.conversion.measure.judge import TokenTally
 from normlab.conversion.record import ConversionRecord
 
@@ -79,9 +79,8 @@ def fidelity(
     modes = (original.training, converted.training)
     original.eval()
     converted.eval()
-    head = original.get_output_embeddings() if hasattr(original, "get_output_embeddings") else None
-    try:
-        parts = ((i, p) for i, w in enumerate(as_batches(inputs)) for p in row_chunks(w, _logit_rows(head, w)))
+    try:  # a batch a few rows at a time where a large vocabulary's logits would not fit (`logit_rows`)
+        parts = ((i, p) for i, w in enumerate(as_batches(inputs)) for p in row_chunks(w, logit_rows(original, w)))
         for i, batch in parts:
             a, is_lm = _logits(run_batch(original, batch, i), lm)
             b, _ = _logits(run_batch(converted, batch, i), lm)
@@ -116,20 +115,6 @@ def fidelity(
     if n_ce:
         result["ce_original"], result["ce_converted"] = ce[0] / n_ce, ce[1] / n_ce
     return result
-
-
-#: The most bytes one part of a batch's float32 logits may take in `fidelity`: both models' logits and their log
-#: softmaxes are held together, so a 152k vocabulary at 8 x 128 tokens (0.6 GB each) is measured a few rows at a time.
-LOGITS_PART_BYTES = 2**28
-
-
-def _logit_rows(head: nn.Module | None, batch) -> int:
-    """How many rows (sequences) of ``batch`` `fidelity` runs at once: as many as keep a row's float32 logits over
-    the output layer ``head``'s vocabulary within `LOGITS_PART_BYTES`; all of them without a linear output layer."""
-    ids = _token_ids(batch[0] if isinstance(batch, (list, tuple)) and batch else batch)
-    if not isinstance(head, nn.Linear) or ids is None or ids.dim() != 2:
-        return 2**62
-    return max(1, LOGITS_PART_BYTES // (4 * ids.shape[-1] * head.out_features))
 
 
 def predicts_next_token(model: nn.Module) -> bool:
