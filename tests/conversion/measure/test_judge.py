@@ -218,3 +218,46 @@ def test_the_measurement_pass_fills_the_judgement_of_the_same_texts(lm):
     cfg = UsageConfig(prompts=2, new_tokens=4, long_tokens=128, long_sequences=1)
     r = usage_report(model, conv, tok, {"held-out": tally}, TEXT * 3, cfg)
     assert r["texts"]["held-out"] == got
+
+
+def test_a_sequences_logits_are_made_a_chunk_at_a_time_where_they_equal_the_models_own():
+    """At 2,048 tokens a 152k vocabulary's logits are 1.2 GB per model: the judge makes them from the hidden states
+    the output layer gets, a chunk of positions at a time. Where a model does more after its output layer (here, it
+    scales its logits), the check on the first positions sees it, and the model's whole logits are used."""
+    from conftest import tiny_lm
+    from normlab.conversion.measure.judge import _HeadLogits, judge_tokens, sequence_logits
+
+    model = tiny_lm(initializer_range=0.5)
+    x = torch.randint(0, 100, (1, 40), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = model(x, use_cache=False).logits[0]
+        got = sequence_logits(model, x)
+        assert isinstance(got, _HeadLogits) and got.shape == tuple(want.shape)
+        torch.testing.assert_close(torch.cat([got[i : i + 16] for i in range(0, 40, 16)]), want, rtol=1e-5, atol=1e-5)
+
+    class Scaled(torch.nn.Module):  # a model whose logits are not its output layer's alone
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def get_output_embeddings(self):
+            return self.inner.get_output_embeddings()
+
+        def forward(self, ids, use_cache=False):
+            out = self.inner(ids, use_cache=use_cache)
+            out.logits = out.logits * 3.0
+            return out
+
+    scaled = Scaled(tiny_lm(initializer_range=0.5))
+    with torch.no_grad():
+        got = sequence_logits(scaled, x)
+        assert isinstance(got, torch.Tensor)
+        torch.testing.assert_close(got, scaled(x).logits[0])
+        other = tiny_lm(seed=1, initializer_range=0.5)
+        items = [(x[0], 0), (x[0, :20], 5)]
+        stats = judge_tokens(model, other, items)
+        tally = TokenTally()
+        for ids, start in items:
+            tally.add(model(ids[None]).logits[0], other(ids[None]).logits[0], ids, start)
+    assert stats["kld"]["mean"] == pytest.approx(tally.result()["kld"]["mean"], rel=1e-5)
+    assert stats["same_top1"] == tally.result()["same_top1"]
