@@ -92,7 +92,9 @@ def test_the_original_judged_against_itself_is_perfect(lm, tmp_path):
     cfg = UsageConfig(prompts=4, new_tokens=8, long_tokens=256, long_sequences=2)
     r = usage_report(model, model, tok, {"held-out": held}, TEXT * 3, cfg)
     assert set(r["texts"]) == {"held-out", "chat"} and r["long"]["tokens"] == 512
-    assert set(r["stress"]) >= {"leading newlines", "repeated delimiters", "code", "digits", "BOS mid-sequence"}
+    assert set(r["stress"]) >= {"leading newlines", "repeated delimiters", "code", "digits", "BOS mid-sequence",
+                                "mid-text starts"}  # fmt: skip
+    assert r["stress"]["mid-text starts"]["sequences"] == 32
     for t in [*r["texts"].values(), r["long"], *r["stress"].values()]:
         assert t["same_top1"] == 1.0 and t["kld"]["max"] < 1e-5 and abs(t["gap"]["worst"]) < 1e-5
     assert r["generation"]["chat_score"] == 1.0 and r["generation"]["prompts"] == 4
@@ -100,6 +102,21 @@ def test_the_original_judged_against_itself_is_perfect(lm, tmp_path):
     assert r["blowups"]["over"] == []
     text = usage_lines(r)
     assert "same top-1" in text and "blow-ups" in text and "Q: What is the capital of France?" in text
+
+
+def test_the_mid_text_starts_begin_at_as_many_tokens_of_the_held_out_text():
+    """A position rule or a heal that only saw some first tokens breaks on others: the stress windows start at
+    `STARTS` offsets of the held-out text's end, each a 64-token piece of it."""
+    from conftest import TEXT, tiny_tokenizer
+    from normlab.conversion.measure.usage import STARTS, stress_items
+
+    tok = tiny_tokenizer()
+    windows = stress_items(tok, TEXT * 3, 100)["mid-text starts"]
+    assert len(windows) == STARTS and all(len(w) == 64 for w in windows)
+    assert len({tuple(w[:2].tolist()) for w in windows}) > STARTS // 2  # many different starts
+    run = tok(TEXT * 3, add_special_tokens=False)["input_ids"]
+    text = " ".join(map(str, run))
+    assert all(" ".join(map(str, w.tolist())) in text for w in windows[1:])  # pieces of the text as tokenized
 
 
 def test_a_converted_model_is_judged_and_its_report_is_consistent(lm):

@@ -8,8 +8,10 @@
 * **generation**: both models' greedy answers to `PROMPTS`; the **chat score** is the share of answers whose first
   ``words`` words (6) are the original's. An answer that repeats the chat template's system prompt is counted;
 * **stress**: inputs that break a position rule or a short calibration (`stress_items`): leading and repeated
-  delimiters, a BOS mid-sequence, code, digits, long words, 2,048 tokens; and the same sequence alone, left-padded
-  in a batch with an attention mask, and split across calls with a KV cache, which must agree.
+  delimiters, a BOS mid-sequence, code, digits, long words, 2,048 tokens, and windows of the held-out text cut at
+  32 offsets, so that 32 different tokens come first (the first position carries a massive activation whatever
+  its token: the heal's guard found windows 5-28 nats off on models no other input broke); and the same sequence
+  alone, left-padded in a batch with an attention mask, and split across calls with a KV cache, which must agree.
 
 A **blow-up** is a sequence (of any text or stress input) whose gap is more than ``blowup`` (3) nats above the
 median gap of the held-out split.
@@ -23,7 +25,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import Tensor, nn
 
-from normlab.conversion.hf import token_chunks
+from normlab.conversion.hf import leading_bos, token_chunks
 from normlab.conversion.measure.judge import TokenTally, judge_tokens
 from normlab.table import format_table
 
@@ -55,6 +57,9 @@ PROMPTS = (
     "What are the benefits of regular exercise?",
     "How does a rainbow form?",
 )
+
+
+STARTS = 32  # windows of the held-out text among the stress inputs, each starting at its own offset
 
 
 @dataclass(frozen=True)
@@ -164,9 +169,13 @@ def _long(text: str, tokenizer: object, vocab: int, cfg: UsageConfig, max_positi
     return [(c, 0) for c in chunks] if len(chunks) else None
 
 
-def stress_items(tokenizer: object, text: str, vocab: int, max_positions: int | None = None) -> dict[str, Tensor]:
-    """The stress inputs as token ids, each (T,): real text from the end of ``text`` with delimiters, a BOS mid-way,
-    normlab's own source code, digits, long words, and 2,048 tokens of the text (capped by the model's positions).
+def stress_items(
+    tokenizer: object, text: str, vocab: int, max_positions: int | None = None
+) -> dict[str, Tensor | list[Tensor]]:
+    """The stress inputs as token ids, each (T,) or a list of those: real text from the end of ``text`` with
+    delimiters, a BOS mid-way, normlab's own source code, digits, long words, 2,048 tokens of the text (capped by the
+    model's positions), and `STARTS` windows of 64 tokens cut from it at as many offsets (after the BOS, for a model
+    whose tokenizer starts every text with one).
 
     Args:
         tokenizer: The model's tokenizer.
@@ -192,6 +201,14 @@ def stress_items(tokenizer: object, text: str, vocab: int, max_positions: int | 
     if bos is not None:
         p = ids(prose)[:127]
         out["BOS mid-sequence"] = torch.cat([p[:64], torch.tensor([bos]), p[64:]])
+    run = ids(tail)
+    step = max((len(run) - 64) // STARTS, 1)
+    lead = leading_bos(tokenizer)
+    out["mid-text starts"] = [
+        torch.cat([torch.tensor([lead]), w[:63]]) if lead is not None else w
+        for w in (run[o : o + 64] for o in range(0, step * STARTS, step))
+        if len(w) == 64
+    ]
     n = min(2048, max_positions or 2048)
     long = token_chunks(text[-16 * n :], tokenizer, vocab, n)
     if len(long):
@@ -263,7 +280,10 @@ def usage_report(
     if long:
         report["long"] = judge_tokens(original, converted, long)
     stress = stress_items(tokenizer, held_text, vocab, max_positions)
-    report["stress"] = {k: judge_tokens(original, converted, [(v, 0)]) for k, v in stress.items()}
+    report["stress"] = {
+        k: judge_tokens(original, converted, [(v, 0)] if isinstance(v, Tensor) else [(w, 0) for w in v])
+        for k, v in stress.items()
+    }
     pad = getattr(tokenizer, "pad_token_id", None) or 0
     report["consistency"] = _consistency(converted, stress["leading newlines"], pad)
     report["blowups"] = _blowups(report, cfg.blowup)
