@@ -129,7 +129,7 @@ def test_a_masked_lm_gets_no_next_token_cross_entropy_and_no_walk_or_heal(tmp_pa
 
 def test_a_conversion_the_machine_cannot_hold_is_refused_before_calibration(tmp_path, capsys, monkeypatch):
     """issue 66: a conversion that will not fit in memory is refused once the model is loaded, with the numbers
-    (the peak measured on Qwen2.5-Coder-0.5B, 5x the float32 model), before any calibration."""
+    (the peak measured on Qwen2.5-Coder-0.5B, 3.7x the float32 model), before any calibration."""
     from normlab.conversion.checks import CONVERSION_PEAK
 
     monkeypatch.setattr("normlab.errors.machine_memory", lambda: 10_000)  # bytes: less than the tiny model needs

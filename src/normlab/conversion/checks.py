@@ -20,11 +20,11 @@ from normlab.corpus import cache_dir
 from normlab.errors import check_memory
 from normlab.owner import check_writable, inside
 
-# The largest stage peak of a conversion measured over the float32 model's size: Qwen2.5-Coder-0.5B's budget walk
-# held 12.4 GB of resident memory for a model of 2.52 GB (bench/convert_stages.csv; SmolLM2's stages: at most 12x
-# its 0.54 GB, the fixed costs of a small model). The original's copy, the cached block inputs and full-vocabulary
-# logits make it up.
-CONVERSION_PEAK = 5.0
+# The largest stage peak of a conversion measured over the float32 model's size: Qwen2.5-Coder-0.5B's recommended
+# recipe held 9.21 GB of resident memory in its heal for a model of 2.52 GB (bench/convert_stages.csv; SmolLM2's
+# stages: at most 12x its 0.54 GB, the fixed costs of a small model). The fits' rows, the teacher's top-k, the merged
+# LoRA weights beside the original's (which otherwise shares the model's matrices) make up the rest.
+CONVERSION_PEAK = 3.7
 
 __all__ = ["CONVERSION_PEAK", "check_conversion_memory", "check_out", "check_files", "check_checkpoint",
            "check_exclude", "check_inputs", "check_inputs_outside", "check_next_token",
