@@ -60,6 +60,18 @@ def tiny_lm(family: str = "Llama", seed: int = 0, layers: int = 2, **config):
     return tiny_causal_lm(family, layers, **config)
 
 
+def peaked_lm(seed: int):
+    """A tiny Llama with a large init: peaked next-token distributions, each seed its own preferences."""
+    return tiny_lm(seed=seed, initializer_range=0.5)
+
+
+def token_stream(n: int = 64, seed: int = 5, t: int = 16):
+    """A heal's training stream of ``n`` random sequences of ``t`` token ids below 100."""
+    from normlab.conversion.hf import TokenStream
+
+    return TokenStream(torch.randint(0, 100, (n, t), generator=torch.Generator().manual_seed(seed)))
+
+
 def id_batches(n: int, seed: int = 1, t: int = 16, batch: int = 4, vocab: int = 100) -> list[torch.Tensor]:
     """``n`` batches of random token ids (batch, t) below ``vocab``, from their own generator seeded with ``seed``."""
     g = torch.Generator().manual_seed(seed)

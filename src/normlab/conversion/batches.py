@@ -4,6 +4,7 @@ for."""
 
 from __future__ import annotations
 
+import copy
 import inspect
 from collections.abc import Callable, Iterable
 
@@ -202,7 +203,9 @@ def logit_rows(model: nn.Module, batch: Batch) -> int:
         batch: A dict of model kwargs, an input tensor, or an (inputs, ...) tuple.
     """
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    ids = batch.get("input_ids") if isinstance(batch, dict) else input_ids(batch) if len(batch) else None
+    if isinstance(batch, (list, tuple)):
+        batch = batch[0] if batch else None
+    ids = batch.get("input_ids") if isinstance(batch, dict) else batch
     if (
         not isinstance(head, nn.Linear)
         or not isinstance(ids, torch.Tensor)
@@ -245,13 +248,11 @@ def sharing_copy(model: nn.Module) -> nn.Module:
 
     A conversion swaps whole modules (`swap`), so the copy keeps the norms the model had. What may not happen while
     both are in use is an in-place write to a shared matrix: a LoRA merge builds a new weight (`merge_lora`), and a
-    heal that trains every weight starts from ``copy.deepcopy`` of the original instead.
+    heal that trains every weight first gives the model its own copy of the matrices it shares.
 
     Args:
         model: The model.
     """
-    import copy
-
     shared = {id(t): t for t in (*model.parameters(), *model.buffers()) if t.dim() >= 2}
     return copy.deepcopy(model, memo=shared)
 

@@ -15,19 +15,13 @@ import pytest
 import torch
 
 import normlab
-from conftest import id_batches, tiny_lm
+from conftest import id_batches, peaked_lm, tiny_lm, token_stream
 from normlab.cli import main
 
 transformers = pytest.importorskip("transformers")
 
 
 # ------------------------------------------------------------------ healing
-def _stream(n: int = 64, seed: int = 5, t: int = 16):
-    from normlab.conversion.hf import TokenStream
-
-    return TokenStream(torch.randint(0, 100, (n, t), generator=torch.Generator().manual_seed(seed)))
-
-
 def test_heal_blocks_reduces_every_block_error_and_resumes(tmp_path):
     original = tiny_lm(layers=3)
     model = copy.deepcopy(original)
@@ -38,7 +32,7 @@ def test_heal_blocks_reduces_every_block_error_and_resumes(tmp_path):
     rep = normlab.heal(
         original,
         model,
-        _stream(),
+        token_stream(),
         rec,
         val=id_batches(1, seed=9),
         tokens=budget,
@@ -63,7 +57,7 @@ def test_heal_blocks_reduces_every_block_error_and_resumes(tmp_path):
     rep2 = normlab.heal(
         original,
         again,
-        _stream(),
+        token_stream(),
         rec,
         val=id_batches(1, seed=9),
         tokens=budget,
@@ -92,17 +86,17 @@ def test_a_distill_heal_resumed_from_its_small_checkpoint_ends_where_an_unbroken
 
     kw = {"val": id_batches(1, seed=9), "train": train, "eval_every": 2 * 4 * 16, "progress": False}
     whole, rec = fresh()
-    normlab.heal(original, whole, _stream(), rec, tokens=12 * 4 * 16, **kw)
+    normlab.heal(original, whole, token_stream(), rec, tokens=12 * 4 * 16, **kw)
     half, rec = fresh()
     ck = tmp_path / "heal.pt"
-    normlab.heal(original, half, _stream(), rec, tokens=6 * 4 * 16, checkpoint=ck, **kw)
+    normlab.heal(original, half, token_stream(), rec, tokens=6 * 4 * 16, checkpoint=ck, **kw)
     state = torch.load(ck, weights_only=False)
     saved, before = state["model"], state["report"]["seconds"]  # issue 65, G4: the checkpoint keeps its seconds
     frozen = {n for n, _ in original.named_parameters()} - {n for n in saved}
     assert "model.embed_tokens.weight" in frozen and "model.layers.0.mlp.up_proj.weight" in frozen
     assert any(n.endswith(".lora_a") for n in saved) == (train == "lora")
     resumed, rec = fresh()
-    rep = normlab.heal(original, resumed, _stream(), rec, tokens=12 * 4 * 16, checkpoint=ck, resume=True, **kw)
+    rep = normlab.heal(original, resumed, token_stream(), rec, tokens=12 * 4 * 16, checkpoint=ck, resume=True, **kw)
     assert rep.resumed_from == 6 * 4 * 16 and rep.seconds >= before > 0  # they go on: its tokens/s stays honest
     for (name, a), b in zip(whole.state_dict().items(), resumed.state_dict().values()):
         assert torch.equal(a, b), name
@@ -116,7 +110,7 @@ def test_a_diverging_block_is_put_back():
     rep = normlab.heal(
         original,
         model,
-        _stream(),
+        token_stream(),
         rec,
         tokens=2 * 2 * 64 * 10,
         lr=1e6,
@@ -134,17 +128,12 @@ def test_a_diverging_block_is_put_back():
     assert all("layers" in k for k in changed)
 
 
-def _peaked(seed: int):
-    """A tiny Llama with a large init: peaked next-token distributions, each seed its own preferences."""
-    return tiny_lm(seed=seed, initializer_range=0.5)
-
-
 @pytest.mark.parametrize("objective", ["distill", "blocks"])
 def test_a_heal_whose_validation_worsens_keeps_its_earlier_state(objective):
     """The best-state rule. The validation text is the converted model's own greedy output (low CE for it),
     and the heal pulls it toward another model with other preferences: every later validation point is worse
     than the start, so the heal ends in the start state and its report says the start was kept."""
-    model = _peaked(0)
+    model = peaked_lm(0)
     rec = normlab.convert_norms(model, "dyt", calibrate=id_batches(2))
     with torch.no_grad():
         own = model.generate(
@@ -156,9 +145,9 @@ def test_a_heal_whose_validation_worsens_keeps_its_earlier_state(objective):
         )
     start = copy.deepcopy(model.state_dict())
     rep = normlab.heal(
-        _peaked(1),
+        peaked_lm(1),
         model,
-        _stream(),
+        token_stream(),
         rec,
         val=[own],
         tokens=4000,
@@ -188,7 +177,7 @@ def test_a_heal_keeps_its_best_point_not_its_last():
     rep = normlab.heal(
         original,
         model,
-        _stream(),
+        token_stream(),
         rec,
         val=val,
         tokens=6000,
@@ -209,12 +198,12 @@ def test_a_spike_rolls_back_to_the_best_state_and_halves_the_rate(rollback_nats)
     """A rate far too high makes the validation CE jump. With ``rollback_nats`` set, a point that far above the best
     restores the best state and halves the rate: the point is marked, the report counts it, and every later point
     records the halved rate; with None the heal never rolls back and keeps its rate."""
-    original = _peaked(0)
+    original = peaked_lm(0)
     model = copy.deepcopy(original)
     rec = normlab.convert_norms(model, "dyt", calibrate=id_batches(2))
     lr = 0.1
-    rep = normlab.heal(original, model, _stream(), rec, val=id_batches(1, seed=9), tokens=3000, train="norms", lr=lr,
-                       eval_every=128, rollback_nats=rollback_nats, progress=False)  # fmt: skip
+    rep = normlab.heal(original, model, token_stream(), rec, val=id_batches(1, seed=9), tokens=3000, train="norms",
+                       lr=lr, eval_every=128, rollback_nats=rollback_nats, progress=False)  # fmt: skip
     marked = [i for i, p in enumerate(rep.curve) if p.get("rollback")]
     assert rep.rollbacks == len(marked)
     best = [p["val_ce"] for p in rep.curve]
@@ -233,10 +222,10 @@ def test_a_spike_rolls_back_to_the_best_state_and_halves_the_rate(rollback_nats)
 def test_each_point_records_the_gradient_norm_and_heal_grad_clip_clips_it(grad_clip):
     """Each curve point records the largest gradient norm of its steps, before clipping; with ``grad_clip`` the
     step's gradient is scaled down to that norm (torch's clip_grad_norm_); with 0 it is left as it is."""
-    original = _peaked(0)
+    original = peaked_lm(0)
     model = copy.deepcopy(original)
     rec = normlab.convert_norms(model, "dyt")
-    rep = normlab.heal(original, model, _stream(), rec, val=id_batches(1, seed=9), tokens=640, lr=1e-2,
+    rep = normlab.heal(original, model, token_stream(), rec, val=id_batches(1, seed=9), tokens=640, lr=1e-2,
                        eval_every=64, grad_clip=grad_clip, progress=False)  # fmt: skip
     norms = [p["grad_norm"] for p in rep.curve[1:]]  # one step (4 sequences of 16 tokens) per point
     assert len(norms) == 10 and all(math.isfinite(n) and n > 0 for n in norms)
@@ -250,13 +239,13 @@ def test_each_point_records_the_gradient_norm_and_heal_grad_clip_clips_it(grad_c
 
 @pytest.mark.parametrize("train", ["norms", "lora", "all"])
 def test_heal_distillation_lowers_validation_kl(train):
-    original = _peaked(0)
+    original = peaked_lm(0)
     model = copy.deepcopy(original)
     rec = normlab.convert_norms(model, "dyt")  # default init: far from the original
     rep = normlab.heal(
         original,
         model,
-        _stream(),
+        token_stream(),
         rec,
         val=id_batches(1, seed=9),
         tokens=4000,
@@ -270,76 +259,6 @@ def test_heal_distillation_lowers_validation_kl(train):
     assert not any("lora" in n for n, _ in model.named_modules())  # LoRA merged into the weights
 
 
-def test_the_cosine_schedule_warms_up_then_falls_to_a_tenth():
-    from normlab.conversion.heal.loop import lr_factor
-
-    assert lr_factor("constant", 0.0) == lr_factor("constant", 0.7) == 1.0
-    f = [lr_factor("cosine", i / 200) for i in range(201)]
-    assert 0 < f[0] < 0.25 and f[10] == pytest.approx(1.0)  # the warmup ends at 5% of the budget
-    assert all(a < b for a, b in zip(f[:10], f[1:11]))  # rises
-    assert all(a > b for a, b in zip(f[10:], f[11:]))  # then falls
-    assert f[-1] == pytest.approx(0.1) and lr_factor("cosine", 1.5) == pytest.approx(0.1)
-
-
-def test_the_cooldown_schedule_holds_the_rate_then_falls_to_zero():
-    from normlab.conversion.heal.loop import COOLDOWN, lr_factor
-
-    f = [lr_factor("cooldown", i / 200) for i in range(201)]
-    start = round(200 * (1 - COOLDOWN))  # the step where the cooldown begins
-    assert all(v == 1.0 for v in f[:start]) and f[start] == pytest.approx(1.0)  # the full rate until the last 20%
-    assert all(a > b for a, b in zip(f[start:], f[start + 1 :]))  # then falling at every step
-    assert f[start + (200 - start) // 2] == pytest.approx(0.5)  # along a straight line
-    assert f[-1] == 0.0 and lr_factor("cooldown", 1.5) == 0.0 and lr_factor("cooldown", -0.1) == 1.0
-
-
-def _scheduled_heal(schedule: str, eval_every: int):
-    """A 4,000-token DyT heal of a peaked tiny Llama at 1e-2 under ``schedule``, a curve point every ``eval_every``."""
-    original = _peaked(0)
-    model = copy.deepcopy(original)
-    rec = normlab.convert_norms(model, "dyt")
-    return normlab.heal(original, model, _stream(), rec, val=id_batches(1, seed=9), tokens=4000, lr=1e-2,
-                        schedule=schedule, eval_every=eval_every, progress=False)  # fmt: skip
-
-
-def test_a_cooldown_heal_records_the_rate_then_its_fall():
-    rep = _scheduled_heal("cooldown", eval_every=320)
-    lrs = [p["lr"] for p in rep.curve[1:]]
-    assert lrs[0] == pytest.approx(1e-2)  # no warmup
-    held = [lr for lr, p in zip(lrs, rep.curve[1:]) if p["tokens"] < 0.8 * 4000 - 320]
-    assert held and all(lr == pytest.approx(1e-2) for lr in held)
-    assert all(a > b for a, b in zip(lrs[len(held) + 1 :], lrs[len(held) + 2 :]))  # falling through the cooldown
-    assert lrs[-1] < 1e-3  # near 0 at the budget's end (the last step's rate)
-    assert min(p["val_kl"] for p in rep.curve[1:]) < rep.curve[0]["val_kl"]
-
-
-def test_a_cosine_heal_records_its_rate_as_it_falls():
-    rep = _scheduled_heal("cosine", eval_every=640)
-    lrs = [p["lr"] for p in rep.curve[1:]]
-    assert len(lrs) >= 6 and all(a > b for a, b in zip(lrs, lrs[1:]))  # past the warmup: falling at every point
-    assert 1e-3 <= lrs[-1] < 1.2e-3  # a tenth of the rate at the budget's end (the last step's)
-    assert min(p["val_kl"] for p in rep.curve[1:]) < rep.curve[0]["val_kl"]
-
-
-def test_lora_merged_into_the_weights_gives_the_same_outputs():
-    from normlab.conversion.heal.lora import add_lora, merge_lora
-
-    model = tiny_lm()
-    wrapped = add_lora(model.model.layers, rank=4)
-    assert len(wrapped) == 2 * 7  # q, k, v, o, gate, up, down in each of two blocks
-    ids = id_batches(1)[0]
-    with torch.no_grad():
-        plain = model(ids).logits
-        for w in wrapped:  # a nonzero update, as after training (B starts at zero)
-            w.lora_b.normal_(0, 0.05)
-        unmerged = model(ids).logits
-    assert not torch.allclose(plain, unmerged)
-    assert merge_lora(model) == 14
-    assert not any(type(m).__name__ == "LoRALinear" for m in model.modules())
-    with torch.no_grad():
-        merged = model(ids).logits
-    torch.testing.assert_close(merged, unmerged, rtol=1e-5, atol=1e-5)
-
-
 @pytest.mark.parametrize("train", ["lora", "all"])
 def test_a_heal_leaves_an_original_that_shares_the_weights_as_it_was(train):
     """``normlab convert`` keeps the original as a copy sharing the weight matrices (`sharing_copy`). The heal
@@ -347,13 +266,13 @@ def test_a_heal_leaves_an_original_that_shares_the_weights_as_it_was(train):
     outputs afterwards; the healed model must have moved."""
     from normlab.conversion.batches import sharing_copy
 
-    model = _peaked(0)
+    model = peaked_lm(0)
     original = sharing_copy(model)
     ids = id_batches(1, seed=9)[0]
     with torch.no_grad():
         before = original(ids).logits
     rec = normlab.convert_norms(model, "dyt")
-    normlab.heal(original, model, _stream(), rec, val=id_batches(1, seed=9), tokens=2000, objective="distill",
+    normlab.heal(original, model, token_stream(), rec, val=id_batches(1, seed=9), tokens=2000, objective="distill",
                  train=train, lr=1e-2 if train != "all" else 1e-3, eval_every=1000, progress=False)  # fmt: skip
     with torch.no_grad():
         torch.testing.assert_close(original(ids).logits, before, rtol=0, atol=0)
@@ -373,7 +292,7 @@ def test_a_step_taken_a_few_rows_at_a_time_is_the_whole_batchs_step(monkeypatch,
     from normlab.conversion.heal.distill import _accumulated
     from normlab.conversion.heal.teacher import TeacherCache
 
-    original = _peaked(0)
+    original = peaked_lm(0)
     model = copy.deepcopy(original)
     normlab.convert_norms(model, "dyt")
     run = SimpleNamespace(original=original, converted=model)
@@ -392,26 +311,6 @@ def test_a_step_taken_a_few_rows_at_a_time_is_the_whole_batchs_step(monkeypatch,
     assert g_whole and g_parts.keys() == g_whole.keys()
     for n, g in g_whole.items():
         torch.testing.assert_close(g_parts[n], g, rtol=1e-4, atol=1e-6)
-
-
-def test_the_validation_measured_in_parts_reads_as_the_whole_split(monkeypatch):
-    """The heal's validation split is stored and measured a few rows at a time under a large vocabulary: its
-    cross-entropy and KL must be the whole split's."""
-    from normlab.conversion import batches
-    from normlab.conversion.heal.loop import Validation
-
-    original = _peaked(0)
-    model = copy.deepcopy(original)
-    normlab.convert_norms(model, "dyt")
-    val = id_batches(2, seed=9, batch=3)
-    read = []
-    for limit in (2**40, 16 * 100 * 4):
-        monkeypatch.setattr(batches, "LOGITS_PART_BYTES", limit)
-        v = Validation(original, model, val, [])
-        read.append((len(v.batches), v.measure()))
-    (n_whole, whole), (n_parts, parts) = read
-    assert (n_whole, n_parts) == (2, 6)
-    assert parts == pytest.approx(whole, rel=1e-6)
 
 
 def test_the_stream_never_repeats_before_it_has_used_every_sequence_and_never_touches_held_out_text(tmp_path):
@@ -568,7 +467,7 @@ def test_heal_runs_on_other_block_layouts(name):
     calib = id_batches(2)
     rec = normlab.convert_norms(model, "dyt", calibrate=calib)
     rep = normlab.heal(
-        original, model, _stream(), rec, tokens=2 * 64 * 20, objective="blocks", train="norms", progress=False
+        original, model, token_stream(), rec, tokens=2 * 64 * 20, objective="blocks", train="norms", progress=False
     )
     assert len(rep.blocks) == 2
     assert all(b["loss_after"] <= b["loss_before"] for b in rep.blocks)

@@ -24,6 +24,8 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor, nn
 
+from normlab.conversion.batches import Stop
+
 __all__ = ["BINS", "TokenTally", "guard_items", "guard_prefixes", "heal_verdict", "judge_tokens", "kl_rows"]
 
 BINS = (0, 128, 256, 512, 1024, 2048, 4096)  # the position bins of the gap by position: [0, 128), [128, 256), ...
@@ -134,8 +136,6 @@ def sequence_logits(model: nn.Module, x: Tensor) -> Tensor | _HeadLogits:
         model: A causal LM (``get_output_embeddings`` a linear layer).
         x: Token ids, (1, T).
     """
-    from normlab.conversion.batches import Stop
-
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if not isinstance(head, nn.Linear) or _CHUNKABLE.get(model) is False:
         return model(x, use_cache=False).logits[0]
