@@ -24,7 +24,7 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor, nn
 
-from normlab.conversion.batches import Stop
+from normlab.conversion.batches import Stop, run_hooked
 
 __all__ = ["BINS", "TokenTally", "guard_items", "guard_prefixes", "heal_verdict", "judge_tokens", "kl_rows"]
 
@@ -114,6 +114,9 @@ class TokenTally:
         return out
 
 
+_CHUNKABLE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> whether `sequence_logits` may chunk
+
+
 class _HeadLogits:
     """A sequence's logits, made when sliced: the output layer applied to the final hidden states of those
     positions (and the model's final soft cap, where it has one). Holds (T, hidden), not (T, V)."""
@@ -146,13 +149,7 @@ def sequence_logits(model: nn.Module, x: Tensor) -> Tensor | _HeadLogits:
         raise Stop
 
     cap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
-    handle = head.register_forward_pre_hook(grab)
-    try:
-        model(x, use_cache=False)
-    except Stop:
-        pass
-    finally:
-        handle.remove()
+    run_hooked(model, x, 0, {next(n for n, m in model.named_modules() if m is head): grab}, "pre")
     lazy = _HeadLogits(got[0], head, cap) if len(got) == 1 and got[0].shape[0] == x.shape[-1] else None
     if model not in _CHUNKABLE:
         want = model(x[:, :8], use_cache=False).logits[0].float()
@@ -161,9 +158,6 @@ def sequence_logits(model: nn.Module, x: Tensor) -> Tensor | _HeadLogits:
             (have - want).abs().max() <= 1e-4 * max(float(want.abs().max()), 1.0)
         )
     return lazy if _CHUNKABLE[model] else model(x, use_cache=False).logits[0]
-
-
-_CHUNKABLE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> whether `sequence_logits` may chunk
 
 
 @torch.no_grad()
