@@ -1,6 +1,5 @@
 """Massive tokens (normlab.conversion.calibrate.massive): the data their copy is fitted on, and a converted model that
-no
-input breaks. The stress inputs put the massive tokens where a position rule misses them: two at the start (a
+no input breaks. The stress inputs put the massive tokens where a position rule misses them: two at the start (a
 leading "\\n\\n"), one mid-sequence, a BOS after other text, a left-padded batch, a chunk after a KV cache and
 one-token calls."""
 
@@ -13,7 +12,7 @@ import torch
 
 import normlab
 from conftest import id_batches, sink_batches, tiny_lm, with_sinks
-from normlab.conversion.calibrate.massive import MassiveRows, detector, early_token_batches
+from normlab.conversion.calibrate.massive import MassiveRows, MassiveTokens, detector, early_token_batches
 
 transformers = pytest.importorskip("transformers")
 
@@ -176,3 +175,57 @@ def test_the_formation_site_is_the_first_where_the_massive_rows_separate():
     medians = {n: float(ordinary.pow(2).mean(-1).sqrt().median()) for n in rows}
     assert formation_site(rows, ["a", "b", "c", "d"], medians, massive=10.0) == "c"
     assert formation_site(rows, ["a", "b"], medians, massive=10.0) is None
+
+
+def test_a_massive_row_is_rescaled_to_the_reference_over_its_channels_and_the_rest_pass():
+    """Rescaled, a massive row's channels have the reference's L2 norm, whatever its size; an ordinary row (a zero
+    row too) passes unchanged, and the gradient through both copies stays finite."""
+    pair = MassiveTokens(torch.nn.Identity(), torch.nn.Identity(), channels=[1, 2], threshold=5.0, reference=10.0)
+    x = torch.tensor([[0.5, 30.0, -40.0, 2.0], [0.5, 300.0, 400.0, -1.0], [1.0, 2.0, 3.0, 4.0], [0.0] * 4])
+    x.requires_grad_(True)
+    carriers = x[..., pair.channels]
+    heavy = carriers.abs().amax(-1, keepdim=True) > pair.threshold
+    out = pair.rescaled(x, carriers, heavy)
+    torch.testing.assert_close(out[:2, 1:3].norm(dim=-1), torch.tensor([10.0, 10.0]))
+    torch.testing.assert_close(out[:2], x[:2] / x[:2, 1:3].norm(dim=-1, keepdim=True) * 10.0)
+    torch.testing.assert_close(out[2:], x[2:])
+    pair(x).sum().backward()
+    assert bool(torch.isfinite(x.grad).all())
+
+
+def _sized_sinks(model):
+    """Tokens 0-7 are massive in channels 0-1, at 8 sizes from 4 to 42 (Qwen2.5's first tokens vary so)."""
+    with torch.no_grad():
+        emb = model.get_input_embeddings().weight
+        for k in range(8):
+            emb[k, :2] = 4.0 * 1.4**k
+    return model
+
+
+def test_massive_tokens_of_different_sizes_each_pass_as_the_norm_would(monkeypatch):
+    """Sinks of 8 sizes: the routed conversion reproduces the original's logits at every sink position (rescaled,
+    the massive copy sees one size), where the same conversion without the rescaling is off by 0.3-1.4%: the test
+    can fail."""
+    original = _sized_sinks(tiny_lm(seed=3))
+    calib = id_batches(3)
+    for b in calib:
+        b[:, 0] = torch.arange(len(b)) % 8
+    body = torch.randint(8, 100, (1, 40), generator=torch.Generator().manual_seed(9))
+
+    def sink_errors(net):
+        errors = []
+        for k in range(8):
+            x = torch.cat([torch.tensor([[k]]), body, torch.tensor([[k]]), body[:, :10]], 1)  # a sink at 0 and 41
+            with torch.no_grad():
+                errors.append(_worst(original(x).logits[:, [0, 41]], net(x).logits[:, [0, 41]]))
+        return errors
+
+    def converted():
+        net = copy.deepcopy(original)
+        normlab.convert_norms(net, "dyisru", calibrate=calib, per="channel", progress=False)
+        assert any(isinstance(m, MassiveTokens) for m in net.modules())
+        return net
+
+    assert max(sink_errors(converted())) < 1e-3
+    monkeypatch.setattr(MassiveTokens, "rescaled", lambda self, x, carriers, heavy: x)  # fitted and run raw
+    assert max(sink_errors(converted())) > 5e-3

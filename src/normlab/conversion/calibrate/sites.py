@@ -21,8 +21,9 @@ those and ordinary tokens, so:
 
 * at each site where they occur and a few channels tell them apart, massive tokens get their own replacement
   (`normlab.conversion.calibrate.massive.MassiveTokens`, routed by those channels' magnitude, wherever the token sits;
-  ``massive_tokens="auto"``). Its fit is per channel: a sink token has a fixed shape, so ||x without channel i||
-  hardly varies across them, and Theorem 3 makes DyISRU nearly exact. It is fitted on every massive row of the
+  ``massive_tokens="auto"``). Its fit is per channel, on the massive rows rescaled to one size over those channels
+  (as the module rescales them): a sink token has a fixed shape, so ||x without channel i|| then hardly varies
+  across them, and Theorem 3 makes DyISRU nearly exact. It is fitted on every massive row of the
   calibration sequences and of ``[t, t]`` for every distinct calibration token ``t``;
 * massive tokens that no channel separates are left out of the fit of the shared replacement (``massive=10``: RMS
   above 10x the median), so that a handful of tokens does not drag the fit for every other token. Their count is
@@ -47,7 +48,6 @@ from normlab.conversion.batches import Stop, as_batches, run_hooked, swap
 from normlab.conversion.calibrate.fit import FitOutcome, fit_replacement
 from normlab.conversion.calibrate.massive import (
     MassiveRows,
-    MassiveTokens,
     detector,
     early_rows,
     formation_site,
@@ -315,7 +315,7 @@ def _fit_site(site: Site, new: nn.Module, rows: tuple, extra: tuple | None, conf
         pool_x, pool_y = torch.cat([x, xe]), torch.cat([y, ye])
         heavy = found.route(pool_x)
         twin = _massive_copy(new, site, spec)
-        out_massive = fit_replacement(twin, pool_x[heavy], pool_y[heavy], per_channel=True, config=c)
+        out_massive = fit_replacement(twin, found.rescale(pool_x[heavy]), pool_y[heavy], per_channel=True, config=c)
         site.massive = found.to_dict()
         light = ~found.route(x)
         x, y = x[light], y[light]
@@ -324,7 +324,7 @@ def _fit_site(site: Site, new: nn.Module, rows: tuple, extra: tuple | None, conf
     _record(site, out, out_massive, config.per)
     if found is None:
         return new, out
-    return MassiveTokens(new, twin, list(found.channels), found.threshold), out
+    return found.module(new, twin), out
 
 
 def _path(stream: BlockStream | None, sequential: bool, order: list[str]) -> dict:

@@ -46,7 +46,7 @@ class PortableError(ValueError):
 def site_spec(module: nn.Module, name: str = "") -> dict:
     """What the modeling file needs to rebuild a replacement: its formula, its parameters' shapes (by their
     normlab names), its settings and its channel axis; a massive-token pair as
-    ``{"massive_tokens": {"main": ..., "massive": ..., "channels": [...], "threshold": t}}``.
+    ``{"massive_tokens": {"main": ..., "massive": ..., "channels": [...], "threshold": t, "reference": r}}``.
 
     Args:
         module: A site's replacement (or its massive-token pair).
@@ -54,7 +54,8 @@ def site_spec(module: nn.Module, name: str = "") -> dict:
     """
     if isinstance(module, MassiveTokens):
         return {"massive_tokens": {"main": site_spec(module.main, name), "massive": site_spec(module.massive, name),
-                                   "channels": module.channels, "threshold": module.threshold}}  # fmt: skip
+                                   "channels": module.channels, "threshold": module.threshold,
+                                   "reference": module.reference}}  # fmt: skip
     formula = getattr(module, "registry_name", None)
     fn = getattr(FN, formula, None) if isinstance(formula, str) else None
     if fn is None or list(module.buffers(recurse=False)) or list(module.children()):
@@ -158,7 +159,11 @@ def build_site(spec, name):
     if "massive_tokens" in spec:
         pair = spec["massive_tokens"]
         return MassiveTokens(
-            build_site(pair["main"], name), build_site(pair["massive"], name), pair["channels"], pair["threshold"]
+            build_site(pair["main"], name),
+            build_site(pair["massive"], name),
+            pair["channels"],
+            pair["threshold"],
+            pair.get("reference"),
         )
     return ElementwiseNorm(spec, name)
 

@@ -44,7 +44,7 @@ def apply_record(model: nn.Module, record: ConversionRecord) -> nn.Module:
         new = spec.create(s.dim, **s.kwargs)
         if s.massive:
             twin = spec.create(s.dim, **{**s.kwargs, **per_channel_kwargs(spec)})
-            new = MassiveTokens(new, twin, s.massive["channels"], s.massive["threshold"])
+            new = MassiveTokens(new, twin, s.massive["channels"], s.massive["threshold"], s.massive.get("reference"))
         old = model.get_submodule(s.name)
         ref = next(iter(old.parameters()), None)
         if ref is not None:
