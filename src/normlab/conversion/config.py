@@ -173,6 +173,10 @@ class HealConfig:
     """Trained tokens between validation points; None: every 8 steps."""
     lora_rank: int = LORA_RANK
     """The adapters' rank (train "lora")."""
+    early_blocks: Literal["frozen", "trained"] = "frozen"
+    """The blocks before the first one that holds a converted site: "frozen" keeps them the original's (the massive
+    activation forms there; adapted, Qwen2.5-Coder-0.5B's stopped forming for a sequence that starts with "["),
+    "trained" trains them too (LoRA or "all"), as before 0.4.4."""
     checkpoint: str | None = None
     """The heal's checkpoint file; None: OUT.heal.pt when there is an output folder."""
     resume: bool = False

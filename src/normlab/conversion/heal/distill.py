@@ -232,17 +232,21 @@ def heal(
     report = HealReport(
         objective=cfg.objective, train=cfg.train, lora_rank=cfg.lora_rank if cfg.train == "lora" else None
     )
+    blocks = converted.get_submodule(list_name)
+    start = first_converted_block(list_name, len(blocks), sites) if cfg.early_blocks == "frozen" else 0
+    report.frozen_blocks = start
     with frozen(original, converted):
         if cfg.train == "lora":
-            add_lora(converted.get_submodule(list_name), cfg.lora_rank)
+            add_lora(nn.ModuleList(list(blocks)[start:]), cfg.lora_rank)
         try:
             state = None
             if cfg.resume and ckpt is not None and ckpt.exists():
                 state = load_checkpoint(ckpt, converted, identity, cfg.objective)
                 stream.load_state(state["stream"])
                 report = HealReport(**{**state["report"], "resumed_from": state["report"]["tokens"]})
-            scope = converted if objective.whole_model else converted.get_submodule(list_name)
-            params = trainable(scope, cfg.train)
+            scope = converted if objective.whole_model else blocks
+            early = {id(p) for b in list(blocks)[:start] for p in b.parameters()}
+            params = [p for p in trainable(scope, cfg.train) if id(p) not in early]
             check = Validation(original, converted, val, params)
             if state is not None and state.get("best") is not None:
                 check.best_ce, check.best_point = state["best"]["val_ce"], state["best"]
@@ -272,6 +276,19 @@ def heal(
     report.stream_passes = stream.drawn / len(stream)
     report.seconds = run.budget.seconds()
     return report
+
+
+def first_converted_block(list_name: str, n_blocks: int, sites: list[str]) -> int:
+    """The index of the first block of ``list_name`` that holds one of ``sites``; the last block when none does (a
+    final norm alone converted).
+
+    Args:
+        list_name: The blocks' ``nn.ModuleList``, by name.
+        n_blocks: How many blocks it holds.
+        sites: The converted sites' names.
+    """
+    held = [i for i in range(n_blocks) if any(s.startswith(f"{list_name}.{i}.") for s in sites)]
+    return min(held, default=n_blocks - 1)
 
 
 def _own_weights(converted: nn.Module, original: nn.Module) -> None:

@@ -36,6 +36,7 @@ class HealReport:
     seconds: float = 0.0
     resumed_from: int = 0
     lora_rank: int | None = None
+    frozen_blocks: int = 0  # the blocks before the first converted one, left the original's (HealConfig.early_blocks)
     rollbacks: int = 0  # times the heal went back to its best state and halved its rate (HealConfig.rollback_nats)
     teacher_computed: int = 0  # with a teacher cache (HealConfig.teacher_top_k): sequences the original ran on
     teacher_reused: int = 0  # and sequences whose targets were read back from it

@@ -27,6 +27,8 @@ def heal_summary(rep: HealReport) -> str:
             f"; validation CE {rep.curve[0]['val_ce']:.3f} at the start, best {rep.best['val_ce']:.3f} at "
             f"{rep.best['tokens']:,} tokens (kept), last {rep.curve[-1]['val_ce']:.3f}"
         )
+    if rep.frozen_blocks:
+        line += f"; blocks 0-{rep.frozen_blocks - 1} left the original's (before the first converted site)"
     if rep.rollbacks:
         line += f"; rolled back to the best state {rep.rollbacks} time(s), each halving the rate"
     if rep.teacher_computed:
