@@ -25,7 +25,7 @@ from normlab.table import format_table
 def _linear_error(x: torch.Tensor, y: torch.Tensor) -> float:
     """The relative error of the best map ``a_c * x_c`` per channel from rows ``x`` to rows ``y``."""
     a = (x * y).sum(0) / x.pow(2).sum(0).clamp_min(1e-30)
-    return float(((a * x - y).norm() / y.norm()))
+    return float((a * x - y).norm() / y.norm())
 
 
 def main(argv: list[str] | None = None) -> None:
