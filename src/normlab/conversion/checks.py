@@ -20,8 +20,9 @@ from normlab.corpus import cache_dir
 from normlab.errors import check_memory
 from normlab.owner import check_writable, inside
 
-# The largest stage peak of a conversion measured over the float32 model's size: Qwen2.5-Coder-0.5B's recommended
-# recipe held 9.21 GB of resident memory in its heal for a model of 2.52 GB (bench/convert_stages.csv; SmolLM2's
+# The largest stage peak of a conversion over the float32 model's size, with a margin: Qwen2.5-Coder-0.5B's
+# recommended recipe held 8.1 GB of resident memory (3.2x) in its measurement for a model of 2.52 GB, and 9.21 GB
+# (3.7x) in a heal that trained every block (heal.early_blocks="trained"; bench/convert_stages.csv; SmolLM2's
 # stages: at most 12x its 0.54 GB, the fixed costs of a small model). The fits' rows, the teacher's top-k, the merged
 # LoRA weights beside the original's (which otherwise shares the model's matrices) make up the rest.
 CONVERSION_PEAK = 3.7
