@@ -18,6 +18,7 @@ from normlab.features import (
     family_features,
     family_markdown,
     markdown,
+    measured,
     norm_features,
 )
 
@@ -29,6 +30,19 @@ def test_the_docs_hold_the_current_matrix():
     assert BEGIN in page and END in page
     kept = BEGIN + page.split(BEGIN, 1)[1].split(END, 1)[0] + END
     assert kept == markdown(), "docs/norms.md's feature matrix is stale: python -m normlab.features --write"
+
+
+def test_a_family_is_measured_by_its_jobs_newest_rows(tmp_path):
+    """A job measured again replaces its earlier row, even a better one; the best of the jobs' newest rows is shown."""
+    table = tmp_path / "usable.csv"
+    head = "job,model,command,sites,held_same_top1,held_gap_worst,minutes\n"
+    rows = ["walk,qwen-coder,c,9,0.82,1.27,14.6", "heal,qwen-coder,c,9,0.78,0.30,37.2"]
+    rows.append("walk,qwen-coder,c,9,0.80,1.28,14.2")
+    table.write_text(head + "\n".join(rows) + "\n")
+    want = "Qwen2.5-Coder-0.5B-Instruct: 9 sites converted, 80% same top-1, worst sequence +1.28 (`walk`, 14.2 min)"
+    assert measured(table) == {"Qwen2": want}
+    table.write_text(head + "\n".join(rows[:2]) + "\n")
+    assert "82% same top-1" in measured(table)["Qwen2"]
 
 
 def test_the_conversion_guide_holds_the_current_family_matrix():

@@ -149,20 +149,25 @@ USABLE = Path(__file__).resolve().parents[2] / "bench" / "usable.csv"  # in a ch
 
 
 def measured(table: Path = USABLE) -> dict[str, str]:
-    """Family -> its real checkpoint's best conversion judged as used, from bench/usable.csv (the row with the
-    highest same top-1 on held-out text, newest first on a tie): the checkpoint, the sites converted, same top-1, the
-    worst sequence, the job and its minutes. A family with no row, or a checkout without the table, has none."""
+    """Family -> its real checkpoint's best conversion judged as used, from bench/usable.csv (of each job's newest
+    row, the one with the highest same top-1 on held-out text, the newer on a tie): the checkpoint, the sites
+    converted, same top-1, the worst sequence, the job and its minutes. A family with no row, or a checkout without
+    the table, has none."""
     import csv
 
     if not table.is_file():
         return {}
-    best: dict[str, dict] = {}
+    newest: dict[str, dict] = {}  # a job's later row replaces its earlier one (the table is appended to)
     for row in csv.DictReader(table.open()):
         model = row.get("model") or row["command"].split("--model ")[1].split()[0]
         if model in CHECKPOINTS and row.get("held_same_top1"):
-            family = CHECKPOINTS[model][0]
-            if family not in best or float(row["held_same_top1"]) >= float(best[family]["held_same_top1"]):
-                best[family] = row | {"model": model}
+            newest.pop(row["job"], None)
+            newest[row["job"]] = row | {"model": model}
+    best: dict[str, dict] = {}
+    for row in newest.values():
+        family = CHECKPOINTS[row["model"]][0]
+        if family not in best or float(row["held_same_top1"]) >= float(best[family]["held_same_top1"]):
+            best[family] = row
     return {
         f: f"{CHECKPOINTS[r['model']][1]}: {r['sites']} sites converted, {float(r['held_same_top1']):.0%} same "
         f"top-1, worst sequence +{float(r['held_gap_worst']):.2f} (`{r['job']}`, {r['minutes']} min)"
