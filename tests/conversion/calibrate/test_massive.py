@@ -191,6 +191,9 @@ def test_a_massive_row_is_rescaled_to_the_reference_over_its_channels_and_the_re
     torch.testing.assert_close(out[2:], x[2:])
     pair(x).sum().backward()
     assert bool(torch.isfinite(x.grad).all())
+    big = torch.tensor([[0.5, 25000.0, -30000.0, 2.0]])  # a sink's size: its squares overflow float16
+    half = pair.rescaled(big.half(), big.half()[..., pair.channels], torch.ones(1, 1, dtype=torch.bool))
+    torch.testing.assert_close(half.float(), big / big[:, 1:3].norm() * 10.0, rtol=2e-3, atol=1e-3)
 
 
 def _sized_sinks(model):

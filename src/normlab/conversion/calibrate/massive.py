@@ -98,8 +98,9 @@ class MassiveTokens(nn.Module):
         the other rows, whose rescaled values nothing reads, pass as they are (no division by their small norm)."""
         if self.reference is None:
             return x
-        squares = torch.where(heavy, carriers.pow(2).sum(-1, keepdim=True), self.reference**2)  # others: factor 1
-        return x * (self.reference * squares.rsqrt())
+        squares = carriers.float().pow(2).sum(-1, keepdim=True)  # float32: 25,000 squared overflows float16
+        squares = torch.where(heavy, squares, self.reference**2)  # the other rows: a factor of 1
+        return x * (self.reference * squares.rsqrt()).to(x.dtype)
 
     def _routed(self, x: Tensor, carriers: Tensor, heavy: Tensor) -> Tensor:
         return torch.where(heavy, self.massive(self.rescaled(x, carriers, heavy)), self.main(x))
