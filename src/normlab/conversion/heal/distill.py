@@ -245,8 +245,7 @@ def heal(
                 stream.load_state(state["stream"])
                 report = HealReport(**{**state["report"], "resumed_from": state["report"]["tokens"]})
             scope = converted if objective.whole_model else blocks
-            early = {id(p) for b in list(blocks)[:start] for p in b.parameters()}
-            params = [p for p in trainable(scope, cfg.train) if id(p) not in early]
+            params = _trained(scope, list(blocks)[:start], cfg.train)
             check = Validation(original, converted, val, params)
             if state is not None and state.get("best") is not None:
                 check.best_ce, check.best_point = state["best"]["val_ce"], state["best"]
@@ -276,6 +275,12 @@ def heal(
     report.stream_passes = stream.drawn / len(stream)
     report.seconds = run.budget.seconds()
     return report
+
+
+def _trained(scope: nn.Module, early: list[nn.Module], train: str) -> list[nn.Parameter]:
+    """What the heal trains inside ``scope`` (`trainable`), less the parameters of the ``early`` blocks."""
+    left = {id(p) for b in early for p in b.parameters()}
+    return [p for p in trainable(scope, train) if id(p) not in left]
 
 
 def first_converted_block(list_name: str, n_blocks: int, sites: list[str]) -> int:
