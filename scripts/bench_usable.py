@@ -35,11 +35,12 @@ RECIPE = ["--per", "channel", "--heal-text", "self", "--heal-minutes", "22", "--
           "heal.schedule=cooldown", "heal.teacher_top_k=1024", "heal.precision=bf16"]  # fmt: skip
 
 
-def _budget_heal(minutes: int) -> list[str]:
-    """The recommended recipe's flags: the budget walk at 0.4 nats, then a LoRA heal of ``minutes`` on samples."""
-    return ["--per", "channel", "--budget-nats", "0.4", "--heal-text", "self", "--heal-minutes", str(minutes),
+def _budget_heal(minutes: int, nats: str = "0.4", *more: str) -> list[str]:
+    """The recommended recipe's flags: the budget walk at ``nats``, then a LoRA heal of ``minutes`` on samples;
+    ``more``: further ``--set`` pairs."""
+    return ["--per", "channel", "--budget-nats", nats, "--heal-text", "self", "--heal-minutes", str(minutes),
             "--heal-train", "lora", "--set", "heal.schedule=cooldown", "heal.teacher_top_k=1024",
-            "heal.precision=bf16"]  # fmt: skip
+            "heal.precision=bf16", *more]  # fmt: skip
 
 
 JOBS = {  # name -> the model and the flags after --to dyisru
@@ -52,13 +53,15 @@ JOBS = {  # name -> the model and the flags after --to dyisru
     "recipe": ("smollm2", RECIPE),
     "budget_heal": ("smollm2", _budget_heal(15)),  # the recommended recipe
     "budget_heal_45": ("smollm2", _budget_heal(45)),  # the stretch: a 45-minute heal (about an hour in all)
+    "budget_0.1_heal": ("smollm2", _budget_heal(15, "0.1")),  # fewer sites converted, the same heal
+    "budget_heal_rank32": ("smollm2", _budget_heal(15, "0.4", "heal.lora_rank=32")),  # adapters of rank 32, not 8
     "qwen_per_channel": ("qwen-coder", ["--per", "channel"]),
     "qwen_budget": ("qwen-coder", ["--per", "channel", "--budget-nats", "0.4"]),
     "qwen_budget_heal": ("qwen-coder", _budget_heal(15)),  # the recommended recipe, on the 0.5B
 }
 
 
-LONG = ("budget_heal_45",)  # not run by default: an hour
+LONG = ("budget_heal_45", "budget_0.1_heal", "budget_heal_rank32")  # not run by default: an hour, or studies
 
 
 def _row(job: str, argv: list[str], fid: dict, minutes: float, commit: str) -> dict:
