@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from normlab.conversion.batches import Stop, model_device, run_batch
 from normlab.errors import machine_memory
 
-__all__ = ["BlockStream", "find_blocks"]
+__all__ = ["BlockStream", "block_index", "find_blocks"]
 
 
 def find_blocks(model: nn.Module, sites: list[str]) -> tuple[str, int] | None:
@@ -52,6 +52,12 @@ def find_blocks(model: nn.Module, sites: list[str]) -> tuple[str, int] | None:
         if len(held) >= 2 and (best is None or inside > best[0]):
             best = (inside, name, len(m))
     return None if best is None else (best[1], best[2])
+
+
+def block_index(prefix: str, site: str) -> int | None:
+    """The index of the block of the ``prefix`` list (``model.layers``) that holds ``site``; None outside it."""
+    head = f"{prefix}."
+    return int(site[len(head) :].split(".")[0]) if site.startswith(head) else None
 
 
 def _hidden(args: tuple, kwargs: dict) -> Tensor | None:
@@ -94,8 +100,7 @@ class BlockStream:
 
     def block_of(self, site: str) -> int | None:
         """The index of the block that holds ``site``, or None for a site outside the blocks."""
-        head = f"{self.prefix}."
-        return int(site[len(head) :].split(".")[0]) if site.startswith(head) else None
+        return block_index(self.prefix, site)
 
     def serves(self, site: str) -> bool:
         """Whether ``site``'s inputs come from this stream: it is sound, and the site is in a block not yet passed, or

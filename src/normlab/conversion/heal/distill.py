@@ -46,6 +46,7 @@ import torch
 from torch import nn
 
 from normlab.conversion.batches import as_batches, autocast_dtype, input_ids, logit_rows, row_chunks, run_batch
+from normlab.conversion.calibrate.stream import block_index
 from normlab.conversion.config import HealConfig, flag
 from normlab.conversion.heal.blocks import blocks
 from normlab.conversion.heal.loop import (
@@ -244,6 +245,7 @@ def heal(
                 state = load_checkpoint(ckpt, converted, identity, cfg.objective)
                 stream.load_state(state["stream"])
                 report = HealReport(**{**state["report"], "resumed_from": state["report"]["tokens"]})
+                report.frozen_blocks = start  # a checkpoint's identity holds heal.early_blocks: the same start
             scope = converted if objective.whole_model else blocks
             params = _trained(scope, list(blocks)[:start], cfg.train)
             check = Validation(original, converted, val, params)
@@ -292,7 +294,7 @@ def first_converted_block(list_name: str, n_blocks: int, sites: list[str]) -> in
         n_blocks: How many blocks it holds.
         sites: The converted sites' names.
     """
-    held = [i for i in range(n_blocks) if any(s.startswith(f"{list_name}.{i}.") for s in sites)]
+    held = [b for b in (block_index(list_name, s) for s in sites) if b is not None]
     return min(held, default=n_blocks - 1)
 
 
