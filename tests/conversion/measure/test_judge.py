@@ -98,10 +98,30 @@ def test_the_original_judged_against_itself_is_perfect(lm, tmp_path):
     for t in [*r["texts"].values(), r["long"], *r["stress"].values()]:
         assert t["same_top1"] == 1.0 and t["kld"]["max"] < 1e-5 and abs(t["gap"]["worst"]) < 1e-5
     assert r["generation"]["chat_score"] == 1.0 and r["generation"]["prompts"] == 4
+    assert r["generation"]["parted"] == {"answers": 0}
     assert r["consistency"]["padded"] < 1e-4 and r["consistency"]["kv_chunks"] < 1e-4
     assert r["blowups"]["over"] == []
     text = usage_lines(r)
     assert "same top-1" in text and "blow-ups" in text and "Q: What is the capital of France?" in text
+
+
+def test_an_answer_parts_at_its_first_other_token_by_the_originals_own_preference(lm):
+    """`parting` against a hand computation: the first index where the answers differ, and the original's log
+    probability of its token less that of the other answer's, from a full forward pass in float64; answers that never
+    differ before one ends do not part. The summary's medians (the lower of two middles) and near ties, by hand."""
+    from normlab.conversion.measure.usage import NEAR_TIE, _parted, parting
+
+    model, *_ = lm
+    prompt, a, b = torch.tensor([3, 1, 4, 1]), torch.tensor([5, 9, 2, 6]), torch.tensor([5, 9, 7])
+    r = parting(model, prompt, a, b)
+    with torch.no_grad():
+        lp = torch.log_softmax(model(torch.tensor([[3, 1, 4, 1, 5, 9]])).logits[0, -1].double(), -1)
+    assert r["token"] == 2 and r["margin"] == pytest.approx(float(lp[2] - lp[7]), abs=1e-5)
+    assert parting(model, prompt, a, a) is None and parting(model, prompt, a, a[:2]) is None
+    parts = [{"token": 1, "margin": 0.2}, {"token": 7, "margin": 1.0}, {"token": 3, "margin": NEAR_TIE - 0.1},
+             {"token": 4, "margin": 2.0}]  # fmt: skip
+    assert _parted(parts) == {"answers": 4, "token_median": 3.0, "margin_median": 0.4, "near_ties": 2}
+    assert _parted([]) == {"answers": 0}
 
 
 def test_the_mid_text_starts_begin_at_as_many_tokens_of_the_held_out_text():

@@ -6,7 +6,8 @@
 * **long context**: sequences of ``long_tokens`` (1,024 by default) from the held-out end of the text, with the gap
   by position;
 * **generation**: both models' greedy answers to `PROMPTS`; the **chat score** is the share of answers whose first
-  ``words`` words (6) are the original's. An answer that repeats the chat template's system prompt is counted;
+  ``words`` words (6) are the original's. An answer that repeats the chat template's system prompt is counted, and
+  where each answer parts from the original's (`parting`): at which token, and how sure the original was there;
 * **stress**: inputs that break a position rule or a short calibration (`stress_items`): leading and repeated
   delimiters, a BOS mid-sequence, code, digits, long words, 2,048 tokens, and windows of the held-out text cut at
   32 offsets, so that 32 different tokens come first (the first position carries a massive activation whatever
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import asdict, dataclass
+from statistics import median_low
 
 import torch
 from torch import Tensor, nn
@@ -29,7 +31,7 @@ from normlab.conversion.hf import leading_bos, token_chunks
 from normlab.conversion.measure.judge import TokenTally, judge_tokens
 from normlab.table import format_table
 
-__all__ = ["PROMPTS", "UsageConfig", "usage_report", "usage_lines", "stress_items", "greedy_answers"]
+__all__ = ["PROMPTS", "UsageConfig", "usage_report", "usage_lines", "stress_items", "greedy_answers", "parting"]
 
 PROMPTS = (
     "What is the capital of France?",
@@ -59,6 +61,7 @@ PROMPTS = (
 )
 
 
+NEAR_TIE = 0.5  # nats: an answer that parts where the original preferred its token by less parts on a near tie
 STARTS = 32  # windows of the held-out text among the stress inputs, each starting at its own offset
 
 
@@ -133,6 +136,41 @@ def _chat(tokenizer: object, prompts: tuple[str, ...]) -> tuple[list[Tensor], st
     return ids, system
 
 
+def parting(original: nn.Module, prompt: Tensor, a: Tensor, b: Tensor) -> dict | None:
+    """Where the answer ``b`` leaves the original's greedy answer ``a`` to ``prompt``, and by how much the original
+    preferred its own token there: ``{"token": k, "margin": log p(a[k]) - log p(b[k])}`` under the original, in nats
+    (>= 0 up to float noise: ``a[k]`` is its argmax). None when neither answer leaves the other before one ends.
+
+    Args:
+        original: The model whose greedy answer ``a`` is.
+        prompt: The prompt's token ids (T,).
+        a: The original's answer ids.
+        b: The other answer's ids.
+    """
+    n = min(len(a), len(b))
+    k = next((i for i in range(n) if a[i] != b[i]), None)
+    if k is None:
+        return None
+    device = next(original.parameters()).device
+    with torch.no_grad():
+        logits = original(torch.cat([prompt, a[:k]])[None].to(device)).logits[0, -1].float()
+    lp = torch.log_softmax(logits, -1).cpu()
+    return {"token": k, "margin": float(lp[a[k]] - lp[b[k]])}
+
+
+def _parted(parts: list[dict]) -> dict:
+    """The partings' summary: how many, their median token and margin (the lower middle of an even count), and how
+    many are near ties."""
+    if not parts:
+        return {"answers": 0}
+    return {
+        "answers": len(parts),
+        "token_median": float(median_low(p["token"] for p in parts)),
+        "margin_median": median_low(p["margin"] for p in parts),
+        "near_ties": sum(p["margin"] < NEAR_TIE for p in parts),
+    }
+
+
 def _echoes(answer: str, system: str, n: int = 5) -> bool:
     """Whether ``answer`` repeats ``n`` consecutive words of the system prompt."""
     words, sys_text = answer.split(), " ".join(system.split())
@@ -151,11 +189,13 @@ def _generation(original, converted, tokenizer: object, cfg: UsageConfig) -> tup
     got = greedy_answers(converted, prompts, cfg.new_tokens, eos)
     text = [[tokenizer.decode(a, skip_special_tokens=True).strip() for a in side] for side in (ref, got)]
     same = [a.split()[: cfg.words] == b.split()[: cfg.words] for a, b in zip(*text)]
+    parts = [m for m in (parting(original, p, a, b) for p, a, b in zip(prompts, ref, got)) if m is not None]
     result = {
         "prompts": len(prompts),
         "chat_score": sum(same) / len(same),
         "system_echoes": sum(_echoes(b, system) for b in text[1]),
         "system_echoes_original": sum(_echoes(a, system) for a in text[0]),
+        "parted": _parted(parts),
         "answers": [{"prompt": p, "original": a, "converted": b} for p, a, b in zip(PROMPTS, *text)],
     }
     items = [(torch.cat([p, a]), len(p)) for p, a in zip(prompts, ref) if len(a) > 1]
@@ -351,6 +391,14 @@ def usage_lines(report: dict, markdown: bool = False) -> str:
             f"first {report['config']['words']} words; {g['system_echoes']} repeat the system prompt "
             f"(the original: {g['system_echoes_original']})"
         )
+        p = g.get("parted", {"answers": 0})
+        if p["answers"]:
+            out.append(
+                f"  {p['answers']} of {g['prompts']} answers part from the original's within "
+                f"{report['config']['new_tokens']} tokens, at a median token {p['token_median']:.0f}; there the "
+                f"original preferred its token by a median {p['margin_median']:.2f} nats, by less than {NEAR_TIE} "
+                f"in {p['near_ties']} (near ties)"
+            )
         for a in g["answers"][: report["config"]["shown"]]:
             out.append(
                 f"  Q: {a['prompt']}\n    original:  {_one_line(a['original'])}\n"
