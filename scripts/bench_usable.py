@@ -55,13 +55,14 @@ JOBS = {  # name -> the model and the flags after --to dyisru
     "budget_heal_45": ("smollm2", _budget_heal(45)),  # the stretch: a 45-minute heal (about an hour in all)
     "budget_0.1_heal": ("smollm2", _budget_heal(15, "0.1")),  # fewer sites converted, the same heal
     "budget_heal_rank32": ("smollm2", _budget_heal(15, "0.4", "heal.lora_rank=32")),  # adapters of rank 32, not 8
+    "budget_0.1_heal_2048": ("smollm2", _budget_heal(15, "0.1", "heal.self_sequences=2048")),  # twice the samples
     "qwen_per_channel": ("qwen-coder", ["--per", "channel"]),
     "qwen_budget": ("qwen-coder", ["--per", "channel", "--budget-nats", "0.4"]),
     "qwen_budget_heal": ("qwen-coder", _budget_heal(15)),  # the recommended recipe, on the 0.5B
 }
 
 
-LONG = ("budget_heal_45", "budget_0.1_heal", "budget_heal_rank32")  # not run by default: an hour, or studies
+LONG = ("budget_heal_45", "budget_0.1_heal", "budget_heal_rank32", "budget_0.1_heal_2048")  # studies: not by default
 
 
 def _row(job: str, argv: list[str], fid: dict, minutes: float, commit: str) -> dict:
