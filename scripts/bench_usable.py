@@ -2,7 +2,7 @@
 asked for, of Qwen2.5-Coder-0.5B-Instruct: the qwen_ jobs) per recipe, in a fresh process, and the statistics its
 judgement prints (`normlab.conversion.measure.usage`), one row each.
 
-    python scripts/bench_usable.py                                   # every job, in order
+    python scripts/bench_usable.py                                   # the README's rows, in order (2 hours)
     python scripts/bench_usable.py --jobs per_channel budget        # some of them
 
 A row holds the command, the commit, the machine and the date, the minutes the command took, and per text (held
@@ -51,18 +51,18 @@ JOBS = {  # name -> the model and the flags after --to dyisru
     "budget_0.2": ("smollm2", ["--per", "channel", "--budget-nats", "0.2"]),
     "budget_0.1": ("smollm2", ["--per", "channel", "--budget-nats", "0.1"]),
     "recipe": ("smollm2", RECIPE),
-    "budget_heal": ("smollm2", _budget_heal(15)),  # the recommended recipe
+    "budget_heal": ("smollm2", _budget_heal(15)),  # 0.4.4's recipe
     "budget_heal_45": ("smollm2", _budget_heal(45)),  # the stretch: a 45-minute heal (about an hour in all)
     "budget_0.1_heal": ("smollm2", _budget_heal(15, "0.1")),  # fewer sites converted, the same heal
     "budget_heal_rank32": ("smollm2", _budget_heal(15, "0.4", "heal.lora_rank=32")),  # adapters of rank 32, not 8
-    "budget_0.1_heal_2048": ("smollm2", _budget_heal(15, "0.1", "heal.self_sequences=2048")),  # twice the samples
+    "budget_0.1_heal_2048": ("smollm2", _budget_heal(15, "0.1", "heal.self_sequences=2048")),  # the recommended
     "qwen_per_channel": ("qwen-coder", ["--per", "channel"]),
     "qwen_budget": ("qwen-coder", ["--per", "channel", "--budget-nats", "0.4"]),
     "qwen_budget_heal": ("qwen-coder", _budget_heal(15)),  # the recommended recipe, on the 0.5B
 }
 
 
-LONG = ("budget_heal_45", "budget_0.1_heal", "budget_heal_rank32", "budget_0.1_heal_2048")  # studies: not by default
+README = ("budget_0.1_heal_2048", "budget_heal", "budget", "per_channel", "recipe", "per_channel_route")  # its rows
 
 
 def _row(job: str, argv: list[str], fid: dict, minutes: float, commit: str) -> dict:
@@ -116,9 +116,7 @@ def _stage_rows(row: dict, fid: dict) -> list[dict]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument(
-        "--jobs", nargs="+", choices=list(JOBS), default=[j for j in JOBS if not j.startswith("qwen") and j not in LONG]
-    )
+    p.add_argument("--jobs", nargs="+", choices=list(JOBS), default=list(README))
     p.add_argument("--keep", type=Path, help="keep each run's folder under this folder")
     p.add_argument("--csv", type=Path, default=ROOT / "bench" / "usable.csv")
     p.add_argument("--stages", type=Path, default=ROOT / "bench" / "convert_stages.csv",

@@ -18,12 +18,12 @@ from pathlib import Path
 from _study import ROOT, save
 
 JOBS = {  # job -> its label, in the order the README's table lists the recipes
+    "budget_0.1_heal_2048": "walk 0.1\n+ heal",
+    "budget_heal": "walk 0.4\n+ heal",
+    "budget": "walk 0.4",
     "per_channel": "per channel",
-    "budget": "budget walk\n0.4",
-    "budget_0.2": "budget walk\n0.2",
-    "budget_heal": "budget walk\n0.4 + heal",
     "recipe": "per channel\n+ heal",
-    "per_channel_route": "per channel,\nevery site",
+    "per_channel_route": "every site",
 }
 
 
