@@ -55,7 +55,12 @@ def find_blocks(model: nn.Module, sites: list[str]) -> tuple[str, int] | None:
 
 
 def block_index(prefix: str, site: str) -> int | None:
-    """The index of the block of the ``prefix`` list (``model.layers``) that holds ``site``; None outside it."""
+    """The index of the block of the ``prefix`` list that holds ``site``; None outside it.
+
+    Args:
+        prefix: The name of the blocks' ``nn.ModuleList`` (``model.layers``).
+        site: A module's name.
+    """
     head = f"{prefix}."
     return int(site[len(head) :].split(".")[0]) if site.startswith(head) else None
 
