@@ -235,7 +235,6 @@ def heal(
     )
     blocks = converted.get_submodule(list_name)
     start = first_converted_block(list_name, len(blocks), sites) if cfg.early_blocks == "frozen" else 0
-    report.frozen_blocks = start
     with frozen(original, converted):
         if cfg.train == "lora":
             add_lora(nn.ModuleList(list(blocks)[start:]), cfg.lora_rank)
@@ -245,7 +244,6 @@ def heal(
                 state = load_checkpoint(ckpt, converted, identity, cfg.objective)
                 stream.load_state(state["stream"])
                 report = HealReport(**{**state["report"], "resumed_from": state["report"]["tokens"]})
-                report.frozen_blocks = start  # a checkpoint's identity holds heal.early_blocks: the same start
             scope = converted if objective.whole_model else blocks
             params = _trained(scope, list(blocks)[:start], cfg.train)
             check = Validation(original, converted, val, params)
@@ -273,7 +271,7 @@ def heal(
         finally:
             if cfg.train == "lora":
                 merge_lora(converted)
-    report.sequences = stream.drawn
+    report.sequences, report.frozen_blocks = stream.drawn, start  # a resumed report's too (pre-0.4.4: none)
     report.stream_passes = stream.drawn / len(stream)
     report.seconds = run.budget.seconds()
     return report
