@@ -3,10 +3,10 @@ them, judged exactly as a conversion is (`normlab.conversion.measure.usage.usage
 worst sequence, the chat score). They say what the numbers of a conversion mean: how much agreement a change that
 users call harmless keeps, and so whether a target such as a chat score of 50% asks for more than that.
 
-    python scripts/bench_reference_points.py                       # bf16, 8-bit and 4-bit weights
-    python scripts/bench_reference_points.py --points int4
+    python scripts/bench_reference_points.py                       # bf16, 8-, 6- and 4-bit weights
+    python scripts/bench_reference_points.py --points int6         # between: 6 bits
 
-The points: every weight of the blocks' linear layers rounded to bf16, or to 8 or 4 bits round-to-nearest with one
+The points: every weight of the blocks' linear layers rounded to bf16, or to 8, 6 or 4 bits round-to-nearest with one
 absmax scale per group of 32 inputs (no calibration, no error feedback: cruder than llama.cpp's k-quants or
 GPTQ). The embedding, the output layer and the norms stay float32, as most quantized files keep them at higher
 precision. Texts and prompts are a conversion's defaults: the held-out end of the Shakespeare text, docutils'
@@ -38,11 +38,11 @@ GROUP = 32  # inputs per absmax scale
 
 
 def round_weight(w: torch.Tensor, point: str) -> torch.Tensor:
-    """``w`` (out, in) rounded as ``point`` says: "bf16", or "int8"/"int4" round-to-nearest per group of ``GROUP``
-    inputs, symmetric, one absmax scale a group."""
+    """``w`` (out, in) rounded as ``point`` says: "bf16", or "int8"/"int6"/"int4" round-to-nearest per group of
+    ``GROUP`` inputs, symmetric, one absmax scale a group."""
     if point == "bf16":
         return w.to(torch.bfloat16).to(w.dtype)
-    bits = {"int8": 8, "int4": 4}[point]
+    bits = {"int8": 8, "int6": 6, "int4": 4}[point]
     top = 2 ** (bits - 1) - 1
     out, n = w.shape
     pad = (-n) % GROUP
@@ -78,7 +78,9 @@ def _row(point: str, report: dict, minutes: float) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--points", nargs="+", choices=["bf16", "int8", "int4"], default=["bf16", "int8", "int4"])
+    p.add_argument(
+        "--points", nargs="+", choices=["bf16", "int8", "int6", "int4"], default=["bf16", "int8", "int6", "int4"]
+    )
     p.add_argument("--csv", type=Path, default=ROOT / "bench" / "reference_points.csv")
     args = p.parse_args()
     model, tok = load_model(smollm2(), progress=False)

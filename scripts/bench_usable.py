@@ -56,6 +56,11 @@ JOBS = {  # name -> the model and the flags after --to dyisru
     "budget_0.1_heal": ("smollm2", _budget_heal(15, "0.1")),  # fewer sites converted, the same heal
     "budget_heal_rank32": ("smollm2", _budget_heal(15, "0.4", "heal.lora_rank=32")),  # adapters of rank 32, not 8
     "budget_0.1_heal_2048": ("smollm2", _budget_heal(15, "0.1", "heal.self_sequences=2048")),  # the recommended
+    "budget_0.1_heal_4096": ("smollm2", _budget_heal(12, "0.1", "heal.self_sequences=4096")),  # twice the samples
+    "budget_0.1_heal_t07": (  # samples nearer the answers a user reads: temperature 0.7
+        "smollm2",
+        _budget_heal(15, "0.1", "heal.self_sequences=2048", "heal.temperature=0.7"),
+    ),
     "qwen_per_channel": ("qwen-coder", ["--per", "channel"]),
     "qwen_budget": ("qwen-coder", ["--per", "channel", "--budget-nats", "0.4"]),
     "qwen_budget_heal": ("qwen-coder", _budget_heal(15)),  # the recommended recipe, on the 0.5B

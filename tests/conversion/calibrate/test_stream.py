@@ -81,6 +81,22 @@ def test_a_model_without_blocks_takes_the_prefix_path_and_says_why():
     assert find_blocks(model, ["1", "3"]) is None
 
 
+def test_find_blocks_asks_for_two_blocks_with_sites_unless_told_one():
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = nn.RMSNorm(4)
+
+    model = nn.Module()
+    model.head = nn.ModuleList([nn.Linear(4, 4), nn.RMSNorm(4)])  # mixed classes: never the blocks
+    model.layers = nn.ModuleList([Block() for _ in range(3)])
+    one, two = ["layers.2.norm", "head.1"], ["layers.0.norm", "layers.2.norm"]
+    assert find_blocks(model, one) is None  # one block holds a site: calibration has nothing to stream
+    assert find_blocks(model, one, least=1) == ("layers", 3)  # a heal freezes blocks 0 and 1
+    assert find_blocks(model, two) == find_blocks(model, two, least=1) == ("layers", 3)
+    assert find_blocks(model, ["head.1"], least=1) is None
+
+
 class _Unchained(nn.Module):
     """Blocks in a ModuleList, with ``between`` applied between them, or run in another ``order``: not a chain the
     stream may replay. A final norm reads ``last`` of the last block's output."""

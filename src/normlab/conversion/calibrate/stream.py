@@ -34,22 +34,24 @@ from normlab.errors import machine_memory
 __all__ = ["BlockStream", "block_index", "find_blocks"]
 
 
-def find_blocks(model: nn.Module, sites: list[str]) -> tuple[str, int] | None:
+def find_blocks(model: nn.Module, sites: list[str], least: int = 2) -> tuple[str, int] | None:
     """The model's decoder blocks: the name of the ``nn.ModuleList`` of one class holding the most sites (at least
-    two of its blocks holding one), and its length; None when there is none.
+    ``least`` of its blocks holding one), and its length; None when there is none. Calibration streams blocks only
+    where two or more hold a site; a heal freezes the blocks before the first converted one, so one suffices there.
 
     Args:
         model: The model.
         sites: The names of the sites to be converted.
+        least: How many of the list's blocks must hold a site.
     """
     best = None
     for name, m in model.named_modules():
-        if not isinstance(m, nn.ModuleList) or len(m) < 2 or len({type(c) for c in m}) != 1:
+        if not isinstance(m, nn.ModuleList) or len(m) == 0 or len({type(c) for c in m}) != 1:
             continue
         prefix = f"{name}." if name else ""
         held = {s.removeprefix(prefix).split(".")[0] for s in sites if s.startswith(prefix)}
         inside = sum(s.startswith(prefix) for s in sites)
-        if len(held) >= 2 and (best is None or inside > best[0]):
+        if len(held) >= max(least, 1) and (best is None or inside > best[0]):
             best = (inside, name, len(m))
     return None if best is None else (best[1], best[2])
 

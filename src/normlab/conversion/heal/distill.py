@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from normlab.conversion.batches import as_batches, autocast_dtype, input_ids, logit_rows, row_chunks, run_batch
-from normlab.conversion.calibrate.stream import block_index
+from normlab.conversion.calibrate.stream import block_index, find_blocks
 from normlab.conversion.config import HealConfig, flag
 from normlab.conversion.heal.blocks import blocks
 from normlab.conversion.heal.loop import (
@@ -74,7 +74,6 @@ __all__ = [
     "heal",
     "check_heal_resources",
     "HealReport",
-    "find_blocks",
     "OBJECTIVES",
     "Objective",
     "distill",
@@ -84,26 +83,15 @@ __all__ = [
 _RUN_OPTIONS = ("val", "progress")  # the call's own keywords besides HealConfig's fields
 
 
-def find_blocks(model: nn.Module, site_names: Iterable[str]) -> str:
-    """The name of the ``nn.ModuleList`` holding the transformer blocks: the one that holds the most sites.
-
-    Args:
-        model: The converted model.
-        site_names: The converted sites' names.
-    """
-    sites = list(site_names)
-    best, count = None, 0
-    for name, m in model.named_modules():
-        if isinstance(m, nn.ModuleList) and len(m) > 0:
-            n = sum(any(s.startswith(f"{name}.{i}.") for i in range(len(m))) for s in sites)
-            if n > count:
-                best, count = name, n
-    if best is None:
+def _block_list(model: nn.Module, sites: list[str]) -> str:
+    """The name of the ``nn.ModuleList`` of blocks holding the converted ``sites`` (`find_blocks`, one block enough)."""
+    found = find_blocks(model, sites, least=1)
+    if found is None:
         raise ValueError(
             "heal: found no nn.ModuleList of blocks holding the converted norms; block-wise healing "
             "needs a model built as a list of blocks (as every Hugging Face transformer is)"
         )
-    return best
+    return found[0]
 
 
 def _stream_of(data, seed: int = 0) -> TokenStream | MixedStream:
@@ -223,7 +211,7 @@ def heal(
         if record is not None
         else [n for n, m in converted.named_modules() if is_ours(m)]
     )
-    list_name = find_blocks(converted, sites)
+    list_name = _block_list(converted, sites)
     if cfg.eval_every is None:
         cfg = dataclasses.replace(cfg, eval_every=8 * cfg.batch_size * stream.seq_len)  # a val pass ~ one step
     objective = OBJECTIVES[cfg.objective]
