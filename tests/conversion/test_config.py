@@ -53,6 +53,8 @@ def test_set_reaches_every_section_and_unknown_fields_are_named():
         resolve_convert_config(["calibrate.massive=0.5"])
     with pytest.raises(ValueError, match=r"--set heal.lr must be a finite number > 0"):
         resolve_convert_config(["heal.minutes=1", "heal.lr=-1"])
+    with pytest.raises(ValueError, match=r"--set heal.lora_lr must be a finite number > 0"):
+        resolve_convert_config(["heal.minutes=1", "heal.train=lora", "heal.lora_lr=inf"])
     with pytest.raises(ValueError, match=r"--set heal.lr applies only to a heal"):
         resolve_convert_config(["heal.lr=1e-3"])
 
@@ -283,6 +285,7 @@ def test_a_heal_checkpoint_records_the_rate_it_runs_at_not_the_absence_of_one():
     "sets, says",
     [
         (["heal.lora_rank=4"], "heal.lora_rank sizes heal.train=lora's adapters: it does nothing here"),
+        (["heal.lora_lr=3e-4"], "heal.lora_lr is heal.train=lora's adapters' rate: it does nothing here"),
         (["heal.objective=blocks", "heal.grad_clip=0.5"], "heal.grad_clip clips the distill objective's steps"),
         (["heal.objective=blocks", "heal.rollback_nats=1"], "heal.rollback_nats rolls the distill objective back"),
         (["heal.objective=blocks", "heal.teacher_top_k=64"], "heal.teacher_top_k caches the distill objective's"),
@@ -294,7 +297,9 @@ def test_a_knob_the_heal_would_ignore_is_refused(sets, says):
     knob where it applies, and any knob at its default, pass."""
     with pytest.raises(ValueError, match=says):
         resolve_convert_config(["heal.tokens=1000", *sets])
-    resolve_convert_config(["heal.tokens=1000", "heal.train=lora", "heal.lora_rank=4", "heal.grad_clip=0.5"])
+    resolve_convert_config(
+        ["heal.tokens=1000", "heal.train=lora", "heal.lora_rank=4", "heal.lora_lr=3e-4", "heal.grad_clip=0.5"]
+    )
     resolve_convert_config(["heal.tokens=1000", "heal.objective=blocks", "heal.grad_clip=1.0"])  # the default
 
 

@@ -173,6 +173,8 @@ class HealConfig:
     """Trained tokens between validation points; None: every 8 steps."""
     lora_rank: int = LORA_RANK
     """The adapters' rank (train "lora")."""
+    lora_lr: float | None = None
+    """The adapters' Adam rate (train "lora"); None: HEAL_LEARNING_RATES["lora"], 1e-3. ``lr`` sets the norms'."""
     early_blocks: Literal["frozen", "trained"] = "frozen"
     """The blocks before the first one that holds a converted site: "frozen" keeps them the original's (the massive
     activation forms there; adapted, Qwen2.5-Coder-0.5B's stopped forming for a sequence that starts with "["),
@@ -210,6 +212,9 @@ class HealConfig:
         key = "all" if self.train == "all" else "blocks" if self.objective == "blocks" else "norms"
         return self.lr if self.lr is not None else HEAL_LEARNING_RATES[key]
 
+    def lora_rate(self) -> float:
+        return self.lora_lr if self.lora_lr is not None else HEAL_LEARNING_RATES["lora"]
+
     def validate(self) -> None:
         check_types(self, "heal.")
         if self.minutes is not None and self.tokens is not None:
@@ -222,8 +227,12 @@ class HealConfig:
                 raise ValueError(f"{flag('heal.' + name)} must be a finite number > 0, got {v!r}")
         if self.tokens is not None and not float(self.tokens).is_integer():
             raise ValueError(f"{flag('heal.tokens')} must be a whole number of tokens, got {self.tokens!r}")
-        if self.lr is not None and not (self.lr > 0 and math.isfinite(self.lr)):
-            raise ValueError(f"{flag('heal.lr')} must be a finite number > 0 (or null: the default), got {self.lr!r}")
+        for name in ("lr", "lora_lr"):
+            v = getattr(self, name)
+            if v is not None and not (v > 0 and math.isfinite(v)):
+                raise ValueError(
+                    f"{flag('heal.' + name)} must be a finite number > 0 (or null: the default), got {v!r}"
+                )
         if self.precision != "float32" and self.objective != "distill":
             raise ValueError(f"{flag('heal.precision')} {self.precision} applies to the distill objective's steps")
         if self.schedule != "constant" and self.objective != "distill":
@@ -254,7 +263,8 @@ class HealConfig:
         for name, idle, why in (("teacher_top_k", blocks, "caches the distill objective's teacher; blocks has none"),
                                 ("grad_clip", blocks, "clips the distill objective's steps; blocks does not clip"),
                                 ("rollback_nats", blocks, "rolls the distill objective back; blocks keeps its best"),
-                                ("lora_rank", self.train != "lora", "sizes heal.train=lora's adapters")):  # fmt: skip
+                                ("lora_rank", self.train != "lora", "sizes heal.train=lora's adapters"),
+                                ("lora_lr", self.train != "lora", "is heal.train=lora's adapters' rate")):  # fmt: skip
             if idle and getattr(self, name) != plain[name].default:
                 raise ValueError(f"{flag('heal.' + name)} {why}: it does nothing here; drop it")
         if not self.budgeted:

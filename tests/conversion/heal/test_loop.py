@@ -78,3 +78,23 @@ def test_the_validation_measured_in_parts_reads_as_the_whole_split(monkeypatch):
     (n_whole, whole), (n_parts, parts) = read
     assert (n_whole, n_parts) == (2, 6)
     assert parts == pytest.approx(whole, rel=1e-6)
+
+
+def test_the_adapters_take_their_own_rate_and_a_rollback_halves_both():
+    """heal.lora_lr sets the LoRA adapters' Adam rate (1e-3 by default), heal.lr the norms': each group its own."""
+    from normlab.conversion.config import HEAL_LEARNING_RATES, HealConfig
+    from normlab.conversion.heal.loop import make_optimizer, trainable
+    from normlab.conversion.heal.lora import add_lora
+
+    model = copy.deepcopy(peaked_lm(0))
+    normlab.convert_norms(model, "dyisru")
+    adapters = {id(p) for w in add_lora(model.model.layers, rank=2) for p in (w.lora_a, w.lora_b)}
+    params = trainable(model, "lora")
+    assert adapters <= {id(p) for p in params} and len(params) > len(adapters)
+
+    def rates(cfg: HealConfig, scale: float = 1.0) -> set[tuple[bool, float]]:
+        opt = make_optimizer(params, cfg.rate(), model, scale, cfg.lora_rate())
+        return {(any(id(p) in adapters for p in g["params"]), g["lr"]) for g in opt.param_groups}
+
+    assert rates(HealConfig(train="lora")) == {(False, 2.5e-4), (True, HEAL_LEARNING_RATES["lora"])}
+    assert rates(HealConfig(train="lora", lr=1e-4, lora_lr=3e-4), 0.5) == {(False, 5e-5), (True, 1.5e-4)}

@@ -152,7 +152,7 @@ def _train_block(run: HealRun, k: int, block: nn.Module, call, x_c: list, ys: li
     if block_params:
         for p in block_params:
             p.requires_grad_(True)
-        opt = make_optimizer(block_params, run.cfg.rate(), run.converted)
+        opt = make_optimizer(block_params, run.cfg.rate(), run.converted, lora_lr=run.cfg.lora_rate())
         order = torch.randperm(len(x_c), generator=torch.Generator().manual_seed(k))
         try:
             while steps == 0 or run.budget.used() < end:

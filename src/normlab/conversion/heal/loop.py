@@ -94,7 +94,9 @@ def frozen(original: nn.Module, converted: nn.Module):
                 p.requires_grad_(flag)
 
 
-def make_optimizer(params: list, lr: float, converted: nn.Module, scale: float = 1.0) -> torch.optim.Optimizer:
+def make_optimizer(
+    params: list, lr: float, converted: nn.Module, scale: float = 1.0, lora_lr: float = HEAL_LEARNING_RATES["lora"]
+) -> torch.optim.Optimizer:
     """Adam over ``params``. DyT's alpha is stored as is and can sit anywhere from 1e-4 to 10 after calibration,
     and Adam's steps are absolute, so each alpha gets a rate relative to its own size (log_beta is already a
     log); LoRA's adapters get their own rate. ``scale`` multiplies every group's rate (after a rollback).
@@ -104,6 +106,7 @@ def make_optimizer(params: list, lr: float, converted: nn.Module, scale: float =
         lr: The base rate.
         converted: The model they belong to (to find DyT's alphas and LoRA's adapters).
         scale: A multiple of every group's rate.
+        lora_lr: The adapters' rate (``heal.lora_lr``).
     """
     alphas = {
         id(m.alpha) for m in converted.modules() if is_ours(m) and isinstance(getattr(m, "alpha", None), nn.Parameter)
@@ -112,7 +115,7 @@ def make_optimizer(params: list, lr: float, converted: nn.Module, scale: float =
     plain = [p for p in params if id(p) not in alphas and id(p) not in lora]
     lr = lr * scale
     groups = [{"params": plain, "lr": lr},
-              {"params": [p for p in params if id(p) in lora], "lr": HEAL_LEARNING_RATES["lora"] * scale}]  # fmt: skip
+              {"params": [p for p in params if id(p) in lora], "lr": lora_lr * scale}]  # fmt: skip
     groups += [
         {"params": [p], "lr": lr * float(p.detach().abs().mean().clamp_min(1e-12))} for p in params if id(p) in alphas
     ]
@@ -289,7 +292,9 @@ class HealRun:
 
     def optimizer(self) -> torch.optim.Optimizer:
         """A fresh optimizer at the configured rate, halved once per rollback so far."""
-        return make_optimizer(self.params, self.cfg.rate(), self.converted, 0.5**self.report.rollbacks)
+        return make_optimizer(
+            self.params, self.cfg.rate(), self.converted, 0.5**self.report.rollbacks, self.cfg.lora_rate()
+        )
 
     def rolled_back(self, point: dict) -> bool:
         """Roll back when ``point`` is more than ``rollback_nats`` above the best validation point (or not finite):
