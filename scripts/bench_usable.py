@@ -61,6 +61,13 @@ JOBS = {  # name -> the model and the flags after --to dyisru
         "smollm2",
         _budget_heal(15, "0.1", "heal.self_sequences=2048", "heal.temperature=0.7"),
     ),
+    **{  # the adapters' rate around its default 1e-3, on the recommended recipe
+        f"budget_0.1_heal_lora{lr}": (
+            "smollm2",
+            _budget_heal(15, "0.1", "heal.self_sequences=2048", f"heal.lora_lr={lr}"),
+        )
+        for lr in ("3e-4", "3e-3")
+    },
     "qwen_per_channel": ("qwen-coder", ["--per", "channel"]),
     "qwen_budget": ("qwen-coder", ["--per", "channel", "--budget-nats", "0.4"]),
     "qwen_budget_heal": ("qwen-coder", _budget_heal(15)),  # the recommended recipe, on the 0.5B
