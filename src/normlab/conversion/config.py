@@ -219,7 +219,7 @@ class HealConfig:
         check_types(self, "heal.")
         if self.minutes is not None and self.tokens is not None:
             raise ValueError(f"give one heal budget: {flag('heal.minutes')} or {flag('heal.tokens')}")
-        for name in ("minutes", "tokens"):
+        for name in ("minutes", "tokens", "lr", "lora_lr"):  # lr, lora_lr: None is the default
             v = getattr(self, name)
             if v is not None and (
                 isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or not math.isfinite(v)
@@ -227,12 +227,6 @@ class HealConfig:
                 raise ValueError(f"{flag('heal.' + name)} must be a finite number > 0, got {v!r}")
         if self.tokens is not None and not float(self.tokens).is_integer():
             raise ValueError(f"{flag('heal.tokens')} must be a whole number of tokens, got {self.tokens!r}")
-        for name in ("lr", "lora_lr"):
-            v = getattr(self, name)
-            if v is not None and not (v > 0 and math.isfinite(v)):
-                raise ValueError(
-                    f"{flag('heal.' + name)} must be a finite number > 0 (or null: the default), got {v!r}"
-                )
         if self.precision != "float32" and self.objective != "distill":
             raise ValueError(f"{flag('heal.precision')} {self.precision} applies to the distill objective's steps")
         if self.schedule != "constant" and self.objective != "distill":
@@ -259,12 +253,12 @@ class HealConfig:
                 raise ValueError(f"{flag('heal.' + name)} must be a number in ({lo:g}, {hi:g}), got {v!r}")
         if self.checkpoint is not None and not str(self.checkpoint).strip():
             raise ValueError(f"{flag('heal.checkpoint')} must name a file, got {self.checkpoint!r}")
-        blocks, plain = self.objective != "distill", HealConfig.__dataclass_fields__  # knobs this heal would ignore
+        blocks, plain, lora = self.objective != "distill", HealConfig.__dataclass_fields__, self.train == "lora"
         for name, idle, why in (("teacher_top_k", blocks, "caches the distill objective's teacher; blocks has none"),
                                 ("grad_clip", blocks, "clips the distill objective's steps; blocks does not clip"),
                                 ("rollback_nats", blocks, "rolls the distill objective back; blocks keeps its best"),
-                                ("lora_rank", self.train != "lora", "sizes heal.train=lora's adapters"),
-                                ("lora_lr", self.train != "lora", "is heal.train=lora's adapters' rate")):  # fmt: skip
+                                ("lora_rank", not lora, "sizes heal.train=lora's adapters"),
+                                ("lora_lr", not lora, "is heal.train=lora's adapters' rate")):  # fmt: skip
             if idle and getattr(self, name) != plain[name].default:
                 raise ValueError(f"{flag('heal.' + name)} {why}: it does nothing here; drop it")
         if not self.budgeted:
