@@ -49,13 +49,16 @@ JOBS = {  # name -> the model and the flags after --to dyisru
     "per_channel_shared": ("smollm2", ["--per", "channel", "--massive-tokens", "shared"]),
     "budget": ("smollm2", ["--per", "channel", "--budget-nats", "0.4"]),
     "budget_0.2": ("smollm2", ["--per", "channel", "--budget-nats", "0.2"]),
-    "budget_0.1": ("smollm2", ["--per", "channel", "--budget-nats", "0.1"]),
+    **{f"budget_{n}": ("smollm2", ["--per", "channel", "--budget-nats", n]) for n in ("0.1", "0.05", "0.02")},
     "recipe": ("smollm2", RECIPE),
     "budget_heal": ("smollm2", _budget_heal(15)),  # 0.4.4's recipe
     "budget_heal_45": ("smollm2", _budget_heal(45)),  # the stretch: a 45-minute heal (about an hour in all)
     "budget_0.1_heal": ("smollm2", _budget_heal(15, "0.1")),  # fewer sites converted, the same heal
     "budget_heal_rank32": ("smollm2", _budget_heal(15, "0.4", "heal.lora_rank=32")),  # adapters of rank 32, not 8
     "budget_0.1_heal_2048": ("smollm2", _budget_heal(15, "0.1", "heal.self_sequences=2048")),  # the recommended
+    **{  # fewer sites converted, the recommended heal: the stretch (same top-1 >= 90%, KLD <= 0.05)
+        f"budget_{n}_heal_2048": ("smollm2", _budget_heal(15, n, "heal.self_sequences=2048")) for n in ("0.05", "0.02")
+    },
     "budget_0.1_heal_4096": ("smollm2", _budget_heal(12, "0.1", "heal.self_sequences=4096")),  # twice the samples
     "budget_0.1_heal_t07": (  # samples nearer the answers a user reads: temperature 0.7
         "smollm2",
