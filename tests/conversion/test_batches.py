@@ -87,3 +87,28 @@ def test_row_chunks_cut_a_batch_along_its_rows_and_keep_the_rest():
     assert torch.equal(torch.cat([p["attention_mask"] for p in parts]), d["attention_mask"])
     odd = {"input_ids": x, "other": torch.ones(3)}  # tensors without a common first axis: not cut
     assert row_chunks(odd, 1) == [odd]
+
+
+def test_bf16_insisted_on_a_cpu_without_it_warns_that_it_is_emulated_and_auto_takes_float32(monkeypatch):
+    """A CPU with neither AVX512-BF16 nor AMX runs bf16 matmuls emulated (7x slower than float32 on an AVX2 EPYC):
+    "bf16" still runs there, with a warning that names the field and the way out; "auto" takes float32 silently."""
+    import warnings
+
+    import normlab.errors
+    from normlab.conversion.batches import autocast_dtype
+
+    model = nn.Linear(4, 3)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    monkeypatch.setattr(normlab.errors, "check_cpu_bf16", lambda **kw: None)  # the probe passes: bf16 runs here
+    with pytest.warns(UserWarning, match=r"heal.precision=bf16: this CPU has neither.*heal.precision=auto takes"):
+        dtype, why = autocast_dtype("bf16", model, "heal.precision")
+    assert dtype is torch.bfloat16 and "emulated" in why
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert autocast_dtype("auto", model, "heal.precision")[0] is None
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)  # native: no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        expected = (torch.bfloat16, "bf16 autocast (heal.precision=bf16)")
+        assert autocast_dtype("bf16", model, "heal.precision") == expected

@@ -200,9 +200,10 @@ class HealConfig:
     natively (as budget.precision), else float32 (SmolLM2, 2 cores: 1,024 samples in 2.6 min bf16, 5.2 float32)."""
     teacher_top_k: int | None = None
     """Distill: cache the original's top k logits per sequence (teacher.py); None: the teacher runs live."""
-    precision: Literal["float32", "bf16"] = "float32"
-    """Distill: "bf16" runs each step's matmuls in bf16 (CPU or CUDA autocast), checked before the heal; validation
-    and the saved model stay float32."""
+    precision: Literal["auto", "float32", "bf16"] = "float32"
+    """Distill: "bf16" runs each step's matmuls in bf16 (CPU or CUDA autocast), checked before the heal; "auto" where
+    the device runs bf16 matmuls natively (as budget.precision), else float32; validation and the saved model stay
+    float32."""
 
     @property
     def budgeted(self) -> bool:

@@ -358,7 +358,7 @@ def test_the_stream_never_repeats_before_it_has_used_every_sequence_and_never_to
                                       ({"tokens": 5, "grad_clip": -1.0}, "grad_clip must be a finite number >= 0"),
                                       ({"tokens": 5, "grad_clip": True}, "grad_clip must be a number, got True"),
                                       ({"tokens": 5, "resume": True}, "resume=True needs checkpoint"),
-                                      ({"tokens": 5, "precision": "fp16"}, "precision must be 'float32' or 'bf16'"),
+                                      ({"tokens": 5, "precision": "fp16"}, "precision must be 'auto', 'float32'"),
                                       ({"tokens": 5, "objective": "blocks", "precision": "bf16"},
                                        "precision bf16 applies to the distill")])  # fmt: skip
 def test_heal_bad_input_is_clear(kw, match):
@@ -367,6 +367,27 @@ def test_heal_bad_input_is_clear(kw, match):
     rec = normlab.convert_norms(model, "dyt")
     with pytest.raises(ValueError, match=match):
         normlab.heal(original, model, id_batches(1), rec, **kw)
+
+
+def test_heal_precision_auto_is_resolved_before_any_step_and_the_report_says_how(monkeypatch):
+    """heal.precision=auto: float32 on a CPU without native bf16 (the steps as a float32 heal's, bit for bit), and
+    the report says which arithmetic ran and why; float32 says so too."""
+
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    seen = {}
+    for precision in ("auto", "float32"):
+        original = tiny_lm(initializer_range=0.5)
+        model = copy.deepcopy(original)
+        rec = normlab.convert_norms(model, "dyt")
+        rep = normlab.heal(original, model, id_batches(4, seed=3), rec, tokens=256, val=id_batches(2, seed=9),
+                           precision=precision, eval_every=128, progress=False)  # fmt: skip
+        seen[precision] = (rep, model.state_dict())
+    assert seen["auto"][0].precision == "float32 (heal.precision=auto: this CPU has neither AVX512-BF16 nor AMX)"
+    assert seen["float32"][0].precision == "float32 (heal.precision=float32)"
+    assert [p["val_ce"] for p in seen["auto"][0].curve] == [p["val_ce"] for p in seen["float32"][0].curve]
+    for name, t in seen["auto"][1].items():
+        assert torch.equal(t, seen["float32"][1][name]), name
 
 
 @pytest.mark.slow

@@ -204,8 +204,10 @@ def heal(
     logits = original.get_output_embeddings() if hasattr(original, "get_output_embeddings") else None
     vocab = logits.out_features if isinstance(logits, nn.Linear) else 0
     check_heal_resources(cfg, converted, stream.seq_len, vocab)
-    if cfg.precision == "bf16":  # refused where it cannot run, before any step (the one resolver of a precision)
-        autocast_dtype("bf16", converted, "heal.precision")
+    precision = "float32 (heal.precision=float32)"
+    if cfg.precision != "float32":  # "auto" resolved and "bf16" refused where it cannot run, before any step
+        dtype, precision = autocast_dtype(cfg.precision, converted, "heal.precision")
+        cfg = dataclasses.replace(cfg, precision="bf16" if dtype is not None else "float32")
     sites = (
         [s.name for s in record.sites]
         if record is not None
@@ -219,7 +221,10 @@ def heal(
         _check_logits(original, stream)
     ckpt = Path(cfg.checkpoint) if cfg.checkpoint is not None else None
     report = HealReport(
-        objective=cfg.objective, train=cfg.train, lora_rank=cfg.lora_rank if cfg.train == "lora" else None
+        objective=cfg.objective,
+        train=cfg.train,
+        lora_rank=cfg.lora_rank if cfg.train == "lora" else None,
+        precision=precision,
     )
     blocks = converted.get_submodule(list_name)
     start = first_converted_block(list_name, len(blocks), sites) if cfg.early_blocks == "frozen" else 0
@@ -231,7 +236,9 @@ def heal(
             if cfg.resume and ckpt is not None and ckpt.exists():
                 state = load_checkpoint(ckpt, converted, identity, cfg.objective)
                 stream.load_state(state["stream"])
-                report = HealReport(**{**state["report"], "resumed_from": state["report"]["tokens"]})
+                report = HealReport(
+                    **{**state["report"], "resumed_from": state["report"]["tokens"], "precision": precision}
+                )
             scope = converted if objective.whole_model else blocks
             params = _trained(scope, list(blocks)[:start], cfg.train)
             check = Validation(original, converted, val, params)

@@ -40,6 +40,7 @@ class HealReport:
     rollbacks: int = 0  # times the heal went back to its best state and halved its rate (HealConfig.rollback_nats)
     teacher_computed: int = 0  # with a teacher cache (HealConfig.teacher_top_k): sequences the original ran on
     teacher_reused: int = 0  # and sequences whose targets were read back from it
+    precision: str = "float32"  # the steps' arithmetic, and why (HealConfig.precision, resolved)
 
     def to_dict(self) -> dict:
         return asdict(self)
