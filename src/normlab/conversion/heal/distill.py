@@ -204,10 +204,7 @@ def heal(
     logits = original.get_output_embeddings() if hasattr(original, "get_output_embeddings") else None
     vocab = logits.out_features if isinstance(logits, nn.Linear) else 0
     check_heal_resources(cfg, converted, stream.seq_len, vocab)
-    precision = "float32 (heal.precision=float32)"
-    if cfg.precision != "float32":  # "auto" resolved and "bf16" refused where it cannot run, before any step
-        dtype, precision = autocast_dtype(cfg.precision, converted, "heal.precision")
-        cfg = dataclasses.replace(cfg, precision="bf16" if dtype is not None else "float32")
+    cfg, precision = _precision(cfg, converted)
     sites = (
         [s.name for s in record.sites]
         if record is not None
@@ -220,12 +217,8 @@ def heal(
     if objective.needs_logits or val is not None:
         _check_logits(original, stream)
     ckpt = Path(cfg.checkpoint) if cfg.checkpoint is not None else None
-    report = HealReport(
-        objective=cfg.objective,
-        train=cfg.train,
-        lora_rank=cfg.lora_rank if cfg.train == "lora" else None,
-        precision=precision,
-    )
+    rank = cfg.lora_rank if cfg.train == "lora" else None
+    report = HealReport(objective=cfg.objective, train=cfg.train, lora_rank=rank, precision=precision)
     blocks = converted.get_submodule(list_name)
     start = first_converted_block(list_name, len(blocks), sites) if cfg.early_blocks == "frozen" else 0
     with frozen(original, converted):
@@ -270,6 +263,15 @@ def heal(
     report.stream_passes = stream.drawn / len(stream)
     report.seconds = run.budget.seconds()
     return report
+
+
+def _precision(cfg: HealConfig, converted: nn.Module) -> tuple[HealConfig, str]:
+    """``heal.precision`` resolved before any step, and why: "auto" by the device, "bf16" refused where it cannot
+    run (`normlab.conversion.batches.autocast_dtype`, the one resolver of a precision)."""
+    if cfg.precision == "float32":
+        return cfg, "float32 (heal.precision=float32)"
+    dtype, why = autocast_dtype(cfg.precision, converted, "heal.precision")
+    return dataclasses.replace(cfg, precision="bf16" if dtype is not None else "float32"), why
 
 
 def _trained(scope: nn.Module, early: list[nn.Module], train: str) -> list[nn.Parameter]:
