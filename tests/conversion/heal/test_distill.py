@@ -372,7 +372,6 @@ def test_heal_bad_input_is_clear(kw, match):
 def test_heal_precision_auto_is_resolved_before_any_step_and_the_report_says_how(monkeypatch):
     """heal.precision=auto: float32 on a CPU without native bf16 (the steps as a float32 heal's, bit for bit), and
     the report says which arithmetic ran and why; float32 says so too."""
-
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
     seen = {}
