@@ -35,10 +35,11 @@ RECIPE = ["--per", "channel", "--heal-text", "self", "--heal-minutes", "22", "--
           "heal.schedule=cooldown", "heal.teacher_top_k=1024", "heal.precision=auto"]  # fmt: skip
 
 
-def _budget_heal(minutes: int, nats: str = "0.4", *more: str) -> list[str]:
-    """The recommended recipe's flags: the budget walk at ``nats``, then a LoRA heal of ``minutes`` on samples;
-    ``more``: further ``--set`` pairs."""
-    return ["--per", "channel", "--budget-nats", nats, "--heal-text", "self", "--heal-minutes", str(minutes),
+def _budget_heal(minutes: int, nats: str = "0.4", *more: str, tokens: int | None = None) -> list[str]:
+    """The recommended recipe's flags: the budget walk at ``nats``, then a LoRA heal of ``minutes`` (or of
+    ``tokens``, when given) on samples; ``more``: further ``--set`` pairs."""
+    budget = ["--heal-tokens", str(tokens)] if tokens is not None else ["--heal-minutes", str(minutes)]
+    return ["--per", "channel", "--budget-nats", nats, "--heal-text", "self", *budget,
             "--heal-train", "lora", "--set", "heal.schedule=cooldown", "heal.teacher_top_k=1024",
             "heal.precision=auto", *more]  # fmt: skip
 
@@ -58,6 +59,9 @@ JOBS = {  # name -> the model and the flags after --to dyisru
     "budget_0.1_heal_2048": ("smollm2", _budget_heal(15, "0.1", "heal.self_sequences=2048")),  # the recommended
     # the stretch (same top-1 >= 90%, KLD <= 0.05, up to 2 hours): fewer sites converted, twice the heal
     "budget_0.05_heal_30": ("smollm2", _budget_heal(30, "0.05", "heal.self_sequences=2048")),
+    # the stretch, fewer sites again: the walk at 0.02 nats, the 0.05 job's heal tokens exactly (163,328), so that
+    # the budget is the one change and a neighbouring job cannot shorten the heal
+    "budget_0.02_heal_tokens": ("smollm2", _budget_heal(0, "0.02", "heal.self_sequences=2048", tokens=163_328)),
     "budget_0.1_heal_4096": ("smollm2", _budget_heal(12, "0.1", "heal.self_sequences=4096")),  # twice the samples
     "budget_0.1_heal_t07": (  # samples nearer the answers a user reads: temperature 0.7
         "smollm2",
