@@ -99,10 +99,29 @@ def test_the_original_judged_against_itself_is_perfect(lm, tmp_path):
         assert t["same_top1"] == 1.0 and t["kld"]["max"] < 1e-5 and abs(t["gap"]["worst"]) < 1e-5
     assert r["generation"]["chat_score"] == 1.0 and r["generation"]["prompts"] == 4
     assert r["generation"]["parted"] == {"answers": 0}
+    assert r["generation"]["chat_interval"] == pytest.approx(_wilson(4, 4), abs=1e-4)
     assert r["consistency"]["padded"] < 1e-4 and r["consistency"]["kv_chunks"] < 1e-4
     assert r["blowups"]["over"] == []
     text = usage_lines(r)
     assert "same top-1" in text and "blow-ups" in text and "Q: What is the capital of France?" in text
+    assert "(95% interval over prompts like these: 51%-100%)" in text
+
+
+def _wilson(k: int, n: int, z: float = 1.959963984540054) -> list[float]:
+    """Wilson's score interval by its formula (Wilson 1927): the centre pulled toward 1/2 by z^2 / 2n."""
+    p, d = k / n, 1 + z * z / n
+    centre, half = (p + z * z / (2 * n)) / d, z / d * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return [centre - half, centre + half]
+
+
+@pytest.mark.parametrize("kept", [0, 10, 12, 24])
+def test_the_chat_scores_interval_is_wilsons_by_hand(kept):
+    """10 of 24 answers kept, the recommended recipe's score, is 24-61% over prompts like these: 50% inside."""
+    from normlab.conversion.measure.usage import chat_interval
+
+    assert chat_interval(kept, 24) == pytest.approx(_wilson(kept, 24), abs=1e-4)
+    lo, hi = chat_interval(10, 24)
+    assert lo < 0.5 < hi
 
 
 def test_an_answer_parts_at_its_first_other_token_by_the_originals_own_preference(lm):

@@ -27,11 +27,13 @@ from statistics import median_low
 import torch
 from torch import Tensor, nn
 
+from normlab.conversion.batches import cache_kwarg
 from normlab.conversion.hf import leading_bos, token_chunks
 from normlab.conversion.measure.judge import TokenTally, judge_tokens
 from normlab.table import format_table
 
-__all__ = ["PROMPTS", "UsageConfig", "usage_report", "usage_lines", "stress_items", "greedy_answers", "parting"]
+__all__ = ["PROMPTS", "UsageConfig", "usage_report", "usage_lines", "stress_items", "greedy_answers", "parting",
+           "chat_interval"]  # fmt: skip
 
 PROMPTS = (
     "What is the capital of France?",
@@ -171,6 +173,23 @@ def _parted(parts: list[dict]) -> dict:
     }
 
 
+def chat_interval(kept: int, prompts: int, level: float = 0.95) -> list[float]:
+    """The chat score's interval at ``level`` over prompts like these (Wilson's score interval, scipy's): 24 prompts
+    are a sample of what a user asks, and one answer moves the score by 4 points, so a score of 42% (10 of 24) is
+    24-61% at 95%. It does not count how a score varies from one heal to another (its course), only which prompts
+    were asked.
+
+    Args:
+        kept: The answers whose first words are the original's.
+        prompts: The answers judged.
+        level: The confidence level.
+    """
+    from scipy.stats import binomtest
+
+    ci = binomtest(kept, prompts).proportion_ci(confidence_level=level, method="wilson")
+    return [round(float(ci.low), 4), round(float(ci.high), 4)]
+
+
 def _echoes(answer: str, system: str, n: int = 5) -> bool:
     """Whether ``answer`` repeats ``n`` consecutive words of the system prompt."""
     words, sys_text = answer.split(), " ".join(system.split())
@@ -193,6 +212,7 @@ def _generation(original, converted, tokenizer: object, cfg: UsageConfig) -> tup
     result = {
         "prompts": len(prompts),
         "chat_score": sum(same) / len(same),
+        "chat_interval": chat_interval(sum(same), len(same)),
         "system_echoes": sum(_echoes(b, system) for b in text[1]),
         "system_echoes_original": sum(_echoes(a, system) for a in text[0]),
         "parted": _parted(parts),
@@ -269,11 +289,11 @@ def _consistency(model: nn.Module, ids: Tensor, pad: int) -> dict:
         mask = torch.ones_like(batch)
         mask[0, :5] = 0
         padded = model(batch, attention_mask=mask).logits[:1, 5:]
-        cuts, parts, past, start = [16, 17, 18, 19, 20], [], None, 0
+        cuts, parts, past, start, key = [16, 17, 18, 19, 20], [], None, 0, cache_kwarg(model)
         for end in [c for c in cuts if c < x.shape[1]] + [x.shape[1]]:
-            o = model(x[:, start:end], past_key_values=past, use_cache=True)
+            o = model(x[:, start:end], use_cache=True, **{key: past})
             parts.append(o.logits)
-            past, start = o.past_key_values, end
+            past, start = o[key], end
         split = torch.cat(parts, 1)
     scale = float(alone.abs().max())
     return {
@@ -388,7 +408,7 @@ def usage_lines(report: dict, markdown: bool = False) -> str:
     if g:
         out.append(
             f"generation: {g['chat_score']:.0%} of {g['prompts']} greedy answers start with the original's "
-            f"first {report['config']['words']} words; {g['system_echoes']} repeat the system prompt "
+            f"first {report['config']['words']} words{_interval(g)}; {g['system_echoes']} repeat the system prompt "
             f"(the original: {g['system_echoes_original']})"
         )
         p = g.get("parted", {"answers": 0})
@@ -405,6 +425,13 @@ def usage_lines(report: dict, markdown: bool = False) -> str:
                 f"    converted: {_one_line(a['converted'])}"
             )
     return "\n".join(out)
+
+
+def _interval(g: dict) -> str:
+    if "chat_interval" not in g:  # an evaluation.json written before 0.4.8
+        return ""
+    lo, hi = g["chat_interval"]
+    return f" (95% interval over prompts like these: {lo:.0%}-{hi:.0%})"
 
 
 def _n(v) -> str:
