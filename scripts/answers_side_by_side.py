@@ -5,7 +5,10 @@ judgement each folder keeps (``fidelity.json``'s ``usage.generation`` after ``no
     python scripts/answers_side_by_side.py RUN1 RUN2 --names "recipe" "walk alone" --prompts 3
 
 Every folder must have been judged on the same prompts; the original's answers are checked to agree across them
-(greedy answers of one model are deterministic on one machine). Nothing is measured here: it reads.
+(greedy answers of one model are deterministic on one machine). Nothing is measured here: it reads. Under the
+table: each folder's chat score with its 95% interval, and each folder against the first prompt by prompt (the
+answers only one of the two keeps, and McNemar's exact p-value that both keep as many:
+`normlab.conversion.measure.usage.paired_chat`).
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+
+from normlab.conversion.measure.usage import UsageConfig, chat_interval, kept_answers, paired_chat
 
 
 def generation(folder: Path) -> dict:
@@ -39,16 +44,20 @@ def main() -> None:
     ap.add_argument("--names", nargs="+", help="a column name per folder (default: the folder's name)")
     ap.add_argument("--prompts", type=int, default=3, help="how many prompts, from the first")
     ap.add_argument("--chars", type=int, default=120, help="the longest cell")
+    ap.add_argument(
+        "--words", type=int, default=UsageConfig().words, help="the first words an answer must share (the judgement's)"
+    )
     args = ap.parse_args()
     names = args.names or [f.name for f in args.folders]
     if len(names) != len(args.folders):
         raise SystemExit(f"--names gives {len(names)} names for {len(args.folders)} folders")
     gens = [generation(f) for f in args.folders]
-    first = gens[0]["answers"][: args.prompts]
     for f, g in zip(args.folders, gens):
-        theirs = g["answers"][: args.prompts]
-        if [(a["prompt"], a["original"]) for a in theirs] != [(a["prompt"], a["original"]) for a in first]:
+        if [(a["prompt"], a["original"]) for a in g["answers"]] != [
+            (a["prompt"], a["original"]) for a in gens[0]["answers"]
+        ]:
             raise SystemExit(f"{f}: judged on other prompts or another original than {args.folders[0]}")
+    first = gens[0]["answers"][: args.prompts]
     head = ["prompt", "original", *names]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
@@ -57,7 +66,16 @@ def main() -> None:
         row += [cell(g["answers"][i]["converted"], args.chars) for g in gens]
         print("| " + " | ".join(row) + " |")
     print()
-    print("chat score: " + ", ".join(f"{n} {g['chat_score']:.0%}" for n, g in zip(names, gens)))
+    kept = [kept_answers(g["answers"], args.words) for g in gens]
+    for n, k in zip(names, kept):
+        lo, hi = chat_interval(sum(k), len(k))
+        print(f"chat score: {n} {sum(k)} of {len(k)} ({sum(k) / len(k):.0%}; 95% interval {lo:.0%}-{hi:.0%})")
+    for n, k in zip(names[1:], kept[1:]):
+        d = paired_chat(kept[0], k)
+        print(
+            f"{n} against {names[0]}: {d['only_second']} answers kept by {n} alone, {d['only_first']} by "
+            f"{names[0]} alone; McNemar's exact p = {d['p']:.2g}"
+        )
 
 
 if __name__ == "__main__":

@@ -317,3 +317,20 @@ def test_a_sequences_logits_are_made_a_chunk_at_a_time_where_they_equal_the_mode
             tally.add(model(ids[None]).logits[0], other(ids[None]).logits[0], ids, start)
     assert stats["kld"]["mean"] == pytest.approx(tally.result()["kld"]["mean"], rel=1e-5)
     assert stats["same_top1"] == tally.result()["same_top1"]
+
+
+def test_two_conversions_answers_are_compared_prompt_by_prompt_as_mcnemars_exact_test():
+    """The prompts both keep or both lose drop out; the rest is a fair coin under the null: 6 to 0 is
+    2 * 0.5^6 = 0.03125, 2 to 1 is 1. The kept rule is the chat score's: the first words agree."""
+    from normlab.conversion.measure.usage import kept_answers, paired_chat
+
+    answers = [{"original": "The capital is Paris.", "converted": c} for c in
+               ("The capital is Paris. More.", "The capital is Lyon.", "The  capital\nis Paris.")]  # fmt: skip
+    assert kept_answers(answers, 4) == [True, False, True]  # "Paris." against "Lyon." at the fourth word
+    assert kept_answers(answers, 3) == [True, True, True]
+    assert paired_chat([True] * 6 + [False] * 4, [False] * 10) == {"only_first": 6, "only_second": 0, "p": 0.0312}
+    assert paired_chat([True, True, False, False, True], [False, True, True, False, False]) == {
+        "only_first": 2, "only_second": 1, "p": 1.0}  # fmt: skip
+    assert paired_chat([True, False], [True, False])["p"] == 1.0
+    with pytest.raises(ValueError, match="same prompts"):
+        paired_chat([True], [True, False])

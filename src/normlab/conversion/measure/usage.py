@@ -33,7 +33,7 @@ from normlab.conversion.measure.judge import TokenTally, judge_tokens
 from normlab.table import format_table
 
 __all__ = ["PROMPTS", "UsageConfig", "usage_report", "usage_lines", "stress_items", "greedy_answers", "parting",
-           "chat_interval"]  # fmt: skip
+           "chat_interval", "kept_answers", "paired_chat"]  # fmt: skip
 
 PROMPTS = (
     "What is the capital of France?",
@@ -173,6 +173,35 @@ def _parted(parts: list[dict]) -> dict:
     }
 
 
+def kept_answers(answers: list[dict], words: int) -> list[bool]:
+    """Which answers count toward the chat score: those whose first ``words`` words are the original's.
+
+    Args:
+        answers: The judgement's answers (``generation.answers``: each with "original" and "converted").
+        words: How many first words must agree (the judgement's ``words``, 6).
+    """
+    return [a["original"].split()[:words] == a["converted"].split()[:words] for a in answers]
+
+
+def paired_chat(first: list[bool], second: list[bool]) -> dict:
+    """Two conversions' chat answers to the same prompts, compared prompt by prompt (McNemar's exact test, scipy's
+    ``binomtest`` on the prompts where they differ): how many answers only the first keeps, how many only the
+    second, and the two-sided p-value that they keep as many. Prompts both keep or both lose say nothing about which
+    is better, so this is sharper than comparing two scores and their intervals.
+
+    Args:
+        first: `kept_answers` of one conversion.
+        second: `kept_answers` of the other, on the same prompts.
+    """
+    if len(first) != len(second):
+        raise ValueError(f"paired_chat: {len(first)} answers against {len(second)}: judge both on the same prompts")
+    from scipy.stats import binomtest
+
+    only = [sum(a and not b for a, b in zip(first, second)), sum(b and not a for a, b in zip(first, second))]
+    p = binomtest(min(only), sum(only), 0.5).pvalue if sum(only) else 1.0
+    return {"only_first": only[0], "only_second": only[1], "p": round(float(p), 4)}
+
+
 def chat_interval(kept: int, prompts: int, level: float = 0.95) -> list[float]:
     """The chat score's interval at ``level`` over prompts like these (Wilson's score interval, scipy's): 24 prompts
     are a sample of what a user asks, and one answer moves the score by 4 points, so a score of 42% (10 of 24) is
@@ -207,7 +236,8 @@ def _generation(original, converted, tokenizer: object, cfg: UsageConfig) -> tup
     ref = greedy_answers(original, prompts, cfg.new_tokens, eos)
     got = greedy_answers(converted, prompts, cfg.new_tokens, eos)
     text = [[tokenizer.decode(a, skip_special_tokens=True).strip() for a in side] for side in (ref, got)]
-    same = [a.split()[: cfg.words] == b.split()[: cfg.words] for a, b in zip(*text)]
+    answers = [{"prompt": p, "original": a, "converted": b} for p, a, b in zip(PROMPTS, *text)]
+    same = kept_answers(answers, cfg.words)
     parts = [m for m in (parting(original, p, a, b) for p, a, b in zip(prompts, ref, got)) if m is not None]
     result = {
         "prompts": len(prompts),
@@ -216,7 +246,7 @@ def _generation(original, converted, tokenizer: object, cfg: UsageConfig) -> tup
         "system_echoes": sum(_echoes(b, system) for b in text[1]),
         "system_echoes_original": sum(_echoes(a, system) for a in text[0]),
         "parted": _parted(parts),
-        "answers": [{"prompt": p, "original": a, "converted": b} for p, a, b in zip(PROMPTS, *text)],
+        "answers": answers,
     }
     items = [(torch.cat([p, a]), len(p)) for p, a in zip(prompts, ref) if len(a) > 1]
     return result, items
