@@ -64,11 +64,11 @@ JOBS = {  # name -> the model and the flags after --to dyisru
     # the stretch, fewer sites again: the walk at 0.02 nats, the 0.05 job's heal tokens exactly (163,328), so that
     # the budget is the one change and a neighbouring job cannot shorten the heal
     "budget_0.02_heal_tokens": ("smollm2", _budget_heal(0, "0.02", "heal.self_sequences=2048", tokens=163_328)),
-    # every weight trained (heal.train=all, its default rate 2e-5), not adapters: the 0.05 job's walk, samples and
+    # every weight trained (heal.train=all, its default rate 2e-5), not adapters: the 0.02 job's walk, samples and
     # heal tokens, so that what trains is the one change
-    "budget_0.05_heal_all_tokens": (
+    "budget_0.02_heal_all_tokens": (
         "smollm2",
-        _budget_heal(0, "0.05", "heal.self_sequences=2048", tokens=163_328, train="all"),
+        _budget_heal(0, "0.02", "heal.self_sequences=2048", tokens=163_328, train="all"),
     ),
     "budget_0.1_heal_4096": ("smollm2", _budget_heal(12, "0.1", "heal.self_sequences=4096")),  # twice the samples
     "budget_0.1_heal_t07": (  # samples nearer the answers a user reads: temperature 0.7
