@@ -88,7 +88,8 @@ JOBS = {  # name -> the model and the flags after --to dyisru
 }
 
 
-README = ("budget_0.1_heal_2048", "budget_heal", "budget", "per_channel", "recipe", "per_channel_route")  # its rows
+README = ("budget_0.1_heal_2048", "budget_0.02_heal_tokens", "budget_heal", "budget", "per_channel", "recipe",
+          "per_channel_route")  # its rows, in its order  # fmt: skip
 
 
 def _row(job: str, argv: list[str], fid: dict, minutes: float, commit: str) -> dict:

@@ -6,7 +6,8 @@ Each recipe is the newest row of its job in bench/usable.csv (`python scripts/be
 with its command, commit, machine and date). Left: the share of positions where the converted model's top-1 token
 is the original's, on held-out Shakespeare, docutils and the chat set, with the chat score (greedy answers whose
 first six words are the original's) as a dot. Right: the median and the worst 128-token sequence's rise over the
-original, log scale, with the blow-ups counted. The label says how long the command took on 2 cores.
+original, log scale, with the blow-ups counted. The label says how many sites each converts and how long the
+command took on 2 cores (and on which machine, where it is not the first row's).
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ import csv
 from pathlib import Path
 
 from _study import ROOT, save
+from bench_usable import README  # the README table's jobs, in its order
 
-JOBS = {  # job -> its label, in the order the README's table lists the recipes
+LABELS = {  # job -> its label
     "budget_0.1_heal_2048": "walk 0.1\n+ heal",
+    "budget_0.02_heal_tokens": "walk 0.02\n+ heal",
     "budget_heal": "walk 0.4\n+ heal",
     "budget": "walk 0.4",
     "per_channel": "per channel",
@@ -28,9 +31,11 @@ JOBS = {  # job -> its label, in the order the README's table lists the recipes
 
 
 def newest(rows: list[dict], model: str = "smollm2") -> list[tuple[str, dict]]:
-    """The newest row (by date, then file order) of each job in `JOBS` that bench/usable.csv has for ``model``."""
+    """The newest row (by date, then file order) of each job of the README's table that bench/usable.csv has for
+    ``model``, with its label."""
     out = []
-    for job, label in JOBS.items():
+    for job in README:
+        label = LABELS[job]
         hit = [r for r in rows if r["job"] == job and r.get("model", model) in (model, "")]
         if hit:
             out.append((label, max(enumerate(hit), key=lambda ir: (ir[1]["date"], ir[0]))[1]))
@@ -44,7 +49,7 @@ def main() -> None:
     args = ap.parse_args()
     picked = newest(list(csv.DictReader(args.csv.open())))
     if not picked:
-        raise SystemExit(f"{args.csv}: no row of any job in {sorted(JOBS)}")
+        raise SystemExit(f"{args.csv}: no row of any job in {sorted(README)}")
 
     import matplotlib
 
@@ -61,7 +66,12 @@ def main() -> None:
     top1.axhline(75, color="grey", ls=":", lw=1)
     top1.set_ylabel("same top-1 token as the original (%)")
     top1.set_ylim(0, 100)
-    labels = [f"{label}\n{float(r['minutes']):.1f} min" for label, r in picked]
+    machine = picked[0][1]["machine"]  # a row from another kind of machine names its own
+    labels = [
+        f"{label}\n{r['sites']} sites\n{float(r['minutes']):.1f} min"
+        + (f"\n({r['machine'].split('(')[-1].rstrip(')')} CPU)" if r["machine"] != machine else "")
+        for label, r in picked
+    ]
     top1.set_xticks(list(xs), labels, fontsize=7)
     top1.legend(fontsize=7, loc="upper right")
     for k, (key, name) in enumerate((("held_gap_median", "median sequence"), ("held_gap_worst", "worst sequence"))):
@@ -75,7 +85,6 @@ def main() -> None:
     gap.set_ylabel("rise over the original, held out (nats/token)")
     gap.set_xticks(list(xs), labels, fontsize=7)
     gap.legend(fontsize=7, loc="upper left")
-    machine = picked[0][1]["machine"]
     fig.suptitle(f"SmolLM2-135M-Instruct, RMSNorm -> DyISRU, judged as used ({machine}, 2 cores; bench/usable.csv)")
     save(fig, args.out)
 
