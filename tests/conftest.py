@@ -78,6 +78,25 @@ def id_batches(n: int, seed: int = 1, t: int = 16, batch: int = 4, vocab: int = 
     return [torch.randint(0, vocab, (batch, t), generator=g) for _ in range(n)]
 
 
+def heal_each_precision(precisions, batches: int, tokens: int, eval_every: int) -> dict:
+    """A tiny LM converted to DyT and healed once per ``heal.precision`` from the same start on the same ``batches``
+    batches, for ``tokens``: precision -> (its HealReport, the healed model)."""
+    import copy
+
+    import normlab
+
+    out = {}
+    for precision in precisions:
+        original = tiny_lm(initializer_range=0.5)
+        model = copy.deepcopy(original)
+        rec = normlab.convert_norms(model, "dyt")
+        rep = normlab.heal(original, model, id_batches(batches, seed=3), rec, tokens=tokens,
+                           val=id_batches(2, seed=9), precision=precision, eval_every=eval_every,
+                           progress=False)  # fmt: skip
+        out[precision] = (rep, model)
+    return out
+
+
 def with_sinks(model, value: float = 8.0):
     """Tokens 0 and 1 become massive tokens wherever they occur, as real LLMs' BOS and early delimiters are: their
     embeddings get ``value`` in channels 0-1 (token 0) and 2-3 (token 1), which the residual stream carries to

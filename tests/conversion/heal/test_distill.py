@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import normlab
-from conftest import id_batches, peaked_lm, tiny_lm, token_stream
+from conftest import heal_each_precision, id_batches, peaked_lm, tiny_lm, token_stream
 from normlab.cli import main
 
 transformers = pytest.importorskip("transformers")
@@ -374,14 +374,7 @@ def test_heal_precision_auto_is_resolved_before_any_step_and_the_report_says_how
     the report says which arithmetic ran and why; float32 says so too."""
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
-    seen = {}
-    for precision in ("auto", "float32"):
-        original = tiny_lm(initializer_range=0.5)
-        model = copy.deepcopy(original)
-        rec = normlab.convert_norms(model, "dyt")
-        rep = normlab.heal(original, model, id_batches(4, seed=3), rec, tokens=256, val=id_batches(2, seed=9),
-                           precision=precision, eval_every=128, progress=False)  # fmt: skip
-        seen[precision] = (rep, model.state_dict())
+    seen = {k: (rep, m.state_dict()) for k, (rep, m) in heal_each_precision(("auto", "float32"), 4, 256, 128).items()}
     assert seen["auto"][0].precision == "float32 (heal.precision=auto: this CPU has neither AVX512-BF16 nor AMX)"
     assert seen["float32"][0].precision == "float32 (heal.precision=float32)"
     assert [p["val_ce"] for p in seen["auto"][0].curve] == [p["val_ce"] for p in seen["float32"][0].curve]
@@ -400,16 +393,10 @@ def test_a_bf16_heal_trains_and_keeps_its_validation_in_float32():
     import sys
 
     code = """
-import copy, json, torch, normlab
-from conftest import id_batches, tiny_lm
-out = {}
-for precision in ("float32", "bf16"):
-    original = tiny_lm(initializer_range=0.5)
-    model = copy.deepcopy(original)
-    rec = normlab.convert_norms(model, "dyt")
-    rep = normlab.heal(original, model, id_batches(8, seed=3), rec, tokens=1024, val=id_batches(2, seed=9),
-                       precision=precision, eval_every=256, progress=False)
-    out[precision] = {"curve": [p["val_ce"] for p in rep.curve], "dtype": str(next(model.parameters()).dtype)}
+import json
+from conftest import heal_each_precision
+out = {k: {"curve": [p["val_ce"] for p in rep.curve], "dtype": str(next(model.parameters()).dtype)}
+       for k, (rep, model) in heal_each_precision(("float32", "bf16"), 8, 1024, 256).items()}
 print(json.dumps(out))
 """
     env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16", "PYTHONPATH": os.path.dirname(__file__) + "/../.."}
