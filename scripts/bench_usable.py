@@ -65,7 +65,7 @@ JOBS = {  # name -> the model and the flags after --to dyisru
     # the budget is the one change and a neighbouring job cannot shorten the heal
     "budget_0.02_heal_tokens": ("smollm2", _budget_heal(0, "0.02", "heal.self_sequences=2048", tokens=163_328)),
     # the stretch, the heal's length alone: the 0.02 job with twice its heal tokens (its validation KL was still
-    # falling, 0.0245 at 98k tokens and 0.0213 at 163k)
+    # falling, 0.0244 at 98k tokens and 0.0213 at 163k)
     "budget_0.02_heal_2x": ("smollm2", _budget_heal(0, "0.02", "heal.self_sequences=2048", tokens=326_656)),
     # every weight trained (heal.train=all, its default rate 2e-5), not adapters: the 0.02 job's walk, samples and
     # heal tokens, so that what trains is the one change
