@@ -53,6 +53,11 @@ JOBS = {  # name -> the model and the flags after --to dyisru
     "budget": ("smollm2", ["--per", "channel", "--budget-nats", "0.4"]),
     "budget_0.2": ("smollm2", ["--per", "channel", "--budget-nats", "0.2"]),
     **{f"budget_{n}": ("smollm2", ["--per", "channel", "--budget-nats", n]) for n in ("0.1", "0.05", "0.02")},
+    # the walk ranked and measured by the KL to the original (budget.metric=kl), not the cross-entropy on the text
+    **{
+        f"budget_kl_{n}": ("smollm2", ["--per", "channel", "--budget-nats", n, "--set", "budget.metric=kl"])
+        for n in ("0.05", "0.1", "0.2")
+    },
     "recipe": ("smollm2", RECIPE),
     "budget_heal": ("smollm2", _budget_heal(15)),  # 0.4.4's recipe
     "budget_heal_45": ("smollm2", _budget_heal(45)),  # the stretch: a 45-minute heal (about an hour in all)

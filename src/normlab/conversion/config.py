@@ -97,8 +97,11 @@ class BudgetConfig:
     """Converting only the sites that fit within a rise of held-out cross-entropy (`normlab.conversion.frontier`)."""
 
     nats: float | None = None
-    """Convert only the sites that fit within this rise of cross-entropy on a validation split, cheapest first
+    """Convert only the sites that fit within this rise of ``metric`` on a validation split, cheapest first
     (--budget-nats); None converts every site."""
+    metric: Literal["ce", "kl"] = "ce"
+    """What the walk ranks and measures by: the rise of next-token cross-entropy on the text, or "kl", the mean KL
+    divergence to the original per position (`normlab.conversion.measure.fidelity.ReferenceKL`)."""
     walk: Literal["skip", "stop"] = "skip"
     """At a site over the budget: "skip" it and go on, or "stop" the walk there."""
     refit_every: int = 4
@@ -111,13 +114,12 @@ class BudgetConfig:
     defer: float = 3.0
     """A site whose rise in the walk is more than this many times its cost alone (at least 0.01 nats) is put back
     and tried again after every other site, so that it does not spend the budget many cheaper sites could use (0:
-    never). On SmolLM2 at --budget-nats 0.4 (bf16 measurements) 3 keeps 50 sites, 4 keeps 40: layers.7.input_layernorm
-    rose 4.1x its cost alone there and, kept, spent the budget; in float32, 4 keeps 49 and 0 keeps 36."""
+    never). On SmolLM2 at --budget-nats 0.4 (bf16) 3 keeps 50 sites, 4 keeps 40 (float32: 4 keeps 49, 0 keeps 36)."""
     precision: Literal["auto", "float32", "bf16"] = "auto"
-    """The arithmetic of the walk's cross-entropy measurements (its costs and steps; fits and refits stay float32):
-    "bf16" autocasts them, "auto" does where the device runs bf16 matmuls natively (a GPU that supports it, a CPU with
-    AVX512-BF16 or AMX whose bf16 matmul runs), else float32. On SmolLM2 a bf16 pass takes 2.7 s against 6.7 s and
-    reads 0.002 nats higher; the command's held-out and second-text measurements stay float32."""
+    """The arithmetic of the walk's measurements (its costs and steps; fits and refits stay float32): "bf16"
+    autocasts them, "auto" does where the device runs bf16 matmuls natively (a GPU, a CPU with AVX512-BF16 or AMX),
+    else float32. On SmolLM2 a bf16 pass takes 2.7 s against 6.7 s and reads 0.002 nats higher; the command's
+    held-out and second-text measurements stay float32."""
 
     def validate(self, calibrated: bool = True) -> None:
         self.check()
@@ -159,7 +161,7 @@ class HealConfig:
     """What is trained: the replacements' parameters ("norms"), those plus low-rank adapters merged at the end
     ("lora"), or every parameter ("all")."""
     lr: float | None = None
-    """Adam's rate; None: the default for ``train`` (HEAL_LEARNING_RATES; the norms' 2.5e-4 since 0.3.4, was 1e-3)."""
+    """Adam's rate; None: the default for ``train`` (HEAL_LEARNING_RATES; the norms' 2.5e-4)."""
     schedule: Literal["constant", "cosine", "cooldown"] = "constant"
     """The rate over the budget: "cosine" warms up over 5% and falls to lr/10; "cooldown" holds lr, then falls to 0
     over the last 20%."""
@@ -176,9 +178,8 @@ class HealConfig:
     lora_lr: float | None = None
     """The adapters' Adam rate (train "lora"); None: HEAL_LEARNING_RATES["lora"], 1e-3. ``lr`` sets the norms'."""
     early_blocks: Literal["frozen", "trained"] = "frozen"
-    """The blocks before the first one that holds a converted site: "frozen" keeps them the original's (the massive
-    activation forms there; adapted, Qwen2.5-Coder-0.5B's stopped forming for a sequence that starts with "["),
-    "trained" trains them too (LoRA or "all"), as before 0.4.4."""
+    """The blocks before the first converted site: "frozen" keeps them the original's (the massive activation forms
+    there; trained, Qwen2.5-Coder-0.5B's stopped forming after a leading "["), or "trained" (LoRA or "all")."""
     checkpoint: str | None = None
     """The heal's checkpoint file; None: OUT.heal.pt when there is an output folder."""
     resume: bool = False
@@ -202,8 +203,7 @@ class HealConfig:
     """Distill: cache the original's top k logits per sequence (teacher.py); None: the teacher runs live."""
     precision: Literal["auto", "float32", "bf16"] = "float32"
     """Distill: "bf16" runs each step's matmuls in bf16 (CPU or CUDA autocast), checked before the heal; "auto" where
-    the device runs bf16 matmuls natively (as budget.precision), else float32; validation and the saved model stay
-    float32."""
+    the device runs them natively (as budget.precision), else float32; validation and the saved model stay float32."""
 
     @property
     def budgeted(self) -> bool:

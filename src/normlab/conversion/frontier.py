@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -37,14 +37,16 @@ from normlab.conversion.batches import as_batches, autocast_dtype, sharing_copy,
 from normlab.conversion.calibrate.stream import BlockReplay, find_blocks
 from normlab.conversion.config import BudgetConfig, CalibrateConfig
 from normlab.conversion.convert import convert_norms
+from normlab.conversion.measure.fidelity import ReferenceKL
 from normlab.conversion.record import ConversionRecord
 
-__all__ = ["FEW_SELECTION", "Frontier", "frontier", "site_costs"]
+__all__ = ["FEW_SELECTION", "METRICS", "Frontier", "frontier", "site_costs", "measure_of"]
 
 # Fewer validation sequences than this select a budget walk's sites poorly: on SmolLM2 (DyISRU, per channel,
 # budget 0.4) 8 sequences kept 44 sites at +0.39 on them but +0.62 on 8 held-out ones and +0.55 on 32; 32 sequences
 # ended within 0.03 of their budget (docs/frontier-results.md, "Selecting on few sequences").
 FEW_SELECTION = 32
+METRICS = {"ce": "cross-entropy", "kl": "KL to the original"}  # BudgetConfig.metric -> what it measures, in words
 DEFER_FLOOR = 0.01  # nats: a site's cost alone below this counts as this much (budget.defer)
 
 
@@ -63,6 +65,8 @@ class Frontier:
     passed: list[str] = field(default_factory=list)  # the sites it went past (skip=True)
     deferred: list[str] = field(default_factory=list)  # the sites put back once for rising steeply (budget.defer)
     precision: str = "float32"  # the arithmetic of the walk's measurements, and why (batches.autocast_dtype)
+    metric: str = "ce"  # what the walk measures (BudgetConfig.metric): "ce", or "kl" to the original, whose
+    # ``ce_original`` is then 0 and whose ``curve`` and ``costs`` are KLs
 
     def within(self, nats: float) -> int:
         """How many sites the greedy walk converts before the held-out cross-entropy first rises above
@@ -86,10 +90,11 @@ def site_costs(
     progress: bool | None = None,
     base: float | None = None,
     dtype: torch.dtype | None = None,
+    metric: str = "ce",
 ) -> dict[str, float]:
-    """The cross-entropy rise of each site of ``fitted`` (name -> calibrated replacement) swapped into ``model``
-    alone, on ``batches``; ``model`` is left as it was. Each is measured from the site's block on (`BlockReplay`),
-    autocast to ``dtype`` when given.
+    """The cross-entropy rise (``metric="kl"``: the KL to the original) of each site of ``fitted`` (name ->
+    calibrated replacement) swapped into ``model`` alone, on ``batches``; ``model`` is left as it was. Each is
+    measured from the site's block on (`BlockReplay`), autocast to ``dtype`` when given.
 
     Args:
         model: The original model (left as it was).
@@ -98,12 +103,13 @@ def site_costs(
         progress: Show a progress bar; None: when stderr is a terminal.
         base: The original's cross-entropy on ``batches``, if already measured.
         dtype: The autocast dtype of the measurements (bf16), or None for float32.
+        metric: "ce" or "kl" (`BudgetConfig.metric`).
     """
     from tqdm.auto import tqdm
 
     batches = list(as_batches(batches))
-    replay = BlockReplay(model, batches, find_blocks(model, list(fitted)), list(fitted), dtype)
-    first = replay.cross_entropy()
+    replay = BlockReplay(model, batches, find_blocks(model, list(fitted)), list(fitted), dtype, measure_of(metric))
+    first = replay.measure()
     base = first if base is None else base
     costs = {}
     for name in tqdm(
@@ -111,10 +117,22 @@ def site_costs(
     ):
         old = swap(model, name, fitted[name])
         try:
-            costs[name] = replay.cross_entropy(replay.block_of(name), keep=False) - base
+            costs[name] = replay.measure(replay.block_of(name), keep=False) - base
         finally:
             swap(model, name, old)
     return costs
+
+
+def measure_of(metric: str) -> Callable[[nn.Module, list], float] | None:
+    """The `BlockReplay` measure of a walk's ``metric``: None (its default, the cross-entropy) for "ce", a fresh
+    `ReferenceKL` for "kl" (each replay records its own batches' reference on its first measurement, the original's).
+
+    Args:
+        metric: "ce" or "kl" (`BudgetConfig.metric`).
+    """
+    if metric not in METRICS:
+        raise ValueError(f"metric must be one of {sorted(METRICS)}, got {metric!r}")
+    return ReferenceKL() if metric == "kl" else None
 
 
 def _note_budget(record, model, front: Frontier, originals: dict) -> None:
@@ -122,7 +140,8 @@ def _note_budget(record, model, front: Frontier, originals: dict) -> None:
     left = [n for n in front.order if n not in set(front.converted)]
     record.notes.append(
         f"--budget-nats {front.budget_nats:g}: converted {len(front.converted)} of {len(front.order)} sites, cheapest "
-        f"first (cross-entropy on the batches that select them {front.ce_original:.3f} -> {front.curve[-1]:.3f}, "
+        f"first ({METRICS[front.metric]} on the batches that select them {front.ce_original:.3f} -> "
+        f"{front.curve[-1]:.3f}, "
         f"measured in {front.precision}); "
         f"{len(left)} kept as they were"
     )
@@ -218,7 +237,7 @@ def _refit_all(model, done: list, walk: _Walk, ce: float) -> float:
         raise
     walk.by_name.update({s.name: s for s in sub.sites})
     replay = walk.replay
-    new = replay.cross_entropy(min(replay.block_of(n) for n in names), keep=False)
+    new = replay.measure(min(replay.block_of(n) for n in names), keep=False)
     if new < ce:
         replay.commit()
         return new
@@ -270,12 +289,14 @@ def frontier(
         fitted_model, to, calibrate=calib, progress=progress, **_setting(convert_kwargs, sequential=False)
     )
     fitted = {s.name: fitted_model.get_submodule(s.name) for s in record.sites}
-    costs = site_costs(model, fitted, rank, progress=progress, dtype=dtype)
+    costs = site_costs(model, fitted, rank, progress=progress, dtype=dtype, metric=budget.metric)
     order = sorted(costs, key=lambda n: costs[n] if math.isfinite(costs[n]) else math.inf)
-    replay = BlockReplay(model, held, find_blocks(model, order), order, dtype)  # each step measured from its block on
+    # each step measured from its block on
+    replay = BlockReplay(model, held, find_blocks(model, order), order, dtype, measure_of(budget.metric))
     front = Frontier(
-        to, replay.cross_entropy(), costs, order, [], budget.nats, skip=budget.walk == "skip", precision=precision
-    )
+        to, replay.measure(), costs, order, [], budget.nats, skip=budget.walk == "skip", precision=precision,
+        metric=budget.metric,
+    )  # fmt: skip
     front.curve.append(front.ce_original)
     by_name = {s.name: s for s in record.sites}
     walk = _Walk(to, calib[: budget.refit_batches], convert_kwargs, replay, fitted, by_name)
@@ -317,7 +338,7 @@ def _walk(model: nn.Module, front: Frontier, budget: BudgetConfig, walk: _Walk, 
             by_name[name] = _refit(model, name, walk)
         else:
             originals[name] = swap(model, name, walk.fitted[name])
-        ce = replay.cross_entropy(replay.block_of(name), keep=False)
+        ce = replay.measure(replay.block_of(name), keep=False)
         over = budget.nats is not None and not ce <= ce0 + budget.nats
         steep = (
             budget.defer

@@ -30,7 +30,7 @@ from normlab.conversion.checks import (
 from normlab.conversion.config import BudgetConfig, ConvertConfig, HealConfig
 from normlab.conversion.convert import convert_norms, fidelity, save_converted
 from normlab.conversion.export.saving import RECORD_FILE
-from normlab.conversion.frontier import FEW_SELECTION, frontier
+from normlab.conversion.frontier import FEW_SELECTION, METRICS, frontier
 from normlab.conversion.heal.distill import check_heal_resources, heal
 from normlab.conversion.heal.report import heal_summary, write_curve
 from normlab.conversion.heal.samples import calibration_samples, heal_splits, sample_starts
@@ -280,7 +280,8 @@ def _convert_sites(cfg: ConvertConfig, net, texts: ConversionTexts, progress: bo
         n_select = sum(len(b) for b in select)
         print(
             f"--budget-nats {b.nats:g}: {len(front.converted)} of {len(front.order)} norms fit "
-            f"(cross-entropy on the {n_select} validation sequences that select them {front.ce_original:.3f} -> "
+            f"({METRICS[front.metric]} on the {n_select} validation sequences that select them "
+            f"{front.ce_original:.3f} -> "
             f"{front.curve[-1]:.3f} in {front.precision.split(' (')[0]}; the held-out sequences below decide nothing); "
             "converted, cheapest "
             f"first: {', '.join(front.converted) or 'none'}"
@@ -293,7 +294,7 @@ def _convert_sites(cfg: ConvertConfig, net, texts: ConversionTexts, progress: bo
                 "held-out rise below can end well above the budget (see 'Selecting on few sequences' in the "
                 f"conversion docs); --sequences {FEW_SELECTION} or more selects better\n"
             )
-        walk = {"budget_nats": b.nats, "selection_sequences": n_select,
+        walk = {"budget_nats": b.nats, "metric": b.metric, "selection_sequences": n_select,
                 "ce_original": front.ce_original, "ce_converted": front.curve[-1],
                 "converted": len(front.converted), "sites": len(front.order), "precision": front.precision,
                 "walk": {"kept": front.converted, "curve": front.curve, "passed": front.passed,

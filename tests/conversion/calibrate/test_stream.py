@@ -165,16 +165,16 @@ def test_a_replay_from_a_sites_block_measures_what_the_whole_model_measures():
     batches = id_batches(2, t=12)
     sites = [n for n, m in model.named_modules() if type(m).__name__ == "LlamaRMSNorm"]
     replay = BlockReplay(model, batches, find_blocks(model, sites), sites)
-    assert replay.cross_entropy() == pytest.approx(cross_entropy(model, batches), abs=1e-6)
+    assert replay.measure() == pytest.approx(cross_entropy(model, batches), abs=1e-6)
     assert replay.block_of("model.layers.1.input_layernorm") == 1 and replay.block_of("model.norm") == 3
     for name in ("model.layers.1.post_attention_layernorm", "model.norm"):
         old = swap(model, name, normlab.create_norm("dyt", 32, alpha_init=2.0))
         full = cross_entropy(model, batches)
-        assert replay.cross_entropy(replay.block_of(name), keep=False) == pytest.approx(full, abs=1e-6)
+        assert replay.measure(replay.block_of(name), keep=False) == pytest.approx(full, abs=1e-6)
         replay.commit()
-        assert replay.cross_entropy(3) == pytest.approx(full, abs=1e-6)  # the kept outputs carry the change
+        assert replay.measure(3) == pytest.approx(full, abs=1e-6)  # the kept outputs carry the change
     swap(model, "model.norm", old)
-    assert replay.cross_entropy(3) == pytest.approx(cross_entropy(model, batches), abs=1e-6)
+    assert replay.measure(3) == pytest.approx(cross_entropy(model, batches), abs=1e-6)
 
 
 def test_a_bf16_replay_replays_its_own_passes_exactly_and_reads_near_float32():
@@ -190,13 +190,13 @@ def test_a_bf16_replay_replays_its_own_passes_exactly_and_reads_near_float32():
     batches = id_batches(2, t=12)
     sites = [n for n, m in model.named_modules() if type(m).__name__ == "LlamaRMSNorm"]
     replay = BlockReplay(model, batches, find_blocks(model, sites), sites, torch.bfloat16)
-    first = replay.cross_entropy()
+    first = replay.measure()
     assert first != cross_entropy(model, batches) and first == pytest.approx(cross_entropy(model, batches), abs=0.02)
     name = "model.layers.1.post_attention_layernorm"
     swap(model, name, normlab.create_norm("dyt", 32, alpha_init=2.0))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         whole = cross_entropy(model, batches)
-    assert replay.cross_entropy(replay.block_of(name)) == pytest.approx(whole, abs=1e-6)
+    assert replay.measure(replay.block_of(name)) == pytest.approx(whole, abs=1e-6)
 
 
 def test_a_subset_of_early_sites_streams_though_its_passes_stop_before_the_last_block(monkeypatch):
@@ -226,13 +226,13 @@ def test_a_replay_stands_in_for_the_early_blocks_in_the_models_own_list(family):
     batches = id_batches(2, t=12)
     sites = [n for n, m in model.named_modules() if type(m).__name__.endswith("RMSNorm")]
     replay = BlockReplay(model, batches, find_blocks(model, sites), sites)
-    replay.cross_entropy()
+    replay.measure()
     layers = list(model.model.layers)
     ran = []
     hooks = [layer.register_forward_pre_hook(lambda m, a, i=i: ran.append(i)) for i, layer in enumerate(layers)]
     name = "model.layers.2.input_layernorm"
     swap(model, name, normlab.create_norm("dyt", 32, alpha_init=2.0))
-    got = replay.cross_entropy(replay.block_of(name), keep=False)
+    got = replay.measure(replay.block_of(name), keep=False)
     assert set(ran) == {2}  # blocks 0 and 1 were replayed, not run
     assert list(model.model.layers) == layers  # the real blocks are back in the list
     for h in hooks:

@@ -48,3 +48,39 @@ def _flat(d: dict, key: str = "") -> dict:
     for k, v in d.items():
         out.update(_flat(v, f"{key}{k}.") if isinstance(v, dict) else {f"{key}{k}": v})
     return out
+
+
+def test_reference_kl_reads_0_on_its_reference_then_the_kl_to_it_by_hand():
+    """ReferenceKL, the budget walk's ``metric="kl"``: its first call records the model and reads 0; later calls read
+    the mean KL(reference || model) per position, equal to the full KL computed by hand when k covers the
+    vocabulary, and at most that KL when k is smaller (the tail merged). Masked positions do not count, and other
+    batches than the reference's are refused."""
+    import torch
+
+    model = tiny_lm("Llama", layers=2, initializer_range=0.3)
+    batches = id_batches(2, t=12)
+    with torch.no_grad():
+        ref = [model(b).logits.log_softmax(-1) for b in batches]
+    full, few = fid_mod.ReferenceKL(), fid_mod.ReferenceKL(k=5)
+    assert full(model, batches) == 0.0 and few(model, batches) == 0.0
+    changed = copy.deepcopy(model)
+    normlab.convert_norms(changed, "dyt", include=lambda n, m: n == "model.layers.1.input_layernorm")
+    with torch.no_grad():
+        new = [changed(b).logits.log_softmax(-1) for b in batches]
+    by_hand = torch.cat([(p.exp() * (p - q)).sum(-1).flatten() for p, q in zip(ref, new)]).mean()
+    assert by_hand > 1e-3  # the change is seen
+    assert full(changed, batches) == pytest.approx(float(by_hand), rel=1e-5)
+    assert 0 < few(changed, batches) <= float(by_hand) + 1e-6
+    assert full(model, batches) == pytest.approx(0.0, abs=1e-6)
+    mask = torch.ones_like(batches[0])
+    mask[:, :4] = 0
+    masked = fid_mod.ReferenceKL()
+    masked(model, [{"input_ids": batches[0], "attention_mask": mask}])
+    got = masked(changed, [{"input_ids": batches[0], "attention_mask": mask}])
+    with torch.no_grad():
+        p, q = (m(batches[0], attention_mask=mask).logits.log_softmax(-1)[:, 4:] for m in (model, changed))
+    assert got == pytest.approx(float((p.exp() * (p - q)).sum(-1).mean()), rel=1e-4)
+    with pytest.raises(ValueError, match="1 batches against a reference of 2"):
+        full(model, batches[:1])
+    with pytest.raises(ValueError, match="k must be an int >= 1"):
+        fid_mod.ReferenceKL(k=0)

@@ -283,9 +283,10 @@ class Replayed(nn.Module):
 
 
 class BlockReplay:
-    """A language model's cross-entropy on fixed batches, re-measured from a block on: every block's output on the
-    batches is kept, and a measurement after a change in block ``start`` (or later) replays blocks 0..start-1 from
-    the kept outputs instead of running them. The budget walk measures each site's cost this way.
+    """A language model's cross-entropy on fixed batches (or another ``measure(model, batches) -> float``: the KL to
+    the original, `normlab.conversion.measure.fidelity.ReferenceKL`), re-measured from a block on: every block's
+    output on the batches is kept, and a measurement after a change in block ``start`` (or later) replays blocks
+    0..start-1 from the kept outputs instead of running them. The budget walk measures each site's cost this way.
 
     Exact where the stream is: the first measurement runs the whole model and checks the chain (`BlockStream.record`);
     where it does not hold (``broken`` says why) every measurement runs the whole model. ``keep=True`` keeps what the
@@ -299,8 +300,12 @@ class BlockReplay:
         blocks: tuple[str, int] | None,
         sites: list[str],
         dtype: torch.dtype | None = None,
+        measure: Callable[[nn.Module, list], float] | None = None,
     ) -> None:
+        from normlab.conversion.measure.fidelity import cross_entropy
+
         self.model, self.batches, self.sites, self.dtype = model, batches, sites, dtype
+        self._measure = cross_entropy if measure is None else measure
         self.stream = BlockStream(model, *blocks) if blocks else None
         self.outputs: list[list] | None = None
         self._pending: tuple[int, list] | None = None
@@ -315,19 +320,18 @@ class BlockReplay:
             return b
         return self.stream.n if self.stream is not None and site in self.after else 0
 
-    def cross_entropy(self, start: int = 0, *, keep: bool = True) -> float:
-        """The mean next-token cross-entropy on the batches, blocks before ``start`` replayed."""
+    def measure(self, start: int = 0, *, keep: bool = True) -> float:
+        """The measure on the batches (the mean next-token cross-entropy by default), blocks before ``start``
+        replayed."""
         if self.dtype is None:
-            return self._cross_entropy(start, keep)
+            return self._measured(start, keep)
         with torch.autocast((model_device(self.model) or torch.device("cpu")).type, dtype=self.dtype):
-            return self._cross_entropy(start, keep)
+            return self._measured(start, keep)
 
-    def _cross_entropy(self, start: int, keep: bool) -> float:
-        from normlab.conversion.measure.fidelity import cross_entropy
-
+    def _measured(self, start: int, keep: bool) -> float:
         self._pending = None
         if self.broken is not None:
-            return cross_entropy(self.model, self.batches)
+            return self._measure(self.model, self.batches)
         if self.outputs is None:
             return self._first()
         n = self.stream.n
@@ -340,7 +344,7 @@ class BlockReplay:
             for b in range(start):  # the model calls its blocks through the list: a stand-in there is called instead
                 blocks[b] = Replayed(real[b], self.outputs[b], at)
             try:
-                ce = cross_entropy(self.model, self.batches)
+                ce = self._measure(self.model, self.batches)
             finally:
                 for b in range(start):
                     blocks[b] = real[b]
@@ -378,8 +382,6 @@ class BlockReplay:
 
     def _first(self) -> float:
         """The first measurement: the whole model, checking the chain and keeping every block's output."""
-        from normlab.conversion.measure.fidelity import cross_entropy
-
         n, blocks = self.stream.n, self.stream.blocks
         self.outputs = [[None] * len(self.batches) for _ in range(n)]
         outside = [s for s in self.sites if self.stream.block_of(s) is None]
@@ -396,7 +398,7 @@ class BlockReplay:
                 )
             try:
                 with self.stream.record():
-                    ce = cross_entropy(self.model, self.batches)
+                    ce = self._measure(self.model, self.batches)
             finally:
                 for h in handles:
                     h.remove()

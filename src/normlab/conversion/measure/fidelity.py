@@ -12,7 +12,9 @@ from normlab.conversion.batches import as_batches, logit_rows, row_chunks, run_b
 from normlab.conversion.measure.judge import TokenTally
 from normlab.conversion.record import ConversionRecord
 
-__all__ = ["fidelity", "cross_entropy", "predicts_next_token"]
+__all__ = ["fidelity", "cross_entropy", "predicts_next_token", "ReferenceKL", "REFERENCE_TOP_K"]
+
+REFERENCE_TOP_K = 1024  # the original's log-probabilities `ReferenceKL` keeps per position (the heal's teacher_top_k)
 
 
 def _logits(out, lm: bool | None):
@@ -185,6 +187,65 @@ def cross_entropy(model: nn.Module, batches: Iterable[torch.Tensor]) -> float:
     if count == 0:
         raise ValueError("cross_entropy: no next-token targets (empty batches, or sequences of one token)")
     return total / count
+
+
+class ReferenceKL:
+    """The mean next-token KL(reference || model) on fixed batches, in nats per position: the first call records the
+    model's ``k`` largest log-probabilities at every position of every batch as the reference and reads 0; each later
+    call measures the model on the same batches against it. The budget walk's measure with ``budget.metric = "kl"``
+    (a `normlab.conversion.calibrate.stream.BlockReplay` measure), what a quantizer judges by.
+
+    The KL is `normlab.conversion.heal.teacher.top_k_kl`'s: the rest of the vocabulary is one outcome, so it is at
+    most the full KL, and equal to it when ``k`` covers the vocabulary. Positions an attention mask leaves out do not
+    count. Memory: 8 bytes x ``k`` per position (32 sequences of 128 tokens at 1,024: 34 MB).
+
+    Args:
+        k: How many of the reference's largest log-probabilities are kept per position.
+    """
+
+    def __init__(self, k: int = REFERENCE_TOP_K) -> None:
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"ReferenceKL: k must be an int >= 1, got {k!r}")
+        self.k = k
+        self.reference: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    @torch.no_grad()
+    def __call__(self, model: nn.Module, batches: Iterable) -> float:
+        from normlab.conversion.heal.teacher import top_k_kl
+
+        batches = list(as_batches(batches))
+        first = self.reference is None
+        if not first and len(batches) != len(self.reference):
+            raise ValueError(f"ReferenceKL: {len(batches)} batches against a reference of {len(self.reference)}")
+        kept, total, count = [], 0.0, 0
+        was = model.training
+        model.eval()
+        try:
+            for i, batch in enumerate(batches):
+                out = run_batch(model, batch, i, no_cache=True)
+                if not hasattr(out, "logits"):
+                    raise ValueError("ReferenceKL needs a model whose output has .logits")
+                mask = batch.get("attention_mask") if isinstance(batch, dict) else None
+                logp = out.logits.float().log_softmax(-1)
+                logp = logp[mask.bool()] if mask is not None else logp.flatten(0, -2)  # (positions, V)
+                if first:
+                    values, index = logp.topk(min(self.k, logp.shape[-1]), dim=-1)
+                    kept.append((values, index.to(torch.int32)))
+                    continue
+                values, index = self.reference[i]
+                if values.shape[0] != logp.shape[0]:
+                    raise ValueError(
+                        f"ReferenceKL: batch {i} has {logp.shape[0]} positions, the reference has {values.shape[0]}: "
+                        "measure the batches the reference was recorded on"
+                    )
+                total += float(top_k_kl(logp, values, index.long())) * len(logp)
+                count += len(logp)
+        finally:
+            model.train(was)
+        if first:
+            self.reference = kept
+            return 0.0
+        return total / max(count, 1)
 
 
 def _token_ids(batch) -> torch.Tensor | None:
