@@ -58,6 +58,12 @@ JOBS = {  # name -> the model and the flags after --to dyisru
         f"budget_kl_{n}": ("smollm2", ["--per", "channel", "--budget-nats", n, "--set", "budget.metric=kl"])
         for n in ("0.05", "0.1", "0.2")
     },
+    # the KL walk's 22 sites (budget_kl_0.05) healed on the 0.02 job's samples and tokens exactly: is a site chosen
+    # by its KL worth as much after the heal as before it?
+    "budget_kl_0.05_heal_tokens": (
+        "smollm2",
+        _budget_heal(0, "0.05", "heal.self_sequences=2048", "budget.metric=kl", tokens=163_328),
+    ),
     "recipe": ("smollm2", RECIPE),
     "budget_heal": ("smollm2", _budget_heal(15)),  # 0.4.4's recipe
     "budget_heal_45": ("smollm2", _budget_heal(45)),  # the stretch: a 45-minute heal (about an hour in all)
