@@ -360,3 +360,31 @@ def test_a_kl_walk_ranks_by_each_sites_kl_alone_and_ends_within_its_kl_budget():
         assert kl(model, m, held) == pytest.approx(walk.curve[-1], abs=1e-5) and walk.curve[-1] <= budget + 1e-6
         assert 0 < len(walk.converted) == len(record.sites)
         assert "(KL to the original on the batches that select them 0.000 ->" in record.notes[-1]
+
+
+def test_the_command_walks_by_kl_when_asked_and_says_so(folder, tmp_path, capsys):
+    """``--set budget.metric=kl`` through the CLI: the printed walk and ``fidelity.json`` name the KL, which starts at
+    0 and ends within the budget, and the saved model's KL to the original on the validation split is the one
+    recorded; budget.metric without a budget is refused before any work, naming the field."""
+    from normlab.conversion.hf import text_splits
+    from normlab.conversion.measure.fidelity import ReferenceKL
+
+    args = ["convert", "--model", str(folder / "m"), "--calibrate", str(folder / "text.txt"), "--seq-len", "16",
+            "--sequences", "8", "--no-progress"]  # fmt: skip
+    out = tmp_path / "kl"
+    assert main([*args, "--budget-nats", "0.3", "--set", "budget.metric=kl", "budget.precision=float32",
+                 "--out", str(out)]) == 0  # fmt: skip
+    printed = capsys.readouterr().out
+    walk = json.loads((out / "fidelity.json").read_text())["budget_walk"]
+    assert walk["metric"] == "kl" and walk["ce_original"] == 0.0 and 0 < walk["ce_converted"] <= 0.3
+    assert "(KL to the original on the 8 validation sequences that select them 0.000 ->" in printed
+    original, _ = normlab.conversion.hf.load_model(folder / "m")
+    converted, record = normlab.load_converted(out)
+    assert 0 < len(record.sites) < 7
+    select = text_splits(folder / "text.txt", None, 100, TextCut(16, 8, 8)).val
+    kl = ReferenceKL()
+    kl(original, select)
+    assert kl(converted, select) == pytest.approx(walk["ce_converted"], abs=1e-5)
+    assert main([*args, "--set", "budget.metric=kl", "--out", str(tmp_path / "none")]) != 0
+    assert "error: --set budget.metric applies only with --budget-nats" in capsys.readouterr().err
+    assert not (tmp_path / "none").exists()

@@ -10,7 +10,8 @@ config, so the function and the command walk alike by construction.
 1. Every site is calibrated on the *original* model's activations (``sequential=False``): each fit is exact
    for that site converted alone, and one pass fits them all.
 2. Its cost is the rise in next-token cross-entropy it causes alone, measured on the first ``rank_batches``
-   calibration batches (the held-out text decides nothing about the order).
+   calibration batches (the held-out text decides nothing about the order); with ``budget.metric="kl"``, the mean
+   KL divergence to the original it causes alone (`ReferenceKL`), and every later measurement is that KL too.
 3. The sites are converted cheapest first, and the held-out cross-entropy is measured after each. With
    ``nats`` the walk never keeps a site that would take the held-out cross-entropy above the original's plus the
    budget, so the model it leaves never ends above its budget on ``held`` as the walk measures it (in bf16 where
