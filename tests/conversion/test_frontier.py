@@ -181,6 +181,7 @@ def test_the_skip_walk_never_ends_above_its_budget_and_tries_every_site(folder, 
     cfg = json.loads((out / "convert_config.json").read_text())
     assert cfg["budget"] == {
         "nats": budget,
+        "metric": "ce",
         "walk": "skip",
         "refit_every": 4,
         "rank_batches": 4,

@@ -89,7 +89,6 @@ def site_costs(
     batches: list,
     *,
     progress: bool | None = None,
-    base: float | None = None,
     dtype: torch.dtype | None = None,
     metric: str = "ce",
 ) -> dict[str, float]:
@@ -102,7 +101,6 @@ def site_costs(
         fitted: Site name -> its calibrated replacement.
         batches: The measurement batches.
         progress: Show a progress bar; None: when stderr is a terminal.
-        base: The original's cross-entropy on ``batches``, if already measured.
         dtype: The autocast dtype of the measurements (bf16), or None for float32.
         metric: "ce" or "kl" (`BudgetConfig.metric`).
     """
@@ -110,8 +108,7 @@ def site_costs(
 
     batches = list(as_batches(batches))
     replay = BlockReplay(model, batches, find_blocks(model, list(fitted)), list(fitted), dtype, measure_of(metric))
-    first = replay.measure()
-    base = first if base is None else base
+    base = replay.measure()  # the original's (0 for the KL: its first measurement records the reference)
     costs = {}
     for name in tqdm(
         list(fitted), desc="cost of each site alone", unit="site", disable={True: False, False: True}.get(progress)
@@ -294,10 +291,10 @@ def frontier(
     order = sorted(costs, key=lambda n: costs[n] if math.isfinite(costs[n]) else math.inf)
     # each step measured from its block on
     replay = BlockReplay(model, held, find_blocks(model, order), order, dtype, measure_of(budget.metric))
+    skip = budget.walk == "skip"
     front = Frontier(
-        to, replay.measure(), costs, order, [], budget.nats, skip=budget.walk == "skip", precision=precision,
-        metric=budget.metric,
-    )  # fmt: skip
+        to, replay.measure(), costs, order, [], budget.nats, skip=skip, precision=precision, metric=budget.metric
+    )
     front.curve.append(front.ce_original)
     by_name = {s.name: s for s in record.sites}
     walk = _Walk(to, calib[: budget.refit_batches], convert_kwargs, replay, fitted, by_name)
