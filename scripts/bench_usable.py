@@ -58,6 +58,24 @@ JOBS = {  # name -> the model and the flags after --to dyisru
         f"budget_kl_{n}": ("smollm2", ["--per", "channel", "--budget-nats", n, "--set", "budget.metric=kl"])
         for n in ("0.05", "0.1", "0.2")
     },
+    # the KL walk selecting on the original's own samples (budget.text=self: the 2,048 the heals read, cached), not
+    # on the text's validation split: does a walk that sees the model's chats keep what its answers need?
+    **{
+        f"budget_self_kl_{n}": (
+            "smollm2",
+            [
+                "--per",
+                "channel",
+                "--budget-nats",
+                n,
+                "--set",
+                "budget.metric=kl",
+                "budget.text=self",
+                "heal.self_sequences=2048",
+            ],
+        )
+        for n in ("0.05", "0.1")
+    },
     # the KL walk's 22 sites (budget_kl_0.05) healed on the 0.02 job's samples and tokens exactly: is a site chosen
     # by its KL worth as much after the heal as before it?
     "budget_kl_0.05_heal_tokens": (

@@ -102,6 +102,9 @@ class BudgetConfig:
     metric: Literal["ce", "kl"] = "ce"
     """What the walk ranks and measures by: the rise of next-token cross-entropy on the text, or "kl", the mean KL
     divergence to the original per position (`normlab.conversion.measure.fidelity.ReferenceKL`)."""
+    text: Literal["text", "self"] = "text"
+    """What the walk selects on: the text's validation split, or "self", ``sequences`` of the original's own samples
+    (after those ``calibrate.source = "self"`` fits on)."""
     walk: Literal["skip", "stop"] = "skip"
     """At a site over the budget: "skip" it and go on, or "stop" the walk there."""
     refit_every: int = 4
@@ -112,14 +115,12 @@ class BudgetConfig:
     """Calibration batches each site is fitted again on, in the model converted so far, when its turn comes (0: it
     keeps its fit on the original's activations)."""
     defer: float = 3.0
-    """A site whose rise in the walk is more than this many times its cost alone (at least 0.01 nats) is put back
-    and tried again after every other site, so that it does not spend the budget many cheaper sites could use (0:
-    never). On SmolLM2 at --budget-nats 0.4 (bf16) 3 keeps 50 sites, 4 keeps 40 (float32: 4 keeps 49, 0 keeps 36)."""
+    """A site whose rise in the walk is over this many times its cost alone (at least 0.01 nats) is tried again after
+    every other site, so as not to spend the budget cheaper sites could use (0: never; docs/calibration.md)."""
     precision: Literal["auto", "float32", "bf16"] = "auto"
-    """The arithmetic of the walk's measurements (its costs and steps; fits and refits stay float32): "bf16"
-    autocasts them, "auto" does where the device runs bf16 matmuls natively (a GPU, a CPU with AVX512-BF16 or AMX),
-    else float32. On SmolLM2 a bf16 pass takes 2.7 s against 6.7 s and reads 0.002 nats higher; the command's
-    held-out and second-text measurements stay float32."""
+    """The arithmetic of the walk's measurements (its costs and steps; fits, refits and the command's measurements
+    stay float32): "bf16" autocasts them, "auto" does where the device runs bf16 matmuls natively (a GPU, a CPU with
+    AVX512-BF16 or AMX), else float32. On SmolLM2 a bf16 pass takes 2.7 s against 6.7 s, 0.002 nats higher."""
 
     def validate(self, calibrated: bool = True) -> None:
         self.check()
@@ -316,16 +317,15 @@ class ConvertConfig:
 
     def _validate_source(self) -> None:
         c, h = self.calibrate, self.heal
-        if c.source != "self":
-            return
-        if not c.enabled:
+        if c.source == "self" and not c.enabled:
             raise ValueError(
                 f"{flag('calibrate.source')} self picks what calibration fits on; drop {flag('calibrate.enabled')}"
             )
+        uses = [k for k, v in (("calibrate.source", c.source), ("budget.text", self.budget.text)) if v == "self"]
         room = h.self_sequences - min(8, max(1, h.self_sequences // 8))  # the samples' validation part stays out
-        if self.sequences > room:
+        if self.sequences * len(uses) > room:
             raise ValueError(
-                f"{flag('calibrate.source')} self fits on the first {flag('sequences')} ({self.sequences}) of "
+                f"{' and '.join(flag(k) for k in uses)} self read {flag('sequences')} ({self.sequences}) each of "
                 f"the original's {h.self_sequences} samples, of which {room} are not validation: raise "
                 f"{flag('heal.self_sequences')} or lower {flag('sequences')}"
             )
@@ -401,8 +401,8 @@ class ConvertConfig:
         """The original's samples' knobs are refused where nothing samples, and a heal step may not exceed the
         heal's token budget."""
         h, plain = self.heal, HealConfig.__dataclass_fields__
-        sampled = (h.budgeted and h.text != "text") or self.calibrate.source == "self"
-        why = "a conversion that samples the original (--heal-text self or self+text, --calibrate-on self)"
+        sampled = (h.budgeted and h.text != "text") or "self" in (self.calibrate.source, self.budget.text)
+        why = "a conversion that samples the original (--heal-text self or self+text, --calibrate-on self, budget.text)"
         for name, idle, needs in (("self_sequences", not sampled, why), ("temperature", not sampled, why),
                                   ("starts", not sampled, why), ("sample_precision", not sampled, why),
                                   ("self_fraction", not (h.budgeted and h.text == "self+text"), "--heal-text "

@@ -23,6 +23,16 @@ class ConversionTexts:
     held: list
     second: list | None = None
     second_name: str | None = None
+    select: list | None = None  # what the budget walk selects on, when not the splits' validation part
+
+    def selecting_on(self, select: list) -> ConversionTexts:
+        """These texts with ``select`` as what the budget walk selects on (the original's own samples,
+        ``budget.text = "self"``); the splits, the heal's validation among them, stay as they are."""
+        return replace(self, select=select)
+
+    def selection(self) -> list | None:
+        """What the budget walk selects on: ``select``, else the splits' validation part (None without splits)."""
+        return self.select if self.select is not None else self.splits.val if self.splits is not None else None
 
     def calibrating_on(self, calib: list) -> ConversionTexts:
         """These texts with ``calib`` as the calibration part (the original's own samples, ``--calibrate-on self``)."""

@@ -33,7 +33,7 @@ from normlab.conversion.export.saving import RECORD_FILE
 from normlab.conversion.frontier import FEW_SELECTION, METRICS, frontier
 from normlab.conversion.heal.distill import check_heal_resources, heal
 from normlab.conversion.heal.report import heal_summary, write_curve
-from normlab.conversion.heal.samples import calibration_samples, heal_splits, sample_starts
+from normlab.conversion.heal.samples import heal_splits, own_samples, sample_starts
 from normlab.conversion.hf import (
     leading_bos,
     load_model,
@@ -193,11 +193,9 @@ def _convert(job: _Job, markdown: bool) -> dict:
     with stages("load"):
         texts = conversion_texts(cfg, text, tokenizer, vocab)
     starts = sample_starts(tokenizer, cfg.heal.starts == "varied")
-    if cfg.calibrate.source == "self":
+    if "self" in (cfg.calibrate.source, cfg.budget.text):
         with stages("samples"):
-            texts = texts.calibrating_on(
-                calibration_samples(net, cfg.heal, cfg.seq_len, cfg.sequences, starts=starts, progress=progress)
-            )
+            texts = _on_samples(cfg, net, texts, starts, progress)
     original = sharing_copy(net)  # its own norms, the weight matrices shared: conversion swaps modules
     with stages("budget walk" if cfg.budget.nats is not None else "calibration"):
         record, walk = _convert_sites(cfg, net, texts, progress)
@@ -257,13 +255,27 @@ def _measure(original, net, texts: ConversionTexts, record, judging: bool) -> tu
     return fid, tallies
 
 
+def _on_samples(cfg: ConvertConfig, net, texts: ConversionTexts, starts, progress: bool) -> ConversionTexts:
+    """``texts`` with the original's own samples where the config asks for them: the first ``sequences`` as the
+    calibration part (``calibrate.source``), the next ``sequences`` as what the budget walk selects on
+    (``budget.text``; the first when calibration reads the text)."""
+    own = own_samples(net, cfg.heal, cfg.seq_len, starts=starts, progress=progress)  # drawn once, cached
+    n = cfg.sequences
+    if cfg.calibrate.source == "self":
+        texts = texts.calibrating_on(list(own[:n].split(8)))
+    if cfg.budget.text == "self":
+        at = n if cfg.calibrate.source == "self" else 0
+        texts = texts.selecting_on(list(own[at : at + n].split(8)))
+    return texts
+
+
 def _convert_sites(cfg: ConvertConfig, net, texts: ConversionTexts, progress: bool):
     """The conversion itself (every site, or the frontier's within ``budget.nats``); prints what it did. Returns
     the record and, for a budget, what the walk saw. The budget walk decides on the validation split (text the heal
     never trains on and the held-out measurement never reuses), so the held-out cross-entropy printed after it is
     an honest estimate, not the number the walk was chosen to keep under the budget."""
     c, b, calib = cfg.calibrate, cfg.budget, texts.calib
-    select = texts.splits.val if texts.splits is not None else None
+    select = texts.selection()
     sites_cfg = dataclasses.replace(cfg, heal=HealConfig(), budget=BudgetConfig())  # what convert_norms runs
     include = (lambda name, m: not any(fnmatch.fnmatch(name, pat) for pat in cfg.exclude)) if cfg.exclude else None
     if b.nats is not None:
@@ -280,7 +292,7 @@ def _convert_sites(cfg: ConvertConfig, net, texts: ConversionTexts, progress: bo
         n_select = sum(len(b) for b in select)
         print(
             f"--budget-nats {b.nats:g}: {len(front.converted)} of {len(front.order)} norms fit "
-            f"({METRICS[front.metric]} on the {n_select} validation sequences that select them "
+            f"({METRICS[front.metric]} on the {n_select} {_selection_words(b)} that select them "
             f"{front.ce_original:.3f} -> "
             f"{front.curve[-1]:.3f} in {front.precision.split(' (')[0]}; the held-out sequences below decide nothing); "
             "converted, cheapest "
@@ -294,7 +306,7 @@ def _convert_sites(cfg: ConvertConfig, net, texts: ConversionTexts, progress: bo
                 "held-out rise below can end well above the budget (see 'Selecting on few sequences' in the "
                 f"conversion docs); --sequences {FEW_SELECTION} or more selects better\n"
             )
-        walk = {"budget_nats": b.nats, "metric": b.metric, "selection_sequences": n_select,
+        walk = {"budget_nats": b.nats, "metric": b.metric, "text": b.text, "selection_sequences": n_select,
                 "ce_original": front.ce_original, "ce_converted": front.curve[-1],
                 "converted": len(front.converted), "sites": len(front.order), "precision": front.precision,
                 "walk": {"kept": front.converted, "curve": front.curve, "passed": front.passed,
@@ -310,6 +322,11 @@ def _convert_sites(cfg: ConvertConfig, net, texts: ConversionTexts, progress: bo
     how = f"calibrated on {n_calib} sequences {where}" if c.enabled else "default init"
     print(f"converted {len(record.sites)} norms of {type(net).__name__} to {cfg.to} ({how})\n")
     return record, walk
+
+
+def _selection_words(b: BudgetConfig) -> str:
+    """What the walk selects on, in words (the printed walk line)."""
+    return "of the original's own samples" if b.text == "self" else "validation sequences"
 
 
 def _guarded_heal(job: _Job, original, net, splits, record, tokenizer):
