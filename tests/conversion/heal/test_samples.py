@@ -5,19 +5,21 @@ data, a mixed stream that resumes exactly, a second text that never touches the 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
 
 from conftest import tiny_hf, tiny_tokenizer
 from normlab.cli import main
-from normlab.conversion.config import resolve_convert_config
+from normlab.conversion.config import HealConfig, resolve_convert_config
 from normlab.conversion.heal.samples import (
     MixedStream,
     SampleSet,
     Starts,
     calibration_samples,
     heal_splits,
+    own_samples,
     sample_starts,
     self_samples,
 )
@@ -224,6 +226,50 @@ def test_calibration_on_the_models_own_samples_fits_on_them_and_is_measured_on_t
     fids = [json.loads((tmp_path / d / "fidelity.json").read_text()) for d in ("own", "text")]
     assert fids[0]["ce_original"] == fids[1]["ce_original"]  # the text's held-out end measures both
     assert json.loads((tmp_path / "own" / "convert_config.json").read_text())["calibrate"]["source"] == "self"
+
+
+@pytest.mark.parametrize("calibrate_on", ["text", "self"])
+def test_a_walk_on_the_models_own_samples_selects_on_the_samples_after_calibrations(
+    models, tmp_path, capsys, calibrate_on
+):
+    """``--set budget.text=self``: the budget walk selects on ``sequences`` of the original's own samples, the first
+    ones when calibration reads the text and the next ones when it reads the samples too; the saved model's KL to the
+    original on exactly those is the one the walk recorded, and the printed walk and ``fidelity.json`` say so."""
+    from normlab.conversion.export.saving import load_converted
+    from normlab.conversion.hf import load_model
+    from normlab.conversion.measure.fidelity import ReferenceKL
+
+    sets = ("budget.metric=kl", "budget.text=self", "budget.precision=float32", "heal.self_sequences=16")
+    out = tmp_path / calibrate_on
+    assert main(_convert(models, out, "--budget-nats", "0.5", "--calibrate-on", calibrate_on, "--set", *sets)) == 0
+    printed = capsys.readouterr().out
+    assert "(KL to the original on the 4 of the original's own samples that select them 0.000 ->" in printed, printed
+    walk = json.loads((out / "fidelity.json").read_text())["budget_walk"]
+    assert walk["text"] == "self" and walk["selection_sequences"] == 4 and 0 < walk["ce_converted"] <= 0.5
+    net, tok = load_model(str(models["m"]))
+    own = own_samples(net, HealConfig(self_sequences=16), 16, starts=sample_starts(tok))  # the run's, cached
+    at = 4 if calibrate_on == "self" else 0
+    kl = ReferenceKL()
+    kl(net, [own[at : at + 4]])
+    assert kl(load_converted(out)[0], [own[at : at + 4]]) == pytest.approx(walk["ce_converted"], rel=1e-3)
+    other = 4 - at  # the other four: not what the walk measured
+    kl = ReferenceKL()
+    kl(net, [own[other : other + 4]])
+    assert kl(load_converted(out)[0], [own[other : other + 4]]) != pytest.approx(walk["ce_converted"], rel=1e-3)
+
+
+@pytest.mark.parametrize(
+    ("sets", "error"),
+    [
+        (["budget.text=self"], "--set budget.text applies only with --budget-nats"),
+        (["budget.text=book"], "--set budget.text must be 'text' or 'self', got 'book'"),
+        (["budget.nats=0.1", "budget.text=self", "calibrate.source=self", "heal.self_sequences=8", "sequences=4"],
+         "--calibrate-on and --set budget.text self read --sequences (4) each of the original's 8 samples, of which 7"),
+    ],
+)  # fmt: skip
+def test_a_walk_on_samples_that_are_too_few_or_have_no_budget_is_refused_before_any_work(sets, error, models):
+    with pytest.raises(ValueError, match=re.escape(error)):
+        resolve_convert_config(sets, model=str(models["m"]), seq_len=16)
 
 
 @pytest.mark.parametrize("family", ["Llama", "Qwen3", "Gemma3"])
