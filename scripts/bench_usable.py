@@ -76,6 +76,11 @@ JOBS = {  # name -> the model and the flags after --to dyisru
         )
         for n in ("0.05", "0.1")
     },
+    # the self-selected walk's sites healed on the 0.02 job's samples and tokens exactly
+    "budget_self_kl_0.05_heal_tokens": (
+        "smollm2",
+        _budget_heal(0, "0.05", "heal.self_sequences=2048", "budget.metric=kl", "budget.text=self", tokens=163_328),
+    ),
     # the KL walk's 22 sites (budget_kl_0.05) healed on the 0.02 job's samples and tokens exactly: is a site chosen
     # by its KL worth as much after the heal as before it?
     "budget_kl_0.05_heal_tokens": (
