@@ -102,9 +102,30 @@ def test_the_original_judged_against_itself_is_perfect(lm, tmp_path):
     assert r["generation"]["chat_interval"] == pytest.approx(_wilson(4, 4), abs=1e-4)
     assert r["consistency"]["padded"] < 1e-4 and r["consistency"]["kv_chunks"] < 1e-4
     assert r["blowups"]["over"] == []
+    assert r["generation"]["loops"] == r["generation"]["loops_original"]
     text = usage_lines(r)
     assert "same top-1" in text and "blow-ups" in text and "Q: What is the capital of France?" in text
+    assert f"end in a loop (the original: {r['generation']['loops_original']})" in text
     assert "(95% interval over prompts like these: 51%-100%)" in text
+
+
+@pytest.mark.parametrize(
+    ("ids", "looped"),
+    [
+        (list(range(30)), False),  # nothing repeats
+        ([5, 6, 7] * 10, True),  # a block of 3, ten times
+        (list(range(10)) + [1, 2, 3, 4] * 6 + [1, 2], True),  # entered after 10 tokens, ends mid-block
+        (list(range(10, 19)) + [1, 2, 3, 4] * 3 + [1, 2, 3], False),  # the last 24 reach back before the loop
+        ([7] * 23, False),  # shorter than the span
+        ([7] * 24, True),  # one token, 24 times
+        (list(range(9)) * 3, False),  # a block of 9: longer than a loop
+        (list(range(8)) * 3, True),  # a block of 8, three times
+    ],
+)
+def test_an_answer_ends_in_a_loop_when_its_last_24_tokens_repeat_a_short_block(ids, looped):
+    from normlab.conversion.measure.usage import loops
+
+    assert loops(torch.tensor(ids)) is looped
 
 
 def _wilson(k: int, n: int, z: float = 1.959963984540054) -> list[float]:

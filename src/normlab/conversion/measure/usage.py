@@ -6,8 +6,9 @@
 * **long context**: sequences of ``long_tokens`` (1,024 by default) from the held-out end of the text, with the gap
   by position;
 * **generation**: both models' greedy answers to `PROMPTS`; the **chat score** is the share of answers whose first
-  ``words`` words (6) are the original's. An answer that repeats the chat template's system prompt is counted, and
-  where each answer parts from the original's (`parting`): at which token, and how sure the original was there;
+  ``words`` words (6) are the original's. An answer that repeats the chat template's system prompt is counted, as is
+  one that ends in a loop (`loops`), and where each answer parts from the original's (`parting`): at which token,
+  and how sure the original was there;
 * **stress**: inputs that break a position rule or a short calibration (`stress_items`): leading and repeated
   delimiters, a BOS mid-sequence, code, digits, long words, 2,048 tokens, and windows of the held-out text cut at
   32 offsets, so that 32 different tokens come first (the first position carries a massive activation whatever
@@ -33,7 +34,7 @@ from normlab.conversion.measure.judge import TokenTally, judge_tokens
 from normlab.table import format_table
 
 __all__ = ["PROMPTS", "UsageConfig", "usage_report", "usage_lines", "stress_items", "greedy_answers", "parting",
-           "chat_interval", "kept_answers", "paired_chat"]  # fmt: skip
+           "chat_interval", "kept_answers", "paired_chat", "loops"]  # fmt: skip
 
 PROMPTS = (
     "What is the capital of France?",
@@ -225,6 +226,22 @@ def _echoes(answer: str, system: str, n: int = 5) -> bool:
     return any(" ".join(words[i : i + n]) in sys_text for i in range(max(len(words) - n + 1, 0))) if words else False
 
 
+def loops(ids: Tensor, span: int = 24, longest: int = 8) -> bool:
+    """Whether an answer ends in a loop: its last ``span`` tokens repeat one block of at most ``longest`` tokens (at
+    least three times in a row, at any phase). Greedy decoding that enters a loop stays in it to the last token.
+
+    Args:
+        ids: The answer's token ids, (T,).
+        span: How many of its last tokens must repeat.
+        longest: The longest block counted as a loop.
+    """
+    t = ids.tolist()
+    if len(t) < span:
+        return False
+    tail = t[-span:]
+    return any(all(tail[i] == tail[i - p] for i in range(p, span)) for p in range(1, longest + 1))
+
+
 def _generation(original, converted, tokenizer: object, cfg: UsageConfig) -> tuple[dict, list] | None:
     """Both models' answers to the chat prompts: the chat score, the system-prompt echoes, the shown answers; and the
     chat set's items (prompt + the original's answer, scored on the answer)."""
@@ -245,6 +262,8 @@ def _generation(original, converted, tokenizer: object, cfg: UsageConfig) -> tup
         "chat_interval": chat_interval(sum(same), len(same)),
         "system_echoes": sum(_echoes(b, system) for b in text[1]),
         "system_echoes_original": sum(_echoes(a, system) for a in text[0]),
+        "loops": sum(loops(b) for b in got),
+        "loops_original": sum(loops(a) for a in ref),
         "parted": _parted(parts),
         "answers": answers,
     }
@@ -440,6 +459,7 @@ def usage_lines(report: dict, markdown: bool = False) -> str:
             f"generation: {g['chat_score']:.0%} of {g['prompts']} greedy answers start with the original's "
             f"first {report['config']['words']} words{_interval(g)}; {g['system_echoes']} repeat the system prompt "
             f"(the original: {g['system_echoes_original']})"
+            + (f"; {g['loops']} end in a loop (the original: {g['loops_original']})" if "loops" in g else "")
         )
         p = g.get("parted", {"answers": 0})
         if p["answers"]:
