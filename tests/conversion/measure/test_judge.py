@@ -355,3 +355,12 @@ def test_two_conversions_answers_are_compared_prompt_by_prompt_as_mcnemars_exact
     assert paired_chat([True, False], [True, False])["p"] == 1.0
     with pytest.raises(ValueError, match="same prompts"):
         paired_chat([True], [True, False])
+
+
+def test_the_prompts_are_distinct_and_the_judgements_first_24_stay_first():
+    """Every recorded chat score read the first 24 prompts; ``normlab evaluate --prompts 96`` reads them all."""
+    from normlab.conversion.measure.prompts import PROMPTS
+    from normlab.conversion.measure.usage import UsageConfig
+
+    assert len(set(PROMPTS)) == len(PROMPTS) == 96 and UsageConfig().prompts == 24
+    assert PROMPTS[0] == "What is the capital of France?" and PROMPTS[23] == "How does a rainbow form?"

@@ -31,37 +31,11 @@ from torch import Tensor, nn
 from normlab.conversion.batches import cache_kwarg
 from normlab.conversion.hf import leading_bos, token_chunks
 from normlab.conversion.measure.judge import TokenTally, judge_tokens
+from normlab.conversion.measure.prompts import PROMPTS
 from normlab.table import format_table
 
 __all__ = ["PROMPTS", "UsageConfig", "usage_report", "usage_lines", "stress_items", "greedy_answers", "parting",
            "chat_interval", "kept_answers", "paired_chat", "loops"]  # fmt: skip
-
-PROMPTS = (
-    "What is the capital of France?",
-    "Explain what a neural network is in two sentences.",
-    "Write a haiku about the sea.",
-    "How many legs does a spider have?",
-    "Give me three tips for sleeping better.",
-    "What is the difference between weather and climate?",
-    "Translate 'good morning' into Spanish.",
-    "Write a Python function that returns the square of a number.",
-    "Who wrote Romeo and Juliet?",
-    "What is 12 times 7?",
-    "Summarize the plot of Cinderella in one sentence.",
-    "Why is the sky blue?",
-    "Name three primary colors.",
-    "What does a CPU do in a computer?",
-    "Suggest a name for a pet goldfish.",
-    "How do I boil an egg?",
-    "What is photosynthesis?",
-    "List the planets of the solar system.",
-    "What is the boiling point of water in Celsius?",
-    "Write a short thank-you note to a teacher.",
-    "What is the largest ocean on Earth?",
-    "Explain recursion to a child.",
-    "What are the benefits of regular exercise?",
-    "How does a rainbow form?",
-)
 
 
 NEAR_TIE = 0.5  # nats: an answer that parts where the original preferred its token by less parts on a near tie
