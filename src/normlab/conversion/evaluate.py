@@ -17,9 +17,19 @@ from normlab.conversion.workflow import CONFIG_FILE, model_fingerprint
 from normlab.corpus import DOCS, fetch_docs, fetch_shakespeare
 from normlab.owner import hold
 
-__all__ = ["EVALUATION_FILE", "evaluate_folder"]
+__all__ = ["EVALUATION_FILE", "evaluate_folder", "original_of"]
 
 EVALUATION_FILE = "evaluation.json"
+
+
+def original_of(folder: Path, original: str | None = None) -> str:
+    """The original's path of a converted folder: ``original``, or the one its record names; checked to exist.
+
+    Args:
+        folder: A converted model's folder (``normlab convert --out``).
+        original: The original model's path; None: the one the folder records.
+    """
+    return _source(Path(folder), original)[0]
 
 
 def _source(folder: Path, original: str | None) -> tuple[str, dict, ConvertConfig]:

@@ -35,7 +35,8 @@ from normlab.conversion.measure.prompts import PROMPTS
 from normlab.table import format_table
 
 __all__ = ["PROMPTS", "UsageConfig", "usage_report", "usage_lines", "stress_items", "greedy_answers", "parting",
-           "chat_interval", "kept_answers", "paired_chat", "loops"]  # fmt: skip
+           "chat_interval", "kept_answers", "paired_chat", "loops",
+           "chat_prompts"]  # fmt: skip
 
 
 NEAR_TIE = 0.5  # nats: an answer that parts where the original preferred its token by less parts on a near tie
@@ -98,9 +99,14 @@ def greedy_answers(model: nn.Module, prompts: list[Tensor], new_tokens: int, eos
     return out
 
 
-def _chat(tokenizer: object, prompts: tuple[str, ...]) -> tuple[list[Tensor], str] | None:
+def chat_prompts(tokenizer: object, prompts: tuple[str, ...]) -> tuple[list[Tensor], str] | None:
     """The prompts through the chat template, and the text the template adds before the first user turn (its system
-    prompt); None when the tokenizer has no chat template."""
+    prompt); None when the tokenizer has no chat template.
+
+    Args:
+        tokenizer: A transformers tokenizer.
+        prompts: The user turns (`PROMPTS`).
+    """
     if not getattr(tokenizer, "chat_template", None):
         return None
     ids, system = [], ""
@@ -219,7 +225,7 @@ def loops(ids: Tensor, span: int = 24, longest: int = 8) -> bool:
 def _generation(original, converted, tokenizer: object, cfg: UsageConfig) -> tuple[dict, list] | None:
     """Both models' answers to the chat prompts: the chat score, the system-prompt echoes, the shown answers; and the
     chat set's items (prompt + the original's answer, scored on the answer)."""
-    chat = _chat(tokenizer, PROMPTS[: cfg.prompts])
+    chat = chat_prompts(tokenizer, PROMPTS[: cfg.prompts])
     if chat is None:
         return None
     prompts, system = chat
