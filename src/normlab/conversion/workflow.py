@@ -203,8 +203,6 @@ def _convert(job: _Job, markdown: bool) -> dict:
     judging = bool(record.sites) and usable_tokenizer(tokenizer) and predicts_next_token(net)
     with stages("measurement"):
         fid, tallies = _measure(original, net, texts, record, judging)
-    if walk is not None:
-        fid["budget_walk"] = walk
     rep = None
     if cfg.heal.budgeted and not record.sites:
         print("\nnothing converted: no heal")
@@ -220,6 +218,8 @@ def _convert(job: _Job, markdown: bool) -> dict:
         fid["before_heal"] = {k: before[k] for k in ("ce_converted", "kl") if k in before}
         if "second_text" in before:
             fid["before_heal"]["second_text"] = before["second_text"]
+    if walk is not None:  # after the heal's measurement, which starts a new record
+        fid["budget_walk"] = walk
     if record.calibration:
         fid["calibration"] = record.calibration
     if judging:

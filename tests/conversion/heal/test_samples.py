@@ -380,3 +380,14 @@ def test_a_free_row_never_starts_at_an_end_of_sequence_token(model, tmp_path):
     got = self_samples(model, SampleSet("f", 16, 2, Starts(None, varied=False), seed=3), cache=tmp_path)
     assert set(got[:, 0].tolist()) == {0, vocab - 1}
     assert all(t in (0, vocab - 1) for t in got[:, 1].tolist())  # the end tokens stay masked after the start
+
+
+def test_a_walk_then_a_heal_keeps_the_walks_record_beside_the_heals(models, tmp_path):
+    """``fidelity.json`` of a budget walk followed by a heal records both: the walk (``budget_walk``, as without a
+    heal) and the heal, with the measurement before it."""
+    out = tmp_path / "both"
+    heal = ("--heal-tokens", 256, "--heal-text", "self", "--set", "heal.self_sequences=16")
+    assert main(_convert(models, out, "--budget-nats", "0.5", *heal)) == 0
+    fid = json.loads((out / "fidelity.json").read_text())
+    assert fid["budget_walk"]["budget_nats"] == 0.5 and fid["budget_walk"]["converted"] == len(fid["sites"])
+    assert fid["heal"]["tokens"] >= 256 and "ce_converted" in fid["before_heal"]
