@@ -21,7 +21,7 @@ from bench_usable import README  # the README table's jobs, in its order
 
 LABELS = {  # job -> its label
     "budget_0.1_heal_2048": "walk 0.1\n+ heal",
-    "budget_0.02_heal_2x": "walk 0.02\n+ long heal",
+    "budget_self_kl_0.05_heal_tokens": "walk on samples\n+ heal",
     "budget_heal": "walk 0.4\n+ heal",
     "budget": "walk 0.4",
     "per_channel": "per channel",
