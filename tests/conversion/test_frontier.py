@@ -182,6 +182,7 @@ def test_the_skip_walk_never_ends_above_its_budget_and_tries_every_site(folder, 
     assert cfg["budget"] == {
         "nats": budget,
         "metric": "ce",
+        "text": "text",
         "walk": "skip",
         "refit_every": 4,
         "rank_batches": 4,
