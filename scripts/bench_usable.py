@@ -20,6 +20,7 @@ import datetime
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
@@ -184,7 +185,21 @@ def _stage_rows(row: dict, fid: dict) -> list[dict]:
     return [{**common, "stage": k, "seconds": v, "peak_gb": peaks.get(k, "")} for k, v in fid.get("stages", {}).items()]
 
 
+def _convert(argv: list[str]) -> subprocess.CompletedProcess:
+    """Runs ``normlab convert`` in a child process, and stops the child when this script is stopped (Ctrl-C or a
+    SIGTERM), so that no conversion runs on beside the next one."""
+    with subprocess.Popen([sys.executable, "-m", "normlab.cli", *argv], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True) as child:  # fmt: skip
+        try:
+            out, err = child.communicate()
+        finally:
+            if child.poll() is None:
+                child.kill()
+    return subprocess.CompletedProcess(child.args, child.returncode, out, err)
+
+
 def main() -> None:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that _convert's cleanup runs on a kill too
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--jobs", nargs="+", choices=list(JOBS), default=list(README))
     p.add_argument("--keep", type=Path, help="keep each run's folder under this folder")
@@ -203,7 +218,7 @@ def main() -> None:
             if out.exists():
                 argv.append("--overwrite")
             t0 = time.perf_counter()
-            proc = subprocess.run([sys.executable, "-m", "normlab.cli", *argv], capture_output=True, text=True)
+            proc = _convert(argv)
             minutes = (time.perf_counter() - t0) / 60
             if proc.returncode != 0:
                 raise SystemExit(f"{job} failed:\n{proc.stderr[-3000:]}")
