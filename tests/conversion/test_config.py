@@ -321,3 +321,25 @@ def test_a_sampling_knob_with_nothing_to_sample_and_a_step_over_the_budget_are_r
     resolve_convert_config(["heal.tokens=1000", "heal.text=self+text", "heal.self_fraction=0.3", "heal.starts=bos"])
     resolve_convert_config(["calibrate.source=self", "heal.temperature=0.7", "heal.self_sequences=64"])
     resolve_convert_config(["heal.tokens=512", "heal.batch_size=4"])  # one step is the whole budget
+
+
+@pytest.mark.parametrize(
+    "sets, drawn",
+    [
+        (["budget.nats=0.1", "budget.text=self"], 72),  # the walk alone reads 32: 2 x 32 + 8
+        (["budget.nats=0.1", "budget.text=self", "sequences=16"], 40),
+        (["calibrate.source=self"], 72),
+        (["heal.tokens=1000", "heal.text=self"], 1024),  # a heal's set
+        (["heal.tokens=1000", "heal.text=self", "budget.nats=0.1", "budget.text=self"], 1024),
+        (["budget.nats=0.1", "budget.text=self", "heal.self_sequences=2048"], 2048),  # as set
+        (["heal.tokens=1000"], None),  # nothing samples the original
+    ],
+)
+def test_the_samples_drawn_are_what_the_conversion_reads(sets, drawn):
+    """A walk on samples without a heal drew a heal's 1,024 samples (ten minutes on an AVX2 CPU) to read 32; it
+    draws what calibration and the walk can read now, and the config it saves records the count."""
+    cfg = resolve_convert_config(sets)
+    assert cfg.heal.self_sequences == drawn
+    again = ConvertConfig.from_dict(cfg.to_dict())
+    again.validate()
+    assert again.heal.self_sequences == drawn

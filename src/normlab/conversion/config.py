@@ -15,11 +15,10 @@ differs is refused, naming the fields (`ConvertConfig.difference`).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Literal
 
-from normlab.conversion.flags import SHORTHANDS, finite, flag, int_at_least
+from normlab.conversion.flags import SHORTHANDS, finite, flag, identity_difference, int_at_least
 from normlab.pairs import apply_overrides, parse_pairs
 from normlab.typed import check_types, choices, field_docs, set_name
 
@@ -32,8 +31,13 @@ __all__ = ["CalibrateConfig", "HealConfig", "BudgetConfig", "ConvertConfig", "re
 
 FREE_TABLES = ("init", "site_init")  # tables whose keys are the user's (init.alpha_init=0.5)
 LORA_RANK = 8  # the adapters' default rank (heal.train=lora)
+HEAL_SAMPLES = 1024  # the original's samples a heal on them draws by default (heal.self_sequences)
 HEAL_LEARNING_RATES = {"norms": 2.5e-4, "lora": 1e-3, "all": 2e-5, "blocks": 1e-3}  # Adam's; HealConfig.rate
 SECTIONS = ("calibrate", "heal", "budget")
+# what a resumed heal may change (a heal may go on on another device, with another budget): not in its identity
+NOT_IDENTITY = tuple(
+    "model text eval_text out overwrite device heal.minutes heal.tokens heal.checkpoint heal.resume".split()
+)
 LEGACY_KEYS = {"budget_nats": "budget.nats", "budget_walk": "budget.walk", "budget_refit_every": "budget.refit_every",
                "budget_rank_batches": "budget.rank_batches"}  # fmt: skip  # convert_config.json before 0.2
 
@@ -187,8 +191,10 @@ class HealConfig:
     """Continue a heal from its checkpoint."""
     text: Literal["text", "self", "self+text"] = "text"
     """What the heal trains on: the conversion text's stream, "self" (the original's own samples) or "self+text"."""
-    self_sequences: int = 1024
-    """Sequences sampled from the original for "self" and "self+text" (cached on disk)."""
+    self_sequences: int | None = None
+    """Sequences sampled from the original (cached on disk). None: `HEAL_SAMPLES` (1,024) for a heal on samples;
+    without one, only what calibration and the budget walk on samples can read, 2 x ``sequences`` + 8 (72 at the
+    defaults), so that a walk does not draw a heal's set to read 32 of it (`ConvertConfig.sample_count`)."""
     self_fraction: float = 0.5
     """Of every "self+text" batch, the part drawn from the samples."""
     starts: Literal["varied", "bos"] = "varied"
@@ -239,8 +245,8 @@ class HealConfig:
         for name, least in (("batch_size", 1), ("lora_rank", 1), ("eval_every", 1), ("self_sequences", 2), ("seed", 0),
                             ("teacher_top_k", 1)):  # fmt: skip
             v = getattr(self, name)
-            if v is None and name in ("eval_every", "teacher_top_k"):  # None: every 8 steps; the live teacher
-                continue
+            if v is None and name in ("eval_every", "teacher_top_k", "self_sequences"):
+                continue  # None: every 8 steps; the live teacher; the count `ConvertConfig.sample_count` gives
             int_at_least(f"heal.{name}", v, least)
         if self.rollback_nats is not None and not (finite(self.rollback_nats) and self.rollback_nats > 0):
             raise ValueError(
@@ -315,18 +321,34 @@ class ConvertConfig:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    @property
+    def samples_original(self) -> bool:
+        """Whether the conversion draws the original's own samples: a heal on them, calibration or the walk."""
+        h = self.heal
+        return (h.budgeted and h.text != "text") or "self" in (self.calibrate.source, self.budget.text)
+
+    def sample_count(self) -> int:
+        """How many samples of the original it draws: ``heal.self_sequences`` when set; else `HEAL_SAMPLES` for a
+        heal on them, and without one what calibration and the walk on samples can read (2 x ``sequences``, and
+        the 8 a heal's set keeps for validation)."""
+        h = self.heal
+        if h.self_sequences is not None:
+            return h.self_sequences
+        return HEAL_SAMPLES if h.budgeted and h.text != "text" else 2 * self.sequences + 8
+
     def _validate_source(self) -> None:
-        c, h = self.calibrate, self.heal
+        c = self.calibrate
         if c.source == "self" and not c.enabled:
             raise ValueError(
                 f"{flag('calibrate.source')} self picks what calibration fits on; drop {flag('calibrate.enabled')}"
             )
         uses = [k for k, v in (("calibrate.source", c.source), ("budget.text", self.budget.text)) if v == "self"]
-        room = h.self_sequences - min(8, max(1, h.self_sequences // 8))  # the samples' validation part stays out
+        n = self.sample_count()
+        room = n - min(8, max(1, n // 8))  # the samples' validation part stays out
         if self.sequences * len(uses) > room:
             raise ValueError(
                 f"{' and '.join(flag(k) for k in uses)} self read {flag('sequences')} ({self.sequences}) each of "
-                f"the original's {h.self_sequences} samples, of which {room} are not validation: raise "
+                f"the original's {n} samples, of which {room} are not validation: raise "
                 f"{flag('heal.self_sequences')} or lower {flag('sequences')}"
             )
 
@@ -394,6 +416,8 @@ class ConvertConfig:
             except (TypeError, ValueError) as e:
                 raise ValueError(f"{what} {' '.join(f'{k}={v}' for k, v in kwargs.items())}: {e}") from None
         self.heal.validate()
+        if self.samples_original and self.heal.self_sequences is None:
+            self.heal.self_sequences = self.sample_count()  # resolved once, so convert_config.json records it
         self._validate_source()
         self._validate_samples()
 
@@ -401,7 +425,7 @@ class ConvertConfig:
         """The original's samples' knobs are refused where nothing samples, and a heal step may not exceed the
         heal's token budget."""
         h, plain = self.heal, HealConfig.__dataclass_fields__
-        sampled = (h.budgeted and h.text != "text") or "self" in (self.calibrate.source, self.budget.text)
+        sampled = self.samples_original
         why = "a conversion that samples the original (--heal-text self or self+text, --calibrate-on self, budget.text)"
         for name, idle, needs in (("self_sequences", not sampled, why), ("temperature", not sampled, why),
                                   ("starts", not sampled, why), ("sample_precision", not sampled, why),
@@ -422,18 +446,7 @@ class ConvertConfig:
         (not the budget, the output or the checkpoint's place), as dotted keys, plus ``facts`` (the model's
         fingerprint, the text's hash: what only the run knows)."""
         flat = _flatten(self.to_dict())
-        for key in (
-            "model",
-            "text",
-            "eval_text",
-            "out",
-            "overwrite",
-            "device",  # a heal may go on on another device
-            "heal.minutes",
-            "heal.tokens",
-            "heal.checkpoint",
-            "heal.resume",
-        ):
+        for key in NOT_IDENTITY:
             flat.pop(key)
         return {**flat, "heal.lr": self.heal.rate(), **facts}  # the rate the heal runs at: a default may move
 
@@ -451,22 +464,6 @@ def _flatten(d: dict, prefix: str = "") -> dict:
         else:
             out[f"{prefix}{k}"] = v
     return out
-
-
-def identity_difference(saved: dict | None, now: dict, keys: Iterable[str] | None = None) -> str | None:
-    """What differs between a checkpoint's identity and this run's (over ``keys``, default all), each field named;
-    None when they match.
-
-    Args:
-        saved: The identity a checkpoint or cache recorded, or None (nothing recorded).
-        now: This run's identity.
-        keys: The fields compared; None compares every one.
-    """
-    if saved is None:
-        return "it records no identity (written by an older normlab)"
-    keys = sorted(set(saved) | set(now)) if keys is None else sorted(keys)
-    diffs = [f"{k}: checkpoint {saved.get(k)!r} vs now {now.get(k)!r}" for k in keys if saved.get(k) != now.get(k)]
-    return "; ".join(diffs) or None
 
 
 def resolve_convert_config(overrides: dict | list[str] | None = None, **fields_: object) -> ConvertConfig:

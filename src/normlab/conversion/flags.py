@@ -1,4 +1,5 @@
-"""How a user names a conversion field, and the number checks every config section shares.
+"""How a user names a conversion field, the number checks every config section shares, and how two identities
+differ.
 
 A field with a flag of its own is named by it (``--heal-minutes``); every other field by ``--set heal.KEY``, so an
 error names the field as the user typed it.
@@ -7,8 +8,9 @@ error names the field as the user typed it.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
-__all__ = ["SHORTHANDS", "flag", "finite", "int_at_least"]
+__all__ = ["SHORTHANDS", "flag", "finite", "int_at_least", "identity_difference"]
 
 # The command line's flags that stand for a field (``normlab convert --heal-minutes 5`` is
 # ``--set heal.minutes=5``). Every other field is reached with --set.
@@ -53,3 +55,19 @@ def int_at_least(key: str, v: object, least: int, meaning: str = "") -> None:
     """
     if isinstance(v, bool) or not isinstance(v, int) or v < least:
         raise ValueError(f"{flag(key)} must be an int >= {least}{meaning}, got {v!r}")
+
+
+def identity_difference(saved: dict | None, now: dict, keys: Iterable[str] | None = None) -> str | None:
+    """What differs between a checkpoint's identity and this run's (over ``keys``, default all), each field named;
+    None when they match.
+
+    Args:
+        saved: The identity a checkpoint or cache recorded, or None (nothing recorded).
+        now: This run's identity.
+        keys: The fields compared; None compares every one.
+    """
+    if saved is None:
+        return "it records no identity (written by an older normlab)"
+    keys = sorted(set(saved) | set(now)) if keys is None else sorted(keys)
+    diffs = [f"{k}: checkpoint {saved.get(k)!r} vs now {now.get(k)!r}" for k in keys if saved.get(k) != now.get(k)]
+    return "; ".join(diffs) or None

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from normlab.conversion.batches import autocast_dtype, cache_kwarg, model_device
-from normlab.conversion.config import HealConfig
+from normlab.conversion.config import HEAL_SAMPLES, HealConfig
 from normlab.conversion.hf import TextSplits, TokenStream, leading_bos
 from normlab.corpus import cache_dir
 from normlab.owner import hold
@@ -437,7 +437,7 @@ def own_samples(
     dtype, _ = autocast_dtype(cfg.sample_precision, original, "heal.sample_precision")
     which = SampleSet(
         weights_fingerprint(original),
-        cfg.self_sequences,
+        cfg.self_sequences if cfg.self_sequences is not None else HEAL_SAMPLES,  # a ConvertConfig resolves it
         seq_len,
         starts,
         cfg.seed,
