@@ -78,8 +78,8 @@ JOBS = {  # name -> the model and the flags after --to dyisru
         for n in ("0.05", "0.1")
     },
     # the walk on samples at 0.02 or 0.03 nats, alone: a recipe within 30 minutes on a CPU without bf16? It draws
-    # only the 72 samples a walk reads (heal.self_sequences=72, the docs' advice), so its minutes are a fresh
-    # machine's, the draw included
+    # only the 72 samples a walk reads (heal.self_sequences=72), so its minutes are a fresh machine's, the draw
+    # included. Since 0.4.13 a walk draws those 72 by default: "recommended" is the README's command as printed
     **{
         f"budget_self_kl_{n}_72": (
             "smollm2",
@@ -96,6 +96,10 @@ JOBS = {  # name -> the model and the flags after --to dyisru
         )
         for n in ("0.02", "0.03")
     },
+    "recommended": (
+        "smollm2",
+        ["--per", "channel", "--budget-nats", "0.02", "--set", "budget.metric=kl", "budget.text=self"],
+    ),
     # the self-selected walk's sites healed on the 0.02 job's samples and tokens exactly
     "budget_self_kl_0.05_heal_tokens": (
         "smollm2",
