@@ -155,7 +155,7 @@ JOBS = {  # name -> the model and the flags after --to dyisru
 }
 
 
-README = ("budget_self_kl_0.02_72", "budget_0.1_heal_2048", "budget_self_kl_0.05_heal_tokens", "budget_heal", "budget",
+README = ("recommended", "budget_0.1_heal_2048", "budget_self_kl_0.05_heal_tokens", "budget_heal", "budget",
           "per_channel", "recipe", "per_channel_route")  # its rows, in its order  # fmt: skip
 
 

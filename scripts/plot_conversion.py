@@ -20,7 +20,7 @@ from _study import ROOT, save
 from bench_usable import README  # the README table's jobs, in its order
 
 LABELS = {  # job -> its label
-    "budget_self_kl_0.02_72": "walk on samples\n(recommended)",
+    "recommended": "walk on samples\n(recommended)",
     "budget_0.1_heal_2048": "walk 0.1\n+ heal",
     "budget_self_kl_0.05_heal_tokens": "walk on samples\n+ heal",
     "budget_heal": "walk 0.4\n+ heal",
