@@ -39,12 +39,18 @@ RECIPE = ["--per", "channel", "--heal-text", "self", "--heal-minutes", "22", "--
 def _budget_heal(
     minutes: int, nats: str = "0.4", *more: str, tokens: int | None = None, train: str = "lora"
 ) -> list[str]:
-    """The recommended recipe's flags: the budget walk at ``nats``, then a heal of ``minutes`` (or of ``tokens``,
+    """A heal recipe's flags: the budget walk at ``nats``, then a heal of ``minutes`` (or of ``tokens``,
     when given) on samples, training ``train`` (LoRA); ``more``: further ``--set`` pairs."""
     budget = ["--heal-tokens", str(tokens)] if tokens is not None else ["--heal-minutes", str(minutes)]
     return ["--per", "channel", "--budget-nats", nats, "--heal-text", "self", *budget,
             "--heal-train", train, "--set", "heal.schedule=cooldown", "heal.teacher_top_k=1024",
             "heal.precision=auto", *more]  # fmt: skip
+
+
+def _self_walk(nats: str, *more: str) -> list[str]:
+    """The budget walk by KL selecting on the original's own samples at ``nats``, no heal; ``more``: further
+    ``--set`` pairs."""
+    return ["--per", "channel", "--budget-nats", nats, "--set", "budget.metric=kl", "budget.text=self", *more]
 
 
 JOBS = {  # name -> the model and the flags after --to dyisru
@@ -61,45 +67,12 @@ JOBS = {  # name -> the model and the flags after --to dyisru
     },
     # the KL walk selecting on the original's own samples (budget.text=self: the 2,048 the heals read, cached), not
     # on the text's validation split: does a walk that sees the model's chats keep what its answers need?
-    **{
-        f"budget_self_kl_{n}": (
-            "smollm2",
-            [
-                "--per",
-                "channel",
-                "--budget-nats",
-                n,
-                "--set",
-                "budget.metric=kl",
-                "budget.text=self",
-                "heal.self_sequences=2048",
-            ],
-        )
-        for n in ("0.05", "0.1")
-    },
+    **{f"budget_self_kl_{n}": ("smollm2", _self_walk(n, "heal.self_sequences=2048")) for n in ("0.05", "0.1")},
     # the walk on samples at 0.02 or 0.03 nats, alone: a recipe within 30 minutes on a CPU without bf16? It draws
     # only the 72 samples a walk reads (heal.self_sequences=72), so its minutes are a fresh machine's, the draw
     # included. Since 0.4.13 a walk draws those 72 by default: "recommended" is the README's command as printed
-    **{
-        f"budget_self_kl_{n}_72": (
-            "smollm2",
-            [
-                "--per",
-                "channel",
-                "--budget-nats",
-                n,
-                "--set",
-                "budget.metric=kl",
-                "budget.text=self",
-                "heal.self_sequences=72",
-            ],
-        )
-        for n in ("0.02", "0.03")
-    },
-    "recommended": (
-        "smollm2",
-        ["--per", "channel", "--budget-nats", "0.02", "--set", "budget.metric=kl", "budget.text=self"],
-    ),
+    **{f"budget_self_kl_{n}_72": ("smollm2", _self_walk(n, "heal.self_sequences=72")) for n in ("0.02", "0.03")},
+    "recommended": ("smollm2", _self_walk("0.02")),
     # the self-selected walk's sites healed on the 0.02 job's samples and tokens exactly
     "budget_self_kl_0.05_heal_tokens": (
         "smollm2",
