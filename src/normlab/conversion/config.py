@@ -216,6 +216,11 @@ class HealConfig:
     def budgeted(self) -> bool:
         return self.minutes is not None or self.tokens is not None
 
+    @property
+    def on_samples(self) -> bool:
+        """A heal that trains on the original's own samples ("self" or "self+text")."""
+        return self.budgeted and self.text != "text"
+
     def rate(self) -> float:  # the norms' rate applies under "lora" too; "blocks" keeps 1e-3, measured at it
         key = "all" if self.train == "all" else "blocks" if self.objective == "blocks" else "norms"
         return self.lr if self.lr is not None else HEAL_LEARNING_RATES[key]
@@ -324,17 +329,15 @@ class ConvertConfig:
     @property
     def samples_original(self) -> bool:
         """Whether the conversion draws the original's own samples: a heal on them, calibration or the walk."""
-        h = self.heal
-        return (h.budgeted and h.text != "text") or "self" in (self.calibrate.source, self.budget.text)
+        return self.heal.on_samples or "self" in (self.calibrate.source, self.budget.text)
 
     def sample_count(self) -> int:
-        """How many samples of the original it draws: ``heal.self_sequences`` when set; else `HEAL_SAMPLES` for a
-        heal on them, and without one what calibration and the walk on samples can read (2 x ``sequences``, and
-        the 8 a heal's set keeps for validation)."""
+        """The original's samples it draws: ``heal.self_sequences`` when set, else `HEAL_SAMPLES` for a heal on
+        them, else what calibration and the walk on samples can read (2 x ``sequences``, + 8 kept for validation)."""
         h = self.heal
         if h.self_sequences is not None:
             return h.self_sequences
-        return HEAL_SAMPLES if h.budgeted and h.text != "text" else 2 * self.sequences + 8
+        return HEAL_SAMPLES if h.on_samples else 2 * self.sequences + 8
 
     def _validate_source(self) -> None:
         c = self.calibrate
