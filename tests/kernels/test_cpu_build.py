@@ -162,3 +162,99 @@ def test_a_second_build_says_it_waits_for_the_first(tmp_path, monkeypatch):
         finally:
             child.kill()
             child.wait()
+
+
+def test_the_build_takes_its_cxx_standard_from_torch():
+    """torch 2.14's headers need C++20 (`std::strong_ordering`); a build that hard-coded -std=c++17 failed on every
+    current torch. The standard is what torch.utils.cpp_extension passes (c++20 from the pinned 2.13 on)."""
+    import torch
+
+    from normlab.kernels import cpu_build
+
+    text = (Path(torch.__file__).parent / "utils" / "cpp_extension.py").read_text()
+    assert "-std=c++20" in text  # the pinned torch's own extension builder
+    assert cpu_build.cxx_std() == "c++20"
+    cmd = cpu_build.compile_command(Path("x.cpp"), Path("x.so"))
+    assert f"-std={cpu_build.cxx_std()}" in cmd and "-std=c++17" not in cmd
+
+
+@pytest.mark.parametrize("std", ["c++17", "c++20"])
+def test_the_kernel_source_compiles_as_cxx17_and_cxx20(std, tmp_path):
+    """The source stays clean for both standards against the pinned torch: C++20 for every current torch, C++17 for
+    the older releases that pyproject.toml still admits (torch >= 2.4). -fsyntax-only: every template instantiated,
+    no object code."""
+    import shutil
+    import subprocess
+
+    from normlab.kernels import cpu_build
+
+    cmd = cpu_build.compile_command(cpu_build.source_path(), tmp_path / "x.so")
+    if shutil.which(cmd[0]) is None:
+        pytest.skip("no C++ compiler")
+    cmd = [f for f in cmd if not f.startswith(("-std=", "-o", "-l", "-L", "-Wl")) and f != str(tmp_path / "x.so")]
+    proc = subprocess.run([*cmd, f"-std={std}", "-fsyntax-only"], capture_output=True, text=True)
+    assert proc.returncode == 0, cpu_build.first_error(proc.stderr)
+
+
+def _failing_compiler(tmp_path: Path) -> tuple[Path, Path]:
+    """A CXX that answers --version and fails every compile with one error line, counting its compiles."""
+    count = tmp_path / "compiles"
+    cxx = tmp_path / "fail-c++"
+    cxx.write_text(
+        "#!/bin/sh\n"
+        'if [ "$1" = "--version" ]; then echo "fail-c++ 1.0"; exit 0; fi\n'
+        f'case "$*" in *cpu_norms.cpp*) echo x >> "{count}";; esac\n'  # the kernels' compile, not torch's ISA probes
+        'echo "/opt/torch/include/c10/util/x.h:7:3: error: the injected failure" >&2\n'
+        "exit 1\n"
+    )
+    cxx.chmod(0o755)
+    return cxx, count
+
+
+def test_a_failed_build_is_recorded_not_retried_in_every_process(tmp_path):
+    """A build that failed cost a compile in every new process (20-40 s each) and said nothing in library use. Now
+    the failure is recorded per machine, torch, compiler and source: the next process warns at once with the
+    compiler's first error, and `normlab build-kernels` (asked for by name) tries again."""
+    import os
+    import subprocess
+    import sys
+
+    cxx, count = _failing_compiler(tmp_path)
+    env = {"CXX": str(cxx), "NORMLAB_CACHE": str(tmp_path / "cache")}
+    first = _build_in_child(env)
+    assert "FAILED" in first and "c10/util/x.h:7:3: error: the injected failure" in first, first
+    assert "/opt/torch/include/" not in first  # the header path shortened to what a person searches for
+    second = _build_in_child(env)
+    assert "FAILED" in second and "the injected failure" in second and "not retried in every process" in second
+    assert "normlab build-kernels" in second  # the way to retry
+    compiles = count.read_text().count("x")  # 2 at most: a first try with -mavx512bf16, where the CPU has it
+    assert compiles in (1, 2)
+    assert count.read_text().count("x") == compiles, "the second process compiled again"
+    cli = subprocess.run([sys.executable, "-m", "normlab.cli", "build-kernels"], env={**os.environ, **env},
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert cli.returncode == 1 and "the injected failure" in cli.stderr and "Traceback" not in cli.stderr
+    assert count.read_text().count("x") == 2 * compiles  # build-kernels retried
+
+
+def test_a_failed_build_warns_once_in_library_use(tmp_path):
+    """In a training script (no build-kernels), a recorded failure is one RuntimeWarning naming the error and the fix,
+    however many norms run; the norms still compute, on the reference math."""
+    import os
+    import subprocess
+    import sys
+
+    cxx, _ = _failing_compiler(tmp_path)
+    env = {**os.environ, "CXX": str(cxx), "NORMLAB_CACHE": str(tmp_path / "cache")}
+    env.pop("NORMLAB_KERNEL", None)
+    subprocess.run([sys.executable, "-m", "normlab.cli", "build-kernels"], env=env, capture_output=True, timeout=300)
+    code = (
+        "import torch, normlab\n"
+        "m = torch.nn.Sequential(*[normlab.DyT(512) for _ in range(4)])\n"
+        "x = torch.randn(256, 512, requires_grad=True)\n"
+        "for _ in range(3):\n    m(x).sum().backward()\n"
+        "print('GRAD', bool(torch.isfinite(x.grad).all()))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "GRAD True" in proc.stdout, proc.stderr[-2000:]
+    assert proc.stderr.count("RuntimeWarning") == 1, proc.stderr
+    assert "the injected failure" in proc.stderr and "reference math" in proc.stderr

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+import warnings
 
 from normlab.cli.args import count, parse_init
 
@@ -30,25 +31,45 @@ def _cmd_build_kernels(args: argparse.Namespace) -> int:
     from normlab.kernels import cpu_build
 
     t0 = time.perf_counter()
-    if not cpu_build.load(wait=True):
+    with warnings.catch_warnings():  # the failure is printed below, once, with its fix
+        warnings.simplefilter("ignore", RuntimeWarning)
+        ok = cpu_build.load(wait=True, retry=True)  # asked for by name: a failure recorded earlier is tried again
+    if not ok:
         print(
             f"normlab build-kernels: the CPU kernels cannot be built here ({cpu_build.failure()}); every norm "
             "uses the reference math",
             file=sys.stderr,
         )
+        if args.check:
+            _print_paths()
         return 1
     st = cpu_build.status()
     rec = st["record"] or {}
     print(
         f"normlab CPU kernels ready in {time.perf_counter() - t0:.2f} s: {st['folder']}\n"
         f"  built {rec.get('built')} in {rec.get('seconds')} s by {rec.get('compiler_version')} for torch "
-        f"{rec.get('torch')}; flags {' '.join(f for f in rec.get('flags', []) if f.startswith(('-m', '-DCPU')))}"
+        f"{rec.get('torch')} as {rec.get('std', 'c++17')}; flags "
+        f"{' '.join(f for f in rec.get('flags', []) if f.startswith(('-m', '-DCPU')))}"
     )
+    if args.check:
+        _print_paths()
     return 0
+
+
+def _print_paths() -> None:
+    """``--check``: the path each fused norm took here, observed (`normlab.kernels.paths.check`)."""
+    from normlab.kernels.paths import PATH_NAMES, TRAIN_ROWS, check
+    from normlab.table import format_table
+
+    rows = [[r["norm"], PATH_NAMES[r["inference"]], PATH_NAMES[r["training"]]] for r in check()]
+    print(f"\nthe path each norm took on a CPU float32 tensor ({TRAIN_ROWS} x 512), as the dispatcher saw it:")
+    print(format_table(["norm", "inference", "training (forward + backward)"], rows))
+    print("(under torch.compile every norm is the reference math, which the compiler fuses; on CUDA, Triton)")
 
 
 def add_build_kernels(sub) -> None:
     b = sub.add_parser("build-kernels", help="build the fused CPU kernels for this machine now (else on first use)")
+    b.add_argument("--check", action="store_true", help="then run each fused norm and say which path it took")
     b.set_defaults(func=_cmd_build_kernels)
 
 

@@ -17,10 +17,12 @@ first step). A machine without a working compiler gets one warning and False."""
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import importlib.resources
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -98,12 +100,38 @@ def _torch_paths() -> tuple[Path, Path]:
     return root / "include", root / "lib"
 
 
+FALLBACK_STD = "c++17"  # what a torch whose extension builder names no standard compiles with (torch 2.4-2.9)
+
+
+def cxx_std() -> str:
+    """The C++ standard the installed torch builds its own C++ extensions with (``torch.utils.cpp_extension``
+    passes it to the compiler, and its headers need it): "c++20" in torch 2.13 and later (2.14's headers no longer
+    compile as C++17). Read from that module's source, where torch writes it, so that a new torch brings its own
+    standard; `FALLBACK_STD` where it names none. ``NORMLAB_CXX_STD`` overrides it (e.g. "c++20")."""
+    forced = os.environ.get("NORMLAB_CXX_STD")
+    if forced:
+        if not re.fullmatch(r"c\+\+\d\d", forced):
+            raise BuildError(f"NORMLAB_CXX_STD={forced!r} is not a C++ standard", "set c++17 or c++20, or unset it")
+        return forced
+    return _torch_std()
+
+
+@functools.lru_cache(maxsize=1)
+def _torch_std() -> str:
+    try:  # read, not imported: importing it costs setuptools, and this runs in every process's cache key
+        text = (Path(torch.__file__).parent / "utils" / "cpp_extension.py").read_text()
+    except OSError:  # a torch without its extension builder
+        return FALLBACK_STD
+    found = re.findall(r"-std=c\+\+(\d\d)\b", text)  # the Unix flags it passes, '-std=c++20'
+    return f"c++{max(found, key=int)}" if found else FALLBACK_STD
+
+
 def _flags() -> list[str]:
     arch, macros = _isa()
     include, lib = _torch_paths()
     return [
         "-O3",
-        "-std=c++17",
+        f"-std={cxx_std()}",
         "-shared",
         "-fPIC",
         "-fopenmp",
@@ -153,7 +181,7 @@ def _cpu_flags() -> str:
 def _identity(cxx: str) -> dict:
     """What a build depends on, cheap to compute (milliseconds): the key of its cache folder."""
     ident = {"source_sha256": hashlib.sha256(_source()).hexdigest(), "torch": torch.__version__, "compiler": cxx,
-             "compiler_version": _compiler_version(cxx), "cpu": _cpu_flags()}  # fmt: skip
+             "compiler_version": _compiler_version(cxx), "cpu": _cpu_flags(), "std": cxx_std()}  # fmt: skip
     ident["key"] = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
     return ident
 
@@ -189,6 +217,54 @@ def _intact(folder: Path, ident: dict) -> str | None:
     return None
 
 
+COMPILE_LOG, FAILED = "compile.log", "failed.json"
+
+
+def first_error(output: str) -> str:
+    """The compiler's first error line, its torch header path shortened to the part under ``include/`` (the line a
+    person would search for), else its last lines."""
+    lines = output.strip().splitlines()
+    hit = next((line for line in lines if re.search(r"\berror\b", line)), None)
+    if hit is None:
+        return " | ".join(lines[-3:])[:500] or "no output"
+    return re.sub(r"\S*/include/", "", hit.strip())[:500]
+
+
+def _std_advice(std: str) -> str:
+    """The fix for a compile that failed as ``std``: unset an override that departs from torch's own standard, else a
+    compiler that has that standard."""
+    own = _torch_std()
+    if std != own:
+        return f"unset NORMLAB_CXX_STD={std}: torch {torch.__version__} builds its extensions as {own}"
+    need = {"c++20": " (g++ >= 10 or clang++ >= 12)", "c++17": " (g++ >= 9 or clang++ >= 10)"}.get(std, "")
+    return f"set CXX to a compiler that builds {std} against torch's headers{need}"
+
+
+def _record_failure(folder: Path, ident: dict, error: BuildError) -> None:
+    """Write ``failed.json`` beside the build: the next process (and the detached build's parent) read it instead of
+    compiling again. `normlab build-kernels` (``load(retry=True)``) removes it and tries once more."""
+    rec = {**ident, "error": str(error), "advice": error.advice, "when": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    tmp = folder / f"{FAILED}.{os.getpid()}.tmp"
+    try:
+        tmp.write_text(json.dumps(rec, indent=1) + "\n")
+        os.replace(tmp, folder / FAILED)
+    except OSError:
+        pass  # a folder we could build in but not write a record to: the next process tries again
+
+
+def recorded_failure(folder: Path, ident: dict) -> BuildError | None:
+    """The failed build recorded in ``folder`` for exactly these inputs (source, torch, compiler, CPU, standard),
+    as the error it raised; None when there is none (or it was made from other inputs: they build afresh)."""
+    try:
+        rec = json.loads((folder / FAILED).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(rec, dict) or {k: rec.get(k) for k in ident} != ident:
+        return None
+    return BuildError(f"{rec.get('error')} (recorded {rec.get('when')}; not retried in every process)",
+                      str(rec.get("advice")))  # fmt: skip
+
+
 def _compile(folder: Path, ident: dict) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     tmp = folder / f"normlab_cpu.{os.getpid()}.{threading.get_ident()}.tmp.so"
@@ -202,13 +278,17 @@ def _compile(folder: Path, ident: dict) -> None:
         proc = subprocess.run([ident["compiler"], str(src), "-o", str(tmp), *flags], capture_output=True, text=True)
     if proc.returncode != 0:
         tmp.unlink(missing_ok=True)
-        out = (proc.stderr or proc.stdout).strip().splitlines()
-        errors = [line for line in out if "error" in line][:3] or out[-3:]
-        raise BuildError(
-            f"the compiler `{ident['compiler']}` failed: {' | '.join(errors)[:1000]}",
-            f"check that {ident['compiler']} is a C++17 compiler that can build against torch's headers "
-            "(g++ >= 9 or clang++ >= 10), or set CXX to one",
+        output = proc.stderr or proc.stdout
+        command = " ".join([ident["compiler"], str(src), "-o", str(tmp), *flags])
+        (folder / COMPILE_LOG).write_text(f"$ {command}\n{output}")
+        error = BuildError(
+            f"the compiler `{ident['compiler']}` failed on the kernels as {ident['std']} against torch "
+            f"{ident['torch']}: {first_error(output)}",
+            f"{_std_advice(ident['std'])}, then run `normlab build-kernels` to retry; the whole output is in "
+            f"{folder / COMPILE_LOG}",
         )
+        _record_failure(folder, ident, error)
+        raise error
     if not tmp.is_file():
         raise BuildError(
             f"`{ident['compiler']}` exited 0 but wrote no library",
@@ -217,6 +297,7 @@ def _compile(folder: Path, ident: dict) -> None:
     rec = {**ident, "flags": flags, "size": tmp.stat().st_size, "sha256": sha256_file(tmp),
            "seconds": round(time.perf_counter() - t0, 1), "built": time.strftime("%Y-%m-%dT%H:%M:%S%z")}  # fmt: skip
     os.replace(tmp, folder / "normlab_cpu.so")
+    (folder / FAILED).unlink(missing_ok=True)
     manifest_tmp = folder / f"build.json.{os.getpid()}.tmp"
     manifest_tmp.write_text(json.dumps(rec, indent=1) + "\n")
     os.replace(manifest_tmp, folder / "build.json")
@@ -282,8 +363,9 @@ def _writable_folder(folder: Path) -> None:
         raise BuildError(f"the kernel cache folder {folder} is not writable", fix)
 
 
-def _build_and_load() -> None:
-    """Find or build the library, then load it into torch.ops.normlab_cpu. Raises OSError on failure."""
+def _build_and_load(retry: bool = False) -> None:
+    """Find or build the library, then load it into torch.ops.normlab_cpu. Raises OSError on failure; a failure
+    recorded for the same inputs is raised again without compiling, unless ``retry``."""
     cxx = _compiler()
     if shutil.which(cxx) is None and not Path(cxx).is_file():
         found = _built_here_without_compiler()
@@ -300,6 +382,9 @@ def _build_and_load() -> None:
             _wait_for(lock, folder)  # parallel workers: one builds, the others wait and load
             why = _intact(folder, ident)
             if why is not None:
+                failed = None if retry else recorded_failure(folder, ident)
+                if failed is not None:
+                    raise failed
                 _announce(folder, why)
                 _compile(folder, ident)
     torch.ops.load_library(str(folder / "normlab_cpu.so"))
@@ -342,8 +427,8 @@ def _build_detached() -> None:
     ident = _identity(cxx)
     folder = build_dir(ident)
     why = _intact(folder, ident)
-    if why is None:
-        return
+    if why is None or recorded_failure(folder, ident) is not None:
+        return  # built, or failed before: _build_and_load loads it, or raises the recorded error at once
     _writable_folder(folder)
     _announce(folder, why)  # here, where the user sees it; the build's own output goes to build.log
     with open(folder / "build.log", "w") as log:
@@ -357,11 +442,11 @@ def _build_detached() -> None:
     proc.wait()
 
 
-def _attempt(detached: bool = False) -> None:
+def _attempt(detached: bool = False, retry: bool = False) -> None:
     try:
         if detached:
             _build_detached()
-        _build_and_load()
+        _build_and_load(retry)
     except Exception as e:  # noqa: BLE001  (a missing compiler, a failed compile, an unloadable library)
         _STATE["failure"] = f"{type(e).__name__}: {e}"
         _STATE["advice"] = getattr(e, "advice", None) or (
@@ -371,11 +456,14 @@ def _attempt(detached: bool = False) -> None:
     _STATE["loaded"] = True
 
 
-def load(wait: bool = True) -> bool:
-    """Whether the kernels are loaded; build or load them first (in the background when ``wait`` is False).
+def load(wait: bool = True, retry: bool = False) -> bool:
+    """Whether the kernels are loaded; build or load them first (in the background when ``wait`` is False). A build
+    that failed for the same source, torch, compiler and CPU is not tried again in every process: its recorded error
+    is raised at once (and warned once), unless ``retry``.
 
     Args:
         wait: Block until the build is done (else build in the background and return False meanwhile).
+        retry: Compile again even where a failure is recorded (`normlab build-kernels`).
     """
     if _STATE["loaded"] or _STATE["failure"]:
         return _STATE["loaded"]
@@ -384,7 +472,7 @@ def load(wait: bool = True) -> bool:
             return _STATE["loaded"]
         thread = _STATE["thread"]
         if thread is None:
-            thread = threading.Thread(target=_attempt, args=(not wait,), name="normlab-cpu-build", daemon=True)
+            thread = threading.Thread(target=_attempt, args=(not wait, retry), name="normlab-cpu-build", daemon=True)
             _STATE["thread"] = thread
             thread.start()
     if wait:
@@ -394,8 +482,9 @@ def load(wait: bool = True) -> bool:
     if _STATE["failure"] and not _STATE.get("warned"):
         _STATE["warned"] = True
         warnings.warn(
-            f"normlab: the fused CPU kernels cannot be built on this machine ({_STATE['failure'][:300]}); "
-            f"falling back to the reference math. To fix: {_STATE['advice']}; or pass kernel='reference' "
+            f"normlab: the fused CPU kernels cannot be built on this machine ({_STATE['failure'][:700]}); "
+            f"every norm falls back to the reference math (5-25x slower). To fix: {_STATE['advice']}; or pass "
+            "kernel='reference' "
             "(NORMLAB_KERNEL=reference) to silence this.",
             RuntimeWarning,
             stacklevel=3,
