@@ -8,7 +8,7 @@ Two blocks (``block``): ``gpt2`` (learned positions, a GELU MLP of 4 x width, ti
 dissection's model) and ``llama`` (RoPE on q and k, no learned positions, a SwiGLU MLP of about 8/3 x
 width, an untied head: the shapes of LLaMA and SmolLM2, the models normlab converts). Neither has biases.
 
-The recipe knobs of the DyT and Derf papers (``normlab.lab.recipes``), each off by default so that a
+The recipe knobs of the DyT and Derf papers (``normlab.recipes``), each off by default so that a
 default model is the dissection's: ``embed_scale`` (a learnable scalar on the embedding, e.g. sqrt(d)),
 ``init_std`` (the 0.02 above), ``alpha_table`` (alpha0 per site from the DyT paper's table) and
 ``norm_init = "match_rms"`` (each point-wise site's gamma set from a batch so that its output RMS is
@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from normlab.lab.recipes import parse_alpha_table
+from normlab.recipes import match_rms_, parse_alpha_table
 from normlab.registry import accepted_kwargs, create_norm, init_kwargs, norm_spec
 from normlab.typed import check_types, choices
 
@@ -303,34 +303,11 @@ class GPT(nn.Module):
         if self.embed_scale is not None:
             nn.init.constant_(self.embed_scale, self.cfg.embed_scale_init())
 
-    @torch.no_grad()
     def match_rms_(self, idx: torch.Tensor) -> dict[str, float]:
         """``norm_init = "match_rms"``: scale each point-wise site's gamma, in forward order, so that its
-        output on ``idx`` has RMS 1, RMSNorm's at init. Returns the factor applied at each site. The forwards run in
-        eval mode (a running statistic such as rms_ema's is read, never moved by them)."""
-        factors = {}
-        was_training = self.training
-        self.eval()
-        try:
-            self._match_rms(idx, factors)
-        finally:
-            self.train(was_training)
-        return factors
-
-    def _match_rms(self, idx: torch.Tensor, factors: dict[str, float]) -> None:
-        for name, m in self.norm_modules().items():
-            if not norm_spec(m.registry_name).pointwise or getattr(m, "weight", None) is None:
-                continue
-            outputs: list[torch.Tensor] = []
-            handle = m.register_forward_hook(lambda mod, args, y, seen=outputs: seen.append(y))
-            try:
-                self(idx)
-            finally:
-                handle.remove()
-            rms = float(outputs[0].float().pow(2).mean().sqrt())
-            if rms > 0 and math.isfinite(rms):
-                m.weight.mul_(1.0 / rms)
-                factors[name] = 1.0 / rms
+        output on ``idx`` has RMS 1, RMSNorm's at init (`normlab.recipes.match_rms_`, the one the library's
+        `normlab.replace_norms` applies). Returns the factor applied at each site."""
+        return match_rms_(self, self.norm_modules(), lambda: self(idx))
 
     def norm_modules(self) -> dict[str, nn.Module]:
         """Every norm site by name: 'blocks.0.norm_attn', ..., 'norm_final'."""

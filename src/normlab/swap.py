@@ -1,0 +1,201 @@
+"""Swap the norms of a model you will train for fresh element-wise layers, with a published init recipe per site.
+
+    import normlab
+    record = normlab.replace_norms(model, "dyt", init="dyt_paper")       # in place; returns what it did
+    print(record.table())
+
+This is the papers' drop-in: DyT (Zhu et al., "Transformers without Normalization", arXiv 2503.10622), Derf or
+DyISRU in place of each LayerNorm / RMSNorm of any ``nn.Module``: a Hugging Face model built from a config, a
+nanoGPT-style model, a ViT block. Each replacement is a new layer (gamma = 1, beta = 0, its parameter from the
+recipe), on the original's device and dtype, in its train/eval mode. To carry a *trained* model's norms over
+instead (its gamma copied, its parameter fitted to its activations), use `normlab.convert_norms`.
+
+The norms are found as `normlab.convert_norms` finds them (``KNOWN_NORMS``, ``extra_classes=``, ``include=``);
+the recipes are `normlab.recipes` (``init="default"``, ``"dyt_paper"``, ``"derf_paper"``, and ``"match_rms"``,
+alone or after one of the others, with ``sample=``). The record is a `ConversionRecord`, so that
+`normlab.save_converted` writes a folder that loads with or without normlab.
+
+Everything is checked before the first module is swapped: an unknown target or recipe, a recipe that does not
+apply to the target, a site whose role a recipe needs and cannot tell, a norm class normlab does not know, a model
+with no norms. A refused call leaves the model as it was.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from normlab.conversion.batches import swap
+from normlab.conversion.convert import KNOWN_NORMS, _find, _source_dim, _source_eps
+from normlab.conversion.record import ConversionRecord, Site
+from normlab.recipes import MATCH_RMS_CAVEAT, RECIPES, ROLES, match_rms_, recipe_kwargs, site_role
+from normlab.registry import norm_spec
+
+__all__ = ["replace_norms", "SwapRecord"]
+
+UNKNOWN = "not a known per-token norm (add it with extra_classes=)"  # conversion.convert._find's reason
+
+
+@dataclass
+class SwapRecord(ConversionRecord):
+    """What `replace_norms` did: a `ConversionRecord` (saved and loaded as one) with the recipes applied and each
+    site's role. ``table()`` lists the sites: name, the class replaced, its role, the new layer and its init."""
+
+    recipes: list[str] = field(default_factory=list)
+
+    def table(self, markdown: bool = False) -> str:
+        from normlab.table import format_table
+
+        rows = [[s.name, s.source, s.notes[0].removeprefix("role ") if s.notes else "-", self.target,
+                 "; ".join(s.notes[1:]) or "default init"] for s in self.sites]  # fmt: skip
+        return format_table(["site", "replaced", "role", "now", "init"], rows, markdown=markdown)
+
+    def __len__(self) -> int:
+        return len(self.sites)
+
+
+def _recipes(init: str | Sequence[str]) -> list[str]:
+    names = [init] if isinstance(init, str) else list(init)
+    if not names or not all(isinstance(n, str) for n in names):
+        raise TypeError(f"replace_norms: init must be a recipe's name or a list of them, got {init!r}")
+    for n in names:
+        if n not in RECIPES:
+            raise ValueError(f"replace_norms: unknown init recipe {n!r}; the recipes are {', '.join(RECIPES)}")
+    if "match_rms" in names[:-1] or len([n for n in names if n != "match_rms"]) > 1:
+        raise ValueError(
+            f"replace_norms: init={names!r}: give one of {', '.join(r for r in RECIPES if r != 'match_rms')}, "
+            "optionally followed by 'match_rms' (which scales gamma after the swap)"
+        )
+    return names
+
+
+def _call(model: nn.Module, sample: object) -> Callable[[], object]:
+    """One forward of ``model`` on ``sample``: a tensor (``model(x)``), a dict (``model(**d)``) or a tuple."""
+    if isinstance(sample, torch.Tensor):
+        return lambda: model(sample)
+    if isinstance(sample, dict):
+        return lambda: model(**sample)
+    if isinstance(sample, (tuple, list)):
+        return lambda: model(*sample)
+    raise TypeError(
+        f"replace_norms: sample must be a tensor, a dict of keyword arguments or a tuple of arguments for one forward "
+        f"of the model, got {type(sample).__name__}"
+    )
+
+
+def replace_norms(
+    model: nn.Module,
+    to: str = "dyt",
+    init: str | Sequence[str] = "default",
+    *,
+    sample: object = None,
+    roles: dict[str, str] | None = None,
+    extra_classes: dict[type, str] | None = None,
+    include: Callable[[str, nn.Module], bool] | None = None,
+    **kwargs: object,
+) -> SwapRecord:
+    """Replace every norm of ``model`` with a fresh ``to`` layer, in place, initialised by ``init``; return the record.
+
+    Args:
+        model: Any ``nn.Module``; changed in place.
+        to: A registered norm (`normlab.list_norms`): "dyt", "derf", "dyisru", "eln", ...
+        init: "default" (each layer's own init), "dyt_paper" (the DyT paper's alpha0 by width and site; beta0 =
+            1 / alpha0^2 for DyISRU and ELN), "derf_paper" (Derf's alpha0 = 0.5, shift0 = 0), or either followed
+            by "match_rms", e.g. ``["dyt_paper", "match_rms"]``, or "match_rms" alone (gamma scaled so that each
+            site's output RMS is 1 on ``sample``: a short-budget win, `normlab.recipes.MATCH_RMS_CAVEAT`).
+        sample: One batch the model's forward takes (a tensor, a dict of keyword arguments, a tuple): needed by
+            "match_rms" only.
+        roles: {fnmatch pattern of a site's name: "attn", "mlp" or "final"}, for the sites whose names do not say
+            where they sit (`normlab.recipes.ROLE_NAMES` lists the names known).
+        extra_classes: {a norm class of yours: "layer_norm", "rms_norm" or "rms_norm_offset"}, for norm classes
+            normlab does not know.
+        include: ``include(name, module)`` says whether a found norm is replaced (False leaves it as it is).
+        **kwargs: Keywords of every new layer, e.g. ``per_channel_alpha=True``; one a recipe sets is refused.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"replace_norms: expected an nn.Module, got {type(model).__name__}")
+    spec = norm_spec(to)  # an unknown name lists the registered ones
+    recipes = _recipes(init)
+    base = next((r for r in recipes if r != "match_rms"), "default")
+    matching = "match_rms" in recipes
+    if matching:
+        if not spec.pointwise:
+            raise ValueError(f"replace_norms: match_rms scales the gamma of a point-wise norm; {to!r} is not one")
+        if sample is None:
+            raise ValueError("replace_norms: init 'match_rms' needs sample=, one batch the model's forward takes")
+        run = _call(model, sample)
+    for key, role in (roles or {}).items():
+        if role not in ROLES:
+            raise ValueError(f"replace_norms: roles[{key!r}] = {role!r}; a role is one of {', '.join(ROLES)}")
+    unknown_kw = sorted(set(kwargs) - set(spec.init_kwargs))
+    if unknown_kw:
+        raise TypeError(f"replace_norms: {to!r} does not take {', '.join(unknown_kw)}; it takes "
+                        f"{', '.join(spec.init_kwargs)}")  # fmt: skip
+
+    found, skipped = _find(model, dict(extra_classes or {}), include)
+    strangers = [s for s in skipped if s["reason"] == UNKNOWN
+                 and (include is None or include(s["name"], model.get_submodule(s["name"])))]  # fmt: skip
+    if strangers:
+        s = strangers[0]
+        raise ValueError(
+            f"replace_norms: {s['name']} is a {s['class']}, a norm class normlab does not know ({len(strangers)} "
+            f"such). Register it with extra_classes={{{s['class']}: 'rms_norm'}} (or 'layer_norm': how it "
+            f"normalizes), or leave it with include=lambda name, m: not isinstance(m, {s['class']})"
+        )
+    if not found:
+        from normlab.modules import NormModule
+
+        ours = [n for n, m in model.named_modules() if isinstance(m, NormModule)]
+        already = f"; it holds normlab norms already (e.g. {ours[0]})" if ours else ""
+        raise ValueError(
+            f"replace_norms: {type(model).__name__} has no norm to replace{already} (known classes: "
+            f"{', '.join(sorted(KNOWN_NORMS))}; add yours with extra_classes=)"
+        )
+
+    built = []  # every layer built before the first swap: a refused call leaves the model untouched
+    for name, old, kind in found:
+        dim, eps = _source_dim(old), _source_eps(old)
+        role = site_role(name, roles)
+        try:
+            kw, note = recipe_kwargs(base, spec, role, dim)
+        except ValueError as e:
+            if str(e) != "role":
+                raise ValueError(f"replace_norms: {e}") from None
+            raise ValueError(
+                f"replace_norms: init 'dyt_paper' sets alpha0 by where a norm sits, and the name {name!r} does not "
+                f"say: pass roles={{'*{name.rsplit('.', 1)[-1]}': 'attn'}} ('attn': before attention, 'mlp': before "
+                "the MLP, 'final': before the head)"
+            ) from None
+        clash = sorted(set(kw) & set(kwargs))
+        if clash:
+            raise ValueError(f"replace_norms: {clash[0]} is set by init {base!r} and by a keyword: give it once")
+        kw = {**kw, **kwargs}
+        if getattr(old, "data_format", None) == "channels_first":  # ConvNeXt's (N, C, H, W) norms
+            kw["channel_dim"] = 1
+        if "eps" in spec.init_kwargs and "eps" not in kw:
+            kw["eps"] = eps  # the source's eps, where the target has one
+        try:
+            new = spec.create(dim, **kw)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"replace_norms: site {name}: {e}") from None
+        ref = next(iter(old.parameters()), None)
+        if ref is not None:
+            new = new.to(device=ref.device, dtype=ref.dtype)
+        new.train(old.training)
+        notes = [f"role {role or '-'}"] + ([] if base == "default" and not kwargs else [note])
+        built.append((name, new, Site(name, type(old).__name__, kind, dim, eps, kw, notes=notes)))
+
+    for name, new, _ in built:
+        swap(model, name, new)
+    sites = [site for _, _, site in built]
+    notes = [f"replace_norms: {len(sites)} fresh {to} layers, init {'+'.join(recipes)}"]
+    if matching:
+        factors = match_rms_(model, {n: model.get_submodule(n) for n, _, _ in built}, run)
+        for site in sites:
+            if site.name in factors:
+                site.notes.append(f"match_rms: gamma x {factors[site.name]:.4g}")
+        notes.append(MATCH_RMS_CAVEAT)
+    return SwapRecord(to, "global", sites, skipped, notes, recipes=recipes)
