@@ -74,7 +74,7 @@ def main() -> int:
         if proc.returncode:
             print(proc.stderr[-3000:], file=sys.stderr)
             return 1
-    proc = run([str(py), "-m", "pip", "install", "--quiet", "-e", ".", "pytest"], env=env, log=log)
+    proc = run([str(py), "-m", "pip", "install", "--quiet", "-e", ".[hf]", "pytest"], env=env, log=log)
     if proc.returncode:
         print(proc.stderr[-3000:], file=sys.stderr)
         return 1
