@@ -33,7 +33,7 @@ lint: dev
 	$(PY) -m ruff format --check .
 
 test: lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 demo: setup
 	$(VENV)/bin/normlab reproduce

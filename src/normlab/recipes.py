@@ -27,8 +27,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from torch import nn
+
+if TYPE_CHECKING:
+    from normlab.registry import NormSpec
 
 __all__ = ["DYT_PAPER_ALPHA0", "DERF_PAPER_INIT", "RECIPES", "ROLES", "ROLE_NAMES", "MATCH_RMS_CAVEAT", "dyt_alpha0",
            "parse_alpha_table", "matmul_gain_std", "site_role", "recipe_kwargs", "match_rms_"]  # fmt: skip
@@ -114,7 +118,7 @@ def site_role(name: str, roles: dict[str, str] | None = None) -> str | None:
     return next((role for role, names in ROLE_NAMES.items() if last in names), None)
 
 
-def recipe_kwargs(recipe: str, spec, role: str | None, width: int) -> tuple[dict, str]:
+def recipe_kwargs(recipe: str, spec: NormSpec, role: str | None, width: int) -> tuple[dict, str]:
     """The init keywords ``recipe`` gives a ``spec`` layer (a `normlab.registry.NormSpec`) at a site of ``role`` and
     ``width`` channels, and a note saying what it set. A recipe that does not apply to the target is a ValueError.
 
