@@ -186,9 +186,9 @@ def test_the_kernel_source_compiles_as_cxx17_and_cxx20(std, tmp_path):
     import shutil
     import subprocess
 
-    from normlab.kernels import cpu_build
-
     import torch
+
+    from normlab.kernels import cpu_build
 
     if std == "c++17" and tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 14):
         pytest.skip(f"torch {torch.__version__}'s own headers need C++20 (std::strong_ordering)")

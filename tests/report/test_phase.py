@@ -13,8 +13,8 @@ import torch
 from normlab.lab import GPT, GPTConfig, resolve_config, train
 from normlab.lab.metrics import attention_entropy, init_telemetry
 from normlab.lab.phase import ESCAPE_THRESHOLD, GPT2_STD, predict
-from normlab.recipes import DYT_PAPER_ALPHA0, dyt_alpha0, matmul_gain_std
 from normlab.lab.runs import RunFolder
+from normlab.recipes import DYT_PAPER_ALPHA0, dyt_alpha0, matmul_gain_std
 from normlab.report import Results, claims
 from normlab.sweep import expand, load_experiment
 
