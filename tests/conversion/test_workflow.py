@@ -396,3 +396,57 @@ def test_saving_over_the_folder_the_model_was_loaded_from_is_refused(models):
     rec = normlab.convert_norms(net, "dyisru", progress=False)
     with pytest.raises(ValueError, match="is the folder the model was loaded from"):
         normlab.save_converted(net, rec, models["m"])
+
+
+def _tree(folder: Path) -> dict:
+    return {p.relative_to(folder).as_posix(): file_sha256(p) for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_a_save_that_fails_part_way_keeps_the_previous_output(models, tmp_path, capsys, monkeypatch):
+    """issue 85: `--overwrite` removed the old output and only then wrote the new one, so a full disk (or a kill)
+    during the save lost both. Now the new one is written beside and moved into place: a failure after the weights'
+    first bytes leaves the old folder file for file, says so without a traceback, and leaves no partial folder."""
+    from normlab.conversion import workflow
+
+    out = tmp_path / "o"
+    assert main(convert_argv(models["m"], models["text"], "--out", out)) == 0
+    before = _tree(out)
+    real = workflow.save_converted
+
+    def full_disk(net, record, path, **kw):
+        Path(path).mkdir(parents=True, exist_ok=True)
+        (Path(path) / "model.safetensors").write_bytes(b"\0" * 1000)  # part of the weights, then the disk is full
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(workflow, "save_converted", full_disk)
+    capsys.readouterr()
+    rc = main(convert_argv(models["m"], models["text"], "--to", "dyt", "--out", out, "--overwrite"))
+    err = capsys.readouterr().err
+    assert rc == 2 and "writing the conversion failed" in err and f"the previous {out} is as it was" in err, err
+    assert "No space left on device" in err and "Traceback" not in err
+    assert _tree(out) == before
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".o.")] == [".o.lock"]  # no partial left
+    monkeypatch.setattr(workflow, "save_converted", real)
+    assert main(convert_argv(models["m"], models["text"], "--to", "dyt", "--out", out, "--overwrite")) == 0
+    assert json.loads((out / "normlab_conversion.json").read_text())["target"] == "dyt"  # replaced, once whole
+
+
+def test_a_full_disk_is_refused_before_the_work_naming_the_folder(models, tmp_path, capsys):
+    """A real full disk: a 300 kB tmpfs cannot hold the tiny model's conversion. The check runs once the model is
+    loaded, before any calibration, and names the folder, the space free and the space needed."""
+    import shutil
+
+    mount = tmp_path / "small"
+    mount.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=300k", "tmpfs", str(mount)], capture_output=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({proc.stderr.decode().strip()})")
+    try:
+        free = shutil.disk_usage(mount).free
+        rc = main(convert_argv(models["m"], models["text"], "--out", mount / "o"))
+        said = capsys.readouterr()
+        assert rc == 2 and f"--out {mount / 'o'}: its disk has {free / 1e6:.1f} MB free" in said.err, said.err
+        assert "calibrat" not in said.out.lower() and "Traceback" not in said.err
+        assert not (mount / "o").exists()
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)

@@ -11,6 +11,7 @@ import dataclasses
 import fnmatch
 import hashlib
 import json
+import os
 import shlex
 import shutil
 import sys
@@ -25,6 +26,7 @@ from normlab.conversion.checks import (
     check_inputs_outside,
     check_next_token,
     check_out,
+    check_out_space,
     check_resume_identity,
 )
 from normlab.conversion.config import BudgetConfig, ConvertConfig, HealConfig
@@ -46,6 +48,7 @@ from normlab.conversion.measure.usage import usage_lines, usage_report
 from normlab.conversion.stages import Stages
 from normlab.conversion.texts import ConversionTexts, conversion_texts
 from normlab.corpus import fetch_shakespeare, sha256_file
+from normlab.errors import NormlabError
 from normlab.owner import hold
 
 __all__ = ["convert_model", "check_out", "CONFIG_FILE", "model_fingerprint"]
@@ -183,6 +186,7 @@ def _convert(job: _Job, markdown: bool) -> dict:
     check_exclude(cfg, net)
     check_next_token(cfg, net)
     check_conversion_memory(net)
+    check_out_space(cfg.out, net)  # before the work: the save is its last step
     job = job.knowing(model_fingerprint=model_fingerprint(net))
     check_resume_identity(ckpt, cfg, {"model_fingerprint": job.facts["model_fingerprint"]})
     vocab = net.get_input_embeddings().num_embeddings
@@ -200,13 +204,18 @@ def _convert(job: _Job, markdown: bool) -> dict:
     with stages("budget walk" if cfg.budget.nats is not None else "calibration"):
         record, walk = _convert_sites(cfg, net, texts, progress)
     print(record.table(markdown=markdown))
+    if not record.sites:  # a walk that kept every site: no model to judge, nor a folder that would load
+        why = (f"the budget walk kept every site within --budget-nats {cfg.budget.nats:g} (its costs are above)"
+               if cfg.budget.nats is not None else "no site was converted")  # fmt: skip
+        raise NormlabError(
+            f"nothing converted: {why}; there is no conversion to judge or save. Raise --budget-nats, or convert "
+            "without it"
+        )
     judging = bool(record.sites) and usable_tokenizer(tokenizer) and predicts_next_token(net)
     with stages("measurement"):
         fid, tallies = _measure(original, net, texts, record, judging)
     rep = None
-    if cfg.heal.budgeted and not record.sites:
-        print("\nnothing converted: no heal")
-    elif cfg.heal.budgeted:
+    if cfg.heal.budgeted:
         with stages("samples") if cfg.heal.text != "text" else contextlib.nullcontext():
             splits = heal_splits(texts.splits, original, cfg.heal, starts=starts, progress=progress)
         with stages("heal"):
@@ -366,16 +375,37 @@ def _heal(job: _Job, original, net, splits, record):
     return rep
 
 
+PARTIAL, REPLACED = ".{}.partial", ".{}.replaced"  # beside --out: the folder being written, the one it replaces
+
+
 def _save(job: _Job, net, record, tokenizer, fid: dict, rep) -> None:
+    """Write the conversion into a folder beside ``--out`` and move it into place: a failure at any point (a full
+    disk, a kill) leaves the previous output as it was, and the partial folder is cleared by the next run (this
+    process owns ``--out`` and so these names)."""
     cfg, identity = job.cfg, job.identity()
     out = Path(cfg.out)
-    if cfg.overwrite and out.exists():
-        shutil.rmtree(out)  # a normlab conversion (check_out made sure), replaced only now that the new one is done
-    save_converted(net, record, out, tokenizer=tokenizer, identity=identity)
-    (out / CONFIG_FILE).write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
-    (out / "fidelity.json").write_text(json.dumps(fid, indent=2) + "\n")
-    if rep is not None:
-        write_curve(rep, out)
+    partial, replaced = (out.parent / name.format(out.name) for name in (PARTIAL, REPLACED))
+    for stale in (partial, replaced):  # left by a run killed while it saved
+        if stale.exists():
+            shutil.rmtree(stale)
+    check_out_space(cfg.out, net)
+    try:
+        save_converted(net, record, partial, tokenizer=tokenizer, identity=identity)
+        (partial / CONFIG_FILE).write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+        (partial / "fidelity.json").write_text(json.dumps(fid, indent=2) + "\n")
+        if rep is not None:
+            write_curve(rep, partial)
+    except Exception as e:
+        shutil.rmtree(partial, ignore_errors=True)
+        kept = f"the previous {out} is as it was" if out.exists() else f"nothing was left at {out}"
+        raise NormlabError(
+            f"--out {out}: writing the conversion failed ({type(e).__name__}: {str(e)[:300]}); {kept}. The "
+            "judgement above is in this output; free some space or fix the folder, then convert again"
+        ) from e
+    if out.exists():
+        os.replace(out, replaced)  # an old normlab output (check_out made sure), out of the way in one rename
+    os.replace(partial, out)
+    shutil.rmtree(replaced, ignore_errors=True)
     how = json.loads((out / RECORD_FILE).read_text())["portable"]  # without normlab too, where an Auto class can
     auto = f"{how['auto_classes'][0]}.from_pretrained(..., trust_remote_code=True) or " if how["auto_classes"] else ""
     print(f"saved to {cfg.out} (load with {auto}normlab.load_converted; its config is {CONFIG_FILE})")
