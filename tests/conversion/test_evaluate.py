@@ -55,3 +55,15 @@ def test_evaluate_judges_a_converted_folder_against_its_original(tmp_path, capsy
     assert "does not exist" in capsys.readouterr().err
     assert main(["evaluate", str(src)]) == 2
     assert "is not a converted model's folder" in capsys.readouterr().err
+    # issue 85: the report says what it was judged against, and a conversion is never taken as the original
+    assert report["original"]["path"] == str(src.resolve()) and report["original"]["architecture"] == "LlamaForCausalLM"
+    assert list(report["original"]["weights_sha256"]) == ["model.safetensors"]
+    before = (out / "evaluation.json").read_bytes()
+    for wrong in (out, tmp_path / "o2"):
+        if wrong != out:
+            assert main([*argv[:-1], str(wrong)]) == 0  # another conversion of the same original
+            capsys.readouterr()
+        assert main(["evaluate", str(out), "--original", str(wrong)]) == 2
+        err = capsys.readouterr().err
+        assert "is a normlab conversion" in err and f"converted from ({src.resolve()})" in err, err
+    assert (out / "evaluation.json").read_bytes() == before  # nothing judged, nothing overwritten

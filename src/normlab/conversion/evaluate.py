@@ -6,18 +6,21 @@ original it was made from, on the texts its conversion measured. The result is p
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from normlab.conversion.config import ConvertConfig
 from normlab.conversion.export.saving import RECORD_FILE, load_converted
 from normlab.conversion.hf import TextCut, fixture_path, load_model, text_batches, usable_tokenizer
+from normlab.conversion.measure.fidelity import predicts_next_token
 from normlab.conversion.measure.usage import UsageConfig, usage_lines, usage_report
 from normlab.conversion.stages import Stages
 from normlab.conversion.workflow import CONFIG_FILE, model_fingerprint
-from normlab.corpus import DOCS, fetch_docs, fetch_shakespeare
-from normlab.owner import hold
+from normlab.corpus import DOCS, fetch_docs, fetch_shakespeare, sha256_file
+from normlab.errors import NormlabError
+from normlab.owner import check_writable, hold
 
-__all__ = ["EVALUATION_FILE", "evaluate_folder", "original_of"]
+__all__ = ["EVALUATION_FILE", "evaluate_folder", "original_of", "provenance"]
 
 EVALUATION_FILE = "evaluation.json"
 
@@ -48,12 +51,35 @@ def _source(folder: Path, original: str | None) -> tuple[str, dict, ConvertConfi
     if path is None:
         raise ValueError(f"{where} names no original (made_from.model): pass --original PATH")
     path = fixture_path(path)
+    given = "--original" if original else f"{RECORD_FILE}: made_from.model"
     if not Path(path).exists():
         raise FileNotFoundError(
-            f"the original {path} ({'--original' if original else f'{RECORD_FILE}: made_from.model'}) does not "
-            "exist: pass --original with the model the folder was converted from"
+            f"the original {path} ({given}) does not exist: pass --original with the model the folder was "
+            "converted from"
         )
+    if (Path(path) / RECORD_FILE).is_file():  # a conversion (the folder itself, or another) is never an original
+        made = record.get("made_from", {}).get("model", "?")
+        raise ValueError(
+            f"the original {path} ({given}) is a normlab conversion (it holds {RECORD_FILE}), not an original: "
+            f"transformers would load its gammas as RMSNorm weights. Pass --original with the model {folder} was "
+            f"converted from ({made})"
+        )
+    check_writable(folder / EVALUATION_FILE, "the report")  # before minutes of judging, not after
     return path, record, cfg
+
+
+def provenance(path: str, source) -> dict:
+    """What an evaluation was judged against: the original's resolved path, the SHA-256 of its weight files (a
+    folder's safetensors or .bin, or the .gguf itself) and its architecture.
+
+    Args:
+        path: The original's path.
+        source: The original, loaded.
+    """
+    p = Path(path).resolve()
+    files = [p] if p.is_file() else sorted([*p.glob("*.safetensors"), *p.glob("*.bin")])
+    arch = getattr(getattr(source, "config", None), "architectures", None) or [type(source).__name__]
+    return {"path": str(p), "weights_sha256": {f.name: sha256_file(f) for f in files}, "architecture": arch[0]}
 
 
 def evaluate_folder(
@@ -82,6 +108,11 @@ def evaluate_folder(
             )
         if not usable_tokenizer(tokenizer):
             raise ValueError(f"{path} has no usable tokenizer: the judgement reads text and generates answers")
+        if not predicts_next_token(net):
+            raise ValueError(
+                f"{folder} holds a {type(net).__name__}, which does not predict the next token: normlab evaluate "
+                "judges causal language models (next-token KL, generated answers)"
+            )
         text = conv_cfg.text or str(fetch_shakespeare())
         texts = _texts(conv_cfg, text, tokenizer, source.get_input_embeddings().num_embeddings)
         with stage("judge: texts, chat answers, long sequences, stress inputs"):
@@ -89,7 +120,17 @@ def evaluate_folder(
                 source, net, tokenizer, texts, Path(text).read_text(errors="replace"), cfg or UsageConfig()
             )
         print(usage_lines(report, markdown))
-        (folder / EVALUATION_FILE).write_text(json.dumps(report, indent=2) + "\n")
+        report["original"] = provenance(path, source)
+        tmp = folder / f".{EVALUATION_FILE}.partial"
+        try:  # beside, then into place: a failed write leaves the previous report as it was
+            tmp.write_text(json.dumps(report, indent=2) + "\n")
+            os.replace(tmp, folder / EVALUATION_FILE)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise NormlabError(
+                f"the report {folder / EVALUATION_FILE} could not be written ({e.strerror or e}); the judgement is "
+                "printed above"
+            ) from None
     return report
 
 
