@@ -450,3 +450,30 @@ def test_a_full_disk_is_refused_before_the_work_naming_the_folder(models, tmp_pa
         assert not (mount / "o").exists()
     finally:
         subprocess.run(["umount", str(mount)], check=False)
+
+
+@pytest.mark.slow
+def test_a_resumed_heal_counts_every_process_s_minutes(models, tmp_path):
+    """issue 85: a resumed cell's stages counted only the last process (4.05 minutes recorded where its own heal line
+    said 7.4), so a `minutes <= 30` check passed wrongly. Now the heal's seconds are its checkpoint's over all
+    processes, and the stages before it add up across processes."""
+    ck, out = tmp_path / "heal.pt", tmp_path / "out"
+    argv = [sys.executable, "-m", "normlab.cli", *convert_argv(models["m"], models["text"], "--heal-minutes", 0.4,
+                                                           "--checkpoint", ck, "--out", out)]  # fmt: skip
+    first = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
+    deadline = time.time() + 180
+    while time.time() < deadline and not ck.exists():
+        time.sleep(0.05)
+    time.sleep(4)  # some heal seconds in the first process
+    first.send_signal(signal.SIGINT)
+    first.communicate(timeout=120)
+    assert first.returncode == 130
+    earlier = json.loads((tmp_path / "heal.pt.stages.json").read_text())["stages"]  # the first process's share
+    second = subprocess.run([*argv, "--resume"], capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0, second.stderr[-2000:]
+    fid = json.loads((out / "fidelity.json").read_text())
+    assert fid["heal"]["seconds"] >= 4 and fid["heal"]["resumed_from"] > 0
+    assert fid["stages"]["heal"] >= fid["heal"]["seconds"]  # every process's heal, plus this one's guard
+    assert all(fid["stages"][k] > v for k, v in earlier.items())  # the first process's load, samples, ... added
+    assert not (tmp_path / "heal.pt.stages.json").exists()

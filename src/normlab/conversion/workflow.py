@@ -218,8 +218,10 @@ def _convert(job: _Job, markdown: bool) -> dict:
     if cfg.heal.budgeted:
         with stages("samples") if cfg.heal.text != "text" else contextlib.nullcontext():
             splits = heal_splits(texts.splits, original, cfg.heal, starts=starts, progress=progress)
+        earlier = _earlier_stages(job, stages)  # a resumed heal: what the processes before this one spent
         with stages("heal"):
             rep, guard = _guarded_heal(job, original, net, splits, record, tokenizer)
+        _count_every_process(stages, earlier)
         before = fid
         with stages("measurement"):
             fid, tallies = _measure(original, net, texts, record, judging)
@@ -243,6 +245,8 @@ def _convert(job: _Job, markdown: bool) -> dict:
     if cfg.out:
         with quiet(not progress):
             _save(job, net, record, tokenizer, fid, rep)
+        if ckpt is not None:
+            _stages_file(ckpt).unlink(missing_ok=True)
         if ckpt is not None and cfg.heal.checkpoint is None:  # the default heal checkpoint has served its purpose
             Path(ckpt).unlink(missing_ok=True)
         elif ckpt is not None and Path(ckpt).is_file():
@@ -336,6 +340,49 @@ def _convert_sites(cfg: ConvertConfig, net, texts: ConversionTexts, progress: bo
 def _selection_words(b: BudgetConfig) -> str:
     """What the walk selects on, in words (the printed walk line)."""
     return "of the original's own samples" if b.text == "self" else "validation sequences"
+
+
+def _stages_file(ckpt: str) -> Path:
+    return Path(f"{ckpt}.stages.json")
+
+
+def _earlier_stages(job: _Job, stages: Stages) -> dict:
+    """The stage seconds of the processes before this one, for a heal resumed from its checkpoint (read from
+    ``<checkpoint>.stages.json``; {} for a fresh heal); then that file is rewritten with them plus this process's
+    stages so far, so that a process killed during the heal leaves its share for the next. The heal's own seconds
+    over all processes are in its report (`_count_every_process`)."""
+    if job.ckpt is None:
+        return {}
+    where = _stages_file(job.ckpt)
+    earlier: dict = {}
+    if job.cfg.heal.resume and Path(job.ckpt).is_file():
+        try:
+            if where.is_file():
+                earlier = {k: float(v) for k, v in json.loads(where.read_text()).get("stages", {}).items()}
+            import torch  # the heal's seconds before this process, as its checkpoint's report counts them
+
+            state = torch.load(job.ckpt, map_location="cpu", mmap=True, weights_only=False)
+            earlier["heal"] = float(state["report"]["seconds"])
+        except Exception as e:  # noqa: BLE001  (an unreadable record only loses the count; the heal checks its own)
+            print(f"the earlier processes' stage seconds could not be read ({type(e).__name__}): this run's stages "
+                  "count only this process", file=sys.stderr)  # fmt: skip
+    mine = dict(stages.seconds)
+    before = {k: v for k, v in earlier.items() if k != "heal"}  # the checkpoint holds the heal's own count
+    upto = {k: round(before.get(k, 0.0) + mine.get(k, 0.0), 2) for k in {**before, **mine}}
+    tmp = where.with_suffix(".tmp")
+    try:
+        tmp.write_text(json.dumps({"stages": upto, "processes": int(bool(earlier)) + 1}) + "\n")
+        os.replace(tmp, where)
+    except OSError:
+        pass  # the checkpoint's own folder was checked writable: a failure here only loses the count
+    return earlier
+
+
+def _count_every_process(stages: Stages, earlier: dict) -> None:
+    """A resumed heal's stages as every process spent them: each stage's seconds plus the earlier processes', and
+    the heal's from its checkpoint (this process's share alone made a resumed cell's minutes too small, issue 85)."""
+    for k, v in earlier.items():
+        stages.seconds[k] = round(stages.seconds.get(k, 0.0) + v, 2)
 
 
 def _guarded_heal(job: _Job, original, net, splits, record, tokenizer):
