@@ -171,6 +171,7 @@ MANY_PARAMETERS_ALLOWED = (
     "kernels/cpu.py:*",
     "*:__init__",
     "conversion/convert.py:convert_norms",
+    "swap.py:replace_norms",  # convert_norms' finding options (extra_classes, include) beside its own
 )
 
 

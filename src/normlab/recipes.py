@@ -133,8 +133,10 @@ def recipe_kwargs(recipe: str, spec: NormSpec, role: str | None, width: int) -> 
         return {}, "default init"
     if recipe == "derf_paper":
         if spec.name != "derf":
-            raise ValueError(f"init 'derf_paper' is Derf's published init (alpha0 = 0.5, shift0 = 0); the target is "
-                             f"{spec.name!r}: use to='derf', or init='dyt_paper' / 'default'")  # fmt: skip
+            raise ValueError(
+                f"init 'derf_paper' is Derf's published init (alpha0 = 0.5, shift0 = 0); the target is "
+                f"{spec.name!r}: use to='derf', or init='dyt_paper' / 'default'"
+            )
         return dict(DERF_PAPER_INIT), "Derf's init: alpha0 = 0.5, shift0 = 0"
     if recipe != "dyt_paper":
         raise ValueError(f"unknown init recipe {recipe!r}; the recipes are {', '.join(RECIPES)}")

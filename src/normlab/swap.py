@@ -29,14 +29,14 @@ import torch
 from torch import nn
 
 from normlab.conversion.batches import swap
-from normlab.conversion.convert import KNOWN_NORMS, _find, _source_dim, _source_eps
+from normlab.conversion.convert import KNOWN_NORMS, find_norms, source_dim, source_eps
 from normlab.conversion.record import ConversionRecord, Site
 from normlab.recipes import MATCH_RMS_CAVEAT, RECIPES, ROLES, match_rms_, recipe_kwargs, site_role
 from normlab.registry import norm_spec
 
 __all__ = ["replace_norms", "SwapRecord"]
 
-UNKNOWN = "not a known per-token norm (add it with extra_classes=)"  # conversion.convert._find's reason
+UNKNOWN = "not a known per-token norm (add it with extra_classes=)"  # conversion.convert.find_norms's reason
 
 
 @dataclass
@@ -86,6 +86,32 @@ def _call(model: nn.Module, sample: object) -> Callable[[], object]:
     )
 
 
+def _check_arguments(model, to, init, sample, roles, kwargs) -> tuple:
+    """replace_norms' arguments, each checked before the model is looked at: (the target's spec, the recipes, the
+    forward match_rms runs or None)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"replace_norms: expected an nn.Module, got {type(model).__name__}")
+    spec = norm_spec(to)  # an unknown name lists the registered ones
+    recipes = _recipes(init)
+    run = None
+    if "match_rms" in recipes:
+        if not spec.pointwise:
+            raise ValueError(f"replace_norms: match_rms scales the gamma of a point-wise norm; {to!r} is not one")
+        if sample is None:
+            raise ValueError("replace_norms: init 'match_rms' needs sample=, one batch the model's forward takes")
+        run = _call(model, sample)
+    for key, role in (roles or {}).items():
+        if role not in ROLES:
+            raise ValueError(f"replace_norms: roles[{key!r}] = {role!r}; a role is one of {', '.join(ROLES)}")
+    unknown_kw = sorted(set(kwargs) - set(spec.init_kwargs))
+    if unknown_kw:
+        raise TypeError(
+            f"replace_norms: {to!r} does not take {', '.join(unknown_kw)}; it takes {', '.join(spec.init_kwargs)}"
+        )
+
+    return spec, recipes, run
+
+
 def replace_norms(
     model: nn.Module,
     to: str = "dyt",
@@ -115,27 +141,9 @@ def replace_norms(
         include: ``include(name, module)`` says whether a found norm is replaced (False leaves it as it is).
         **kwargs: Keywords of every new layer, e.g. ``per_channel_alpha=True``; one a recipe sets is refused.
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"replace_norms: expected an nn.Module, got {type(model).__name__}")
-    spec = norm_spec(to)  # an unknown name lists the registered ones
-    recipes = _recipes(init)
+    spec, recipes, run = _check_arguments(model, to, init, sample, roles, kwargs)
     base = next((r for r in recipes if r != "match_rms"), "default")
-    matching = "match_rms" in recipes
-    if matching:
-        if not spec.pointwise:
-            raise ValueError(f"replace_norms: match_rms scales the gamma of a point-wise norm; {to!r} is not one")
-        if sample is None:
-            raise ValueError("replace_norms: init 'match_rms' needs sample=, one batch the model's forward takes")
-        run = _call(model, sample)
-    for key, role in (roles or {}).items():
-        if role not in ROLES:
-            raise ValueError(f"replace_norms: roles[{key!r}] = {role!r}; a role is one of {', '.join(ROLES)}")
-    unknown_kw = sorted(set(kwargs) - set(spec.init_kwargs))
-    if unknown_kw:
-        raise TypeError(f"replace_norms: {to!r} does not take {', '.join(unknown_kw)}; it takes "
-                        f"{', '.join(spec.init_kwargs)}")  # fmt: skip
-
-    found, skipped = _find(model, dict(extra_classes or {}), include)
+    found, skipped = find_norms(model, dict(extra_classes or {}), include)
     strangers = [s for s in skipped if s["reason"] == UNKNOWN
                  and (include is None or include(s["name"], model.get_submodule(s["name"])))]  # fmt: skip
     if strangers:
@@ -157,7 +165,7 @@ def replace_norms(
 
     built = []  # every layer built before the first swap: a refused call leaves the model untouched
     for name, old, kind in found:
-        dim, eps = _source_dim(old), _source_eps(old)
+        dim, eps = source_dim(old), source_eps(old)
         role = site_role(name, roles)
         try:
             kw, note = recipe_kwargs(base, spec, role, dim)
@@ -192,7 +200,7 @@ def replace_norms(
         swap(model, name, new)
     sites = [site for _, _, site in built]
     notes = [f"replace_norms: {len(sites)} fresh {to} layers, init {'+'.join(recipes)}"]
-    if matching:
+    if run is not None:
         factors = match_rms_(model, {n: model.get_submodule(n) for n, _, _ in built}, run)
         for site in sites:
             if site.name in factors:

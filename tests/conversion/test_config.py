@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
+import re
 
 import pytest
 import torch
@@ -343,3 +344,24 @@ def test_the_samples_drawn_are_what_the_conversion_reads(sets, drawn):
     again = ConvertConfig.from_dict(cfg.to_dict())
     again.validate()
     assert again.heal.self_sequences == drawn
+
+
+@pytest.mark.parametrize(
+    ("sets", "given", "says"),
+    [
+        (["calibrate.massive_tokens=route"], {"calibrate.enabled": False}, "--massive-tokens route does nothing with"),
+        (["calibrate.solver=lbfgs"], {"calibrate.enabled": False}, "does nothing with --no-calibrate"),
+        (["heal.self_sequences=100000000", "budget.text=self"], {"budget.nats": 0.1},
+         "100,000,000 samples of 128 tokens needs about 95.4 GiB"),
+    ],
+)  # fmt: skip
+def test_idle_knobs_and_samples_the_machine_cannot_hold_are_refused(sets, given, says):
+    """issue 85: `--massive-tokens route --no-calibrate` was saved as if it did something, and
+    heal.self_sequences=100000000 on a walk that reads 72 samples began drawing 3.2 billion tokens."""
+    from normlab.conversion.config import resolve_convert_config
+    from normlab.errors import machine_memory
+
+    if "GiB" in says and (machine_memory() or 0) > 100 * 2**30:
+        pytest.skip("this machine holds 95 GiB of token ids")
+    with pytest.raises(ValueError, match=re.escape(says)):
+        resolve_convert_config(sets, model="m", to="dyisru", **given)

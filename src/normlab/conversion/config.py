@@ -4,8 +4,8 @@
     cfg = resolve_convert_config(["heal.minutes=10", "heal.lr=3e-3"], model="smollm2", to="dyisru")
     normlab.conversion.workflow.convert_model(cfg)
 
-A dataclass of sections, ``to_dict``/``from_dict``, one ``validate`` that fails before any work, dotted ``--set``
-overrides (`normlab.pairs.apply_overrides`); flags are shorthands for fields (`SHORTHANDS`).
+A dataclass of sections, ``to_dict``/``from_dict``, one ``validate`` that fails before any work (with
+`normlab.conversion.limits`), dotted ``--set`` overrides (`normlab.pairs.apply_overrides`); flags are shorthands.
 
 The heal checkpoint's identity is `ConvertConfig.identity`: every field that shapes the converted model or the heal,
 flattened, plus the facts only the run knows (the model's fingerprint, the text's hash). A resume whose identity
@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from normlab.conversion.flags import SHORTHANDS, finite, flag, identity_difference, int_at_least
+from normlab.conversion.limits import check_limits
 from normlab.pairs import apply_overrides, parse_pairs
 from normlab.typed import check_types, choices, field_docs, set_name
 
@@ -52,10 +53,9 @@ class CalibrateConfig:
     """What calibration fits on: the text's first sequences, or "self", the first of the original's own samples (the
     heal's "self" set)."""
     massive_tokens: Literal["auto", "route", "shared"] = "auto"
-    """"route": massive tokens (an RMS above ``massive`` x the median, wherever they occur) get their own copy at each
-    site where a few channels tell them apart; "auto" also keeps the original norm at the sites before the massive
-    activation forms, where no channel tells apart the tokens that will carry it
-    (`normlab.conversion.calibrate.massive`);
+    """"route": massive tokens (an RMS above ``massive`` x the median, anywhere) get their own copy at each site where
+    a few channels tell them apart; "auto" also keeps the original norm at the sites before the massive activation
+    forms, where no channel tells apart the tokens that will carry it (`normlab.conversion.calibrate.massive`);
     "shared": one replacement for every token."""
     target: Literal["original", "local"] = "original"
     """What each site is fitted to reproduce: the original model's output there, which also corrects the drift
@@ -168,8 +168,7 @@ class HealConfig:
     lr: float | None = None
     """Adam's rate; None: the default for ``train`` (HEAL_LEARNING_RATES; the norms' 2.5e-4)."""
     schedule: Literal["constant", "cosine", "cooldown"] = "constant"
-    """The rate over the budget: "cosine" warms up over 5% and falls to lr/10; "cooldown" holds lr, then falls to 0
-    over the last 20%."""
+    """The rate over the budget: "cosine": 5% warm-up, down to lr/10; "cooldown": lr, then down to 0 in the last 20%."""
     batch_size: int = 4
     """Sequences per step: 4 beat 8 per token and per minute (docs/heal-measurements.md, "The batch")."""
     rollback_nats: float | None = 0.5
@@ -423,6 +422,7 @@ class ConvertConfig:
             self.heal.self_sequences = self.sample_count()  # resolved once, so convert_config.json records it
         self._validate_source()
         self._validate_samples()
+        check_limits(self)
 
     def _validate_samples(self) -> None:
         """The original's samples' knobs are refused where nothing samples, and a heal step may not exceed the

@@ -40,8 +40,9 @@ from normlab.conversion.record import ConversionRecord, Site
 from normlab.registry import NormSpec, calibratable_norms, norm_spec
 from normlab.typed import check_types
 
-__all__ = ["KNOWN_NORMS", "ConversionRecord", "convert_norms", "apply_record", "fidelity", "save_converted",
-           "load_converted", "CALIBRATABLE", "resolve_options"]  # fmt: skip
+__all__ = ["KNOWN_NORMS", "ConversionRecord", "convert_norms", "find_norms", "source_dim", "source_eps",
+           "apply_record", "fidelity", "save_converted", "load_converted", "CALIBRATABLE",
+           "resolve_options"]  # fmt: skip
 
 # class name -> how it normalizes ("layer_norm", "rms_norm", or "rms_norm_offset": scale is 1 + weight)
 KNOWN_NORMS: dict[str, str] = {
@@ -77,7 +78,12 @@ def _kind(module: nn.Module, extra: dict) -> str | None:
     return None
 
 
-def _source_eps(module: nn.Module) -> float:
+def source_eps(module: nn.Module) -> float:
+    """A norm's eps (``eps`` or ``variance_epsilon``), else its weight dtype's machine epsilon (nn.RMSNorm(eps=None)).
+
+    Args:
+        module: The norm.
+    """
     for attr in ("eps", "variance_epsilon"):
         v = getattr(module, attr, None)
         if isinstance(v, (int, float)):
@@ -86,7 +92,12 @@ def _source_eps(module: nn.Module) -> float:
     return float(torch.finfo(w.dtype if w is not None else torch.float32).eps)  # nn.RMSNorm(eps=None)
 
 
-def _source_dim(module: nn.Module) -> int | None:
+def source_dim(module: nn.Module) -> int | None:
+    """A norm's channel count (its one-dimensional ``normalized_shape``, else its 1-d weight's size), else None.
+
+    Args:
+        module: The norm.
+    """
     shape = getattr(module, "normalized_shape", None)
     if shape is not None:
         return int(shape[0]) if len(shape) == 1 else None
@@ -94,7 +105,14 @@ def _source_dim(module: nn.Module) -> int | None:
     return int(w.shape[-1]) if w is not None and w.dim() == 1 else None
 
 
-def _find(model: nn.Module, extra: dict, include) -> tuple[list[tuple[str, nn.Module, str]], list[dict]]:
+def find_norms(model: nn.Module, extra: dict, include) -> tuple[list[tuple[str, nn.Module, str]], list[dict]]:
+    """The norms of ``model`` a conversion replaces, as (name, module, kind), and the ones it leaves, each with why.
+
+    Args:
+        model: The model.
+        extra: {a norm class of the caller's: its kind}.
+        include: ``include(name, module)`` says whether a found norm is taken (None: every one).
+    """
     found, skipped = [], []
     for name, m in model.named_modules():
         if not name:
@@ -113,7 +131,7 @@ def _find(model: nn.Module, extra: dict, include) -> tuple[list[tuple[str, nn.Mo
         if include is not None and not include(name, m):
             skipped.append({"name": name, "class": type(m).__name__, "reason": "excluded by include="})
             continue
-        if _source_dim(m) is None:
+        if source_dim(m) is None:
             shape = getattr(m, "normalized_shape", None)
             why = (
                 "normalizes over more than one dimension"
@@ -137,7 +155,7 @@ def _site_kwargs(name: str, init: dict, site_init: dict) -> dict:
 
 
 def _build(name: str, m: nn.Module, kind: str, spec: NormSpec, kwargs: dict) -> tuple[nn.Module, Site]:
-    dim, eps = _source_dim(m), _source_eps(m)
+    dim, eps = source_dim(m), source_eps(m)
     if getattr(m, "data_format", None) == "channels_first":  # ConvNeXt's (N, C, H, W) norms
         kwargs = {**kwargs, "channel_dim": 1}
     if "eps" in spec.init_kwargs and "eps" not in kwargs:
@@ -312,7 +330,7 @@ def convert_norms(
     extra = dict(extra_classes or {})
     if cfg.exclude:  # the config's exclude, as normlab convert applies it, beside any include= of the caller's
         include = _excluding(cfg.exclude, include)
-    found, skipped = _find(model, extra, include)
+    found, skipped = find_norms(model, extra, include)
     excluded = [s["name"] for s in skipped if s["reason"] == "excluded by include="]
     if not found and excluded:
         raise ValueError(

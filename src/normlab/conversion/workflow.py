@@ -204,13 +204,7 @@ def _convert(job: _Job, markdown: bool) -> dict:
     with stages("budget walk" if cfg.budget.nats is not None else "calibration"):
         record, walk = _convert_sites(cfg, net, texts, progress)
     print(record.table(markdown=markdown))
-    if not record.sites:  # a walk that kept every site: no model to judge, nor a folder that would load
-        why = (f"the budget walk kept every site within --budget-nats {cfg.budget.nats:g} (its costs are above)"
-               if cfg.budget.nats is not None else "no site was converted")  # fmt: skip
-        raise NormlabError(
-            f"nothing converted: {why}; there is no conversion to judge or save. Raise --budget-nats, or convert "
-            "without it"
-        )
+    _refuse_empty(cfg, record)
     judging = bool(record.sites) and usable_tokenizer(tokenizer) and predicts_next_token(net)
     with stages("measurement"):
         fid, tallies = _measure(original, net, texts, record, judging)
@@ -252,6 +246,19 @@ def _convert(job: _Job, markdown: bool) -> dict:
         elif ckpt is not None and Path(ckpt).is_file():
             print(f"the heal checkpoint {ckpt} is kept, as --checkpoint named it; {cfg.out} holds the result")
     return fid
+
+
+def _refuse_empty(cfg: ConvertConfig, record) -> None:
+    """A conversion that converted no site (a walk that kept every one) is refused: there is no model to judge, nor a
+    folder that would load (the modeling file refuses an empty site list)."""
+    if record.sites:
+        return
+    why = "no site was converted"
+    if cfg.budget.nats is not None:
+        why = f"the budget walk kept every site within --budget-nats {cfg.budget.nats:g} (its costs are above)"
+    raise NormlabError(
+        f"nothing converted: {why}; there is no conversion to judge or save. Raise --budget-nats, or convert without it"
+    )
 
 
 def _measure(original, net, texts: ConversionTexts, record, judging: bool) -> tuple[dict, dict]:
@@ -364,8 +371,11 @@ def _earlier_stages(job: _Job, stages: Stages) -> dict:
             state = torch.load(job.ckpt, map_location="cpu", mmap=True, weights_only=False)
             earlier["heal"] = float(state["report"]["seconds"])
         except Exception as e:  # noqa: BLE001  (an unreadable record only loses the count; the heal checks its own)
-            print(f"the earlier processes' stage seconds could not be read ({type(e).__name__}): this run's stages "
-                  "count only this process", file=sys.stderr)  # fmt: skip
+            print(
+                f"the earlier processes' stage seconds could not be read ({type(e).__name__}): this run's stages "
+                "count only this process",
+                file=sys.stderr,
+            )
     mine = dict(stages.seconds)
     before = {k: v for k, v in earlier.items() if k != "heal"}  # the checkpoint holds the heal's own count
     upto = {k: round(before.get(k, 0.0) + mine.get(k, 0.0), 2) for k in {**before, **mine}}

@@ -17,12 +17,10 @@ first step). A machine without a working compiler gets one warning and False."""
 from __future__ import annotations
 
 import fcntl
-import functools
 import hashlib
 import importlib.resources
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -35,25 +33,22 @@ import torch
 
 from normlab.corpus import cache_dir, sha256_file
 from normlab.errors import NormlabError
+from normlab.kernels.build_errors import (
+    COMPILE_LOG,
+    FAILED,
+    BuildError,
+    cxx_std,
+    first_error,
+    record_failure,
+    recorded_failure,
+    std_advice,
+)
 
 __all__ = ["load", "loaded", "failure", "build_dir", "library_folder", "compile_command", "source_path", "use_library",
-           "status", "BuildError"]  # fmt: skip
+           "status", "BuildError", "cxx_std", "first_error", "recorded_failure"]  # fmt: skip
 
 _LOCK = threading.Lock()
 _STATE: dict = {"loaded": False, "failure": None, "thread": None, "advice": None}
-
-
-class BuildError(OSError):
-    """A build that cannot happen here, with the fix that applies to its cause (not always a compiler).
-
-    Args:
-        message: What went wrong.
-        advice: The fix that applies to its cause.
-    """
-
-    def __init__(self, message: str, advice: str) -> None:
-        super().__init__(message)
-        self.advice = advice
 
 
 NO_COMPILER = "install a C++ compiler (Debian: apt-get install g++), or set CXX to one"
@@ -98,32 +93,6 @@ def _torch_paths() -> tuple[Path, Path]:
     """(include folder, library folder) of the installed torch."""
     root = Path(torch.__file__).parent
     return root / "include", root / "lib"
-
-
-FALLBACK_STD = "c++17"  # what a torch whose extension builder names no standard compiles with (torch 2.4-2.9)
-
-
-def cxx_std() -> str:
-    """The C++ standard the installed torch builds its own C++ extensions with (``torch.utils.cpp_extension``
-    passes it to the compiler, and its headers need it): "c++20" in torch 2.13 and later (2.14's headers no longer
-    compile as C++17). Read from that module's source, where torch writes it, so that a new torch brings its own
-    standard; `FALLBACK_STD` where it names none. ``NORMLAB_CXX_STD`` overrides it (e.g. "c++20")."""
-    forced = os.environ.get("NORMLAB_CXX_STD")
-    if forced:
-        if not re.fullmatch(r"c\+\+\d\d", forced):
-            raise BuildError(f"NORMLAB_CXX_STD={forced!r} is not a C++ standard", "set c++17 or c++20, or unset it")
-        return forced
-    return _torch_std()
-
-
-@functools.lru_cache(maxsize=1)
-def _torch_std() -> str:
-    try:  # read, not imported: importing it costs setuptools, and this runs in every process's cache key
-        text = (Path(torch.__file__).parent / "utils" / "cpp_extension.py").read_text()
-    except OSError:  # a torch without its extension builder
-        return FALLBACK_STD
-    found = re.findall(r"-std=c\+\+(\d\d)\b", text)  # the Unix flags it passes, '-std=c++20'
-    return f"c++{max(found, key=int)}" if found else FALLBACK_STD
 
 
 def _flags() -> list[str]:
@@ -217,54 +186,6 @@ def _intact(folder: Path, ident: dict) -> str | None:
     return None
 
 
-COMPILE_LOG, FAILED = "compile.log", "failed.json"
-
-
-def first_error(output: str) -> str:
-    """The compiler's first error line, its torch header path shortened to the part under ``include/`` (the line a
-    person would search for), else its last lines."""
-    lines = output.strip().splitlines()
-    hit = next((line for line in lines if re.search(r"\berror\b", line)), None)
-    if hit is None:
-        return " | ".join(lines[-3:])[:500] or "no output"
-    return re.sub(r"\S*/include/", "", hit.strip())[:500]
-
-
-def _std_advice(std: str) -> str:
-    """The fix for a compile that failed as ``std``: unset an override that departs from torch's own standard, else a
-    compiler that has that standard."""
-    own = _torch_std()
-    if std != own:
-        return f"unset NORMLAB_CXX_STD={std}: torch {torch.__version__} builds its extensions as {own}"
-    need = {"c++20": " (g++ >= 10 or clang++ >= 12)", "c++17": " (g++ >= 9 or clang++ >= 10)"}.get(std, "")
-    return f"set CXX to a compiler that builds {std} against torch's headers{need}"
-
-
-def _record_failure(folder: Path, ident: dict, error: BuildError) -> None:
-    """Write ``failed.json`` beside the build: the next process (and the detached build's parent) read it instead of
-    compiling again. `normlab build-kernels` (``load(retry=True)``) removes it and tries once more."""
-    rec = {**ident, "error": str(error), "advice": error.advice, "when": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    tmp = folder / f"{FAILED}.{os.getpid()}.tmp"
-    try:
-        tmp.write_text(json.dumps(rec, indent=1) + "\n")
-        os.replace(tmp, folder / FAILED)
-    except OSError:
-        pass  # a folder we could build in but not write a record to: the next process tries again
-
-
-def recorded_failure(folder: Path, ident: dict) -> BuildError | None:
-    """The failed build recorded in ``folder`` for exactly these inputs (source, torch, compiler, CPU, standard),
-    as the error it raised; None when there is none (or it was made from other inputs: they build afresh)."""
-    try:
-        rec = json.loads((folder / FAILED).read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(rec, dict) or {k: rec.get(k) for k in ident} != ident:
-        return None
-    return BuildError(f"{rec.get('error')} (recorded {rec.get('when')}; not retried in every process)",
-                      str(rec.get("advice")))  # fmt: skip
-
-
 def _compile(folder: Path, ident: dict) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     tmp = folder / f"normlab_cpu.{os.getpid()}.{threading.get_ident()}.tmp.so"
@@ -284,10 +205,10 @@ def _compile(folder: Path, ident: dict) -> None:
         error = BuildError(
             f"the compiler `{ident['compiler']}` failed on the kernels as {ident['std']} against torch "
             f"{ident['torch']}: {first_error(output)}",
-            f"{_std_advice(ident['std'])}, then run `normlab build-kernels` to retry; the whole output is in "
+            f"{std_advice(ident['std'])}, then run `normlab build-kernels` to retry; the whole output is in "
             f"{folder / COMPILE_LOG}",
         )
-        _record_failure(folder, ident, error)
+        record_failure(folder, ident, error)
         raise error
     if not tmp.is_file():
         raise BuildError(

@@ -1,0 +1,58 @@
+"""Checks of a conversion's settings against what the run will do and what the machine holds, made before any
+work: a knob that the setting makes idle, a sample count that would not fit in memory."""
+
+from __future__ import annotations
+
+from normlab.conversion.flags import flag
+from normlab.errors import check_memory
+
+__all__ = ["CALIBRATION_KNOBS", "check_limits", "check_idle_calibration", "check_sample_memory"]
+
+# the calibrate section's fields that say how a calibration fits: idle without one (--no-calibrate)
+CALIBRATION_KNOBS = ("massive_tokens", "target", "max_tokens", "massive", "fit_amplitude", "sequential", "solver",
+                     "source")  # fmt: skip
+
+
+def check_idle_calibration(c, plain) -> None:
+    """Refuse a calibration knob set away from its default when calibration is off (``--massive-tokens route
+    --no-calibrate`` was saved as if it did something).
+
+    Args:
+        c: The config's calibrate section (a `normlab.conversion.config.CalibrateConfig`).
+        plain: The section's defaults.
+    """
+    if c.enabled:
+        return
+    idle = [k for k in CALIBRATION_KNOBS if getattr(c, k) != getattr(plain, k)]
+    if idle:
+        raise ValueError(
+            f"{flag('calibrate.' + idle[0])} {getattr(c, idle[0])} does nothing with {flag('calibrate.enabled')}: it "
+            "sets how calibration fits; drop one of them"
+        )
+
+
+def check_sample_memory(n: int, seq_len: int, read: int) -> None:
+    """Refuse a sample count whose token ids alone (int64) would not fit in this machine's memory, before any
+    sampling starts (``heal.self_sequences=100000000`` began drawing 3.2 billion tokens).
+
+    Args:
+        n: The original's samples the conversion draws.
+        seq_len: Tokens per sample.
+        read: How many a conversion without a heal reads (2 x sequences + 8), named in the fix.
+    """
+    check_memory(
+        8 * n * seq_len,
+        f"{flag('heal.self_sequences')} {n:,} samples of {seq_len} tokens",
+        f"lower {flag('heal.self_sequences')} (without a heal, {read} are read)",
+    )
+
+
+def check_limits(cfg) -> None:
+    """Both checks on a `normlab.conversion.config.ConvertConfig` (its ``validate`` calls this last).
+
+    Args:
+        cfg: The conversion's config.
+    """
+    check_idle_calibration(cfg.calibrate, type(cfg.calibrate)())
+    if cfg.samples_original:
+        check_sample_memory(cfg.sample_count(), cfg.seq_len, 2 * cfg.sequences + 8)
