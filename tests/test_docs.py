@@ -135,6 +135,37 @@ def _tiny_llama(path: Path) -> Path:
     return path
 
 
+def _tiny_converted(tmp_path: Path) -> Path:
+    """`_tiny_llama` converted to DyISRU per channel (calibrated on a few batches) and saved with its tokenizer by
+    `normlab.save_converted`: what ``normlab convert --out`` writes, for a block that starts from such a folder."""
+    import torch
+
+    import normlab
+    from normlab.conversion.hf import load_model
+
+    model, tok = load_model(_tiny_llama(tmp_path / "tiny-original"), progress=False)
+    calib = [torch.randint(2, 256, (4, 16), generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    record = normlab.convert_norms(model, "dyisru", calibrate=calib, per="channel", progress=False)
+    return normlab.save_converted(model, record, tmp_path / "tiny-converted", tokenizer=tok)
+
+
+def test_the_export_page_starts_from_a_converted_folder():
+    """issue 86: export.md's ONNX block loaded the unconverted model from a converted folder; it reads the folder
+    with normlab.load_converted and its tokenizer, and the docs test runs it on a converted tiny model, comparing
+    the decoded tokens with generate()'s (the block's own assert)."""
+    blocks = [code for lang, _, code, mark in _blocks(REPO / "docs" / "export.md") if "ort.InferenceSession" in code]
+    assert len(blocks) == 1 and "normlab.load_converted(folder)" in blocks[0]
+    assert "AutoTokenizer.from_pretrained(folder)" in blocks[0] and "tokens == same[0" in blocks[0]
+
+
+def test_load_model_refuses_a_converted_folder(tmp_path):
+    from normlab.conversion.hf import load_model
+
+    folder = _tiny_converted(tmp_path)
+    with pytest.raises(ValueError, match=r"normlab conversion .*normlab\.load_converted.*trust_remote_code=True"):
+        load_model(folder)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("code, mark, shown", _python_blocks())
 def test_every_python_block_of_the_docs_runs(code, mark, shown, tmp_path, monkeypatch, capsys):
@@ -155,6 +186,8 @@ def test_every_python_block_of_the_docs_runs(code, mark, shown, tmp_path, monkey
             code = code.replace(old, new)
         if "TINY_LLAMA" in code:
             names["TINY_LLAMA"] = str(_tiny_llama(tmp_path / "tiny-llama"))
+        if "TINY_CONVERTED" in code:
+            names["TINY_CONVERTED"] = str(_tiny_converted(tmp_path))
     monkeypatch.chdir(tmp_path)
     capsys.readouterr()
     exec(compile(code, "<docs block>", "exec"), names)

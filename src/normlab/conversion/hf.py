@@ -166,6 +166,14 @@ def load_model(
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"model {str(path)!r} does not exist: expected a Hugging Face model folder or a .gguf")
+    from normlab.conversion.export.saving import RECORD_FILE
+
+    if (p / RECORD_FILE).is_file():  # loaded as a plain model, its norms would be the original's class
+        raise ValueError(
+            f"{p} is a normlab conversion (it holds {RECORD_FILE}): load_model would build the original "
+            "architecture with its RMSNorms and drop every element-wise parameter. Load it with "
+            f"normlab.load_converted({str(p)!r}), or AutoModelForCausalLM.from_pretrained(..., trust_remote_code=True)"
+        )
     t = _transformers()
     with quiet(not progress):
         return _load(p, t, dtype)

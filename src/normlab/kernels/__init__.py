@@ -98,14 +98,14 @@ def select(choice: str, x: torch.Tensor, owner: str, *params: torch.Tensor | Non
                 f"or float16; got {x.dtype} on {x.device}. Use kernel='auto'"
             )
         return "cpu" if cpu.usable(x, *params, wait=True) else "reference"
-    ok, why = triton_status()
     if choice == "auto":
         if on_cuda(x):  # the Triton kernels take float32, bfloat16 and float16; float64 takes the reference
-            return "triton" if ok and x.dtype in TRITON_DTYPES else "reference"
+            return "triton" if triton_status()[0] and x.dtype in TRITON_DTYPES else "reference"
         # MIN_FUSED is the autograd function's fixed cost; a call autograd does not record (inference, a decode
         # step) calls the op directly, which is cheaper than the reference at every size
         least = 0 if not cpu.records_grad(x, *params) else cpu.MIN_FUSED if min_fused is None else min_fused
         return "cpu" if x.numel() >= least and cpu.usable(x, *params) else "reference"
+    ok, why = triton_status()  # not on a CPU tensor's "auto" path: torch.compile traces that one
     if not ok:
         raise NormlabError(f"{owner}(kernel='triton'): {why}")
     if not x.is_cuda and not interpreting():
