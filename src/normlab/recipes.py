@@ -44,7 +44,11 @@ DYT_PAPER_ALPHA0: dict[int, tuple[float, float]] = {1024: (1.0, 1.0), 2048: (1.0
 
 def dyt_alpha0(width: int) -> dict[str, float]:
     """The DyT paper's alpha0 at each site ('attn', 'mlp', 'final') for a model of ``width`` channels:
-    the row of the nearest tabulated width (on a log scale)."""
+    the row of the nearest tabulated width (on a log scale).
+
+    Args:
+        width: The model's channel count.
+    """
     row = min(DYT_PAPER_ALPHA0, key=lambda w: abs(math.log(w / width)))
     attn, other = DYT_PAPER_ALPHA0[row]
     return {"attn": attn, "mlp": other, "final": other}
@@ -52,7 +56,12 @@ def dyt_alpha0(width: int) -> dict[str, float]:
 
 def parse_alpha_table(value: str, width: int) -> dict[str, float]:
     """``model.alpha_table``: 'dyt_paper' (the row for this model's width) or 'dyt_paper@W' (the row for
-    width W, e.g. when a narrow model emulates a wide one's init through ``model.init_std``)."""
+    width W, e.g. when a narrow model emulates a wide one's init through ``model.init_std``).
+
+    Args:
+        value: 'dyt_paper' or 'dyt_paper@W'.
+        width: The model's channel count.
+    """
     name, sep, at = value.partition("@")
     if sep and not at:
         raise ValueError(
@@ -76,7 +85,13 @@ def parse_alpha_table(value: str, width: int) -> dict[str, float]:
 def matmul_gain_std(emulated_width: int, width: int, std: float = 0.02) -> float:
     """The init std at ``width`` whose matmul gain std * sqrt(width) equals that of ``std`` at
     ``emulated_width``: 0.02 * sqrt(1024 / 64) = 0.08 makes a width-64 model's layers as loud as GPT-2
-    init at width 1024."""
+    init at width 1024.
+
+    Args:
+        emulated_width: The width whose matmul gain to match.
+        width: The model's width.
+        std: The init std at ``emulated_width``.
+    """
     return std * math.sqrt(emulated_width / width)
 
 

@@ -105,7 +105,9 @@ def source_dim(module: nn.Module) -> int | None:
     return int(w.shape[-1]) if w is not None and w.dim() == 1 else None
 
 
-def find_norms(model: nn.Module, extra: dict, include) -> tuple[list[tuple[str, nn.Module, str]], list[dict]]:
+def find_norms(
+    model: nn.Module, extra: dict, include: Callable[[str, nn.Module], bool] | None
+) -> tuple[list[tuple[str, nn.Module, str]], list[dict]]:
     """The norms of ``model`` a conversion replaces, as (name, module, kind), and the ones it leaves, each with why.
 
     Args:

@@ -9,6 +9,8 @@ import json
 import os
 from pathlib import Path
 
+from torch import nn
+
 from normlab.conversion.config import ConvertConfig
 from normlab.conversion.export.saving import RECORD_FILE, load_converted
 from normlab.conversion.hf import TextCut, fixture_path, load_model, text_batches, usable_tokenizer
@@ -68,7 +70,7 @@ def _source(folder: Path, original: str | None) -> tuple[str, dict, ConvertConfi
     return path, record, cfg
 
 
-def provenance(path: str, source) -> dict:
+def provenance(path: str, source: nn.Module) -> dict:
     """What an evaluation was judged against: the original's resolved path, the SHA-256 of its weight files (a
     folder's safetensors or .bin, or the .gguf itself) and its architecture.
 

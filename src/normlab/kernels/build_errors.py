@@ -61,7 +61,11 @@ COMPILE_LOG, FAILED = "compile.log", "failed.json"
 
 def first_error(output: str) -> str:
     """The compiler's first error line, its torch header path shortened to the part under ``include/`` (the line a
-    person would search for), else its last lines."""
+    person would search for), else its last lines.
+
+    Args:
+        output: What the compiler printed.
+    """
     lines = output.strip().splitlines()
     hit = next((line for line in lines if re.search(r"\berror\b", line)), None)
     if hit is None:
@@ -71,7 +75,11 @@ def first_error(output: str) -> str:
 
 def std_advice(std: str) -> str:
     """The fix for a compile that failed as ``std``: unset an override that departs from torch's own standard, else a
-    compiler that has that standard."""
+    compiler that has that standard.
+
+    Args:
+        std: The standard the build compiled as.
+    """
     own = torch_std()
     if std != own:
         return f"unset NORMLAB_CXX_STD={std}: torch {torch.__version__} builds its extensions as {own}"
@@ -81,7 +89,13 @@ def std_advice(std: str) -> str:
 
 def record_failure(folder: Path, ident: dict, error: BuildError) -> None:
     """Write ``failed.json`` beside the build: the next process (and the detached build's parent) read it instead of
-    compiling again. `normlab build-kernels` (``load(retry=True)``) removes it and tries once more."""
+    compiling again. `normlab build-kernels` (``load(retry=True)``) removes it and tries once more.
+
+    Args:
+        folder: The build's cache folder.
+        ident: The build's identity (`normlab.kernels.cpu_build`'s cache key inputs).
+        error: The failure, with its advice.
+    """
     rec = {**ident, "error": str(error), "advice": error.advice, "when": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     tmp = folder / f"{FAILED}.{os.getpid()}.tmp"
     try:
@@ -93,7 +107,12 @@ def record_failure(folder: Path, ident: dict, error: BuildError) -> None:
 
 def recorded_failure(folder: Path, ident: dict) -> BuildError | None:
     """The failed build recorded in ``folder`` for exactly these inputs (source, torch, compiler, CPU, standard),
-    as the error it raised; None when there is none (or it was made from other inputs: they build afresh)."""
+    as the error it raised; None when there is none (or it was made from other inputs: they build afresh).
+
+    Args:
+        folder: The build's cache folder.
+        ident: The build's identity.
+    """
     try:
         rec = json.loads((folder / FAILED).read_text())
     except (OSError, ValueError):
