@@ -29,6 +29,7 @@ from pathlib import Path
 
 from _study import stamp
 from bench_kernels import cpu_name  # scripts/ is on the path when a script runs
+from normlab.conversion.flags import RECOMMENDED
 from normlab.table import append_csv
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -72,7 +73,7 @@ JOBS = {  # name -> the model and the flags after --to dyisru
     # only the 72 samples a walk reads (heal.self_sequences=72), so its minutes are a fresh machine's, the draw
     # included. Since 0.4.13 a walk draws those 72 by default: "recommended" is the README's command as printed
     **{f"budget_self_kl_{n}_72": ("smollm2", _self_walk(n, "heal.self_sequences=72")) for n in ("0.02", "0.03")},
-    "recommended": ("smollm2", _self_walk("0.02")),
+    "recommended": ("smollm2", list(RECOMMENDED)),
     # the self-selected walk's sites healed on the 0.02 job's samples and tokens exactly
     "budget_self_kl_0.05_heal_tokens": (
         "smollm2",

@@ -410,3 +410,33 @@ def test_the_args_check_fails_on_a_missing_parameter():
         """
 
     assert undocumented_args(documented) == [] and undocumented_args(half) == ["b"]
+
+
+def _first_convert(page: Path) -> list[str] | None:
+    """The words of the first ``normlab convert`` command in a bash block of ``page``, or None."""
+    import shlex
+
+    for lang, _, code, _ in _blocks(page):
+        if lang != "bash":
+            continue
+        for text in code.replace("\\\n", " ").splitlines():
+            text = text.split(" #")[0].strip()
+            if text.startswith("normlab convert"):
+                return shlex.split(text)
+    return None
+
+
+def test_every_page_that_converts_leads_with_the_recommended_recipe():
+    """issue 86: the pages disagreed on what to run (conversion.md led with `--per channel`, which the README rates
+    wrong answers; getting-started with `--budget-nats 0.4`). The first conversion on every page is the recommended
+    recipe, whose flags are written once (normlab.conversion.flags.RECOMMENDED)."""
+    from normlab.conversion.flags import RECOMMENDED
+
+    def leads(words: list[str]) -> bool:
+        n = len(RECOMMENDED)
+        return any(tuple(words[i : i + n]) == RECOMMENDED for i in range(len(words) - n + 1))
+
+    firsts = {p.relative_to(REPO).as_posix(): w for p in PAGES if (w := _first_convert(p)) is not None}
+    assert {"README.md", "docs/conversion.md", "docs/getting-started.md", "docs/index.md"} <= set(firsts)
+    assert not [page for page, words in firsts.items() if not leads(words)]
+    assert not leads(["normlab", "convert", "--per", "channel", "--budget-nats", "0.4"])  # the check can fail

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
-__all__ = ["SHORTHANDS", "flag", "finite", "int_at_least", "identity_difference"]
+__all__ = ["SHORTHANDS", "RECOMMENDED", "flag", "finite", "int_at_least", "identity_difference"]
 
 # The command line's flags that stand for a field (``normlab convert --heal-minutes 5`` is
 # ``--set heal.minutes=5``). Every other field is reached with --set.
@@ -24,6 +24,11 @@ SHORTHANDS: dict[str, str] = {
     "--calibrate-on": "calibrate.source", "--device": "device",
 }  # fmt: skip
 _FLAG_OF = {v: k for k, v in SHORTHANDS.items()}
+
+# The recommended recipe, after ``--model M --to dyisru``: the budget walk by KL on the original's own samples at
+# 0.02 nats, no training (10 of SmolLM2's 61 norms, 92% same top-1; docs/conversion.md). Every page that shows a
+# conversion leads with it (tests/test_docs.py), and scripts/bench_usable.py's "recommended" job runs it.
+RECOMMENDED = ("--per", "channel", "--budget-nats", "0.02", "--set", "budget.metric=kl", "budget.text=self")
 
 
 def flag(key: str) -> str:
