@@ -395,7 +395,7 @@ class DyISRU(_ISRUFamily):
 
     Args:
         dim: The number of channels C: the size of the normalized axis.
-        beta_init: beta at init (4.0 = 1 / 0.5**2: DyT's slope at 0).
+        beta_init: beta at init (``4.0 = 1 / 0.5**2``: DyT's slope at 0).
         per_channel_beta: One beta per channel instead of one for all.
         scale: "C" for sqrt(C) (the DyISRU paper, the default), "C-1" for sqrt(C-1).
         bias: Learn the channel shift (False: none).
@@ -446,7 +446,7 @@ class ELN(_ISRUFamily):
     Args:
         dim: The number of channels C: the size of the normalized axis.
         kernel: "auto" runs the fused C++ op on CPU tensors; "cpu" or "reference" forces one path.
-        **kwargs: The ISRU family's keywords: ``beta_init`` (4.0 = 1 / 0.5**2, DyT's slope at 0),
+        **kwargs: The ISRU family's keywords: ``beta_init`` (``4.0 = 1 / 0.5**2``, DyT's slope at 0),
             ``per_channel_beta`` (False), ``scale`` ("C" for sqrt(C), "C-1" for sqrt(C-1)), ``bias`` (True),
             ``channel_dim`` (-1), ``device``, ``dtype``.
     """

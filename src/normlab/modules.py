@@ -12,10 +12,10 @@ parameters are ``alpha`` (DyT family) and ``beta`` (DyISRU/ELN). ``beta`` is kep
 positive by storing ``log_beta``; ``module.beta`` returns ``exp(log_beta)``.
 
 Initial values: DyT's ``alpha_init`` defaults to 0.5 (Zhu et al.). DyISRU's and
-ELN's ``beta_init`` defaults to 4.0 = 1 / 0.5**2, the slope-matching map
-beta0 = 1 / alpha0**2 of the DyISRU paper (Fig. 2 caption): scaled DyT and DyISRU then
-have the same slope sqrt(C) * alpha0 = sqrt(C / beta0) at x = 0. To match
-RMSNorm's gain at an input std sigma0 instead, use beta_init = C * sigma0**2.
+ELN's ``beta_init`` defaults to ``4.0 = 1 / 0.5**2``, the slope-matching map
+``beta0 = 1 / alpha0**2`` of the DyISRU paper (Fig. 2 caption): scaled DyT and DyISRU then
+have the same slope ``sqrt(C) * alpha0 = sqrt(C / beta0)`` at x = 0. To match
+RMSNorm's gain at an input std sigma0 instead, use ``beta_init = C * sigma0**2``.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ The recipes (`RECIPES`), each applied per site by `recipe_kwargs`, or after the 
 
 - ``"default"``: each layer's own init: DyT's and Derf's alpha0 = 0.5, DyISRU's and ELN's beta0 = 4 = 1 / 0.5**2.
 - ``"dyt_paper"``: the DyT paper's alpha0 by width and by site (below). For DyISRU and ELN it sets
-  beta0 = 1 / alpha0**2, the slope-matching map of the DyISRU paper (Stollenwerk, arXiv 2503.21708, Fig. 2):
+  ``beta0 = 1 / alpha0**2``, the slope-matching map of the DyISRU paper (Stollenwerk, arXiv 2503.21708, Fig. 2):
   both then have the slope sqrt(C) * alpha0 at x = 0.
 - ``"derf_paper"``: Derf's published init (Chen et al., "Stronger Normalization-Free Transformers",
   arXiv 2512.10938): alpha0 = 0.5 and shift0 = 0.
