@@ -128,3 +128,27 @@ def test_sizes_that_exhaust_memory_are_refused_up_front(tmp_path, capsys, argv, 
     err = capsys.readouterr().err
     assert "GiB" in err and "more than this machine's" in err, err
     assert not (tmp_path / "runs").exists()
+
+
+def test_replace_text_keeps_the_old_file_when_a_write_fails(tmp_path, monkeypatch):
+    """issue 85: a study cell's result.json, a conversion's report: written beside and moved into place, so a write
+    that fails part-way (a full disk, a kill) leaves the previous file whole and no partial one."""
+    from pathlib import Path
+
+    from normlab.owner import replace_text
+
+    target = tmp_path / "result.json"
+    target.write_text('{"old": true}\n')
+    real = Path.write_text
+
+    def half_then_full(self, text, *a, **k):
+        real(self, text[: len(text) // 2])
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", half_then_full)
+    with pytest.raises(OSError, match="No space left"):
+        replace_text(target, '{"new": true, "padding": "' + "x" * 100 + '"}\n')
+    monkeypatch.setattr(Path, "write_text", real)
+    assert target.read_text() == '{"old": true}\n' and sorted(p.name for p in tmp_path.iterdir()) == ["result.json"]
+    replace_text(target, "{}\n")
+    assert target.read_text() == "{}\n"

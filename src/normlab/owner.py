@@ -16,7 +16,16 @@ from pathlib import Path
 
 from normlab.errors import NormlabError
 
-__all__ = ["Locked", "hold", "take_lock", "check_folder", "check_writable", "inside", "path_segment_error"]
+__all__ = [
+    "Locked",
+    "hold",
+    "take_lock",
+    "check_folder",
+    "check_writable",
+    "inside",
+    "path_segment_error",
+    "replace_text",
+]
 
 
 class Locked(NormlabError):
@@ -74,6 +83,24 @@ def hold(target: str | Path, what: str, wait: bool = False):
     finally:
         if fd >= 0:
             os.close(fd)  # closing the descriptor releases the lock
+
+
+def replace_text(path: str | Path, text: str) -> None:
+    """Write ``text`` to ``path`` beside it first, then move it into place: a kill or a full disk part-way leaves the
+    previous file whole (or none), never a truncated one. The partial file is removed on an error.
+
+    Args:
+        path: The file to write.
+        text: Its new content.
+    """
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def check_writable(path: str | Path, what: str) -> None:

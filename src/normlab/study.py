@@ -45,7 +45,7 @@ from importlib import resources
 from pathlib import Path
 
 from normlab.conversion.config import ConvertConfig, resolve_convert_config
-from normlab.owner import Locked, check_folder, hold, path_segment_error
+from normlab.owner import Locked, check_folder, hold, path_segment_error, replace_text
 from normlab.typed import check_table
 from normlab.version import code_version
 
@@ -193,13 +193,13 @@ def _run_cell(name: str, cfg: ConvertConfig, folder: Path, progress: bool) -> di
 
     folder.mkdir(parents=True, exist_ok=True)
     cfg = _as_run(cfg, folder)
-    (folder / CONFIG).write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+    replace_text(folder / CONFIG, json.dumps(cfg.to_dict(), indent=2) + "\n")
     resume = cfg.heal.budgeted and (folder / "heal.pt").exists()  # a heal killed part-way goes on from there
     version = code_version()  # the code as the cell starts: a commit made while it runs is not the code that ran
     fid = convert_model(dataclasses.replace(cfg, heal=dataclasses.replace(cfg.heal, resume=resume)), progress=progress)
     result = {"cell": name, "config_sha": _fingerprint(cfg), "status": "done", "metrics": cell_metrics(fid),
               "fidelity": fid, "machine": machine(), **version}  # fmt: skip
-    (folder / RESULT).write_text(json.dumps(result, indent=2) + "\n")
+    replace_text(folder / RESULT, json.dumps(result, indent=2) + "\n")  # a kill mid-write leaves no half result
     (folder / "heal.pt").unlink(missing_ok=True)  # served its purpose
     return result
 
@@ -273,7 +273,7 @@ def run_study(
             if ran and table is not None:
                 _append_row(table, study.name, results[name])
     verdicts = check_results(study, results)
-    (home / "checks.json").write_text(json.dumps(verdicts, indent=2) + "\n")
+    replace_text(home / "checks.json", json.dumps(verdicts, indent=2) + "\n")
     for v in verdicts:
         print(f"{'PASS' if v['passed'] else 'FAIL' if v['passed'] is False else 'n/a '}  {v['text']}")
     return results

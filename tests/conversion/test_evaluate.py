@@ -67,3 +67,54 @@ def test_evaluate_judges_a_converted_folder_against_its_original(tmp_path, capsy
         err = capsys.readouterr().err
         assert "is a normlab conversion" in err and f"converted from ({src.resolve()})" in err, err
     assert (out / "evaluation.json").read_bytes() == before  # nothing judged, nothing overwritten
+
+
+def test_a_masked_lm_is_refused_before_the_judgement(tmp_path, capsys):
+    """issue 85: `normlab evaluate` on a converted masked LM died with a raw traceback at generate()."""
+    import torch
+    import transformers
+
+    cfg = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                  intermediate_size=64, max_position_embeddings=128)  # fmt: skip
+    torch.manual_seed(0)
+    transformers.BertForMaskedLM(cfg).save_pretrained(tmp_path / "bert")
+    tiny_tokenizer().save_pretrained(tmp_path / "bert")
+    (tmp_path / "t.txt").write_text(TEXT * 4)
+    argv = ["convert", "--model", str(tmp_path / "bert"), "--to", "dyisru", "--calibrate", str(tmp_path / "t.txt"),
+            "--seq-len", "16", "--sequences", "4", "--no-progress", "--out", str(tmp_path / "conv")]  # fmt: skip
+    assert main(argv) == 0
+    capsys.readouterr()
+    assert main(["evaluate", str(tmp_path / "conv")]) == 2
+    err = capsys.readouterr().err
+    assert "holds a BertForMaskedLM, which does not predict the next token" in err and "Traceback" not in err
+    assert not (tmp_path / "conv" / "evaluation.json").exists()
+
+
+def test_a_read_only_folder_is_refused_before_minutes_of_judging(tmp_path, capsys):
+    """issue 85: `normlab evaluate` on a read-only folder judged for minutes, then failed raw writing its report.
+    Here the folder sits on a tmpfs remounted read-only: refused at once, naming the report, nothing loaded."""
+    import shutil
+    import subprocess
+
+    src = tmp_path / "llama"
+    tiny_lm(seed=4).save_pretrained(src)
+    tiny_tokenizer().save_pretrained(src)
+    (tmp_path / "text.txt").write_text(TEXT * 4)
+    built = tmp_path / "o"
+    argv = ["convert", "--model", str(src), "--calibrate", str(tmp_path / "text.txt"), "--seq-len", "16",
+            "--sequences", "4", "--eval-text", "none", "--no-progress", "--out", str(built)]  # fmt: skip
+    assert main(argv) == 0
+    mount = tmp_path / "ro"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        shutil.copytree(built, mount / "o")
+        subprocess.run(["mount", "-o", "remount,ro", str(mount)], check=True)
+        capsys.readouterr()
+        assert main(["evaluate", str(mount / "o"), "--original", str(src)]) == 2
+        said = capsys.readouterr()
+        assert f"the report {mount / 'o' / 'evaluation.json'}" in said.err and "not writable" in said.err, said.err
+        assert "load the converted model" not in said.err and "Traceback" not in said.err
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)

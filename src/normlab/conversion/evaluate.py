@@ -6,7 +6,6 @@ original it was made from, on the texts its conversion measured. The result is p
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from torch import nn
@@ -20,7 +19,7 @@ from normlab.conversion.stages import Stages
 from normlab.conversion.workflow import CONFIG_FILE, model_fingerprint
 from normlab.corpus import DOCS, fetch_docs, fetch_shakespeare, sha256_file
 from normlab.errors import NormlabError
-from normlab.owner import check_writable, hold
+from normlab.owner import check_writable, hold, replace_text
 
 __all__ = ["EVALUATION_FILE", "evaluate_folder", "original_of", "provenance"]
 
@@ -123,12 +122,9 @@ def evaluate_folder(
             )
         print(usage_lines(report, markdown))
         report["original"] = provenance(path, source)
-        tmp = folder / f".{EVALUATION_FILE}.partial"
         try:  # beside, then into place: a failed write leaves the previous report as it was
-            tmp.write_text(json.dumps(report, indent=2) + "\n")
-            os.replace(tmp, folder / EVALUATION_FILE)
+            replace_text(folder / EVALUATION_FILE, json.dumps(report, indent=2) + "\n")
         except OSError as e:
-            tmp.unlink(missing_ok=True)
             raise NormlabError(
                 f"the report {folder / EVALUATION_FILE} could not be written ({e.strerror or e}); the judgement is "
                 "printed above"
