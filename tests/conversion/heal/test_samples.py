@@ -391,3 +391,17 @@ def test_a_walk_then_a_heal_keeps_the_walks_record_beside_the_heals(models, tmp_
     fid = json.loads((out / "fidelity.json").read_text())
     assert fid["budget_walk"]["budget_nats"] == 0.5 and fid["budget_walk"]["converted"] == len(fid["sites"])
     assert fid["heal"]["tokens"] >= 256 and "ce_converted" in fid["before_heal"]
+
+
+def test_a_cached_set_from_another_vocabulary_is_named_and_drawn_again(model, tmp_path, capsys):
+    """issue 85: a held-over cache whose ids lie outside the model's vocabulary failed later as "calibration batch
+    0 could not be run", after the measurement, naming no file. It is now named and drawn again at once."""
+    a = _samples(model, tmp_path)
+    (cached,) = tmp_path.glob("samples-*.pt")
+    saved = torch.load(cached, weights_only=True)
+    vocab = model.get_input_embeddings().num_embeddings
+    torch.save({**saved, "tokens": saved["tokens"] + vocab}, cached)  # the same identity, ids past the vocabulary
+    capsys.readouterr()
+    assert torch.equal(a, _samples(model, tmp_path))
+    err = capsys.readouterr().err
+    assert f"the cached samples {cached} hold ids outside the model's vocabulary of {vocab}" in err, err

@@ -20,6 +20,7 @@ import contextlib
 import hashlib
 import json
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -354,7 +355,14 @@ def self_samples(
             try:
                 saved = torch.load(path, map_location="cpu", weights_only=True)
                 if saved.get("identity") == ident and tuple(saved["tokens"].shape) == (n, seq_len):
-                    return saved["tokens"]
+                    tokens, vocab = saved["tokens"], model.get_input_embeddings().num_embeddings
+                    if tokens.numel() == 0 or (int(tokens.min()) >= 0 and int(tokens.max()) < vocab):
+                        return tokens  # else held over from another vocabulary: said, with the file, and drawn again
+                    print(
+                        f"the cached samples {path} hold ids outside the model's vocabulary of {vocab}: drawing "
+                        "them again",
+                        file=sys.stderr,
+                    )
             except Exception:  # noqa: BLE001  (a damaged cache is drawn again)
                 pass
         t0 = time.perf_counter()
