@@ -19,10 +19,8 @@ rows; under ``TRITON_INTERPRET=1`` on a CPU the same code runs (slowly), which t
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -36,12 +34,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 import normlab  # noqa: E402
+from bench_kernels import cpu_name  # noqa: E402  (scripts/ is on the path when a script runs)
 from normlab.conversion.batches import swap  # noqa: E402
 from normlab.kernels.paths import fused_ops  # noqa: E402
+from normlab.table import append_csv  # noqa: E402
 
 OUT = ROOT / "bench" / "own_model.csv"
-FIELDS = ["date", "commit", "device", "cpu", "threads", "torch", "layers", "width", "seq", "batch", "mode", "norm",
-          "median_ms", "ratio_to_rmsnorm", "fused_path", "steps", "command"]  # fmt: skip
 
 
 def llama(args, seed: int = 0):
@@ -174,27 +172,13 @@ def main() -> int:
             print(f"{mode:7s} {name:28s} {med * 1e3:8.1f} ms  {med / anchor:6.3f}x  fused: {v['fused']}")
         steps.clear()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
-    cpu_name = platform.processor()
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-        name = next(ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("model name"))
-        isa = "AVX-512" if " avx512f" in text else "AVX2" if " avx2" in text else "no AVX2"
-        cpu_name = f"{name}, {isa}"
-    except (OSError, StopIteration):
-        pass
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     stamp = {"date": datetime.date.today().isoformat(), "commit": commit.stdout.strip(), "device": device,
-             "cpu": cpu_name, "threads": torch.get_num_threads(), "torch": torch.__version__, "layers": args.layers,
+             "cpu": cpu_name(), "threads": torch.get_num_threads(), "torch": torch.__version__, "layers": args.layers,
              "width": args.width, "seq": args.seq, "batch": args.batch,
              "command": "python " + " ".join([os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]])}  # fmt: skip
     if not args.no_record:
-        new = not OUT.exists()
-        with OUT.open("a", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=FIELDS)
-            if new:
-                w.writeheader()
-            for row in rows:
-                w.writerow({**stamp, **row})
+        append_csv(OUT, rows, stamp)
         print(f"{len(rows)} rows appended to {OUT.relative_to(ROOT)}")
     return 0
 
