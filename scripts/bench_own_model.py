@@ -174,8 +174,8 @@ def main() -> int:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     stamp = {"date": datetime.date.today().isoformat(), "commit": commit.stdout.strip(), "device": device,
-             "cpu": cpu_name(), "threads": torch.get_num_threads(), "torch": torch.__version__, "layers": args.layers,
-             "width": args.width, "seq": args.seq, "batch": args.batch,
+             "machine": cpu_name(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+             "layers": args.layers, "width": args.width, "seq": args.seq, "batch": args.batch,
              "command": "python " + " ".join([os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]])}  # fmt: skip
     if not args.no_record:
         append_csv(OUT, rows, stamp)

@@ -31,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "bench" / "torch_versions.csv"
 TESTS = ["tests/kernels", "tests/test_norms.py", "tests/test_swap.py"]
-FIELDS = ["date", "commit", "torch", "python", "cpu", "std", "built", "build_s", "fused_norms", "reference_norms",
+FIELDS = ["date", "commit", "torch", "python", "machine", "std", "built", "build_s", "fused_norms", "reference_norms",
           "passed", "failed", "skipped", "errors", "test_s", "command"]  # fmt: skip
 
 
@@ -99,7 +99,7 @@ def main() -> int:
     row = {
         "date": datetime.date.today().isoformat(), "commit": commit.stdout.strip(), "torch": torch_version,
         "python": run([str(py), "-c", "import platform; print(platform.python_version())"]).stdout.strip(),
-        "cpu": cpu_name(), "std": std.group(1) if std else "", "built": build.returncode == 0,
+        "machine": cpu_name(), "std": std.group(1) if std else "", "built": build.returncode == 0,
         "build_s": round(build_s, 1), "fused_norms": " ".join(fused), "reference_norms": " ".join(reference),
         "passed": counts.get("passed", 0), "failed": counts.get("failed", 0), "skipped": counts.get("skipped", 0),
         "errors": counts.get("errors", counts.get("error", 0)), "test_s": round(test_s, 1),
