@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from normlab.conversion.batches import swap
-from normlab.conversion.convert import KNOWN_NORMS, find_norms, source_dim, source_eps
+from normlab.conversion.convert import KNOWN_NORMS, find_norms, fresh_like, source_dim, source_eps
 from normlab.conversion.record import ConversionRecord, Site
 from normlab.recipes import MATCH_RMS_CAVEAT, RECIPES, ROLES, match_rms_, recipe_kwargs, site_role
 from normlab.registry import norm_spec
@@ -180,19 +180,10 @@ def replace_norms(
         clash = sorted(set(kw) & set(kwargs))
         if clash:
             raise ValueError(f"replace_norms: {clash[0]} is set by init {base!r} and by a keyword: give it once")
-        kw = {**kw, **kwargs}
-        if getattr(old, "data_format", None) == "channels_first":  # ConvNeXt's (N, C, H, W) norms
-            kw["channel_dim"] = 1
-        if "eps" in spec.init_kwargs and "eps" not in kw:
-            kw["eps"] = eps  # the source's eps, where the target has one
         try:
-            new = spec.create(dim, **kw)
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"replace_norms: site {name}: {e}") from None
-        ref = next(iter(old.parameters()), None)
-        if ref is not None:
-            new = new.to(device=ref.device, dtype=ref.dtype)
-        new.train(old.training)
+            new, kw = fresh_like(name, old, spec, {**kw, **kwargs}, catch=(TypeError, ValueError))
+        except ValueError as e:
+            raise ValueError(f"replace_norms: {e}") from None
         notes = [f"role {role or '-'}"] + ([] if base == "default" and not kwargs else [note])
         built.append((name, new, Site(name, type(old).__name__, kind, dim, eps, kw, notes=notes)))
 

@@ -40,7 +40,7 @@ from normlab.conversion.record import ConversionRecord, Site
 from normlab.registry import NormSpec, calibratable_norms, norm_spec
 from normlab.typed import check_types
 
-__all__ = ["KNOWN_NORMS", "ConversionRecord", "convert_norms", "find_norms", "source_dim", "source_eps",
+__all__ = ["KNOWN_NORMS", "ConversionRecord", "convert_norms", "find_norms", "fresh_like", "source_dim", "source_eps",
            "apply_record", "fidelity", "save_converted", "load_converted", "CALIBRATABLE",
            "resolve_options"]  # fmt: skip
 
@@ -156,17 +156,39 @@ def _site_kwargs(name: str, init: dict, site_init: dict) -> dict:
     return kw
 
 
-def _build(name: str, m: nn.Module, kind: str, spec: NormSpec, kwargs: dict) -> tuple[nn.Module, Site]:
-    dim, eps = source_dim(m), source_eps(m)
+def fresh_like(
+    name: str, m: nn.Module, spec: NormSpec, kwargs: dict, catch: tuple[type, ...] = (TypeError,)
+) -> tuple[nn.Module, dict]:
+    """A new ``spec`` layer in the place of the norm ``m``: its channels, its channel axis (ConvNeXt's channels_first),
+    its eps where the target has one, its device, dtype and train/eval mode. Returns the layer and the keywords it
+    was built with; an error of a kind in ``catch`` from building it is a ValueError naming the site.
+
+    Args:
+        name: The site's name, for errors.
+        m: The norm replaced.
+        spec: The target's registry entry.
+        kwargs: The target's keywords.
+        catch: The errors of building it that become a ValueError naming the site.
+    """
     if getattr(m, "data_format", None) == "channels_first":  # ConvNeXt's (N, C, H, W) norms
         kwargs = {**kwargs, "channel_dim": 1}
     if "eps" in spec.init_kwargs and "eps" not in kwargs:
-        kwargs = {**kwargs, "eps": eps}  # keep the source's eps where the target has one
+        kwargs = {**kwargs, "eps": source_eps(m)}  # keep the source's eps where the target has one
     try:
-        new = spec.create(dim, **kwargs)
-    except TypeError as e:  # an init argument the target does not take: say which site asked for it
+        new = spec.create(source_dim(m), **kwargs)
+    except catch as e:  # an init argument the target does not take: say which site asked for it
         raise ValueError(f"site {name}: {e}") from None
-    site = Site(name, type(m).__name__, kind, dim, eps, kwargs)
+    w = getattr(m, "weight", None)
+    ref = w if w is not None else next(iter(m.parameters()), None)
+    if ref is not None:
+        new = new.to(device=ref.device, dtype=ref.dtype)
+    new.train(m.training)
+    return new, kwargs
+
+
+def _build(name: str, m: nn.Module, kind: str, spec: NormSpec, kwargs: dict) -> tuple[nn.Module, Site]:
+    new, kwargs = fresh_like(name, m, spec, kwargs)
+    site = Site(name, type(m).__name__, kind, source_dim(m), source_eps(m), kwargs)
     w = getattr(m, "weight", None)
     b = getattr(m, "bias", None)
     with torch.no_grad():
@@ -187,10 +209,6 @@ def _build(name: str, m: nn.Module, kind: str, spec: NormSpec, kwargs: dict) -> 
             "its running mean square is the placeholder 1.0 until primed: normlab.modules.prime_running_stats(model, "
             "batch), or a forward in training mode"
         )
-    ref = w if w is not None else next(iter(m.parameters()), None)
-    if ref is not None:
-        new = new.to(device=ref.device, dtype=ref.dtype)
-    new.train(m.training)
     return new, site
 
 
