@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import socket
 import sys
 from pathlib import Path
@@ -25,6 +26,9 @@ __all__ = [
     "inside",
     "path_segment_error",
     "replace_text",
+    "beside",
+    "swap_in",
+    "restore_swapped",
 ]
 
 
@@ -101,6 +105,56 @@ def replace_text(path: str | Path, text: str) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def beside(folder: str | Path, role: str) -> Path:
+    """The hidden path beside ``folder`` where a save keeps its ``role`` ("partial": the folder being written;
+    "replaced": the one it replaces, between `swap_in`'s two renames): ``.NAME.ROLE``.
+
+    Args:
+        folder: The output folder.
+        role: "partial" or "replaced".
+    """
+    folder = Path(folder)
+    return folder.parent / f".{folder.name}.{role}"
+
+
+def swap_in(partial: str | Path, out: str | Path) -> None:
+    """Move the finished folder ``partial`` to ``out`` in two renames, the folder there before waiting at
+    ``beside(out, "replaced")`` between them: a kill at any point leaves one whole folder that `restore_swapped`
+    puts back, never a mix of the two.
+
+    Args:
+        partial: The folder written beside ``out``.
+        out: Where it goes.
+    """
+    out, replaced = Path(out), beside(out, "replaced")
+    if out.exists():
+        os.replace(out, replaced)
+    os.replace(partial, out)
+    shutil.rmtree(replaced, ignore_errors=True)
+
+
+def restore_swapped(out: str | Path) -> str | None:
+    """Undo what a save killed part-way left beside ``out``, under the lock of ``out`` (`hold`): a folder killed
+    between `swap_in`'s renames goes back to ``out``; a partial folder, or a replaced one whose successor is in
+    place, is removed. Returns what was done, in a sentence, or None when there was nothing to do.
+
+    Args:
+        out: The output folder.
+    """
+    out, partial, replaced = Path(out), beside(out, "partial"), beside(out, "replaced")
+    said = []
+    if replaced.exists() and not out.exists():
+        os.replace(replaced, out)
+        said.append(f"restored {out} from {replaced.name}, where a save killed part-way had left it")
+    elif replaced.exists():
+        shutil.rmtree(replaced)
+        said.append(f"removed {replaced.name}, left by a save killed after its new output was in place")
+    if partial.exists():
+        shutil.rmtree(partial)
+        said.append(f"removed {partial.name}, a partial output that a killed save left")
+    return "; ".join(said) or None
 
 
 def check_writable(path: str | Path, what: str) -> None:

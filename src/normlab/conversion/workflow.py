@@ -49,7 +49,7 @@ from normlab.conversion.stages import Stages
 from normlab.conversion.texts import ConversionTexts, conversion_texts
 from normlab.corpus import fetch_shakespeare, sha256_file
 from normlab.errors import NormlabError
-from normlab.owner import hold
+from normlab.owner import beside, hold, restore_swapped, swap_in
 
 __all__ = ["convert_model", "check_out", "CONFIG_FILE", "model_fingerprint"]
 
@@ -144,6 +144,8 @@ def convert_model(cfg: ConvertConfig, *, progress: bool = True, markdown: bool =
     with contextlib.ExitStack() as owned:
         if cfg.out:
             owned.enter_context(hold(cfg.out, "--out"))
+            if said := restore_swapped(cfg.out):  # a save killed part-way: its folder back before the checks
+                print(f"--out: {said}", file=sys.stderr)
             check_out(cfg.out, model_path, cfg.overwrite)  # again, now that it is ours: another process may have ended
         if ckpt:
             owned.enter_context(hold(ckpt, "--checkpoint"))
@@ -432,19 +434,13 @@ def _heal(job: _Job, original, net, splits, record):
     return rep
 
 
-PARTIAL, REPLACED = ".{}.partial", ".{}.replaced"  # beside --out: the folder being written, the one it replaces
-
-
 def _save(job: _Job, net, record, tokenizer, fid: dict, rep) -> None:
-    """Write the conversion into a folder beside ``--out`` and move it into place: a failure at any point (a full
-    disk, a kill) leaves the previous output as it was, and the partial folder is cleared by the next run (this
-    process owns ``--out`` and so these names)."""
+    """Write the conversion into a folder beside ``--out`` and move it into place (`normlab.owner.swap_in`): a
+    failure at any point (a full disk, a kill) leaves the previous output as it was, and what a kill left beside it
+    is put right by the next run (`restore_swapped`; this process owns ``--out`` and so these names)."""
     cfg, identity = job.cfg, job.identity()
     out = Path(cfg.out)
-    partial, replaced = (out.parent / name.format(out.name) for name in (PARTIAL, REPLACED))
-    for stale in (partial, replaced):  # left by a run killed while it saved
-        if stale.exists():
-            shutil.rmtree(stale)
+    partial = beside(out, "partial")
     check_out_space(cfg.out, net)
     try:
         save_converted(net, record, partial, tokenizer=tokenizer, identity=identity)
@@ -459,10 +455,7 @@ def _save(job: _Job, net, record, tokenizer, fid: dict, rep) -> None:
             f"--out {out}: writing the conversion failed ({type(e).__name__}: {str(e)[:300]}); {kept}. The "
             "judgement above is in this output; free some space or fix the folder, then convert again"
         ) from e
-    if out.exists():
-        os.replace(out, replaced)  # an old normlab output (check_out made sure), out of the way in one rename
-    os.replace(partial, out)
-    shutil.rmtree(replaced, ignore_errors=True)
+    swap_in(partial, out)
     how = json.loads((out / RECORD_FILE).read_text())["portable"]  # without normlab too, where an Auto class can
     auto = f"{how['auto_classes'][0]}.from_pretrained(..., trust_remote_code=True) or " if how["auto_classes"] else ""
     print(f"saved to {cfg.out} (load with {auto}normlab.load_converted; its config is {CONFIG_FILE})")
