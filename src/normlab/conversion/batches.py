@@ -52,17 +52,20 @@ def as_batches(calibrate: object) -> Iterable:
     return calibrate
 
 
-def run_batch(model: nn.Module, batch: Batch, i: int = 0, *, no_cache: bool = False):
-    """Run batch ``i``: a dict of model kwargs, an input tensor, or an (inputs, ...) tuple from a dataloader.
+def run_batch(model: nn.Module, batch: Batch, i: int = 0, *, no_cache: bool = False, stage: str = "calibration"):
+    """Run batch ``i`` of ``stage``: a dict of model kwargs, an input tensor, or an (inputs, ...) tuple from a
+    dataloader.
 
     ``no_cache`` asks a Hugging Face model not to build a KV cache (``use_cache=False``); a model without that
-    argument is called without it. ``Stop`` passes through; any other failure is a ValueError naming the batch.
+    argument is called without it. ``Stop`` passes through; any other failure is a ValueError naming the stage and
+    the batch.
 
     Args:
         model: The model.
         batch: A dict of model kwargs, an input tensor, or an (inputs, ...) tuple.
         i: The batch's index, named in errors.
         no_cache: Ask for no KV cache.
+        stage: What the batch is for, as the error names it: "calibration", "held-out" (a measurement), "heal".
     """
     if isinstance(batch, (list, tuple)) and batch and isinstance(batch[0], torch.Tensor):
         batch = batch[0]
@@ -73,7 +76,7 @@ def run_batch(model: nn.Module, batch: Batch, i: int = 0, *, no_cache: bool = Fa
         args, kwargs = (batch.to(device) if device else batch,), {}
     else:
         raise TypeError(
-            f"calibrate: batch {i} is a {type(batch).__name__}; expected a tensor, a dict of model "
+            f"{stage}: batch {i} is a {type(batch).__name__}; expected a tensor, a dict of model "
             "kwargs, or an (inputs, ...) tuple"
         )
     try:
@@ -88,7 +91,7 @@ def run_batch(model: nn.Module, batch: Batch, i: int = 0, *, no_cache: bool = Fa
         raise
     except Exception as e:  # noqa: BLE001
         why = _outside_vocabulary(model, batch) or f"{type(e).__name__}: {e}"
-        raise ValueError(f"calibration batch {i} could not be run through the model: {why}") from e
+        raise ValueError(f"{stage} batch {i} could not be run through the model: {why}") from e
 
 
 def _outside_vocabulary(model: nn.Module, batch: Batch) -> str | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 
 import pytest
+import torch
 
 import normlab
 from conftest import id_batches, tiny_lm
@@ -84,3 +85,18 @@ def test_reference_kl_reads_0_on_its_reference_then_the_kl_to_it_by_hand():
         full(model, batches[:1])
     with pytest.raises(ValueError, match="k must be an int >= 1"):
         fid_mod.ReferenceKL(k=0)
+
+
+def test_a_batch_that_fails_is_named_by_its_stage():
+    """issue 85: a held-out batch (or a heal's) that the model could not run was reported as "calibration batch 0",
+    whatever the stage. Each error now names the stage that ran it and the batch, with the cause."""
+    from conftest import token_stream
+
+    original = tiny_lm(initializer_range=0.5)
+    model = copy.deepcopy(original)
+    rec = normlab.convert_norms(model, "dyt", calibrate=id_batches(1, seed=3))
+    bad = [*id_batches(1, seed=4), torch.full((2, 8), 100)]  # batch 1: ids past the vocabulary of 100
+    with pytest.raises(ValueError, match=r"held-out batch 1 could not be run.*vocabulary"):
+        normlab.fidelity(original, model, bad, rec)
+    with pytest.raises(ValueError, match=r"heal \(the original, as teacher\) batch 0 could not be run.*vocabulary"):
+        normlab.heal(original, model, token_stream(), rec, tokens=64, val=[torch.full((2, 8), 100)], progress=False)

@@ -43,7 +43,7 @@ def _block_calls(model: nn.Module, blocks: nn.ModuleList, ids: torch.Tensor) -> 
     handles = [b.register_forward_pre_hook(pre(k), with_kwargs=True) for k, b in enumerate(blocks)]
     try:
         with torch.no_grad():
-            run_batch(model, ids, no_cache=True)
+            run_batch(model, ids, no_cache=True, stage="heal")
     finally:
         for h in handles:
             h.remove()
@@ -61,7 +61,7 @@ def _embed(model: nn.Module, blocks: nn.ModuleList, ids: torch.Tensor) -> torch.
     h = blocks[0].register_forward_pre_hook(hook, with_kwargs=True)
     try:
         with torch.no_grad():
-            run_batch(model, ids, no_cache=True)
+            run_batch(model, ids, no_cache=True, stage="heal")
     except Stop:
         pass
     finally:

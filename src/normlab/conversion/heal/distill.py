@@ -309,7 +309,7 @@ def _own_weights(converted: nn.Module, original: nn.Module) -> None:
 def _check_logits(original: nn.Module, stream) -> None:
     """Refuse, before any training, a model that gives no logits where the objective or the validation needs them."""
     with torch.no_grad():
-        out = run_batch(original, stream.chunks[:1], no_cache=True)
+        out = run_batch(original, stream.chunks[:1], no_cache=True, stage="heal stream")
     if not hasattr(out, "logits"):
         raise ValueError(
             f"heal: {type(original).__name__} gives no logits, so there is nothing to distill and no "
@@ -327,8 +327,12 @@ def distill_loss(original: nn.Module, converted: nn.Module, ids: torch.Tensor) -
         ids: Token ids, (B, T).
     """
     with torch.no_grad():
-        target = run_batch(original, ids, no_cache=True).logits.float().log_softmax(-1)
-    logp = run_batch(converted, ids, no_cache=True).logits.float().log_softmax(-1)
+        target = (
+            run_batch(original, ids, no_cache=True, stage="heal (the original, as teacher)")
+            .logits.float()
+            .log_softmax(-1)
+        )
+    logp = run_batch(converted, ids, no_cache=True, stage="heal").logits.float().log_softmax(-1)
     return nn.functional.kl_div(logp.flatten(0, -2), target.flatten(0, -2), log_target=True, reduction="batchmean")
 
 

@@ -223,7 +223,9 @@ class Validation:
         self.batches = [p for b in whole for p in row_chunks(b, logit_rows(original, b))]
         with torch.no_grad():
             self.targets = [
-                run_batch(original, b, i, no_cache=True).logits.float().log_softmax(-1)
+                run_batch(original, b, i, no_cache=True, stage="heal (the original, as teacher)")
+                .logits.float()
+                .log_softmax(-1)
                 for i, b in enumerate(self.batches)
             ]
         self.params = params
@@ -236,7 +238,7 @@ class Validation:
         n_ce = n_kl = 0
         with torch.no_grad():
             for i, (ids, target) in enumerate(zip(self.batches, self.targets)):
-                logp = run_batch(self.converted, ids, i, no_cache=True).logits.float().log_softmax(-1)
+                logp = run_batch(self.converted, ids, i, no_cache=True, stage="heal").logits.float().log_softmax(-1)
                 ce -= float(logp[:, :-1].gather(-1, ids[:, 1:, None].to(logp.device)).sum())
                 n_ce += ids[:, 1:].numel()
                 kl += float((target.exp() * (target - logp)).sum())

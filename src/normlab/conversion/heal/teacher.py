@@ -37,7 +37,11 @@ def teacher_top_k(original: nn.Module, ids: torch.Tensor, k: int) -> tuple[torch
         k: How many log-probabilities per position.
     """
     with torch.no_grad():
-        logp = run_batch(original, ids, no_cache=True).logits.float().log_softmax(-1)
+        logp = (
+            run_batch(original, ids, no_cache=True, stage="heal (the original, as teacher)")
+            .logits.float()
+            .log_softmax(-1)
+        )
     return logp.topk(min(k, logp.shape[-1]), dim=-1)
 
 
@@ -102,5 +106,5 @@ class TeacherCache:
     def loss(self, converted: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         """KL_k(original || converted) on ``ids``, the original's side read from the cache (or computed once)."""
         values, index = self.targets(ids)
-        logq = run_batch(converted, ids, no_cache=True).logits.float().log_softmax(-1)
+        logq = run_batch(converted, ids, no_cache=True, stage="heal").logits.float().log_softmax(-1)
         return top_k_kl(logq, values, index)

@@ -84,8 +84,8 @@ def fidelity(
     try:  # a batch a few rows at a time where a large vocabulary's logits would not fit (`logit_rows`)
         parts = ((i, p) for i, w in enumerate(as_batches(inputs)) for p in row_chunks(w, logit_rows(original, w)))
         for i, batch in parts:
-            a, is_lm = _logits(run_batch(original, batch, i), lm)
-            b, _ = _logits(run_batch(converted, batch, i), lm)
+            a, is_lm = _logits(run_batch(original, batch, i, stage="held-out"), lm)
+            b, _ = _logits(run_batch(converted, batch, i, stage="held-out"), lm)
             ids = _token_ids(batch) if next_token else None
             if tally is not None and is_lm and ids is not None and ids.shape == a.shape[:-1] and ids.dim() == 2:
                 for row in range(len(ids)):
@@ -176,7 +176,7 @@ def cross_entropy(model: nn.Module, batches: Iterable[torch.Tensor]) -> float:
     model.eval()
     try:
         for i, batch in enumerate(as_batches(batches)):
-            out = run_batch(model, batch, i, no_cache=True)
+            out = run_batch(model, batch, i, no_cache=True, stage="held-out")
             ids = _token_ids(batch)
             if ids is None or not hasattr(out, "logits"):
                 raise ValueError("cross_entropy needs batches of token ids and a model whose output has .logits")
@@ -222,7 +222,7 @@ class ReferenceKL:
         model.eval()
         try:
             for i, batch in enumerate(batches):
-                out = run_batch(model, batch, i, no_cache=True)
+                out = run_batch(model, batch, i, no_cache=True, stage="held-out")
                 if not hasattr(out, "logits"):
                     raise ValueError("ReferenceKL needs a model whose output has .logits")
                 mask = batch.get("attention_mask") if isinstance(batch, dict) else None
