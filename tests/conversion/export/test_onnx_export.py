@@ -16,7 +16,7 @@ import torch
 import normlab
 from conftest import id_batches, sink_batches, tiny_lm, with_sinks
 from normlab import functional as FN
-from normlab.conversion.export.onnx_export import OnnxCheck, export_onnx, export_program, hypot
+from normlab.conversion.export.onnx_export import OnnxCheck, export_onnx, export_program
 
 for _name in ("onnx", "onnxscript", "onnxruntime"):
     pytest.importorskip(_name, reason="the onnx extra is absent: pip install 'normlab[onnx]'")
@@ -25,10 +25,21 @@ transformers = pytest.importorskip("transformers")
 EDGES = [0.0, -0.0, 1e-45, -1e-30, 1e-3, 0.5, -2.0, 1e4, -1e19, 1e30, 3e38, -3e38, math.inf, -math.inf, math.nan]
 
 
-def test_hypot_from_onnx_operators_is_torchs_at_the_edges():
+class _Hypot(torch.nn.Module):
+    def forward(self, a, b):
+        return torch.hypot(a, b)
+
+
+def test_hypot_in_onnx_runtime_is_torchs_at_the_edges(tmp_path):
+    """ONNX has no Hypot: the export writes it from other operators (`onnx_hypot`). Every pair of edge values
+    (zeros, subnormals, huge, inf, NaN), run in ONNX Runtime, gives torch.hypot's answer."""
+    import onnxruntime as ort
+
     a = torch.tensor(EDGES).repeat_interleave(len(EDGES))
     b = torch.tensor(EDGES).repeat(len(EDGES))
-    torch.testing.assert_close(hypot(a, b), torch.hypot(a, b), rtol=2e-7, atol=0, equal_nan=True)
+    export_program(_Hypot(), (a, b), tmp_path / "h.onnx")
+    got = ort.InferenceSession(str(tmp_path / "h.onnx")).run(None, {"a": a.numpy(), "b": b.numpy()})[0]
+    torch.testing.assert_close(torch.from_numpy(got), torch.hypot(a, b), rtol=2e-7, atol=0, equal_nan=True)
 
 
 class _Formula(torch.nn.Module):
