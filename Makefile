@@ -32,8 +32,9 @@ lint: dev
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 
+# one worker per core (pytest-xdist), each test sent to the first free one; the 15 slowest are printed at the end
 test: lint
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q -n auto --dist worksteal --durations=15
 
 demo: setup
 	$(VENV)/bin/normlab reproduce

@@ -221,6 +221,7 @@ def _commands():
     return found
 
 
+@pytest.mark.slow
 def test_every_flag_a_docs_command_shows_exists():
     """Each command of a bash block, run with ``--help`` as a real process: the command exists, and every
     ``--flag`` the docs show for it is in its help."""

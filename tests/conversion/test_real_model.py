@@ -190,15 +190,28 @@ def test_converted_smollm2_loads_without_normlab(smollm2, tmp_path):
     assert seen[str(folder)]["generated"] == greedy
 
 
+def first_blocks(model, k: int):
+    """A copy of ``model`` keeping its first ``k`` decoder blocks, then its final norm and head: the real weights
+    and activations, at less depth."""
+    net = copy.deepcopy(model)
+    net.model.layers = net.model.layers[:k]
+    net.config.num_hidden_layers = k
+    return net
+
+
 def test_converted_smollm2_exports_to_onnx_with_its_cache(smollm2, tmp_path):
     """DyISRU per channel with massive-token copies, folded and exported: ONNX Runtime's logits on held-out
     Shakespeare within float32 rounding of PyTorch's (1e-5 of the largest logit), and 32 greedy tokens decoded
-    with the cache identical to generate's."""
+    with the cache identical to generate's. On SmolLM2's first 14 of 30 blocks: the massive activation forms at
+    block 12's input, so blocks 12-13 and the final norm convert, each with its massive-token copy (the branch
+    ONNX runs as an If), after 24 sites kept as RMSNorm; every block exports as the others do, and the export's
+    time grows with the blocks (the whole model took 290 s here, as long as the rest of this file)."""
     pytest.importorskip("onnxruntime", reason="the onnx extra is absent: pip install 'normlab[onnx]'")
     model, calib, held, _ = smollm2
-    conv = copy.deepcopy(model)
+    conv = first_blocks(model, 14)
     rec = normlab.convert_norms(conv, "dyisru", calibrate=calib, per="channel", progress=False)
+    assert len(rec.sites) == 5 and all(s.massive for s in rec.sites) and len(rec.skipped) == 24, rec.table()
     report = normlab.export_onnx(conv, tmp_path / "smollm2.onnx", check=normlab.OnnxCheck(held[0][:2]))
-    assert len(report.folded) == len(rec.sites) == 61 - len(rec.skipped) and report.layers == 30
+    assert len(report.folded) == len(rec.sites) and report.layers == 14
     assert report.max_logit_difference <= 1e-5 * report.logit_scale, report.summary()
     assert report.greedy_tokens == 32 and report.greedy_equal, report.summary()

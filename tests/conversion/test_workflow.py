@@ -349,6 +349,7 @@ def test_a_heal_the_machine_cannot_run_is_refused_before_the_calibration(tmp_pat
     assert rc == 2 and message in err, err
 
 
+@pytest.mark.slow
 def test_the_gpu_convert_script_runs_on_the_cpu_on_a_tiny_model(tmp_path):
     """scripts/gpu_convert.sh end to end with DEVICE=cpu: its three conversions (per channel, the budget walk, the
     self recipe's heal) and its table of stage seconds, each row read from the run's fidelity.json."""

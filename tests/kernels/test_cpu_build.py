@@ -50,6 +50,7 @@ def test_a_cxx_that_is_not_a_compiler_is_named(tmp_path, cxx):
     assert "FAILED" in out and f"CXX={cxx}" in out and "Traceback" not in out
 
 
+@pytest.mark.slow
 def test_a_library_built_here_loads_after_the_compiler_is_gone(tmp_path):
     """The cache key needs `$CXX --version`; with the compiler gone, a library this machine built for this source,
     torch and CPU is still found and loaded (it was ignored, and every norm fell back to the reference)."""
@@ -69,6 +70,7 @@ def test_a_library_built_here_loads_after_the_compiler_is_gone(tmp_path):
     assert str(cache) in cli.stdout and "Traceback" not in cli.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("isa", ["avx2", "default"])
 def test_another_instruction_set_builds_and_passes_the_kernel_checks(tmp_path, isa):
     """The kernels have one branch per instruction set (AVX-512, AVX2, ATen's portable vectors); a machine builds and
@@ -215,6 +217,7 @@ def _failing_compiler(tmp_path: Path) -> tuple[Path, Path]:
     return cxx, count
 
 
+@pytest.mark.slow
 def test_a_failed_build_is_recorded_not_retried_in_every_process(tmp_path):
     """A build that failed cost a compile in every new process (20-40 s each) and said nothing in library use. Now
     the failure is recorded per machine, torch, compiler and source: the next process warns at once with the

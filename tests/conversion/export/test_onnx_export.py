@@ -175,6 +175,7 @@ def test_an_interrupted_export_leaves_nothing_under_the_final_names_and_a_retry_
     ]
 
 
+@pytest.mark.slow
 def test_normlab_export_says_what_is_wrong_in_one_line(tmp_path):
     (tmp_path / "plain").mkdir()
     run = _cli("export", str(tmp_path / "plain"), "--onnx", str(tmp_path / "m.onnx"))

@@ -212,6 +212,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow
 def test_an_edited_folder_is_refused_naming_the_file_and_the_fix(tmp_path):
     """issue 65: an edited converted folder loaded into garbage with only transformers' UNEXPECTED/MISSING report
     (a dropped massive copy left parameters uninitialised: logits of 1e37; a site removed from normlab_sites left

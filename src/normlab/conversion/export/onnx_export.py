@@ -35,6 +35,7 @@ import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -84,7 +85,7 @@ def onnx_missing() -> str | None:
     return f"ONNX export needs {', '.join(missing)}: {_EXTRA}" if missing else None
 
 
-def onnx_hypot(a, b):
+def onnx_hypot(a: Any, b: Any) -> Any:
     """``aten.hypot`` as ONNX operators, for the exporter's translation table (ONNX has no Hypot):
     m * sqrt(1 + (n / m)^2), m = max(|a|, |b|), n = min(|a|, |b|), so that it overflows no sooner than hypot;
     hypot(inf, anything) = inf and otherwise NaN in, NaN out, as IEEE hypot. Translating the op where the exporter
