@@ -328,3 +328,23 @@ def test_an_experiment_with_no_seed_or_a_repeated_one_is_refused(corpus, tmp_pat
         load_experiment(str(exp))
     assert main(["sweep", str(exp), "--profile", "tiny", "--root", str(tmp_path / "r"), "--no-progress"]) == 2
     assert not (tmp_path / "r").exists()
+
+
+def test_a_sweep_bar_is_redrawn_while_no_run_ends():
+    """issue 86: `make demo` printed nothing past 0/98 for minutes, its runs in flight: the bar was drawn only when
+    a run ended. The heartbeat redraws it, its elapsed time moving, every so many seconds (30 in a sweep)."""
+    import io
+    import time
+
+    from tqdm import tqdm
+
+    from normlab.sweep import heartbeat
+
+    out = io.StringIO()
+    bar = tqdm(total=98, file=out, desc="sweep", unit="run")
+    with heartbeat(bar, every=0.05):
+        time.sleep(0.6)
+    frames = out.getvalue().count("sweep:")
+    bar.close()
+    assert frames >= 6, out.getvalue()  # the first frame, then one about every 0.05 s; without it, one
+    assert "0/98 [00:00" in out.getvalue()

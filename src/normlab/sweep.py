@@ -13,11 +13,13 @@ checkpoint, records an exception as ``failed`` and goes on, and shards with ``sh
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import shlex
 import sys
+import threading
 import traceback
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -32,7 +34,33 @@ from normlab.lab.runs import SUMMARY, TERMINAL, RunFolder, RunLocked, read_summa
 from normlab.profiles import PROFILES
 
 __all__ = ["PROFILES", "Experiment", "RunSpec", "Workers", "builtin_experiments", "load_experiment", "expand",
-           "run_sweep", "parse_shard", "lr_variants", "check_experiment_fields"]  # fmt: skip
+           "run_sweep", "parse_shard", "lr_variants", "check_experiment_fields", "heartbeat"]  # fmt: skip
+
+HEARTBEAT_SECONDS = 30.0  # how often a sweep's bar is redrawn while no run ends (a default run takes minutes)
+
+
+@contextlib.contextmanager
+def heartbeat(bar, every: float = HEARTBEAT_SECONDS):
+    """Redraw ``bar`` every ``every`` seconds while the block runs, so that its elapsed time moves between the
+    runs' ends: with two runs in flight for minutes, a bar redrawn only when one ends looks stuck at 0/98.
+
+    Args:
+        bar: A tqdm bar (a disabled one draws nothing).
+        every: Seconds between redraws.
+    """
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(every):
+            bar.refresh()
+
+    thread = threading.Thread(target=beat, name="sweep-heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield bar
+    finally:
+        stop.set()
+        thread.join()
 
 
 @dataclass
@@ -224,27 +252,28 @@ def run_sweep(
         if auto_choice() != "reference":
             cpu.ready(wait=True)  # the one-time build of the CPU kernels (if any) once, before the workers start
     try:
-        if jobs <= 1:
-            for spec in todo:
-                bar.set_postfix_str(f"running {names[spec.run_id]}")
-                done(*_run_one(spec))
-                if statuses[spec.run_id] == "interrupted":  # Ctrl-C / SIGTERM: the run has its checkpoint
-                    raise KeyboardInterrupt
-        elif todo:
-            import multiprocessing as mp
-
-            threads = max(1, (os.cpu_count() or 1) // jobs)
-            pool = ProcessPoolExecutor(
-                jobs, mp_context=mp.get_context("spawn"), initializer=_worker_init, initargs=(threads,)
-            )
-            try:
-                futures = [pool.submit(_run_one, spec) for spec in todo]
-                for fut in as_completed(futures):
-                    done(*fut.result())
-                    if statuses[fut.result()[0]] == "interrupted":
+        with heartbeat(bar):  # the bar moves while runs are in flight
+            if jobs <= 1:
+                for spec in todo:
+                    bar.set_postfix_str(f"running {names[spec.run_id]}")
+                    done(*_run_one(spec))
+                    if statuses[spec.run_id] == "interrupted":  # Ctrl-C / SIGTERM: the run has its checkpoint
                         raise KeyboardInterrupt
-            finally:  # on Ctrl-C too: it reaches the workers, each checkpoints its run, and none starts another
-                pool.shutdown(wait=True, cancel_futures=True)
+            elif todo:
+                import multiprocessing as mp
+
+                threads = max(1, (os.cpu_count() or 1) // jobs)
+                pool = ProcessPoolExecutor(
+                    jobs, mp_context=mp.get_context("spawn"), initializer=_worker_init, initargs=(threads,)
+                )
+                try:
+                    futures = [pool.submit(_run_one, spec) for spec in todo]
+                    for fut in as_completed(futures):
+                        done(*fut.result())
+                        if statuses[fut.result()[0]] == "interrupted":
+                            raise KeyboardInterrupt
+                finally:  # on Ctrl-C too: it reaches the workers, each checkpoints its run, and none starts another
+                    pool.shutdown(wait=True, cancel_futures=True)
     except KeyboardInterrupt:
         bar.close()
         finished = sum(1 for v in statuses.values() if v in TERMINAL)
