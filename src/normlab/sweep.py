@@ -40,7 +40,7 @@ HEARTBEAT_SECONDS = 30.0  # how often a sweep's bar is redrawn while no run ends
 
 
 @contextlib.contextmanager
-def heartbeat(bar, every: float = HEARTBEAT_SECONDS):
+def heartbeat(bar: tqdm, every: float = HEARTBEAT_SECONDS):
     """Redraw ``bar`` every ``every`` seconds while the block runs, so that its elapsed time moves between the
     runs' ends: with two runs in flight for minutes, a bar redrawn only when one ends looks stuck at 0/98.
 
