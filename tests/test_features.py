@@ -47,9 +47,9 @@ def test_a_family_is_measured_by_its_jobs_newest_rows(tmp_path):
 
 def test_the_conversion_guide_holds_the_current_family_matrix():
     pytest.importorskip("transformers")
-    page = (REPO / "docs" / "conversion.md").read_text()
+    page = (REPO / "docs" / "models.md").read_text()
     kept = FAMILY_BEGIN + page.split(FAMILY_BEGIN, 1)[1].split(FAMILY_END, 1)[0] + FAMILY_END
-    assert kept == family_markdown(), "docs/conversion.md's family matrix is stale: python -m normlab.features --write"
+    assert kept == family_markdown(), "docs/models.md's family matrix is stale: python -m normlab.features --write"
 
 
 def test_the_family_matrix_says_what_export_onnx_does():

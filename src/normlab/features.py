@@ -199,7 +199,7 @@ if __name__ == "__main__":
     docs = Path(__file__).resolve().parents[2] / "docs"
     if "--write" in sys.argv[1:]:
         write(docs / "norms.md", markdown())
-        write(docs / "conversion.md", family_markdown(), FAMILY_BEGIN, FAMILY_END)
-        print(f"wrote the feature matrix into {docs / 'norms.md'} and the family matrix into {docs / 'conversion.md'}")
+        write(docs / "models.md", family_markdown(), FAMILY_BEGIN, FAMILY_END)
+        print(f"wrote the feature matrix into {docs / 'norms.md'} and the family matrix into {docs / 'models.md'}")
     else:
         print(markdown() + "\n\n" + family_markdown())
