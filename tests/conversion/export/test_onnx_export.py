@@ -192,6 +192,23 @@ def test_normlab_export_says_what_is_wrong_in_one_line(tmp_path):
         assert run.returncode == 2 and says in run.stderr and "Traceback" not in run.stderr, run.stderr
 
 
+def test_normlab_export_refuses_a_folder_it_cannot_write(tmp_path):
+    """issue 85: an ONNX file in a folder that cannot be written (a tmpfs mounted read-only) was found only at the
+    lock, after the checks; it is refused with the checks, naming the file, before the model loads."""
+    folder = normlab.save_converted(*_case("Llama", "dyt"), tmp_path / "c")
+    mount = tmp_path / "ro"
+    mount.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,ro", "tmpfs", str(mount)], capture_output=True)
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a tmpfs here ({mounted.stderr.decode().strip()})")
+    try:
+        run = _cli("export", str(folder), "--onnx", str(mount / "m.onnx"))
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)
+    assert run.returncode == 2 and f"the ONNX file {mount / 'm.onnx'}" in run.stderr, run.stderr
+    assert "not writable" in run.stderr and "Traceback" not in run.stderr, run.stderr
+
+
 @pytest.mark.slow
 def test_a_healed_model_with_biases_folds_them_into_its_exported_copy(tmp_path):
     """A heal trains each site's bias; Llama's projections have none. The export folds it anyway (into its own

@@ -44,7 +44,7 @@ from normlab.conversion.batches import cache_kwarg
 from normlab.conversion.calibrate.massive import MassiveTokens
 from normlab.conversion.export.fold import fold
 from normlab.conversion.stages import Stages, library_noise
-from normlab.owner import hold
+from normlab.owner import check_writable, hold
 
 __all__ = [
     "MIN_OPSET",
@@ -454,6 +454,7 @@ def check_target(path: str | Path, opset: int) -> tuple[Path, int]:
         raise ValueError(f"the ONNX file's name must end in .onnx, got {str(path)!r}")
     if path.is_dir():
         raise ValueError(f"{path} is a folder; name the .onnx file to write (for example {path / 'model.onnx'})")
+    check_writable(path, "the ONNX file")  # its folder takes the partial export and the lock beside it
     return path, _check_opset(opset)
 
 
