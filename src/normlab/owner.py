@@ -108,11 +108,11 @@ def replace_text(path: str | Path, text: str) -> None:
 
 
 def beside(folder: str | Path, role: str) -> Path:
-    """The hidden path beside ``folder`` where a save keeps its ``role`` ("partial": the folder being written;
-    "replaced": the one it replaces, between `swap_in`'s two renames): ``.NAME.ROLE``.
+    """The hidden path beside ``folder`` (or a file) where a save keeps its ``role`` ("partial": what is being
+    written; "replaced": the folder it replaces, between `swap_in`'s two renames): ``.NAME.ROLE``.
 
     Args:
-        folder: The output folder.
+        folder: The output folder, or file.
         role: "partial" or "replaced".
     """
     folder = Path(folder)

@@ -44,7 +44,7 @@ from normlab.conversion.batches import cache_kwarg
 from normlab.conversion.calibrate.massive import MassiveTokens
 from normlab.conversion.export.fold import fold
 from normlab.conversion.stages import Stages, library_noise
-from normlab.owner import check_writable, hold
+from normlab.owner import beside, check_writable, hold
 
 __all__ = [
     "MIN_OPSET",
@@ -465,8 +465,7 @@ def partial_folder(path: str | Path) -> Path:
     Args:
         path: The ``.onnx`` file an export writes.
     """
-    path = Path(path)
-    return path.parent / f".{path.name}.partial"
+    return beside(path, "partial")
 
 
 def _identity(report: OnnxExport, net: nn.Module) -> dict:
