@@ -32,7 +32,8 @@ lint: dev
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 
-# one worker per core (pytest-xdist), each test sent to the first free one; the 15 slowest are printed at the end
+# one worker per core (pytest-xdist): the tests split between them, an idle worker taking from a busy one's queue;
+# the 15 slowest are printed at the end
 test: lint
 	$(PY) -m pytest -q -n auto --dist worksteal --durations=15
 
