@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -348,3 +349,20 @@ def test_a_sweep_bar_is_redrawn_while_no_run_ends():
     bar.close()
     assert frames >= 6, out.getvalue()  # the first frame, then one about every 0.05 s; without it, one
     assert "0/98 [00:00" in out.getvalue()
+
+
+def test_a_sweep_says_its_steps_and_time_left_before_its_first_run_ends(tmp_path, monkeypatch, capsys):
+    """issue 86: `make demo` showed an ETA only once its first run ended, minutes in. The heartbeat reads the runs'
+    metrics logs as they train, and says how far the runs in flight are and about how long the sweep has left."""
+    import normlab.sweep as sweep
+
+    corpus = tmp_path / "text.txt"
+    corpus.write_text(TEXT * 4)
+    specs = expand(load_experiment(str(write_experiment(tmp_path, corpus, 300, runs=("rms_norm",)))), "tiny",
+                   tmp_path / "r", {"log_every": 5})  # fmt: skip
+    monkeypatch.setattr(sweep, "HEARTBEAT_SECONDS", 0.2)
+    assert run_sweep(specs, workers=Workers(jobs=1)) == {specs[0].run_id: "completed"}
+    bar = capsys.readouterr().err.replace("\r", "\n")
+    before_end = bar[: bar.index("1/1")]
+    assert re.search(r"in flight: 1 at \d+% of their steps; about \d+ min left", before_end), bar[-2000:]
+    assert sweep.eta_text(specs, {specs[0].run_id}, {specs[0].run_id: 0.0}, 10.0) == "no run in flight"

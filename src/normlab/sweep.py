@@ -20,6 +20,7 @@ import os
 import shlex
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -40,18 +41,21 @@ HEARTBEAT_SECONDS = 30.0  # how often a sweep's bar is redrawn while no run ends
 
 
 @contextlib.contextmanager
-def heartbeat(bar: tqdm, every: float = HEARTBEAT_SECONDS):
+def heartbeat(bar: tqdm, every: float = HEARTBEAT_SECONDS, status: Callable[[], str] | None = None):
     """Redraw ``bar`` every ``every`` seconds while the block runs, so that its elapsed time moves between the
     runs' ends: with two runs in flight for minutes, a bar redrawn only when one ends looks stuck at 0/98.
 
     Args:
         bar: A tqdm bar (a disabled one draws nothing).
         every: Seconds between redraws.
+        status: Called before each redraw; what it returns becomes the bar's postfix (None: the postfix is kept).
     """
     stop = threading.Event()
 
     def beat() -> None:
         while not stop.wait(every):
+            if status is not None:
+                bar.set_postfix_str(status(), refresh=False)
             bar.refresh()
 
     thread = threading.Thread(target=beat, name="sweep-heartbeat", daemon=True)
@@ -61,6 +65,39 @@ def heartbeat(bar: tqdm, every: float = HEARTBEAT_SECONDS):
     finally:
         stop.set()
         thread.join()
+
+
+def run_fraction(spec: RunSpec) -> float:
+    """How much of ``spec``'s training is done, 0 to 1, from the last step its metrics log records.
+
+    Args:
+        spec: A run of the sweep.
+    """
+    steps = [r["step"] for r in RunFolder(spec.config.out).metrics() if isinstance(r.get("step"), int)]
+    return min(1.0, max(steps, default=0) / max(1, spec.config.steps))
+
+
+def eta_text(todo: list[RunSpec], ended: set[str], start: dict[str, float], seconds: float) -> str:
+    """The heartbeat's postfix: the steps done by the runs in flight and, from this sweep's pace so far, the time
+    left for its runs, before the first of them ends (tqdm's own rate waits for whole runs).
+
+    Args:
+        todo: The runs this sweep trains.
+        ended: The run ids among them that ended.
+        start: Each run's fraction done when this sweep started (`run_fraction`): a resumed run's earlier steps are
+            not this sweep's pace.
+        seconds: Seconds since this sweep started them.
+    """
+    left = [s for s in todo if s.run_id not in ended]
+    flying = [(s, run_fraction(s)) for s in left]
+    done = sum(1.0 - start.get(i, 0.0) for i in ended) + sum(max(0.0, f - start.get(s.run_id, 0.0)) for s, f in flying)
+    busy = [f for _, f in flying if f > 0]
+    text = f"in flight: {len(busy)} at {100 * sum(busy) / len(busy):.0f}% of their steps" if busy else ""
+    text = text or "no run in flight"
+    if done <= 0.01 or not left:
+        return text
+    remaining = sum(1.0 - f for _, f in flying)
+    return f"{text}; about {max(1, round(seconds * remaining / done / 60))} min left"
 
 
 @dataclass
@@ -252,7 +289,12 @@ def run_sweep(
         if auto_choice() != "reference":
             cpu.ready(wait=True)  # the one-time build of the CPU kernels (if any) once, before the workers start
     try:
-        with heartbeat(bar):  # the bar moves while runs are in flight
+        start, began = {s.run_id: run_fraction(s) for s in todo}, time.monotonic()
+
+        def status() -> str:
+            return eta_text(todo, {i for i in by_id if i in statuses}, start, time.monotonic() - began)
+
+        with heartbeat(bar, every=HEARTBEAT_SECONDS, status=status):  # the bar moves while no run ends
             if jobs <= 1:
                 for spec in todo:
                     bar.set_postfix_str(f"running {names[spec.run_id]}")
