@@ -17,7 +17,7 @@ from _study import ROOT, save
 
 TABLE = ROOT / "bench" / "study_heal_recipe.csv"
 
-# The cells of docs/heal-texts.md's 30-minute table, in its order, with what each one healed on.
+# The cells of docs/heal-measurements.md#healed-on-what's 30-minute table, in its order, with what each one healed on.
 CELLS = {
     "text-lr2.5e-4-30min": "Shakespeare\n2.5e-4",
     "text-30min": "Shakespeare\n1e-3",
