@@ -186,6 +186,29 @@ def tiny_hf(path: Path, family: str = "Llama", seed: int = 0) -> Path:
 
 
 @pytest.fixture()
+def tmpfs(tmp_path):
+    """``mount(size, read_only=False)``: a real tmpfs folder under ``tmp_path`` (a disk of a few hundred kB is a full
+    disk), unmounted at the end; the test is skipped where this machine does not let it mount one."""
+    import subprocess
+
+    mounted = []
+
+    def mount(size: str = "300k", read_only: bool = False) -> Path:
+        path = tmp_path / f"tmpfs{len(mounted)}"
+        path.mkdir()
+        options = f"size={size}" + (",ro" if read_only else "")
+        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True)
+        if proc.returncode:
+            pytest.skip(f"cannot mount a tmpfs here ({proc.stderr.decode().strip()})")
+        mounted.append(path)
+        return path
+
+    yield mount
+    for path in mounted:
+        subprocess.run(["umount", str(path)], check=False)
+
+
+@pytest.fixture()
 def models(tmp_path) -> dict:
     """Two tiny Llama models (seeds 0 and 1) and two texts, on disk."""
     text = tmp_path / "calib.txt"

@@ -126,7 +126,7 @@ def test_sizes_that_exhaust_memory_are_refused_up_front(tmp_path, capsys, argv, 
     monkeypatch.chdir(tmp_path)
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert "GiB" in err and "more than this machine's" in err, err
+    assert "GiB" in err and "of this machine's" in err and "a job may take" in err, err
     assert not (tmp_path / "runs").exists()
 
 

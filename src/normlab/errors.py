@@ -35,8 +35,8 @@ def check_memory(need: float, what: str, fix: str) -> None:
     total = machine_memory()
     if total and need > 0.8 * total:
         raise ValueError(
-            f"{what} needs about {need / 2**30:.1f} GiB, more than this machine's {total / 2**30:.0f} GiB "
-            f"can give; {fix}"
+            f"{what} needs about {need / 2**30:.1f} GiB, more than the {0.8 * total / 2**30:.1f} GiB (80%) of this "
+            f"machine's {total / 2**30:.1f} GiB a job may take; {fix}"
         )
 
 

@@ -142,5 +142,5 @@ def test_a_conversion_the_machine_cannot_hold_is_refused_before_calibration(tmp_
             "--eval-text", "none", "--no-progress", "--out", str(tmp_path / "o")]  # fmt: skip
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert f"a peak of about {CONVERSION_PEAK:g}x the float32 model's" in err and "can give" in err, err
+    assert f"a peak of about {CONVERSION_PEAK:g}x the float32 model's" in err and "a job may take" in err, err
     assert not (tmp_path / "o").exists()

@@ -118,3 +118,24 @@ def test_a_read_only_folder_is_refused_before_minutes_of_judging(tmp_path, capsy
         assert "load the converted model" not in said.err and "Traceback" not in said.err
     finally:
         subprocess.run(["umount", str(mount)], check=False)
+
+
+def test_a_damaged_record_or_config_is_named_with_its_file(tmp_path, capsys):
+    """issue 85, the re-try: a folder whose normlab_conversion.json was cut short (a full disk during a copy) made
+    `normlab evaluate` print "Expecting value: line 3 column 13 (char 50)", naming no file. The file and the fix are
+    named, for the record and for convert_config.json."""
+    src = tmp_path / "llama"
+    tiny_lm(seed=4).save_pretrained(src)
+    tiny_tokenizer().save_pretrained(src)
+    (tmp_path / "text.txt").write_text(TEXT * 4)
+    built = tmp_path / "o"
+    argv = ["convert", "--model", str(src), "--calibrate", str(tmp_path / "text.txt"), "--seq-len", "16",
+            "--sequences", "4", "--eval-text", "none", "--no-progress", "--out", str(built)]  # fmt: skip
+    assert main(argv) == 0
+    for name in ("convert_config.json", "normlab_conversion.json"):
+        path = built / name
+        path.write_text(path.read_text()[:50])
+        capsys.readouterr()
+        assert main(["evaluate", str(built)]) == 2
+        err = capsys.readouterr().err
+        assert f"{path} is damaged (" in err and "convert the model again" in err and "Traceback" not in err, err

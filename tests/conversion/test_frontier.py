@@ -133,7 +133,7 @@ def test_budget_nats_never_ends_above_its_budget(folder, tmp_path, capsys, refit
         said = capsys.readouterr()
         printed = said.out
         if n == 0:  # issue 85: a walk that keeps no site saved a folder transformers could not load; now refused
-            assert rc == 1 and "nothing converted: the budget walk kept every site" in said.err, said.err
+            assert rc == 1 and "nothing converted: the budget walk left every site as it was" in said.err, said.err
             assert not out.exists() and "Traceback" not in said.err
             continue
         assert rc == 0, printed

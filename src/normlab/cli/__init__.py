@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import sys
+import warnings
 
 from normlab.cli.convert import add_build_kernels, add_convert, add_study
 from normlab.cli.evaluate import add_evaluate
@@ -38,6 +40,10 @@ DOCS = {
     "export": "docs/export.md",
     "build-kernels": "docs/kernels.md",
 }
+
+
+FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}  # errors of the machine a command reports as one line, exit 2
+DENIED = {errno.EROFS, errno.EACCES, errno.EPERM}
 
 
 def _docs_line(command: str | None) -> str:
@@ -85,9 +91,23 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = argv
     try:
-        return args.func(args)
+        with warnings.catch_warnings():  # a warning is one line of the command's, not a file name and a source line
+            warnings.showwarning = lambda message, *_, **__: print(
+                f"normlab {args.command}: warning: {message}", file=sys.stderr
+            )
+            return args.func(args)
     except (ValueError, TypeError, FileNotFoundError, NormlabError) as e:  # bad input: one clear line
         print(f"normlab {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # the machine's, not ours: a full disk or a folder that cannot be written
+        if e.errno not in FULL | DENIED:
+            raise
+        fix = "free some space" if e.errno in FULL else "choose a folder you can write, or fix its permissions"
+        what = e.filename or "a file"
+        print(
+            f"normlab {args.command}: error: writing {what} failed ({e.strerror}); {fix}, then run it again",
+            file=sys.stderr,
+        )
         return 2
     except KeyboardInterrupt:  # a second Ctrl-C, or one outside a training loop
         print(f"normlab {args.command}: interrupted", file=sys.stderr)

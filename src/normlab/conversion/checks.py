@@ -6,14 +6,13 @@ can measure it. Each refusal names the flag and the fix; nothing is computed bef
 from __future__ import annotations
 
 import fnmatch
-import json
 import shutil
 from pathlib import Path
 
 from torch import nn
 
 from normlab.conversion.config import ConvertConfig, flag, identity_difference
-from normlab.conversion.export.saving import RECORD_FILE
+from normlab.conversion.export.saving import RECORD_FILE, read_record
 from normlab.conversion.hf import FIXTURES, fixture_path
 from normlab.conversion.measure.fidelity import predicts_next_token
 from normlab.conversion.texts import eval_file
@@ -138,7 +137,7 @@ def _check_model(model_path: str, cfg: ConvertConfig) -> str:
     if not Path(model_path).exists():
         raise FileNotFoundError(f"--model {cfg.model}: no such folder or .gguf file")
     if (Path(model_path) / RECORD_FILE).is_file():
-        made = json.loads((Path(model_path) / RECORD_FILE).read_text()).get("made_from", {}).get("model", "?")
+        made = read_record(model_path).get("made_from", {}).get("model", "?")
         raise ValueError(
             f"--model {cfg.model} is a converted model (it holds {RECORD_FILE}), not an original: convert the model "
             f"it was made from ({made}); `normlab evaluate {cfg.model}` judges it"
@@ -200,13 +199,28 @@ def check_resume_identity(ckpt: str | None, cfg: ConvertConfig, identity: dict) 
 
 
 def check_next_token(cfg: ConvertConfig, net: nn.Module) -> None:
-    """The budget walk and the heal measure next-token cross-entropy: refused, before calibration, for a model whose
-    logits do not predict the next token (a masked LM).
+    """What the command will run the model on, checked once it is loaded and before calibration: token ids alone
+    (not an encoder-decoder's pairs), sequences no longer than its positions, and, for the budget walk and the heal,
+    which measure next-token cross-entropy, logits that predict the next token (not a masked LM).
 
     Args:
         cfg: The conversion's config.
         net: The loaded model.
     """
+    config = getattr(net, "config", None)
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError(
+            f"--model {cfg.model} is an encoder-decoder ({type(net).__name__}): normlab convert runs a model on token "
+            "ids alone (decoder-only LMs such as Llama, Qwen or Gemma; encoders such as BERT; vision models), not on "
+            "the source and target pairs it needs. From Python, normlab.convert_norms(model, to, calibrate=None) "
+            "converts its norms at their default init"
+        )
+    positions = getattr(config, "max_position_embeddings", None)
+    if isinstance(positions, int) and cfg.seq_len > positions:
+        raise ValueError(
+            f"{flag('seq_len')} {cfg.seq_len} is longer than {cfg.model}'s {positions} positions "
+            f"(config.json: max_position_embeddings); lower it to at most {positions}"
+        )
     if predicts_next_token(net):
         return
     asked = [
@@ -272,7 +286,7 @@ def saved_bytes(net: nn.Module) -> int:
     return int(total * SAVE_MARGIN) + (16 << 20)
 
 
-def check_out_space(out: str | None, net: nn.Module, what: str = "--out") -> None:
+def check_out_space(out: str | None, net: nn.Module, what: str = "--out", kind: str = "the conversion") -> None:
     """Refuse, before the work and again before the write, an output whose disk cannot hold the conversion: the
     save writes a new folder beside the old one and swaps them, so the old one's space is not counted.
 
@@ -280,6 +294,7 @@ def check_out_space(out: str | None, net: nn.Module, what: str = "--out") -> Non
         out: The output folder, or None.
         net: The model that will be saved.
         what: How errors name the folder.
+        kind: How errors name what is written.
     """
     if out is None:
         return
@@ -289,7 +304,7 @@ def check_out_space(out: str | None, net: nn.Module, what: str = "--out") -> Non
     need, free = saved_bytes(net), shutil.disk_usage(parent).free
     if free < need:
         raise NormlabError(
-            f"{what} {out}: its disk has {free / 1e6:.1f} MB free, and the conversion needs about {need / 1e6:.1f} MB "
+            f"{what} {out}: its disk has {free / 1e6:.1f} MB free, and {kind} needs about {need / 1e6:.1f} MB "
             "(written beside any old output, which is replaced only once the new one is whole); free some space, "
-            f"or choose an {what} on another disk"
+            f"or put {what} on another disk"
         )

@@ -11,7 +11,7 @@ from pathlib import Path
 from torch import nn
 
 from normlab.conversion.config import ConvertConfig
-from normlab.conversion.export.saving import RECORD_FILE, load_converted
+from normlab.conversion.export.saving import RECORD_FILE, load_converted, read_record
 from normlab.conversion.hf import TextCut, fixture_path, load_model, text_batches, usable_tokenizer
 from normlab.conversion.measure.fidelity import predicts_next_token
 from normlab.conversion.measure.usage import UsageConfig, usage_lines, usage_report
@@ -45,9 +45,12 @@ def _source(folder: Path, original: str | None) -> tuple[str, dict, ConvertConfi
             f"{folder} is not a converted model's folder (no {RECORD_FILE}): give normlab evaluate the --out folder "
             "of `normlab convert`"
         )
-    record = json.loads(where.read_text())
+    record = read_record(folder)
     cfg_file = folder / CONFIG_FILE
-    cfg = ConvertConfig.from_dict(json.loads(cfg_file.read_text())) if cfg_file.is_file() else ConvertConfig()
+    try:
+        cfg = ConvertConfig.from_dict(json.loads(cfg_file.read_text())) if cfg_file.is_file() else ConvertConfig()
+    except (ValueError, TypeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{cfg_file} is damaged ({e}); convert the model again") from None
     path = original or record.get("made_from", {}).get("model")
     if path is None:
         raise ValueError(f"{where} names no original (made_from.model): pass --original PATH")

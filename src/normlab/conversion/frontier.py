@@ -46,7 +46,7 @@ __all__ = ["FEW_SELECTION", "METRICS", "Frontier", "frontier", "site_costs", "me
 
 # Fewer validation sequences than this select a budget walk's sites poorly: on SmolLM2 (DyISRU, per channel,
 # budget 0.4) 8 sequences kept 44 sites at +0.39 on them but +0.62 on 8 held-out ones and +0.55 on 32; 32 sequences
-# ended within 0.03 of their budget (docs/heal-measurements.md#the-frontier-which-sites-go-for-free, "Selecting on few sequences").
+# ended within 0.03 of their budget (docs/heal-measurements.md, the frontier).
 FEW_SELECTION = 32
 METRICS = {"ce": "cross-entropy", "kl": "KL to the original"}  # BudgetConfig.metric -> what it measures, in words
 DEFER_FLOOR = 0.01  # nats: a site's cost alone below this counts as this much (budget.defer)

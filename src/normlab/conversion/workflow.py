@@ -31,7 +31,7 @@ from normlab.conversion.checks import (
 )
 from normlab.conversion.config import BudgetConfig, ConvertConfig, HealConfig
 from normlab.conversion.convert import convert_norms, fidelity, save_converted
-from normlab.conversion.export.saving import RECORD_FILE
+from normlab.conversion.export.saving import read_record
 from normlab.conversion.frontier import FEW_SELECTION, METRICS, frontier
 from normlab.conversion.heal.distill import check_heal_resources, heal
 from normlab.conversion.heal.report import heal_summary, write_curve
@@ -257,7 +257,8 @@ def _refuse_empty(cfg: ConvertConfig, record) -> None:
         return
     why = "no site was converted"
     if cfg.budget.nats is not None:
-        why = f"the budget walk kept every site within --budget-nats {cfg.budget.nats:g} (its costs are above)"
+        nats = cfg.budget.nats
+        why = f"the budget walk left every site as it was: each one tried took the model past --budget-nats {nats:g}"
     raise NormlabError(
         f"nothing converted: {why}; there is no conversion to judge or save. Raise --budget-nats, or convert without it"
     )
@@ -456,6 +457,6 @@ def _save(job: _Job, net, record, tokenizer, fid: dict, rep) -> None:
             "judgement above is in this output; free some space or fix the folder, then convert again"
         ) from e
     swap_in(partial, out)
-    how = json.loads((out / RECORD_FILE).read_text())["portable"]  # without normlab too, where an Auto class can
+    how = read_record(out)["portable"]  # without normlab too, where an Auto class can
     auto = f"{how['auto_classes'][0]}.from_pretrained(..., trust_remote_code=True) or " if how["auto_classes"] else ""
     print(f"saved to {cfg.out} (load with {auto}normlab.load_converted; its config is {CONFIG_FILE})")

@@ -150,8 +150,9 @@ def test_normlab_export_writes_a_checked_file_from_a_converted_folder(tmp_path):
 
 @pytest.mark.slow
 def test_an_interrupted_export_leaves_nothing_under_the_final_names_and_a_retry_is_clean(tmp_path, monkeypatch):
-    """The graph and its weights are written into .NAME.partial and moved only once checked: a kill during the check
-    leaves no .onnx, .data or .json; the next export says what it found, replaces it and finishes."""
+    """The graph and its weights are written into .NAME.partial and moved only once checked: an interrupt during the
+    check leaves no .onnx, .data or .json, and gives the partial folder's space back at once; what a SIGKILL leaves
+    there (a partial folder with a cut graph) the next export says it found, replaces and finishes."""
     import normlab.conversion.export.onnx_export as ox
 
     model, _ = _case("Llama", "dyisru")
@@ -164,8 +165,10 @@ def test_an_interrupted_export_leaves_nothing_under_the_final_names_and_a_retry_
     with pytest.raises(KeyboardInterrupt):
         export_onnx(model, out)
     assert not any((tmp_path / n).exists() for n in ("m.onnx", "m.onnx.data", "m.onnx.json"))  # nothing under them
-    assert (tmp_path / ".m.onnx.partial").is_dir()
+    assert not (tmp_path / ".m.onnx.partial").exists()
     monkeypatch.undo()
+    (tmp_path / ".m.onnx.partial").mkdir()  # as a SIGKILL mid-write leaves it: no handler runs
+    (tmp_path / ".m.onnx.partial" / "m.onnx").write_bytes(b"\x08\x07cut short")
     report = export_onnx(model, out, check=OnnxCheck(id_batches(1, seed=5, t=12)[0]))
     assert report.greedy_equal and not (tmp_path / ".m.onnx.partial").exists()
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == [
@@ -207,6 +210,18 @@ def test_normlab_export_refuses_a_folder_it_cannot_write(tmp_path):
         subprocess.run(["umount", str(mount)], check=False)
     assert run.returncode == 2 and f"the ONNX file {mount / 'm.onnx'}" in run.stderr, run.stderr
     assert "not writable" in run.stderr and "Traceback" not in run.stderr, run.stderr
+
+
+def test_normlab_export_refuses_a_disk_too_small_before_the_work(tmp_path, tmpfs):
+    """issue 85, the re-try: an export to a full disk ran torch.export, then died with a raw OSError traceback at
+    the write and left its partial folder holding the space. The disk is checked before the work, from the weights'
+    size, and a failed export gives its partial folder back."""
+    folder = normlab.save_converted(*_case("Llama", "dyt"), tmp_path / "c")
+    mount = tmpfs("300k")
+    run = _cli("export", str(folder), "--onnx", str(mount / "m.onnx"))
+    assert run.returncode == 2 and f"the ONNX file {mount / 'm.onnx'}: its disk has" in run.stderr, run.stderr
+    assert "the export needs about" in run.stderr and "Traceback" not in run.stderr, run.stderr
+    assert "export (torch.export" not in run.stderr + run.stdout and not list(mount.iterdir())
 
 
 @pytest.mark.slow

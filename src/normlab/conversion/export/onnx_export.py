@@ -412,6 +412,9 @@ def export_onnx(
     _check_model(model)
     _check_cache(model)
     path, opset = check_target(path, opset)
+    from normlab.conversion.checks import check_out_space
+
+    check_out_space(str(path), model, "the ONNX file", "the export")  # the float32 weights, before any work
     if check is not None and check.probe is None:
         random_ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
         check = OnnxCheck(random_ids, check.new_tokens)
@@ -425,13 +428,17 @@ def export_onnx(
             stage.say(f"removed {partial}: a partial export that an interrupted run left")
         partial.mkdir(parents=True)
         draft = partial / path.name  # the graph and its weights are written and checked here, then moved
-        with stage("fold"):
-            net = _prepare(model, fold, report)
-        with stage("export (torch.export, then torch.onnx)"), library_noise():
-            report.layers = _export(net, draft, opset)
-        if check is not None:
-            with stage("check in ONNX Runtime"):
-                _check(model, draft, check, report)
+        try:
+            with stage("fold"):
+                net = _prepare(model, fold, report)
+            with stage("export (torch.export, then torch.onnx)"), library_noise():
+                report.layers = _export(net, draft, opset)
+            if check is not None:
+                with stage("check in ONNX Runtime"):
+                    _check(model, draft, check, report)
+        except BaseException:  # a failed or interrupted export gives its disk space back at once
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
         for done, final in zip(output_files(draft)[:2], output_files(path)[:2]):
             if done.exists():
                 os.replace(done, final)

@@ -25,7 +25,8 @@ from normlab.conversion.record import ConversionRecord
 from normlab.corpus import sha256_file
 from normlab.version import __version__
 
-__all__ = ["RECORD_FILE", "save_converted", "load_converted", "apply_record", "module_names", "shareable"]
+__all__ = ["RECORD_FILE", "save_converted", "load_converted", "read_record", "apply_record", "module_names",
+           "shareable"]  # fmt: skip
 
 
 def apply_record(model: nn.Module, record: ConversionRecord) -> nn.Module:
@@ -255,6 +256,23 @@ def _load_state(path: Path) -> dict:
     raise FileNotFoundError(f"{path}: no model.pt, model.safetensors or sharded safetensors index")
 
 
+def read_record(folder: str | Path) -> dict:
+    """The conversion record of ``folder`` as saved (``normlab_conversion.json``), read in one place: a file that is
+    not a JSON object (cut short by a full disk, edited) is named, with the fix, instead of a bare JSON error.
+
+    Args:
+        folder: A converted model's folder.
+    """
+    where = Path(folder) / RECORD_FILE
+    try:
+        d = json.loads(where.read_text())
+        if not isinstance(d, dict):
+            raise ValueError("not a JSON object")
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{where} is damaged ({e}); convert the model again") from None
+    return d
+
+
 def load_converted(path: str | Path, model: nn.Module | None = None) -> tuple[nn.Module, ConversionRecord]:
     """Load a model saved by `save_converted`.
 
@@ -270,12 +288,7 @@ def load_converted(path: str | Path, model: nn.Module | None = None) -> tuple[nn
     if not (path / RECORD_FILE).exists():
         raise FileNotFoundError(f"{path} holds no {RECORD_FILE}: not a model saved by normlab.save_converted")
     where = path / RECORD_FILE
-    try:
-        d = json.loads(where.read_text())
-        if not isinstance(d, dict):
-            raise ValueError("not a JSON object")
-    except ValueError as e:
-        raise ValueError(f"{where} is damaged ({e}); convert the model again") from None
+    d = read_record(path)
     try:
         record = ConversionRecord.from_dict(d)
     except ValueError as e:  # a field of the wrong kind, missing or unknown: named
