@@ -160,6 +160,7 @@ def test_a_killed_study_resumes_its_heal_from_the_cell_checkpoint(tmp_path):
     assert heal["resumed_from"] >= 1024 and heal["tokens"] >= 16000
     assert spent > 0 and heal["seconds"] >= spent  # issue 65, G4: the seconds before the kill count
     assert not ckpt.exists()
+    assert sorted(p.name for p in ckpt.parent.iterdir() if p.suffix != ".lock") == ["config.json", "result.json"]
 
 
 def torch_report(ckpt: Path) -> dict:

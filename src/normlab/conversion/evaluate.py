@@ -111,7 +111,11 @@ def evaluate_folder(
                 f"{RECORD_FILE}'s made_from.model_fingerprint); pass --original with that model"
             )
         if not usable_tokenizer(tokenizer):
-            raise ValueError(f"{path} has no usable tokenizer: the judgement reads text and generates answers")
+            raise ValueError(
+                f"{path} has no usable tokenizer (no tokenizer files beside its weights), and the judgement reads text "
+                "and generates answers: save the model's tokenizer there (tokenizer.save_pretrained), or pass "
+                "--original a folder of the same model that has one"
+            )
         if not predicts_next_token(net):
             raise ValueError(
                 f"{folder} holds a {type(net).__name__}, which does not predict the next token: normlab evaluate "

@@ -241,8 +241,9 @@ def _convert(job: _Job, markdown: bool) -> dict:
     if cfg.out:
         with quiet(not progress):
             _save(job, net, record, tokenizer, fid, rep)
-        if ckpt is not None:
-            _stages_file(ckpt).unlink(missing_ok=True)
+    if ckpt is not None:  # the job is whole: every process's count is in its record
+        _stages_file(ckpt).unlink(missing_ok=True)
+    if cfg.out:
         if ckpt is not None and cfg.heal.checkpoint is None:  # the default heal checkpoint has served its purpose
             Path(ckpt).unlink(missing_ok=True)
         elif ckpt is not None and Path(ckpt).is_file():

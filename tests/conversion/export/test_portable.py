@@ -197,6 +197,10 @@ EDITS = {  # an edit of a converted folder's config.json -> what loading it says
     "no sites": (lambda c, wrapped: c.pop("normlab_sites"), "config.json has no normlab_sites"),
     "another formula": (lambda c, wrapped: c["normlab_sites"][wrapped]["massive_tokens"]["main"].__setitem__(
         "formula", "dyt"), "names the formula 'dyt', which modeling_normlab.py does not define"),
+    "channel axis a word": (lambda c, wrapped: c["normlab_sites"][wrapped]["massive_tokens"]["main"].__setitem__(
+        "channel_dim", "q"), "channel_dim is missing or of the wrong kind"),  # issue 85: a raw movedim TypeError
+    "a shape of words": (lambda c, wrapped: c["normlab_sites"][wrapped]["massive_tokens"]["main"]["parameters"]
+        .__setitem__("weight", ["a"]), "parameters.weight is missing or of the wrong kind"),
 }  # fmt: skip
 
 REFUSALS = """

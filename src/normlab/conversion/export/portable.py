@@ -139,6 +139,16 @@ class ElementwiseNorm(nn.Module):
                 f"config.json normlab_sites[{name!r}] names the formula {spec.get('formula')!r}, which {FILE} does "
                 f"not define ({', '.join(FORMULAS)}): the config and {FILE} come from two conversions; {RECONVERT}"
             )
+        kinds = {"settings": dict, "channel_dim": int, "parameters": dict}
+        wrong = [k for k, kind in kinds.items() if not isinstance(spec.get(k), kind) or isinstance(spec.get(k), bool)]
+        for pname, shape in (spec.get("parameters") if isinstance(spec.get("parameters"), dict) else {}).items():
+            if not isinstance(shape, list) or not all(type(n) is int and n >= 0 for n in shape):
+                wrong.append(f"parameters.{pname}")
+        if wrong:
+            raise ValueError(
+                f"config.json normlab_sites[{name!r}]: {', '.join(wrong)} is missing or of the wrong kind (settings an "
+                f"object, channel_dim an int, parameters an object of shapes): the folder was edited; {RECONVERT}"
+            )
         self.formula = FORMULAS[spec["formula"]]
         self.settings = dict(spec["settings"])
         self.channel_dim = spec["channel_dim"]
