@@ -128,13 +128,13 @@ def cases(RO: str, FULL: str) -> list[tuple[str, str, str]]:
      ("evaluate a folder converted without a tokenizer", "rm -rf o/r4", f"normlab convert --model m/notok --to dyisru {C} --out o/r4 && normlab evaluate o/r4"),
      ("export --opset 5", "", "normlab export m/conv --onnx o/op.onnx --opset 5"),
      ("export --opset 10000", "", "normlab export m/conv --onnx o/op2.onnx --opset 10000"),
-     ("massive route with shared? --massive-tokens shared --per channel", "rm -rf o/r5", f"normlab convert --model m/llama --to dyisru {C} --massive-tokens shared --per channel --out o/r5"),
+     ("convert --massive-tokens shared --per channel", "rm -rf o/r5", f"normlab convert --model m/llama --to dyisru {C} --massive-tokens shared --per channel --out o/r5"),
      ("two evaluates of one folder at once", "rm -rf o/ev; cp -r m/conv o/ev", "(normlab evaluate o/ev > /dev/null 2>&1 &) ; sleep 1; normlab evaluate o/ev"),
      ("two exports to one file at once", "", "(normlab export m/conv --onnx o/same.onnx > /dev/null 2>&1 &); sleep 4; normlab export m/conv --onnx o/same.onnx"),
      ("SIGKILL during evaluate, then evaluate again", "rm -rf o/kv; cp -r m/conv o/kv", "normlab evaluate o/kv > /dev/null 2>&1 & p=$!; sleep 4; kill -9 $p; ls -a o/kv | tr '\\n' ' ' >&2; echo >&2; normlab evaluate o/kv > /dev/null && ls -a o/kv | tr '\\n' ' ' >&2"),
         ("transformers loads the portable folder without normlab", "", f"{sys.executable} -I -c \"import os, transformers as T; m = T.AutoModelForCausalLM.from_pretrained(os.path.abspath('m/conv'), trust_remote_code=True); print(type(m).__name__)\" 2>&1 | tail -1 >&2"),
         ("a portable folder whose normlab_sites has a channel axis of words", "rm -rf o/ed; cp -r m/conv o/ed; python3 -c \"import json; p = 'o/ed/config.json'; d = json.load(open(p)); next(iter(d['normlab_sites'].values()))['channel_dim'] = 'q'; json.dump(d, open(p, 'w'))\"", f"{sys.executable} -I -c \"import os, transformers as T; T.AutoModelForCausalLM.from_pretrained(os.path.abspath('o/ed'), trust_remote_code=True)\" 2>&1 | tail -1 >&2"),
-     ("study killed mid-cell, then resumed", "rm -rf o/st; printf 'title=\"t\"\\n[base]\\nmodel=\"m/llama\"\\ntext=\"m/text.txt\"\\nseq_len=32\\nsequences=8\\n\"heal.tokens\"=20000\\n[[cells]]\\nname=\"a\"\\n' > o/st.toml", "timeout -s KILL 25 normlab study o/st.toml --root o/st --no-progress > /dev/null 2>&1; ls o/st/st/a >&2; normlab study o/st.toml --root o/st --no-progress 2>&1 | tail -2 >&2"),
+     ("study killed mid-cell, then resumed", "rm -rf o/st; printf 'title=\"t\"\\n[base]\\nmodel=\"m/llama\"\\ntext=\"m/text.txt\"\\nseq_len=32\\nsequences=8\\n\"heal.tokens\"=400000\\n[[cells]]\\nname=\"a\"\\n' > o/st.toml", "timeout -s KILL 15 normlab study o/st.toml --root o/st --no-progress > /dev/null 2>&1; ls o/st/st/a >&2; normlab study o/st.toml --root o/st --no-progress 2>&1 | tail -2 >&2"),
     ]  # fmt: skip
 
 
