@@ -351,8 +351,9 @@ def test_a_heal_the_machine_cannot_run_is_refused_before_the_calibration(tmp_pat
 
 @pytest.mark.slow
 def test_the_gpu_convert_script_runs_on_the_cpu_on_a_tiny_model(tmp_path):
-    """scripts/gpu_convert.sh end to end with DEVICE=cpu: its three conversions (per channel, the budget walk, the
-    self recipe's heal) and its table of stage seconds, each row read from the run's fidelity.json."""
+    """scripts/gpu_convert.sh end to end with DEVICE=cpu: its four conversions (per channel, the budget walk, the
+    self recipe's heal, every site with a full-rank heal) and its table of stage seconds, each row read from the
+    run's fidelity.json."""
     import os
 
     from conftest import tiny_hf
@@ -363,17 +364,22 @@ def test_the_gpu_convert_script_runs_on_the_cpu_on_a_tiny_model(tmp_path):
     env = {**os.environ, "OUT": str(tmp_path / "out"), "DEVICE": "cpu", "MODEL": str(tiny_hf(tmp_path / "m")),
            "NORMLAB": str(Path(sys.executable).parent / "normlab"), "PYTHON": sys.executable,
            "EXTRA": f"--calibrate {text} --seq-len 16 --sequences 4 --eval-text none",
-           "HEAL": "--heal-tokens 256 --set heal.self_sequences=32"}  # fmt: skip
+           "HEAL": "--heal-tokens 256 --set heal.self_sequences=32",
+           "FULL": "--heal-tokens 256 --set heal.self_sequences=32"}  # fmt: skip
     proc = subprocess.run(
         ["bash", str(repo / "scripts" / "gpu_convert.sh")], env=env, capture_output=True, text=True, timeout=600
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = proc.stdout.strip().splitlines()[-3:]
-    assert [r.split()[0] for r in rows] == ["per-channel", "budget-walk", "self-recipe"], proc.stdout[-1500:]
+    rows = proc.stdout.strip().splitlines()[-4:]
+    names = ["per-channel", "budget-walk", "self-recipe", "every-site-full"]
+    assert [r.split()[0] for r in rows] == names, proc.stdout[-1500:]
     assert "budget walk" in rows[1] and "heal" in rows[2] and "samples" in rows[2]
-    for name in ("per-channel", "budget-walk", "self-recipe"):
+    assert "5 sites" in rows[3] and "heal 256 tokens" in rows[3], rows[3]  # every norm of the tiny Llama
+    for name in names:
         cfg = json.loads((tmp_path / "out" / name / "convert_config.json").read_text())
         assert cfg["device"] == "cpu" and cfg["per"] == "channel"
+    full = json.loads((tmp_path / "out" / "every-site-full" / "convert_config.json").read_text())
+    assert full["heal"]["train"] == "all" and full["calibrate"]["massive_tokens"] == "route"
 
 
 def test_heal_seed_orders_the_text_stream(models, tmp_path):
