@@ -126,7 +126,13 @@ JOBS = {  # name -> the model and the flags after --to dyisru
     "qwen_per_channel": ("qwen-coder", ["--per", "channel"]),
     "qwen_budget": ("qwen-coder", ["--per", "channel", "--budget-nats", "0.4"]),
     "qwen_budget_heal": ("qwen-coder", _budget_heal(15)),  # the recommended recipe, on the 0.5B
+    # the linear target (fixed_scale: weight * alpha * x + bias, alpha calibrated): the recommended walk, every site
+    # from the massive activation on, and every site
+    "linear_recommended": ("smollm2", list(RECOMMENDED)),
+    "linear_per_channel": ("smollm2", ["--per", "channel"]),
+    "linear_route": ("smollm2", ["--per", "channel", "--massive-tokens", "route"]),
 }
+TARGETS = {job: "fixed_scale" for job in JOBS if job.startswith("linear_")}  # job -> its target; else dyisru
 
 
 README = ("recommended", "budget_0.1_heal_2048", "budget_self_kl_0.05_heal_tokens", "budget_heal", "budget",
@@ -211,7 +217,8 @@ def main() -> None:
         for job in args.jobs:
             out = root / job
             model, flags = JOBS[job]
-            argv = ["convert", "--model", model, "--to", "dyisru", *flags, "--no-progress", "--out", str(out)]
+            target = TARGETS.get(job, "dyisru")
+            argv = ["convert", "--model", model, "--to", target, *flags, "--no-progress", "--out", str(out)]
             if out.exists():
                 argv.append("--overwrite")
             t0 = time.perf_counter()

@@ -281,6 +281,8 @@ def numpy_reference(name: str, module, x: np.ndarray) -> np.ndarray:
         return w * np.tanh(x)
     if name == "layer_scale":
         return w * x + b
+    if name == "fixed_scale":
+        return w * (a * x) + b
     if name == "sign_sqrt":
         return w * np.sign(x) * np.sqrt(np.abs(x) + module.eps) + b
     if name == "dyisru":

@@ -24,6 +24,7 @@ __all__ = [
     "DyTRMSDenominator",
     "TanhFixed",
     "LayerScale",
+    "FixedScale",
     "SignSqrt",
     "ScaledDyT",
     "DyISRU",
@@ -245,6 +246,24 @@ class ScaledDyT(_DyTFamily):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, scale={self.scale!r}"
+
+
+class FixedScale(_DyTFamily):
+    """A fixed scale, weight * (alpha * x) + bias (`normlab.functional.fixed_scale`): the linear target of a
+    conversion, alpha calibrated to a site's 1 / RMS (per channel with ``per_channel_alpha``), and a separate one at
+    the massive tokens. Linear in x, so direct logit attribution through it is exact.
+
+    Args:
+        dim: The number of channels C: the size of the normalized axis.
+        alpha_init: alpha at init.
+        per_channel_alpha: One alpha per channel instead of one for all.
+        bias: Learn beta, the channel shift (False: none).
+        channel_dim: The axis of the channels: -1 (the last, as in a transformer) or another, e.g. 1 for NCHW.
+        device: Where the parameters are created.
+        dtype: The parameters' dtype.
+    """
+
+    _fn = staticmethod(FN.fixed_scale)
 
 
 class TanhFixed(NormModule):

@@ -117,6 +117,7 @@ for _name, _cls, _facts in [
     ("scaled_dyt", E.ScaledDyT, {"pointwise": True, "fits": "alpha"}),
     ("tanh_fixed", E.TanhFixed, {"pointwise": True}),
     ("layer_scale", E.LayerScale, {"pointwise": True}),
+    ("fixed_scale", E.FixedScale, {"pointwise": True, "fits": "alpha"}),
     ("sign_sqrt", E.SignSqrt, {"pointwise": True}),
     ("dyisru", E.DyISRU, {"pointwise": True, "fits": "log_beta"}),
     ("eln", E.ELN, {"pointwise": False, "fits": "log_beta", "centred": True}),

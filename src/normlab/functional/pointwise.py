@@ -120,6 +120,24 @@ def tanh_fixed(x: Tensor, weight: Tensor | None = None) -> Tensor:
 
 
 @fp32_compute
+def fixed_scale(x: Tensor, alpha: Tensor | float, weight: Tensor | None = None, bias: Tensor | None = None) -> Tensor:
+    r"""A fixed scale, the linear target: y = weight * (alpha * x) + bias, alpha fixed once calibrated (a site's
+    1 / RMS, as the LayerNorm-free models of interpretability work divide by a fixed scalar). Linear in x, so a
+    model's logits are a sum of each path's direct contribution (direct logit attribution is exact).
+
+    Args:
+        x: The input, (..., C).
+        alpha: The input's scale: a number, or a tensor of shape () or (C,) (one per channel).
+        weight: gamma, the channel gain, (C,); None for none.
+        bias: beta, the channel shift, (C,); None for none.
+    """
+    alpha = as_tensor(alpha, x)
+    check_param(alpha, "alpha", x, "fixed_scale", scalar_ok=True)
+    check_param(weight, "weight", x, "fixed_scale")
+    check_param(bias, "bias", x, "fixed_scale")
+    return affine(alpha * x, weight, bias)
+
+
 def layer_scale(x: Tensor, weight: Tensor | None = None, bias: Tensor | None = None) -> Tensor:
     r"""LayerScale (linear): y = weight * x + bias.  The dissection, "Point-wise universality" (diverged there).
 

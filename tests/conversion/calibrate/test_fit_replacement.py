@@ -63,3 +63,24 @@ def test_the_solver_asked_for_is_the_solver_every_fit_ran(solver, tmp_path):
     assert main(args) == 0
     _, saved = normlab.load_converted(out)
     assert {s.fit["solver"] for s in saved.sites} == {solver}
+
+
+@pytest.mark.parametrize("solver", ["profile", "lbfgs"])
+def test_the_linear_target_fits_its_scale_by_least_squares(solver):
+    """issue 87: fixed_scale, w * (alpha x) + b, is linear, so its amplitude and alpha are one number: alpha alone is
+    fitted. Per channel it recovers each channel's gain; shared, the least-squares scale sum(g y) / sum(g g); the fit
+    is never flagged "linear over the data", which is what it is."""
+    torch.manual_seed(0)
+    x = torch.randn(2048, 16) * torch.linspace(0.2, 30.0, 16)  # channels of very different sizes
+    gain = torch.linspace(0.01, 0.9, 16)
+    y = x * gain
+    cfg = CalibrateConfig(solver=solver)
+    per = normlab.create_norm("fixed_scale", 16, **per_channel_kwargs("fixed_scale"))
+    out = fit_replacement(per, x, y, per_channel=True, config=cfg)
+    if solver == "profile":  # the default: channel by channel, each exact (L-BFGS's joint loss barely sees the small)
+        assert torch.allclose(per.alpha.detach() * per.weight.detach(), gain, rtol=1e-3), per.alpha
+    assert out.ok and out.rel_error < 1e-3 and out.amplitude == 1.0 and not out.notes, out
+    shared = normlab.create_norm("fixed_scale", 16)
+    out = fit_replacement(shared, x, y, config=cfg)
+    best = float((x * y).sum() / (x * x).sum())
+    assert abs(float(shared.alpha) - best) <= 1e-3 * best and out.ok and not out.notes, (float(shared.alpha), best)

@@ -21,7 +21,11 @@ from torch.func import functional_call
 from normlab.conversion.config import CalibrateConfig
 from normlab.registry import NormSpec, norm_spec
 
-__all__ = ["FitOutcome", "fit_replacement"]
+__all__ = ["FitOutcome", "fit_replacement", "HOMOGENEOUS"]
+
+# Targets whose f(alpha x) is alpha f(x) (the linear `fixed_scale`): an amplitude in the weight would only repeat
+# alpha, so alpha alone is fitted (a one-dimensional least squares), and "linear over the data" is what they are.
+HOMOGENEOUS = ("fixed_scale",)
 
 
 @dataclass
@@ -272,7 +276,8 @@ def fit_replacement(
     per = per_channel and shape[0] > 1
     q0 = [getattr(new, k).detach().double().clone() for k in linear]
     iters = max(1, max_iter // 3) if solver == "profile" else max_iter
-    problem = _Problem(spec, per, config.fit_amplitude, iters)
+    amplitude = config.fit_amplitude and spec.name not in HOMOGENEOUS  # alpha is the amplitude there
+    problem = _Problem(spec, per, amplitude, iters)
     if solver == "profile":  # its result is never worse than its start, channel by channel: the start is itself
         p, la, start_loss, final = _profile_fit(new, x, y, problem)
         p0, la0, qs = p, la, q0
@@ -289,7 +294,7 @@ def fit_replacement(
         return FitOutcome(name, math.nan, math.nan, math.nan, math.nan, False, notes)
     p, la = p.detach(), la.detach()
     value = p.exp()  # beta, or alpha
-    degenerate = _degenerate(name, value, x)
+    degenerate = [] if spec.name in HOMOGENEOUS else _degenerate(name, value, x)  # linear by design there
     notes += degenerate
     ok = ok and not degenerate
     with torch.no_grad():  # into the module: the parameter, the amplitude (into the weight), the linear extras
