@@ -56,6 +56,26 @@ def test_the_statistics_equal_a_hand_computation():
     assert list(r["by_position"]) == ["0-127", "128-255", "256-511"]
     for (key, value), b0 in zip(r["by_position"].items(), sorted(by_pos)):
         assert value == pytest.approx(np.mean(by_pos[b0]), rel=1e-5), key
+    assert r["nonfinite"] == 0
+
+
+def test_positions_whose_logits_overflowed_are_counted_and_said():
+    """issue 87: the linear target on SmolLM2 printed "nan" for docutils' every statistic: an activation overflowed
+    at some positions, and nothing said so. They are counted, and the judgement's lines say it."""
+    from normlab.conversion.measure.usage import usage_lines
+
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(20, 9, generator=g)
+    b = a.clone()
+    b[3:6] = float("inf")  # three positions overflowed
+    tally = TokenTally()
+    tally.add(a, b, torch.randint(0, 9, (20,), generator=g))
+    r = tally.result()
+    assert r["nonfinite"] == 3 and r["tokens"] == 20
+    report = {"texts": {"held-out": r}, "stress": {}, "consistency": {"padded": 0.0, "kv_chunks": 0.0},
+              "blowups": {"line": 3.0, "over": []}, "config": {"words": 6}}  # fmt: skip
+    said = usage_lines(report)
+    assert "held-out: the converted model's logits are not finite at 3 of 20 positions" in said, said
 
 
 def test_kl_of_identical_rows_is_zero_and_never_negative():

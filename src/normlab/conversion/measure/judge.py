@@ -98,6 +98,7 @@ class TokenTally:
                 "max": float(kld.max()),
             },
             "same_top1": float(torch.cat(self.same).double().mean()),
+            "nonfinite": int((~torch.isfinite(kld)).sum()),  # positions whose logits overflowed: their KL is nan
         }
         if self.n_ce:
             out["ce_original"], out["ce_converted"] = self.ce[0] / self.n_ce, self.ce[1] / self.n_ce

@@ -423,6 +423,12 @@ def usage_lines(report: dict, markdown: bool = False) -> str:
         "judged as used (KL divergence to the original per token, nats; gap: CE over the original's per sequence)",
         format_table(head, rows, markdown),
     ]
+    for name, t in named:
+        if t.get("nonfinite"):
+            out.append(
+                f"{name}: the converted model's logits are not finite at {t['nonfinite']} of {t['tokens']} positions "
+                "(an activation overflowed), so its statistics on this text read nan"
+            )
     if "long" in report:
         out.append("gap by position: " + ", ".join(f"{k} {_n(v)}" for k, v in report["long"]["by_position"].items()))
     stress = ", ".join(f"{k} {_n(t['gap']['worst'])}" for k, t in report["stress"].items())
