@@ -90,12 +90,8 @@ def test_a_masked_lm_is_refused_before_the_judgement(tmp_path, capsys):
     assert not (tmp_path / "conv" / "evaluation.json").exists()
 
 
-def test_a_read_only_folder_is_refused_before_minutes_of_judging(tmp_path, capsys):
-    """issue 85: `normlab evaluate` on a read-only folder judged for minutes, then failed raw writing its report.
-    Here the folder sits on a tmpfs remounted read-only: refused at once, naming the report, nothing loaded."""
-    import shutil
-    import subprocess
-
+def _tiny_conversion(tmp_path):
+    """A tiny Llama with a tokenizer (the original) and its quick conversion by `normlab convert` (the folder)."""
     src = tmp_path / "llama"
     tiny_lm(seed=4).save_pretrained(src)
     tiny_tokenizer().save_pretrained(src)
@@ -104,6 +100,16 @@ def test_a_read_only_folder_is_refused_before_minutes_of_judging(tmp_path, capsy
     argv = ["convert", "--model", str(src), "--calibrate", str(tmp_path / "text.txt"), "--seq-len", "16",
             "--sequences", "4", "--eval-text", "none", "--no-progress", "--out", str(built)]  # fmt: skip
     assert main(argv) == 0
+    return src, built
+
+
+def test_a_read_only_folder_is_refused_before_minutes_of_judging(tmp_path, capsys):
+    """issue 85: `normlab evaluate` on a read-only folder judged for minutes, then failed raw writing its report.
+    Here the folder sits on a tmpfs remounted read-only: refused at once, naming the report, nothing loaded."""
+    import shutil
+    import subprocess
+
+    src, built = _tiny_conversion(tmp_path)
     mount = tmp_path / "ro"
     mount.mkdir()
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mount)], capture_output=True).returncode:
@@ -124,14 +130,7 @@ def test_a_damaged_record_or_config_is_named_with_its_file(tmp_path, capsys):
     """issue 85, the re-try: a folder whose normlab_conversion.json was cut short (a full disk during a copy) made
     `normlab evaluate` print "Expecting value: line 3 column 13 (char 50)", naming no file. The file and the fix are
     named, for the record and for convert_config.json."""
-    src = tmp_path / "llama"
-    tiny_lm(seed=4).save_pretrained(src)
-    tiny_tokenizer().save_pretrained(src)
-    (tmp_path / "text.txt").write_text(TEXT * 4)
-    built = tmp_path / "o"
-    argv = ["convert", "--model", str(src), "--calibrate", str(tmp_path / "text.txt"), "--seq-len", "16",
-            "--sequences", "4", "--eval-text", "none", "--no-progress", "--out", str(built)]  # fmt: skip
-    assert main(argv) == 0
+    _, built = _tiny_conversion(tmp_path)
     for name in ("convert_config.json", "normlab_conversion.json"):
         path = built / name
         path.write_text(path.read_text()[:50])
