@@ -62,7 +62,8 @@ def every_job(rows: list[dict], model: str = "smollm2") -> dict[str, dict]:
     """The newest row (by date, then file order) of every job bench/usable.csv has for ``model``."""
     out: dict[str, tuple] = {}
     for i, r in enumerate(rows):
-        dyisru = "--to dyisru" in r.get("command", "--to dyisru")  # the figures are DyISRU's
+        command = r.get("command") or ""
+        dyisru = "--to " not in command or "--to dyisru" in command  # the figures are DyISRU's
         if r.get("model", model) in (model, "") and r.get("sites") and r.get("held_kld_mean") and dyisru:
             if r["job"] not in out or (r["date"], i) >= out[r["job"]][0]:
                 out[r["job"]] = ((r["date"], i), r)

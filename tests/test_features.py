@@ -43,6 +43,8 @@ def test_a_family_is_measured_by_its_jobs_newest_rows(tmp_path):
     assert measured(table) == {"Qwen2": want}
     table.write_text(head + "\n".join(rows[:2]) + "\n")
     assert "82% same top-1" in measured(table)["Qwen2"]
+    table.write_text(head + "\n".join([*rows, "lin,qwen-coder,normlab convert --to fixed_scale,4,0.95,0.1,9"]) + "\n")
+    assert measured(table) == {"Qwen2": want}  # another target's row is not DyISRU's conversion
 
 
 def test_the_conversion_guide_holds_the_current_family_matrix():

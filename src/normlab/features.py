@@ -160,7 +160,9 @@ def measured(table: Path = USABLE) -> dict[str, str]:
     newest: dict[str, dict] = {}  # a job's later row replaces its earlier one (the table is appended to)
     for row in csv.DictReader(table.open()):
         model = row.get("model") or row["command"].split("--model ")[1].split()[0]
-        if model in CHECKPOINTS and row.get("held_same_top1"):
+        command = row.get("command") or ""
+        dyisru = "--to " not in command or "--to dyisru" in command  # the matrix reads DyISRU's conversions
+        if model in CHECKPOINTS and row.get("held_same_top1") and dyisru:
             newest.pop(row["job"], None)
             newest[row["job"]] = row | {"model": model}
     best: dict[str, dict] = {}

@@ -138,6 +138,7 @@ def fixed_scale(x: Tensor, alpha: Tensor | float, weight: Tensor | None = None, 
     return affine(alpha * x, weight, bias)
 
 
+@fp32_compute
 def layer_scale(x: Tensor, weight: Tensor | None = None, bias: Tensor | None = None) -> Tensor:
     r"""LayerScale (linear): y = weight * x + bias.  The dissection, "Point-wise universality" (diverged there).
 
