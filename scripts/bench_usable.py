@@ -111,6 +111,25 @@ JOBS = {  # name -> the model and the flags after --to dyisru
         "smollm2",
         _budget_heal(0, "0.02", "heal.self_sequences=2048", tokens=163_328, train="all"),
     ),
+    # convert and heal in steps (heal.steps=4): the walk on samples at 0.05, a quarter of the 2x heal's tokens, the
+    # walk again from the healed model (its budget still counted from the original), ... ; and the same walk and
+    # tokens in one shot, so that the steps are the one change
+    "steps_self_kl_0.05_heal_2x": (
+        "smollm2",
+        _budget_heal(
+            0,
+            "0.05",
+            "heal.self_sequences=2048",
+            "budget.metric=kl",
+            "budget.text=self",
+            "heal.steps=4",
+            tokens=326_656,
+        ),
+    ),
+    "budget_self_kl_0.05_heal_2x": (
+        "smollm2",
+        _budget_heal(0, "0.05", "heal.self_sequences=2048", "budget.metric=kl", "budget.text=self", tokens=326_656),
+    ),
     "budget_0.1_heal_4096": ("smollm2", _budget_heal(12, "0.1", "heal.self_sequences=4096")),  # twice the samples
     "budget_0.1_heal_t07": (  # samples nearer the answers a user reads: temperature 0.7
         "smollm2",

@@ -58,9 +58,8 @@ class CalibrateConfig:
     forms, where no channel tells apart the tokens that will carry it (`normlab.conversion.calibrate.massive`);
     "shared": one replacement for every token."""
     target: Literal["original", "local"] = "original"
-    """What each site is fitted to reproduce: the original model's output there, which also corrects the drift
-    inherited from earlier sites, or "local": the original norm applied to the site's input in the model converted
-    so far."""
+    """What each site is fitted to reproduce: the original's output there (which also corrects the drift of earlier
+    sites), or "local": the original norm on the site's input in the model converted so far."""
     max_tokens: int = 4096
     """Calibration tokens kept per site (besides every first token and the massive copies' rows), >= 16."""
     massive: float = 10.0
@@ -122,9 +121,8 @@ class BudgetConfig:
     """A site whose rise in the walk is over this many times its cost alone (at least 0.01 nats) is tried again after
     every other site, so as not to spend the budget cheaper sites could use (0: never; docs/calibration.md)."""
     precision: Literal["auto", "float32", "bf16"] = "auto"
-    """The arithmetic of the walk's measurements (its costs and steps; fits, refits and the command's measurements
-    stay float32): "bf16" autocasts them, "auto" does where the device runs bf16 matmuls natively (a GPU, a CPU with
-    AVX512-BF16 or AMX), else float32. On SmolLM2 a bf16 pass takes 2.7 s against 6.7 s, 0.002 nats higher."""
+    """The arithmetic of the walk's measurements (fits, refits and the command's stay float32): "bf16" autocasts them,
+    "auto" where the device runs bf16 matmuls natively (GPU, AVX512-BF16, AMX). SmolLM2: 2.7 s a pass, not 6.7."""
 
     def validate(self, calibrated: bool = True) -> None:
         self.check()
@@ -188,12 +186,14 @@ class HealConfig:
     """The heal's checkpoint file; None: OUT.heal.pt when there is an output folder."""
     resume: bool = False
     """Continue a heal from its checkpoint."""
+    steps: int = 1
+    """Convert and heal in steps: the walk, a heal of 1/steps of the budget, the walk again on the healed model (its
+    budget still counted from the original), and so on; 1: one walk, then one heal (`normlab.conversion.steps`)."""
     text: Literal["text", "self", "self+text"] = "text"
     """What the heal trains on: the conversion text's stream, "self" (the original's own samples) or "self+text"."""
     self_sequences: int | None = None
-    """Sequences sampled from the original (cached on disk). None: `HEAL_SAMPLES` (1,024) for a heal on samples;
-    without one, only what calibration and the budget walk on samples can read, 2 x ``sequences`` + 8 (72 at the
-    defaults), so that a walk does not draw a heal's set to read 32 of it (`ConvertConfig.sample_count`)."""
+    """Sequences sampled from the original (cached on disk). None: `HEAL_SAMPLES` (1,024) for a heal on samples,
+    else what calibration and the walk on samples read, 2 x ``sequences`` + 8 (`ConvertConfig.sample_count`)."""
     self_fraction: float = 0.5
     """Of every "self+text" batch, the part drawn from the samples."""
     starts: Literal["varied", "bos"] = "varied"
@@ -247,7 +247,7 @@ class HealConfig:
                 "splits its budget per block with a constant rate"
             )
         for name, least in (("batch_size", 1), ("lora_rank", 1), ("eval_every", 1), ("self_sequences", 2), ("seed", 0),
-                            ("teacher_top_k", 1)):  # fmt: skip
+                            ("teacher_top_k", 1), ("steps", 1)):  # fmt: skip
             v = getattr(self, name)
             if v is None and name in ("eval_every", "teacher_top_k", "self_sequences"):
                 continue  # None: every 8 steps; the live teacher; the count `ConvertConfig.sample_count` gives
@@ -277,7 +277,7 @@ class HealConfig:
             default = HealConfig.__dataclass_fields__
             given = [
                 flag(f"heal.{n}")
-                for n in ("objective", "train", "lr", "resume", "checkpoint", "text", "schedule")
+                for n in ("objective", "train", "lr", "resume", "checkpoint", "text", "schedule", "steps")
                 if getattr(self, n) != default[n].default
             ]
             if given:
@@ -383,18 +383,15 @@ class ConvertConfig:
         auto_choice()  # NORMLAB_KERNEL, if set, must be valid
         if self.text is not None and not self.text.strip():
             raise ValueError(f"{flag('text')} must name a text file, got {self.text!r}")
-        if self.eval_text is not None and not self.eval_text.strip():
-            raise ValueError(f"{flag('eval_text')} must be 'docs', a text file, or none, got {self.eval_text!r}")
         if self.out is not None and not self.out.strip():
             raise ValueError(f"{flag('out')} is empty; name a folder")
-        if self.device == "cuda":
-            import torch
-
-            if not torch.cuda.is_available():
-                raise ValueError(
-                    f"{flag('device')} cuda: this machine has no CUDA device (torch.cuda.is_available() is False, "
-                    f"torch {torch.__version__}); use --device cpu"
-                )
+        if self.eval_text is not None and not self.eval_text.strip():
+            raise ValueError(f"{flag('eval_text')} must be 'docs', a text file, or none, got {self.eval_text!r}")
+        if self.device == "cuda" and not (torch := __import__("torch")).cuda.is_available():
+            raise ValueError(
+                f"{flag('device')} cuda: this machine has no CUDA device (torch.cuda.is_available() is False, "
+                f"torch {torch.__version__}); use --device cpu"
+            )
         for name, least in (("seq_len", 2), ("sequences", 1)):
             if getattr(self, name) < least:
                 raise ValueError(f"{flag(name)} must be >= {least}, got {getattr(self, name)!r}")
@@ -403,6 +400,9 @@ class ConvertConfig:
         if not all(isinstance(v, dict) for v in self.site_init.values()):
             raise ValueError(f"site_init must map name patterns to init tables, got {self.site_init!r}")
         self.budget.validate(calibrated=self.calibrate.enabled)
+        if self.heal.steps > 1 and (self.budget.nats is None or self.heal.resume):
+            why = f"give {flag('budget.nats')}" if self.budget.nats is None else f"drop {flag('heal.resume')}"
+            raise ValueError(f"{flag('heal.steps')} {self.heal.steps} walks the budget afresh after each heal: {why}")
         c = self.calibrate
         if c.enabled and not spec.fits:
             raise ValueError(
@@ -437,11 +437,11 @@ class ConvertConfig:
             if idle and getattr(h, name) != plain[name].default:
                 raise ValueError(f"{flag('heal.' + name)} does nothing here: only {needs} uses it; drop it")
         step = h.batch_size * self.seq_len
-        if h.tokens is not None and step > h.tokens:
+        if h.tokens is not None and step > h.tokens // h.steps:
+            each = f" gives each of {flag('heal.steps')} {h.steps}" if h.steps > 1 else ""
             raise ValueError(
                 f"{flag('heal.batch_size')} {h.batch_size} x {flag('seq_len')} {self.seq_len} = {step:,} tokens a "
-                f"step, more than the whole budget {flag('heal.tokens')} {h.tokens:,}: lower the batch or raise the "
-                "budget"
+                f"step, more than the budget {flag('heal.tokens')} {h.tokens:,}{each}: lower the batch or raise it"
             )
 
     def identity(self, **facts) -> dict:

@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from normlab.conversion.batches import as_batches, autocast_dtype, sharing_copy, swap
+from normlab.conversion.batches import as_batches, autocast_dtype, model_device, sharing_copy, swap
 from normlab.conversion.calibrate.stream import BlockReplay, find_blocks
 from normlab.conversion.config import BudgetConfig, CalibrateConfig
 from normlab.conversion.convert import convert_norms
@@ -254,6 +254,7 @@ def frontier(
     *,
     budget: BudgetConfig | None = None,
     progress: bool | None = None,
+    reference: nn.Module | None = None,
     **convert_kwargs: object,
 ) -> tuple[Frontier, ConversionRecord]:
     """Rank ``model``'s norms by the cost of converting each alone to ``to`` and walk them cheapest first (see
@@ -273,6 +274,9 @@ def frontier(
             as converted so far (0 keeps the independent fits). ``refit_every=K`` fits every kept site again after
             every K, keeping the refit only where it lowers the cross-entropy on ``held``.
         progress: progress bars (None: only on a terminal).
+        reference: the model the budget is counted from (the KL's reference, the cross-entropy it may rise above),
+            when ``model`` is already part-converted and healed (``heal.steps``); None: ``model`` as given. Its
+            ``ce_original`` is then the reference's and the curve starts at ``model``'s own.
         **convert_kwargs: passed to `convert_norms` (``per``, ``init``, ``include``, ``massive_tokens``, ``config``).
 
     Returns:
@@ -292,12 +296,23 @@ def frontier(
     costs = site_costs(model, fitted, rank, progress=progress, dtype=dtype, metric=budget.metric)
     order = sorted(costs, key=lambda n: costs[n] if math.isfinite(costs[n]) else math.inf)
     # each step measured from its block on
-    replay = BlockReplay(model, held, find_blocks(model, order), order, dtype, measure_of(budget.metric))
+    measure = measure_of(budget.metric)
+    floor = None if reference is None else _reference_measure(reference, held, measure, dtype)
+    replay = BlockReplay(model, held, find_blocks(model, order), order, dtype, measure)
     skip = budget.walk == "skip"
+    now = replay.measure()
     front = Frontier(
-        to, replay.measure(), costs, order, [], budget.nats, skip=skip, precision=precision, metric=budget.metric
+        to,
+        now if floor is None else floor,
+        costs,
+        order,
+        [],
+        budget.nats,
+        skip=skip,
+        precision=precision,
+        metric=budget.metric,
     )
-    front.curve.append(front.ce_original)
+    front.curve.append(now)
     by_name = {s.name: s for s in record.sites}
     walk = _Walk(to, calib[: budget.refit_batches], convert_kwargs, replay, fitted, by_name)
     try:
@@ -315,6 +330,18 @@ def frontier(
         _note_budget(record, model, front, walk.originals)
     front.seconds = time.monotonic() - start
     return front, record
+
+
+def _reference_measure(reference: nn.Module, held: list, measure, dtype) -> float:
+    """The walk's measure of ``reference`` on ``held`` (its cross-entropy; for the KL, 0, and ``measure`` records
+    it as the reference every later measurement is compared with)."""
+    from normlab.conversion.measure.fidelity import cross_entropy
+
+    run = cross_entropy if measure is None else measure
+    if dtype is None:
+        return run(reference, held)
+    with torch.autocast((model_device(reference) or torch.device("cpu")).type, dtype=dtype):
+        return run(reference, held)
 
 
 def _walk(model: nn.Module, front: Frontier, budget: BudgetConfig, walk: _Walk, progress: bool | None) -> None:

@@ -4,13 +4,16 @@ printed as it goes where asked, and the library warnings that do not concern the
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
+import os
 import re
 import sys
 import time
 import warnings
+from pathlib import Path
 
-__all__ = ["Stages", "library_noise", "peak_rss_gb"]
+__all__ = ["Stages", "library_noise", "peak_rss_gb", "stages_file", "earlier_stages", "count_every_process"]
 
 
 def _reset_peak() -> bool:
@@ -108,3 +111,65 @@ def library_noise():
             onnx_log.setLevel(level)
             for h in handlers:
                 h.removeFilter(quiet)
+
+
+def stages_file(ckpt: str) -> Path:
+    """Where a heal's stage seconds are kept between its processes: beside its checkpoint.
+
+    Args:
+        ckpt: The heal checkpoint's path.
+    """
+    return Path(f"{ckpt}.stages.json")
+
+
+def earlier_stages(ckpt: str | None, resume: bool, stages: Stages) -> dict:
+    """The stage seconds of the processes before this one, for a heal resumed from its checkpoint (read from
+    ``<checkpoint>.stages.json``; {} for a fresh heal); then that file is rewritten with them plus this process's
+    stages so far, so that a process killed during the heal leaves its share for the next. The heal's own seconds
+    over all processes are in its report (`count_every_process`).
+
+    Args:
+        ckpt: The heal checkpoint's path, or None (no checkpoint: nothing to count).
+        resume: Whether this process resumes the heal.
+        stages: This process's stages so far.
+    """
+    if ckpt is None:
+        return {}
+    where = stages_file(ckpt)
+    earlier: dict = {}
+    if resume and Path(ckpt).is_file():
+        try:
+            if where.is_file():
+                earlier = {k: float(v) for k, v in json.loads(where.read_text()).get("stages", {}).items()}
+            import torch  # the heal's seconds before this process, as its checkpoint's report counts them
+
+            state = torch.load(ckpt, map_location="cpu", mmap=True, weights_only=False)
+            earlier["heal"] = float(state["report"]["seconds"])
+        except Exception as e:  # noqa: BLE001  (an unreadable record only loses the count; the heal checks its own)
+            print(
+                f"the earlier processes' stage seconds could not be read ({type(e).__name__}): this run's stages "
+                "count only this process",
+                file=sys.stderr,
+            )
+    mine = dict(stages.seconds)
+    before = {k: v for k, v in earlier.items() if k != "heal"}  # the checkpoint holds the heal's own count
+    upto = {k: round(before.get(k, 0.0) + mine.get(k, 0.0), 2) for k in {**before, **mine}}
+    tmp = where.with_suffix(".tmp")
+    try:
+        tmp.write_text(json.dumps({"stages": upto, "processes": int(bool(earlier)) + 1}) + "\n")
+        os.replace(tmp, where)
+    except OSError:
+        pass  # the checkpoint's own folder was checked writable: a failure here only loses the count
+    return earlier
+
+
+def count_every_process(stages: Stages, earlier: dict) -> None:
+    """A resumed heal's stages as every process spent them: each stage's seconds plus the earlier processes', and
+    the heal's from its checkpoint (this process's share alone made a resumed cell's minutes too small, issue 85).
+
+    Args:
+        stages: This process's stages, updated in place.
+        earlier: What `earlier_stages` read.
+    """
+    for k, v in earlier.items():
+        stages.seconds[k] = round(stages.seconds.get(k, 0.0) + v, 2)

@@ -11,7 +11,6 @@ import dataclasses
 import fnmatch
 import hashlib
 import json
-import os
 import shlex
 import shutil
 import sys
@@ -45,7 +44,7 @@ from normlab.conversion.hf import (
 from normlab.conversion.measure.fidelity import predicts_next_token
 from normlab.conversion.measure.judge import TokenTally
 from normlab.conversion.measure.usage import usage_lines, usage_report
-from normlab.conversion.stages import Stages
+from normlab.conversion.stages import Stages, count_every_process, earlier_stages, stages_file
 from normlab.conversion.texts import ConversionTexts, conversion_texts
 from normlab.corpus import fetch_shakespeare, sha256_file
 from normlab.errors import NormlabError
@@ -214,14 +213,23 @@ def _convert(job: _Job, markdown: bool) -> dict:
     if cfg.heal.budgeted:
         with stages("samples") if cfg.heal.text != "text" else contextlib.nullcontext():
             splits = heal_splits(texts.splits, original, cfg.heal, starts=starts, progress=progress)
-        earlier = _earlier_stages(job, stages)  # a resumed heal: what the processes before this one spent
-        with stages("heal"):
-            rep, guard = _guarded_heal(job, original, net, splits, record, tokenizer)
-        _count_every_process(stages, earlier)
+        earlier = earlier_stages(
+            job.ckpt, job.cfg.heal.resume, stages
+        )  # a resumed heal: what the processes before this one spent
+        steps = None
+        if cfg.heal.steps > 1:
+            models = _Models(original, net, tokenizer, stages)
+            rep, guard, steps = _heal_in_steps(job, models, texts, splits, record, walk)
+        else:
+            with stages("heal"):
+                rep, guard = _guarded_heal(job, original, net, splits, record, tokenizer)
+        count_every_process(stages, earlier)
         before = fid
         with stages("measurement"):
             fid, tallies = _measure(original, net, texts, record, judging)
         fid["heal"] = {**rep.to_dict(), "guard": guard}
+        if steps is not None:  # "heal" is the last step's; here every step's walk and heal
+            fid["heal_steps"] = steps
         fid["before_heal"] = {k: before[k] for k in ("ce_converted", "kl") if k in before}
         if "second_text" in before:
             fid["before_heal"]["second_text"] = before["second_text"]
@@ -242,7 +250,7 @@ def _convert(job: _Job, markdown: bool) -> dict:
         with quiet(not progress):
             _save(job, net, record, tokenizer, fid, rep)
     if ckpt is not None:  # the job is whole: every process's count is in its record
-        _stages_file(ckpt).unlink(missing_ok=True)
+        stages_file(ckpt).unlink(missing_ok=True)
     if cfg.out:
         if ckpt is not None and cfg.heal.checkpoint is None:  # the default heal checkpoint has served its purpose
             Path(ckpt).unlink(missing_ok=True)
@@ -293,11 +301,12 @@ def _on_samples(cfg: ConvertConfig, net, texts: ConversionTexts, starts, progres
     return texts
 
 
-def _convert_sites(cfg: ConvertConfig, net, texts: ConversionTexts, progress: bool):
+def _convert_sites(cfg: ConvertConfig, net, texts: ConversionTexts, progress: bool, reference=None):
     """The conversion itself (every site, or the frontier's within ``budget.nats``); prints what it did. Returns
     the record and, for a budget, what the walk saw. The budget walk decides on the validation split (text the heal
     never trains on and the held-out measurement never reuses), so the held-out cross-entropy printed after it is
-    an honest estimate, not the number the walk was chosen to keep under the budget."""
+    an honest estimate, not the number the walk was chosen to keep under the budget. ``reference``: the original,
+    for a walk on a model already part-converted and healed (``heal.steps``): the budget counts from it."""
     c, b, calib = cfg.calibrate, cfg.budget, texts.calib
     select = texts.selection()
     sites_cfg = dataclasses.replace(cfg, heal=HealConfig(), budget=BudgetConfig())  # what convert_norms runs
@@ -312,6 +321,7 @@ def _convert_sites(cfg: ConvertConfig, net, texts: ConversionTexts, progress: bo
             config=sites_cfg,
             include=include,
             progress=progress,
+            reference=reference,
         )  # the frontier ranks on independent fits
         n_select = sum(len(b) for b in select)
         print(
@@ -353,50 +363,54 @@ def _selection_words(b: BudgetConfig) -> str:
     return "of the original's own samples" if b.text == "self" else "validation sequences"
 
 
-def _stages_file(ckpt: str) -> Path:
-    return Path(f"{ckpt}.stages.json")
+@dataclasses.dataclass(frozen=True)
+class _Models:
+    """What a heal in steps works with: the original (the teacher and the walk's reference), the model converted and
+    healed in place, the tokenizer (the guard's prefixes), the stages it counts in."""
+
+    original: object
+    net: object
+    tokenizer: object
+    stages: Stages
 
 
-def _earlier_stages(job: _Job, stages: Stages) -> dict:
-    """The stage seconds of the processes before this one, for a heal resumed from its checkpoint (read from
-    ``<checkpoint>.stages.json``; {} for a fresh heal); then that file is rewritten with them plus this process's
-    stages so far, so that a process killed during the heal leaves its share for the next. The heal's own seconds
-    over all processes are in its report (`_count_every_process`)."""
-    if job.ckpt is None:
-        return {}
-    where = _stages_file(job.ckpt)
-    earlier: dict = {}
-    if job.cfg.heal.resume and Path(job.ckpt).is_file():
-        try:
-            if where.is_file():
-                earlier = {k: float(v) for k, v in json.loads(where.read_text()).get("stages", {}).items()}
-            import torch  # the heal's seconds before this process, as its checkpoint's report counts them
-
-            state = torch.load(job.ckpt, map_location="cpu", mmap=True, weights_only=False)
-            earlier["heal"] = float(state["report"]["seconds"])
-        except Exception as e:  # noqa: BLE001  (an unreadable record only loses the count; the heal checks its own)
-            print(
-                f"the earlier processes' stage seconds could not be read ({type(e).__name__}): this run's stages "
-                "count only this process",
-                file=sys.stderr,
-            )
-    mine = dict(stages.seconds)
-    before = {k: v for k, v in earlier.items() if k != "heal"}  # the checkpoint holds the heal's own count
-    upto = {k: round(before.get(k, 0.0) + mine.get(k, 0.0), 2) for k in {**before, **mine}}
-    tmp = where.with_suffix(".tmp")
-    try:
-        tmp.write_text(json.dumps({"stages": upto, "processes": int(bool(earlier)) + 1}) + "\n")
-        os.replace(tmp, where)
-    except OSError:
-        pass  # the checkpoint's own folder was checked writable: a failure here only loses the count
-    return earlier
-
-
-def _count_every_process(stages: Stages, earlier: dict) -> None:
-    """A resumed heal's stages as every process spent them: each stage's seconds plus the earlier processes', and
-    the heal's from its checkpoint (this process's share alone made a resumed cell's minutes too small, issue 85)."""
-    for k, v in earlier.items():
-        stages.seconds[k] = round(stages.seconds.get(k, 0.0) + v, 2)
+def _heal_in_steps(job: _Job, models: _Models, texts: ConversionTexts, splits, record, walk: dict):
+    """``heal.steps`` > 1: heal a share of the budget, walk again from the healed model (its budget counted from the
+    original, so each walk adds what the heal made room for), and so on; the last step is a heal. Each heal is
+    guarded, and starts afresh (its checkpoint removed once it is done). ``record`` grows by each walk's sites
+    (``walk``: what the first walk saw).
+    Returns the last heal's report and guard, and every step's sites, walk and heal."""
+    cfg, n, net, h = job.cfg, job.cfg.heal.steps, models.net, job.cfg.heal
+    minutes, tokens = (None if h.minutes is None else h.minutes / n), (None if h.tokens is None else h.tokens // n)
+    one = dataclasses.replace(
+        job, cfg=dataclasses.replace(cfg, heal=dataclasses.replace(h, minutes=minutes, tokens=tokens, steps=1))
+    )
+    steps, left = [], walk["converted"] < walk["sites"]  # a walk that took every site it saw leaves none
+    for k in range(n):
+        walked = None
+        if k and left:
+            with models.stages("budget walk"):
+                more, walked = _convert_sites(cfg, net, texts, job.progress, reference=models.original)
+            left = walked["converted"] < walked["sites"]
+            order = {name: i for i, (name, _) in enumerate(net.named_modules())}
+            record.sites = sorted(record.sites + more.sites, key=lambda site: order[site.name])
+            record.skipped, record.notes = more.skipped, record.notes + more.notes
+        print(f"step {k + 1} of {n}: healing the {len(record.sites)} sites converted so far")
+        with models.stages("heal"):
+            rep, guard = _guarded_heal(one, models.original, net, splits, record, models.tokenizer)
+        if job.ckpt is not None:
+            Path(job.ckpt).unlink(missing_ok=True)  # the next step's heal is another heal
+        added = None if walked is None else {key: walked[key] for key in ("converted", "ce_original", "ce_converted")}
+        steps.append(
+            {
+                "sites": len(record.sites),
+                "walk": added,
+                "tokens": rep.tokens,
+                "seconds": round(rep.seconds, 1),
+                "kept": guard["kept"],
+            }
+        )
+    return rep, guard, steps
 
 
 def _guarded_heal(job: _Job, original, net, splits, record, tokenizer):
