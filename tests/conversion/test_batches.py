@@ -112,3 +112,29 @@ def test_bf16_insisted_on_a_cpu_without_it_warns_that_it_is_emulated_and_auto_ta
         warnings.simplefilter("error")
         expected = (torch.bfloat16, "bf16 autocast (heal.precision=bf16)")
         assert autocast_dtype("bf16", model, "heal.precision") == expected
+
+
+def test_auto_takes_bf16_only_where_this_cpu_runs_it_faster(monkeypatch):
+    """An Intel Xeon VM advertising AVX512-BF16 ran a bf16 matmul at 0.6x float32's speed, and "auto" took bf16
+    there on the flag alone (a slower walk, sampling and heal). It now times both once (`cpu_bf16_speed`) and takes
+    bf16 only where it is `BF16_GAIN` times faster, saying why it did not."""
+    import normlab.conversion.batches as batches
+    import normlab.errors
+
+    model = nn.Linear(4, 3)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    monkeypatch.setattr(normlab.errors, "check_cpu_bf16", lambda **kw: None)
+    monkeypatch.setattr(batches, "cpu_bf16_speed", lambda: 0.6)
+    assert batches.autocast_dtype("auto", model, "budget.precision") == (
+        None,
+        "float32 (budget.precision=auto: a bf16 matmul runs at 0.60x float32's speed on this CPU)",
+    )
+    assert batches.autocast_dtype("bf16", model, "budget.precision")[0] is torch.bfloat16  # asked for: taken
+    monkeypatch.setattr(batches, "cpu_bf16_speed", lambda: 2.4)
+    assert batches.autocast_dtype("auto", model, "budget.precision") == (
+        torch.bfloat16,
+        "bf16 autocast (budget.precision=auto)",
+    )
+    monkeypatch.undo()
+    speed = batches.cpu_bf16_speed()  # the real timing: a positive ratio, once per process
+    assert speed > 0 and batches.cpu_bf16_speed() is speed

@@ -122,7 +122,7 @@ class BudgetConfig:
     every other site, so as not to spend the budget cheaper sites could use (0: never; docs/calibration.md)."""
     precision: Literal["auto", "float32", "bf16"] = "auto"
     """The arithmetic of the walk's measurements (fits, refits and the command's stay float32): "bf16" autocasts them,
-    "auto" where the device runs bf16 matmuls natively (GPU, AVX512-BF16, AMX). SmolLM2: 2.7 s a pass, not 6.7."""
+    "auto" where bf16 matmuls run natively and faster (a GPU; a CPU: `batches.cpu_bf16_speed`), else float32."""
 
     def validate(self, calibrated: bool = True) -> None:
         self.check()

@@ -91,7 +91,7 @@ def site_costs(
     *,
     progress: bool | None = None,
     dtype: torch.dtype | None = None,
-    metric: str = "ce",
+    metric: str | Callable[[nn.Module, list], float] = "ce",
 ) -> dict[str, float]:
     """The cross-entropy rise (``metric="kl"``: the KL to the original) of each site of ``fitted`` (name ->
     calibrated replacement) swapped into ``model`` alone, on ``batches``; ``model`` is left as it was. Each is
@@ -103,12 +103,13 @@ def site_costs(
         batches: The measurement batches.
         progress: Show a progress bar; None: when stderr is a terminal.
         dtype: The autocast dtype of the measurements (bf16), or None for float32.
-        metric: "ce" or "kl" (`BudgetConfig.metric`).
+        metric: "ce" or "kl" (`BudgetConfig.metric`), or a fresh measure (``ReferenceKL(every=4)``).
     """
     from tqdm.auto import tqdm
 
     batches = list(as_batches(batches))
-    replay = BlockReplay(model, batches, find_blocks(model, list(fitted)), list(fitted), dtype, measure_of(metric))
+    measure = metric if callable(metric) else measure_of(metric)
+    replay = BlockReplay(model, batches, find_blocks(model, list(fitted)), list(fitted), dtype, measure)
     base = replay.measure()  # the original's (0 for the KL: its first measurement records the reference)
     costs = {}
     for name in tqdm(

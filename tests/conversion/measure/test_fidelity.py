@@ -87,6 +87,37 @@ def test_reference_kl_reads_0_on_its_reference_then_the_kl_to_it_by_hand():
         fid_mod.ReferenceKL(k=0)
 
 
+def test_reference_kl_on_every_nth_position_runs_the_output_layer_on_those_alone():
+    """``ReferenceKL(every=n)``, the walk's ranking measure: the KL at positions 0, n, 2n, ... exactly, each with its
+    whole context, while the output layer sees only those rows; masked positions still do not count."""
+    import torch
+
+    model = tiny_lm("Llama", layers=2, initializer_range=0.3)
+    changed = copy.deepcopy(model)
+    normlab.convert_norms(changed, "dyt", include=lambda n, m: n == "model.layers.0.input_layernorm")
+    batches = id_batches(2, t=12)
+    mask = torch.ones_like(batches[0])
+    mask[0, :5] = 0
+    runs = [{"input_ids": batches[0], "attention_mask": mask}, batches[1]]
+    rows = []
+    head = changed.get_output_embeddings().register_forward_hook(lambda mod, args, out: rows.append(out.shape[1]))
+    thin = fid_mod.ReferenceKL(every=3)
+    thin(model, runs)
+    got = thin(changed, runs)
+    head.remove()
+    assert rows == [4, 4]  # positions 0, 3, 6, 9 of 12
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for run, m in zip(runs, (mask, torch.ones_like(batches[1]))):
+            kw = run if isinstance(run, dict) else {"input_ids": run}
+            p, q = (net(**kw).logits.log_softmax(-1)[:, ::3] for net in (model, changed))
+            kl = (p.exp() * (p - q)).sum(-1)[m[:, ::3].bool()]
+            total, count = total + float(kl.sum()), count + kl.numel()
+    assert count == 30 and got == pytest.approx(total / count, rel=1e-4)  # 8 rows of 4; positions 0 and 3 of one masked
+    with pytest.raises(ValueError, match="every must be an int >= 1"):
+        fid_mod.ReferenceKL(every=0)
+
+
 def test_a_batch_that_fails_is_named_by_its_stage():
     """issue 85: a held-out batch (or a heal's) that the model could not run was reported as "calibration batch 0",
     whatever the stage. Each error now names the stage that ran it and the batch, with the cause."""
