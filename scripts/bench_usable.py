@@ -111,10 +111,10 @@ JOBS = {  # name -> the model and the flags after --to dyisru
         "smollm2",
         _budget_heal(0, "0.02", "heal.self_sequences=2048", tokens=163_328, train="all"),
     ),
-    # convert and heal in steps (heal.steps=4): the walk on samples at 0.05, a quarter of the 2x heal's tokens, the
-    # walk again from the healed model (its budget still counted from the original), ... ; and the same walk and
-    # tokens in one shot, so that the steps are the one change
-    "steps_self_kl_0.05_heal_2x": (
+    # convert and heal in steps (heal.steps=4): budget_self_kl_0.05_heal_tokens's walk, samples and heal tokens, the
+    # heal in four shares with the walk again after each (its budget still counted from the original), so that the
+    # steps are the one change
+    "steps_self_kl_0.05_heal_tokens": (
         "smollm2",
         _budget_heal(
             0,
@@ -123,12 +123,8 @@ JOBS = {  # name -> the model and the flags after --to dyisru
             "budget.metric=kl",
             "budget.text=self",
             "heal.steps=4",
-            tokens=326_656,
-        ),
-    ),
-    "budget_self_kl_0.05_heal_2x": (
-        "smollm2",
-        _budget_heal(0, "0.05", "heal.self_sequences=2048", "budget.metric=kl", "budget.text=self", tokens=326_656),
+            tokens=163_328,
+        ),  # fmt: skip
     ),
     "budget_0.1_heal_4096": ("smollm2", _budget_heal(12, "0.1", "heal.self_sequences=4096")),  # twice the samples
     "budget_0.1_heal_t07": (  # samples nearer the answers a user reads: temperature 0.7
