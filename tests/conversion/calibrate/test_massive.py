@@ -44,10 +44,15 @@ def test_early_token_batches_are_empty_when_the_batches_are_not_plain_token_ids(
 
 def test_early_rows_are_the_original_models_first_two_positions():
     """A causal model's first positions see only the tokens before them: the rows taken from the [t, t] pairs equal
-    the model's activations at positions 0 and 1 of a long sequence that starts with t, t."""
+    the model's activations at positions 0 and 1 of a long sequence that starts with t, t. On the original
+    (``sequential=False``, each budget-walk refit) inputs and outputs come from one pass over the pairs, not two."""
     model = tiny_lm()
     name = "model.layers.1.input_layernorm"
+    passes = []
+    counting = model.register_forward_pre_hook(lambda m, a: passes.append(1))
     rows = MassiveRows(model, id_batches(2), {name: -1}, max_tokens=4096, sequential=False)
+    counting.remove()
+    assert len(passes) == len(rows.pairs)
     pairs = torch.cat(rows.pairs)
     x, y = rows(model, name)
     assert x.shape == y.shape == (2 * len(pairs), 32)

@@ -267,13 +267,14 @@ def early_token_batches(batches: list, max_tokens: int, size: int = 256) -> list
 def early_rows(model: nn.Module, pairs: list, dims: dict[str, int], kind: str) -> dict[str, Tensor]:
     """Each site's input (``kind="in"``) or output ("out") at the positions of the two-token ``pairs``, in the model
     as it is now, channels last, (N * 2, C) in the order (sequence, position); each pass stops once every site has
-    run.
+    run. ``kind="both"`` takes both in the one pass: name -> the input's rows and the output's, side by side
+    (N * 2, 2, C).
 
     Args:
         model: The model.
         pairs: The two-token batches (`early_token_batches`).
         dims: Site name -> its channel dim.
-        kind: "in" for the sites' inputs, "out" for their outputs.
+        kind: "in" for the sites' inputs, "out" for their outputs, "both" for both.
     """
     names = list(dims)
     rows = {n: [] for n in names}
@@ -281,7 +282,9 @@ def early_rows(model: nn.Module, pairs: list, dims: dict[str, int], kind: str) -
 
     def hook(n):
         def grab(mod, args, y=None):
-            rows[n].append(_rows(args[0] if kind == "in" else y, dims[n]))
+            x = args[0]
+            rows[n].append(torch.stack([_rows(x, dims[n]), _rows(y, dims[n])], 1) if kind == "both" else
+                           _rows(x if kind == "in" else y, dims[n]))  # fmt: skip
             fired.add(n)
             if len(fired) == len(names):  # every site has run on this batch: the rest of the model is idle
                 raise Stop
@@ -321,10 +324,14 @@ class MassiveRows:
         self.pairs, self.dims = early_token_batches(batches, max_tokens), dims
         self.ready = bool(self.pairs)
         self.stream = stream if self.ready else None  # a BlockStream of the pairs, recorded in the targets' pass
+        self.inputs = None
+        if self.ready and not sequential and self.stream is None:  # both from the one pass of the original
+            both = early_rows(model, self.pairs, dims, "both")
+            self.inputs, self.targets = ({n: r[:, k] for n, r in both.items()} for k in (0, 1))
+            return
         tail = [n for n in dims if self.stream is not None and self.stream.block_of(n) is None]
         with self.stream.record(tail) if self.stream is not None else contextlib.nullcontext():
             self.targets = early_rows(model, self.pairs, dims, "out") if self.ready else {}
-        self.inputs = early_rows(model, self.pairs, dims, "in") if self.ready and not sequential else None
 
     def __call__(self, model: nn.Module, name: str) -> tuple[Tensor, Tensor]:
         """Site ``name``'s (input, original output) rows at the pairs' positions."""
