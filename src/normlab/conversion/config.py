@@ -100,23 +100,22 @@ class BudgetConfig:
     """Converting only the sites that fit within a rise of held-out cross-entropy (`normlab.conversion.frontier`)."""
 
     nats: float | None = None
-    """Convert only the sites that fit within this rise of ``metric`` on a validation split, cheapest first
-    (--budget-nats); None converts every site."""
+    """Convert only the sites that fit within this rise of ``metric``, cheapest first (--budget-nats); None: all."""
     metric: Literal["ce", "kl"] = "ce"
     """What the walk ranks and measures by: the rise of next-token cross-entropy on the text, or "kl", the mean KL
     divergence to the original per position (`normlab.conversion.measure.fidelity.ReferenceKL`)."""
     text: Literal["text", "self"] = "text"
-    """What the walk selects on: the text's validation split, or "self", ``sequences`` of the original's own samples
-    (after those ``calibrate.source = "self"`` fits on)."""
+    """What the walk selects on: the text's validation split, or "self": ``sequences`` of the original's own samples."""
     walk: Literal["skip", "stop"] = "skip"
     """At a site over the budget: "skip" it and go on, or "stop" the walk there."""
     refit_every: int = 4
     """Refit every converted site after each K kept, where it lowers the cross-entropy (0: never)."""
     rank_batches: int = 4
     """Calibration batches (8 sequences each) each site's cost alone is ranked on."""
+    rank_every: int = 4
+    """With ``metric="kl"``, the ranking reads every n-th position of those (`ReferenceKL` ``every``; 1: every one)."""
     refit_batches: int = 1
-    """Calibration batches each site is fitted again on, in the model converted so far, when its turn comes (0: it
-    keeps its fit on the original's activations)."""
+    """Calibration batches each site is fitted again on, in the model converted so far, at its turn (0: never)."""
     defer: float = 3.0
     """A site whose rise in the walk is over this many times its cost alone (at least 0.01 nats) is tried again after
     every other site, so as not to spend the budget cheaper sites could use (0: never; docs/calibration.md)."""
@@ -143,6 +142,7 @@ class BudgetConfig:
             )
         int_at_least("budget.refit_every", self.refit_every, 0, " (sites between refits; 0: never)")
         int_at_least("budget.rank_batches", self.rank_batches, 1, " (calibration batches)")
+        int_at_least("budget.rank_every", self.rank_every, 1, " (every n-th position)")
         int_at_least("budget.refit_batches", self.refit_batches, 0, " (calibration batches; 0: no refit)")
         if not (finite(self.defer) and (self.defer == 0 or self.defer >= 1)):
             raise ValueError(

@@ -11,7 +11,8 @@ config, so the function and the command walk alike by construction.
    for that site converted alone, and one pass fits them all.
 2. Its cost is the rise in next-token cross-entropy it causes alone, measured on the first ``rank_batches``
    calibration batches (the held-out text decides nothing about the order); with ``budget.metric="kl"``, the mean
-   KL divergence to the original it causes alone (`ReferenceKL`), and every later measurement is that KL too.
+   KL divergence to the original it causes alone (`ReferenceKL`, on every ``budget.rank_every``-th position: on
+   SmolLM2 1.5x faster than every position, the same 10 cheapest sites), and every later measurement is that KL.
 3. The sites are converted cheapest first, and the held-out cross-entropy is measured after each. With
    ``nats`` the walk never keeps a site that would take the held-out cross-entropy above the original's plus the
    budget, so the model it leaves never ends above its budget on ``held`` as the walk measures it (in bf16 where
@@ -123,16 +124,17 @@ def site_costs(
     return costs
 
 
-def measure_of(metric: str) -> Callable[[nn.Module, list], float] | None:
+def measure_of(metric: str, every: int = 1) -> Callable[[nn.Module, list], float] | None:
     """The `BlockReplay` measure of a walk's ``metric``: None (its default, the cross-entropy) for "ce", a fresh
     `ReferenceKL` for "kl" (each replay records its own batches' reference on its first measurement, the original's).
 
     Args:
         metric: "ce" or "kl" (`BudgetConfig.metric`).
+        every: The KL's every n-th position (`BudgetConfig.rank_every` for the ranking; the walk's steps read all).
     """
     if metric not in METRICS:
         raise ValueError(f"metric must be one of {sorted(METRICS)}, got {metric!r}")
-    return ReferenceKL() if metric == "kl" else None
+    return ReferenceKL(every=every) if metric == "kl" else None
 
 
 def _note_budget(record, model, front: Frontier, originals: dict) -> None:
@@ -294,7 +296,8 @@ def frontier(
         fitted_model, to, calibrate=calib, progress=progress, **_setting(convert_kwargs, sequential=False)
     )
     fitted = {s.name: fitted_model.get_submodule(s.name) for s in record.sites}
-    costs = site_costs(model, fitted, rank, progress=progress, dtype=dtype, metric=budget.metric)
+    ranking = measure_of(budget.metric, budget.rank_every) or budget.metric  # the KL on every n-th position (the
+    costs = site_costs(model, fitted, rank, progress=progress, dtype=dtype, metric=ranking)  # output layer: a third)
     order = sorted(costs, key=lambda n: costs[n] if math.isfinite(costs[n]) else math.inf)
     # each step measured from its block on
     measure = measure_of(budget.metric)
