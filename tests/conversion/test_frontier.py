@@ -191,7 +191,7 @@ def test_the_skip_walk_never_ends_above_its_budget_and_tries_every_site(folder, 
         "walk": "skip",
         "refit_every": 4,
         "rank_batches": 4,
-        "rank_every": 4,
+        "rank_every": 1,
         "refit_batches": 1,
         "defer": 3.0,
         "precision": "auto",
@@ -354,15 +354,15 @@ def test_a_kl_walk_ranks_by_each_sites_kl_alone_and_ends_within_its_kl_budget():
 
     model = _peaked()
     calib, held = _batches(2, 1), _batches(2, 2)
-    every = _plain(refit_batches=0, metric="kl", rank_every=1)  # the ranking on every position, to check by hand
-    front, _ = frontier(model, "dyisru", calib, held, budget=every, progress=False)
+    front, _ = frontier(model, "dyisru", calib, held, budget=_plain(refit_batches=0, metric="kl"), progress=False)
     assert front.metric == "kl" and front.ce_original == 0.0 and len(front.curve) == 8
     name = front.order[-1]
     by_hand = copy.deepcopy(model)
     normlab.convert_norms(by_hand, "dyisru", calibrate=calib, sequential=False, include=lambda n, m: n == name)
     assert front.costs[name] == pytest.approx(kl(model, by_hand, calib[:1]), rel=1e-4)
-    thin, _ = frontier(model, "dyisru", calib, held, budget=_plain(refit_batches=0, metric="kl"), progress=False)
-    with torch.no_grad():  # the default ranking: every 4th position (budget.rank_every)
+    fourth = _plain(refit_batches=0, metric="kl", rank_every=4)
+    thin, _ = frontier(model, "dyisru", calib, held, budget=fourth, progress=False)
+    with torch.no_grad():  # budget.rank_every=4: every 4th position
         p, q = (m(calib[0]).logits.log_softmax(-1)[:, ::4] for m in (model, by_hand))
     assert thin.costs[name] == pytest.approx(float((p.exp() * (p - q)).sum(-1).mean()), rel=1e-4)
     assert thin.costs[name] != pytest.approx(front.costs[name], rel=1e-3)  # it reads other positions

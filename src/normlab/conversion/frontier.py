@@ -11,8 +11,8 @@ config, so the function and the command walk alike by construction.
    for that site converted alone, and one pass fits them all.
 2. Its cost is the rise in next-token cross-entropy it causes alone, measured on the first ``rank_batches``
    calibration batches (the held-out text decides nothing about the order); with ``budget.metric="kl"``, the mean
-   KL divergence to the original it causes alone (`ReferenceKL`, on every ``budget.rank_every``-th position: on
-   SmolLM2 1.5x faster than every position, the same 10 cheapest sites), and every later measurement is that KL.
+   KL divergence to the original it causes alone (`ReferenceKL`; ``budget.rank_every=4`` reads every 4th
+   position, 1.5x faster on SmolLM2), and every later measurement is that KL.
 3. The sites are converted cheapest first, and the held-out cross-entropy is measured after each. With
    ``nats`` the walk never keeps a site that would take the held-out cross-entropy above the original's plus the
    budget, so the model it leaves never ends above its budget on ``held`` as the walk measures it (in bf16 where
@@ -257,7 +257,6 @@ def frontier(
     *,
     budget: BudgetConfig | None = None,
     progress: bool | None = None,
-    reference: nn.Module | None = None,
     **convert_kwargs: object,
 ) -> tuple[Frontier, ConversionRecord]:
     """Rank ``model``'s norms by the cost of converting each alone to ``to`` and walk them cheapest first (see
@@ -277,10 +276,9 @@ def frontier(
             as converted so far (0 keeps the independent fits). ``refit_every=K`` fits every kept site again after
             every K, keeping the refit only where it lowers the cross-entropy on ``held``.
         progress: progress bars (None: only on a terminal).
-        reference: the model the budget is counted from (the KL's reference, the cross-entropy it may rise above),
-            when ``model`` is already part-converted and healed (``heal.steps``); None: ``model`` as given. Its
-            ``ce_original`` is then the reference's and the curve starts at ``model``'s own.
-        **convert_kwargs: passed to `convert_norms` (``per``, ``init``, ``include``, ``massive_tokens``, ``config``).
+        **convert_kwargs: ``reference=``: the model the budget counts from (the KL's reference), for a model
+            already part-converted and healed (``heal.steps``); None: ``model`` as given, and ``ce_original`` then
+            the reference's. The rest go to `convert_norms` (``per``, ``init``, ``include``, ``massive_tokens``).
 
     Returns:
         The `Frontier` (costs, order, curve, the sites kept and passed, seconds) and the conversion record of the
@@ -288,6 +286,7 @@ def frontier(
     """
     import time
 
+    reference = convert_kwargs.pop("reference", None)
     budget, calib, held, rank = _checked(calibrate, held, budget)
     dtype, precision = autocast_dtype(budget.precision, model, "budget.precision")
     start = time.monotonic()

@@ -216,20 +216,13 @@ def _convert(job: _Job, markdown: bool) -> dict:
         earlier = earlier_stages(
             job.ckpt, job.cfg.heal.resume, stages
         )  # a resumed heal: what the processes before this one spent
-        steps = None
-        if cfg.heal.steps > 1:
-            models = _Models(original, net, tokenizer, stages)
-            rep, guard, steps = _heal_in_steps(job, models, texts, splits, record, walk)
-        else:
-            with stages("heal"):
-                rep, guard = _guarded_heal(job, original, net, splits, record, tokenizer)
+        rep, guard, steps = _heal_stage(job, _Models(original, net, tokenizer, stages), texts, splits, record, walk)
         count_every_process(stages, earlier)
         before = fid
         with stages("measurement"):
             fid, tallies = _measure(original, net, texts, record, judging)
         fid["heal"] = {**rep.to_dict(), "guard": guard}
-        if steps is not None:  # "heal" is the last step's; here every step's walk and heal
-            fid["heal_steps"] = steps
+        fid.update({"heal_steps": steps} if steps else {})  # "heal" is the last step's; here every step's
         fid["before_heal"] = {k: before[k] for k in ("ce_converted", "kl") if k in before}
         if "second_text" in before:
             fid["before_heal"]["second_text"] = before["second_text"]
@@ -372,6 +365,15 @@ class _Models:
     net: object
     tokenizer: object
     stages: Stages
+
+
+def _heal_stage(job: _Job, models: _Models, texts: ConversionTexts, splits, record, walk):
+    """The heal: in ``heal.steps`` (`_heal_in_steps`), or one guarded heal (no steps to report: None)."""
+    if job.cfg.heal.steps > 1:
+        return _heal_in_steps(job, models, texts, splits, record, walk)
+    with models.stages("heal"):
+        rep, guard = _guarded_heal(job, models.original, models.net, splits, record, models.tokenizer)
+    return rep, guard, None
 
 
 def _heal_in_steps(job: _Job, models: _Models, texts: ConversionTexts, splits, record, walk: dict):

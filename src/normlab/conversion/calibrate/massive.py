@@ -283,8 +283,10 @@ def early_rows(model: nn.Module, pairs: list, dims: dict[str, int], kind: str) -
     def hook(n):
         def grab(mod, args, y=None):
             x = args[0]
-            rows[n].append(torch.stack([_rows(x, dims[n]), _rows(y, dims[n])], 1) if kind == "both" else
-                           _rows(x if kind == "in" else y, dims[n]))  # fmt: skip
+            if kind == "both":
+                rows[n].append(torch.stack([_rows(x, dims[n]), _rows(y, dims[n])], 1))
+            else:
+                rows[n].append(_rows(x if kind == "in" else y, dims[n]))
             fired.add(n)
             if len(fired) == len(names):  # every site has run on this batch: the rest of the model is idle
                 raise Stop
