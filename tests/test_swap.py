@@ -309,6 +309,10 @@ def test_torch_export_of_a_swapped_model():
     model.eval()
     batch = ids(2, 16)
     exported = torch.export.export(model, (batch,))
+    assert not [n for n in exported.graph.nodes if "normlab" in str(n.target)]  # traced through the formulas
+    for m in model.modules():  # so the eager model on the same path: the fused kernels round differently (their
+        if hasattr(m, "kernel"):  # tolerance against the formulas is tests/kernels/kernel_checks.py's)
+            m.kernel = "reference"
     with torch.no_grad():
         torch.testing.assert_close(exported.module()(batch), model(batch), rtol=1e-5, atol=1e-5)
 

@@ -24,7 +24,9 @@ def test_the_blocks_before_the_first_converted_site_stay_the_originals_unless_as
     original = tiny_lm(seed=0, layers=3, initializer_range=0.5)
     model = copy.deepcopy(original)
     rec = normlab.convert_norms(model, "dyt", include=lambda name, m: not name.startswith("model.layers.0."))
-    rep = normlab.heal(original, model, token_stream(), rec, val=id_batches(1, seed=9), tokens=2000,
+    # no validation split: the state trained is the state kept, where a best-state pick could roll a short heal
+    # on a CPU whose rounding makes it no better than the start back to the original weights (seen on an AVX2 CI)
+    rep = normlab.heal(original, model, token_stream(), rec, tokens=2000,
                        objective="distill", train=train, lr=1e-2 if train != "all" else 1e-3, eval_every=1000,
                        early_blocks=early_blocks, progress=False)  # fmt: skip
 
