@@ -358,7 +358,7 @@ def load_without_normlab(cases: list, tmp_path) -> dict:
     tokens after the first 4 of x's first row; and whether normlab was imported."""
     env = {"HF_MODULES_CACHE": str(tmp_path / "hf_modules"), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
     # this process's thread count and kernels: a matmul split over other threads, or vectorized otherwise, sums in
-    # another order (a CI run on AVX2 cores, one pytest worker thread against the loader's two: 1e-4 apart)
+    # another order (a CI run on AVX2 cores, its loader on two threads against the worker's one, was 1e-4 apart)
     env["OMP_NUM_THREADS"] = str(torch.get_num_threads())
     isa = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
     env.update({k: os.environ[k] for k in isa if k in os.environ})
