@@ -4,6 +4,7 @@ heals its share of the budget, and the folder saved is the model the last step l
 from __future__ import annotations
 
 import copy
+import csv
 import json
 
 import pytest
@@ -73,6 +74,12 @@ def test_convert_in_steps_heals_each_share_and_saves_what_the_last_step_left(tmp
     assert "step 3 of 3: healing the" in printed
     assert not (tmp_path / "o.heal.pt").exists()  # each step's heal removed its checkpoint; the last, the job
     assert fid["heal"]["tokens"] == steps[-1]["tokens"]  # "heal" is the last step's
+    with open(fid["out"] / "heal_curve.csv") as f:  # the curve: every step's, on one axis of tokens
+        rows = list(csv.DictReader(f))
+    assert [int(r["step"]) for r in rows] == [k for k, s in enumerate(steps, 1) for _ in s["curve"]]
+    tokens = [int(r["tokens"]) for r in rows]
+    assert tokens == sorted(tokens) and tokens[-1] == sum(s["tokens"] for s in steps)
+    assert (fid["out"] / "heal_curve.png").stat().st_size > 0
 
 
 @pytest.mark.parametrize(

@@ -410,6 +410,7 @@ def _heal_in_steps(job: _Job, models: _Models, texts: ConversionTexts, splits, r
                 "tokens": rep.tokens,
                 "seconds": round(rep.seconds, 1),
                 "kept": guard["kept"],
+                "curve": rep.curve,
             }
         )
     return rep, guard, steps
@@ -465,7 +466,7 @@ def _save(job: _Job, net, record, tokenizer, fid: dict, rep) -> None:
         (partial / CONFIG_FILE).write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
         (partial / "fidelity.json").write_text(json.dumps(fid, indent=2) + "\n")
         if rep is not None:
-            write_curve(rep, partial)
+            write_curve(rep, partial, steps=fid.get("heal_steps"))
     except Exception as e:
         shutil.rmtree(partial, ignore_errors=True)
         kept = f"the previous {out} is as it was" if out.exists() else f"nothing was left at {out}"

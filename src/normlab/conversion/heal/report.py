@@ -39,33 +39,55 @@ def heal_summary(rep: HealReport) -> str:
     return line
 
 
-def write_curve(rep: HealReport, folder: Path) -> None:
-    """The heal's validation curve as heal_curve.csv and heal_curve.png in ``folder``.
+def stitched(steps: list[dict]) -> tuple[list[dict], int]:
+    """A heal in steps' curves as one: each point with its ``step`` (from 1) and its tokens counted from the first
+    step's start. Returns the curve and the tokens the steps before the last trained.
 
     Args:
-        rep: The heal's `HealReport`.
+        steps: ``fidelity.json["heal_steps"]``: each step's ``curve`` and ``tokens``.
+    """
+    curve, done = [], 0
+    for k, step in enumerate(steps, 1):
+        curve += [{"step": k, **p, "tokens": done + p["tokens"]} for p in step["curve"]]
+        done += step["tokens"]
+    return curve, done - steps[-1]["tokens"]
+
+
+def write_curve(rep: HealReport, folder: Path, steps: list[dict] | None = None) -> None:
+    """The heal's validation curve as heal_curve.csv and heal_curve.png in ``folder``; a heal in steps
+    (``steps``), every step's curve, on one axis of tokens (`stitched`).
+
+    Args:
+        rep: The heal's `HealReport` (of the last step, for a heal in steps).
         folder: Where the two files go.
+        steps: ``fidelity.json["heal_steps"]``, or None for a heal in one go.
     """
     import csv
 
-    if not rep.curve:
+    curve, before = stitched(steps) if steps else (rep.curve, 0)
+    if not curve:
         return
-    keys = list(dict.fromkeys(k for p in rep.curve for k in p))
+    keys = list(dict.fromkeys(k for p in curve for k in p))
     with open(folder / "heal_curve.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=keys)
         w.writeheader()
-        w.writerows(rep.curve)
+        w.writerows(curve)
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    toks = [p["tokens"] for p in rep.curve]
-    ax.plot(toks, [p["val_ce"] for p in rep.curve], marker=".", label="validation CE")
+    for k in sorted({p.get("step", 1) for p in curve}):
+        part = [p for p in curve if p.get("step", 1) == k]
+        label = "validation CE" if k == 1 else None
+        ax.plot([p["tokens"] for p in part], [p["val_ce"] for p in part], marker=".", color="C0", label=label)
+        if k > 1:
+            walk = "a walk: more sites" if k == 2 else None
+            ax.axvline(part[0]["tokens"], color="grey", ls="--", lw=0.6, label=walk)
     if rep.best is not None:
-        ax.axvline(rep.best["tokens"], color="green", ls=":", label="kept")
-    back = [p for p in rep.curve if p.get("rollback")]
+        ax.axvline(before + rep.best["tokens"], color="green", ls=":", label="kept")
+    back = [p for p in curve if p.get("rollback")]
     if back:
         ax.scatter(
             [p["tokens"] for p in back],
@@ -76,7 +98,7 @@ def write_curve(rep: HealReport, folder: Path) -> None:
             label="rolled back to the best, rate halved",
         )
     handles = ax.get_legend_handles_labels()
-    tl = [(p["tokens"], p["train_loss"]) for p in rep.curve if p["train_loss"] == p["train_loss"]]
+    tl = [(p["tokens"], p["train_loss"]) for p in curve if p["train_loss"] == p["train_loss"]]
     if tl:
         ax2 = ax.twinx()
         what = OBJECTIVES[rep.objective].loss
@@ -85,7 +107,8 @@ def write_curve(rep: HealReport, folder: Path) -> None:
         handles = [a + b for a, b in zip(handles, ax2.get_legend_handles_labels())]
     ax.set_xlabel("tokens trained")
     ax.set_ylabel("validation CE (nats/token)")
-    ax.set_title(f"heal: {rep.objective}, {rep.train}; {rep.tokens / max(rep.seconds, 1e-9):.0f} tokens/s")
+    how = f" in {len(steps)} steps" if steps else ""
+    ax.set_title(f"heal{how}: {rep.objective}, {rep.train}; {rep.tokens / max(rep.seconds, 1e-9):.0f} tokens/s")
     ax.legend(*handles, fontsize=8, loc="upper right")
     fig.tight_layout()
     fig.savefig(folder / "heal_curve.png", dpi=110)
