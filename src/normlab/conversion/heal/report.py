@@ -78,13 +78,14 @@ def write_curve(rep: HealReport, folder: Path, steps: list[dict] | None = None) 
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
+    walk = "a walk: more sites"  # the legend's label, on the first such line only
     for k in sorted({p.get("step", 1) for p in curve}):
         part = [p for p in curve if p.get("step", 1) == k]
         label = "validation CE" if k == 1 else None
         ax.plot([p["tokens"] for p in part], [p["val_ce"] for p in part], marker=".", color="C0", label=label)
-        if k > 1:
-            walk = "a walk: more sites" if k == 2 else None
+        if steps and steps[k - 1]["walk"] is not None:  # None: the first step, or no site left to walk
             ax.axvline(part[0]["tokens"], color="grey", ls="--", lw=0.6, label=walk)
+            walk = None
     if rep.best is not None:
         ax.axvline(before + rep.best["tokens"], color="green", ls=":", label="kept")
     back = [p for p in curve if p.get("rollback")]
