@@ -20,11 +20,17 @@ import pytest
 import torch
 
 import normlab
+from normlab.kernels.inductor_cache import use_cache_of_this_cpu
 
 # Without a GPU, the Triton kernels run in Triton's interpreter on CPU tensors. The flag is read when a
 # kernel is defined, so it must be set before normlab.kernels.* is imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# torch.compile's cache is keyed without the CPU's vector instruction set: a /tmp copied from an AVX-512 machine to
+# an AVX2 one crashed every compiled test (normlab.kernels.inductor_cache). The tests and the processes they start
+# compile into a folder of this CPU's own.
+use_cache_of_this_cpu()
 
 # `make test` runs one pytest-xdist worker per core, so each worker computes on one thread, as do the processes its
 # tests start: two workers of two OpenMP threads each on two cores ran the SmolLM2 tests 4-5x slower than alone.

@@ -140,17 +140,22 @@ def _cpuinfo_flags() -> str:
         return ""
 
 
-def _cpu_flags() -> str:
-    """A hash of the CPU's feature flags: a cache folder shared by two kinds of machine keeps one build each."""
+def cpu_key() -> str:
+    """A hash of the CPU's feature flags and of ``$ATEN_CPU_CAPABILITY`` (which caps the vector instruction set
+    PyTorch picks): a cache folder shared by two kinds of machine, or by two settings of the variable, keeps one
+    build each."""
     import platform
 
-    return hashlib.sha256(f"{platform.machine()} {_cpuinfo_flags()}".encode()).hexdigest()[:16]
+    text = f"{platform.machine()} {_cpuinfo_flags()}"
+    if os.environ.get("ATEN_CPU_CAPABILITY"):  # unset: the key it always had, so no build is redone for nothing
+        text += f" ATEN_CPU_CAPABILITY={os.environ['ATEN_CPU_CAPABILITY']}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _identity(cxx: str) -> dict:
     """What a build depends on, cheap to compute (milliseconds): the key of its cache folder."""
     ident = {"source_sha256": hashlib.sha256(_source()).hexdigest(), "torch": torch.__version__, "compiler": cxx,
-             "compiler_version": _compiler_version(cxx), "cpu": _cpu_flags(), "std": cxx_std()}  # fmt: skip
+             "compiler_version": _compiler_version(cxx), "cpu": cpu_key(), "std": cxx_std()}  # fmt: skip
     ident["key"] = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
     return ident
 
@@ -256,7 +261,7 @@ def library_folder() -> Path:
 def _built_here_without_compiler() -> Path | None:
     """A library built on this machine for this source, torch and CPU, whatever compiler made it: usable when the
     compiler has since gone (the cache key needs `$CXX --version`, which can no longer run)."""
-    want = {"source_sha256": hashlib.sha256(_source()).hexdigest(), "torch": torch.__version__, "cpu": _cpu_flags()}
+    want = {"source_sha256": hashlib.sha256(_source()).hexdigest(), "torch": torch.__version__, "cpu": cpu_key()}
     try:
         root = cache_dir()
     except NormlabError:

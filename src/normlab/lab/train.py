@@ -23,6 +23,7 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from normlab.errors import NormlabError, check_cpu_bf16
+from normlab.kernels.inductor_cache import use_cache_of_this_cpu
 from normlab.lab.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from normlab.lab.config import TrainConfig
 from normlab.lab.data import get_batch, load_corpus
@@ -329,6 +330,8 @@ def _wrap(model, cfg: TrainConfig, device, world: int):
         model = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None
         )
+    if cfg.compile:
+        use_cache_of_this_cpu()
     fwd = torch.compile(model) if cfg.compile else model
     use_bf16 = cfg.amp == "bf16" or (cfg.amp == "auto" and device.type == "cuda")
     autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if use_bf16 else contextlib.nullcontext
