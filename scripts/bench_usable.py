@@ -51,7 +51,7 @@ def _budget_heal(
 def _self_walk(nats: str, *more: str) -> list[str]:
     """The budget walk by KL selecting on the original's own samples at ``nats``, no heal; ``more``: further
     ``--set`` pairs."""
-    return ["--per", "channel", "--budget-nats", nats, "--set", "budget.metric=kl", "budget.text=self", *more]
+    return ["--per", "channel", "--budget-nats", nats, "--set", "budget.metric=kl", "data.walk=self", *more]
 
 
 JOBS = {  # name -> the model and the flags after --to dyisru
@@ -66,50 +66,50 @@ JOBS = {  # name -> the model and the flags after --to dyisru
         f"budget_kl_{n}": ("smollm2", ["--per", "channel", "--budget-nats", n, "--set", "budget.metric=kl"])
         for n in ("0.05", "0.1", "0.2")
     },
-    # the KL walk selecting on the original's own samples (budget.text=self: the 2,048 the heals read, cached), not
+    # the KL walk selecting on the original's own samples (data.walk=self: the 2,048 the heals read, cached), not
     # on the text's validation split: does a walk that sees the model's chats keep what its answers need?
-    **{f"budget_self_kl_{n}": ("smollm2", _self_walk(n, "heal.self_sequences=2048")) for n in ("0.05", "0.1")},
+    **{f"budget_self_kl_{n}": ("smollm2", _self_walk(n, "data.samples=2048")) for n in ("0.05", "0.1")},
     # the walk on samples at 0.02 or 0.03 nats, alone: a recipe within 30 minutes on a CPU without bf16? It draws
-    # only the 72 samples a walk reads (heal.self_sequences=72), so its minutes are a fresh machine's, the draw
+    # only the 72 samples a walk reads (data.samples=72), so its minutes are a fresh machine's, the draw
     # included. Since 0.4.13 a walk draws those 72 by default: "recommended" is the README's command as printed
-    **{f"budget_self_kl_{n}_72": ("smollm2", _self_walk(n, "heal.self_sequences=72")) for n in ("0.02", "0.03")},
+    **{f"budget_self_kl_{n}_72": ("smollm2", _self_walk(n, "data.samples=72")) for n in ("0.02", "0.03")},
     "recommended": ("smollm2", list(RECOMMENDED)),
     # the self-selected walk's sites healed on the 0.02 job's samples and tokens exactly
     "budget_self_kl_0.05_heal_tokens": (
         "smollm2",
-        _budget_heal(0, "0.05", "heal.self_sequences=2048", "budget.metric=kl", "budget.text=self", tokens=163_328),
+        _budget_heal(0, "0.05", "data.samples=2048", "budget.metric=kl", "data.walk=self", tokens=163_328),
     ),
     # the KL walk's 22 sites (budget_kl_0.05) healed on the 0.02 job's samples and tokens exactly: is a site chosen
     # by its KL worth as much after the heal as before it?
     "budget_kl_0.05_heal_tokens": (
         "smollm2",
-        _budget_heal(0, "0.05", "heal.self_sequences=2048", "budget.metric=kl", tokens=163_328),
+        _budget_heal(0, "0.05", "data.samples=2048", "budget.metric=kl", tokens=163_328),
     ),
     "recipe": ("smollm2", RECIPE),
     "budget_heal": ("smollm2", _budget_heal(15)),  # 0.4.4's recipe
     "budget_heal_45": ("smollm2", _budget_heal(45)),  # the stretch: a 45-minute heal (about an hour in all)
     "budget_0.1_heal": ("smollm2", _budget_heal(15, "0.1")),  # fewer sites converted, the same heal
     "budget_heal_rank32": ("smollm2", _budget_heal(15, "0.4", "heal.lora_rank=32")),  # adapters of rank 32, not 8
-    "budget_0.1_heal_2048": ("smollm2", _budget_heal(15, "0.1", "heal.self_sequences=2048")),  # the recommended
+    "budget_0.1_heal_2048": ("smollm2", _budget_heal(15, "0.1", "data.samples=2048")),  # the recommended
     # the recommended recipe with its heal fixed at the 341,504 tokens its 15 minutes drew on the AVX-512 machine, so
     # that a slower machine trains the same amount (it takes longer there, not less)
     "budget_0.1_heal_2048_tokens": (
         "smollm2",
-        _budget_heal(0, "0.1", "heal.self_sequences=2048", tokens=341_504),
+        _budget_heal(0, "0.1", "data.samples=2048", tokens=341_504),
     ),
     # the stretch (same top-1 >= 90%, KLD <= 0.05, up to 2 hours): fewer sites converted, twice the heal
-    "budget_0.05_heal_30": ("smollm2", _budget_heal(30, "0.05", "heal.self_sequences=2048")),
+    "budget_0.05_heal_30": ("smollm2", _budget_heal(30, "0.05", "data.samples=2048")),
     # the stretch, fewer sites again: the walk at 0.02 nats, the 0.05 job's heal tokens exactly (163,328), so that
     # the budget is the one change and a neighbouring job cannot shorten the heal
-    "budget_0.02_heal_tokens": ("smollm2", _budget_heal(0, "0.02", "heal.self_sequences=2048", tokens=163_328)),
+    "budget_0.02_heal_tokens": ("smollm2", _budget_heal(0, "0.02", "data.samples=2048", tokens=163_328)),
     # the stretch, the heal's length alone: the 0.02 job with twice its heal tokens (its validation KL was still
     # falling, 0.0244 at 98k tokens and 0.0213 at 163k)
-    "budget_0.02_heal_2x": ("smollm2", _budget_heal(0, "0.02", "heal.self_sequences=2048", tokens=326_656)),
+    "budget_0.02_heal_2x": ("smollm2", _budget_heal(0, "0.02", "data.samples=2048", tokens=326_656)),
     # every weight trained (heal.train=all, its default rate 2e-5), not adapters: the 0.02 job's walk, samples and
     # heal tokens, so that what trains is the one change
     "budget_0.02_heal_all_tokens": (
         "smollm2",
-        _budget_heal(0, "0.02", "heal.self_sequences=2048", tokens=163_328, train="all"),
+        _budget_heal(0, "0.02", "data.samples=2048", tokens=163_328, train="all"),
     ),
     # convert and heal in steps (heal.steps=4): budget_self_kl_0.05_heal_tokens's walk, samples and heal tokens, the
     # heal in four shares with the walk again after each (its budget still counted from the original), so that the
@@ -119,22 +119,22 @@ JOBS = {  # name -> the model and the flags after --to dyisru
         _budget_heal(
             0,
             "0.05",
-            "heal.self_sequences=2048",
+            "data.samples=2048",
             "budget.metric=kl",
-            "budget.text=self",
+            "data.walk=self",
             "heal.steps=4",
             tokens=163_328,
         ),  # fmt: skip
     ),
-    "budget_0.1_heal_4096": ("smollm2", _budget_heal(12, "0.1", "heal.self_sequences=4096")),  # twice the samples
+    "budget_0.1_heal_4096": ("smollm2", _budget_heal(12, "0.1", "data.samples=4096")),  # twice the samples
     "budget_0.1_heal_t07": (  # samples nearer the answers a user reads: temperature 0.7
         "smollm2",
-        _budget_heal(15, "0.1", "heal.self_sequences=2048", "heal.temperature=0.7"),
+        _budget_heal(15, "0.1", "data.samples=2048", "data.temperature=0.7"),
     ),
     **{  # the adapters' rate around its default 1e-3, on the recommended recipe
         f"budget_0.1_heal_lora{lr}": (
             "smollm2",
-            _budget_heal(15, "0.1", "heal.self_sequences=2048", f"heal.lora_lr={lr}"),
+            _budget_heal(15, "0.1", "data.samples=2048", f"heal.lora_lr={lr}"),
         )
         for lr in ("3e-4", "3e-3")
     },

@@ -26,8 +26,8 @@ def _study(tmp_path: Path, body: str, name: str = "tiny") -> Path:
     text.write_text(CALIB)
     path = tmp_path / f"{name}.toml"
     path.write_text(
-        f'title = "a tiny study"\n[base]\nmodel = "{model}"\ntext = "{text}"\nseq_len = 16\nsequences = 4\n'
-        f'eval_text = "none"\n{body}'
+        f'title = "a tiny study"\n[base]\nmodel = "{model}"\n"data.text" = "{text}"\nseq_len = 16\n'
+        f'sequences = 4\n"data.judge" = "none"\n{body}'
     )
     return path
 
@@ -110,7 +110,7 @@ def test_a_changed_cell_runs_again_and_a_failed_cell_does_not_stop_the_study(tmp
     ('[[cells]]\nname = "a"\n[extra]\nx = 1\n', "unknown key 'extra'"),
     ('[[cells]\n', "not valid TOML"),
     ('[[cells]]\nname = "a"\nset = { model = "/nowhere/model" }\n', r"\(a\): --model /nowhere/model: no such"),
-    ('[[cells]]\nname = "a"\nset = { text = "/nowhere.txt" }\n', r"\(a\): --calibrate /nowhere.txt does not"),
+    ('[[cells]]\nname = "a"\nset = { "data.text" = "/nowhere.txt" }\n', r"\(a\): --calibrate /nowhere.txt does not"),
 ])  # fmt: skip
 def test_a_bad_study_is_refused_naming_the_file_and_the_cell_before_any_work(tmp_path, body, says):
     path = _study(tmp_path, body)

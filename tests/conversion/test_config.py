@@ -21,6 +21,7 @@ from normlab.conversion.config import (
     BudgetConfig,
     CalibrateConfig,
     ConvertConfig,
+    DataConfig,
     HealConfig,
     choices,
     field_docs,
@@ -115,6 +116,8 @@ def test_every_knob_reachable_from_python_has_a_field():
         assert f"calibrate.{name}" in fields
     for name in (f.name for f in dataclasses.fields(HealConfig)):
         assert f"heal.{name}" in fields
+    for name in (f.name for f in dataclasses.fields(DataConfig)):
+        assert f"data.{name}" in fields
     for short, key in SHORTHANDS.items():
         assert key in fields and flag(key) == short
 
@@ -236,7 +239,7 @@ def test_the_python_api_and_the_cli_give_the_same_record(tiny, tmp_path):
 
 def _flat_keys(d, prefix=""):
     for k, v in d.items():
-        if isinstance(v, dict) and k in ("calibrate", "heal", "budget"):
+        if isinstance(v, dict) and k in ("data", "calibrate", "heal", "budget"):
             yield from _flat_keys(v, f"{k}.")
         else:
             yield f"{prefix}{k}"
@@ -307,32 +310,32 @@ def test_a_knob_the_heal_would_ignore_is_refused(sets, says):
 @pytest.mark.parametrize(
     "sets, says",
     [
-        (["heal.temperature=0.7"], "heal.temperature does nothing here: only a conversion that samples"),
-        (["heal.tokens=1000", "heal.self_sequences=64"], "heal.self_sequences does nothing here"),
-        (["heal.tokens=1000", "heal.starts=bos"], "heal.starts does nothing here"),
-        (["heal.tokens=1000", "heal.text=self", "heal.self_fraction=0.3"], "only --heal-text self\\+text, whose"),
+        (["data.temperature=0.7"], "data.temperature does nothing here: only a conversion that samples"),
+        (["heal.tokens=1000", "data.samples=64"], "data.samples does nothing here"),
+        (["heal.tokens=1000", "data.starts=bos"], "data.starts does nothing here"),
+        (["heal.tokens=1000", "data.heal=self", "data.self_fraction=0.3"], "only --heal-text self\\+text, whose"),
         (["heal.tokens=1000", "heal.batch_size=2000"], "batch_size 2000 x --seq-len 128 = 256,000 tokens a step"),
     ],
 )
 def test_a_sampling_knob_with_nothing_to_sample_and_a_step_over_the_budget_are_refused(sets, says):
-    """issue 65: heal.self_sequences, heal.self_fraction and heal.temperature were accepted without a self heal,
+    """issue 65: data.samples, data.self_fraction and data.temperature were accepted without a self heal,
     and heal.batch_size=2000 with a 1,000-token budget trained 64,000 tokens in one step."""
     with pytest.raises(ValueError, match=says):
         resolve_convert_config(sets)
-    resolve_convert_config(["heal.tokens=1000", "heal.text=self+text", "heal.self_fraction=0.3", "heal.starts=bos"])
-    resolve_convert_config(["calibrate.source=self", "heal.temperature=0.7", "heal.self_sequences=64"])
+    resolve_convert_config(["heal.tokens=1000", "data.heal=self+text", "data.self_fraction=0.3", "data.starts=bos"])
+    resolve_convert_config(["data.calibrate=self", "data.temperature=0.7", "data.samples=64"])
     resolve_convert_config(["heal.tokens=512", "heal.batch_size=4"])  # one step is the whole budget
 
 
 @pytest.mark.parametrize(
     "sets, drawn",
     [
-        (["budget.nats=0.1", "budget.text=self"], 72),  # the walk alone reads 32: 2 x 32 + 8
-        (["budget.nats=0.1", "budget.text=self", "sequences=16"], 40),
-        (["calibrate.source=self"], 72),
-        (["heal.tokens=1000", "heal.text=self"], 1024),  # a heal's set
-        (["heal.tokens=1000", "heal.text=self", "budget.nats=0.1", "budget.text=self"], 1024),
-        (["budget.nats=0.1", "budget.text=self", "heal.self_sequences=2048"], 2048),  # as set
+        (["budget.nats=0.1", "data.walk=self"], 72),  # the walk alone reads 32: 2 x 32 + 8
+        (["budget.nats=0.1", "data.walk=self", "sequences=16"], 40),
+        (["data.calibrate=self"], 72),
+        (["heal.tokens=1000", "data.heal=self"], 1024),  # a heal's set
+        (["heal.tokens=1000", "data.heal=self", "budget.nats=0.1", "data.walk=self"], 1024),
+        (["budget.nats=0.1", "data.walk=self", "data.samples=2048"], 2048),  # as set
         (["heal.tokens=1000"], None),  # nothing samples the original
     ],
 )
@@ -340,10 +343,10 @@ def test_the_samples_drawn_are_what_the_conversion_reads(sets, drawn):
     """A walk on samples without a heal drew a heal's 1,024 samples (ten minutes on an AVX2 CPU) to read 32; it
     draws what calibration and the walk can read now, and the config it saves records the count."""
     cfg = resolve_convert_config(sets)
-    assert cfg.heal.self_sequences == drawn
+    assert cfg.data.samples == drawn
     again = ConvertConfig.from_dict(cfg.to_dict())
     again.validate()
-    assert again.heal.self_sequences == drawn
+    assert again.data.samples == drawn
 
 
 @pytest.mark.parametrize(
@@ -351,13 +354,13 @@ def test_the_samples_drawn_are_what_the_conversion_reads(sets, drawn):
     [
         (["calibrate.massive_tokens=route"], {"calibrate.enabled": False}, "--massive-tokens route does nothing with"),
         (["calibrate.solver=lbfgs"], {"calibrate.enabled": False}, "does nothing with --no-calibrate"),
-        (["heal.self_sequences=100000000", "budget.text=self"], {"budget.nats": 0.1},
+        (["data.samples=100000000", "data.walk=self"], {"budget.nats": 0.1},
          "100,000,000 samples of 128 tokens needs about 95.4 GiB"),
     ],
 )  # fmt: skip
 def test_idle_knobs_and_samples_the_machine_cannot_hold_are_refused(sets, given, says):
     """issue 85: `--massive-tokens route --no-calibrate` was saved as if it did something, and
-    heal.self_sequences=100000000 on a walk that reads 72 samples began drawing 3.2 billion tokens."""
+    data.samples=100000000 on a walk that reads 72 samples began drawing 3.2 billion tokens."""
     from normlab.conversion.config import resolve_convert_config
     from normlab.errors import machine_memory
 
@@ -365,3 +368,26 @@ def test_idle_knobs_and_samples_the_machine_cannot_hold_are_refused(sets, given,
         pytest.skip("this machine holds 95 GiB of token ids")
     with pytest.raises(ValueError, match=re.escape(says)):
         resolve_convert_config(sets, model="m", to="dyisru", **given)
+
+
+def test_what_each_stage_reads_is_one_section_and_the_old_names_point_to_it():
+    """issue 87: the data fields sat in three sections and two top-level fields. An old name given now is refused
+    with its new one; a config or a checkpoint identity written before 0.6 still reads."""
+    with pytest.raises(ValueError, match=r"heal.text is now data.heal"):
+        resolve_convert_config(["heal.tokens=1000", "heal.text=self"])
+    with pytest.raises(ValueError, match=r"eval_text is now data.judge"):
+        resolve_convert_config(eval_text="none")
+    with pytest.raises(ValueError, match=r"budget.text is now data.walk"):
+        resolve_convert_config({"budget": {"nats": 0.1, "text": "self"}})
+    heal = {"tokens": 1000, "text": "self+text", "self_sequences": 64, "seed": 3, "sample_precision": "bf16"}
+    old = {"text": "t.txt", "eval_text": None, "calibrate": {"source": "self"}, "budget": {"nats": 0.1, "text": "self"}}
+    old["heal"] = heal
+    d = ConvertConfig.from_dict(old).data
+    assert (d.text, d.judge, d.calibrate, d.walk, d.heal, d.samples, d.seed, d.precision) == (
+        "t.txt", None, "self", "self", "self+text", 64, 3, "bf16")  # fmt: skip
+    now = resolve_convert_config(["heal.tokens=1000", "data.heal=self", "data.samples=64", "data.seed=3"])
+    saved = {("heal." + k[5:] if k in ("data.seed", "data.heal") else k): v for k, v in now.identity().items()}
+    saved = {("heal.text" if k == "heal.heal" else k): v for k, v in saved.items()}
+    saved = {("heal.self_sequences" if k == "data.samples" else k): v for k, v in saved.items()}
+    assert "heal.text" in saved and "heal.self_sequences" in saved  # as a checkpoint of 0.5 holds it
+    assert now.difference(saved) is None

@@ -187,7 +187,6 @@ def test_the_skip_walk_never_ends_above_its_budget_and_tries_every_site(folder, 
     assert cfg["budget"] == {
         "nats": budget,
         "metric": "ce",
-        "text": "text",
         "walk": "skip",
         "refit_every": 4,
         "rank_batches": 4,
@@ -196,6 +195,7 @@ def test_the_skip_walk_never_ends_above_its_budget_and_tries_every_site(folder, 
         "defer": 3.0,
         "precision": "auto",
     }
+    assert cfg["data"]["walk"] == "text"  # the walk selects on the text (data.walk)
     splits = normlab.conversion.hf.text_splits(folder / "text.txt", None, 100, TextCut(16, 16, 16, n_val=16))
     assert sel["selection_sequences"] == sum(len(b) for b in splits.val) == 16  # as many as it reports on
     assert len(splits.calib) == 2  # both calibration batches rank the sites

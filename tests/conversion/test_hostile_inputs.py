@@ -36,7 +36,7 @@ def test_a_disk_that_fills_mid_command_is_one_line_naming_the_fix(models, tmpfs,
             f.write(b"\0" * 65536)
             f.flush()
     study = mount.parent / "s.toml"
-    base = f'model = "{models["m"]}"\ntext = "{models["text"]}"'
+    base = f'model = "{models["m"]}"\n"data.text" = "{models["text"]}"'
     study.write_text(f'title = "t"\n[base]\n{base}\n[[cells]]\nname = "a"\n')
     assert main(["study", str(study), "--root", str(mount / "r"), "--no-progress"]) == 2
     said = capsys.readouterr()

@@ -262,7 +262,7 @@ def test_a_boolean_from_set_is_true_or_false_only_and_nothing_is_replaced(models
     ("seq_len=32.0", "--set seq_len must be an int (not 2.0, not true), got 32.0"),
     ("heal.batch_size=2.5", "--set heal.batch_size must be an int"),
     ("per=1", "--set per must be 'global' or 'channel', got 1"),
-    ("eval_text=3", "--set eval_text must be a string or null, got 3"),
+    ("data.judge=3", "--set data.judge must be a string or null, got 3"),
 ])  # fmt: skip
 def test_every_config_value_is_typed_at_the_boundary(pair, message):
     from normlab.conversion.config import resolve_convert_config
@@ -364,8 +364,8 @@ def test_the_gpu_convert_script_runs_on_the_cpu_on_a_tiny_model(tmp_path):
     env = {**os.environ, "OUT": str(tmp_path / "out"), "DEVICE": "cpu", "MODEL": str(tiny_hf(tmp_path / "m")),
            "NORMLAB": str(Path(sys.executable).parent / "normlab"), "PYTHON": sys.executable,
            "EXTRA": f"--calibrate {text} --seq-len 16 --sequences 4 --eval-text none",
-           "HEAL": "--heal-tokens 256 --set heal.self_sequences=32",
-           "FULL": "--heal-tokens 256 --set heal.self_sequences=32"}  # fmt: skip
+           "HEAL": "--heal-tokens 256 --set data.samples=32",
+           "FULL": "--heal-tokens 256 --set data.samples=32"}  # fmt: skip
     proc = subprocess.run(
         ["bash", str(repo / "scripts" / "gpu_convert.sh")], env=env, capture_output=True, text=True, timeout=600
     )
@@ -383,12 +383,12 @@ def test_the_gpu_convert_script_runs_on_the_cpu_on_a_tiny_model(tmp_path):
 
 
 def test_heal_seed_orders_the_text_stream(models, tmp_path):
-    """issue 48: heal.seed draws the order of the text's stream too (0, the default, keeps every earlier order)."""
+    """issue 48: data.seed draws the order of the text's stream too (0, the default, keeps every earlier order)."""
     curves = {}
     for seed in (0, 0, 1):
         out = tmp_path / f"o{seed}-{len(curves)}"
         assert main(convert_argv(models["m"], models["text"], "--out", out, "--heal-tokens", 256, "--set",
-                             f"heal.seed={seed}")) == 0  # fmt: skip
+                             f"data.seed={seed}")) == 0  # fmt: skip
         curve = json.loads((out / "fidelity.json").read_text())["heal"]["curve"]
         curves.setdefault(seed, []).append([{k: v for k, v in p.items() if k != "seconds"} for p in curve])
     assert curves[0][0] == curves[0][1]  # a seed is one order (the clock aside)

@@ -168,7 +168,7 @@ def add_convert(sub) -> None:
     cv.add_argument(
         "--eval-text",
         help="a second text, never calibrated or healed on, measured too: 'docs' (the docutils 0.23 documentation, "
-        f"fetched once from PyPI), a text file, or 'none' (default {d.eval_text})",
+        f"fetched once from PyPI), a text file, or 'none' (default {d.data.judge})",
     )
     _add_heal_flags(cv, d)
     cv.add_argument(
@@ -192,9 +192,9 @@ def _add_calibrate_flags(cv, d) -> None:
     cv.add_argument(
         "--calibrate",
         help="text file: sequences from its start calibrate, from its end measure "
-        "(default: the Shakespeare corpus); the field text",
+        "(default: the Shakespeare corpus); the field data.text",
     )
-    _shorthand(cv, "--calibrate-on", "calibrate.source")
+    _shorthand(cv, "--calibrate-on", "data.calibrate")
     _shorthand(cv, "--device", "device")
     cv.add_argument("--no-calibrate", action="store_true", help="keep the default init (calibrate.enabled=false)")
     _shorthand(cv, "--per", "per")
@@ -207,7 +207,7 @@ def _add_heal_flags(cv, d) -> None:
     for flag, key in (
         ("--heal-objective", "heal.objective"),
         ("--heal-train", "heal.train"),
-        ("--heal-text", "heal.text"),
+        ("--heal-text", "data.heal"),
     ):
         _shorthand(cv, flag, key)
     cv.add_argument("--checkpoint", help="heal checkpoint (default OUT.heal.pt when --out is given)")

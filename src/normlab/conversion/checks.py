@@ -123,7 +123,7 @@ def check_files(cfg: ConvertConfig) -> None:
     Args:
         cfg: The conversion's config.
     """
-    for key, path in (("text", cfg.text), ("eval_text", eval_file(cfg))):
+    for key, path in (("data.text", cfg.data.text), ("data.judge", eval_file(cfg))):
         if path is not None and path != "docs" and not Path(path).is_file():
             what = "is a folder" if Path(path).is_dir() else "does not exist"
             raise FileNotFoundError(f"{flag(key)} {path} {what}; give a text file")
@@ -155,8 +155,8 @@ def check_inputs_outside(cfg: ConvertConfig) -> None:
     """
     if not cfg.out:
         return
-    for key, path in (("text", cfg.text), ("eval_text", eval_file(cfg))):
-        if path is None or (key == "eval_text" and path == "docs"):
+    for key, path in (("data.text", cfg.data.text), ("data.judge", eval_file(cfg))):
+        if path is None or (key == "data.judge" and path == "docs"):
             continue
         if inside(path, cfg.out) is not None:
             raise ValueError(

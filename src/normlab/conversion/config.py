@@ -18,6 +18,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Literal
 
+from normlab.conversion.data.config import HEAL_SAMPLES, DataConfig
 from normlab.conversion.flags import SHORTHANDS, finite, flag, identity_difference, int_at_least
 from normlab.conversion.limits import check_limits
 from normlab.pairs import apply_overrides, parse_pairs
@@ -26,21 +27,25 @@ from normlab.typed import check_types, choices, field_docs, set_name
 if TYPE_CHECKING:
     from normlab.registry import NormSpec
 
-__all__ = ["CalibrateConfig", "HealConfig", "BudgetConfig", "ConvertConfig", "resolve_convert_config", "flag",
-           "identity_difference", "SHORTHANDS", "HEAL_LEARNING_RATES", "choices", "field_docs",
+__all__ = ["DataConfig", "CalibrateConfig", "HealConfig", "BudgetConfig", "ConvertConfig", "resolve_convert_config",
+           "flag", "identity_difference", "SHORTHANDS", "HEAL_LEARNING_RATES", "choices", "field_docs",
            "check_types"]  # fmt: skip
 
 FREE_TABLES = ("init", "site_init")  # tables whose keys are the user's (init.alpha_init=0.5)
 LORA_RANK = 8  # the adapters' default rank (heal.train=lora)
-HEAL_SAMPLES = 1024  # the original's samples a heal on them draws by default (heal.self_sequences)
 HEAL_LEARNING_RATES = {"norms": 2.5e-4, "lora": 1e-3, "all": 2e-5, "blocks": 1e-3}  # Adam's; HealConfig.rate
-SECTIONS = ("calibrate", "heal", "budget")
+SECTIONS = ("data", "calibrate", "heal", "budget")
 # what a resumed heal may change (a heal may go on on another device, with another budget): not in its identity
 NOT_IDENTITY = tuple(
-    "model text eval_text out overwrite device heal.minutes heal.tokens heal.checkpoint heal.resume".split()
+    "model data.text data.judge out overwrite device heal.minutes heal.tokens heal.checkpoint heal.resume".split()
 )
 LEGACY_KEYS = {"budget_nats": "budget.nats", "budget_walk": "budget.walk", "budget_refit_every": "budget.refit_every",
-               "budget_rank_batches": "budget.rank_batches"}  # fmt: skip  # convert_config.json before 0.2
+               "budget_rank_batches": "budget.rank_batches",  # convert_config.json before 0.2
+               "text": "data.text", "eval_text": "data.judge", "calibrate.source": "data.calibrate",
+               "budget.text": "data.walk", "heal.text": "data.heal", "heal.self_sequences": "data.samples",
+               "heal.self_fraction": "data.self_fraction", "heal.starts": "data.starts",
+               "heal.temperature": "data.temperature", "heal.seed": "data.seed",
+               "heal.sample_precision": "data.precision"}  # fmt: skip  # before 0.6: what each stage reads, in [data]
 
 
 @dataclass
@@ -49,9 +54,6 @@ class CalibrateConfig:
 
     enabled: bool = True
     """False: the new norms keep their default init (--no-calibrate)."""
-    source: Literal["text", "self"] = "text"
-    """What calibration fits on: the text's first sequences, or "self", the first of the original's own samples (the
-    heal's "self" set)."""
     massive_tokens: Literal["auto", "route", "shared"] = "auto"
     """"route": massive tokens (an RMS above ``massive`` x the median, anywhere) get their own copy at each site where
     a few channels tell them apart; "auto" also keeps the original norm at the sites before the massive activation
@@ -104,8 +106,6 @@ class BudgetConfig:
     metric: Literal["ce", "kl"] = "ce"
     """What the walk ranks and measures by: the rise of next-token cross-entropy on the text, or "kl", the mean KL
     divergence to the original per position (`normlab.conversion.measure.fidelity.ReferenceKL`)."""
-    text: Literal["text", "self"] = "text"
-    """What the walk selects on: the text's validation split, or "self": ``sequences`` of the original's own samples."""
     walk: Literal["skip", "stop"] = "skip"
     """At a site over the budget: "skip" it and go on, or "stop" the walk there."""
     refit_every: int = 4
@@ -189,22 +189,6 @@ class HealConfig:
     steps: int = 1
     """Convert and heal in steps: the walk, a heal of 1/steps of the budget, the walk again on the healed model (its
     budget still counted from the original), and so on; 1: one walk, then one heal (`normlab.conversion.steps`)."""
-    text: Literal["text", "self", "self+text"] = "text"
-    """What the heal trains on: the conversion text's stream, "self" (the original's own samples) or "self+text"."""
-    self_sequences: int | None = None
-    """Sequences sampled from the original (cached on disk). None: `HEAL_SAMPLES` (1,024) for a heal on samples,
-    else what calibration and the walk on samples read, 2 x ``sequences`` + 8 (`ConvertConfig.sample_count`)."""
-    self_fraction: float = 0.5
-    """Of every "self+text" batch, the part drawn from the samples."""
-    starts: Literal["varied", "bos"] = "varied"
-    """How samples begin: "varied", half chats through the template, a quarter at BOS, a quarter at a random token."""
-    temperature: float = 1.0
-    """Of the sampling."""
-    seed: int = 0
-    """Of the sampling, and of the order the text's stream is drawn in ("text", "self+text")."""
-    sample_precision: Literal["auto", "float32", "bf16"] = "auto"
-    """The sampling's arithmetic: "bf16" autocasts its forward passes, "auto" where the device runs bf16 matmuls
-    natively (as budget.precision), else float32 (SmolLM2, 2 cores: 1,024 samples in 2.6 min bf16, 5.2 float32)."""
     teacher_top_k: int | None = None
     """Distill: cache the original's top k logits per sequence (teacher.py); None: the teacher runs live."""
     precision: Literal["auto", "float32", "bf16"] = "float32"
@@ -214,11 +198,6 @@ class HealConfig:
     @property
     def budgeted(self) -> bool:
         return self.minutes is not None or self.tokens is not None
-
-    @property
-    def on_samples(self) -> bool:
-        """A heal that trains on the original's own samples ("self" or "self+text")."""
-        return self.budgeted and self.text != "text"
 
     def rate(self) -> float:  # the norms' rate applies under "lora" too; "blocks" keeps 1e-3, measured at it
         key = "all" if self.train == "all" else "blocks" if self.objective == "blocks" else "norms"
@@ -246,11 +225,10 @@ class HealConfig:
                 f"{flag('heal.schedule')} {self.schedule} applies to the distill objective; the blocks objective "
                 "splits its budget per block with a constant rate"
             )
-        for name, least in (("batch_size", 1), ("lora_rank", 1), ("eval_every", 1), ("self_sequences", 2), ("seed", 0),
-                            ("teacher_top_k", 1), ("steps", 1)):  # fmt: skip
+        for name, least in (("batch_size", 1), ("lora_rank", 1), ("eval_every", 1), ("teacher_top_k", 1), ("steps", 1)):
             v = getattr(self, name)
-            if v is None and name in ("eval_every", "teacher_top_k", "self_sequences"):
-                continue  # None: every 8 steps; the live teacher; the count `ConvertConfig.sample_count` gives
+            if v is None and name in ("eval_every", "teacher_top_k"):
+                continue  # None: every 8 steps; the live teacher
             int_at_least(f"heal.{name}", v, least)
         if self.rollback_nats is not None and not (finite(self.rollback_nats) and self.rollback_nats > 0):
             raise ValueError(
@@ -259,10 +237,6 @@ class HealConfig:
             )
         if not (finite(self.grad_clip) and self.grad_clip >= 0):
             raise ValueError(f"{flag('heal.grad_clip')} must be a finite number >= 0 (0: none), got {self.grad_clip!r}")
-        for name, lo, hi in (("self_fraction", 0.0, 1.0), ("temperature", 0.0, math.inf)):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo < v < hi:
-                raise ValueError(f"{flag('heal.' + name)} must be a number in ({lo:g}, {hi:g}), got {v!r}")
         if self.checkpoint is not None and not str(self.checkpoint).strip():
             raise ValueError(f"{flag('heal.checkpoint')} must name a file, got {self.checkpoint!r}")
         blocks, plain, lora = self.objective != "distill", HealConfig.__dataclass_fields__, self.train == "lora"
@@ -277,7 +251,7 @@ class HealConfig:
             default = HealConfig.__dataclass_fields__
             given = [
                 flag(f"heal.{n}")
-                for n in ("objective", "train", "lr", "resume", "checkpoint", "text", "schedule", "steps")
+                for n in ("objective", "train", "lr", "resume", "checkpoint", "schedule", "steps")
                 if getattr(self, n) != default[n].default
             ]
             if given:
@@ -295,8 +269,6 @@ class ConvertConfig:
     """A Hugging Face folder, a .gguf file, or "smollm2" / "qwen-coder" (fetched once: `normlab.conversion.hf`)."""
     to: str = "dyisru"
     """The registered norm every site becomes."""
-    text: str | None = None
-    """The calibration and held-out text file (--calibrate FILE); None: the Shakespeare corpus."""
     per: Literal["global", "channel"] = "global"
     """One fitted parameter per site, or "channel": one per channel."""
     exclude: list[str] = field(default_factory=list)
@@ -309,8 +281,6 @@ class ConvertConfig:
     """Tokens per sequence."""
     sequences: int = 32
     """Calibration sequences, and as many held out."""
-    eval_text: str | None = "docs"
-    """A second text, never calibrated or healed on, measured too: "docs" (docutils 0.23), a file, or None."""
     out: str | None = None
     """The output folder (save_pretrained, normlab_conversion.json, convert_config.json)."""
     overwrite: bool = False
@@ -318,6 +288,7 @@ class ConvertConfig:
     device: Literal["cpu", "cuda"] = "cpu"
     """Where the model runs: calibration, the budget walk, sampling, the heal and the measurements ("cuda": the
     current GPU). The saved folder is the same either way."""
+    data: DataConfig = field(default_factory=DataConfig)
     calibrate: CalibrateConfig = field(default_factory=CalibrateConfig)
     heal: HealConfig = field(default_factory=HealConfig)
     budget: BudgetConfig = field(default_factory=BudgetConfig)
@@ -326,32 +297,43 @@ class ConvertConfig:
         return asdict(self)
 
     @property
+    def heal_on_samples(self) -> bool:
+        """A heal that trains on the original's own samples (``data.heal`` "self" or "self+text")."""
+        return self.heal.budgeted and self.data.heal != "text"
+
+    @property
     def samples_original(self) -> bool:
         """Whether the conversion draws the original's own samples: a heal on them, calibration or the walk."""
-        return self.heal.on_samples or "self" in (self.calibrate.source, self.budget.text)
+        return self.data.reads_samples(self.heal.budgeted)
 
     def sample_count(self) -> int:
-        """The original's samples it draws: ``heal.self_sequences`` when set, else `HEAL_SAMPLES` for a heal on
-        them, else what calibration and the walk on samples can read (2 x ``sequences``, + 8 kept for validation)."""
-        h = self.heal
-        if h.self_sequences is not None:
-            return h.self_sequences
-        return HEAL_SAMPLES if h.on_samples else 2 * self.sequences + 8
+        """The original's samples it draws: ``data.samples`` when set, else `HEAL_SAMPLES` for a heal on them, else
+        what calibration and the walk on samples can read (2 x ``sequences``, + 8 kept for validation)."""
+        if self.data.samples is not None:
+            return self.data.samples
+        return HEAL_SAMPLES if self.heal_on_samples else 2 * self.sequences + 8
 
     def _validate_source(self) -> None:
-        c = self.calibrate
-        if c.source == "self" and not c.enabled:
+        d = self.data
+        if d.calibrate == "self" and not self.calibrate.enabled:
             raise ValueError(
-                f"{flag('calibrate.source')} self picks what calibration fits on; drop {flag('calibrate.enabled')}"
+                f"{flag('data.calibrate')} self picks what calibration fits on; drop {flag('calibrate.enabled')}"
             )
-        uses = [k for k, v in (("calibrate.source", c.source), ("budget.text", self.budget.text)) if v == "self"]
+        if d.heal != "text" and not self.heal.budgeted:
+            raise ValueError(
+                f"{flag('data.heal')} applies only to a heal: give a budget ({flag('heal.minutes')} or "
+                f"{flag('heal.tokens')}), or drop it"
+            )
+        if d.walk == "self" and self.budget.nats is None:
+            raise ValueError(f"{flag('data.walk')} applies only with {flag('budget.nats')}")
+        uses = [k for k, v in (("data.calibrate", d.calibrate), ("data.walk", d.walk)) if v == "self"]
         n = self.sample_count()
         room = n - min(8, max(1, n // 8))  # the samples' validation part stays out
         if self.sequences * len(uses) > room:
             raise ValueError(
                 f"{' and '.join(flag(k) for k in uses)} self read {flag('sequences')} ({self.sequences}) each of "
                 f"the original's {n} samples, of which {room} are not validation: raise "
-                f"{flag('heal.self_sequences')} or lower {flag('sequences')}"
+                f"{flag('data.samples')} or lower {flag('sequences')}"
             )
 
     @classmethod
@@ -362,7 +344,7 @@ class ConvertConfig:
             raise ValueError(f"a convert config must be an object of fields, got {type(d).__name__}: {d!r:.80}")
         flat = {LEGACY_KEYS.get(k, k): v for k, v in _flatten(d).items()}
         d = apply_overrides(cls().to_dict(), flat, free=FREE_TABLES)
-        sections = {"calibrate": CalibrateConfig, "heal": HealConfig, "budget": BudgetConfig}
+        sections = {"data": DataConfig, "calibrate": CalibrateConfig, "heal": HealConfig, "budget": BudgetConfig}
         for name, kind in sections.items():
             if not isinstance(d[name], dict):
                 raise ValueError(f"{name} must be a table of {name} settings ({name}.field=...), got {d[name]!r}")
@@ -381,12 +363,8 @@ class ConvertConfig:
         spec = norm_spec(self.to)  # the target, resolved once: an unknown name lists the valid ones
         self.calibrate.validate(spec)
         auto_choice()  # NORMLAB_KERNEL, if set, must be valid
-        if self.text is not None and not self.text.strip():
-            raise ValueError(f"{flag('text')} must name a text file, got {self.text!r}")
         if self.out is not None and not self.out.strip():
             raise ValueError(f"{flag('out')} is empty; name a folder")
-        if self.eval_text is not None and not self.eval_text.strip():
-            raise ValueError(f"{flag('eval_text')} must be 'docs', a text file, or none, got {self.eval_text!r}")
         if self.device == "cuda" and not (torch := __import__("torch")).cuda.is_available():
             raise ValueError(
                 f"{flag('device')} cuda: this machine has no CUDA device (torch.cuda.is_available() is False, "
@@ -418,8 +396,9 @@ class ConvertConfig:
             except (TypeError, ValueError) as e:
                 raise ValueError(f"{what} {' '.join(f'{k}={v}' for k, v in kwargs.items())}: {e}") from None
         self.heal.validate()
-        if self.samples_original and self.heal.self_sequences is None:
-            self.heal.self_sequences = self.sample_count()  # resolved once, so convert_config.json records it
+        self.data.validate()
+        if self.samples_original and self.data.samples is None:
+            self.data.samples = self.sample_count()  # resolved once, so convert_config.json records it
         self._validate_source()
         self._validate_samples()
         check_limits(self)
@@ -427,15 +406,18 @@ class ConvertConfig:
     def _validate_samples(self) -> None:
         """The original's samples' knobs are refused where nothing samples, and a heal step may not exceed the
         heal's token budget."""
-        h, plain = self.heal, HealConfig.__dataclass_fields__
+        h, d, plain = self.heal, self.data, DataConfig.__dataclass_fields__
         sampled = self.samples_original
-        why = "a conversion that samples the original (--heal-text self or self+text, --calibrate-on self, budget.text)"
-        for name, idle, needs in (("self_sequences", not sampled, why), ("temperature", not sampled, why),
-                                  ("starts", not sampled, why), ("sample_precision", not sampled, why),
-                                  ("self_fraction", not (h.budgeted and h.text == "self+text"), "--heal-text "
-                                   "self+text, whose batches it splits,")):  # fmt: skip
-            if idle and getattr(h, name) != plain[name].default:
-                raise ValueError(f"{flag('heal.' + name)} does nothing here: only {needs} uses it; drop it")
+        why = (
+            f"a conversion that samples the original ({flag('data.heal')} self or self+text, "
+            f"{flag('data.calibrate')} self, data.walk)"
+        )
+        for name, idle, needs in (("samples", not sampled, why), ("temperature", not sampled, why),
+                                  ("starts", not sampled, why), ("precision", not sampled, why),
+                                  ("self_fraction", not (h.budgeted and d.heal == "self+text"),
+                                   f"{flag('data.heal')} self+text, whose batches it splits,")):  # fmt: skip
+            if idle and getattr(d, name) != plain[name].default:
+                raise ValueError(f"{flag('data.' + name)} does nothing here: only {needs} uses it; drop it")
         step = h.batch_size * self.seq_len
         if h.tokens is not None and step > h.tokens // h.steps:
             each = f" gives each of {flag('heal.steps')} {h.steps}" if h.steps > 1 else ""
@@ -455,6 +437,8 @@ class ConvertConfig:
 
     def difference(self, saved: dict | None, **facts) -> str | None:
         """How a checkpoint's identity differs from this config's (the fields named), or None when it does not."""
+        if isinstance(saved, dict):  # a checkpoint of before 0.6 names the data fields where they were
+            saved = {LEGACY_KEYS.get(k, k): v for k, v in saved.items()}
         return identity_difference(saved, self.identity(**facts))
 
 
@@ -481,9 +465,12 @@ def resolve_convert_config(overrides: dict | list[str] | None = None, **fields_:
     pairs = (
         parse_pairs(overrides, "--set", "heal.lr=3e-3") if isinstance(overrides, list) else (overrides or {}).items()
     )
-    for key, value in pairs:
+    pairs = list(pairs)
+    for key in (*fields_, *_flatten(dict(pairs))):  # a nested table ({"heal": {"text": ...}}) by its dotted keys
         if key in LEGACY_KEYS:
-            raise ValueError(f"--set {key} is now {LEGACY_KEYS[key]} (the budget walk's fields are a section)")
+            given = key if key in fields_ else f"--set {key}"  # a keyword of the Python API, or as --set took it
+            raise ValueError(f"{given} is now {LEGACY_KEYS[key]} (the config's sections moved; CHANGELOG.md)")
+    for key, value in pairs:
         given = fields_.get(key)
         if given is not None and given != value:
             raise ValueError(f"{flag(key)} {given!r} and --set {key}={value!r} disagree: give the field once")

@@ -121,7 +121,7 @@ def evaluate_folder(
                 f"{folder} holds a {type(net).__name__}, which does not predict the next token: normlab evaluate "
                 "judges causal language models (next-token KL, generated answers)"
             )
-        text = conv_cfg.text or str(fetch_shakespeare())
+        text = conv_cfg.data.text or str(fetch_shakespeare())
         texts = _texts(conv_cfg, text, tokenizer, source.get_input_embeddings().num_embeddings)
         with stage("judge: texts, chat answers, long sequences, stress inputs"):
             report = usage_report(
@@ -143,7 +143,7 @@ def _texts(conv_cfg: ConvertConfig, text: str, tokenizer: object, vocab: int) ->
     """The held-out batches of the texts the conversion measured: its own text's, and its second text's."""
     cut = TextCut(conv_cfg.seq_len, n_calib=1, n_held=conv_cfg.sequences)
     texts = {"held-out": text_batches(text, tokenizer, vocab, cut)[1]}
-    e = conv_cfg.eval_text
+    e = conv_cfg.data.judge
     if e is not None and e.strip().lower() != "none":
         second = str(fetch_docs()) if e == "docs" else e
         texts[f"{DOCS} documentation" if e == "docs" else Path(e).name] = text_batches(second, tokenizer, vocab, cut)[1]

@@ -15,20 +15,20 @@ __all__ = ["SHORTHANDS", "RECOMMENDED", "flag", "finite", "int_at_least", "ident
 # The command line's flags that stand for a field (``normlab convert --heal-minutes 5`` is
 # ``--set heal.minutes=5``). Every other field is reached with --set.
 SHORTHANDS: dict[str, str] = {
-    "--model": "model", "--to": "to", "--calibrate": "text", "--per": "per", "--exclude": "exclude",
+    "--model": "model", "--to": "to", "--calibrate": "data.text", "--per": "per", "--exclude": "exclude",
     "--init": "init", "--seq-len": "seq_len", "--sequences": "sequences", "--budget-nats": "budget.nats",
     "--out": "out", "--overwrite": "overwrite", "--no-calibrate": "calibrate.enabled",
     "--massive-tokens": "calibrate.massive_tokens", "--heal-minutes": "heal.minutes", "--heal-tokens": "heal.tokens",
     "--heal-objective": "heal.objective", "--heal-train": "heal.train", "--checkpoint": "heal.checkpoint",
-    "--resume": "heal.resume", "--heal-text": "heal.text", "--eval-text": "eval_text",
-    "--calibrate-on": "calibrate.source", "--device": "device",
+    "--resume": "heal.resume", "--heal-text": "data.heal", "--eval-text": "data.judge",
+    "--calibrate-on": "data.calibrate", "--device": "device",
 }  # fmt: skip
 _FLAG_OF = {v: k for k, v in SHORTHANDS.items()}
 
 # The recommended recipe, after ``--model M --to dyisru``: the budget walk by KL on the original's own samples at
 # 0.02 nats, no training (10 of SmolLM2's 61 norms, 92% same top-1; docs/conversion.md). Every page that shows a
 # conversion leads with it (tests/test_docs.py), and scripts/bench_usable.py's "recommended" job runs it.
-RECOMMENDED = ("--per", "channel", "--budget-nats", "0.02", "--set", "budget.metric=kl", "budget.text=self")
+RECOMMENDED = ("--per", "channel", "--budget-nats", "0.02", "--set", "budget.metric=kl", "data.walk=self")
 
 
 def flag(key: str) -> str:

@@ -19,7 +19,7 @@ config, so the function and the command walk alike by construction.
    ``budget.precision`` chooses it: within about 0.003 nats of float32 on SmolLM2): ``walk="stop"`` stops before
    the first such site, ``walk="skip"`` puts it back and goes on to the next one (``Frontier.passed`` lists
    those). Without a budget it walks all the sites and puts the model back as it was (the study's curve). ``normlab
-   convert --budget-nats`` passes its validation split as ``held`` (``budget.text="self"``: the original's own
+   convert --budget-nats`` passes its validation split as ``held`` (``data.walk="self"``: the original's own
    samples), so the held-out text it reports chose nothing.
 
 No training: what healing adds comes after. Baroni et al. remove a pretrained model's LayerNorms one at a time
@@ -268,7 +268,7 @@ def frontier(
         to: a registered norm the sites become.
         calibrate: calibration batches (token ids): every site's fit, and the first ``rank_batches`` of them rank.
         held: the batches the walk measures each step on (``normlab convert`` passes its validation split, or
-            the original's own samples with ``budget.text="self"``).
+            the original's own samples with ``data.walk="self"``).
         budget: the walk's settings, the ``budget`` section of ``normlab convert``'s config (default: its
             defaults). ``nats=None`` walks the whole curve; ``nats=X`` keeps the sites that fit in +X nats on
             ``held`` (possibly none). ``walk="skip"`` puts a site over the budget back and goes on, ``"stop"`` ends

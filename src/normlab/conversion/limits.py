@@ -9,8 +9,7 @@ from normlab.errors import check_memory
 __all__ = ["CALIBRATION_KNOBS", "check_limits", "check_idle_calibration", "check_sample_memory"]
 
 # the calibrate section's fields that say how a calibration fits: idle without one (--no-calibrate)
-CALIBRATION_KNOBS = ("massive_tokens", "target", "max_tokens", "massive", "fit_amplitude", "sequential", "solver",
-                     "source")  # fmt: skip
+CALIBRATION_KNOBS = ("massive_tokens", "target", "max_tokens", "massive", "fit_amplitude", "sequential", "solver")
 
 
 def check_idle_calibration(c, plain) -> None:
@@ -33,7 +32,7 @@ def check_idle_calibration(c, plain) -> None:
 
 def check_sample_memory(n: int, seq_len: int, read: int) -> None:
     """Refuse a sample count whose token ids alone (int64) would not fit in this machine's memory, before any
-    sampling starts (``heal.self_sequences=100000000`` began drawing 3.2 billion tokens).
+    sampling starts (``data.samples=100000000`` began drawing 3.2 billion tokens).
 
     Args:
         n: The original's samples the conversion draws.
@@ -42,8 +41,8 @@ def check_sample_memory(n: int, seq_len: int, read: int) -> None:
     """
     check_memory(
         8 * n * seq_len,
-        f"{flag('heal.self_sequences')} {n:,} samples of {seq_len} tokens",
-        f"lower {flag('heal.self_sequences')} (without a heal, {read} are read)",
+        f"{flag('data.samples')} {n:,} samples of {seq_len} tokens",
+        f"lower {flag('data.samples')} (without a heal, {read} are read)",
     )
 
 

@@ -27,7 +27,7 @@ class ConversionTexts:
 
     def selecting_on(self, select: list) -> ConversionTexts:
         """These texts with ``select`` as what the budget walk selects on (the original's own samples,
-        ``budget.text = "self"``); the splits, the heal's validation among them, stay as they are."""
+        ``data.walk = "self"``); the splits, the heal's validation among them, stay as they are."""
         return replace(self, select=select)
 
     def selection(self) -> list | None:
@@ -35,7 +35,7 @@ class ConversionTexts:
         return self.select if self.select is not None else self.splits.val if self.splits is not None else None
 
     def calibrating_on(self, calib: list) -> ConversionTexts:
-        """These texts with ``calib`` as the calibration part (the original's own samples, ``--calibrate-on self``)."""
+        """These texts with ``calib`` as the calibration part (the original's own samples: ``data.calibrate``)."""
         splits = replace(self.splits, calib=calib) if self.splits is not None else None
         return replace(self, splits=splits, calib=calib)
 
@@ -48,9 +48,9 @@ def eval_file(cfg: ConvertConfig) -> str | None:
     """The second text's path as given ('docs' for the docutils documentation), or None when it is off.
 
     Args:
-        cfg: The conversion's config (its ``eval_text``).
+        cfg: The conversion's config (its ``data.judge``).
     """
-    e = cfg.eval_text
+    e = cfg.data.judge
     return None if e is None or e.strip().lower() == "none" else e
 
 
@@ -59,7 +59,7 @@ def second_text(cfg: ConvertConfig, tokenizer: object | None, vocab: int) -> tup
     nothing of it reaches calibration or the heal.
 
     Args:
-        cfg: The conversion's config (its ``eval_text``, ``seq_len`` and ``sequences``).
+        cfg: The conversion's config (its ``data.judge``, ``seq_len`` and ``sequences``).
         tokenizer: The model's tokenizer, or None (byte ids).
         vocab: The model's vocabulary size.
     """
@@ -87,7 +87,7 @@ def conversion_texts(cfg: ConvertConfig, text: str | Path, tokenizer: object | N
         print(f"every sequence starts with BOS (id {bos}), as {cfg.model}'s tokenizer starts every text")
     if cfg.heal.budgeted or cfg.budget.nats is not None:
         val = cfg.sequences if cfg.budget.nats is not None else TextCut.n_val  # a budget selects on as many as held
-        cut = TextCut(cfg.seq_len, cfg.sequences, cfg.sequences, val, seed=cfg.heal.seed)  # the stream's order
+        cut = TextCut(cfg.seq_len, cfg.sequences, cfg.sequences, val, seed=cfg.data.seed)  # the stream's order
         splits = text_splits(text, tokenizer, vocab, cut)
         calib, held = splits.calib, splits.held
     else:

@@ -28,7 +28,7 @@ from normlab.conversion.checks import (
     check_out_space,
     check_resume_identity,
 )
-from normlab.conversion.config import BudgetConfig, ConvertConfig, HealConfig
+from normlab.conversion.config import BudgetConfig, ConvertConfig, DataConfig, HealConfig
 from normlab.conversion.convert import convert_norms, fidelity, save_converted
 from normlab.conversion.export.saving import read_record
 from normlab.conversion.frontier import FEW_SELECTION, METRICS, frontier
@@ -139,7 +139,7 @@ def convert_model(cfg: ConvertConfig, *, progress: bool = True, markdown: bool =
     model_path = check_inputs(cfg)
     check_out(cfg.out, model_path, cfg.overwrite)
     check_inputs_outside(cfg)
-    ckpt = check_checkpoint(cfg, [model_path, cfg.text])
+    ckpt = check_checkpoint(cfg, [model_path, cfg.data.text])
     with contextlib.ExitStack() as owned:
         if cfg.out:
             owned.enter_context(hold(cfg.out, "--out"))
@@ -174,7 +174,7 @@ def _convert(job: _Job, markdown: bool) -> dict:
     cfg, ckpt, progress = job.cfg, job.ckpt, job.progress
     model_path = job.model_path
     stages = Stages()
-    text = cfg.text or fetch_shakespeare()
+    text = cfg.data.text or fetch_shakespeare()
     job = job.knowing(text_sha256=_file_sha(text))
     check_resume_identity(ckpt, cfg, job.identity())
     from normlab.kernels import auto_choice, cpu
@@ -197,8 +197,8 @@ def _convert(job: _Job, markdown: bool) -> dict:
         print(f"{cfg.model} has no tokenizer: using byte values mod {vocab} as token ids")
     with stages("load"):
         texts = conversion_texts(cfg, text, tokenizer, vocab)
-    starts = sample_starts(tokenizer, cfg.heal.starts == "varied")
-    if "self" in (cfg.calibrate.source, cfg.budget.text):
+    starts = sample_starts(tokenizer, cfg.data.starts == "varied")
+    if "self" in (cfg.data.calibrate, cfg.data.walk):
         with stages("samples"):
             texts = _on_samples(cfg, net, texts, starts, progress)
     original = sharing_copy(net)  # its own norms, the weight matrices shared: conversion swaps modules
@@ -211,8 +211,8 @@ def _convert(job: _Job, markdown: bool) -> dict:
         fid, tallies = _measure(original, net, texts, record, judging)
     rep = None
     if cfg.heal.budgeted:
-        with stages("samples") if cfg.heal.text != "text" else contextlib.nullcontext():
-            splits = heal_splits(texts.splits, original, cfg.heal, starts=starts, progress=progress)
+        with stages("samples") if cfg.data.heal != "text" else contextlib.nullcontext():
+            splits = heal_splits(texts.splits, original, cfg.data, starts=starts, progress=progress)
         earlier = earlier_stages(
             job.ckpt, job.cfg.heal.resume, stages
         )  # a resumed heal: what the processes before this one spent
@@ -282,14 +282,14 @@ def _measure(original, net, texts: ConversionTexts, record, judging: bool) -> tu
 
 def _on_samples(cfg: ConvertConfig, net, texts: ConversionTexts, starts, progress: bool) -> ConversionTexts:
     """``texts`` with the original's own samples where the config asks for them: the first ``sequences`` as the
-    calibration part (``calibrate.source``), the next ``sequences`` as what the budget walk selects on
-    (``budget.text``; the first when calibration reads the text)."""
-    own = own_samples(net, cfg.heal, cfg.seq_len, starts=starts, progress=progress)  # drawn once, cached
+    calibration part (``data.calibrate``), the next ``sequences`` as what the budget walk selects on
+    (``data.walk``; the first when calibration reads the text)."""
+    own = own_samples(net, cfg.data, cfg.seq_len, starts=starts, progress=progress)  # drawn once, cached
     n = cfg.sequences
-    if cfg.calibrate.source == "self":
+    if cfg.data.calibrate == "self":
         texts = texts.calibrating_on(list(own[:n].split(8)))
-    if cfg.budget.text == "self":
-        at = n if cfg.calibrate.source == "self" else 0
+    if cfg.data.walk == "self":
+        at = n if cfg.data.calibrate == "self" else 0
         texts = texts.selecting_on(list(own[at : at + n].split(8)))
     return texts
 
@@ -319,7 +319,7 @@ def _convert_sites(cfg: ConvertConfig, net, texts: ConversionTexts, progress: bo
         n_select = sum(len(b) for b in select)
         print(
             f"--budget-nats {b.nats:g}: {len(front.converted)} of {len(front.order)} norms fit "
-            f"({METRICS[front.metric]} on the {n_select} {_selection_words(b)} that select them "
+            f"({METRICS[front.metric]} on the {n_select} {_selection_words(cfg.data)} that select them "
             f"{front.ce_original:.3f} -> "
             f"{front.curve[-1]:.3f} in {front.precision.split(' (')[0]}; the held-out sequences below decide nothing); "
             "converted, cheapest "
@@ -333,7 +333,7 @@ def _convert_sites(cfg: ConvertConfig, net, texts: ConversionTexts, progress: bo
                 "held-out rise below can end well above the budget (see 'Selecting on few sequences' in the "
                 f"conversion docs); --sequences {FEW_SELECTION} or more selects better\n"
             )
-        walk = {"budget_nats": b.nats, "metric": b.metric, "text": b.text, "selection_sequences": n_select,
+        walk = {"budget_nats": b.nats, "metric": b.metric, "text": cfg.data.walk, "selection_sequences": n_select,
                 "ce_original": front.ce_original, "ce_converted": front.curve[-1],
                 "converted": len(front.converted), "sites": len(front.order), "precision": front.precision,
                 "walk": {"kept": front.converted, "curve": front.curve, "passed": front.passed,
@@ -345,15 +345,15 @@ def _convert_sites(cfg: ConvertConfig, net, texts: ConversionTexts, progress: bo
         )
         walk = None
     n_calib = sum(len(b) for b in calib)
-    where = "of the original's own samples" if c.source == "self" else "from the text's start"
+    where = "of the original's own samples" if cfg.data.calibrate == "self" else "from the text's start"
     how = f"calibrated on {n_calib} sequences {where}" if c.enabled else "default init"
     print(f"converted {len(record.sites)} norms of {type(net).__name__} to {cfg.to} ({how})\n")
     return record, walk
 
 
-def _selection_words(b: BudgetConfig) -> str:
+def _selection_words(d: DataConfig) -> str:
     """What the walk selects on, in words (the printed walk line)."""
-    return "of the original's own samples" if b.text == "self" else "validation sequences"
+    return "of the original's own samples" if d.walk == "self" else "validation sequences"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,7 +12,7 @@ import torch
 
 from conftest import tiny_hf, tiny_tokenizer
 from normlab.cli import main
-from normlab.conversion.config import HealConfig, resolve_convert_config
+from normlab.conversion.config import DataConfig, resolve_convert_config
 from normlab.conversion.heal.samples import (
     MixedStream,
     SampleSet,
@@ -116,7 +116,7 @@ def test_a_damaged_sample_cache_is_drawn_again(model, tmp_path):
 def test_a_model_without_generate_is_refused_with_the_way_out(tmp_path):
     net = torch.nn.Sequential(torch.nn.Embedding(10, 4))
     net.get_input_embeddings = lambda: net[0]
-    with pytest.raises(ValueError, match=r"not a Hugging Face causal LM: heal on a text instead \(heal.text=text\)"):
+    with pytest.raises(ValueError, match=r"not a Hugging Face causal LM: heal on a text instead \(data.heal=text\)"):
         self_samples(net, SampleSet("f", 2, 4, Starts(None)), cache=tmp_path)
 
 
@@ -133,7 +133,7 @@ def test_a_mixed_stream_draws_its_fraction_and_resumes_exactly():
     again = MixedStream(_stream(0), _stream(1000), 0.25)
     again.load_state(state)
     assert all(torch.equal(x, again.next(8)) for x in ahead)
-    with pytest.raises(ValueError, match="resume with the same heal.self_fraction"):
+    with pytest.raises(ValueError, match="resume with the same data.self_fraction"):
         MixedStream(_stream(0), _stream(1000), 0.5).load_state(state)
     with pytest.raises(ValueError, match="sequence lengths differ"):
         MixedStream(_stream(0), _stream(0, seq_len=2), 0.5)
@@ -143,7 +143,7 @@ def test_the_held_out_text_never_reaches_the_heal(model, tmp_path):
     held = [torch.full((2, 8), 7)]
     splits = TextSplits([torch.zeros(2, 8, dtype=torch.long)], held, [torch.full((2, 8), 5)], _stream(0, seq_len=8))
     for text in ("self", "self+text"):
-        cfg = resolve_convert_config(["heal.tokens=1000", f"heal.text={text}", "heal.self_sequences=16"]).heal
+        cfg = resolve_convert_config(["heal.tokens=1000", f"data.heal={text}", "data.samples=16"]).data
         got = heal_splits(splits, model, cfg, starts=Starts(1, varied=False))
         assert got.held is held and got.calib is splits.calib  # measured on the same held-out text as before
         chunks = got.stream.chunks
@@ -153,19 +153,19 @@ def test_the_held_out_text_never_reaches_the_heal(model, tmp_path):
         val = torch.cat(got.val)
         assert not any(torch.equal(row, v) for row in own.chunks for v in val)  # validation is not trained on
         assert len(val) == (2 if text == "self" else 4)  # "self+text" validates on both
-    assert heal_splits(splits, model, resolve_convert_config(["heal.tokens=1000"]).heal, starts=Starts(1)) is splits
+    assert heal_splits(splits, model, resolve_convert_config(["heal.tokens=1000"]).data, starts=Starts(1)) is splits
 
 
 @pytest.mark.parametrize(("sets", "match"), [
-    (["heal.text=self"], "--heal-text applies only to a heal"),
-    (["heal.tokens=10", "heal.text=books"], "heal.text"),
-    (["heal.tokens=10", "heal.self_fraction=1"], r"heal.self_fraction must be a number in \(0, 1\)"),
-    (["heal.tokens=10", "heal.temperature=0"], r"heal.temperature must be a number in \(0, inf\)"),
-    (["heal.tokens=10", "heal.self_sequences=1"], "heal.self_sequences must be an int >= 2"),
-    (["eval_text=\"\""], "--eval-text must be 'docs', a text file, or none"),
-    (["calibrate.source=books"], "--set calibrate.source must be 'text' or 'self', got 'books'"),
-    (["calibrate.source=self", "calibrate.enabled=false"], "drop --no-calibrate"),
-    (["calibrate.source=self", "heal.self_sequences=32"], "of the original's 32 samples, of which 28 are not"),
+    (["data.heal=self"], "--heal-text applies only to a heal"),
+    (["heal.tokens=10", "data.heal=books"], "data.heal"),
+    (["heal.tokens=10", "data.self_fraction=1"], r"data.self_fraction must be a number in \(0, 1\)"),
+    (["heal.tokens=10", "data.temperature=0"], r"data.temperature must be a number in \(0, inf\)"),
+    (["heal.tokens=10", "data.samples=1"], "data.samples must be an int >= 2"),
+    (["data.judge=\"\""], "--eval-text must be 'docs', a text file, or none"),
+    (["data.calibrate=books"], "--set data.calibrate must be 'text' or 'self', got 'books'"),
+    (["data.calibrate=self", "calibrate.enabled=false"], "drop --no-calibrate"),
+    (["data.calibrate=self", "data.samples=32"], "of the original's 32 samples, of which 28 are not"),
 ])  # fmt: skip
 def test_the_sample_settings_are_checked(sets, match):
     with pytest.raises(ValueError, match=match):
@@ -180,13 +180,13 @@ def _convert(models, out, *extra):
 
 
 def test_the_second_text_is_measured_and_never_touches_the_heal(models, tmp_path, capsys):
-    heal = ("--heal-tokens", 256, "--heal-text", "self+text", "--set", "heal.self_sequences=16")
+    heal = ("--heal-tokens", 256, "--heal-text", "self+text", "--set", "data.samples=16")
     assert main(_convert(models, tmp_path / "a", *heal, "--eval-text", models["other"])) == 0
     out = capsys.readouterr().out
     assert "second text (other.txt, never calibrated or healed on), 4 held-out sequences" in out, out
     fid = json.loads((tmp_path / "a" / "fidelity.json").read_text())
     assert fid["second_text"]["name"] == "other.txt" and fid["before_heal"]["second_text"]["sequences"] == 4
-    assert json.loads((tmp_path / "a" / "convert_config.json").read_text())["heal"]["text"] == "self+text"
+    assert json.loads((tmp_path / "a" / "convert_config.json").read_text())["data"]["heal"] == "self+text"
     assert main(_convert(models, tmp_path / "b", *heal, "--eval-text", "none")) == 0
     assert "second_text" not in json.loads((tmp_path / "b" / "fidelity.json").read_text())
     a, b = ((tmp_path / d / "model.safetensors").read_bytes() for d in "ab")
@@ -205,7 +205,7 @@ def test_calibration_on_the_models_own_samples_fits_on_them_and_is_measured_on_t
     from normlab.conversion.export.saving import load_converted
     from normlab.conversion.hf import load_model
 
-    sets = ("--set", "heal.self_sequences=16")
+    sets = ("--set", "data.samples=16")
     assert main(_convert(models, tmp_path / "own", "--calibrate-on", "self", *sets)) == 0
     out = capsys.readouterr().out
     assert "calibrated on 4 sequences of the original's own samples" in out, out
@@ -213,9 +213,9 @@ def test_calibration_on_the_models_own_samples_fits_on_them_and_is_measured_on_t
     assert "calibrated on 4 sequences from the text's start" in capsys.readouterr().out
     net, tok = load_model(str(models["m"]))
     cfg = resolve_convert_config(
-        ["heal.self_sequences=16", "calibrate.source=self"], model=str(models["m"]), seq_len=16, sequences=4
+        ["data.samples=16", "data.calibrate=self"], model=str(models["m"]), seq_len=16, sequences=4
     )
-    calib = calibration_samples(net, cfg.heal, 16, 4, starts=sample_starts(tok))
+    calib = calibration_samples(net, cfg.data, 16, 4, starts=sample_starts(tok))
     assert sum(len(b) for b in calib) == 4
     convert_norms(net, "dyisru", calibrate=calib, progress=False)
     own = load_converted(tmp_path / "own")[0].state_dict()
@@ -225,21 +225,21 @@ def test_calibration_on_the_models_own_samples_fits_on_them_and_is_measured_on_t
     assert any(not torch.equal(own[k], text[k]) for k in fitted)  # and not on the text
     fids = [json.loads((tmp_path / d / "fidelity.json").read_text()) for d in ("own", "text")]
     assert fids[0]["ce_original"] == fids[1]["ce_original"]  # the text's held-out end measures both
-    assert json.loads((tmp_path / "own" / "convert_config.json").read_text())["calibrate"]["source"] == "self"
+    assert json.loads((tmp_path / "own" / "convert_config.json").read_text())["data"]["calibrate"] == "self"
 
 
 @pytest.mark.parametrize("calibrate_on", ["text", "self"])
 def test_a_walk_on_the_models_own_samples_selects_on_the_samples_after_calibrations(
     models, tmp_path, capsys, calibrate_on
 ):
-    """``--set budget.text=self``: the budget walk selects on ``sequences`` of the original's own samples, the first
+    """``--set data.walk=self``: the budget walk selects on ``sequences`` of the original's own samples, the first
     ones when calibration reads the text and the next ones when it reads the samples too; the saved model's KL to the
     original on exactly those is the one the walk recorded, and the printed walk and ``fidelity.json`` say so."""
     from normlab.conversion.export.saving import load_converted
     from normlab.conversion.hf import load_model
     from normlab.conversion.measure.fidelity import ReferenceKL
 
-    sets = ("budget.metric=kl", "budget.text=self", "budget.precision=float32", "heal.self_sequences=16")
+    sets = ("budget.metric=kl", "data.walk=self", "budget.precision=float32", "data.samples=16")
     out = tmp_path / calibrate_on
     assert main(_convert(models, out, "--budget-nats", "0.5", "--calibrate-on", calibrate_on, "--set", *sets)) == 0
     printed = capsys.readouterr().out
@@ -247,7 +247,7 @@ def test_a_walk_on_the_models_own_samples_selects_on_the_samples_after_calibrati
     walk = json.loads((out / "fidelity.json").read_text())["budget_walk"]
     assert walk["text"] == "self" and walk["selection_sequences"] == 4 and 0 < walk["ce_converted"] <= 0.5
     net, tok = load_model(str(models["m"]))
-    own = own_samples(net, HealConfig(self_sequences=16), 16, starts=sample_starts(tok))  # the run's, cached
+    own = own_samples(net, DataConfig(samples=16), 16, starts=sample_starts(tok))  # the run's, cached
     at = 4 if calibrate_on == "self" else 0
     kl = ReferenceKL()
     kl(net, [own[at : at + 4]])
@@ -261,10 +261,10 @@ def test_a_walk_on_the_models_own_samples_selects_on_the_samples_after_calibrati
 @pytest.mark.parametrize(
     ("sets", "error"),
     [
-        (["budget.text=self"], "--set budget.text applies only with --budget-nats"),
-        (["budget.text=book"], "--set budget.text must be 'text' or 'self', got 'book'"),
-        (["budget.nats=0.1", "budget.text=self", "calibrate.source=self", "heal.self_sequences=8", "sequences=4"],
-         "--calibrate-on and --set budget.text self read --sequences (4) each of the original's 8 samples, of which 7"),
+        (["data.walk=self"], "--set data.walk applies only with --budget-nats"),
+        (["data.walk=book"], "--set data.walk must be 'text' or 'self', got 'book'"),
+        (["budget.nats=0.1", "data.walk=self", "data.calibrate=self", "data.samples=8", "sequences=4"],
+         "--calibrate-on and --set data.walk self read --sequences (4) each of the original's 8 samples, of which 7"),
     ],
 )  # fmt: skip
 def test_a_walk_on_samples_that_are_too_few_or_have_no_budget_is_refused_before_any_work(sets, error, models):
@@ -319,16 +319,16 @@ def test_the_inverse_cdf_draw_follows_the_softmax_and_never_draws_a_masked_token
 
 
 def test_the_sample_precision_names_the_set_and_bad_values_are_refused(model, tmp_path):
-    """heal.sample_precision: bf16 samples are another set (another cache file) than float32 ones; a bad value is
+    """data.precision: bf16 samples are another set (another cache file) than float32 ones; a bad value is
     refused naming the field."""
     a = SampleSet("f", 6, 8, Starts(1)).identity()
     assert a["precision"] == "float32" and SampleSet("f", 6, 8, Starts(1), precision="bf16").identity() != a
-    with pytest.raises(ValueError, match="heal.sample_precision"):
-        resolve_convert_config(["heal.sample_precision=fp16"])
+    with pytest.raises(ValueError, match="data.precision"):
+        resolve_convert_config(["data.precision=fp16"])
 
 
 def test_varied_samples_hold_chats_through_the_template_and_other_starts(model, tmp_path):
-    """issue 64: `heal.starts = "varied"`. Half the samples open with the chat template's system turn and a user
+    """issue 64: `data.starts = "varied"`. Half the samples open with the chat template's system turn and a user
     header; each time such a row draws the end-of-turn token, the template's next header follows token for token
     (the assistant's after a user turn, the user's after an answer). A quarter start at BOS, a quarter at a uniform
     token; the end-of-sequence token is masked outside the chats. "bos" starts every sample at BOS."""
@@ -386,7 +386,7 @@ def test_a_walk_then_a_heal_keeps_the_walks_record_beside_the_heals(models, tmp_
     """``fidelity.json`` of a budget walk followed by a heal records both: the walk (``budget_walk``, as without a
     heal) and the heal, with the measurement before it."""
     out = tmp_path / "both"
-    heal = ("--heal-tokens", 256, "--heal-text", "self", "--set", "heal.self_sequences=16")
+    heal = ("--heal-tokens", 256, "--heal-text", "self", "--set", "data.samples=16")
     assert main(_convert(models, out, "--budget-nats", "0.5", *heal)) == 0
     fid = json.loads((out / "fidelity.json").read_text())
     assert fid["budget_walk"]["budget_nats"] == 0.5 and fid["budget_walk"]["converted"] == len(fid["sites"])

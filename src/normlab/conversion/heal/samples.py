@@ -4,14 +4,14 @@ Distilling on a user's text teaches the converted model to behave like the origi
 the original's own samples teaches it to behave like the original wherever the original puts its probability.
 `self_samples` draws them (ancestral sampling at temperature 1 by default, no top-k, no top-p, by a decode loop
 over the model's forward with its KV cache, `SAMPLE_BATCH` sequences at a time, in bf16 where the device runs it
-natively: ``heal.sample_precision``). How they begin is `Starts`: by default (``heal.starts = "varied"``) half are
+natively: ``data.precision``). How they begin is `Starts`: by default (``data.starts = "varied"``) half are
 conversations through the model's chat template, a quarter start at BOS and a quarter at a token drawn uniformly
 from the vocabulary, so the heal sees the model as a user meets it and not only after BOS. They are cached on disk
 under their identity (the model's fingerprint, the count, the length, the seed, the temperature, the starts, the
 batch, the precision), so a second heal of the same model reads them back, and a changed setting samples afresh.
 
 `MixedStream` draws a fixed fraction of every batch from the samples and the rest from the user's text
-(``heal.text = "self+text"``).
+(``data.heal = "self+text"``).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from normlab.conversion.batches import autocast_dtype, cache_kwarg, model_device
-from normlab.conversion.config import HEAL_SAMPLES, HealConfig
+from normlab.conversion.data.config import HEAL_SAMPLES, DataConfig
 from normlab.conversion.hf import TextSplits, TokenStream, leading_bos
 from normlab.corpus import cache_dir
 from normlab.owner import hold
@@ -128,7 +128,7 @@ def sample_starts(tokenizer: object | None, varied: bool = True) -> Starts:
 
     Args:
         tokenizer: The model's tokenizer, or None (uniform first tokens).
-        varied: Mix the kinds (``heal.starts = "varied"``); False starts every sample at BOS (``"bos"``).
+        varied: Mix the kinds (``data.starts = "varied"``); False starts every sample at BOS (``"bos"``).
     """
     bos = getattr(tokenizer, "bos_token_id", None) if tokenizer is not None else None
     chat, turns = _chat_opening(tokenizer) if varied and tokenizer is not None else ((), ())
@@ -292,8 +292,8 @@ def _draw(model: nn.Module, which: SampleSet, progress: bool) -> torch.Tensor:
     ``which.precision``, then shuffled together by the same generator (so a validation tail holds every kind)."""
     if not hasattr(model, "generate"):
         raise ValueError(
-            "heal.text=self samples from the original model's causal-LM forward with a KV cache; "
-            f"{type(model).__name__} is not a Hugging Face causal LM: heal on a text instead (heal.text=text)"
+            "data.heal=self samples from the original model's causal-LM forward with a KV cache; "
+            f"{type(model).__name__} is not a Hugging Face causal LM: heal on a text instead (data.heal=text)"
         )
     gen = torch.Generator().manual_seed(which.seed)
     device = model_device(model)
@@ -422,30 +422,30 @@ class MixedStream:
         if state.get("fraction") != self.fraction or "first" not in state:
             raise ValueError(
                 f"MixedStream: the saved stream mixed {state.get('fraction')!r} of samples, this one "
-                f"{self.fraction!r}; resume with the same heal.self_fraction"
+                f"{self.fraction!r}; resume with the same data.self_fraction"
             )
         self.first.load_state(state["first"])
         self.second.load_state(state["second"])
 
 
 def own_samples(
-    original: nn.Module, cfg: HealConfig, seq_len: int, *, starts: Starts, progress: bool = False
+    original: nn.Module, cfg: DataConfig, seq_len: int, *, starts: Starts, progress: bool = False
 ) -> torch.Tensor:
-    """The original's sample set that ``cfg`` (a `normlab.conversion.config.HealConfig`) names: its
-    ``self_sequences`` count, seed and temperature, cached under the original's `weights_fingerprint`. The heal's
-    ``self`` stream and ``calibrate.source = "self"`` read the same set.
+    """The original's sample set that ``cfg`` (a `normlab.conversion.data.config.DataConfig`) names: its
+    ``samples`` count, seed and temperature, cached under the original's `weights_fingerprint`. The heal's
+    ``self`` stream, ``data.calibrate = "self"`` and ``data.walk = "self"`` read the same set.
 
     Args:
         original: The unconverted model, which samples.
-        cfg: The heal's config, a `normlab.conversion.config.HealConfig`.
+        cfg: The data section, a `normlab.conversion.data.config.DataConfig`.
         seq_len: Tokens per sample.
         starts: How the samples begin (`sample_starts` of the model's tokenizer).
         progress: Show a progress bar while it samples.
     """
-    dtype, _ = autocast_dtype(cfg.sample_precision, original, "heal.sample_precision")
+    dtype, _ = autocast_dtype(cfg.precision, original, "data.precision")
     which = SampleSet(
         weights_fingerprint(original),
-        cfg.self_sequences if cfg.self_sequences is not None else HEAL_SAMPLES,  # a ConvertConfig resolves it
+        cfg.samples if cfg.samples is not None else HEAL_SAMPLES,  # a ConvertConfig resolves it
         seq_len,
         starts,
         cfg.seed,
@@ -456,14 +456,14 @@ def own_samples(
 
 
 def calibration_samples(
-    original: nn.Module, cfg: HealConfig, seq_len: int, n: int, *, starts: Starts, progress: bool = False
+    original: nn.Module, cfg: DataConfig, seq_len: int, n: int, *, starts: Starts, progress: bool = False
 ) -> list[torch.Tensor]:
     """The first ``n`` of the original's own samples (`own_samples`) as calibration batches of 8, (8, seq_len):
     calibration that needs no text. They are drawn before the heal's validation part, which they never reach.
 
     Args:
         original: The unconverted model, which samples.
-        cfg: The heal's config, a `normlab.conversion.config.HealConfig`.
+        cfg: The data section, a `normlab.conversion.data.config.DataConfig`.
         seq_len: Tokens per sample.
         n: How many samples.
         starts: How the samples begin (`sample_starts` of the model's tokenizer).
@@ -472,8 +472,8 @@ def calibration_samples(
     return list(own_samples(original, cfg, seq_len, starts=starts, progress=progress)[:n].split(8))
 
 
-def heal_splits(splits: TextSplits, original: nn.Module, cfg: HealConfig, *, starts: Starts, progress: bool = False):
-    """The heal's data for ``cfg.text`` (a `normlab.conversion.config.HealConfig`): ``splits`` itself for
+def heal_splits(splits: TextSplits, original: nn.Module, cfg: DataConfig, *, starts: Starts, progress: bool = False):
+    """The heal's data for ``cfg.heal`` (a `normlab.conversion.data.config.DataConfig`): ``splits`` itself for
     "text"; for "self", the original's samples (the last eighth, at most 8, validate; the rest is the stream),
     with the calibration and held-out parts of ``splits`` unchanged; for "self+text", a `MixedStream` of
     both, validated on both. The samples are cached under the original's `weights_fingerprint`.
@@ -481,19 +481,19 @@ def heal_splits(splits: TextSplits, original: nn.Module, cfg: HealConfig, *, sta
     Args:
         splits: The conversion text's calibration, held-out and stream parts.
         original: The unconverted model, which samples.
-        cfg: The heal's config, a `normlab.conversion.config.HealConfig`.
+        cfg: The data section, a `normlab.conversion.data.config.DataConfig`.
         starts: How the samples begin (`sample_starts` of the model's tokenizer).
         progress: Show a progress bar while it samples.
     """
     from normlab.conversion.hf import TextSplits
 
-    if cfg.text == "text":
+    if cfg.heal == "text":
         return splits
     samples = own_samples(original, cfg, splits.stream.seq_len, starts=starts, progress=progress)
     n_val = min(8, max(1, len(samples) // 8))
     own = TokenStream(samples[:-n_val], cfg.seed)
     own_val = list(samples[-n_val:].split(8))
-    if cfg.text == "self":
+    if cfg.heal == "self":
         return TextSplits(splits.calib, splits.held, own_val, own)
     return TextSplits(
         splits.calib, splits.held, [*splits.val, *own_val], MixedStream(own, splits.stream, cfg.self_fraction)

@@ -1,7 +1,7 @@
 """A teacher cache for distillation: the original's top-k next-token log-probabilities per sequence, computed the
 first time a sequence is drawn and read back every later time.
 
-A heal on the original's own samples (``heal.text = "self"``) passes over its 1,016 training sequences about
+A heal on the original's own samples (``data.heal = "self"``) passes over its 1,016 training sequences about
 three times in 30 minutes on two cores, and the original's forward pass is about a third of a distillation step
 (the converted model's forward and backward are the rest). Cached, the teacher is paid for once per sequence.
 

@@ -1,0 +1,1 @@
+"""A conversion's data: what each stage reads (`normlab.conversion.data.config`)."""

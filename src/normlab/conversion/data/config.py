@@ -1,0 +1,76 @@
+"""What each stage of a conversion reads: the config's one data section, ``[data]``.
+
+Four stages read data: calibration fits on it, the budget walk selects on it, the heal trains on it and the judge
+measures on it. Each reads the conversion text (``text``, split into calibration, held-out, validation and stream
+parts), the original's own samples ("self", drawn once and cached), or for the heal both ("self+text"). The judge
+also reads a second text (``judge``). The samples' count, starts, temperature, seed and precision are written here
+once, for every stage that reads them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from normlab.conversion.flags import flag, int_at_least
+from normlab.typed import check_types
+
+__all__ = ["DataConfig", "HEAL_SAMPLES"]
+
+HEAL_SAMPLES = 1024  # the original's samples a heal on them draws by default (data.samples)
+
+
+@dataclass
+class DataConfig:
+    """What calibration, the walk, the heal and the judge read, and how the original's samples are drawn."""
+
+    text: str | None = None
+    """The conversion text file (--calibrate FILE): calibration, held-out, validation and the heal's stream; None:
+    the Shakespeare corpus."""
+    calibrate: Literal["text", "self"] = "text"
+    """What calibration fits on: the text's first sequences, or "self", the first of the original's own samples."""
+    walk: Literal["text", "self"] = "text"
+    """What the budget walk selects on: the text's validation split, or "self": ``sequences`` of the samples."""
+    heal: Literal["text", "self", "self+text"] = "text"
+    """What the heal trains on: the text's stream, "self" (the original's own samples) or "self+text"."""
+    judge: str | None = "docs"
+    """A second text, never calibrated or healed on, measured beside the held-out part: "docs" (docutils 0.23), a
+    file, or None."""
+    samples: int | None = None
+    """The original's samples drawn (cached on disk). None: `HEAL_SAMPLES` (1,024) for a heal on samples, else what
+    calibration and the walk on samples read, 2 x ``sequences`` + 8 (`normlab.conversion.config.ConvertConfig`)."""
+    self_fraction: float = 0.5
+    """Of every "self+text" heal batch, the part drawn from the samples."""
+    starts: Literal["varied", "bos"] = "varied"
+    """How samples begin: "varied", half chats through the template, a quarter at BOS, a quarter at a random token."""
+    temperature: float = 1.0
+    """Of the sampling."""
+    seed: int = 0
+    """Of the sampling, and of the order the text's stream is drawn in."""
+    precision: Literal["auto", "float32", "bf16"] = "auto"
+    """The sampling's arithmetic: "bf16" autocasts its forward passes, "auto" where the device runs bf16 matmuls
+    natively (as budget.precision), else float32 (SmolLM2, 2 cores: 1,024 samples in 2.6 min bf16, 5.2 float32)."""
+
+    def reads_samples(self, healing: bool) -> bool:
+        """Whether a stage reads the original's samples (the heal only when there is one: ``healing``).
+
+        Args:
+            healing: Whether the conversion heals.
+        """
+        return (healing and self.heal != "text") or "self" in (self.calibrate, self.walk)
+
+    def validate(self) -> None:
+        """Each field alone; how they combine with the rest of the conversion is `ConvertConfig.validate`'s."""
+        check_types(self, "data.")
+        if self.text is not None and not self.text.strip():
+            raise ValueError(f"{flag('data.text')} must name a text file, got {self.text!r}")
+        if self.judge is not None and not self.judge.strip():
+            raise ValueError(f"{flag('data.judge')} must be 'docs', a text file, or none, got {self.judge!r}")
+        if self.samples is not None:
+            int_at_least("data.samples", self.samples, 2)
+        int_at_least("data.seed", self.seed, 0)
+        for name, lo, hi in (("self_fraction", 0.0, 1.0), ("temperature", 0.0, math.inf)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo < v < hi:
+                raise ValueError(f"{flag('data.' + name)} must be a number in ({lo:g}, {hi:g}), got {v!r}")
