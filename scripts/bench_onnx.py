@@ -6,7 +6,7 @@ copies, folded) beside the original, both exported by normlab.export_onnx, and b
 
 Each engine decodes the same prompt (held-out Shakespeare) one token at a time with its KV cache, batch 1, and the
 median of the repeats counts. PyTorch runs the model's forward with its cache in a plain loop (what
-`normlab.conversion.heal.samples` does), the converted one on normlab's fused CPU kernels. Rows go to
+`normlab.conversion.data.samples` does), the converted one on normlab's fused CPU kernels. Rows go to
 bench/onnx_decode.csv with the machine and the commit. A benchmark, not a test: nothing is asserted.
 """
 
@@ -27,8 +27,8 @@ import normlab
 from _study import commit, stamp
 from bench_kernels import cpu_name  # scripts/ is on the path when a script runs
 from normlab.conversion.batches import cache_kwarg
+from normlab.conversion.data.models import TextCut, load_model, quiet, smollm2, text_batches
 from normlab.conversion.export.onnx_export import OnnxCheck, OnnxLM
-from normlab.conversion.hf import TextCut, load_model, quiet, smollm2, text_batches
 from normlab.corpus import fetch_shakespeare
 from normlab.table import append_csv, format_table
 

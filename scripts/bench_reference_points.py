@@ -27,9 +27,9 @@ from torch import nn
 
 from _study import stamp  # scripts/ is on the path when a script runs
 from normlab.conversion.config import ConvertConfig
-from normlab.conversion.hf import load_model, smollm2
+from normlab.conversion.data.models import load_model, smollm2
+from normlab.conversion.data.texts import conversion_texts
 from normlab.conversion.measure.usage import usage_lines, usage_report
-from normlab.conversion.texts import conversion_texts
 from normlab.corpus import fetch_shakespeare
 from normlab.table import append_csv
 

@@ -27,10 +27,10 @@ from normlab.conversion.calibrate.massive import early_rows, early_token_batches
 from normlab.conversion.checks import check_inputs
 from normlab.conversion.config import BudgetConfig, HealConfig, resolve_convert_config
 from normlab.conversion.convert import convert_norms
+from normlab.conversion.data.models import load_model
+from normlab.conversion.data.texts import conversion_texts
 from normlab.conversion.frontier import site_costs
-from normlab.conversion.hf import load_model
 from normlab.conversion.measure.fidelity import ReferenceKL
-from normlab.conversion.texts import conversion_texts
 from normlab.corpus import fetch_shakespeare
 from normlab.table import append_csv
 

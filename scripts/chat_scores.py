@@ -20,9 +20,9 @@ from pathlib import Path
 
 from _study import stamp  # scripts/ is on the path when a script runs
 from bench_kernels import cpu_name
+from normlab.conversion.data.models import load_model
 from normlab.conversion.evaluate import original_of
 from normlab.conversion.export.saving import RECORD_FILE, load_converted
-from normlab.conversion.hf import load_model
 from normlab.conversion.measure.prompts import PROMPTS
 from normlab.conversion.measure.usage import (
     UsageConfig,

@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 
 import normlab
-from normlab.conversion.hf import TextCut, fixture_path, load_model, quiet, text_splits
+from normlab.conversion.data.models import TextCut, fixture_path, load_model, quiet, text_splits
 from normlab.conversion.measure.judge import guard_items, guard_prefixes, heal_verdict, judge_tokens
 from normlab.corpus import fetch_shakespeare
 

@@ -141,7 +141,7 @@ def _tiny_converted(tmp_path: Path) -> Path:
     import torch
 
     import normlab
-    from normlab.conversion.hf import load_model
+    from normlab.conversion.data.models import load_model
 
     model, tok = load_model(_tiny_llama(tmp_path / "tiny-original"), progress=False)
     calib = [torch.randint(2, 256, (4, 16), generator=torch.Generator().manual_seed(i)) for i in range(2)]
@@ -159,7 +159,7 @@ def test_the_export_page_starts_from_a_converted_folder():
 
 
 def test_load_model_refuses_a_converted_folder(tmp_path):
-    from normlab.conversion.hf import load_model
+    from normlab.conversion.data.models import load_model
 
     folder = _tiny_converted(tmp_path)
     with pytest.raises(ValueError, match=r"normlab conversion .*normlab\.load_converted.*trust_remote_code=True"):

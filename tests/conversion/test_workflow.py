@@ -397,7 +397,7 @@ def test_heal_seed_orders_the_text_stream(models, tmp_path):
 
 def test_saving_over_the_folder_the_model_was_loaded_from_is_refused(models):
     """Issue 65, A30: save_converted into the folder the model came from would replace its original weights."""
-    from normlab.conversion.hf import load_model
+    from normlab.conversion.data.models import load_model
 
     net, _ = load_model(models["m"], progress=False)
     rec = normlab.convert_norms(net, "dyisru", progress=False)

@@ -4,7 +4,7 @@ what leaves normlab (``export``); real models from Hugging Face folders and GGUF
 on the norms and on ``normlab.corpus``, never on the lab.
 
 A subpackage's face never re-exports a name that one of its modules bears (``heal``, ``fold``, ``fidelity``):
-``normlab.conversion.heal`` is the subpackage, so ``normlab.conversion.heal.samples`` resolves as a dotted path;
+``normlab.conversion.heal`` is the subpackage, so ``normlab.conversion.data.samples`` resolves as a dotted path;
 the functions are ``normlab.heal``, ``normlab.fold`` and ``normlab.fidelity``.
 """
 

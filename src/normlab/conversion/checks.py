@@ -12,10 +12,10 @@ from pathlib import Path
 from torch import nn
 
 from normlab.conversion.config import ConvertConfig, flag, identity_difference
+from normlab.conversion.data.models import FIXTURES, fixture_path
+from normlab.conversion.data.texts import eval_file
 from normlab.conversion.export.saving import RECORD_FILE, read_record
-from normlab.conversion.hf import FIXTURES, fixture_path
 from normlab.conversion.measure.fidelity import predicts_next_token
-from normlab.conversion.texts import eval_file
 from normlab.corpus import cache_dir
 from normlab.errors import NormlabError, check_memory
 from normlab.owner import check_writable, inside

@@ -266,7 +266,8 @@ class ConvertConfig:
     """One conversion: the model, the target norm, the text, the sections, the output."""
 
     model: str = "smollm2"
-    """A Hugging Face folder, a .gguf file, or "smollm2" / "qwen-coder" (fetched once: `normlab.conversion.hf`)."""
+    """A Hugging Face folder, a .gguf file, or "smollm2" / "qwen-coder" (fetched once:
+    `normlab.conversion.data.models`)."""
     to: str = "dyisru"
     """The registered norm every site becomes."""
     per: Literal["global", "channel"] = "global"

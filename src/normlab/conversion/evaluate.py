@@ -11,8 +11,8 @@ from pathlib import Path
 from torch import nn
 
 from normlab.conversion.config import ConvertConfig
+from normlab.conversion.data.models import TextCut, fixture_path, load_model, text_batches, usable_tokenizer
 from normlab.conversion.export.saving import RECORD_FILE, load_converted, read_record
-from normlab.conversion.hf import TextCut, fixture_path, load_model, text_batches, usable_tokenizer
 from normlab.conversion.measure.fidelity import predicts_next_token
 from normlab.conversion.measure.usage import UsageConfig, usage_lines, usage_report
 from normlab.conversion.stages import Stages

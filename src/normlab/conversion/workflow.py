@@ -30,22 +30,22 @@ from normlab.conversion.checks import (
 )
 from normlab.conversion.config import BudgetConfig, ConvertConfig, DataConfig, HealConfig
 from normlab.conversion.convert import convert_norms, fidelity, save_converted
-from normlab.conversion.export.saving import read_record
-from normlab.conversion.frontier import FEW_SELECTION, METRICS, frontier
-from normlab.conversion.heal.distill import check_heal_resources, heal
-from normlab.conversion.heal.report import heal_summary, write_curve
-from normlab.conversion.heal.samples import heal_splits, own_samples, sample_starts
-from normlab.conversion.hf import (
+from normlab.conversion.data.models import (
     leading_bos,
     load_model,
     quiet,
     usable_tokenizer,
 )
+from normlab.conversion.data.samples import heal_splits, own_samples, sample_starts
+from normlab.conversion.data.texts import ConversionTexts, conversion_texts
+from normlab.conversion.export.saving import read_record
+from normlab.conversion.frontier import FEW_SELECTION, METRICS, frontier
+from normlab.conversion.heal.distill import check_heal_resources, heal
+from normlab.conversion.heal.report import heal_summary, write_curve
 from normlab.conversion.measure.fidelity import predicts_next_token
 from normlab.conversion.measure.judge import TokenTally
 from normlab.conversion.measure.usage import usage_lines, usage_report
 from normlab.conversion.stages import Stages, count_every_process, earlier_stages, stages_file
-from normlab.conversion.texts import ConversionTexts, conversion_texts
 from normlab.corpus import fetch_shakespeare, sha256_file
 from normlab.errors import NormlabError
 from normlab.owner import beside, hold, restore_swapped, swap_in

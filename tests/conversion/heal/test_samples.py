@@ -1,4 +1,4 @@
-"""The heal's own-sample stream (normlab.conversion.heal.samples) and the second text every conversion is measured on:
+"""The heal's own-sample stream (normlab.conversion.data.samples) and the second text every conversion is measured on:
 samples reproducible from their seed and cached under their identity, the held-out text never in the heal's
 data, a mixed stream that resumes exactly, a second text that never touches the heal."""
 
@@ -13,7 +13,8 @@ import torch
 from conftest import tiny_hf, tiny_tokenizer
 from normlab.cli import main
 from normlab.conversion.config import DataConfig, resolve_convert_config
-from normlab.conversion.heal.samples import (
+from normlab.conversion.data.models import TextSplits, TokenStream
+from normlab.conversion.data.samples import (
     MixedStream,
     SampleSet,
     Starts,
@@ -23,7 +24,6 @@ from normlab.conversion.heal.samples import (
     sample_starts,
     self_samples,
 )
-from normlab.conversion.hf import TextSplits, TokenStream
 
 transformers = pytest.importorskip("transformers")
 
@@ -31,7 +31,7 @@ transformers = pytest.importorskip("transformers")
 @pytest.fixture(autouse=True)
 def _own_sample_cache(tmp_path, monkeypatch):
     """The tiny models' sample sets go to the test's folder, never into the user's cache."""
-    monkeypatch.setattr("normlab.conversion.heal.samples.cache_dir", lambda: tmp_path / "normlab-cache")
+    monkeypatch.setattr("normlab.conversion.data.samples.cache_dir", lambda: tmp_path / "normlab-cache")
 
 
 @pytest.fixture()
@@ -59,7 +59,7 @@ def test_samples_are_reproducible_from_their_seed_and_read_back_from_the_cache(m
     def refuse(*_a, **_k):
         raise AssertionError("sampled again instead of reading the cache")
 
-    monkeypatch.setattr("normlab.conversion.heal.samples._draw", refuse)
+    monkeypatch.setattr("normlab.conversion.data.samples._draw", refuse)
     assert torch.equal(a, _samples(model, tmp_path / "c1"))  # the same identity: read back
     with pytest.raises(AssertionError, match="sampled again"):
         _samples(model, tmp_path / "c1", fingerprint="another model")  # another identity is never read as this one
@@ -89,7 +89,7 @@ def test_a_second_process_waits_for_the_samples_being_drawn_and_reads_them(model
          str(drawn), str(target), str(ready)]
     )  # fmt: skip
     monkeypatch.setattr(
-        "normlab.conversion.heal.samples._draw", lambda *a, **k: pytest.fail("sampled again, not waiting")
+        "normlab.conversion.data.samples._draw", lambda *a, **k: pytest.fail("sampled again, not waiting")
     )
     try:
         while not ready.exists():
@@ -202,8 +202,8 @@ def test_calibration_on_the_models_own_samples_fits_on_them_and_is_measured_on_t
     """``--calibrate-on self``: the sites are fitted on the first sequences of the original's samples (the set the
     heal's ``self`` stream reads), not on the text, and the text's held-out end still measures."""
     from normlab.conversion.convert import convert_norms
+    from normlab.conversion.data.models import load_model
     from normlab.conversion.export.saving import load_converted
-    from normlab.conversion.hf import load_model
 
     sets = ("--set", "data.samples=16")
     assert main(_convert(models, tmp_path / "own", "--calibrate-on", "self", *sets)) == 0
@@ -235,8 +235,8 @@ def test_a_walk_on_the_models_own_samples_selects_on_the_samples_after_calibrati
     """``--set data.walk=self``: the budget walk selects on ``sequences`` of the original's own samples, the first
     ones when calibration reads the text and the next ones when it reads the samples too; the saved model's KL to the
     original on exactly those is the one the walk recorded, and the printed walk and ``fidelity.json`` say so."""
+    from normlab.conversion.data.models import load_model
     from normlab.conversion.export.saving import load_converted
-    from normlab.conversion.hf import load_model
     from normlab.conversion.measure.fidelity import ReferenceKL
 
     sets = ("budget.metric=kl", "data.walk=self", "budget.precision=float32", "data.samples=16")
@@ -279,7 +279,7 @@ def test_the_decode_steps_attention_gives_sdpas_logits_and_is_put_back(family):
     keys from step 7 on, where SDPA answers), and the model's attention is SDPA again after."""
     from conftest import tiny_lm
     from normlab.conversion.batches import cache_kwarg
-    from normlab.conversion.heal.samples import _fast_decode
+    from normlab.conversion.data.samples import _fast_decode
 
     model = tiny_lm(family, layers=2, sliding_window=6) if family == "Gemma3" else tiny_lm(family, layers=2)
     model.set_attn_implementation("sdpa")
@@ -307,7 +307,7 @@ def test_the_decode_steps_attention_gives_sdpas_logits_and_is_put_back(family):
 def test_the_inverse_cdf_draw_follows_the_softmax_and_never_draws_a_masked_token():
     """`_draw_tokens`: 40,000 draws from one row's softmax(logits / T) land on each token at its probability (within
     five standard errors), and a -inf token (a masked end-of-sequence) is never drawn."""
-    from normlab.conversion.heal.samples import _draw_tokens
+    from normlab.conversion.data.samples import _draw_tokens
 
     logits = torch.tensor([0.0, 1.0, -torch.inf, 2.0, -1.0])
     n, temperature = 40_000, 1.5

@@ -15,9 +15,9 @@ from torch import nn
 
 from normlab.conversion.batches import as_batches, input_ids, logit_rows, row_chunks, run_batch
 from normlab.conversion.config import HEAL_LEARNING_RATES, HealConfig, identity_difference
+from normlab.conversion.data.models import TokenStream
+from normlab.conversion.data.samples import MixedStream
 from normlab.conversion.heal.lora import LoRALinear
-from normlab.conversion.heal.samples import MixedStream
-from normlab.conversion.hf import TokenStream
 
 __all__ = ["HealReport", "HealRun", "Budget", "Validation", "is_ours", "trainable", "frozen", "make_optimizer",
            "load_checkpoint", "heal_state", "mean_finite", "postfix", "lr_factor", "set_lr"]  # fmt: skip

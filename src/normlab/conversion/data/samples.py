@@ -31,7 +31,7 @@ from torch import nn
 
 from normlab.conversion.batches import autocast_dtype, cache_kwarg, model_device
 from normlab.conversion.data.config import HEAL_SAMPLES, DataConfig
-from normlab.conversion.hf import TextSplits, TokenStream, leading_bos
+from normlab.conversion.data.models import TextSplits, TokenStream, leading_bos
 from normlab.corpus import cache_dir
 from normlab.owner import hold
 
@@ -485,7 +485,7 @@ def heal_splits(splits: TextSplits, original: nn.Module, cfg: DataConfig, *, sta
         starts: How the samples begin (`sample_starts` of the model's tokenizer).
         progress: Show a progress bar while it samples.
     """
-    from normlab.conversion.hf import TextSplits
+    from normlab.conversion.data.models import TextSplits
 
     if cfg.heal == "text":
         return splits

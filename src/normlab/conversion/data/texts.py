@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from normlab.conversion.config import ConvertConfig
-from normlab.conversion.hf import TextCut, leading_bos, text_batches, text_splits
+from normlab.conversion.data.models import TextCut, leading_bos, text_batches, text_splits
 from normlab.corpus import DOCS, fetch_docs
 
 __all__ = ["ConversionTexts", "conversion_texts", "second_text", "eval_file"]
@@ -18,7 +18,7 @@ class ConversionTexts:
     """A run's texts, as batches: the conversion text's splits (with a heal or a budget; else None), its calibration
     and held-out parts, and the second text's held-out part with its name (None when ``--eval-text none``)."""
 
-    splits: object | None  # normlab.conversion.hf.TextSplits
+    splits: object | None  # normlab.conversion.data.models.TextSplits
     calib: list
     held: list
     second: list | None = None
@@ -74,7 +74,7 @@ def second_text(cfg: ConvertConfig, tokenizer: object | None, vocab: int) -> tup
 def conversion_texts(cfg: ConvertConfig, text: str | Path, tokenizer: object | None, vocab: int) -> ConversionTexts:
     """The conversion text cut for this run (with a heal or a budget, its four splits; else its two ends) and the
     second text. A model whose tokenizer starts every text with BOS
-    gets it at the start of every sequence (`normlab.conversion.hf.leading_bos`), and the run says so.
+    gets it at the start of every sequence (`normlab.conversion.data.models.leading_bos`), and the run says so.
 
     Args:
         cfg: The conversion's config (its sequence length and counts, whether it heals or walks a budget).
