@@ -28,7 +28,7 @@ from normlab.conversion.checks import (
     check_out_space,
     check_resume_identity,
 )
-from normlab.conversion.config import BudgetConfig, ConvertConfig, DataConfig, HealConfig
+from normlab.conversion.config import BudgetConfig, ConvertConfig, HealConfig
 from normlab.conversion.convert import convert_norms, fidelity, save_converted
 from normlab.conversion.data.models import (
     leading_bos,
@@ -198,9 +198,10 @@ def _convert(job: _Job, markdown: bool) -> dict:
     with stages("load"):
         texts = conversion_texts(cfg, text, tokenizer, vocab)
     starts = sample_starts(tokenizer, cfg.data.starts == "varied")
-    if "self" in (cfg.data.calibrate, cfg.data.walk):
+    if cfg.data.converts_on_samples:
         with stages("samples"):
-            texts = _on_samples(cfg, net, texts, starts, progress)
+            own = own_samples(net, cfg.data, cfg.seq_len, starts=starts, progress=progress)  # drawn once, cached
+            texts = texts.on_samples(cfg.data, own, cfg.sequences)
     original = sharing_copy(net)  # its own norms, the weight matrices shared: conversion swaps modules
     with stages("budget walk" if cfg.budget.nats is not None else "calibration"):
         record, walk = _convert_sites(cfg, net, texts, progress)
@@ -213,9 +214,8 @@ def _convert(job: _Job, markdown: bool) -> dict:
     if cfg.heal.budgeted:
         with stages("samples") if cfg.data.heal != "text" else contextlib.nullcontext():
             splits = heal_splits(texts.splits, original, cfg.data, starts=starts, progress=progress)
-        earlier = earlier_stages(
-            job.ckpt, job.cfg.heal.resume, stages
-        )  # a resumed heal: what the processes before this one spent
+        # a resumed heal: what the processes before this one spent
+        earlier = earlier_stages(job.ckpt, job.cfg.heal.resume, stages)
         rep, guard, steps = _heal_stage(job, _Models(original, net, tokenizer, stages), texts, splits, record, walk)
         count_every_process(stages, earlier)
         before = fid
@@ -280,20 +280,6 @@ def _measure(original, net, texts: ConversionTexts, record, judging: bool) -> tu
     return fid, tallies
 
 
-def _on_samples(cfg: ConvertConfig, net, texts: ConversionTexts, starts, progress: bool) -> ConversionTexts:
-    """``texts`` with the original's own samples where the config asks for them: the first ``sequences`` as the
-    calibration part (``data.calibrate``), the next ``sequences`` as what the budget walk selects on
-    (``data.walk``; the first when calibration reads the text)."""
-    own = own_samples(net, cfg.data, cfg.seq_len, starts=starts, progress=progress)  # drawn once, cached
-    n = cfg.sequences
-    if cfg.data.calibrate == "self":
-        texts = texts.calibrating_on(list(own[:n].split(8)))
-    if cfg.data.walk == "self":
-        at = n if cfg.data.calibrate == "self" else 0
-        texts = texts.selecting_on(list(own[at : at + n].split(8)))
-    return texts
-
-
 def _convert_sites(cfg: ConvertConfig, net, texts: ConversionTexts, progress: bool, reference=None):
     """The conversion itself (every site, or the frontier's within ``budget.nats``); prints what it did. Returns
     the record and, for a budget, what the walk saw. The budget walk decides on the validation split (text the heal
@@ -319,7 +305,7 @@ def _convert_sites(cfg: ConvertConfig, net, texts: ConversionTexts, progress: bo
         n_select = sum(len(b) for b in select)
         print(
             f"--budget-nats {b.nats:g}: {len(front.converted)} of {len(front.order)} norms fit "
-            f"({METRICS[front.metric]} on the {n_select} {_selection_words(cfg.data)} that select them "
+            f"({METRICS[front.metric]} on the {n_select} {cfg.data.selection_words()} that select them "
             f"{front.ce_original:.3f} -> "
             f"{front.curve[-1]:.3f} in {front.precision.split(' (')[0]}; the held-out sequences below decide nothing); "
             "converted, cheapest "
@@ -345,15 +331,9 @@ def _convert_sites(cfg: ConvertConfig, net, texts: ConversionTexts, progress: bo
         )
         walk = None
     n_calib = sum(len(b) for b in calib)
-    where = "of the original's own samples" if cfg.data.calibrate == "self" else "from the text's start"
-    how = f"calibrated on {n_calib} sequences {where}" if c.enabled else "default init"
+    how = f"calibrated on {n_calib} sequences {cfg.data.calibration_words()}" if c.enabled else "default init"
     print(f"converted {len(record.sites)} norms of {type(net).__name__} to {cfg.to} ({how})\n")
     return record, walk
-
-
-def _selection_words(d: DataConfig) -> str:
-    """What the walk selects on, in words (the printed walk line)."""
-    return "of the original's own samples" if d.walk == "self" else "validation sequences"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -52,13 +52,26 @@ class DataConfig:
     """The sampling's arithmetic: "bf16" autocasts its forward passes, "auto" where the device runs bf16 matmuls
     natively (as budget.precision), else float32 (SmolLM2, 2 cores: 1,024 samples in 2.6 min bf16, 5.2 float32)."""
 
+    @property
+    def converts_on_samples(self) -> bool:
+        """Whether calibration or the walk reads the original's samples (drawn before the conversion)."""
+        return "self" in (self.calibrate, self.walk)
+
     def reads_samples(self, healing: bool) -> bool:
         """Whether a stage reads the original's samples (the heal only when there is one: ``healing``).
 
         Args:
             healing: Whether the conversion heals.
         """
-        return (healing and self.heal != "text") or "self" in (self.calibrate, self.walk)
+        return (healing and self.heal != "text") or self.converts_on_samples
+
+    def calibration_words(self) -> str:
+        """Where calibration's sequences come from, in words (the printed conversion line)."""
+        return "of the original's own samples" if self.calibrate == "self" else "from the text's start"
+
+    def selection_words(self) -> str:
+        """What the walk selects on, in words (the printed walk line)."""
+        return "of the original's own samples" if self.walk == "self" else "validation sequences"
 
     def validate(self) -> None:
         """Each field alone; how they combine with the rest of the conversion is `ConvertConfig.validate`'s."""

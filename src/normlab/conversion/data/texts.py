@@ -5,10 +5,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from normlab.conversion.config import ConvertConfig
+from normlab.conversion.data.config import DataConfig
 from normlab.conversion.data.models import TextCut, leading_bos, text_batches, text_splits
 from normlab.corpus import DOCS, fetch_docs
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["ConversionTexts", "conversion_texts", "second_text", "eval_file"]
 
@@ -38,6 +43,22 @@ class ConversionTexts:
         """These texts with ``calib`` as the calibration part (the original's own samples: ``data.calibrate``)."""
         splits = replace(self.splits, calib=calib) if self.splits is not None else None
         return replace(self, splits=splits, calib=calib)
+
+    def on_samples(self, data: DataConfig, own: torch.Tensor, n: int) -> ConversionTexts:
+        """These texts with the original's own samples ``own`` where ``data`` asks for them: the first ``n`` as the
+        calibration part (``data.calibrate = "self"``), the next ``n`` as what the walk selects on (``data.walk =
+        "self"``; the first ``n`` when calibration reads the text).
+
+        Args:
+            data: The config's data section.
+            own: The original's samples, (count, seq_len) token ids.
+            n: Sequences each part reads (the config's ``sequences``).
+        """
+        texts = self.calibrating_on(list(own[:n].split(8))) if data.calibrate == "self" else self
+        if data.walk == "self":
+            at = n if data.calibrate == "self" else 0
+            texts = texts.selecting_on(list(own[at : at + n].split(8)))
+        return texts
 
     def judged(self) -> dict[str, list]:
         """The texts the judgement reads, by name: the held-out part, and the second text when there is one."""
