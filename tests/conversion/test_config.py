@@ -17,6 +17,7 @@ from normlab.cli import main
 from normlab.conversion.calibrate.fit import fit_replacement
 from normlab.conversion.calibrate.sites import calibrate_sites
 from normlab.conversion.config import (
+    LEGACY_KEYS,
     SHORTHANDS,
     BudgetConfig,
     CalibrateConfig,
@@ -386,8 +387,7 @@ def test_what_each_stage_reads_is_one_section_and_the_old_names_point_to_it():
     assert (d.text, d.judge, d.calibrate, d.walk, d.heal, d.samples, d.seed, d.precision) == (
         "t.txt", None, "self", "self", "self+text", 64, 3, "bf16")  # fmt: skip
     now = resolve_convert_config(["heal.tokens=1000", "data.heal=self", "data.samples=64", "data.seed=3"])
-    saved = {("heal." + k[5:] if k in ("data.seed", "data.heal") else k): v for k, v in now.identity().items()}
-    saved = {("heal.text" if k == "heal.heal" else k): v for k, v in saved.items()}
-    saved = {("heal.self_sequences" if k == "data.samples" else k): v for k, v in saved.items()}
+    old_name = {new: was for was, new in LEGACY_KEYS.items()}
+    saved = {old_name.get(k, k): v for k, v in now.identity().items()}
     assert "heal.text" in saved and "heal.self_sequences" in saved  # as a checkpoint of 0.5 holds it
     assert now.difference(saved) is None
