@@ -126,6 +126,21 @@ JOBS = {  # name -> the model and the flags after --to dyisru
             tokens=163_328,
         ),  # fmt: skip
     ),
+    # the same steps with every weight trained (heal.train=all at its default rate 2e-5), not adapters: where LoRA
+    # caps, full rank is the other choice (issue 87, item 3)
+    "steps_self_kl_0.05_heal_all_tokens": (
+        "smollm2",
+        _budget_heal(
+            0,
+            "0.05",
+            "data.samples=2048",
+            "budget.metric=kl",
+            "data.walk=self",
+            "heal.steps=4",
+            tokens=163_328,
+            train="all",
+        ),  # fmt: skip
+    ),
     "budget_0.1_heal_4096": ("smollm2", _budget_heal(12, "0.1", "data.samples=4096")),  # twice the samples
     "budget_0.1_heal_t07": (  # samples nearer the answers a user reads: temperature 0.7
         "smollm2",
