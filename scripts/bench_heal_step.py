@@ -33,6 +33,7 @@ from _study import commit, stamp  # noqa: E402
 from bench_kernels import cpu_name  # noqa: E402  (scripts/ is on the path when a script runs)
 from normlab.conversion.heal.loop import frozen, make_optimizer, trainable  # noqa: E402
 from normlab.conversion.heal.teacher import TeacherCache  # noqa: E402
+from normlab.kernels.inductor_cache import use_cache_of_this_cpu  # noqa: E402
 from normlab.table import append_csv, format_table  # noqa: E402
 
 
@@ -49,6 +50,7 @@ def _providers(model) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    use_cache_of_this_cpu()  # Inductor's code cache keyed by this CPU (docs/reliability.md)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=4, help="sequences per step (the heal's default)")
     ap.add_argument("--rounds", type=int, default=5, help="every provider is timed once per round")

@@ -32,6 +32,7 @@ import torch
 
 import normlab.functional as FN
 from _study import stamp
+from normlab.kernels.inductor_cache import use_cache_of_this_cpu
 from normlab.table import append_csv
 from normlab.version import code_version
 
@@ -335,6 +336,7 @@ def run_cpu(args) -> list[dict]:
 
 
 def main() -> None:
+    use_cache_of_this_cpu()  # Inductor's code cache keyed by this CPU (docs/reliability.md)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=4096)
     ap.add_argument("--channels", type=int, nargs="+", default=[1024, 2048, 4096, 8192])

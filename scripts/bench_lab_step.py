@@ -39,6 +39,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from _study import ROOT, commit, machine, stamp
+from normlab.kernels.inductor_cache import use_cache_of_this_cpu
 from normlab.lab import GPT, resolve_config
 from normlab.lab.data import get_batch, load_corpus
 from normlab.lab.optim import build_optimizer
@@ -159,6 +160,7 @@ def two_workers(norm: str, preset: str, steps: int) -> float:
 
 
 def main() -> None:
+    use_cache_of_this_cpu()  # Inductor's code cache keyed by this CPU (docs/reliability.md)
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--norm", nargs="+", default=["rms_norm", "dyt"])
     ap.add_argument("--preset", default="small")

@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT / "src"))
 import normlab  # noqa: E402
 from bench_kernels import cpu_name  # noqa: E402  (scripts/ is on the path when a script runs)
 from normlab.conversion.batches import swap  # noqa: E402
+from normlab.kernels.inductor_cache import use_cache_of_this_cpu  # noqa: E402
 from normlab.kernels.paths import fused_ops  # noqa: E402
 from normlab.table import append_csv  # noqa: E402
 
@@ -113,6 +114,7 @@ def _liger():
 
 
 def main() -> int:
+    use_cache_of_this_cpu()  # Inductor's code cache keyed by this CPU (docs/reliability.md)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--layers", type=int, default=4)
