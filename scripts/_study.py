@@ -1,5 +1,5 @@
-"""What the bench and study scripts share: the command, commit, machine and date a row was measured with, and
-saving a figure."""
+"""What the bench and study scripts share: the command, commit, machine and date a row was measured with, a
+judgement's statistics as a row, and saving a figure."""
 
 from __future__ import annotations
 
@@ -36,6 +36,23 @@ def stamp() -> dict:
     shown = script.relative_to(ROOT) if script.is_relative_to(ROOT) else script
     command = shlex.join(["python", str(shown), *sys.argv[1:]])
     return {"command": command, "commit": commit(), "machine": machine(), "date": datetime.date.today().isoformat()}
+
+
+def judgement_row(report: dict, p99: bool = False) -> dict:
+    """A judgement's headline statistics (`normlab.conversion.measure.usage.usage_report`) as bench columns: same
+    top-1, mean KL and the worst sequence's gap held out and on the chat set (with their KL p99 when ``p99``), same
+    top-1 and mean KL on docutils, the chat score and the blow-ups."""
+    row = {}
+    for name, key in (("held-out", "held"), ("chat", "chat")):
+        t = report["texts"][name]
+        row[f"{key}_same_top1"], row[f"{key}_kld_mean"] = round(t["same_top1"], 4), round(t["kld"]["mean"], 4)
+        if p99:
+            row[f"{key}_kld_p99"] = round(t["kld"]["p99"], 3)
+        row[f"{key}_gap_worst"] = round(t["gap"]["worst"], 3)
+    docs = next(v for k, v in report["texts"].items() if "docutils" in k)
+    return row | {"docs_same_top1": round(docs["same_top1"], 4), "docs_kld_mean": round(docs["kld"]["mean"], 4),
+                  "chat_score": round(report["generation"]["chat_score"], 3),
+                  "blowups": len(report["blowups"]["over"])}  # fmt: skip
 
 
 def save(fig, path: Path, rect: tuple | None = None) -> None:

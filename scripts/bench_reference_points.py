@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from _study import stamp  # scripts/ is on the path when a script runs
+from _study import judgement_row, stamp  # scripts/ is on the path when a script runs
 from normlab.conversion.config import ConvertConfig
 from normlab.conversion.data.models import load_model, smollm2
 from normlab.conversion.data.texts import conversion_texts
@@ -66,14 +66,7 @@ def perturbed(model: nn.Module, point: str) -> nn.Module:
 def _row(point: str, report: dict, minutes: float) -> dict:
     row = {"point": point, "model": "smollm2", "group": GROUP if point != "bf16" else "",
            "threads": os.environ.get("OMP_NUM_THREADS", str(os.cpu_count())), "minutes": round(minutes, 1)}  # fmt: skip
-    for name, key in (("held-out", "held"), ("chat", "chat")):
-        t = report["texts"][name]
-        row[f"{key}_same_top1"], row[f"{key}_kld_mean"] = round(t["same_top1"], 4), round(t["kld"]["mean"], 4)
-        row[f"{key}_kld_p99"], row[f"{key}_gap_worst"] = round(t["kld"]["p99"], 3), round(t["gap"]["worst"], 3)
-    docs = next(v for k, v in report["texts"].items() if "docutils" in k)
-    g = report["generation"]
-    return row | {"docs_same_top1": round(docs["same_top1"], 4), "docs_kld_mean": round(docs["kld"]["mean"], 4),
-                  "chat_score": round(g["chat_score"], 3), "blowups": len(report["blowups"]["over"])}  # fmt: skip
+    return row | judgement_row(report, p99=True)
 
 
 def main() -> None:

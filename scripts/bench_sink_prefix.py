@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from _study import stamp  # scripts/ is on the path when a script runs
+from _study import judgement_row, stamp  # scripts/ is on the path when a script runs
 from normlab.conversion.batches import cache_kwarg
 from normlab.conversion.config import ConvertConfig
 from normlab.conversion.data.models import load_model, smollm2
@@ -107,14 +107,7 @@ def check_exact(original: nn.Module, states: list, prefix: torch.Tensor, ids: to
 def _row(name: str, prefix: str, report: dict, minutes: float) -> dict:
     row = {"model": name, "prefix": prefix, "threads": os.environ.get("OMP_NUM_THREADS", str(os.cpu_count())),
            "minutes": round(minutes, 1)}  # fmt: skip
-    for text, key in (("held-out", "held"), ("chat", "chat")):
-        t = report["texts"][text]
-        row[f"{key}_same_top1"], row[f"{key}_kld_mean"] = round(t["same_top1"], 4), round(t["kld"]["mean"], 4)
-        row[f"{key}_gap_worst"] = round(t["gap"]["worst"], 3)
-    docs = next(v for k, v in report["texts"].items() if "docutils" in k)
-    g = report["generation"]
-    return row | {"docs_same_top1": round(docs["same_top1"], 4), "docs_kld_mean": round(docs["kld"]["mean"], 4),
-                  "chat_score": round(g["chat_score"], 3), "blowups": len(report["blowups"]["over"])}  # fmt: skip
+    return row | judgement_row(report)
 
 
 def main() -> None:
