@@ -68,9 +68,6 @@ def put_in_front(model: nn.Module, states: list) -> torch.utils.hooks.RemovableH
         if cache.get_seq_length() == 0:
             for i, (k, v) in enumerate(states):
                 cache.update(k.expand(b, -1, -1, -1).contiguous(), v.expand(b, -1, -1, -1).contiguous(), i)
-            shift = True
-        else:
-            shift = kwargs.get("position_ids") is not None or kwargs.get("cache_position") is not None
         kwargs[key] = cache
         mask = kwargs.get("attention_mask")
         if mask is not None and mask.dim() == 2:
@@ -78,8 +75,8 @@ def put_in_front(model: nn.Module, states: list) -> torch.utils.hooks.RemovableH
             missing = cache.get_seq_length() + q - mask.shape[1]
             if missing > 0:
                 kwargs["attention_mask"] = torch.cat([mask.new_ones(mask.shape[0], missing), mask], 1)
-        for name in ("position_ids", "cache_position"):
-            if shift and kwargs.get(name) is not None:
+        for name in ("position_ids", "cache_position"):  # given from outside, they count the user's tokens alone
+            if kwargs.get(name) is not None:
                 kwargs[name] = kwargs[name] + p
         return args, kwargs
 
