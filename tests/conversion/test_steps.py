@@ -65,6 +65,7 @@ def test_convert_in_steps_heals_each_share_and_saves_what_the_last_step_left(tmp
     for s in steps[1:]:  # every later walk: from the original, within the budget
         assert s["walk"]["ce_original"] == 0.0 and s["walk"]["ce_converted"] <= 0.00005
     assert [s["sites"] for s in steps] == sorted(s["sites"] for s in steps)  # a step only adds sites
+    assert all(s["kept"] == (s["rose"] == []) for s in steps)  # a heal not kept says what it raised
     record = json.loads((fid["out"] / "normlab_conversion.json").read_text())
     assert (
         len(record["sites"])

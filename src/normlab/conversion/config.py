@@ -300,7 +300,7 @@ class ConvertConfig:
     @property
     def heal_on_samples(self) -> bool:
         """A heal that trains on the original's own samples (``data.heal`` "self" or "self+text")."""
-        return self.heal.budgeted and self.data.heal != "text"
+        return self.heal.budgeted and self.data.heals_on_samples
 
     @property
     def samples_original(self) -> bool:
@@ -316,18 +316,18 @@ class ConvertConfig:
 
     def _validate_source(self) -> None:
         d = self.data
-        if d.calibrate == "self" and not self.calibrate.enabled:
+        if d.calibrates_on_samples and not self.calibrate.enabled:
             raise ValueError(
                 f"{flag('data.calibrate')} self picks what calibration fits on; drop {flag('calibrate.enabled')}"
             )
-        if d.heal != "text" and not self.heal.budgeted:
+        if d.heals_on_samples and not self.heal.budgeted:
             raise ValueError(
                 f"{flag('data.heal')} applies only to a heal: give a budget ({flag('heal.minutes')} or "
                 f"{flag('heal.tokens')}), or drop it"
             )
-        if d.walk == "self" and self.budget.nats is None:
+        if d.walks_on_samples and self.budget.nats is None:
             raise ValueError(f"{flag('data.walk')} applies only with {flag('budget.nats')}")
-        uses = [k for k, v in (("data.calibrate", d.calibrate), ("data.walk", d.walk)) if v == "self"]
+        uses = [k for k, v in (("data.calibrate", d.calibrates_on_samples), ("data.walk", d.walks_on_samples)) if v]
         n = self.sample_count()
         room = n - min(8, max(1, n // 8))  # the samples' validation part stays out
         if self.sequences * len(uses) > room:

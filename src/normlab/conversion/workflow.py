@@ -212,7 +212,7 @@ def _convert(job: _Job, markdown: bool) -> dict:
         fid, tallies = _measure(original, net, texts, record, judging)
     rep = None
     if cfg.heal.budgeted:
-        with stages("samples") if cfg.data.heal != "text" else contextlib.nullcontext():
+        with stages("samples") if cfg.data.heals_on_samples else contextlib.nullcontext():
             splits = heal_splits(texts.splits, original, cfg.data, starts=starts, progress=progress)
         # a resumed heal: what the processes before this one spent
         earlier = earlier_stages(job.ckpt, job.cfg.heal.resume, stages)
@@ -390,6 +390,7 @@ def _heal_in_steps(job: _Job, models: _Models, texts: ConversionTexts, splits, r
                 "tokens": rep.tokens,
                 "seconds": round(rep.seconds, 1),
                 "kept": guard["kept"],
+                "rose": guard["rose"],  # why a heal was not kept: what it raised on the validation split
                 "curve": rep.curve,
             }
         )

@@ -53,9 +53,24 @@ class DataConfig:
     natively (as budget.precision), else float32 (SmolLM2, 2 cores: 1,024 samples in 2.6 min bf16, 5.2 float32)."""
 
     @property
+    def calibrates_on_samples(self) -> bool:
+        """Whether calibration fits on the original's samples (``calibrate = "self"``)."""
+        return self.calibrate == "self"
+
+    @property
+    def walks_on_samples(self) -> bool:
+        """Whether the budget walk selects on the original's samples (``walk = "self"``)."""
+        return self.walk == "self"
+
+    @property
+    def heals_on_samples(self) -> bool:
+        """Whether a heal, where there is one, trains on the original's samples ("self" or "self+text")."""
+        return self.heal != "text"
+
+    @property
     def converts_on_samples(self) -> bool:
         """Whether calibration or the walk reads the original's samples (drawn before the conversion)."""
-        return "self" in (self.calibrate, self.walk)
+        return self.calibrates_on_samples or self.walks_on_samples
 
     def reads_samples(self, healing: bool) -> bool:
         """Whether a stage reads the original's samples (the heal only when there is one: ``healing``).
@@ -63,15 +78,15 @@ class DataConfig:
         Args:
             healing: Whether the conversion heals.
         """
-        return (healing and self.heal != "text") or self.converts_on_samples
+        return (healing and self.heals_on_samples) or self.converts_on_samples
 
     def calibration_words(self) -> str:
         """Where calibration's sequences come from, in words (the printed conversion line)."""
-        return "of the original's own samples" if self.calibrate == "self" else "from the text's start"
+        return "of the original's own samples" if self.calibrates_on_samples else "from the text's start"
 
     def selection_words(self) -> str:
         """What the walk selects on, in words (the printed walk line)."""
-        return "of the original's own samples" if self.walk == "self" else "validation sequences"
+        return "of the original's own samples" if self.walks_on_samples else "validation sequences"
 
     def validate(self) -> None:
         """Each field alone; how they combine with the rest of the conversion is `ConvertConfig.validate`'s."""

@@ -487,7 +487,7 @@ def heal_splits(splits: TextSplits, original: nn.Module, cfg: DataConfig, *, sta
     """
     from normlab.conversion.data.models import TextSplits
 
-    if cfg.heal == "text":
+    if not cfg.heals_on_samples:
         return splits
     samples = own_samples(original, cfg, splits.stream.seq_len, starts=starts, progress=progress)
     n_val = min(8, max(1, len(samples) // 8))

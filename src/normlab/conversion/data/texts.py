@@ -54,9 +54,9 @@ class ConversionTexts:
             own: The original's samples, (count, seq_len) token ids.
             n: Sequences each part reads (the config's ``sequences``).
         """
-        texts = self.calibrating_on(list(own[:n].split(8))) if data.calibrate == "self" else self
-        if data.walk == "self":
-            at = n if data.calibrate == "self" else 0
+        texts = self.calibrating_on(list(own[:n].split(8))) if data.calibrates_on_samples else self
+        if data.walks_on_samples:
+            at = n if data.calibrates_on_samples else 0
             texts = texts.selecting_on(list(own[at : at + n].split(8)))
         return texts
 
