@@ -81,13 +81,13 @@ ANY = "(any)"  # a shown number the run does not determine (a degenerate fit's b
 
 
 def same_output(got: str, want: str, rtol: float) -> str | None:
-    """None when ``got`` prints what ``want`` shows: the same words (spacing aside) and every number within
-    ``rtol`` of the shown one (relative; plus 1 in the shown number's last digit), or any number where the page shows
-    ``ANY``; else the first difference."""
+    """None when ``got`` prints what ``want`` shows: the same words (spacing and the length of a table's rule aside)
+    and every number within ``rtol`` of the shown one (relative; plus 1 in the shown number's last digit), or any
+    number where the page shows ``ANY``; else the first difference."""
     import re
 
-    def parts(s: str):
-        return re.split(f"({_NUMBER}|{re.escape(ANY)})", " ".join(s.split()))
+    def parts(s: str):  # a table's rule is as long as its widest cell, which an ANY number sets: any length
+        return re.split(f"({_NUMBER}|{re.escape(ANY)})", re.sub("-{3,}", "---", " ".join(s.split())))
 
     g, w = parts(got), parts(want)
     if len(g) != len(w):
@@ -117,6 +117,8 @@ def test_the_output_check_can_fail():
     assert same_output("beta 8453.0 ok", f"beta {ANY} ok", 0) is None  # an undetermined number: any
     assert same_output("beta big ok", f"beta {ANY} ok", 0) is not None  # but a number
     assert same_output("beta 8453.0 FLAGGED", f"beta {ANY} ok", 0) is not None  # and the words as shown
+    assert same_output("a\n---  ------\nb 914 ok", f"a\n---  -----------\nb {ANY} ok", 0) is None  # its rule too
+    assert same_output("a\n---  -\nb 914 ok", f"a\n---  ---\nb {ANY} ok", 0) is not None  # but a rule
 
 
 def _tiny_llama(path: Path) -> Path:
