@@ -138,3 +138,23 @@ def test_auto_takes_bf16_only_where_this_cpu_runs_it_faster(monkeypatch):
     monkeypatch.undo()
     speed = batches.cpu_bf16_speed()  # the real timing: a positive ratio, once per process
     assert speed > 0 and batches.cpu_bf16_speed() is speed
+
+
+def test_log_probs_raise_half_precision_to_float32_and_keep_float64():
+    """bf16 logits are raised to float32 before the softmax; a float64 model's stay float64 (a float32 cast
+    there made a float64 check of the heal's gradients only as exact as float32); and `logit_rows` counts a
+    float64 head's logits at 8 bytes."""
+    from normlab.conversion import batches
+    from normlab.conversion.batches import log_probs, logit_rows
+
+    ids = id_batches(1, seed=0, batch=4)[0]
+    raised = {torch.bfloat16: torch.float32, torch.float32: torch.float32, torch.float64: torch.float64}
+    for dtype, want in raised.items():
+        model = tiny_lm().to(dtype)
+        logp = log_probs(model, ids, stage="test")
+        assert logp.dtype == want
+        torch.testing.assert_close(logp.exp().sum(-1), torch.ones(ids.shape, dtype=want))
+    vocab = tiny_lm().get_output_embeddings().out_features
+    one_row = ids.shape[1] * vocab
+    assert logit_rows(tiny_lm(), ids) == batches.LOGITS_PART_BYTES // (4 * one_row)
+    assert logit_rows(tiny_lm().double(), ids) == batches.LOGITS_PART_BYTES // (8 * one_row)

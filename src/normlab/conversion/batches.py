@@ -97,6 +97,21 @@ def run_batch(model: nn.Module, batch: Batch, i: int = 0, *, no_cache: bool = Fa
         raise ValueError(f"{stage} batch {i} could not be run through the model: {why}") from e
 
 
+def log_probs(model: nn.Module, batch: Batch, i: int = 0, *, stage: str) -> torch.Tensor:
+    """The next-token log-probabilities of ``model`` on ``batch`` (`run_batch` with no KV cache), in float32 or,
+    for a float64 model, float64: bf16 or fp16 logits are raised to float32 before the softmax, and nothing is
+    lowered, so that a float64 check is exact.
+
+    Args:
+        model: The model.
+        batch: What `run_batch` takes.
+        i: The batch's index, named in errors.
+        stage: What the batch is for, as an error names it.
+    """
+    logits = run_batch(model, batch, i, no_cache=True, stage=stage).logits
+    return logits.to(torch.promote_types(logits.dtype, torch.float32)).log_softmax(-1)
+
+
 def _outside_vocabulary(model: nn.Module, batch: Batch) -> str | None:
     """Why a batch of token ids failed, when some id is outside the model's vocabulary (its input embedding's
     rows); None otherwise."""
@@ -232,9 +247,9 @@ LOGITS_PART_BYTES = 2**28
 
 
 def logit_rows(model: nn.Module, batch: Batch) -> int:
-    """How many rows (sequences) of ``batch`` to run at once so that their float32 logits over ``model``'s output
-    layer fit `LOGITS_PART_BYTES` (at least one); every row for a model without a linear output layer or a batch
-    that is not (B, T) token ids.
+    """How many rows (sequences) of ``batch`` to run at once so that their logits over ``model``'s output layer
+    fit `LOGITS_PART_BYTES` (at least one), at 4 bytes a logit (8 for a float64 head, as `log_probs` keeps
+    them); every row for a model without a linear output layer or a batch that is not (B, T) token ids.
 
     Args:
         model: The model (a Hugging Face model's ``get_output_embeddings`` gives the vocabulary).
@@ -251,7 +266,8 @@ def logit_rows(model: nn.Module, batch: Batch) -> int:
         or ids.dim() != 2
     ):
         return 2**62
-    return max(1, LOGITS_PART_BYTES // (4 * ids.shape[-1] * head.out_features))
+    size = max(4, head.weight.element_size())
+    return max(1, LOGITS_PART_BYTES // (size * ids.shape[-1] * head.out_features))
 
 
 def row_chunks(batch: Batch, rows: int) -> list[Batch]:

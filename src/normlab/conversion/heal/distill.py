@@ -45,7 +45,15 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from normlab.conversion.batches import as_batches, autocast_dtype, input_ids, logit_rows, row_chunks, run_batch
+from normlab.conversion.batches import (
+    as_batches,
+    autocast_dtype,
+    input_ids,
+    log_probs,
+    logit_rows,
+    row_chunks,
+    run_batch,
+)
 from normlab.conversion.calibrate.stream import block_index, find_blocks
 from normlab.conversion.config import HealConfig, flag
 from normlab.conversion.data.models import TextSplits, TokenStream
@@ -327,12 +335,8 @@ def distill_loss(original: nn.Module, converted: nn.Module, ids: torch.Tensor) -
         ids: Token ids, (B, T).
     """
     with torch.no_grad():
-        target = (
-            run_batch(original, ids, no_cache=True, stage="heal (the original, as teacher)")
-            .logits.float()
-            .log_softmax(-1)
-        )
-    logp = run_batch(converted, ids, no_cache=True, stage="heal").logits.float().log_softmax(-1)
+        target = log_probs(original, ids, stage="heal (the original, as teacher)")
+    logp = log_probs(converted, ids, stage="heal")
     return nn.functional.kl_div(logp.flatten(0, -2), target.flatten(0, -2), log_target=True, reduction="batchmean")
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from normlab.conversion.batches import as_batches, input_ids, logit_rows, row_chunks, run_batch
+from normlab.conversion.batches import as_batches, input_ids, log_probs, logit_rows, row_chunks
 from normlab.conversion.config import HEAL_LEARNING_RATES, HealConfig, identity_difference
 from normlab.conversion.data.models import TokenStream
 from normlab.conversion.data.samples import MixedStream
@@ -223,10 +223,7 @@ class Validation:
         self.batches = [p for b in whole for p in row_chunks(b, logit_rows(original, b))]
         with torch.no_grad():
             self.targets = [
-                run_batch(original, b, i, no_cache=True, stage="heal (the original, as teacher)")
-                .logits.float()
-                .log_softmax(-1)
-                for i, b in enumerate(self.batches)
+                log_probs(original, b, i, stage="heal (the original, as teacher)") for i, b in enumerate(self.batches)
             ]
         self.params = params
         self.best_ce, self.best_point, self.best_state = math.inf, None, None
@@ -238,7 +235,7 @@ class Validation:
         n_ce = n_kl = 0
         with torch.no_grad():
             for i, (ids, target) in enumerate(zip(self.batches, self.targets)):
-                logp = run_batch(self.converted, ids, i, no_cache=True, stage="heal").logits.float().log_softmax(-1)
+                logp = log_probs(self.converted, ids, i, stage="heal")
                 ce -= float(logp[:, :-1].gather(-1, ids[:, 1:, None].to(logp.device)).sum())
                 n_ce += ids[:, 1:].numel()
                 kl += float((target.exp() * (target - logp)).sum())

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from normlab.conversion.batches import run_batch
+from normlab.conversion.batches import log_probs
 
 __all__ = ["TeacherCache", "top_k_kl", "teacher_top_k"]
 
@@ -37,11 +37,7 @@ def teacher_top_k(original: nn.Module, ids: torch.Tensor, k: int) -> tuple[torch
         k: How many log-probabilities per position.
     """
     with torch.no_grad():
-        logp = (
-            run_batch(original, ids, no_cache=True, stage="heal (the original, as teacher)")
-            .logits.float()
-            .log_softmax(-1)
-        )
+        logp = log_probs(original, ids, stage="heal (the original, as teacher)")
     return logp.topk(min(k, logp.shape[-1]), dim=-1)
 
 
@@ -106,5 +102,5 @@ class TeacherCache:
     def loss(self, converted: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         """KL_k(original || converted) on ``ids``, the original's side read from the cache (or computed once)."""
         values, index = self.targets(ids)
-        logq = run_batch(converted, ids, no_cache=True, stage="heal").logits.float().log_softmax(-1)
+        logq = log_probs(converted, ids, stage="heal")
         return top_k_kl(logq, values, index)
