@@ -402,3 +402,17 @@ def test_the_command_walks_by_kl_when_asked_and_says_so(folder, tmp_path, capsys
     assert main([*args, "--set", "budget.metric=kl", "--out", str(tmp_path / "none")]) != 0
     assert "error: --set budget.metric applies only with --budget-nats" in capsys.readouterr().err
     assert not (tmp_path / "none").exists()
+
+
+def test_a_walk_with_a_site_init_table_refits_its_sites():
+    """The walk refits each site at its turn by converting that one site (refit_batches=1, the default): a
+    site_init pattern naming the other sites was refused there as a typo, so every budget walk with site_init
+    stopped at its first refit."""
+    from normlab.conversion.frontier import frontier
+
+    model = _peaked()
+    table = {"*input_layernorm": {"alpha_init": 0.8}}
+    front, record = frontier(model, "dyt", _batches(2, 1), _batches(2, 2), budget=_plain(nats=100.0), site_init=table)
+    assert len(front.converted) == len(front.order) == 7  # every site of 3 blocks and the final norm, each refitted
+    with pytest.raises(ValueError, match="matches no norm of the model"):  # a typo is still one
+        frontier(_peaked(), "dyt", _batches(2, 1), _batches(2, 2), budget=_plain(nats=100.0), site_init={"*x": {}})

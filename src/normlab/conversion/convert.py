@@ -371,10 +371,15 @@ def convert_norms(
             f"(known: {', '.join(sorted(KNOWN_NORMS))}; add yours with extra_classes=)"
         )
     init, site_init = cfg.init, cfg.site_init
-    unused = [pat for pat in site_init if not any(fnmatch.fnmatch(name, pat) for name, _, _ in found)]
+    # a pattern names a norm of the model (a typo is an error), not one of this call's sites: a site excluded here,
+    # or converted by an earlier call (a walk's refit of one site; the next walk of heal.steps), is not a typo
+    from normlab.modules import NormModule
+
+    norms = [n for n, _, _ in found] + excluded + [n for n, m in model.named_modules() if isinstance(m, NormModule)]
+    unused = [pat for pat in site_init if not any(fnmatch.fnmatch(name, pat) for name in norms)]
     if unused:
-        names = ", ".join(name for name, _, _ in found[:4]) + (", ..." if len(found) > 4 else "")
-        raise ValueError(f"site_init: pattern {unused[0]!r} matches no converted site; the sites are {names}")
+        names = ", ".join(norms[:4]) + (", ..." if len(norms) > 4 else "")
+        raise ValueError(f"site_init: pattern {unused[0]!r} matches no norm of the model; its norms are {names}")
 
     per_kw = per_channel_kwargs(spec) if cfg.per == "channel" else {}
     replacements, sites = {}, []

@@ -84,8 +84,25 @@ def test_max_tokens_is_checked_at_the_boundary(bad, match):
 
 
 def test_a_site_init_pattern_that_matches_nothing_is_an_error():
-    with pytest.raises(ValueError, match="pattern '\\*attn_norm' matches no converted site"):
+    with pytest.raises(ValueError, match="pattern '\\*attn_norm' matches no norm of the model"):
         normlab.convert_norms(tiny_lm(), "dyt", site_init={"*attn_norm": {"alpha_init": 0.8}})
+
+
+def test_a_site_init_pattern_for_sites_another_call_converts_is_not_an_error():
+    """A budget walk converts one site per call (its refits), and each walk of heal.steps the sites left: a
+    pattern that names a norm of the model, excluded from this call or converted before it, is not a typo. It was
+    refused as one, so a recipe with site_init failed at its second site or its second step."""
+    model = tiny_lm()
+    table = {"*input_layernorm": {"alpha_init": 0.8}, "*post_attention_layernorm": {"alpha_init": 0.2}}
+
+    def inputs(n, m):
+        return n.endswith("input_layernorm")
+
+    normlab.convert_norms(model, "dyt", include=inputs, site_init=table)  # "*post_..." names only excluded sites
+    normlab.convert_norms(model, "dyt", site_init=table)  # "*input_..." names only sites converted before
+    for layer in model.model.layers:
+        assert float(layer.input_layernorm.alpha) == pytest.approx(0.8)
+        assert float(layer.post_attention_layernorm.alpha) == pytest.approx(0.2)
 
 
 def test_a_failed_calibration_puts_every_norm_back():
