@@ -79,6 +79,9 @@ JOBS = {  # name -> the model and the flags after --to dyisru
     # included. Since 0.4.13 a walk draws those 72 by default: "recommended" is the README's command as printed
     **{f"budget_self_kl_{n}_72": ("smollm2", _self_walk(n, "data.samples=72")) for n in ("0.02", "0.03")},
     "recommended": ("smollm2", list(RECOMMENDED)),
+    # the same with its walk in float32 wherever it runs: does the walk's bf16 autocast (budget.precision=auto, on a
+    # CPU with native bf16) move the count of sites kept between machines (10 on AVX2 cores, 7-8 on AVX-512 bf16)?
+    "recommended_walk_float32": ("smollm2", [*RECOMMENDED, "budget.precision=float32"]),
     # the self-selected walk's sites healed on the 0.02 job's samples and tokens exactly
     "budget_self_kl_0.05_heal_tokens": (
         "smollm2",
