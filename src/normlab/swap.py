@@ -22,14 +22,23 @@ with no norms. A refused call leaves the model as it was.
 
 from __future__ import annotations
 
+import fnmatch
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from normlab.conversion.batches import swap
-from normlab.conversion.convert import KNOWN_NORMS, find_norms, fresh_like, source_dim, source_eps
+from normlab.conversion.batches import aliases, swap
+from normlab.conversion.convert import (
+    KNOWN_NORMS,
+    SOURCE_KINDS,
+    find_norms,
+    fresh_like,
+    refuse_wrapped,
+    source_dim,
+    source_eps,
+)
 from normlab.conversion.record import ConversionRecord, Site
 from normlab.recipes import MATCH_RMS_CAVEAT, RECIPES, ROLES, match_rms_, recipe_kwargs, site_role
 from normlab.registry import norm_spec
@@ -58,7 +67,7 @@ class SwapRecord(ConversionRecord):
 
 
 def _recipes(init: str | Sequence[str]) -> list[str]:
-    names = [init] if isinstance(init, str) else list(init)
+    names = [init] if isinstance(init, str) else list(init) if isinstance(init, (list, tuple)) else []
     if not names or not all(isinstance(n, str) for n in names):
         raise TypeError(f"replace_norms: init must be a recipe's name or a list of them, got {init!r}")
     for n in names:
@@ -86,23 +95,66 @@ def _call(model: nn.Module, sample: object) -> Callable[[], object]:
     )
 
 
-def _check_arguments(model, to, init, sample, roles, kwargs) -> tuple:
+def _check_kinds(roles, extra_classes, include) -> None:
+    """The mapping and callable arguments, each of the kind its docstring names: a one-line error saying what to
+    give, never a raw Python error from deep inside."""
+    if roles is not None and not (isinstance(roles, dict) and all(isinstance(k, str) for k in roles)):
+        raise TypeError(
+            f"replace_norms: roles must be a dict {{fnmatch pattern of a site's name: role}}, e.g. "
+            f"{{'*.ln_1': 'attn'}}; got {roles!r}"
+        )
+    for key, role in (roles or {}).items():
+        if role not in ROLES:
+            raise ValueError(f"replace_norms: roles[{key!r}] = {role!r}; a role is one of {', '.join(ROLES)}")
+    if extra_classes is not None and not isinstance(extra_classes, dict):
+        raise TypeError(f"replace_norms: extra_classes must be a dict {{norm class: kind}}, got {extra_classes!r}")
+    for cls, kind in (extra_classes or {}).items():
+        if not isinstance(cls, type):
+            raise TypeError(
+                f"replace_norms: extra_classes is keyed by the norm class itself, not by {cls!r}: "
+                f"extra_classes={{MyNorm: {kind!r}}}"
+            )
+        if kind not in SOURCE_KINDS:
+            raise ValueError(
+                f"replace_norms: extra_classes[{cls.__name__}] = {kind!r}; how it normalizes is one of "
+                f"{', '.join(SOURCE_KINDS)}"
+            )
+    if include is not None and not callable(include):
+        hint = f"include=lambda name, m: fnmatch.fnmatch(name, {include!r})" if isinstance(include, str) else ""
+        raise TypeError(
+            f"replace_norms: include must be a function include(name, module) -> bool, got {include!r}"
+            + (f"; for a pattern: {hint}" if hint else "")
+        )
+
+
+def _check_arguments(model, to, init, sample, roles, extra_classes, include, kwargs) -> tuple:
     """replace_norms' arguments, each checked before the model is looked at: (the target's spec, the recipes, the
     forward match_rms runs or None)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"replace_norms: expected an nn.Module, got {type(model).__name__}")
+    refuse_wrapped(model, "replace_norms")
     spec = norm_spec(to)  # an unknown name lists the registered ones
     recipes = _recipes(init)
+    _check_kinds(roles, extra_classes, include)
     run = None
     if "match_rms" in recipes:
         if not spec.pointwise:
             raise ValueError(f"replace_norms: match_rms scales the gamma of a point-wise norm; {to!r} is not one")
         if sample is None:
             raise ValueError("replace_norms: init 'match_rms' needs sample=, one batch the model's forward takes")
+        meta = next((n for n, p in model.named_parameters() if p.is_meta), None)
+        if meta is not None:
+            raise ValueError(
+                f"replace_norms: init 'match_rms' measures a forward, and the model is on the meta device ({meta}): "
+                "swap with a recipe without it, materialise the weights (to_empty, then your init or a checkpoint), "
+                "then call normlab.recipes.match_rms_"
+            )
         run = _call(model, sample)
-    for key, role in (roles or {}).items():
-        if role not in ROLES:
-            raise ValueError(f"replace_norms: roles[{key!r}] = {role!r}; a role is one of {', '.join(ROLES)}")
+    elif sample is not None:
+        raise ValueError(
+            f"replace_norms: sample= is read by init 'match_rms' only, and init is {init!r}: pass "
+            f"init=[{recipes[0]!r}, 'match_rms'] to use it, or leave sample= out"
+        )
     unknown_kw = sorted(set(kwargs) - set(spec.init_kwargs))
     if unknown_kw:
         raise TypeError(
@@ -141,7 +193,7 @@ def replace_norms(
         include: ``include(name, module)`` says whether a found norm is replaced (False leaves it as it is).
         **kwargs: Keywords of every new layer, e.g. ``per_channel_alpha=True``; one a recipe sets is refused.
     """
-    spec, recipes, run = _check_arguments(model, to, init, sample, roles, kwargs)
+    spec, recipes, run = _check_arguments(model, to, init, sample, roles, extra_classes, include, kwargs)
     base = next((r for r in recipes if r != "match_rms"), "default")
     found, skipped = find_norms(model, dict(extra_classes or {}), include)
     strangers = [s for s in skipped if s["reason"] == UNKNOWN
@@ -163,6 +215,14 @@ def replace_norms(
             f"{', '.join(sorted(KNOWN_NORMS))}; add yours with extra_classes=)"
         )
 
+    unused = [p for p in roles or {} if not any(fnmatch.fnmatchcase(n, p) for n, _, _ in found)]
+    if unused:
+        names = ", ".join(n for n, _, _ in found[:3]) + (", ..." if len(found) > 3 else "")
+        raise ValueError(
+            f"replace_norms: roles pattern {unused[0]!r} matches no norm swapped here (a pattern matches the whole "
+            f"name: '*ln_1', not 'ln_1'); the sites are {names}"
+        )
+
     built = []  # every layer built before the first swap: a refused call leaves the model untouched
     for name, old, kind in found:
         dim, eps = source_dim(old), source_eps(old)
@@ -181,18 +241,28 @@ def replace_norms(
         if clash:
             raise ValueError(f"replace_norms: {clash[0]} is set by init {base!r} and by a keyword: give it once")
         try:
-            new, kw = fresh_like(name, old, spec, {**kw, **kwargs}, catch=(TypeError, ValueError))
+            new, kw = fresh_like(name, old, spec, {**kw, **kwargs}, catch=(TypeError, ValueError), model=model)
         except ValueError as e:
             raise ValueError(f"replace_norms: {e}") from None
-        notes = [f"role {role or '-'}"] + ([] if base == "default" and not kwargs else [note])
+        said = ([] if base == "default" else [note]) + [f"{k}={v!r}" for k, v in kwargs.items()]
+        also = aliases(model, name)
+        notes = [f"role {role or '-'}"] + ["; ".join(said)] * bool(said) + [f"also at {a}" for a in also]
         built.append((name, new, Site(name, type(old).__name__, kind, dim, eps, kw, notes=notes)))
 
-    for name, new, _ in built:
-        swap(model, name, new)
+    originals = {name: swap(model, name, new) for name, new, _ in built}
     sites = [site for _, _, site in built]
     notes = [f"replace_norms: {len(sites)} fresh {to} layers, init {'+'.join(recipes)}"]
     if run is not None:
-        factors = match_rms_(model, {n: model.get_submodule(n) for n, _, _ in built}, run)
+        try:
+            factors = match_rms_(model, {n: model.get_submodule(n) for n, _, _ in built}, run)
+        except Exception as e:  # noqa: BLE001  (whatever the user's forward raises): the model goes back as it was
+            for name, old in originals.items():
+                swap(model, name, old)
+            raise ValueError(
+                f"replace_norms: init 'match_rms' runs the model on sample=, and the forward failed "
+                f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); the model is left as it was. "
+                "Pass one batch the model's forward takes (a tensor, a dict of keyword arguments, a tuple)"
+            ) from e
         for site in sites:
             if site.name in factors:
                 site.notes.append(f"match_rms: gamma x {factors[site.name]:.4g}")

@@ -250,3 +250,25 @@ def test_a_backward_that_reads_the_saved_f_matches_the_reference(op, n, dtype, m
     with torch.autograd.graph.saved_tensors_hooks(lambda t: sizes.append(t.numel()) or t, lambda t: t):
         fast(*[t.detach().requires_grad_() for t in tensors])
     assert sorted(sizes)[-2:] == [37 * n, 37 * n], sizes  # x and f
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_a_saturated_input_adds_nothing_to_beta_s_gradient(dtype):
+    """Issue 96, KN1: the fused DyISRU backward summed u * h^3 for beta's gradient, and at u = +-inf (or a float16
+    activation above 65,504, which is inf) that is inf * 0 = NaN, where the reference's is finite. +-inf beside
+    ordinary values: every gradient as the reference's (float16: to its rounding), beta's finite."""
+    torch.manual_seed(0)
+    x = torch.randn(6, 64, dtype=dtype)
+    x[0, 0], x[1, 3] = math.inf, -math.inf
+    if dtype == torch.float16:
+        x[2, 5] = torch.tensor(70000.0).to(dtype)  # float16's overflow: inf
+    grads = {}
+    for kernel in ("cpu", "reference"):
+        m = normlab.create_norm("dyisru", 64, kernel=kernel, dtype=dtype)
+        xi = x.clone().requires_grad_()
+        m(xi).float().square().sum().backward()
+        grads[kernel] = [xi.grad] + [p.grad for p in m.parameters()]
+    assert torch.isfinite(grads["cpu"][1]).all(), f"{dtype}: beta's gradient {grads['cpu'][1]}"
+    tol = 1e-4 if dtype == torch.float32 else 1e-2
+    for got, want in zip(grads["cpu"], grads["reference"]):
+        torch.testing.assert_close(got.double(), want.double(), rtol=tol, atol=tol, equal_nan=True)

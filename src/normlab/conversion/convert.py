@@ -45,6 +45,9 @@ __all__ = ["KNOWN_NORMS", "ConversionRecord", "convert_norms", "find_norms", "fr
            "resolve_options"]  # fmt: skip
 
 # class name -> how it normalizes ("layer_norm", "rms_norm", or "rms_norm_offset": scale is 1 + weight)
+#: How a norm class of the caller's normalizes (``extra_classes=``'s values).
+SOURCE_KINDS = ("layer_norm", "rms_norm", "rms_norm_offset")
+
 KNOWN_NORMS: dict[str, str] = {
     "LayerNorm": "layer_norm",  # torch.nn.LayerNorm (GPT-2, BERT, ...) and normlab's
     "RMSNorm": "rms_norm",  # torch.nn.RMSNorm and normlab's
@@ -156,12 +159,45 @@ def _site_kwargs(name: str, init: dict, site_init: dict) -> dict:
     return kw
 
 
+def site_tensor(model: nn.Module | None, name: str, m: nn.Module) -> torch.Tensor | None:
+    """The tensor whose device and dtype a replacement of the norm ``m`` (at ``name`` in ``model``) takes: its weight,
+    else any parameter of its own, else, for a norm without parameters (``elementwise_affine=False``), the first
+    floating parameter of its nearest enclosing module that has one (its block's, so that a bf16 or meta block gets a
+    bf16 or meta replacement, and FSDP2 finds one dtype in it); None where there is none.
+
+    Args:
+        model: The model that holds ``m`` (None: ``m``'s own parameters only).
+        name: Its name in ``model``.
+        m: The norm.
+    """
+    w = getattr(m, "weight", None)
+    if isinstance(w, torch.Tensor):
+        return w
+    own = next(iter(m.parameters()), None)
+    if own is not None or model is None:
+        return own
+    parts = name.split(".")
+    for cut in range(len(parts) - 1, -1, -1):  # the parent, its parent, ..., the model
+        outer = model.get_submodule(".".join(parts[:cut])) if cut else model
+        ref = next((p for p in outer.parameters() if p.is_floating_point()), None)
+        if ref is not None:
+            return ref
+    return None
+
+
 def fresh_like(
-    name: str, m: nn.Module, spec: NormSpec, kwargs: dict, catch: tuple[type, ...] = (TypeError,)
+    name: str,
+    m: nn.Module,
+    spec: NormSpec,
+    kwargs: dict,
+    catch: tuple[type, ...] = (TypeError,),
+    model: nn.Module | None = None,
 ) -> tuple[nn.Module, dict]:
     """A new ``spec`` layer in the place of the norm ``m``: its channels, its channel axis (ConvNeXt's channels_first),
-    its eps where the target has one, its device, dtype and train/eval mode. Returns the layer and the keywords it
-    was built with; an error of a kind in ``catch`` from building it is a ValueError naming the site.
+    its eps where the target has one, its device and dtype (`site_tensor`: a meta model gets a meta layer, which
+    ``to_empty`` plus ``reset_parameters`` fill), its train/eval mode, and frozen where every parameter of ``m`` was.
+    Returns the layer and the keywords it was built with; an error of a kind in ``catch`` from building it is a
+    ValueError naming the site.
 
     Args:
         name: The site's name, for errors.
@@ -169,25 +205,32 @@ def fresh_like(
         spec: The target's registry entry.
         kwargs: The target's keywords.
         catch: The errors of building it that become a ValueError naming the site.
+        model: The model that holds ``m``, where a norm without parameters takes its device and dtype from.
     """
     if getattr(m, "data_format", None) == "channels_first":  # ConvNeXt's (N, C, H, W) norms
         kwargs = {**kwargs, "channel_dim": 1}
     if "eps" in spec.init_kwargs and "eps" not in kwargs:
         kwargs = {**kwargs, "eps": source_eps(m)}  # keep the source's eps where the target has one
+    ref = site_tensor(model, name, m)
+    where = {} if ref is None else {"device": ref.device, "dtype": ref.dtype}
+    direct = {"device", "dtype"} <= set(spec.init_kwargs)  # built there (on meta: no memory), else moved there
     try:
-        new = spec.create(source_dim(m), **kwargs)
+        new = spec.create(source_dim(m), **kwargs, **(where if direct else {}))
     except catch as e:  # an init argument the target does not take: say which site asked for it
         raise ValueError(f"site {name}: {e}") from None
-    w = getattr(m, "weight", None)
-    ref = w if w is not None else next(iter(m.parameters()), None)
-    if ref is not None:
-        new = new.to(device=ref.device, dtype=ref.dtype)
+    if where and not direct:
+        new = new.to(**where)
+    own = list(m.parameters())
+    if own and not any(p.requires_grad for p in own):
+        new.requires_grad_(False)  # a frozen norm stays frozen
     new.train(m.training)
     return new, kwargs
 
 
-def _build(name: str, m: nn.Module, kind: str, spec: NormSpec, kwargs: dict) -> tuple[nn.Module, Site]:
-    new, kwargs = fresh_like(name, m, spec, kwargs)
+def _build(
+    model: nn.Module, name: str, m: nn.Module, kind: str, spec: NormSpec, kwargs: dict
+) -> tuple[nn.Module, Site]:
+    new, kwargs = fresh_like(name, m, spec, kwargs, model=model)
     site = Site(name, type(m).__name__, kind, source_dim(m), source_eps(m), kwargs)
     w = getattr(m, "weight", None)
     b = getattr(m, "bias", None)
@@ -295,18 +338,54 @@ def _check_agree(base: ConvertConfig, overrides: dict, cal_fields: set) -> None:
         )
 
 
+def refuse_wrapped(model: nn.Module, who: str) -> None:
+    """A model already wrapped for data or model parallelism (DDP, DataParallel, FSDP, FSDP2's ``fully_shard``, a
+    DTensor parameter of tensor parallelism) is refused, with the fix: swap the norms first, then wrap. A wrapper
+    holds its own view of the parameters (DDP's buckets and replicas, FSDP's shards), so a module swapped inside it
+    trains on one rank only and the replicas drift.
+
+    Args:
+        model: The model.
+        who: The function named in the error.
+    """
+    wrapper = None
+    if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
+        wrapper = type(model).__name__
+    elif torch.distributed.is_available():
+        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+        from torch.distributed.tensor import DTensor
+
+        for name, m in model.named_modules():
+            if isinstance(m, (FSDPModule, FullyShardedDataParallel)):
+                wrapper = f"FSDP ({name or 'the model'} is sharded by {type(m).__name__.split('.')[-1]})"
+                break
+        else:
+            shard = next((n for n, p in model.named_parameters() if isinstance(p, DTensor)), None)
+            if shard is not None:
+                wrapper = f"tensor or sequence parallelism ({shard} is a DTensor)"
+    if wrapper is not None:
+        raise ValueError(
+            f"{who}: the model is already wrapped by {wrapper}; swap its norms first, then wrap it: "
+            f"{who}(model, ...) before DistributedDataParallel(model), fully_shard(...) or parallelize_module(...) "
+            "(a wrapper keeps its own view of the parameters, so a module swapped inside it would train on one rank)"
+        )
+
+
 def _check_options(model, to, calibrate, extra_classes) -> None:
     """Every argument of convert_norms checked before the model is touched; a bad one is a clear error."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert_norms: expected an nn.Module, got {type(model).__name__}")
+    refuse_wrapped(model, "convert_norms")
     if calibrate is not None and to not in CALIBRATABLE:
         raise ValueError(
             f"calibration fits the parameter of {', '.join(CALIBRATABLE)}; {to!r} has none to fit "
             "(convert without calibrate=)"
         )
     for cls, kind in (extra_classes or {}).items():
-        if kind not in ("layer_norm", "rms_norm", "rms_norm_offset"):
-            raise ValueError(f"extra_classes[{cls.__name__}]: kind must be layer_norm, rms_norm or rms_norm_offset")
+        if not isinstance(cls, type):
+            raise TypeError(f"extra_classes is keyed by the norm class itself, not by {cls!r}: {{MyNorm: {kind!r}}}")
+        if kind not in SOURCE_KINDS:
+            raise ValueError(f"extra_classes[{cls.__name__}]: kind must be {', '.join(SOURCE_KINDS)}")
 
 
 def convert_norms(
@@ -384,7 +463,7 @@ def convert_norms(
     per_kw = per_channel_kwargs(spec) if cfg.per == "channel" else {}
     replacements, sites = {}, []
     for name, m, kind in found:  # build everything first: an error here leaves the model untouched
-        new, site = _build(name, m, kind, spec, {**per_kw, **_site_kwargs(name, init, site_init)})
+        new, site = _build(model, name, m, kind, spec, {**per_kw, **_site_kwargs(name, init, site_init)})
         replacements[name] = new
         sites.append(site)
     notes, path = [], {}

@@ -87,6 +87,8 @@ def select(choice: str, x: torch.Tensor, owner: str, *params: torch.Tensor | Non
         *params: Its parameters (None where absent).
         min_fused: The smallest CPU input ``auto`` fuses; None: ``cpu.MIN_FUSED``.
     """
+    if x.device.type == "meta":  # shapes and dtypes only (meta-device init): every setting takes the reference
+        return "reference"
     if choice == "auto":
         choice = auto_choice()
     if choice == "reference":
@@ -140,6 +142,10 @@ def direct(module: torch.nn.Module, x: torch.Tensor, *params: torch.Tensor | Non
     return cpu.usable(x, *params)  # the device, dtypes, compile, torch.func and the library: select's own test
 
 
+#: The device types torch.autocast knows; asking about another (``meta``) raises in torch itself.
+AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu", "mtia", "maia", "xla", "ipu", "privateuseone")
+
+
 def autocast_params(x: torch.Tensor, *params: torch.Tensor | None) -> tuple:
     """Under torch.autocast the fused kernels take the parameters in the input's dtype, as autocast would.
 
@@ -147,7 +153,7 @@ def autocast_params(x: torch.Tensor, *params: torch.Tensor | None) -> tuple:
         x: The input.
         *params: The parameters (None where absent).
     """
-    if torch.is_autocast_enabled(x.device.type):
+    if x.device.type in AUTOCAST_DEVICES and torch.is_autocast_enabled(x.device.type):
         return tuple(None if p is None else p.to(x.dtype) for p in params)
     return params
 

@@ -294,10 +294,14 @@ def load_converted(path: str | Path, model: nn.Module | None = None) -> tuple[nn
     except ValueError as e:  # a field of the wrong kind, missing or unknown: named
         raise ValueError(f"{where}: {e}; convert the model again") from None
     _check_weights(path, d.get("weights_sha256"))
+    saved = _load_state(path)
     if model is None:
         model = _rebuild(path, d.get("model_class"))
+        dtypes = {v.dtype for v in saved.values() if v.is_floating_point()}
+        if len(dtypes) == 1:  # a bf16 model comes back bf16, as from_pretrained gives it (its config's dtype)
+            model = model.to(dtypes.pop())
     apply_record(model, record)
-    state = module_names(model, _load_state(path))
+    state = module_names(model, saved)
     own = model.state_dict()
     wrong = [(k, tuple(v.shape), tuple(own[k].shape)) for k, v in state.items() if k in own and v.shape != own[k].shape]
     if wrong:

@@ -434,7 +434,8 @@ void pointwise_bwd_block(const T* __restrict g, const T* __restrict x, const T* 
           const Isru s = isru(u, a);
           f = s.f;
           gu = gv * (s.h * s.h * s.h);  // g h^3; dbeta = -w/2 sum g u h^3
-          acc0 = at::vec::fmadd(gu, u, acc0);
+          // a saturated u (h = 0: beyond 1e18, +-inf, a float16 overflow) adds 0 to dbeta, not inf * 0 = NaN
+          acc0 = at::vec::fmadd(gu, Vec::blendv(u, Vec(0.0f), s.h == Vec(0.0f)), acc0);
         }
         const Vec d = gu * k;
         accw = at::vec::fmadd(gv, f, accw);
