@@ -6,8 +6,12 @@ STAMP  := $(VENV)/.normlab-installed
 DEV    := $(VENV)/.normlab-dev
 DOCS_VENV ?= .venv-docs
 DOCS   := $(DOCS_VENV)/.normlab-docs
+# torchtitan's own trainer, for the tests of normlab.integrations.torchtitan: a second venv, since torchtitan 0.3.0
+# needs torch 2.14 (a CUDA build, run here on the CPU) and the main venv is pinned to the 2.13 CPU wheel
+TITAN_VENV ?= .venv-titan
+TITAN  := $(TITAN_VENV)/.normlab-titan
 
-.PHONY: setup dev test lint demo docs clean
+.PHONY: setup dev titan test lint demo docs clean
 
 # what `normlab` needs to run (make demo): torch, the package and its kernel build
 setup: $(STAMP)
@@ -28,13 +32,22 @@ $(DEV): $(STAMP)
 	$(PY) -m pip install --quiet -e ".[dev]"
 	@touch $(DEV)
 
+titan: $(TITAN)
+
+$(TITAN): pyproject.toml
+	@test -x $(TITAN_VENV)/bin/python || $(PYTHON) -m venv $(TITAN_VENV)
+	$(TITAN_VENV)/bin/python -m pip install --quiet "torch==2.14.1" "torchtitan==0.3.0"
+	$(TITAN_VENV)/bin/python -m pip install --quiet --no-deps -e .
+	$(TITAN_VENV)/bin/python -m pip install --quiet "numpy>=1.24" "scipy>=1.10" "matplotlib>=3.7" "tqdm>=4.60"
+	@touch $(TITAN)
+
 lint: dev
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 
 # one worker per core (pytest-xdist): the tests split between them, an idle worker taking from a busy one's queue;
 # the 15 slowest are printed at the end
-test: lint
+test: lint titan
 	$(PY) -m pytest -q -n auto --dist worksteal --durations=15
 
 demo: setup
@@ -54,6 +67,7 @@ $(DOCS): pyproject.toml
 
 clean:  # removes the venv only where it is one (a pyvenv.cfg inside), never whatever path VENV names
 	@if [ -f "$(DOCS_VENV)/pyvenv.cfg" ]; then rm -rf "$(DOCS_VENV)"; fi
+	@if [ -f "$(TITAN_VENV)/pyvenv.cfg" ]; then rm -rf "$(TITAN_VENV)"; fi
 	@if [ -f "$(VENV)/pyvenv.cfg" ]; then rm -rf "$(VENV)"; elif [ -e "$(VENV)" ]; then \
 		echo "make clean: $(VENV) is not a virtual environment (no pyvenv.cfg); left as it is"; fi
 	rm -rf site build *.egg-info src/*.egg-info .pytest_cache .ruff_cache

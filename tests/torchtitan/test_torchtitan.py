@@ -1,0 +1,104 @@
+"""`normlab.integrations.torchtitan` in torchtitan's own trainer (``torchtitan.train`` under torchrun, gloo on the CPU):
+the Llama 3 debug model with DyT trains on 1 process, on 2 with FSDP2 and on 2 with TP=2 and sequence parallel, and
+resumes from its distributed checkpoint with the losses of an uninterrupted run.
+
+torchtitan 0.3.0 needs torch 2.14, so these run in the second venv `make titan` builds (``.venv-titan``; another with
+``NORMLAB_TITAN_VENV``), through ``titan_cpu.py`` (the CPU shim, kept here and never in the library), on the tokenizer
+and Shakespeare passages in ``assets/``."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).parent
+VENV = Path(os.environ.get("NORMLAB_TITAN_VENV") or HERE.parents[1] / ".venv-titan")
+TORCHRUN = VENV / "bin" / "torchrun"
+
+if not TORCHRUN.exists():
+    if os.environ.get("CI"):
+        raise RuntimeError(f"{VENV} has no torchrun: `make titan` builds torchtitan's venv, which `make test` needs")
+    pytest.skip(f"no torchtitan venv at {VENV} (make titan)", allow_module_level=True)
+
+pytestmark = pytest.mark.slow
+STEP = re.compile(r"step:\s+(\d+)\s+loss:\s+([0-9.]+)")
+
+
+def titan(tmp: Path, config: str, *args: str, procs: int = 1, steps: int = 4) -> dict[int, str]:
+    """One torchtitan run; returns {step: loss as logged}. Fails with the run's last lines if it fails."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST", "NORMLAB_KERNEL"))}
+    env["OMP_NUM_THREADS"] = "1"
+    cmd = [str(TORCHRUN), "--standalone", f"--nproc-per-node={procs}", str(HERE / "titan_cpu.py"),
+           "--module", "cpu_configs", "--config", config, "--training.steps", str(steps),
+           "--dump_folder", str(tmp), *args]  # fmt: skip
+    run = subprocess.run(cmd, cwd=HERE, env=env, capture_output=True, text=True, timeout=400)
+    out = re.sub(r"\x1b\[[0-9;]*m", "", run.stdout + run.stderr)
+    assert run.returncode == 0, f"torchtitan failed ({run.returncode}):\n" + "\n".join(out.splitlines()[-30:])
+    return {int(s): loss for s, loss in STEP.findall(out)}, out
+
+
+def _learns(losses: dict[int, str], steps: int) -> None:
+    assert sorted(losses) == list(range(1, steps + 1)), losses
+    assert float(losses[steps]) < float(losses[1]), losses
+
+
+def _trains(losses: dict[int, str], steps: int) -> None:
+    """Every step ran and its loss is a number below the uniform guess's plus 1 nat (ln 2048 = 7.6): 3 steps are too
+    few for a loss that falls at every step, on new batches each."""
+    assert sorted(losses) == list(range(1, steps + 1)), losses
+    assert all(0 < float(v) < 8.7 for v in losses.values()), losses
+
+
+def test_dyt_trains_in_torchtitan_on_one_process_with_the_dyt_paper_recipe(tmp_path):
+    """The model converter puts DyT at every site (the DyT paper's alpha0 by role); the trainer builds it on the meta
+    device, initialises it through init_states and trains it, and its checkpoint holds the layers' alpha."""
+    losses, out = titan(tmp_path, "llama3_debug_cpu_dyt", "--checkpoint.enable", "--checkpoint.interval", "4")
+    _learns(losses, 4)
+    step = tmp_path / "checkpoint" / "step-4"
+    assert step.is_dir(), out[-2000:]
+    meta = subprocess.run(
+        [str(VENV / "bin" / "python"), "-c", "import sys, torch.distributed.checkpoint as d; "
+         "print('\\n'.join(d.FileSystemReader(sys.argv[1]).read_metadata().state_dict_metadata))", str(step)],
+        capture_output=True, text=True, check=True,
+    ).stdout.split()  # fmt: skip
+    assert any(k.endswith("layers.0.attention_norm.alpha") for k in meta), meta[:20]
+    assert not any(k.endswith("attention_norm.weight") and "alpha" in k for k in meta)
+
+
+@pytest.mark.parametrize(
+    "route, parallel",
+    [("override", ["--parallelism.data_parallel_shard_degree", "2"]),
+     ("converter", ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"])],
+    ids=["fsdp2", "tp2_sp"],
+)  # fmt: skip
+def test_dyt_trains_in_torchtitan_on_two_processes(route, parallel, tmp_path):
+    """FSDP2 over 2 ranks (DyT through the ``--override.imports`` route, no code of the user's), and TP=2 with
+    sequence parallel (the converter route): alpha and bias placed as the norm's weight, the norm computing on its
+    sequence shard."""
+    extra = ["--override.imports", "normlab.integrations.torchtitan.dyt"] if route == "override" else []
+    config = "llama3_debug_cpu" if route == "override" else "llama3_debug_cpu_dyt"
+    losses, out = titan(tmp_path, config, *extra, *parallel, procs=2, steps=3)
+    _trains(losses, 3)
+    if route == "override":
+        assert "TitanDyT" in out and "Applied" in out  # torchtitan's own log of the replacement
+
+
+def test_a_resumed_dyt_run_repeats_the_uninterrupted_losses(tmp_path):
+    """Save at step 2, stop, resume from torchtitan's distributed checkpoint: steps 3 and 4 log the losses of a run
+    that never stopped, to the digits logged."""
+    ckpt = ["--checkpoint.enable", "--checkpoint.interval", "2"]
+    whole, _ = titan(tmp_path / "whole", "llama3_debug_cpu_dyt", *ckpt, steps=4)
+    first, _ = titan(tmp_path / "parts", "llama3_debug_cpu_dyt", *ckpt, steps=2)
+    second, out = titan(tmp_path / "parts", "llama3_debug_cpu_dyt", *ckpt, steps=4)
+    assert sorted(second) == [3, 4], out[-2000:]  # it resumed at step 2
+    assert first == {1: whole[1], 2: whole[2]}
+    assert second == {3: whole[3], 4: whole[4]}
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))
