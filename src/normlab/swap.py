@@ -127,7 +127,7 @@ def _check_kinds(roles, extra_classes, include) -> None:
         )
 
 
-def _check_arguments(model, to, init, sample, roles, extra_classes, include, kwargs) -> tuple:
+def _check_arguments(model, to, init, sample, kwargs) -> tuple:
     """replace_norms' arguments, each checked before the model is looked at: (the target's spec, the recipes, the
     forward match_rms runs or None)."""
     if not isinstance(model, nn.Module):
@@ -135,7 +135,6 @@ def _check_arguments(model, to, init, sample, roles, extra_classes, include, kwa
     refuse_wrapped(model, "replace_norms")
     spec = norm_spec(to)  # an unknown name lists the registered ones
     recipes = _recipes(init)
-    _check_kinds(roles, extra_classes, include)
     run = None
     if "match_rms" in recipes:
         if not spec.pointwise:
@@ -162,6 +161,31 @@ def _check_arguments(model, to, init, sample, roles, extra_classes, include, kwa
         )
 
     return spec, recipes, run
+
+
+def _check_roles_used(roles: dict | None, names: list[str]) -> None:
+    """Every ``roles`` pattern names a site swapped here: one that matches none is a typo, not a no-op."""
+    unused = [p for p in roles or {} if not any(fnmatch.fnmatchcase(n, p) for n in names)]
+    if unused:
+        shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+        raise ValueError(
+            f"replace_norms: roles pattern {unused[0]!r} matches no norm swapped here (a pattern matches the whole "
+            f"name: '*ln_1', not 'ln_1'); the sites are {shown}"
+        )
+
+
+def _match_or_restore(model: nn.Module, originals: dict[str, nn.Module], run: Callable[[], object]) -> dict:
+    """match_rms on the swapped sites; a forward that fails puts every original back before the error."""
+    try:
+        return match_rms_(model, {n: model.get_submodule(n) for n in originals}, run)
+    except Exception as e:  # noqa: BLE001  (whatever the user's forward raises): the model goes back as it was
+        for name, old in originals.items():
+            swap(model, name, old)
+        raise ValueError(
+            f"replace_norms: init 'match_rms' runs the model on sample=, and the forward failed "
+            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); the model is left as it was. "
+            "Pass one batch the model's forward takes (a tensor, a dict of keyword arguments, a tuple)"
+        ) from e
 
 
 def replace_norms(
@@ -193,7 +217,8 @@ def replace_norms(
         include: ``include(name, module)`` says whether a found norm is replaced (False leaves it as it is).
         **kwargs: Keywords of every new layer, e.g. ``per_channel_alpha=True``; one a recipe sets is refused.
     """
-    spec, recipes, run = _check_arguments(model, to, init, sample, roles, extra_classes, include, kwargs)
+    _check_kinds(roles, extra_classes, include)
+    spec, recipes, run = _check_arguments(model, to, init, sample, kwargs)
     base = next((r for r in recipes if r != "match_rms"), "default")
     found, skipped = find_norms(model, dict(extra_classes or {}), include)
     strangers = [s for s in skipped if s["reason"] == UNKNOWN
@@ -215,14 +240,7 @@ def replace_norms(
             f"{', '.join(sorted(KNOWN_NORMS))}; add yours with extra_classes=)"
         )
 
-    unused = [p for p in roles or {} if not any(fnmatch.fnmatchcase(n, p) for n, _, _ in found)]
-    if unused:
-        names = ", ".join(n for n, _, _ in found[:3]) + (", ..." if len(found) > 3 else "")
-        raise ValueError(
-            f"replace_norms: roles pattern {unused[0]!r} matches no norm swapped here (a pattern matches the whole "
-            f"name: '*ln_1', not 'ln_1'); the sites are {names}"
-        )
-
+    _check_roles_used(roles, [n for n, _, _ in found])
     built = []  # every layer built before the first swap: a refused call leaves the model untouched
     for name, old, kind in found:
         dim, eps = source_dim(old), source_eps(old)
@@ -253,16 +271,7 @@ def replace_norms(
     sites = [site for _, _, site in built]
     notes = [f"replace_norms: {len(sites)} fresh {to} layers, init {'+'.join(recipes)}"]
     if run is not None:
-        try:
-            factors = match_rms_(model, {n: model.get_submodule(n) for n, _, _ in built}, run)
-        except Exception as e:  # noqa: BLE001  (whatever the user's forward raises): the model goes back as it was
-            for name, old in originals.items():
-                swap(model, name, old)
-            raise ValueError(
-                f"replace_norms: init 'match_rms' runs the model on sample=, and the forward failed "
-                f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); the model is left as it was. "
-                "Pass one batch the model's forward takes (a tensor, a dict of keyword arguments, a tuple)"
-            ) from e
+        factors = _match_or_restore(model, originals, run)
         for site in sites:
             if site.name in factors:
                 site.notes.append(f"match_rms: gamma x {factors[site.name]:.4g}")

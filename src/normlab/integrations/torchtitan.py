@@ -115,8 +115,8 @@ def titan_config(source, to: str, init: dict | None = None):
     spec = norm_spec(to)
     unknown = sorted(set(kwargs) - set(spec.init_kwargs) - {"kernel"})
     if unknown:
-        raise TypeError(f"normlab torchtitan: {to!r} does not take {', '.join(unknown)}; it takes "
-                        f"{', '.join(spec.init_kwargs)}")  # fmt: skip
+        takes = ", ".join(spec.init_kwargs)
+        raise TypeError(f"normlab torchtitan: {to!r} does not take {', '.join(unknown)}; it takes {takes}")
     return TITAN_NORMS[to].Config(
         normalized_shape=int(source.normalized_shape),
         eps=float(source.eps),
