@@ -5,6 +5,7 @@ bf16 folder reloaded, a refused match_rms, and arguments of the wrong kind. Each
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 import normlab
+from normlab.errors import NormlabError
 from normlab.registry import norm_spec
 from test_swap import TinyGPT, ids, lm_loss, tiny_llama
 
@@ -249,3 +251,40 @@ def test_ddp_on_a_model_swapped_first_keeps_one_model():
         batch = ids()
         lm_loss(ddp(batch), batch).backward()
         assert model.ln_f.alpha.grad is not None and float(model.ln_f.alpha.grad.abs()) > 0
+
+
+# --------------------------------------------------------------------------
+# DTensor inputs (tensor and sequence parallel)
+# --------------------------------------------------------------------------
+@pytest.mark.parametrize("name", normlab.list_norms())
+def test_a_dtensor_input_computes_on_its_shard_or_says_why_not(name):
+    """A norm under ``SequenceParallel`` is given a sequence-sharded DTensor with replicated parameters. The fused CPU
+    op has no DTensor sharding rule ("Sharding propagation failed" at 0.7.0, on every norm with a kernel, at a size
+    the fused path takes); now the auto path runs the reference, which DTensor computes shard by shard: output and
+    parameter gradients equal the plain module's. A fused path asked for by name is refused, saying why."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 256, 64)  # 65,536 elements: the fused CPU path's size on a plain tensor
+    with one_rank():
+        mesh = init_device_mesh("cpu", (1,))
+        for kernel in _kernels(name):
+            kw = {} if kernel is None else {"kernel": kernel}
+            plain = norm_spec(name).create(64, **kw)
+            with torch.no_grad():
+                for p in plain.parameters():
+                    p.add_(torch.rand_like(p) * 0.1)  # parameters away from their init, so a mix-up would show
+            sharded = copy.deepcopy(plain)
+            parallelize_module(sharded, mesh, SequenceParallel())
+            if kernel in ("cpu", "triton"):
+                with pytest.raises(NormlabError, match="DTensor"):
+                    sharded(x)
+                continue
+            want = plain(x)
+            want.square().sum().backward()
+            got = sharded(x)
+            got.to_local().square().sum().backward()
+            torch.testing.assert_close(got.full_tensor(), want, rtol=1e-5, atol=1e-5, msg=f"{name} {kernel}")
+            for (n, p), q in zip(plain.named_parameters(), sharded.parameters(), strict=True):
+                torch.testing.assert_close(q.grad.full_tensor(), p.grad, rtol=1e-4, atol=1e-4, msg=f"{name} {n}")

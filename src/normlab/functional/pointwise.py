@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from normlab.functional.common import (
@@ -84,7 +83,7 @@ def dyt_hardtanh(x: Tensor, alpha: Tensor | float, weight: Tensor | None = None,
     check_param(alpha, "alpha", x, "dyt_hardtanh", scalar_ok=True)
     check_param(weight, "weight", x, "dyt_hardtanh")
     check_param(bias, "bias", x, "dyt_hardtanh")
-    return affine(F.hardtanh(alpha * x), weight, bias)
+    return affine((alpha * x).clamp(-1.0, 1.0), weight, bias)  # hardtanh, whose backward DTensor lacks
 
 
 @fp32_compute

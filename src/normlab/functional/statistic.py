@@ -98,9 +98,10 @@ def group_rms(x: Tensor, weight: Tensor | None = None, group_size: int = 8, eps:
     n_groups = -(-c // group_size)
     pad = n_groups * group_size - c
     sq = F.pad(x.pow(2), (0, pad)).unflatten(-1, (n_groups, group_size)).sum(-1)  # (..., n_groups)
-    counts = torch.full((n_groups,), float(group_size), dtype=x.dtype, device=x.device)
-    counts[-1] = group_size - pad
-    rstd = inv_rms(sq / counts, eps).repeat_interleave(group_size, dim=-1)[..., :c]  # (..., C)
+    ms = sq / group_size
+    if pad:  # the last group's mean is over its own channels; no new tensor, so a DTensor input stays one
+        ms = torch.cat([ms[..., :-1], sq[..., -1:] / (group_size - pad)], dim=-1)
+    rstd = inv_rms(ms, eps).repeat_interleave(group_size, dim=-1)[..., :c]  # (..., C)
     return affine(x * rstd, weight, None)
 
 

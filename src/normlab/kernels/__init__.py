@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 
 import torch
 
@@ -93,6 +94,8 @@ def select(choice: str, x: torch.Tensor, owner: str, *params: torch.Tensor | Non
         choice = auto_choice()
     if choice == "reference":
         return "reference"
+    if is_dtensor(x, *params):
+        return _dtensor_path(choice, owner)
     if choice == "cpu":
         if x.device.type != "cpu" or x.dtype not in cpu.FAST_DTYPES:
             raise NormlabError(
@@ -116,6 +119,41 @@ def select(choice: str, x: torch.Tensor, owner: str, *params: torch.Tensor | Non
             "tensor, or TRITON_INTERPRET=1 to run it on the CPU for testing"
         )
     return "triton"
+
+
+#: Said once per process, the first time a DTensor reaches a norm on the "auto" path.
+DTENSOR_NOTE = (
+    "normlab: {owner} was given a DTensor (tensor or sequence parallel): it runs the reference math, which DTensor "
+    "computes on each rank's local shard by its own rules for every operation (parameter gradients reduced where "
+    "the input is sharded); the fused kernels take plain tensors only, so this path is the reference's speed"
+)
+_SAID: set[str] = set()
+
+
+def is_dtensor(*tensors: torch.Tensor | None) -> bool:
+    """Whether any of ``tensors`` is a ``torch.distributed.tensor.DTensor`` (imported only where torch.distributed
+    is built, and never by a plain-tensor call: the type check comes first)."""
+    if all(t is None or type(t) is torch.Tensor or type(t) is torch.nn.Parameter for t in tensors):
+        return False
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(t, DTensor) for t in tensors)
+
+
+def _dtensor_path(choice: str, owner: str) -> str:
+    """'reference' for a DTensor on the auto path (said once); a named fused path is refused, saying why."""
+    if choice != "auto":
+        raise NormlabError(
+            f"{owner}(kernel={choice!r}): the fused kernels take plain tensors, and this input or a parameter is a "
+            "DTensor (tensor or sequence parallel). Use kernel='auto' or 'reference': DTensor then computes the "
+            "reference math on each rank's shard"
+        )
+    if "dtensor" not in _SAID:
+        _SAID.add("dtensor")
+        warnings.warn(DTENSOR_NOTE.format(owner=owner), RuntimeWarning, stacklevel=4)
+    return "reference"
 
 
 def direct(module: torch.nn.Module, x: torch.Tensor, *params: torch.Tensor | None) -> bool:
