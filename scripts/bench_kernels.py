@@ -41,12 +41,13 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 def _ops(n: int, dev, dtype):
     """(name, make_params, reference_fn, fused_fn | None, liger_fn | None) for each op."""
-    from normlab.kernels import triton_status
+    from normlab.kernels import interpreting, triton_status
+    from normlab.kernels.fused import derf as k_derf
     from normlab.kernels.fused import dyisru as k_dyisru
     from normlab.kernels.fused import dyt as k_dyt
     from normlab.kernels.fused import rms_norm as k_rms
 
-    fused_ok = triton_status()[0] and dev.type == "cuda"
+    fused_ok = triton_status()[0] and (dev.type == "cuda" or interpreting())
     liger = {}
     try:  # optional: Liger-Kernel's DyT and RMSNorm, when installed
         from liger_kernel.ops.dyt import LigerDyTFunction
@@ -56,6 +57,8 @@ def _ops(n: int, dev, dtype):
         liger["rms_norm"] = lambda x, w: LigerRMSNormFunction.apply(x, w, 1e-6)
     except ImportError:
         pass
+    if dev.type != "cuda":  # Liger's Triton kernels need a GPU
+        liger = {}
 
     def p(*shape, fill=None):
         if fill is not None:
@@ -65,6 +68,7 @@ def _ops(n: int, dev, dtype):
     return [
         ("dyt", lambda: (p(1, fill=0.5), p(n), p(n)), FN.dyt, k_dyt if fused_ok else None, liger.get("dyt")),
         ("dyisru", lambda: (p(1, fill=4.0), p(n), p(n)), FN.dyisru, k_dyisru if fused_ok else None, None),
+        ("derf", lambda: (p(1, fill=0.5), p(1, fill=0.0), p(n), p(n)), FN.derf, k_derf if fused_ok else None, None),
         (
             "rms_norm",
             lambda: (p(n),),
@@ -135,6 +139,8 @@ def run(args) -> list[dict]:
                 if args.ops and op not in args.ops:
                     continue
                 providers = {"torch_eager": ref, "torch_compile": torch.compile(ref)}
+                if op == "rms_norm":  # what a user of torch.nn.RMSNorm runs: PyTorch's own kernel
+                    providers["torch_rms_norm"] = lambda x, w: torch.nn.functional.rms_norm(x, (x.shape[-1],), w, 1e-6)
                 if fused is not None:
                     providers["normlab"] = fused
                 if liger is not None:
@@ -341,18 +347,20 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=4096)
     ap.add_argument("--channels", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
     ap.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"], choices=list(DTYPES))
-    ap.add_argument("--ops", nargs="*", help="subset of dyt, dyisru, rms_norm (CPU: also layer_norm, scaled_dyt, eln)")
+    ap.add_argument("--ops", nargs="*", help="subset of dyt, dyisru, derf, rms_norm (CPU: + layer_norm, scaled_dyt, eln)")
     ap.add_argument("--modes", nargs="*", help="subset of forward, backward, full")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--cpu", action="store_true", help="run on the CPU even if a GPU is present")
     ap.add_argument("--rounds", type=int, default=5, help="CPU: providers alternate in this many rounds")
     ap.add_argument("--no-first-call", action="store_true", help="CPU: skip the fresh-process compile timing")
+    ap.add_argument("--gpu-table", action="store_true", help="the GPU table on this device even without a GPU (a "
+                    "tiny check of the script; normlab's Triton rows under TRITON_INTERPRET=1)")  # fmt: skip
     ap.add_argument("--csv", help="default bench/kernels.csv (GPU) or bench/kernels_cpu.csv (CPU)")
     args = ap.parse_args()
     on_cpu = args.cpu or not torch.cuda.is_available()
     if on_cpu and args.channels == ap.get_default("channels"):
         args.channels = [1024]
-    rows = run_cpu(args) if on_cpu else run(args)
+    rows = run_cpu(args) if on_cpu and not args.gpu_table else run(args)
     args.csv = args.csv or ("bench/kernels_cpu.csv" if on_cpu else "bench/kernels.csv")
     print(f"appended {len(rows)} rows to {append_csv(args.csv, rows, stamp=stamp())}")
 

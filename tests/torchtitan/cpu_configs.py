@@ -29,6 +29,16 @@ def llama3_debug_cpu():
     return _cpu(llama3_debugmodel())
 
 
+def llama3_debug_cpu_full_ac():
+    """The stock model under full activation checkpointing (every block recomputed in the backward; the debug
+    model's own setting is selective)."""
+    from torchtitan.distributed.activation_checkpoint import FullAC
+
+    config = _cpu(llama3_debugmodel())
+    config.activation_checkpoint = FullAC.Config()
+    return config
+
+
 def llama3_debug_cpu_dyt():
     """DyT at every site with the DyT paper's recipe, through normlab's model converter."""
     from normlab.integrations.torchtitan import NormConverter

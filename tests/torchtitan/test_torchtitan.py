@@ -54,11 +54,15 @@ def _trains(losses: dict[int, str], steps: int) -> None:
     assert all(0 < float(v) < 8.7 for v in losses.values()), losses
 
 
-def test_dyt_trains_in_torchtitan_on_one_process_with_the_dyt_paper_recipe(tmp_path):
+def test_dyt_trains_compiled_in_torchtitan_on_one_process_with_the_dyt_paper_recipe(tmp_path):
     """The model converter puts DyT at every site (the DyT paper's alpha0 by role); the trainer builds it on the meta
-    device, initialises it through init_states and trains it, and its checkpoint holds the layers' alpha."""
-    losses, out = titan(tmp_path, "llama3_debug_cpu_dyt", "--checkpoint.enable", "--checkpoint.interval", "4")
+    device, initialises it through init_states, compiles each block and the loss with torch.compile (Inductor on the
+    CPU), applies its selective activation checkpointing and trains; its checkpoint holds the layers' alpha."""
+    losses, out = titan(tmp_path, "llama3_debug_cpu_dyt", "--compile.enable", "--checkpoint.enable",
+                        "--checkpoint.interval", "4")  # fmt: skip
     _learns(losses, 4)
+    assert "Compiling each TransformerBlock with torch.compile" in out
+    assert "Applied SelectiveAC activation checkpointing" in out
     step = tmp_path / "checkpoint" / "step-4"
     assert step.is_dir(), out[-2000:]
     meta = subprocess.run(
@@ -77,15 +81,17 @@ def test_dyt_trains_in_torchtitan_on_one_process_with_the_dyt_paper_recipe(tmp_p
     ids=["fsdp2", "tp2_sp"],
 )  # fmt: skip
 def test_dyt_trains_in_torchtitan_on_two_processes(route, parallel, tmp_path):
-    """FSDP2 over 2 ranks (DyT through the ``--override.imports`` route, no code of the user's), and TP=2 with
+    """FSDP2 over 2 ranks with full activation checkpointing (DyT through the ``--override.imports`` route, no code
+    of the user's), and TP=2 with
     sequence parallel (the converter route): alpha and bias placed as the norm's weight, the norm computing on its
     sequence shard."""
     extra = ["--override.imports", "normlab.integrations.torchtitan.dyt"] if route == "override" else []
-    config = "llama3_debug_cpu" if route == "override" else "llama3_debug_cpu_dyt"
+    config = "llama3_debug_cpu_full_ac" if route == "override" else "llama3_debug_cpu_dyt"
     losses, out = titan(tmp_path, config, *extra, *parallel, procs=2, steps=3)
     _trains(losses, 3)
     if route == "override":
         assert "TitanDyT" in out and "Applied" in out  # torchtitan's own log of the replacement
+        assert "Applied FullAC activation checkpointing" in out
 
 
 def test_a_resumed_dyt_run_repeats_the_uninterrupted_losses(tmp_path):

@@ -48,12 +48,12 @@ def _sum_for_gloo():
 
 def _flex_as_sdpa(q, k, v, *, score_mod, block_mask, scale, enable_gqa, return_aux, kernel_options):
     """What torchtitan's compiled FlexAttention computes, for a mask and no score_mod, on the CPU."""
-    from torch.nn.attention.flex_attention import create_mask
+    from torch.nn.attention.flex_attention import AuxOutput, create_mask
 
     assert score_mod is None and not return_aux.lse, "the CPU shim covers masks only"
     mask = create_mask(block_mask.mask_mod, q.shape[0], 1, q.shape[-2], k.shape[-2], device=q.device)
     out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
-    return out, types.SimpleNamespace(lse=None, max_scores=None)
+    return out, AuxOutput(lse=None, max_scores=None)  # a NamedTuple, which torch.compile traces
 
 
 if __name__ == "__main__":
