@@ -347,7 +347,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=4096)
     ap.add_argument("--channels", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
     ap.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"], choices=list(DTYPES))
-    ap.add_argument("--ops", nargs="*", help="subset of dyt, dyisru, derf, rms_norm (CPU: + layer_norm, scaled_dyt, eln)")
+    ap.add_argument("--ops", nargs="*", help="subset of dyt, dyisru, derf, rms_norm (CPU: +layer_norm scaled_dyt eln)")
     ap.add_argument("--modes", nargs="*", help="subset of forward, backward, full")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--cpu", action="store_true", help="run on the CPU even if a GPU is present")
