@@ -37,7 +37,10 @@ titan: $(TITAN)
 $(TITAN): pyproject.toml
 	@test -x $(TITAN_VENV)/bin/python || $(PYTHON) -m venv $(TITAN_VENV)
 	$(TITAN_VENV)/bin/python -m pip install --quiet "torch==2.14.1" "torchtitan==0.3.0"
-	$(TITAN_VENV)/bin/python -m pip install --quiet --no-deps -e .
+	@# normlab from the source tree by a path file, not a second editable build: the main venv builds in the same
+	@# tree at the same time (make test's -j2), and two setuptools builds there would share build/ and egg-info
+	$(TITAN_VENV)/bin/python -c "import site, pathlib; pathlib.Path(site.getsitepackages()[0], 'normlab-src.pth')\
+		.write_text('$(CURDIR)/src\n')"
 	$(TITAN_VENV)/bin/python -m pip install --quiet "numpy>=1.24" "scipy>=1.10" "matplotlib>=3.7" "tqdm>=4.60"
 	@touch $(TITAN)
 
@@ -45,9 +48,11 @@ lint: dev
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 
-# one worker per core (pytest-xdist): the tests split between them, an idle worker taking from a busy one's queue;
-# the 15 slowest are printed at the end
-test: lint titan
+# the two venvs are built side by side (-j2: pip waits on disk and unpacking as much as on the CPU), then one pytest
+# worker per core (pytest-xdist): the tests split between them, an idle worker taking from a busy one's queue; the 15
+# slowest are printed at the end
+test:
+	@$(MAKE) --no-print-directory -j2 lint titan
 	$(PY) -m pytest -q -n auto --dist worksteal --durations=15
 
 demo: setup

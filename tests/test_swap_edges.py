@@ -222,7 +222,7 @@ class MyNorm(nn.Module):
         ({"extra_classes": {"MyNorm": "rms_norm"}}, "keyed by the norm class itself"),
         ({"extra_classes": {MyNorm: "rms"}}, "rms_norm"),
         ({"roles": {"ln_1": "attn"}}, "matches no norm swapped here"),
-        ({"sample": ids()}, "sample= is read by init 'match_rms' only"),
+        ({"init": "default", "sample": ids()}, "sample= is read by init 'auto' and 'match_rms' only"),
     ],
     ids=["init_none", "include_str", "roles_list", "extra_by_name", "extra_kind", "roles_unused", "sample_unused"],
 )

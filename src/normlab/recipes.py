@@ -3,6 +3,12 @@
 
 The recipes (`RECIPES`), each applied per site by `recipe_kwargs`, or after the swap by `match_rms_`:
 
+- ``"auto"``, `replace_norms`' default: the layers' own init, then ``match_rms`` on ``sample=`` or, without one, on a
+  batch of random token ids the swap draws from the model's input embedding (`token_sample`): a fresh point-wise
+  layer on a model initialised at small scale (a Hugging Face model's std 0.02) is otherwise about 100 times quieter
+  than the RMSNorm it replaces, and the model barely learns (docs/own-model.md has the curves). Where no sample can be
+  drawn (no token embedding, a meta model, a forward that refuses the drawn ids), the layers keep their own init and
+  the swap says so once.
 - ``"default"``: each layer's own init: DyT's and Derf's alpha0 = 0.5, DyISRU's and ELN's beta0 = 4 = 1 / 0.5**2.
 - ``"dyt_paper"``: the DyT paper's alpha0 by width and by site (below). For DyISRU and ELN it sets
   ``beta0 = 1 / alpha0**2``, the slope-matching map of the DyISRU paper (Stollenwerk, arXiv 2503.21708, Fig. 2):
@@ -35,7 +41,8 @@ if TYPE_CHECKING:
     from normlab.registry import NormSpec
 
 __all__ = ["DYT_PAPER_ALPHA0", "DERF_PAPER_INIT", "RECIPES", "ROLES", "ROLE_NAMES", "MATCH_RMS_CAVEAT", "dyt_alpha0",
-           "parse_alpha_table", "matmul_gain_std", "site_role", "recipe_kwargs", "match_rms_"]  # fmt: skip
+           "parse_alpha_table", "matmul_gain_std", "site_role", "recipe_kwargs", "match_rms_", "token_sample",
+           "input_embedding", "paper_assumption"]  # fmt: skip
 
 # width -> (alpha0 before attention, alpha0 before the FFN and at the final norm); DyT paper, Table 11
 DYT_PAPER_ALPHA0: dict[int, tuple[float, float]] = {1024: (1.0, 1.0), 2048: (1.0, 0.5), 4096: (0.8, 0.2),
@@ -96,7 +103,16 @@ def matmul_gain_std(emulated_width: int, width: int, std: float = 0.02) -> float
 
 
 DERF_PAPER_INIT = {"alpha_init": 0.5, "shift_init": 0.0}  # Chen et al., arXiv 2512.10938
-RECIPES = ("default", "dyt_paper", "derf_paper", "match_rms")
+DERF_PAPER_LM_INIT = {"alpha_init": 1.0, "shift_init": 0.0}  # its GPT-2 patch: alpha0 1.0 at every site, bias kept
+#: What the papers' language-model code changes beyond alpha0, which "dyt_paper" and "derf_paper" apply to a model with
+#: a token embedding: the embedding scale (normlab.embed_scale) and, for DyT, no bias.
+LM_CHANGES = "a learnable embedding scale initialised to sqrt(d); DyT without a bias (the DyT paper's LLaMA)"
+#: The DyT paper's LLaMA embeds at RMS sqrt(d) * 0.02 = 1.28 (width 4096, std 0.02) after its scale: its alpha0 table
+#: was tuned there. A model whose scaled embedding is outside this range breaks the recipe's assumption.
+PAPER_EMBED_RMS = (0.5, 3.0)
+RECIPES = ("auto", "default", "dyt_paper", "derf_paper", "match_rms")
+#: The recipes whose values need a forward of the model (a sample), not only its shapes.
+MEASURED = ("auto", "match_rms")
 MATCH_RMS_CAVEAT = (
     "match_rms is a short-budget win: in the lab's scaling study (docs/results.md) DyT with matched gamma ends below "
     "RMSNorm at 256k tokens, the gap closes by 4M tokens (within the seeds), and a model with no norm at all, only the "
@@ -133,7 +149,7 @@ def site_role(name: str, roles: dict[str, str] | None = None) -> str | None:
     return next((role for role, names in ROLE_NAMES.items() if last in names), None)
 
 
-def recipe_kwargs(recipe: str, spec: NormSpec, role: str | None, width: int) -> tuple[dict, str]:
+def recipe_kwargs(recipe: str, spec: NormSpec, role: str | None, width: int, lm: bool = False) -> tuple[dict, str]:
     """The init keywords ``recipe`` gives a ``spec`` layer (a `normlab.registry.NormSpec`) at a site of ``role`` and
     ``width`` channels, and a note saying what it set. A recipe that does not apply to the target is a ValueError.
 
@@ -142,16 +158,20 @@ def recipe_kwargs(recipe: str, spec: NormSpec, role: str | None, width: int) -> 
         spec: The target norm's registry entry.
         role: 'attn', 'mlp', 'final', or None where unknown (refused where the recipe's value depends on it).
         width: The site's channel count.
+        lm: The model is a language model (it has a token embedding): the papers' language-model code then
+            differs from their vision code (`LM_CHANGES`).
     """
     takes = spec.init_kwargs
-    if recipe == "default":
+    if recipe in ("default", "auto"):  # auto's gain is matched after the swap (replace_norms)
         return {}, "default init"
     if recipe == "derf_paper":
         if spec.name != "derf":
             raise ValueError(
-                f"init 'derf_paper' is Derf's published init (alpha0 = 0.5, shift0 = 0); the target is "
-                f"{spec.name!r}: use to='derf', or init='dyt_paper' / 'default'"
+                f"init 'derf_paper' is Derf's published init (alpha0 = 0.5, shift0 = 0; 1.0 in a language model); "
+                f"the target is {spec.name!r}: use to='derf', or init='dyt_paper' / 'default'"
             )
+        if lm:
+            return dict(DERF_PAPER_LM_INIT), "Derf's GPT-2 init: alpha0 = 1.0, shift0 = 0"
         return dict(DERF_PAPER_INIT), "Derf's init: alpha0 = 0.5, shift0 = 0"
     if recipe != "dyt_paper":
         raise ValueError(f"unknown init recipe {recipe!r}; the recipes are {', '.join(RECIPES)}")
@@ -162,6 +182,8 @@ def recipe_kwargs(recipe: str, spec: NormSpec, role: str | None, width: int) -> 
     row = min(DYT_PAPER_ALPHA0, key=lambda w: abs(math.log(w / width)))
     where = f"DyT paper, width {row}" + (f" row for {width}" if row != width else "")
     if "alpha_init" in takes:
+        if lm and spec.name == "dyt":  # the DyT paper's LLaMA layer: weight * tanh(alpha x), no bias
+            return {"alpha_init": alpha0, "bias": False}, f"alpha0 = {alpha0}, no bias ({where})"
         return {"alpha_init": alpha0}, f"alpha0 = {alpha0} ({where})"
     if "beta_init" in takes:
         beta0 = 1.0 / alpha0**2
@@ -188,8 +210,9 @@ def match_rms_(model: nn.Module, sites: dict[str, nn.Module], run: Callable[[], 
 
     from normlab.registry import norm_spec
 
-    eligible = {n: m for n, m in sites.items() if getattr(m, "weight", None) is not None
-                and norm_spec(getattr(m, "registry_name", "")).pointwise}  # fmt: skip
+    named = {n: m for n, m in sites.items() if isinstance(getattr(m, "registry_name", None), str)}  # norms only
+    eligible = {n: m for n, m in named.items() if getattr(m, "weight", None) is not None
+                and norm_spec(m.registry_name).pointwise}  # fmt: skip
     factors: dict[str, float] = {}
     was_training = model.training
     model.eval()
@@ -217,3 +240,71 @@ def match_rms_(model: nn.Module, sites: dict[str, nn.Module], run: Callable[[], 
     finally:
         model.train(was_training)
     return factors
+
+
+def input_embedding(model: nn.Module) -> tuple[str, nn.Embedding] | None:
+    """The model's token embedding and its name: what a Hugging Face model's ``get_input_embeddings`` returns, else
+    the ``nn.Embedding`` with the most rows (the tokens, not the positions); None where the model has none.
+
+    Args:
+        model: The model.
+    """
+    get = getattr(model, "get_input_embeddings", None)
+    found = None
+    if callable(get):
+        try:
+            found = get()
+        except (NotImplementedError, AttributeError):
+            found = None
+    embeddings = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Embedding)]
+    if isinstance(found, nn.Embedding):
+        return next(((n, m) for n, m in embeddings if m is found), None)
+    return max(embeddings, key=lambda nm: nm[1].num_embeddings, default=None)
+
+
+def token_sample(model: nn.Module, batch: int = 4, length: int = 32, seed: int = 0):
+    """A batch of random token ids for one forward of ``model`` (``model(ids)``), drawn uniformly from its input
+    embedding's rows with a fixed seed, on the embedding's device; or (None, why not).
+
+    Args:
+        model: The model.
+        batch: Sequences in the batch.
+        length: Tokens per sequence (at most the smallest other embedding's rows: a position table).
+        seed: The draw's seed.
+    """
+    import torch
+
+    found = input_embedding(model)
+    if found is None:
+        return None, "the model has no token embedding (nn.Embedding) to draw token ids for"
+    name, emb = found
+    if emb.weight.is_meta:
+        return None, f"the model is on the meta device ({name}.weight): there is no forward to measure"
+    positions = [m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding) and m is not emb]
+    length = max(1, min([length, *positions]))
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, emb.num_embeddings, (batch, length), generator=g).to(emb.weight.device), None
+
+
+def paper_assumption(model: nn.Module, recipe: str) -> str:
+    """Why ``recipe`` ('dyt_paper', 'derf_paper') does not fit ``model``'s initialisation, or '' where it does: its
+    token embedding times sqrt(d) (the papers' scale at init) far from unit RMS, where the papers' alpha0 was tuned.
+
+    Args:
+        model: The model, its embedding as initialised (not on the meta device).
+        recipe: The paper recipe.
+    """
+    found = input_embedding(model)
+    if found is None or found[1].weight.is_meta:
+        return ""
+    name, emb = found
+    rms = float(emb.weight.detach().float().pow(2).mean().sqrt()) * math.sqrt(emb.embedding_dim)
+    low, high = PAPER_EMBED_RMS
+    if low <= rms <= high:
+        return ""
+    return (
+        f"init {recipe!r} was tuned where the embedding, times its sqrt(d) scale, has RMS near 1 (the DyT paper's "
+        f"LLaMA: 0.02 * sqrt(4096) = 1.28); {name} gives {rms:.3g}, so the paper's alpha0 sees inputs "
+        f"{'far quieter' if rms < low else 'far louder'} than it was tuned for and the model may barely learn. "
+        f"Use init='auto' (the default: the gain matched on a drawn batch) or [{recipe!r}, 'match_rms'] with sample="
+    )

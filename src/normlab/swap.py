@@ -23,6 +23,7 @@ with no norms. A refused call leaves the model as it was.
 from __future__ import annotations
 
 import fnmatch
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -40,11 +41,27 @@ from normlab.conversion.convert import (
     source_eps,
 )
 from normlab.conversion.record import ConversionRecord, Site
-from normlab.recipes import MATCH_RMS_CAVEAT, RECIPES, ROLES, match_rms_, recipe_kwargs, site_role
+from normlab.embed_scale import embedding_tables, scale_embeddings
+from normlab.recipes import (
+    LM_CHANGES,
+    MATCH_RMS_CAVEAT,
+    RECIPES,
+    ROLES,
+    match_rms_,
+    paper_assumption,
+    recipe_kwargs,
+    site_role,
+    token_sample,
+)
 from normlab.registry import norm_spec
 
 __all__ = ["replace_norms", "SwapRecord"]
 
+PAPERS = ("dyt_paper", "derf_paper")
+AUTO_FALLBACK = (
+    "a fresh point-wise layer on a model initialised at small scale is far quieter than the norm it replaces and "
+    "may barely learn: pass sample= (one batch of the model's forward), or init='dyt_paper' where its assumptions hold"
+)
 UNKNOWN = "not a known per-token norm (add it with extra_classes=)"  # conversion.convert.find_norms's reason
 
 
@@ -73,6 +90,11 @@ def _recipes(init: str | Sequence[str]) -> list[str]:
     for n in names:
         if n not in RECIPES:
             raise ValueError(f"replace_norms: unknown init recipe {n!r}; the recipes are {', '.join(RECIPES)}")
+    if "auto" in names and len(names) > 1:
+        raise ValueError(
+            f"replace_norms: init={names!r}: 'auto' is the layers' own init with its gain matched already; give it "
+            "alone, or another recipe followed by 'match_rms'"
+        )
     if "match_rms" in names[:-1] or len([n for n in names if n != "match_rms"]) > 1:
         raise ValueError(
             f"replace_norms: init={names!r}: give one of {', '.join(r for r in RECIPES if r != 'match_rms')}, "
@@ -129,14 +151,16 @@ def _check_kinds(roles, extra_classes, include) -> None:
 
 def _check_arguments(model, to, init, sample, kwargs) -> tuple:
     """replace_norms' arguments, each checked before the model is looked at: (the target's spec, the recipes, the
-    forward match_rms runs or None)."""
+    forward match_rms runs or None; for 'auto', `_auto_run`'s triple)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"replace_norms: expected an nn.Module, got {type(model).__name__}")
     refuse_wrapped(model, "replace_norms")
     spec = norm_spec(to)  # an unknown name lists the registered ones
     recipes = _recipes(init)
     run = None
-    if "match_rms" in recipes:
+    if recipes == ["auto"]:
+        run = _auto_run(model, spec, sample)
+    elif "match_rms" in recipes:
         if not spec.pointwise:
             raise ValueError(f"replace_norms: match_rms scales the gamma of a point-wise norm; {to!r} is not one")
         if sample is None:
@@ -151,7 +175,7 @@ def _check_arguments(model, to, init, sample, kwargs) -> tuple:
         run = _call(model, sample)
     elif sample is not None:
         raise ValueError(
-            f"replace_norms: sample= is read by init 'match_rms' only, and init is {init!r}: pass "
+            f"replace_norms: sample= is read by init 'auto' and 'match_rms' only, and init is {init!r}: pass "
             f"init=[{recipes[0]!r}, 'match_rms'] to use it, or leave sample= out"
         )
     unknown_kw = sorted(set(kwargs) - set(spec.init_kwargs))
@@ -161,6 +185,78 @@ def _check_arguments(model, to, init, sample, kwargs) -> tuple:
         )
 
     return spec, recipes, run
+
+
+def _auto_run(model: nn.Module, spec, sample: object) -> tuple[Callable[[], object] | None, bool, str]:
+    """init 'auto': (the forward its gain matching runs, whether the swap drew its sample, why there is none)."""
+    if not spec.pointwise:
+        return None, False, f"{spec.name} is not point-wise, so there is no gain to match: its own init"
+    if sample is not None:
+        return _call(model, sample), False, ""
+    ids, why = token_sample(model)
+    if ids is None:
+        return None, True, why
+    return (lambda: model(ids)), True, ""
+
+
+def _auto_match(model: nn.Module, originals: dict[str, nn.Module], auto: tuple) -> tuple[dict, str]:
+    """init 'auto' after the swap: match_rms on its forward; a forward on drawn ids that fails leaves the layers at
+    their own init (a user's sample= that fails is refused, as for match_rms). Returns (factors, why none)."""
+    run, drawn, why = auto
+    if run is None:
+        return {}, why
+    if not drawn:
+        return _match_or_restore(model, originals, run), ""
+    sites = {n: model.get_submodule(n) for n in originals}
+    gains = {n: m.weight.detach().clone() for n, m in sites.items() if getattr(m, "weight", None) is not None}
+    try:
+        return match_rms_(model, sites, run), ""
+    except Exception as e:  # noqa: BLE001  (whatever the model's forward raises on ids it does not take)
+        with torch.no_grad():
+            for n, w in gains.items():
+                sites[n].weight.copy_(w)
+        return {}, f"the model's forward refused the drawn token ids ({type(e).__name__}: {str(e)[:200]})"
+
+
+def _paper_embedding(model: nn.Module, base: str, tables: list[str], originals: dict[str, nn.Module]) -> list[str]:
+    """A paper recipe's embedding scale (`normlab.embed_scale`), put in place with the tables' modules added to
+    ``originals`` (so that a refused match_rms restores them too), and its notes: what it did, or that the model has
+    no embedding to scale, and a warning where the model's initialisation breaks the recipe's assumption."""
+    if base not in PAPERS:
+        return []
+    if not tables:
+        return [f"init {base!r}: no token embedding found, so the paper's embedding scale is not applied (its "
+                "vision models have none)"]  # fmt: skip
+    why = paper_assumption(model, base)
+    for name in tables:
+        originals.setdefault(name, model.get_submodule(name))
+    value = scale_embeddings(model, tables)
+    notes = [f"init {base!r}: {LM_CHANGES}: {', '.join(tables)} x {value:.4g} (learnable)"]
+    if why:
+        warnings.warn(f"replace_norms: {why}", RuntimeWarning, stacklevel=3)
+        notes.append(why)
+    return notes
+
+
+def _match_gains(model: nn.Module, spec, recipes: list[str], run, originals: dict, sites: list[Site]) -> list[str]:
+    """The gain matching of 'auto' or 'match_rms' after the swap: each site's factor in its notes; the record's
+    notes returned (the caveat, or why 'auto' kept the own init, said once as a warning too)."""
+    if recipes == ["auto"]:
+        factors, why = _auto_match(model, originals, run)
+        label = "auto"
+    elif run is not None:
+        factors, why, label = _match_or_restore(model, originals, run), "", "match_rms"
+    else:
+        return []
+    for site in sites:
+        if site.name in factors:
+            site.notes.append(f"{label}: gamma x {factors[site.name]:.4g}")
+    if not why:
+        return [MATCH_RMS_CAVEAT]
+    said = f"replace_norms: init 'auto' kept the layers' own init: {why}; {AUTO_FALLBACK}"
+    if spec.pointwise:
+        warnings.warn(said, RuntimeWarning, stacklevel=3)
+    return [said]
 
 
 def _check_roles_used(roles: dict | None, names: list[str]) -> None:
@@ -191,7 +287,7 @@ def _match_or_restore(model: nn.Module, originals: dict[str, nn.Module], run: Ca
 def replace_norms(
     model: nn.Module,
     to: str = "dyt",
-    init: str | Sequence[str] = "default",
+    init: str | Sequence[str] = "auto",
     *,
     sample: object = None,
     roles: dict[str, str] | None = None,
@@ -204,12 +300,14 @@ def replace_norms(
     Args:
         model: Any ``nn.Module``; changed in place.
         to: A registered norm (`normlab.list_norms`): "dyt", "derf", "dyisru", "eln", ...
-        init: "default" (each layer's own init), "dyt_paper" (the DyT paper's alpha0 by width and site; beta0 =
+        init: "auto" (each layer's own init, then gamma matched as "match_rms" does, on ``sample`` or on random
+            token ids drawn for the model's input embedding; where none can be drawn, the own init and a warning),
+            "default" (each layer's own init), "dyt_paper" (the DyT paper's alpha0 by width and site; beta0 =
             1 / alpha0^2 for DyISRU and ELN), "derf_paper" (Derf's alpha0 = 0.5, shift0 = 0), or either followed
             by "match_rms", e.g. ``["dyt_paper", "match_rms"]``, or "match_rms" alone (gamma scaled so that each
             site's output RMS is 1 on ``sample``: a short-budget win, `normlab.recipes.MATCH_RMS_CAVEAT`).
         sample: One batch the model's forward takes (a tensor, a dict of keyword arguments, a tuple): needed by
-            "match_rms" only.
+            "match_rms", read by "auto" (which otherwise draws token ids).
         roles: {fnmatch pattern of a site's name: "attn", "mlp" or "final"}, for the sites whose names do not say
             where they sit (`normlab.recipes.ROLE_NAMES` lists the names known).
         extra_classes: {a norm class of yours: "layer_norm", "rms_norm" or "rms_norm_offset"}, for norm classes
@@ -241,12 +339,13 @@ def replace_norms(
         )
 
     _check_roles_used(roles, [n for n, _, _ in found])
+    tables = embedding_tables(model) if base in PAPERS else []
     built = []  # every layer built before the first swap: a refused call leaves the model untouched
     for name, old, kind in found:
         dim, eps = source_dim(old), source_eps(old)
         role = site_role(name, roles)
         try:
-            kw, note = recipe_kwargs(base, spec, role, dim)
+            kw, note = recipe_kwargs(base, spec, role, dim, lm=bool(tables))
         except ValueError as e:
             if str(e) != "role":
                 raise ValueError(f"replace_norms: {e}") from None
@@ -262,7 +361,7 @@ def replace_norms(
             new, kw = fresh_like(name, old, spec, {**kw, **kwargs}, catch=(TypeError, ValueError), model=model)
         except ValueError as e:
             raise ValueError(f"replace_norms: {e}") from None
-        said = ([] if base == "default" else [note]) + [f"{k}={v!r}" for k, v in kwargs.items()]
+        said = ([] if base in ("default", "auto") else [note]) + [f"{k}={v!r}" for k, v in kwargs.items()]
         also = aliases(model, name)
         notes = [f"role {role or '-'}"] + ["; ".join(said)] * bool(said) + [f"also at {a}" for a in also]
         built.append((name, new, Site(name, type(old).__name__, kind, dim, eps, kw, notes=notes)))
@@ -270,10 +369,6 @@ def replace_norms(
     originals = {name: swap(model, name, new) for name, new, _ in built}
     sites = [site for _, _, site in built]
     notes = [f"replace_norms: {len(sites)} fresh {to} layers, init {'+'.join(recipes)}"]
-    if run is not None:
-        factors = _match_or_restore(model, originals, run)
-        for site in sites:
-            if site.name in factors:
-                site.notes.append(f"match_rms: gamma x {factors[site.name]:.4g}")
-        notes.append(MATCH_RMS_CAVEAT)
-    return SwapRecord(to, "global", sites, skipped, notes, recipes=recipes)
+    notes += _paper_embedding(model, base, tables, originals)
+    notes += _match_gains(model, spec, recipes, run, originals, sites)
+    return SwapRecord(to, "global", sites, skipped, notes, embed_scale=tables, recipes=recipes)

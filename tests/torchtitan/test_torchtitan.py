@@ -54,16 +54,39 @@ def _trains(losses: dict[int, str], steps: int) -> None:
     assert all(0 < float(v) < 8.7 for v in losses.values()), losses
 
 
-def test_dyt_trains_compiled_in_torchtitan_on_one_process_with_the_dyt_paper_recipe(tmp_path):
+@pytest.mark.parametrize(
+    "route, parallel",
+    [("override", ["--parallelism.data_parallel_shard_degree", "2"]),
+     ("converter", ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"])],
+    ids=["fsdp2", "tp2_sp"],
+)  # fmt: skip
+def test_dyt_trains_in_torchtitan_on_two_processes(route, parallel, tmp_path):
+    """FSDP2 over 2 ranks with full activation checkpointing and torch.compile of each block and the loss (DyT through
+    the ``--override.imports`` route, no code of the user's), and TP=2 with
+    sequence parallel (the converter route): alpha and bias placed as the norm's weight, the norm computing on its
+    sequence shard."""
+    extra = (
+        ["--override.imports", "normlab.integrations.torchtitan.dyt", "--compile.enable"] if route == "override" else []
+    )
+    config = "llama3_debug_cpu_full_ac" if route == "override" else "llama3_debug_cpu_dyt"
+    losses, out = titan(tmp_path, config, *extra, *parallel, procs=2, steps=3)
+    _trains(losses, 3)
+    if route == "override":
+        assert "TitanDyT" in out and "Applied" in out  # torchtitan's own log of the replacement
+        assert "Applied FullAC activation checkpointing" in out
+        assert "Compiling each TransformerBlock with torch.compile" in out  # Inductor on the CPU, each rank
+
+
+def test_a_resumed_dyt_run_repeats_the_uninterrupted_losses(tmp_path):
     """The model converter puts DyT at every site (the DyT paper's alpha0 by role); the trainer builds it on the meta
-    device, initialises it through init_states, compiles each block and the loss with torch.compile (Inductor on the
-    CPU), applies its selective activation checkpointing and trains; its checkpoint holds the layers' alpha."""
-    losses, out = titan(tmp_path, "llama3_debug_cpu_dyt", "--compile.enable", "--checkpoint.enable",
-                        "--checkpoint.interval", "4")  # fmt: skip
-    _learns(losses, 4)
-    assert "Compiling each TransformerBlock with torch.compile" in out
+    device, initialises it through init_states, applies its selective activation checkpointing, trains and saves
+    distributed checkpoints holding the layers' alpha. Then: save at step 2, stop, resume from that checkpoint: steps
+    3 and 4 log the losses of the run that never stopped, to the digits logged."""
+    ckpt = ["--checkpoint.enable", "--checkpoint.interval", "2"]
+    whole, out = titan(tmp_path / "whole", "llama3_debug_cpu_dyt", *ckpt, steps=4)
+    _learns(whole, 4)
     assert "Applied SelectiveAC activation checkpointing" in out
-    step = tmp_path / "checkpoint" / "step-4"
+    step = tmp_path / "whole" / "checkpoint" / "step-4"
     assert step.is_dir(), out[-2000:]
     meta = subprocess.run(
         [str(VENV / "bin" / "python"), "-c", "import sys, torch.distributed.checkpoint as d; "
@@ -72,33 +95,6 @@ def test_dyt_trains_compiled_in_torchtitan_on_one_process_with_the_dyt_paper_rec
     ).stdout.split()  # fmt: skip
     assert any(k.endswith("layers.0.attention_norm.alpha") for k in meta), meta[:20]
     assert not any(k.endswith("attention_norm.weight") and "alpha" in k for k in meta)
-
-
-@pytest.mark.parametrize(
-    "route, parallel",
-    [("override", ["--parallelism.data_parallel_shard_degree", "2"]),
-     ("converter", ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"])],
-    ids=["fsdp2", "tp2_sp"],
-)  # fmt: skip
-def test_dyt_trains_in_torchtitan_on_two_processes(route, parallel, tmp_path):
-    """FSDP2 over 2 ranks with full activation checkpointing (DyT through the ``--override.imports`` route, no code
-    of the user's), and TP=2 with
-    sequence parallel (the converter route): alpha and bias placed as the norm's weight, the norm computing on its
-    sequence shard."""
-    extra = ["--override.imports", "normlab.integrations.torchtitan.dyt"] if route == "override" else []
-    config = "llama3_debug_cpu_full_ac" if route == "override" else "llama3_debug_cpu_dyt"
-    losses, out = titan(tmp_path, config, *extra, *parallel, procs=2, steps=3)
-    _trains(losses, 3)
-    if route == "override":
-        assert "TitanDyT" in out and "Applied" in out  # torchtitan's own log of the replacement
-        assert "Applied FullAC activation checkpointing" in out
-
-
-def test_a_resumed_dyt_run_repeats_the_uninterrupted_losses(tmp_path):
-    """Save at step 2, stop, resume from torchtitan's distributed checkpoint: steps 3 and 4 log the losses of a run
-    that never stopped, to the digits logged."""
-    ckpt = ["--checkpoint.enable", "--checkpoint.interval", "2"]
-    whole, _ = titan(tmp_path / "whole", "llama3_debug_cpu_dyt", *ckpt, steps=4)
     first, _ = titan(tmp_path / "parts", "llama3_debug_cpu_dyt", *ckpt, steps=2)
     second, out = titan(tmp_path / "parts", "llama3_debug_cpu_dyt", *ckpt, steps=4)
     assert sorted(second) == [3, 4], out[-2000:]  # it resumed at step 2

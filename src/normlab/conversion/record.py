@@ -35,7 +35,7 @@ CALIBRATION_PATHS = ("blocks", "prefix", "original")  # how calibration took the
 # the JSON kinds of a record's fields: (types, required)
 _RECORD_FIELDS = {"target": ((str,), True), "per": ((str,), True), "sites": ((list,), True),
                   "skipped": ((list,), True), "notes": ((list,), False),
-                  "calibration": ((dict,), False)}  # fmt: skip
+                  "calibration": ((dict,), False), "embed_scale": ((list,), False)}  # fmt: skip
 _SITE_FIELDS = {"name": ((str,), True), "source": ((str,), True), "kind": ((str,), True), "dim": ((int,), True),
                 "eps": ((int, float), True), "kwargs": ((dict,), True), "copied": ((list,), False),
                 "notes": ((list,), False), "fit": ((dict, type(None)), False),
@@ -77,6 +77,8 @@ class ConversionRecord:
     notes: list[str] = field(default_factory=list)
     calibration: dict = field(default_factory=dict)  # how calibration ran: its path ("blocks", "prefix" or
     # "original"), why, its cached inputs' memory and its seconds (normlab.conversion.calibrate.sites.calibrate_sites)
+    embed_scale: list[str] = field(default_factory=list)  # the embedding tables given the papers' learnable scalar
+    # (normlab.embed_scale.ScaledEmbedding), by replace_norms(init="dyt_paper" or "derf_paper")
 
     @property
     def spec(self):
@@ -94,6 +96,7 @@ class ConversionRecord:
             "skipped": self.skipped,
             "notes": self.notes,
             "calibration": self.calibration,
+            **({"embed_scale": self.embed_scale} if self.embed_scale else {}),
         }
 
     @classmethod
@@ -134,7 +137,10 @@ class ConversionRecord:
             if unknown:
                 raise ValueError(f"sites[{i}].{unknown[0]}: not a field of a site ({', '.join(_SITE_FIELDS)})")
             sites.append(Site(**s))
-        return cls(d["target"], d["per"], sites, d["skipped"], d.get("notes", []), calibration)
+        scaled = d.get("embed_scale", [])
+        if not all(isinstance(n, str) for n in scaled):
+            raise ValueError(f"embed_scale must be a list of module names, got {scaled!r}")
+        return cls(d["target"], d["per"], sites, d["skipped"], d.get("notes", []), calibration, list(scaled))
 
     def table(self, markdown: bool = False) -> str:
         from normlab.table import format_table

@@ -44,7 +44,7 @@ from torchtitan.protocols.model import ModelConfigConverter
 from torchtitan.protocols.module import Module
 
 import normlab
-from normlab.recipes import RECIPES, recipe_kwargs, site_role
+from normlab.recipes import MEASURED, RECIPES, recipe_kwargs, site_role
 from normlab.registry import norm_spec
 
 __all__ = ["TitanDyT", "TitanDyISRU", "TitanDerf", "TITAN_NORMS", "NormConverter", "titan_config", "dyt", "dyisru",
@@ -157,10 +157,10 @@ class NormConverter(ModelConfigConverter):
         """More keywords of every layer (``per_channel_alpha``, ``bias``...); one the recipe sets is refused."""
 
     def __init__(self, config: Config) -> None:
-        if config.init not in RECIPES or config.init == "match_rms":
+        if config.init not in RECIPES or config.init in MEASURED:
             raise ValueError(
                 f"NormConverter: init={config.init!r}; a torchtitan model is built on the meta device, so the recipes "
-                f"are {', '.join(r for r in RECIPES if r != 'match_rms')} (match_rms measures a forward)"
+                f"are {', '.join(r for r in RECIPES if r not in MEASURED)} ({' and '.join(MEASURED)} measure a forward)"
             )
         if config.to not in TITAN_NORMS:
             raise ValueError(f"NormConverter: to={config.to!r}; the torchtitan layers are {', '.join(TITAN_NORMS)}")

@@ -24,6 +24,7 @@ from torch import nn
 
 import normlab.functional as FN
 from normlab.conversion.calibrate.massive import MassiveTokens
+from normlab.embed_scale import ScaledEmbedding
 
 __all__ = [
     "MODELING_FILE",
@@ -195,6 +196,11 @@ def place_sites(model, config):
             raise ValueError(
                 f"config.json normlab_sites names {name!r}, which {type(model).__name__} does not have: {RECONVERT}"
             )
+    for name in getattr(config, "normlab_embed_scale", None) or []:  # the papers' learnable embedding scalar
+        short = name[len(prefix):] if name.startswith(prefix) else None
+        target = next((t for t in (name, short) if t and _has(model, t)), None)
+        if target is not None:
+            model.set_submodule(target, ScaledEmbedding.around(model.get_submodule(target), float("nan")))
 
 
 def _has(model, name):
@@ -208,10 +214,10 @@ def _has(model, name):
 def check_loaded(model, info, folder):
     """After the weights have loaded: every site's parameters came from the folder, and the weights hold no norm
     parameters that no site took (a site dropped from config.json)."""
-    sites = [n for n, m in model.named_modules() if isinstance(m, (ElementwiseNorm, MassiveTokens))]
+    sites = [n for n, m in model.named_modules() if isinstance(m, (ElementwiseNorm, MassiveTokens, ScaledEmbedding))]
     unloaded = [k for k in info.get("missing_keys", []) if any(k.startswith(n + ".") for n in sites)]
-    unloaded += [f"{n}.{k}" for n, m in model.named_modules() if isinstance(m, ElementwiseNorm)
-                 for k, p in m.named_parameters() if bool(p.isnan().all())]
+    unloaded += [f"{n}.{k}" for n, m in model.named_modules() if isinstance(m, (ElementwiseNorm, ScaledEmbedding))
+                 for k, p in m.named_parameters(recurse=False) if bool(p.isnan().all())]
     if unloaded:
         raise ValueError(
             f"{folder}: the weights file has no value for {unloaded[0]}, which config.json's normlab_sites "
@@ -272,7 +278,7 @@ def modeling_source(classes: list[str], specs: dict[str, dict], version: str) ->
     )
     glue = _GLUE.replace("{FORMULAS}", "{" + ", ".join(f'"{f}": {f}' for f in formulas) + "}")
     made = "\n".join(f"{portable_class(c)} = with_sites(transformers.{c})" for c in classes)
-    first = inspect.getsource(MassiveTokens)
+    first = inspect.getsource(MassiveTokens) + "\n\n" + inspect.getsource(ScaledEmbedding)
     return f"{header}{_functional_text(set(formulas))}\n\n\n{first}{glue}{made}\n"
 
 
@@ -343,5 +349,8 @@ def write_portable(model: nn.Module, path: Path, sites: list[str], version: str)
     config = json.loads(config_file.read_text())
     config["auto_map"] = {a: f"{MODELING_FILE[:-3]}.{portable_class(c)}" for a, c in every.items()}
     config["normlab_sites"] = specs
+    scaled = [n for n, m in model.named_modules() if isinstance(m, ScaledEmbedding)]
+    if scaled:  # the papers' embedding scalar (normlab.embed_scale), put back by the modeling file
+        config["normlab_embed_scale"] = scaled
     config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return [*autos, *(a for a in every if a not in autos)]

@@ -51,6 +51,15 @@ def apply_record(model: nn.Module, record: ConversionRecord) -> nn.Module:
         if ref is not None:
             new = new.to(device=ref.device, dtype=ref.dtype)
         swap(model, s.name, new)
+    if record.embed_scale:  # the papers' embedding scalar: its value comes with the weights
+        from normlab.embed_scale import scale_embeddings
+
+        absent = [n for n in record.embed_scale if n not in names]
+        if absent:
+            raise ValueError(
+                f"the model has no embedding {absent[0]!r} from the conversion record; is it the same model?"
+            )
+        scale_embeddings(model, record.embed_scale)
     return model
 
 
