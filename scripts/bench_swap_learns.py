@@ -87,7 +87,7 @@ def plot(rows: list[dict], path: Path) -> None:
         mean = [sum(float(r["loss"]) for r in curves if int(r["step"]) == s) / len({r["seed"] for r in curves})
                 for s in steps]  # fmt: skip
         ax.plot(steps, mean, label=variant, lw=1.4)
-    ax.set(xlabel="step", ylabel="training loss (nats, mean over seeds)", ylim=(2.0, 5.8))
+    ax.set(xlabel="step", ylabel="training loss (nats, mean over seeds)", ylim=(2.0, 9.0))
     ax.set_title("HF Llama, 2 x 128, std-0.02 init, AdamW 1e-3: RMSNorm and DyT by recipe", fontsize=10)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
