@@ -6,8 +6,8 @@ STAMP  := $(VENV)/.normlab-installed
 DEV    := $(VENV)/.normlab-dev
 DOCS_VENV ?= .venv-docs
 DOCS   := $(DOCS_VENV)/.normlab-docs
-# torchtitan's own trainer, for the tests of normlab.integrations.torchtitan: a second venv, since torchtitan 0.3.0
-# needs torch 2.14 (a CUDA build, run here on the CPU) and the main venv is pinned to the 2.13 CPU wheel
+# torchtitan's own trainer and timm, for tests/torchtitan and tests/timm: a second venv, since torchtitan 0.3.0 needs
+# torch 2.14 and timm torchvision (CUDA builds, run here on the CPU), and the main venv is pinned to the 2.13 CPU wheel
 TITAN_VENV ?= .venv-titan
 TITAN  := $(TITAN_VENV)/.normlab-titan
 
@@ -36,7 +36,8 @@ titan: $(TITAN)
 
 $(TITAN): pyproject.toml
 	@test -x $(TITAN_VENV)/bin/python || $(PYTHON) -m venv $(TITAN_VENV)
-	$(TITAN_VENV)/bin/python -m pip install --quiet "torch==2.14.1" "torchtitan==0.3.0"
+	$(TITAN_VENV)/bin/python -m pip install --quiet "torch==2.14.1" "torchvision==0.29.1" "torchtitan==0.3.0" \
+		"timm==1.0.31"
 	@# normlab from the source tree by a path file, not a second editable build: the main venv builds in the same
 	@# tree at the same time (make test's -j2), and two setuptools builds there would share build/ and egg-info
 	$(TITAN_VENV)/bin/python -c "import site, pathlib; pathlib.Path(site.getsitepackages()[0], 'normlab-src.pth')\

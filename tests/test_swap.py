@@ -511,3 +511,32 @@ def test_the_derf_paper_recipe_on_gpt2_scales_token_and_position_tables_and_keep
     vit = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8))
     record = normlab.replace_norms(vit, "derf", init="derf_paper")
     assert vit[1].alpha.item() == 0.5 and not record.embed_scale and "no token embedding" in record.notes[1]
+
+
+def test_norm_layer_builds_what_a_model_builder_asks_for():
+    """``norm_layer=`` for timm and torchvision builders: channels and eps as they pass them, the layer's own keywords,
+    axis 1 for channels-first maps; a builder asking for a norm without parameters is refused."""
+    make = normlab.norm_layer("dyt", alpha_init=0.8)
+    m = make(16, eps=1e-6, device="cpu")
+    assert isinstance(m, DyT) and m.alpha.item() == pytest.approx(0.8) and m.weight.shape == (16,)
+    assert normlab.norm_layer("rms_norm")(16, eps=1e-3).eps == 1e-3
+    first = normlab.norm_layer("dyt", channels_first=True)(8)
+    assert first(torch.randn(2, 8, 3, 3)).shape == (2, 8, 3, 3) and first.channel_dim == 1
+    with pytest.raises(ValueError, match="without parameters"):
+        make(16, affine=False)
+
+
+def test_a_module_named_norm_that_holds_a_norm_is_not_an_unknown_norm():
+    """timm's NormMlpClassifierHead holds a LayerNorm2d: the head is a container, its norm is found inside."""
+
+    class NormMlpHead(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm, self.fc = nn.LayerNorm(8), nn.Linear(8, 2)
+
+        def forward(self, x):
+            return self.fc(self.norm(x))
+
+    model = nn.Sequential(nn.Linear(8, 8), NormMlpHead())
+    record = normlab.replace_norms(model, "dyt", init="default")
+    assert [s.name for s in record.sites] == ["1.norm"] and not record.skipped

@@ -18,12 +18,12 @@ from normlab.modules import (  # noqa: F401
     RMSPartialCoupling,
     prime_running_stats,
 )
-from normlab.registry import create_norm, list_norms, norm_spec
+from normlab.registry import create_norm, list_norms, norm_layer, norm_spec
 from normlab.swap import SwapRecord, replace_norms
 from normlab.version import __version__  # noqa: F401  (written once, in normlab.version)
 
 __all__ = [
-    "functional", "create_norm", "list_norms", "norm_spec", "replace_norms", "SwapRecord",
+    "functional", "create_norm", "list_norms", "norm_layer", "norm_spec", "replace_norms", "SwapRecord",
     "ConversionRecord", "convert_norms", "fidelity",
     "load_converted", "save_converted", "export_onnx", "OnnxCheck", "OnnxExport", "heal", "HealReport", "fold",
     "FoldReport", "prime_running_stats", "LayerNorm",

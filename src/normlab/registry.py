@@ -19,7 +19,8 @@ from torch import nn
 from normlab import elementwise as E
 from normlab import modules as M
 
-__all__ = ["NormSpec", "register", "create_norm", "list_norms", "norm_spec", "init_kwargs", "accepted_kwargs"]
+__all__ = ["NormSpec", "register", "create_norm", "list_norms", "norm_spec", "init_kwargs", "accepted_kwargs",
+           "norm_layer"]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -196,3 +197,30 @@ def create_norm(name: str, dim: int, *, strict: bool = True, **kwargs: object) -
         The layer, an ``nn.Module`` mapping (..., C) to (..., C).
     """
     return norm_spec(name).create(dim, strict=strict, **kwargs)
+
+
+def norm_layer(name: str, channels_first: bool = False, **kwargs: object):
+    """A ``norm_layer=`` for model builders that call ``norm_layer(channels, eps=..., ...)`` (timm's
+    ``create_model(..., norm_layer=normlab.norm_layer("dyt"))``, torchvision's): each call builds the registered norm
+    ``name`` over ``channels`` with ``kwargs``; ``channels_first`` for (N, C, H, W) maps (timm's ``LayerNorm2d``
+    sites). The builder's ``eps`` goes to a norm that has one; ``affine`` / ``elementwise_affine`` are refused when
+    False (an element-wise norm always has its gamma).
+
+    Args:
+        name: A registered norm (`list_norms`).
+        channels_first: Normalize axis 1 instead of the last.
+        **kwargs: The layer's keywords (``alpha_init``...).
+    """
+    spec = norm_spec(name)
+    if channels_first:
+        kwargs = {**kwargs, "channel_dim": 1}
+
+    def make(channels: int, eps: float | None = None, **builder: object) -> nn.Module:
+        if builder.pop("affine", True) is False or builder.pop("elementwise_affine", True) is False:
+            why = "the builder asked for a norm without parameters; an element-wise norm always has its gamma"
+            raise ValueError(f"normlab.norm_layer({name!r}): {why}")
+        extra = {"eps": eps} if eps is not None and "eps" in spec.init_kwargs else {}
+        return create_norm(name, int(channels), **{**accepted_kwargs(name, builder), **extra, **kwargs})
+
+    make.__name__ = f"{name}_norm_layer"
+    return make

@@ -62,7 +62,12 @@ KNOWN_NORMS: dict[str, str] = {
     "GemmaRMSNorm": "rms_norm_offset",
     "Gemma2RMSNorm": "rms_norm_offset",
     "Gemma3RMSNorm": "rms_norm_offset",
+    "RmsNorm": "rms_norm",  # timm's
+    "LayerNorm2d": "layer_norm",  # timm's channels-first norms (ConvNeXt, EfficientFormer...): (N, C, H, W)
+    "RmsNorm2d": "rms_norm",
 }
+#: Known norm classes that normalize over axis 1 of an (N, C, H, W) map: their replacement gets ``channel_dim=1``.
+CHANNELS_FIRST = ("LayerNorm2d", "RmsNorm2d")
 CALIBRATABLE = tuple(calibratable_norms())  # the registry says what a fit sets
 
 
@@ -124,7 +129,8 @@ def find_norms(
             continue
         kind = _kind(m, extra)
         if kind is None:
-            if "Norm" in type(m).__name__ and not any(name.startswith(f[0] + ".") for f in found):
+            inside = any(_kind(c, extra) for _, c in m.named_modules() if c is not m)  # a head holding a norm
+            if "Norm" in type(m).__name__ and not inside and not any(name.startswith(f[0] + ".") for f in found):
                 skipped.append(
                     {
                         "name": name,
@@ -207,7 +213,7 @@ def fresh_like(
         catch: The errors of building it that become a ValueError naming the site.
         model: The model that holds ``m``, where a norm without parameters takes its device and dtype from.
     """
-    if getattr(m, "data_format", None) == "channels_first":  # ConvNeXt's (N, C, H, W) norms
+    if getattr(m, "data_format", None) == "channels_first" or type(m).__name__ in CHANNELS_FIRST:  # (N, C, H, W)
         kwargs = {**kwargs, "channel_dim": 1}
     if "eps" in spec.init_kwargs and "eps" not in kwargs:
         kwargs = {**kwargs, "eps": source_eps(m)}  # keep the source's eps where the target has one
