@@ -95,6 +95,7 @@ def test_a_resumed_dyt_run_repeats_the_uninterrupted_losses(tmp_path):
     ).stdout.split()  # fmt: skip
     assert any(k.endswith("layers.0.attention_norm.alpha") for k in meta), meta[:20]
     assert not any(k.endswith("attention_norm.weight") and "alpha" in k for k in meta)
+    assert not any(k.endswith("norm.bias") for k in meta)  # the DyT paper's LLaMA layer has no bias
     first, _ = titan(tmp_path / "parts", "llama3_debug_cpu_dyt", *ckpt, steps=2)
     second, out = titan(tmp_path / "parts", "llama3_debug_cpu_dyt", *ckpt, steps=4)
     assert sorted(second) == [3, 4], out[-2000:]  # it resumed at step 2

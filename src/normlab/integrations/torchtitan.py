@@ -152,7 +152,10 @@ class NormConverter(ModelConfigConverter):
         to: str = "dyt"
         """The layer: "dyt", "dyisru" or "derf"."""
         init: str = "default"
-        """The recipe: "default", "dyt_paper" (alpha0 by width and role) or "derf_paper" (Derf's alpha0 and shift0)."""
+        """The recipe: "default", "dyt_paper" (alpha0 by width and role, DyT without bias) or "derf_paper" (Derf's
+        GPT-2 alpha0 1.0 and shift0 0). torchtitan's LLMs are language models, so the papers' language-model values
+        apply; their embedding scale does not: torchtitan initialises the token embedding at std 1, the RMS that the
+        papers' std-0.02 embedding reaches only after its sqrt(d) scale (1.28 at width 4096)."""
         layer: dict = field(default_factory=dict)
         """More keywords of every layer (``per_channel_alpha``, ``bias``...); one the recipe sets is refused."""
 
@@ -175,7 +178,7 @@ class NormConverter(ModelConfigConverter):
         for fqn, parent, key, source in sites:
             role = site_role(fqn, {"*attention_norm": "attn", "*ffn_norm": "mlp", "norm": "final"})
             try:
-                kw, _ = recipe_kwargs(self.config.init, spec, role, int(source.normalized_shape))
+                kw, _ = recipe_kwargs(self.config.init, spec, role, int(source.normalized_shape), lm=True)
             except ValueError as e:
                 raise ValueError(f"NormConverter: site {fqn}: {e}") from None
             clash = sorted(set(kw) & set(self.config.layer))
