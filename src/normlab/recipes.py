@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 
 __all__ = ["DYT_PAPER_ALPHA0", "DERF_PAPER_INIT", "RECIPES", "ROLES", "ROLE_NAMES", "MATCH_RMS_CAVEAT", "dyt_alpha0",
            "parse_alpha_table", "matmul_gain_std", "site_role", "recipe_kwargs", "match_rms_", "token_sample",
-           "input_embedding", "paper_assumption"]  # fmt: skip
+           "input_embedding", "paper_assumption", "alpha0_kwargs"]  # fmt: skip
 
 # width -> (alpha0 before attention, alpha0 before the FFN and at the final norm); DyT paper, Table 11
 DYT_PAPER_ALPHA0: dict[int, tuple[float, float]] = {1024: (1.0, 1.0), 2048: (1.0, 0.5), 4096: (0.8, 0.2),
@@ -149,6 +149,21 @@ def site_role(name: str, roles: dict[str, str] | None = None) -> str | None:
     return next((role for role, names in ROLE_NAMES.items() if last in names), None)
 
 
+def alpha0_kwargs(spec: NormSpec, alpha0: float) -> dict:
+    """The keyword that gives a ``spec`` layer the DyT paper's alpha0: ``alpha_init`` (DyT, Derf), ``beta_init =
+    1 / alpha0**2`` (DyISRU, ELN: the slope-matching map), or none. One map for the library and the lab.
+
+    Args:
+        spec: The layer's registry entry.
+        alpha0: The paper's alpha0 at the site.
+    """
+    if "alpha_init" in spec.init_kwargs:
+        return {"alpha_init": alpha0}
+    if "beta_init" in spec.init_kwargs:
+        return {"beta_init": 1.0 / alpha0**2}
+    return {}
+
+
 def recipe_kwargs(recipe: str, spec: NormSpec, role: str | None, width: int, lm: bool = False) -> tuple[dict, str]:
     """The init keywords ``recipe`` gives a ``spec`` layer (a `normlab.registry.NormSpec`) at a site of ``role`` and
     ``width`` channels, and a note saying what it set. A recipe that does not apply to the target is a ValueError.
@@ -161,7 +176,6 @@ def recipe_kwargs(recipe: str, spec: NormSpec, role: str | None, width: int, lm:
         lm: The model is a language model (it has a token embedding): the papers' language-model code then
             differs from their vision code (`LM_CHANGES`).
     """
-    takes = spec.init_kwargs
     if recipe in ("default", "auto"):  # auto's gain is matched after the swap (replace_norms)
         return {}, "default init"
     if recipe == "derf_paper":
@@ -181,13 +195,13 @@ def recipe_kwargs(recipe: str, spec: NormSpec, role: str | None, width: int, lm:
     alpha0 = table[role or "mlp"]
     row = min(DYT_PAPER_ALPHA0, key=lambda w: abs(math.log(w / width)))
     where = f"DyT paper, width {row}" + (f" row for {width}" if row != width else "")
-    if "alpha_init" in takes:
+    kw = alpha0_kwargs(spec, alpha0)
+    if "alpha_init" in kw:
         if lm and spec.name == "dyt":  # the DyT paper's LLaMA layer: weight * tanh(alpha x), no bias
-            return {"alpha_init": alpha0, "bias": False}, f"alpha0 = {alpha0}, no bias ({where})"
-        return {"alpha_init": alpha0}, f"alpha0 = {alpha0} ({where})"
-    if "beta_init" in takes:
-        beta0 = 1.0 / alpha0**2
-        return {"beta_init": beta0}, f"beta0 = 1/alpha0^2 = {beta0:g} ({where})"
+            return {**kw, "bias": False}, f"alpha0 = {alpha0}, no bias ({where})"
+        return kw, f"alpha0 = {alpha0} ({where})"
+    if kw:
+        return kw, f"beta0 = 1/alpha0^2 = {kw['beta_init']:g} ({where})"
     raise ValueError(
         f"init 'dyt_paper' sets DyT's alpha0 (or beta0 = 1 / alpha0^2 for DyISRU and ELN); the target "
         f"{spec.name!r} takes neither: use init='default'"

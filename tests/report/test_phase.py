@@ -120,6 +120,26 @@ def test_alpha_table_gives_the_dyt_papers_alpha0_per_site():
     assert float(model.blocks[0].norm_mlp.alpha) == pytest.approx(0.05)
 
 
+def test_the_lab_and_the_library_give_a_dyisru_site_the_same_beta0_from_the_dyt_paper():
+    """issue 97: the lab's alpha_table dropped alpha_init at a DyISRU site (the layer kept beta0 = 4), while
+    replace_norms(init="dyt_paper") gave it 1/alpha0^2; both read recipes.alpha0_kwargs now: the same beta0 by role."""
+    import normlab
+
+    width = 2048  # a row of the table with two values (1.0 before attention, 0.5 elsewhere)
+    lab = GPT(
+        GPTConfig(width=width, depth=1, heads=16, context=8, vocab_size=16, norm="dyisru", alpha_table="dyt_paper")
+    )
+    plain = GPT(GPTConfig(width=width, depth=1, heads=16, context=8, vocab_size=16, norm="rms_norm"))
+    normlab.replace_norms(plain, "dyisru", init="dyt_paper", roles={"*norm_attn": "attn", "*norm_mlp": "mlp",
+                                                                    "norm_final": "final"})  # fmt: skip
+    for site in ("blocks.0.norm_attn", "blocks.0.norm_mlp", "norm_final"):
+        got, want = lab.get_submodule(site).beta, plain.get_submodule(site).beta
+        torch.testing.assert_close(got, want, msg=site)
+    assert float(lab.blocks[0].norm_attn.beta) == pytest.approx(1.0) and float(lab.norm_final.beta) == pytest.approx(
+        4.0
+    )
+
+
 def test_match_rms_gives_every_pointwise_site_the_output_rms_of_rmsnorm():
     torch.manual_seed(0)
     model = GPT(GPTConfig(width=64, depth=3, heads=4, context=32, norm="dyt", norm_mlp="rms_norm"))

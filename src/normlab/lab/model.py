@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from normlab.recipes import match_rms_, parse_alpha_table
+from normlab.recipes import alpha0_kwargs, match_rms_, parse_alpha_table
 from normlab.registry import accepted_kwargs, create_norm, init_kwargs, norm_spec
 from normlab.typed import check_types, choices
 
@@ -77,7 +77,7 @@ class GPTConfig:
     init_std: float = 0.02
     """The std of the N(0, std) init; the residual projections get std / sqrt(2 L)."""
     alpha_table: str | None = None
-    """"dyt_paper" or "dyt_paper@W": alpha_init per site from the DyT paper."""
+    """"dyt_paper" or "dyt_paper@W": alpha_init per site from the DyT paper (beta_init = 1/alpha0^2 for DyISRU)."""
     norm_init: Literal["default", "match_rms"] = "default"
     """"default", or "match_rms": point-wise gammas set so each site's output RMS is 1."""
 
@@ -86,7 +86,8 @@ class GPTConfig:
 
         Precedence: the site's own kwargs, then ``alpha_table``, then ``norm_kwargs``."""
         name = getattr(self, f"norm_{site}") or self.norm
-        table = {"alpha_init": parse_alpha_table(self.alpha_table, self.width)[site]} if self.alpha_table else {}
+        alpha0 = parse_alpha_table(self.alpha_table, self.width)[site] if self.alpha_table else None
+        table = {} if alpha0 is None else alpha0_kwargs(norm_spec(name), alpha0)  # DyISRU: beta0, as replace_norms
         return name, accepted_kwargs(name, {**self.norm_kwargs, **table, **getattr(self, f"norm_{site}_kwargs")})
 
     def tied(self) -> bool:
@@ -149,10 +150,10 @@ class GPTConfig:
                 f"model.norm_init = 'match_rms' scales the gamma of point-wise norms; no site of this "
                 f"model has one ({', '.join(sorted(set(names)))}): drop it, or use a point-wise norm"
             )
-        if self.alpha_table is not None and not any("alpha_init" in init_kwargs(n) for n in names):
+        if self.alpha_table is not None and not any(alpha0_kwargs(norm_spec(n), 1.0) for n in names):
             raise ValueError(
-                f"model.alpha_table sets alpha_init, which no norm of this model takes "
-                f"({', '.join(sorted(set(names)))}): drop it, or use DyT / Derf"
+                f"model.alpha_table sets alpha_init, which no norm of this model takes, nor beta_init = 1/alpha0^2 "
+                f"({', '.join(sorted(set(names)))}): drop it, or use DyT, Derf, DyISRU or ELN"
             )
         every = {k for s in SITES for k in init_kwargs(self.site(s)[0])}
         unused = set(self.norm_kwargs) - every
