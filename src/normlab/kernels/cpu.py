@@ -70,7 +70,50 @@ def ready(wait: bool = False) -> bool:
     Args:
         wait: Build them first if needed (else the build starts in the background).
     """
-    return cpu_build.load(wait=wait)
+    loaded = cpu_build.load(wait=wait)
+    if loaded and not _COMPILED["registered"]:
+        _register_for_compile()
+    return loaded
+
+
+# --------------------------------------------------------------------------
+# torch.compile: the fused op as one node of the graph
+# --------------------------------------------------------------------------
+_COMPILED = {"registered": False}
+
+
+def _register_for_compile() -> None:
+    """Shape-only ("fake") implementations of the point-wise ops and an autograd formula for the forward, registered
+    once when the library loads (``torch.library``): under torch.compile the point-wise norms then call the fused op,
+    one node of the graph that ``fullgraph=True`` traces, where Inductor would otherwise generate the reference's
+    code. Measured on DyT's forward and backward at 4 x 256 x 512 float32, 2 cores: 15 ms against 37 ms for the
+    compiled reference (docs/kernels.md)."""
+    _COMPILED["registered"] = True
+    lib = "normlab_cpu::"
+
+    @torch.library.register_fake(lib + "pointwise_fwd")
+    def _fwd(x, p0, p1, w, b, scale, kind, log_p0=False):
+        return torch.empty_like(x)
+
+    @torch.library.register_fake(lib + "pointwise_bwd")
+    def _bwd(g, x, f, p0, p1, w, b, scale, kind):
+        none = x.new_empty((0,), dtype=torch.float32)
+        like = [torch.empty_like(t) if t is not None else none for t in (p0, p1, w, b)]
+        return [torch.empty_like(x), *like]
+
+    def setup(ctx, inputs, output):
+        x, p0, p1, w, b, scale, kind, log_p0 = inputs
+        if log_p0:
+            raise NormlabError("normlab_cpu.pointwise_fwd with log_p0 has no backward; pass p0 = exp(log p0)")
+        ctx.save_for_backward(x, p0, p1, w, b)
+        ctx.scale, ctx.kind = scale, kind
+
+    def backward(ctx, grad):
+        x, p0, p1, w, b = ctx.saved_tensors
+        dx, dp0, dp1, dw, db = torch.ops.normlab_cpu.pointwise_bwd(grad, x, None, p0, p1, w, b, ctx.scale, ctx.kind)
+        return dx, dp0, None if p1 is None else dp1, dw, None if b is None else db, None, None, None
+
+    torch.library.register_autograd(lib + "pointwise_fwd", backward, setup_context=setup)
 
 
 def available() -> bool:
@@ -99,7 +142,7 @@ def usable(x: Tensor, *params: Tensor | None, wait: bool = False) -> bool:
     for p in params:
         if p is not None and not (p.is_cpu and p.dtype == x.dtype):
             return False
-    return not torch.compiler.is_compiling() and not transformed() and ready(wait)
+    return not transformed() and ready(wait) and (not torch.compiler.is_compiling() or _COMPILED["registered"])
 
 
 # --------------------------------------------------------------------------
@@ -177,6 +220,8 @@ def records_grad(*tensors: Tensor | None) -> bool:
 
 
 def _pointwise(x: Tensor, weight: Tensor, bias: Tensor | None, scale: float, kind: str, p0: Tensor, p1: Tensor | None):
+    if torch.compiler.is_compiling():  # the op itself, its fake and its autograd formula (`_register_for_compile`)
+        return torch.ops.normlab_cpu.pointwise_fwd(x, p0, p1, weight, bias, scale, _KIND[kind])
     if records_grad(x, weight, bias, p0, p1):
         return _PointwiseFn.apply(x, weight, bias, scale, kind, p0, p1)
     return pointwise_forward(x, kind, p0, p1, weight, bias, scale)
