@@ -19,6 +19,8 @@ import math
 import torch
 from torch import nn
 
+from normlab.kernels import is_dtensor
+
 __all__ = ["ScaledEmbedding", "scale_embeddings", "embedding_tables", "fold_embed_scale"]
 
 
@@ -31,7 +33,14 @@ class ScaledEmbedding(nn.Embedding):
         self.scale = nn.Parameter(torch.full((1,), self.scale_init, device=self.weight.device, dtype=self.weight.dtype))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return super().forward(ids) * self.scale
+        out = super().forward(ids)
+        if type(out) is not torch.Tensor and is_dtensor(out) and not is_dtensor(self.scale):
+            raise ValueError(
+                "ScaledEmbedding: the table is sharded (tensor parallel) and its scale is not: a TP plan such as "
+                "RowwiseParallel places `weight` only. Replicate the scale on the same mesh (distribute_tensor(scale, "
+                "mesh, [Replicate()])), or swap with init='default' (no embedding scale)"
+            )
+        return out * self.scale
 
     def reset_parameters(self) -> None:
         super().reset_parameters()

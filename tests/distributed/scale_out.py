@@ -55,7 +55,7 @@ def build() -> Tiny:
     """The model every mode starts from: seed 0, then the norms swapped (before any wrapping)."""
     torch.manual_seed(0)
     model = Tiny()
-    normlab.replace_norms(model, "dyt", init="dyt_paper")
+    normlab.replace_norms(model, "dyt", init="default")  # no embedding scale: RowwiseParallel places weight only
     return model
 
 

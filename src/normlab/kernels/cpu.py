@@ -142,7 +142,13 @@ def usable(x: Tensor, *params: Tensor | None, wait: bool = False) -> bool:
     for p in params:
         if p is not None and not (p.is_cpu and p.dtype == x.dtype):
             return False
-    return not transformed() and ready(wait) and (not torch.compiler.is_compiling() or _COMPILED["registered"])
+    return not transformed() and ready(wait) and (not torch.compiler.is_compiling() or compiled_op())
+
+
+def compiled_op() -> bool:
+    """Whether a trace takes the fused op: under torch.compile once its fake and autograd are registered, never under
+    torch.export (an exported graph, and the ONNX file made from it, holds the formulas, so it runs without normlab)."""
+    return _COMPILED["registered"] and not torch.compiler.is_exporting()
 
 
 # --------------------------------------------------------------------------
@@ -220,7 +226,8 @@ def records_grad(*tensors: Tensor | None) -> bool:
 
 
 def _pointwise(x: Tensor, weight: Tensor, bias: Tensor | None, scale: float, kind: str, p0: Tensor, p1: Tensor | None):
-    if torch.compiler.is_compiling():  # the op itself, its fake and its autograd formula (`_register_for_compile`)
+    if torch.compiler.is_compiling():  # the op itself, its fake and its autograd formula (`_register_for_compile`;
+        # `usable` sends an export's trace to the reference)
         return torch.ops.normlab_cpu.pointwise_fwd(x, p0, p1, weight, bias, scale, _KIND[kind])
     if records_grad(x, weight, bias, p0, p1):
         return _PointwiseFn.apply(x, weight, bias, scale, kind, p0, p1)
