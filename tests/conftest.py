@@ -373,3 +373,14 @@ def load_without_normlab(cases: list, tmp_path) -> dict:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def second_venv(needs: str) -> Path:
+    """The torch 2.14.1 venv ``make titan`` builds (torchtitan, timm; ``NORMLAB_TITAN_VENV`` names another): its
+    folder, or the calling test module skipped where it is missing, and an error under CI, which must run it."""
+    venv = Path(os.environ.get("NORMLAB_TITAN_VENV") or Path(__file__).resolve().parents[1] / ".venv-titan")
+    if (venv / "bin" / "python").exists():
+        return venv
+    if os.environ.get("CI"):
+        raise RuntimeError(f"{venv} has no python: `make titan` builds the venv with {needs}, which `make test` needs")
+    pytest.skip(f"no {needs} venv at {venv} (make titan)", allow_module_level=True)

@@ -11,14 +11,10 @@ from pathlib import Path
 
 import pytest
 
-HERE = Path(__file__).parent
-VENV = Path(os.environ.get("NORMLAB_TITAN_VENV") or HERE.parents[1] / ".venv-titan")
-PYTHON = VENV / "bin" / "python"
+from conftest import second_venv
 
-if not PYTHON.exists():
-    if os.environ.get("CI"):
-        raise RuntimeError(f"{VENV} has no python: `make titan` builds the venv with timm, which `make test` needs")
-    pytest.skip(f"no timm venv at {VENV} (make titan)", allow_module_level=True)
+HERE = Path(__file__).parent
+PYTHON = second_venv("timm") / "bin" / "python"
 
 
 @pytest.mark.slow

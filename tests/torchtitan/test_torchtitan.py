@@ -16,14 +16,11 @@ from pathlib import Path
 
 import pytest
 
-HERE = Path(__file__).parent
-VENV = Path(os.environ.get("NORMLAB_TITAN_VENV") or HERE.parents[1] / ".venv-titan")
-TORCHRUN = VENV / "bin" / "torchrun"
+from conftest import second_venv
 
-if not TORCHRUN.exists():
-    if os.environ.get("CI"):
-        raise RuntimeError(f"{VENV} has no torchrun: `make titan` builds torchtitan's venv, which `make test` needs")
-    pytest.skip(f"no torchtitan venv at {VENV} (make titan)", allow_module_level=True)
+HERE = Path(__file__).parent
+VENV = second_venv("torchtitan")
+TORCHRUN = VENV / "bin" / "torchrun"
 
 pytestmark = pytest.mark.slow
 STEP = re.compile(r"step:\s+(\d+)\s+loss:\s+([0-9.]+)")

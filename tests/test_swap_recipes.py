@@ -1,0 +1,119 @@
+"""replace_norms' recipes as the papers wrote them and as a user's initialisation needs them (issue 97): the default
+'auto' matches each gain on drawn token ids, 'dyt_paper' and 'derf_paper' are the papers' whole language-model
+recipes (the embedding scale saved and reloaded), and the builders' ``norm_layer=``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import normlab
+from normlab.elementwise import DyT
+from test_swap import ids, tiny_llama
+
+
+def test_the_default_recipe_matches_each_gain_on_drawn_token_ids():
+    """init 'auto' (the default): fresh layers at their own alpha0, then each gamma scaled so that the site's output
+    has RMS 1 on a batch of random token ids the swap draws itself; the same factors as match_rms on that batch."""
+    from normlab.recipes import token_sample
+
+    model, twin = tiny_llama(width=64, layers=1), tiny_llama(width=64, layers=1)
+    twin.load_state_dict(model.state_dict())
+    record = normlab.replace_norms(model, "dyt")
+    assert record.recipes == ["auto"] and all(s.notes[-1].startswith("auto: gamma x ") for s in record.sites)
+    ids_, why = token_sample(twin)
+    assert why is None and ids_.shape == (4, 32) and int(ids_.max()) < twin.config.vocab_size
+    normlab.replace_norms(twin, "dyt", init=["default", "match_rms"], sample=ids_)
+    for (n, p), q in zip(model.named_parameters(), twin.parameters(), strict=True):
+        assert torch.equal(p, q), n
+    norm = model.model.norm
+    assert norm.alpha.item() == 0.5 and float(norm.weight.mean()) > 5  # gamma x ~30: a std-0.02 model is quiet
+
+
+def test_the_default_recipe_without_a_sample_to_draw_keeps_the_own_init_and_says_so():
+    """No token embedding (a ViT-like stack): nothing to draw, so the layers keep their own init, with a warning and
+    the record's note naming sample=."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8))
+    with pytest.warns(RuntimeWarning, match="no token embedding.*pass sample="):
+        record = normlab.replace_norms(model, "dyt")
+    assert torch.equal(model[1].weight, torch.ones(8)) and "kept the layers' own init" in record.notes[-1]
+    record = normlab.replace_norms(nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8)), "dyt", sample=torch.randn(2, 8))
+    assert record.sites[0].notes[-1].startswith("auto: gamma x ")
+
+
+def test_the_dyt_paper_recipe_on_a_language_model_is_the_paper_s_whole_recipe(tmp_path):
+    """The DyT paper's LLaMA: alpha0 by width and site, no bias, and the embedding multiplied by a learnable scalar
+    initialised to sqrt(d); recorded, saved, and back through both loaders with the same logits. A std-0.02 model at
+    width 64 embeds at RMS 0.16 after the scale, far from the paper's 1.28: the swap warns, naming the fix."""
+    from transformers import AutoModelForCausalLM
+
+    from normlab.embed_scale import ScaledEmbedding, fold_embed_scale
+
+    model = tiny_llama(width=64, layers=1)
+    head = model.lm_head.weight
+    with pytest.warns(RuntimeWarning, match="init='auto'"):
+        record = normlab.replace_norms(model, "dyt", init="dyt_paper")
+    emb = model.model.embed_tokens
+    assert isinstance(emb, ScaledEmbedding) and emb.scale.item() == pytest.approx(8.0) and emb.scale.requires_grad
+    assert record.embed_scale == ["model.embed_tokens"] and model.lm_head.weight is head
+    assert all(model.get_submodule(s.name).bias is None for s in record.sites)
+    batch = ids(2, 12)
+    with torch.no_grad():
+        emb.scale.fill_(5.0)  # as if trained
+        want = model(batch).logits
+    normlab.save_converted(model, record, tmp_path / "m")
+    back, rec = normlab.load_converted(tmp_path / "m")
+    alone = AutoModelForCausalLM.from_pretrained(tmp_path / "m", trust_remote_code=True)
+    with torch.no_grad():
+        torch.testing.assert_close(back(batch).logits, want, rtol=0, atol=0)
+        torch.testing.assert_close(alone(batch).logits, want, rtol=1e-5, atol=1e-5)
+    assert rec.embed_scale == ["model.embed_tokens"] and float(alone.model.embed_tokens.scale) == 5.0
+    assert fold_embed_scale(model) == ["model.embed_tokens"] and type(model.model.embed_tokens) is nn.Embedding
+    with torch.no_grad():
+        torch.testing.assert_close(model(batch).logits, want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_derf_paper_recipe_on_gpt2_scales_token_and_position_tables_and_keeps_the_bias():
+    """The Derf paper's GPT-2 patch: alpha0 1.0 at every site, shift0 0, the bias kept, token plus position
+    embeddings scaled by sqrt(d); a model without a token embedding gets the vision init and a note."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=96, n_embd=64, n_layer=1, n_head=2, n_positions=32))
+    with pytest.warns(RuntimeWarning, match="derf_paper"):
+        record = normlab.replace_norms(model, "derf", init="derf_paper")
+    assert record.embed_scale == ["transformer.wte", "transformer.wpe"]
+    assert all(model.get_submodule(s.name).alpha.item() == 1.0 for s in record.sites)
+    assert all(model.get_submodule(s.name).bias is not None for s in record.sites)
+    vit = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8))
+    record = normlab.replace_norms(vit, "derf", init="derf_paper")
+    assert vit[1].alpha.item() == 0.5 and not record.embed_scale and "no token embedding" in record.notes[1]
+
+
+def test_norm_layer_builds_what_a_model_builder_asks_for():
+    """``norm_layer=`` for timm and torchvision builders: channels and eps as they pass them, the layer's own keywords,
+    axis 1 for channels-first maps; a builder asking for a norm without parameters is refused."""
+    make = normlab.norm_layer("dyt", alpha_init=0.8)
+    m = make(16, eps=1e-6, device="cpu")
+    assert isinstance(m, DyT) and m.alpha.item() == pytest.approx(0.8) and m.weight.shape == (16,)
+    assert normlab.norm_layer("rms_norm")(16, eps=1e-3).eps == 1e-3
+    first = normlab.norm_layer("dyt", channels_first=True)(8)
+    assert first(torch.randn(2, 8, 3, 3)).shape == (2, 8, 3, 3) and first.channel_dim == 1
+    with pytest.raises(ValueError, match="without parameters"):
+        make(16, affine=False)
+
+
+def test_a_module_named_norm_that_holds_a_norm_is_not_an_unknown_norm():
+    """timm's NormMlpClassifierHead holds a LayerNorm2d: the head is a container, its norm is found inside."""
+
+    class NormMlpHead(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm, self.fc = nn.LayerNorm(8), nn.Linear(8, 2)
+
+        def forward(self, x):
+            return self.fc(self.norm(x))
+
+    model = nn.Sequential(nn.Linear(8, 8), NormMlpHead())
+    record = normlab.replace_norms(model, "dyt", init="default")
+    assert [s.name for s in record.sites] == ["1.norm"] and not record.skipped
