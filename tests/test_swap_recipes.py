@@ -117,3 +117,24 @@ def test_a_module_named_norm_that_holds_a_norm_is_not_an_unknown_norm():
     model = nn.Sequential(nn.Linear(8, 8), NormMlpHead())
     record = normlab.replace_norms(model, "dyt", init="default")
     assert [s.name for s in record.sites] == ["1.norm"] and not record.skipped
+
+
+def test_a_scaled_embedding_sharded_by_rows_says_what_to_do():
+    """Under RowwiseParallel the table's output is a masked partial sum that DTensor cannot scale (an AssertionError
+    deep in DTensor on 2 ranks, seen under torchrun); the layer says so, with the two ways out."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
+
+    from normlab.embed_scale import ScaledEmbedding
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = nn.Sequential(ScaledEmbedding(16, 8, scale_init=2.0))
+        plan = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+        parallelize_module(model, init_device_mesh("cpu", (1,)), {"0": plan})
+        with pytest.raises(ValueError, match="sharded by rows.*init='default'"):
+            model(torch.randint(0, 16, (2, 4)))
+    finally:
+        dist.destroy_process_group()

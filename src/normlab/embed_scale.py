@@ -19,8 +19,6 @@ import math
 import torch
 from torch import nn
 
-from normlab.kernels import is_dtensor
-
 __all__ = ["ScaledEmbedding", "scale_embeddings", "embedding_tables", "fold_embed_scale"]
 
 
@@ -33,14 +31,14 @@ class ScaledEmbedding(nn.Embedding):
         self.scale = nn.Parameter(torch.full((1,), self.scale_init, device=self.weight.device, dtype=self.weight.dtype))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        out = super().forward(ids)
-        if type(out) is not torch.Tensor and is_dtensor(out) and not is_dtensor(self.scale):
+        # a DTensor has placements (no import: a Hugging Face folder's modeling file carries this class's text)
+        if any(p.is_shard() for p in getattr(self.weight, "placements", ())):
             raise ValueError(
-                "ScaledEmbedding: the table is sharded (tensor parallel) and its scale is not: a TP plan such as "
-                "RowwiseParallel places `weight` only. Replicate the scale on the same mesh (distribute_tensor(scale, "
-                "mesh, [Replicate()])), or swap with init='default' (no embedding scale)"
+                "ScaledEmbedding: the table is sharded by rows (tensor parallel's RowwiseParallel): its output is a "
+                "masked partial sum, which DTensor cannot scale before the reduction. Keep the table replicated in "
+                "your plan, or swap with init='default' (no embedding scale)"
             )
-        return out * self.scale
+        return super().forward(ids) * self.scale
 
     def reset_parameters(self) -> None:
         super().reset_parameters()

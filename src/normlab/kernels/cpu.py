@@ -226,8 +226,7 @@ def records_grad(*tensors: Tensor | None) -> bool:
 
 
 def _pointwise(x: Tensor, weight: Tensor, bias: Tensor | None, scale: float, kind: str, p0: Tensor, p1: Tensor | None):
-    if torch.compiler.is_compiling():  # the op itself, its fake and its autograd formula (`_register_for_compile`;
-        # `usable` sends an export's trace to the reference)
+    if torch.compiler.is_compiling():  # the op, its fake and autograd formula (`usable` sent export elsewhere)
         return torch.ops.normlab_cpu.pointwise_fwd(x, p0, p1, weight, bias, scale, _KIND[kind])
     if records_grad(x, weight, bias, p0, p1):
         return _PointwiseFn.apply(x, weight, bias, scale, kind, p0, p1)
