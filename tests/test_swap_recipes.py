@@ -138,3 +138,37 @@ def test_a_scaled_embedding_sharded_by_rows_says_what_to_do():
             model(torch.randint(0, 16, (2, 4)))
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("to, recipe, block", [
+    ("dyt", "dyt_paper", "llama"), ("derf", "derf_paper", "gpt2"), ("dyisru", "dyt_paper", "gpt2"),
+])  # fmt: skip
+def test_a_lab_model_and_a_library_swap_with_the_same_recipe_start_the_same(to, recipe, block):
+    """issue 97: the lab's ``model.recipe`` and ``replace_norms(init=...)`` read one recipe table: a lab GPT built
+    with a recipe and the same GPT built with RMSNorm, then swapped by the library with that recipe, hold the same
+    norm parameters at every site and the same embedding scalar, and compute the same logits. Width 2048, where the
+    DyT paper's row has two values (1.0 before attention, 0.5 elsewhere)."""
+    from normlab.embed_scale import ScaledEmbedding
+    from normlab.lab import GPT, GPTConfig
+
+    shape = dict(width=2048, depth=1, heads=16, context=8, vocab_size=32, mlp_ratio=1.0, block=block)
+    torch.manual_seed(0)
+    lab = GPT(GPTConfig(**shape, norm=to, recipe=recipe))
+    torch.manual_seed(0)
+    swapped = GPT(GPTConfig(**shape, norm="rms_norm"))
+    normlab.replace_norms(swapped, to, init=recipe)
+    for site in ("blocks.0.norm_attn", "blocks.0.norm_mlp", "norm_final"):
+        got, want = swapped.get_submodule(site).state_dict(), lab.get_submodule(site).state_dict()
+        assert got.keys() == want.keys(), site  # DyT under dyt_paper: no bias in either
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=0, atol=0, msg=f"{site}.{k}")
+    scales = [float(m.scale.detach()) for m in swapped.modules() if isinstance(m, ScaledEmbedding)]
+    assert scales == [float(lab.embed_scale.detach())] * (2 if block == "gpt2" else 1)  # tokens (and positions)
+    assert scales[0] == pytest.approx(2048**0.5)
+    idx = torch.randint(32, (2, 8))
+    with torch.no_grad():  # one scalar on tokens + positions against one on each: the same sum, rounded apart
+        want = lab(idx)[0]
+        torch.testing.assert_close(swapped(idx)[0], want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+    key = "beta" if to == "dyisru" else "alpha"
+    first, second = (float(getattr(lab.blocks[0].get_submodule(s), key).detach()) for s in ("norm_attn", "norm_mlp"))
+    assert first != second or to == "derf"  # the row's two values reached the sites (Derf's LM recipe: 1.0 at all)

@@ -1,5 +1,6 @@
 """The published init recipes of the point-wise norms, as data and code: one home for their numbers, read by
-`normlab.replace_norms` (a model of yours) and by the lab's GPT (``model.alpha_table``, ``model.norm_init``).
+`normlab.replace_norms` (a model of yours) and by the lab's GPT (``model.recipe``, ``model.norm_init``): the same
+name gives the same layers in both.
 
 The recipes (`RECIPES`), each applied per site by `recipe_kwargs`, or after the swap by `match_rms_`:
 
@@ -25,8 +26,9 @@ width (1024) the paper gives no value; ``dyt_alpha0`` then takes the nearest row
 
 Both the DyT LLaMA code and the Derf nanoGPT patch (Chen et al., arXiv 2512.10938) multiply the token +
 position embedding by a learnable scalar initialised to sqrt(d) before block 0, for DyT and Derf only
-(``model.embed_scale = "sqrt_d"`` in the lab). Neither decays it (nanoGPT decays only matrices), nor the
-norms' alpha, gamma and beta; the lab's AdamW does the same (``normlab.lab.optim.build_optimizer``).
+(``normlab.embed_scale``; in the lab, ``model.recipe`` brings it and ``model.embed_scale`` overrides it).
+Neither decays it (nanoGPT decays only matrices), nor the norms' alpha, gamma and beta; the lab's AdamW does the
+same (``normlab.lab.optim.build_optimizer``).
 """
 
 from __future__ import annotations
@@ -41,8 +43,8 @@ if TYPE_CHECKING:
     from normlab.registry import NormSpec
 
 __all__ = ["DYT_PAPER_ALPHA0", "DERF_PAPER_INIT", "RECIPES", "ROLES", "ROLE_NAMES", "MATCH_RMS_CAVEAT", "dyt_alpha0",
-           "parse_alpha_table", "matmul_gain_std", "site_role", "recipe_kwargs", "match_rms_", "token_sample",
-           "input_embedding", "paper_assumption", "alpha0_kwargs"]  # fmt: skip
+           "parse_recipe", "PAPERS", "LAB_RECIPES", "matmul_gain_std", "site_role", "recipe_kwargs", "match_rms_",
+           "token_sample", "input_embedding", "paper_assumption", "alpha0_kwargs"]  # fmt: skip
 
 # width -> (alpha0 before attention, alpha0 before the FFN and at the final norm); DyT paper, Table 11
 DYT_PAPER_ALPHA0: dict[int, tuple[float, float]] = {1024: (1.0, 1.0), 2048: (1.0, 0.5), 4096: (0.8, 0.2),
@@ -61,32 +63,30 @@ def dyt_alpha0(width: int) -> dict[str, float]:
     return {"attn": attn, "mlp": other, "final": other}
 
 
-def parse_alpha_table(value: str, width: int) -> dict[str, float]:
-    """``model.alpha_table``: 'dyt_paper' (the row for this model's width) or 'dyt_paper@W' (the row for
-    width W, e.g. when a narrow model emulates a wide one's init through ``model.init_std``).
+def parse_recipe(value: str) -> tuple[str, int | None]:
+    """A recipe name as the lab's ``model.recipe`` writes it: one of `RECIPES` without a sample ("default",
+    "dyt_paper", "derf_paper"), or "dyt_paper@W": the DyT paper's row for width W (a narrow model emulating a wide
+    one's init through ``model.init_std``). Returns (the recipe, W or None).
 
     Args:
-        value: 'dyt_paper' or 'dyt_paper@W'.
-        width: The model's channel count.
+        value: The name.
     """
     name, sep, at = value.partition("@")
-    if sep and not at:
-        raise ValueError(
-            f"model.alpha_table {value!r} names no width after '@': use 'dyt_paper' (this model's width) "
-            f"or 'dyt_paper@W' with W one of {', '.join(map(str, DYT_PAPER_ALPHA0))}"
-        )
+    widths = ", ".join(map(str, DYT_PAPER_ALPHA0))
+    if name not in LAB_RECIPES:
+        raise ValueError(f"model.recipe must be one of {', '.join(LAB_RECIPES)} or 'dyt_paper@W', got {value!r}")
+    if not sep:
+        return name, None
     if name != "dyt_paper":
-        raise ValueError(
-            f"model.alpha_table must be 'dyt_paper' or 'dyt_paper@W' (W one of "
-            f"{', '.join(map(str, DYT_PAPER_ALPHA0))}), got {value!r}"
-        )
+        raise ValueError(f"model.recipe {value!r}: only 'dyt_paper' has a table by width ('dyt_paper@W')")
     if not at:
-        return dyt_alpha0(width)
-    if not at.isdigit() or int(at) not in DYT_PAPER_ALPHA0:
         raise ValueError(
-            f"model.alpha_table {value!r}: the DyT paper's table has the widths {', '.join(map(str, DYT_PAPER_ALPHA0))}"
+            f"model.recipe {value!r} names no width after '@': use 'dyt_paper' (this model's width) or "
+            f"'dyt_paper@W' with W one of {widths}"
         )
-    return dyt_alpha0(int(at))
+    if not at.isdigit() or int(at) not in DYT_PAPER_ALPHA0:
+        raise ValueError(f"model.recipe {value!r}: the DyT paper's table has the widths {widths}")
+    return name, int(at)
 
 
 def matmul_gain_std(emulated_width: int, width: int, std: float = 0.02) -> float:
@@ -111,6 +111,11 @@ LM_CHANGES = "a learnable embedding scale initialised to sqrt(d); DyT without a 
 #: was tuned there. A model whose scaled embedding is outside this range breaks the recipe's assumption.
 PAPER_EMBED_RMS = (0.5, 3.0)
 RECIPES = ("auto", "default", "dyt_paper", "derf_paper", "match_rms")
+#: The recipes that set values from the papers, the language-model changes (`LM_CHANGES`) included.
+PAPERS = ("dyt_paper", "derf_paper")
+#: The recipes the lab's ``model.recipe`` takes: those without a sample (the lab matches gains by
+#: ``model.norm_init = "match_rms"`` on its own data).
+LAB_RECIPES = ("default", "dyt_paper", "derf_paper")
 #: The recipes whose values need a forward of the model (a sample), not only its shapes.
 MEASURED = ("auto", "match_rms")
 MATCH_RMS_CAVEAT = (

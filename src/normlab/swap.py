@@ -45,6 +45,7 @@ from normlab.embed_scale import embedding_tables, scale_embeddings
 from normlab.recipes import (
     LM_CHANGES,
     MATCH_RMS_CAVEAT,
+    PAPERS,
     RECIPES,
     ROLES,
     match_rms_,
@@ -57,7 +58,7 @@ from normlab.registry import norm_spec
 
 __all__ = ["replace_norms", "SwapRecord"]
 
-PAPERS = ("dyt_paper", "derf_paper")
+
 AUTO_FALLBACK = (
     "a fresh point-wise layer on a model initialised at small scale is far quieter than the norm it replaces and "
     "may barely learn: pass sample= (one batch of the model's forward), or init='dyt_paper' where its assumptions hold"

@@ -122,8 +122,9 @@ def test_rms_ema_is_read_as_training_sets_it():
 
 @pytest.mark.parametrize("setting,match", [
     (["model.norm_init=match_rms"], "match_rms' scales the gamma of point-wise norms; no site"),
-    (["model.alpha_table=dyt_paper"], "alpha_table sets alpha_init, which no norm"),
-    (["model.norm=dyt", "model.alpha_table=dyt_paper@"], "names no width after '@'"),
+    (["model.recipe=dyt_paper"], "model.recipe = 'dyt_paper' sets nothing at any site of this model: init 'dyt_paper'"),
+    (["model.norm=dyt", "model.recipe=derf_paper"], "sets nothing at any site of this model: init 'derf_paper' is"),
+    (["model.norm=dyt", "model.recipe=dyt_paper@"], "names no width after '@'"),
 ])  # fmt: skip
 def test_knobs_that_would_be_ignored_are_refused(tmp_path, capsys, setting, match):
     out = tmp_path / "r"

@@ -28,8 +28,10 @@ DATA = Path(__file__).parents[1] / "data"
     ("model.embed_scale=nan", "model.embed_scale must be null"),
     ("model.init_std=0", "model.init_std must be a finite number > 0"),
     ("model.init_std=inf", "model.init_std must be a finite number > 0"),
-    ("model.alpha_table=dyt", "model.alpha_table must be 'dyt_paper'"),
-    ("model.alpha_table=dyt_paper@1000", "has the widths 1024, 2048, 4096, 8192"),
+    ("model.recipe=dyt", "model.recipe must be one of default, dyt_paper, derf_paper"),
+    ("model.recipe=dyt_paper@1000", "has the widths 1024, 2048, 4096, 8192"),
+    ("model.recipe=derf_paper@1024", "only 'dyt_paper' has a table by width"),
+    ("model.alpha_table=dyt_paper", "model.alpha_table was replaced in 0.9.0 by model.recipe"),
     ("model.norm_init=rms", "model.norm_init must be 'default' or 'match_rms'"),
     ("model.mlp_ratio=nan", "model.mlp_ratio must be a finite number > 0"),
 ])  # fmt: skip
@@ -95,9 +97,10 @@ def test_init_std_sets_every_matrix_and_keeps_the_residual_factor():
     assert matmul_gain_std(1024, 64) == pytest.approx(0.08) and matmul_gain_std(4096, 64) == pytest.approx(0.16)
 
 
-def test_alpha_table_gives_the_dyt_papers_alpha0_per_site():
-    cfg = GPTConfig(width=64, depth=2, heads=4, context=16, norm="dyt", alpha_table="dyt_paper@4096")
+def test_the_dyt_paper_recipe_gives_its_alpha0_per_site():
+    cfg = GPTConfig(width=64, depth=2, heads=4, context=16, norm="dyt", recipe="dyt_paper@4096")
     model = GPT(cfg)
+    assert model.blocks[0].norm_attn.bias is None and float(model.embed_scale) == 8.0  # no bias; sqrt(64)
     assert float(model.blocks[1].norm_attn.alpha) == pytest.approx(0.8)
     assert float(model.blocks[1].norm_mlp.alpha) == pytest.approx(0.2)
     assert float(model.norm_final.alpha) == pytest.approx(0.2)
@@ -112,7 +115,7 @@ def test_alpha_table_gives_the_dyt_papers_alpha0_per_site():
         context=16,
         norm="dyt",
         norm_final="rms_norm",
-        alpha_table="dyt_paper@8192",
+        recipe="dyt_paper@8192",
         norm_attn_kwargs={"alpha_init": 3.0},
     )
     model = GPT(cfg)
@@ -121,13 +124,14 @@ def test_alpha_table_gives_the_dyt_papers_alpha0_per_site():
 
 
 def test_the_lab_and_the_library_give_a_dyisru_site_the_same_beta0_from_the_dyt_paper():
-    """issue 97: the lab's alpha_table dropped alpha_init at a DyISRU site (the layer kept beta0 = 4), while
-    replace_norms(init="dyt_paper") gave it 1/alpha0^2; both read recipes.alpha0_kwargs now: the same beta0 by role."""
+    """issue 97: the lab's alpha_table (now model.recipe) dropped alpha_init at a DyISRU site (the layer kept beta0 =
+    4), while replace_norms(init="dyt_paper") gave it 1/alpha0^2; both read one map
+    now: the same beta0 by role."""
     import normlab
 
     width = 2048  # a row of the table with two values (1.0 before attention, 0.5 elsewhere)
     lab = GPT(
-        GPTConfig(width=width, depth=1, heads=16, context=8, vocab_size=16, norm="dyisru", alpha_table="dyt_paper")
+        GPTConfig(width=width, depth=1, heads=16, context=8, vocab_size=16, norm="dyisru", recipe="dyt_paper")
     )
     plain = GPT(GPTConfig(width=width, depth=1, heads=16, context=8, vocab_size=16, norm="rms_norm"))
     normlab.replace_norms(plain, "dyisru", init="dyt_paper", roles={"*norm_attn": "attn", "*norm_mlp": "mlp",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, fields
 from typing import Literal
 
@@ -17,7 +18,29 @@ from normlab.lab.model import GPTConfig
 from normlab.pairs import apply_overrides
 from normlab.typed import check_types, choices
 
-__all__ = ["TrainConfig", "PRESETS", "OPTIMIZERS", "resolve_config", "apply_overrides"]
+__all__ = ["TrainConfig", "PRESETS", "OPTIMIZERS", "RENAMED", "resolve_config", "apply_overrides"]
+
+#: Fields that were renamed: an old config (a TOML, a --set, a saved run's config.json) is refused with the new
+#: spelling, never read with a silently different meaning.
+RENAMED = {
+    "model.alpha_table": (
+        "model.alpha_table was replaced in 0.9.0 by model.recipe, a recipe name of normlab.replace_norms: "
+        "model.recipe = 'dyt_paper' (or 'dyt_paper@W') gives the same alpha0 per site and, as the DyT paper's LLaMA "
+        "code does, DyT without bias and the sqrt(d) embedding scalar (model.embed_scale = 'none' removes it)"
+    ),
+}
+
+
+def check_renamed(keys: Iterable[str], where: str = "") -> None:
+    """Refuse a renamed field among dotted ``keys``, naming its new spelling (`RENAMED`).
+
+    Args:
+        keys: Dotted field names (``model.width``).
+        where: The file the keys come from, for the message.
+    """
+    for key in keys:
+        if key in RENAMED:
+            raise ValueError(f"{where}{': ' if where else ''}{RENAMED[key]}")
 
 
 @dataclass
@@ -74,6 +97,9 @@ class TrainConfig:
             raise ValueError(
                 f"model must be a table of model settings (model.width=..., model.norm=...), got {model!r}"
             )
+        if model.get("alpha_table", "") is None:  # a config saved before 0.9.0, where the field was unset
+            model = {k: v for k, v in model.items() if k != "alpha_table"}
+        check_renamed([f"model.{k}" for k in model])
         model = GPTConfig(**model)
         return cls(model=model, **d)
 
@@ -181,8 +207,13 @@ def resolve_config(preset: str = "cpu", overrides: dict | list[str] | None = Non
     base = _merge(base, PRESETS[preset])
     shorthand = {"norm": "model.norm"}
     flat = {shorthand.get(k, k): v for k, v in fields.items() if v is not None}
+    check_renamed(flat)
     base = apply_overrides(base, flat)
     if overrides:
+        if isinstance(overrides, list):
+            check_renamed(k.partition("=")[0].strip() for k in overrides)
+        else:
+            check_renamed(overrides)
         base = apply_overrides(base, overrides)
     try:
         cfg = TrainConfig.from_dict(base)

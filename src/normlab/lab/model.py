@@ -9,10 +9,10 @@ dissection's model) and ``llama`` (RoPE on q and k, no learned positions, a SwiG
 width, an untied head: the shapes of LLaMA and SmolLM2, the models normlab converts). Neither has biases.
 
 The recipe knobs of the DyT and Derf papers (``normlab.recipes``), each off by default so that a
-default model is the dissection's: ``embed_scale`` (a learnable scalar on the embedding, e.g. sqrt(d)),
-``init_std`` (the 0.02 above), ``alpha_table`` (alpha0 per site from the DyT paper's table) and
-``norm_init = "match_rms"`` (each point-wise site's gamma set from a batch so that its output RMS is
-RMSNorm's, 1).
+default model is the dissection's: ``recipe`` (a recipe name of `normlab.replace_norms`: "dyt_paper" or
+"derf_paper" set each site's init and bias and add the learnable sqrt(d) scalar on the embedding, as the swap of a
+model of yours does), ``embed_scale`` (that scalar given or removed by hand), ``init_std`` (the 0.02 above) and
+``norm_init = "match_rms"`` (each point-wise site's gamma set from a batch so that its output RMS is RMSNorm's, 1).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from normlab.recipes import alpha0_kwargs, match_rms_, parse_alpha_table
+from normlab.recipes import PAPERS, match_rms_, parse_recipe, recipe_kwargs
 from normlab.registry import accepted_kwargs, create_norm, init_kwargs, norm_spec
 from normlab.typed import check_types, choices
 
@@ -72,23 +72,36 @@ class GPTConfig:
     """Init values at the MLP sites."""
     norm_final_kwargs: dict = field(default_factory=dict)
     """Init values at the final norm."""
+    recipe: str = "default"
+    """A recipe of `normlab.replace_norms`: "default" (each layer's own init), "dyt_paper" (the DyT paper's alpha0 per
+    site, DyT without bias, the sqrt(d) embedding scalar; "dyt_paper@W": the table's row for width W) or "derf_paper"
+    (alpha0 1.0, the scalar): the values the swap gives a model of yours, read from ``normlab.recipes``."""
     embed_scale: float | str | None = None
-    """None; a number; or "sqrt_d": a learnable scalar on the embedding."""
+    """A learnable scalar on the embedding: None (the recipe's: sqrt(d) under a paper recipe, else none), "none",
+    "sqrt_d" or a number."""
     init_std: float = 0.02
     """The std of the N(0, std) init; the residual projections get std / sqrt(2 L)."""
-    alpha_table: str | None = None
-    """"dyt_paper" or "dyt_paper@W": alpha_init per site from the DyT paper (beta_init = 1/alpha0^2 for DyISRU)."""
     norm_init: Literal["default", "match_rms"] = "default"
     """"default", or "match_rms": point-wise gammas set so each site's output RMS is 1."""
 
     def site(self, site: str) -> tuple[str, dict]:
         """The norm name and init kwargs at ``site`` ('attn', 'mlp' or 'final').
 
-        Precedence: the site's own kwargs, then ``alpha_table``, then ``norm_kwargs``."""
+        Precedence: the site's own kwargs, then ``recipe``, then ``norm_kwargs``."""
         name = getattr(self, f"norm_{site}") or self.norm
-        alpha0 = parse_alpha_table(self.alpha_table, self.width)[site] if self.alpha_table else None
-        table = {} if alpha0 is None else alpha0_kwargs(norm_spec(name), alpha0)  # DyISRU: beta0, as replace_norms
-        return name, accepted_kwargs(name, {**self.norm_kwargs, **table, **getattr(self, f"norm_{site}_kwargs")})
+        recipe = self.recipe_kwargs(name, site)
+        return name, accepted_kwargs(name, {**self.norm_kwargs, **recipe, **getattr(self, f"norm_{site}_kwargs")})
+
+    def recipe_kwargs(self, name: str, site: str) -> dict:
+        """What ``recipe`` gives a ``name`` layer at ``site``: `normlab.recipes.recipe_kwargs` for a language model,
+        the call `normlab.replace_norms` makes; {} where the recipe sets nothing that layer takes (an RMSNorm site)."""
+        recipe, row = parse_recipe(self.recipe)
+        if recipe == "default":
+            return {}
+        try:
+            return recipe_kwargs(recipe, norm_spec(name), site, row or self.width, lm=True)[0]
+        except ValueError:  # validate() refuses a recipe that no site takes
+            return {}
 
     def tied(self) -> bool:
         """Whether the head shares the embedding's matrix: ``tied_embeddings``, else the block's default."""
@@ -102,7 +115,10 @@ class GPTConfig:
 
     def embed_scale_init(self) -> float | None:
         """The initial value of the embedding scalar, or None when the model has none."""
-        return math.sqrt(self.width) if self.embed_scale == "sqrt_d" else self.embed_scale
+        scale = self.embed_scale
+        if scale is None:  # the recipe's: the papers' language models scale the embedding by sqrt(d)
+            scale = "sqrt_d" if parse_recipe(self.recipe)[0] in PAPERS else "none"
+        return {"none": None, "sqrt_d": math.sqrt(self.width)}.get(scale, scale)
 
     def site_names(self) -> list[str]:
         """Every norm site by name, as GPT.norm_modules() names them."""
@@ -132,12 +148,13 @@ class GPTConfig:
             )
         scale = self.embed_scale
         number = isinstance(scale, (int, float)) and not isinstance(scale, bool)
-        if not (scale is None or scale == "sqrt_d" or (number and math.isfinite(scale) and scale > 0)):
-            raise ValueError(f"model.embed_scale must be null (none), 'sqrt_d' or a finite number > 0, got {scale!r}")
+        if not (scale in (None, "none", "sqrt_d") or (number and math.isfinite(scale) and scale > 0)):
+            raise ValueError(
+                f"model.embed_scale must be null (the recipe's), 'none', 'sqrt_d' or a finite number > 0, got {scale!r}"
+            )
         if not (math.isfinite(self.init_std) and self.init_std > 0):
             raise ValueError(f"model.init_std must be a finite number > 0, got {self.init_std!r}")
-        if self.alpha_table is not None:
-            parse_alpha_table(self.alpha_table, self.width)
+        parse_recipe(self.recipe)
         for site in SITES:
             field_name = "norm" if getattr(self, f"norm_{site}") is None else f"norm_{site}"
             try:
@@ -150,11 +167,7 @@ class GPTConfig:
                 f"model.norm_init = 'match_rms' scales the gamma of point-wise norms; no site of this "
                 f"model has one ({', '.join(sorted(set(names)))}): drop it, or use a point-wise norm"
             )
-        if self.alpha_table is not None and not any(alpha0_kwargs(norm_spec(n), 1.0) for n in names):
-            raise ValueError(
-                f"model.alpha_table sets alpha_init, which no norm of this model takes, nor beta_init = 1/alpha0^2 "
-                f"({', '.join(sorted(set(names)))}): drop it, or use DyT, Derf, DyISRU or ELN"
-            )
+        self._check_recipe(names)
         every = {k for s in SITES for k in init_kwargs(self.site(s)[0])}
         unused = set(self.norm_kwargs) - every
         if unused:
@@ -164,6 +177,20 @@ class GPTConfig:
             bad = set(getattr(self, f"norm_{site}_kwargs")) - set(init_kwargs(name))
             if bad:
                 raise ValueError(f"model.norm_{site}_kwargs: norm {name!r} does not take {', '.join(sorted(bad))}")
+
+    def _check_recipe(self, names: list[str]) -> None:
+        """A recipe that sets nothing at any site is refused with the recipe's own reason (the swap's words)."""
+        recipe, row = parse_recipe(self.recipe)
+        if recipe == "default":
+            return
+        errors = []
+        for site, name in zip(SITES, names):
+            try:
+                recipe_kwargs(recipe, norm_spec(name), site, row or self.width, lm=True)
+                return
+            except ValueError as e:
+                errors.append(str(e))
+        raise ValueError(f"model.recipe = {self.recipe!r} sets nothing at any site of this model: {errors[0]}")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -287,7 +314,7 @@ class GPT(nn.Module):
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
         # the DyT / Derf recipe's scalar after the embedding (no weight decay: it is not a matrix)
-        self.embed_scale = None if cfg.embed_scale is None else nn.Parameter(torch.empty(1))
+        self.embed_scale = None if cfg.embed_scale_init() is None else nn.Parameter(torch.empty(1))
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
