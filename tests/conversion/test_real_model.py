@@ -85,8 +85,11 @@ def test_calibrated_smollm2_beats_default_init_and_round_trips(smollm2, tmp_path
 
 
 def test_derf_converts_smollm2_with_its_shift_fitted(smollm2):
-    """Derf (newer than the seeds) as a conversion target on the real model: alpha and shift fitted per site."""
+    """Derf (newer than the seeds) as a conversion target on the real model: alpha and shift fitted per site. On the
+    first 14 of 30 blocks (29 sites, the massive activation formed at block 12): the real weights and activations,
+    in half the time of the whole model."""
     model, calib, held, _ = smollm2
+    model = first_blocks(model, 14)
     ce = {}
     for how in ("default", "calibrated"):
         conv = copy.deepcopy(model)
@@ -100,31 +103,34 @@ def test_derf_converts_smollm2_with_its_shift_fitted(smollm2):
 
 def test_smollm2_budget_nats_converts_only_what_fits(smollm2):
     """--budget-nats on the real model: the cheapest sites first, and the held-out cross-entropy of what it leaves
-    never above the original's plus the budget; the rest stay RMSNorm."""
+    never above the original's plus the budget; the rest stay RMSNorm. On the first 14 of 30 blocks (29 sites, the
+    massive activation formed at block 12), whose walk ranks the same kinds of site in half the time."""
     from normlab.conversion.config import BudgetConfig
     from normlab.conversion.frontier import frontier
     from normlab.conversion.measure.fidelity import cross_entropy
 
     model, calib, held, _ = smollm2
-    conv = copy.deepcopy(model)
+    conv = first_blocks(model, 14)
     plain = BudgetConfig(nats=0.1, walk="stop", refit_every=0, rank_batches=1, precision="float32")  # the float32 check
     front, record = frontier(conv, "dyisru", calib, held, budget=plain, progress=False)
-    assert 1 <= len(front.converted) < 61, front.curve
+    assert 1 <= len(front.converted) < 29, front.curve
     assert cross_entropy(conv, held) <= front.ce_original + 0.1 + 1e-9
     assert {s.name for s in record.sites} == set(front.converted)
     kinds = {n: type(m).__name__ for n, m in conv.named_modules() if n.endswith("norm")}
-    assert sum(k == "LlamaRMSNorm" for k in kinds.values()) == 61 - len(front.converted)
+    assert len(kinds) == 29 and sum(k == "LlamaRMSNorm" for k in kinds.values()) == 29 - len(front.converted)
     assert front.costs[front.order[0]] <= front.costs[front.order[-1]]
 
 
 def test_smollm2_heal_on_the_stream_keeps_its_best_state(smollm2):
     """A short heal of the real model from the stream: fresh sequences only, a validation curve, the best point's
-    state kept (the model's validation CE after the heal is the curve's minimum), LoRA merged away."""
+    state kept (the model's validation CE after the heal is the curve's minimum), LoRA merged away. On the first 14
+    of 30 blocks."""
     from normlab.conversion.data.models import TextCut, text_splits
     from normlab.conversion.measure.fidelity import cross_entropy
     from normlab.corpus import fetch_shakespeare
 
     model, _, _, tok = smollm2
+    model = first_blocks(model, 14)
     cut = TextCut(seq_len=64, n_calib=4, n_held=4, n_val=4, batch_size=4)
     sp = text_splits(fetch_shakespeare(), tok, model.config.vocab_size, cut)
     conv = copy.deepcopy(model)
