@@ -36,9 +36,9 @@ sys.path.insert(0, str(ROOT / "src"))
 
 import normlab  # noqa: E402
 from bench_kernels import cpu_name  # noqa: E402  (scripts/ is on the path when a script runs)
-from normlab.conversion.batches import swap  # noqa: E402
 from normlab.kernels.inductor_cache import use_cache_of_this_cpu  # noqa: E402
 from normlab.kernels.paths import fused_ops  # noqa: E402
+from normlab.sites import swap  # noqa: E402
 from normlab.table import append_csv  # noqa: E402
 
 OUT = ROOT / "bench" / "own_model.csv"

@@ -73,6 +73,94 @@ def test_the_cycle_finder_finds_a_cycle():
     assert find_cycle({"a": {"b"}, "b": set()}) is None
 
 
+# --------------------------------------------------------------------------
+# floors: nothing imports, even lazily, a module on a floor above its own
+# --------------------------------------------------------------------------
+#: The package's floors, lowest first: a module may import its own floor and the floors below. Written here once;
+#: docs/code-map.md draws them. A module is on the floor of the longest name listed that it is or is inside.
+FLOORS: list[tuple[str, tuple[str, ...]]] = [
+    ("base", ("normlab.version", "normlab.errors", "normlab.typed", "normlab.pairs", "normlab.owner", "normlab.table",
+              "normlab.corpus", "normlab.reference", "normlab.profiles", "normlab.functional")),
+    ("kernels", ("normlab.kernels", "normlab.arguments")),
+    ("layers", ("normlab.modules", "normlab.elementwise")),
+    ("registry", ("normlab.registry",)),
+    ("norm surgery", ("normlab.sites", "normlab.record", "normlab.recipes", "normlab.embed_scale", "normlab.swap")),
+    ("wings", ("normlab.theory", "normlab.lab", "normlab.conversion", "normlab.integrations")),
+    ("report", ("normlab.report",)),
+    ("runners", ("normlab.experiment", "normlab.experiments", "normlab.sweep", "normlab.study", "normlab.features")),
+    ("apps", ("normlab.reproduce", "normlab.demo")),
+    ("cli", ("normlab.cli",)),
+    ("package", ("normlab",)),
+]  # fmt: skip
+#: Inside the conversion wing, by stage, lowest first (the same rule).
+CONVERSION_FLOORS: list[tuple[str, tuple[str, ...]]] = [
+    ("settings", ("normlab.conversion.config", "normlab.conversion.flags", "normlab.conversion.limits",
+                  "normlab.conversion.stages", "normlab.conversion.batches", "normlab.conversion.data.config")),
+    ("data", ("normlab.conversion.data",)),
+    ("measure", ("normlab.conversion.measure",)),
+    ("calibrate", ("normlab.conversion.calibrate",)),
+    ("heal", ("normlab.conversion.heal",)),
+    ("export", ("normlab.conversion.export",)),
+    ("convert", ("normlab.conversion.convert", "normlab.conversion.frontier")),
+    ("commands", ("normlab.conversion.checks", "normlab.conversion.workflow", "normlab.conversion.evaluate",
+                  "normlab.conversion")),
+]  # fmt: skip
+
+
+def floor_of(module: str, floors: list[tuple[str, tuple[str, ...]]]) -> int | None:
+    """The index of ``module``'s floor: the longest listed name it is, or is inside; None where none is."""
+    best = max(
+        ((len(name), i) for i, (_, names) in enumerate(floors) for name in names
+         if module == name or module.startswith(name + ".")),
+        default=None,
+    )  # fmt: skip
+    return None if best is None else best[1]
+
+
+def upward(graph: dict[str, set[str]], floors: list[tuple[str, tuple[str, ...]]]) -> list[str]:
+    """Every arrow from a module to one on a higher floor, as 'a (floor) -> b (floor)'."""
+    found = []
+    for a, deps in sorted(graph.items()):
+        fa = floor_of(a, floors)
+        for b in sorted(deps):
+            fb = floor_of(b, floors)
+            if fa is not None and fb is not None and fb > fa:
+                found.append(f"{a} ({floors[fa][0]}) -> {b} ({floors[fb][0]})")
+    return found
+
+
+def test_every_module_is_on_a_floor_and_no_import_goes_up():
+    """issue 98: 4 arrows pointed up from one lazy import (kernels.paths -> registry) and 5 inside conversion; the
+    floors are written down and any import, lazy or not, from a floor to a higher one fails here."""
+    graph = import_graph()
+    assert not [m for m in graph if floor_of(m, FLOORS) is None]
+    inside = {m for m in graph if m.startswith("normlab.conversion")}
+    assert not [m for m in inside if floor_of(m, CONVERSION_FLOORS) is None]
+    assert upward(graph, FLOORS) == []
+    conversion = {a: {b for b in deps if b in inside} for a, deps in graph.items() if a in inside}
+    assert upward(conversion, CONVERSION_FLOORS) == []
+
+
+def test_the_floor_check_finds_an_upward_import():
+    graph = {"normlab.registry": {"normlab.swap"}, "normlab.swap": {"normlab.registry"}}
+    assert upward(graph, FLOORS) == ["normlab.registry (registry) -> normlab.swap (norm surgery)"]
+
+
+def test_swapping_norms_loads_no_conversion_module():
+    """issue 98: ``import normlab`` loaded 56 modules, 33 of them conversion modules; a training script that swaps
+    its norms now loads none of them (the conversion names of ``normlab`` load on first use)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, normlab, normlab.swap; normlab.replace_norms; "
+            "print(sorted(m for m in sys.modules if m.startswith('normlab.conversion')))")  # fmt: skip
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.strip() == "[]", run.stdout + run.stderr[-2000:]
+    code = "import normlab; print(normlab.convert_norms.__module__, normlab.fold.__module__)"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.stdout.split() == ["normlab.conversion.convert", "normlab.conversion.export.fold"], run.stderr
+
+
 def test_conversion_and_the_lab_do_not_import_each_other():
     """Conversion sits beside the training lab: both read normlab.corpus and normlab.pairs, neither reads the other."""
     graph = import_graph()

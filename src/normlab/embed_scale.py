@@ -90,7 +90,7 @@ def scale_embeddings(model: nn.Module, names: list[str], scale_init: float | Non
         names: Its embedding tables (`embedding_tables`).
         scale_init: The scalar's initial value.
     """
-    from normlab.conversion.batches import swap
+    from normlab.sites import swap
 
     value = 1.0
     for name in names:
@@ -109,7 +109,7 @@ def fold_embed_scale(model: nn.Module) -> list[str]:
     Args:
         model: The model.
     """
-    from normlab.conversion.batches import swap
+    from normlab.sites import swap
 
     scaled = [(n, m) for n, m in model.named_modules() if isinstance(m, ScaledEmbedding)]
     tables = {id(m.weight) for _, m in scaled}

@@ -15,16 +15,19 @@ from __future__ import annotations
 import ast
 import inspect
 import sys
+from collections import Counter
 from pathlib import Path
 
+import torch
 from torch import nn
 
 import normlab.functional as FN
 import normlab.kernels as K
+from normlab.kernels.paths import OWN_OPS, ops_run
 from normlab.registry import create_norm, list_norms, norm_spec
 
 __all__ = ["COLUMNS", "norm_features", "markdown", "BEGIN", "END", "FAMILIES", "family_features", "family_markdown",
-           "FAMILY_BEGIN", "FAMILY_END", "tiny_causal_lm"]  # fmt: skip
+           "FAMILY_BEGIN", "FAMILY_END", "tiny_causal_lm", "kernel_paths", "PATH_NAMES", "TRAIN_ROWS"]  # fmt: skip
 
 BEGIN, END = "<!-- features: begin (python -m normlab.features --write) -->", "<!-- features: end -->"
 COLUMNS = {
@@ -195,6 +198,45 @@ def write(page: Path, table: str, begin: str = BEGIN, end: str = END) -> None:
         raise ValueError(f"{page}: no table markers ({begin} ... {end})")
     head, rest = text.split(begin, 1)
     page.write_text(head + table + rest.split(end, 1)[1])
+
+
+# --------------------------------------------------------------------------
+# the path each fused norm takes here, observed (normlab build-kernels --check)
+# --------------------------------------------------------------------------
+# the path a norm took, by the ops seen; LayerNorm's fused path is PyTorch's own op
+PATH_NAMES = {"fused": "fused C++ (normlab_cpu)", "aten": "PyTorch's fused op", "reference": "reference math"}
+TRAIN_ROWS = 256  # 256 x 512 = 131,072 elements: past kernels.cpu.MIN_FUSED, so that "auto" fuses a training call
+
+
+def _path_taken(ops: Counter, name: str) -> str:
+    if any(k.startswith(OWN_OPS) for k in ops):
+        return "fused"
+    if name == "layer_norm" and any(k in ops for k in ("aten::native_layer_norm", "aten::layer_norm")):
+        return "aten"
+    return "reference"
+
+
+def kernel_paths(dim: int = 512, dtype: torch.dtype = torch.float32) -> list[dict]:
+    """Each fused norm of the registry, run here on a CPU tensor: the path its inference call (no autograd) and its
+    training call (forward and backward, `TRAIN_ROWS` x ``dim``) took, as `PATH_NAMES` keys.
+
+    Args:
+        dim: The channel count.
+        dtype: The input's dtype (float32, bfloat16 or float16).
+    """
+    rows = []
+    for name in list_norms():
+        if "kernel" not in norm_spec(name).init_kwargs:
+            continue  # a norm with no fused path: always the reference
+        norm = create_norm(name, dim).to(dtype)
+        x = torch.randn(TRAIN_ROWS, dim, dtype=dtype)
+        with torch.no_grad():
+            norm(x)  # a first call: a library still loading takes the reference once
+            infer = ops_run(lambda n=norm, x=x: n(x))
+        xg = x.clone().requires_grad_(True)
+        train = ops_run(lambda n=norm, x=xg: n(x).float().sum().backward())
+        rows.append({"norm": name, "inference": _path_taken(infer, name), "training": _path_taken(train, name)})
+    return rows
 
 
 if __name__ == "__main__":

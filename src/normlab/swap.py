@@ -10,7 +10,7 @@ nanoGPT-style model, a ViT block. Each replacement is a new layer (gamma = 1, be
 recipe), on the original's device and dtype, in its train/eval mode. To carry a *trained* model's norms over
 instead (its gamma copied, its parameter fitted to its activations), use `normlab.convert_norms`.
 
-The norms are found as `normlab.convert_norms` finds them (``KNOWN_NORMS``, ``extra_classes=``, ``include=``);
+The norms are found by `normlab.sites`, as `normlab.convert_norms` finds them (``extra_classes=``, ``include=``);
 the recipes are `normlab.recipes` (``init="default"``, ``"dyt_paper"``, ``"derf_paper"``, and ``"match_rms"``,
 alone or after one of the others, with ``sample=``). The record is a `ConversionRecord`, so that
 `normlab.save_converted` writes a folder that loads with or without normlab.
@@ -30,17 +30,6 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from normlab.conversion.batches import aliases, swap
-from normlab.conversion.convert import (
-    KNOWN_NORMS,
-    SOURCE_KINDS,
-    find_norms,
-    fresh_like,
-    refuse_wrapped,
-    source_dim,
-    source_eps,
-)
-from normlab.conversion.record import ConversionRecord, Site
 from normlab.embed_scale import embedding_tables, scale_embeddings
 from normlab.recipes import (
     LM_CHANGES,
@@ -54,7 +43,20 @@ from normlab.recipes import (
     site_role,
     token_sample,
 )
+from normlab.record import ConversionRecord, Site
 from normlab.registry import norm_spec
+from normlab.sites import (
+    UNKNOWN,
+    aliases,
+    check_extra_classes,
+    find_norms,
+    fresh_like,
+    no_norms_error,
+    refuse_wrapped,
+    source_dim,
+    source_eps,
+    swap,
+)
 
 __all__ = ["replace_norms", "SwapRecord"]
 
@@ -63,7 +65,6 @@ AUTO_FALLBACK = (
     "a fresh point-wise layer on a model initialised at small scale is far quieter than the norm it replaces and "
     "may barely learn: pass sample= (one batch of the model's forward), or init='dyt_paper' where its assumptions hold"
 )
-UNKNOWN = "not a known per-token norm (add it with extra_classes=)"  # conversion.convert.find_norms's reason
 
 
 @dataclass
@@ -129,19 +130,7 @@ def _check_kinds(roles, extra_classes, include) -> None:
     for key, role in (roles or {}).items():
         if role not in ROLES:
             raise ValueError(f"replace_norms: roles[{key!r}] = {role!r}; a role is one of {', '.join(ROLES)}")
-    if extra_classes is not None and not isinstance(extra_classes, dict):
-        raise TypeError(f"replace_norms: extra_classes must be a dict {{norm class: kind}}, got {extra_classes!r}")
-    for cls, kind in (extra_classes or {}).items():
-        if not isinstance(cls, type):
-            raise TypeError(
-                f"replace_norms: extra_classes is keyed by the norm class itself, not by {cls!r}: "
-                f"extra_classes={{MyNorm: {kind!r}}}"
-            )
-        if kind not in SOURCE_KINDS:
-            raise ValueError(
-                f"replace_norms: extra_classes[{cls.__name__}] = {kind!r}; how it normalizes is one of "
-                f"{', '.join(SOURCE_KINDS)}"
-            )
+    check_extra_classes(extra_classes, "replace_norms")
     if include is not None and not callable(include):
         hint = f"include=lambda name, m: fnmatch.fnmatch(name, {include!r})" if isinstance(include, str) else ""
         raise TypeError(
@@ -330,14 +319,7 @@ def replace_norms(
             f"normalizes), or leave it with include=lambda name, m: not isinstance(m, {s['class']})"
         )
     if not found:
-        from normlab.modules import NormModule
-
-        ours = [n for n, m in model.named_modules() if isinstance(m, NormModule)]
-        already = f"; it holds normlab norms already (e.g. {ours[0]})" if ours else ""
-        raise ValueError(
-            f"replace_norms: {type(model).__name__} has no norm to replace{already} (known classes: "
-            f"{', '.join(sorted(KNOWN_NORMS))}; add yours with extra_classes=)"
-        )
+        raise no_norms_error(model, "replace_norms")
 
     _check_roles_used(roles, [n for n, _, _ in found])
     tables = embedding_tables(model) if base in PAPERS else []

@@ -391,3 +391,12 @@ def test_what_each_stage_reads_is_one_section_and_the_old_names_point_to_it():
     saved = {old_name.get(k, k): v for k, v in now.identity().items()}
     assert "heal.text" in saved and "heal.self_sequences" in saved  # as a checkpoint of 0.5 holds it
     assert now.difference(saved) is None
+
+
+def test_the_record_reads_the_per_choices_the_config_offers():
+    """issue 98: the record (on the core floor) no longer imports the conversion config to check ``per``; its own
+    tuple must stay the config's Literal."""
+    from normlab.record import PER
+    from normlab.typed import choices
+
+    assert tuple(choices(ConvertConfig, "per")) == PER

@@ -288,7 +288,7 @@ def test_derf_calibration_fits_alpha_and_its_shift():
 
 
 def test_fit_status_says_how_much_of_the_target_a_fit_explains():
-    from normlab.conversion.record import POOR_FIT, fit_status
+    from normlab.record import POOR_FIT, fit_status
 
     assert fit_status({"converged": True, "explained": 0.93}) == "ok"
     assert fit_status({"converged": True, "explained": POOR_FIT / 2}) == "poor fit (explains 10%)"

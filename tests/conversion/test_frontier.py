@@ -248,7 +248,7 @@ def test_refitting_every_converted_site_keeps_what_lowers_the_cross_entropy_and_
 def test_a_site_put_back_names_its_cost_alone_with_one_sign():
     """issue 50: a negative cost alone read '+-0.00148' and 'over the budget' without saying it was put back."""
     from normlab.conversion.frontier import Frontier, _note_budget
-    from normlab.conversion.record import ConversionRecord
+    from normlab.record import ConversionRecord
 
     record = ConversionRecord("dyisru", "global", [], [])
     model = torch.nn.Sequential(torch.nn.RMSNorm(4))

@@ -69,7 +69,7 @@ def test_calibrated_smollm2_beats_default_init_and_round_trips(smollm2, tmp_path
             text = "To be, or not to be"
             assert tok(text)["input_ids"] == tokenizer(text)["input_ids"]
             # the status says how much of each site's target its fit explains; a poor fit never reads plain "ok"
-            from normlab.conversion.record import POOR_FIT, fit_status
+            from normlab.record import POOR_FIT, fit_status
 
             explained = [s.fit["explained"] for s in rec.sites]
             assert all(e is not None and math.isfinite(e) and e <= 1.0 for e in explained)

@@ -130,9 +130,7 @@ def test_the_lab_and_the_library_give_a_dyisru_site_the_same_beta0_from_the_dyt_
     import normlab
 
     width = 2048  # a row of the table with two values (1.0 before attention, 0.5 elsewhere)
-    lab = GPT(
-        GPTConfig(width=width, depth=1, heads=16, context=8, vocab_size=16, norm="dyisru", recipe="dyt_paper")
-    )
+    lab = GPT(GPTConfig(width=width, depth=1, heads=16, context=8, vocab_size=16, norm="dyisru", recipe="dyt_paper"))
     plain = GPT(GPTConfig(width=width, depth=1, heads=16, context=8, vocab_size=16, norm="rms_norm"))
     normlab.replace_norms(plain, "dyisru", init="dyt_paper", roles={"*norm_attn": "attn", "*norm_mlp": "mlp",
                                                                     "norm_final": "final"})  # fmt: skip

@@ -57,11 +57,11 @@ def _cmd_build_kernels(args: argparse.Namespace) -> int:
 
 
 def _print_paths() -> None:
-    """``--check``: the path each fused norm took here, observed (`normlab.kernels.paths.check`)."""
-    from normlab.kernels.paths import PATH_NAMES, TRAIN_ROWS, check
+    """``--check``: the path each fused norm took here, observed (`normlab.features.kernel_paths`)."""
+    from normlab.features import PATH_NAMES, TRAIN_ROWS, kernel_paths
     from normlab.table import format_table
 
-    rows = [[r["norm"], PATH_NAMES[r["inference"]], PATH_NAMES[r["training"]]] for r in check()]
+    rows = [[r["norm"], PATH_NAMES[r["inference"]], PATH_NAMES[r["training"]]] for r in kernel_paths()]
     print(f"\nthe path each norm took on a CPU float32 tensor ({TRAIN_ROWS} x 512), as the dispatcher saw it:")
     print(format_table(["norm", "inference", "training (forward + backward)"], rows))
     print("(under torch.compile every norm is the reference math, which the compiler fuses; on CUDA, Triton)")

@@ -27,8 +27,6 @@ __all__ = [
     "row_chunks",
     "run_hooked",
     "sharing_copy",
-    "swap",
-    "aliases",
 ]
 
 #: What one batch may be: a dict of model kwargs, an input tensor, or an (inputs, ...) tuple from a dataloader.
@@ -224,34 +222,6 @@ def cache_kwarg(model: nn.Module) -> str:
         model: The model.
     """
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
-def swap(model: nn.Module, name: str, new: nn.Module) -> nn.Module:
-    """Put ``new`` at the submodule ``name`` of ``model``, and wherever else the model holds that same module (a norm
-    registered under two names, ``m.b = m.a``, stays one module); returns the module it replaces.
-
-    Args:
-        model: The model.
-        name: The submodule's dotted name.
-        new: The module put in its place.
-    """
-    old = model.get_submodule(name)
-    holders = [(parent, child) for _, parent in model.named_modules(remove_duplicate=False)
-               for child, m in parent._modules.items() if m is old]  # fmt: skip
-    for parent, child in holders:
-        setattr(parent, child, new)
-    return old
-
-
-def aliases(model: nn.Module, name: str) -> list[str]:
-    """The other names under which ``model`` holds the submodule ``name`` (a shared norm), in module order.
-
-    Args:
-        model: The model.
-        name: The submodule's dotted name.
-    """
-    m = model.get_submodule(name)
-    return [n for n, x in model.named_modules(remove_duplicate=False) if x is m and n != name]
 
 
 #: The most bytes one part of a batch's float32 logits may take (`logit_rows`): a pass that holds both models' logits

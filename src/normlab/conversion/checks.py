@@ -6,7 +6,6 @@ can measure it. Each refusal names the flag and the fix; nothing is computed bef
 from __future__ import annotations
 
 import fnmatch
-import shutil
 from pathlib import Path
 
 from torch import nn
@@ -17,7 +16,7 @@ from normlab.conversion.data.texts import eval_file
 from normlab.conversion.export.saving import RECORD_FILE, read_record
 from normlab.conversion.measure.fidelity import predicts_next_token
 from normlab.corpus import cache_dir
-from normlab.errors import NormlabError, check_memory
+from normlab.errors import check_memory
 from normlab.owner import check_writable, inside
 
 # The largest stage peak of a conversion over the float32 model's size, with a margin: Qwen2.5-Coder-0.5B's
@@ -27,7 +26,7 @@ from normlab.owner import check_writable, inside
 # LoRA weights beside the original's (which otherwise shares the model's matrices) make up the rest.
 CONVERSION_PEAK = 3.7
 
-__all__ = ["CONVERSION_PEAK", "check_conversion_memory", "check_out", "check_out_space", "saved_bytes",
+__all__ = ["CONVERSION_PEAK", "check_conversion_memory", "check_out",
            "check_files", "check_checkpoint",
            "check_exclude", "check_inputs", "check_inputs_outside", "check_next_token",
            "check_resume_identity"]  # fmt: skip
@@ -265,46 +264,3 @@ def check_conversion_memory(net: nn.Module) -> None:
         f"{4 * n / 1e9:.2f} GB, as measured on Qwen2.5-Coder-0.5B)",
         "convert on a machine with more memory",
     )
-
-
-SAVE_MARGIN = 1.10  # the weights' bytes, plus the config, the tokenizer and the records (measured: under 5% on SmolLM2)
-
-
-def saved_bytes(net: nn.Module) -> int:
-    """About what `normlab.save_converted` writes for ``net``: its unique tensors' bytes at their own dtype (tied
-    weights once), times `SAVE_MARGIN`, plus 16 MB for a tokenizer.
-
-    Args:
-        net: The model to be saved.
-    """
-    seen, total = set(), 0
-    for t in list(net.parameters()) + list(net.buffers()):
-        if t.data_ptr() in seen:
-            continue
-        seen.add(t.data_ptr())
-        total += t.numel() * t.element_size()
-    return int(total * SAVE_MARGIN) + (16 << 20)
-
-
-def check_out_space(out: str | None, net: nn.Module, what: str = "--out", kind: str = "the conversion") -> None:
-    """Refuse, before the work and again before the write, an output whose disk cannot hold the conversion: the
-    save writes a new folder beside the old one and swaps them, so the old one's space is not counted.
-
-    Args:
-        out: The output folder, or None.
-        net: The model that will be saved.
-        what: How errors name the folder.
-        kind: How errors name what is written.
-    """
-    if out is None:
-        return
-    parent = Path(out).resolve().parent
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
-    need, free = saved_bytes(net), shutil.disk_usage(parent).free
-    if free < need:
-        raise NormlabError(
-            f"{what} {out}: its disk has {free / 1e6:.1f} MB free, and {kind} needs about {need / 1e6:.1f} MB "
-            "(written beside any old output, which is replaced only once the new one is whole); free some space, "
-            f"or put {what} on another disk"
-        )

@@ -5,17 +5,13 @@
     print(record.table())
     report = normlab.fidelity(original, model, held_out)                     # how close the converted model is
 
-What it finds (``KNOWN_NORMS``): ``nn.LayerNorm``, ``nn.RMSNorm``, normlab's own LayerNorm/RMSNorm, and the
-RMSNorm classes of Hugging Face models (Llama, Qwen2/3, Mistral, Mixtral, Phi3, T5LayerNorm, and Gemma's, whose
-scale is 1 + weight). Add a class with ``extra_classes={MyNorm: "rms_norm"}`` or restrict sites with
-``include=lambda name, module: ...``. Any other module whose class name contains "Norm" is reported as skipped,
-with the reason; nothing is skipped silently.
+The norms are found, built and swapped by `normlab.sites` (``KNOWN_NORMS``, ``extra_classes=``), as
+`normlab.replace_norms` finds them; restrict the sites with ``include=lambda name, module: ...``.
 
 Calibration (``calibrate=`` sample inputs or a dataloader) fits each replacement, site by site in the order the
 model runs them, on the activations of the model as converted so far, so that its output after the affine
 matches the original norm's; massive tokens can get their own replacement (`normlab.conversion.calibrate.massive`).
-Every
-target is fitted with the same two degrees of freedom, its parameter (DyISRU/ELN beta, DyT alpha) and an
+Every target is fitted with the same two degrees of freedom, its parameter (DyISRU/ELN beta, DyT alpha) and an
 amplitude folded into the copied weight. ``per="channel"`` fits one of each per channel.
 
 Conversion is all-or-nothing: every replacement is built before the first module is swapped, and a calibration
@@ -31,206 +27,40 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from normlab.conversion.batches import swap
 from normlab.conversion.calibrate.sites import calibrate_sites, per_channel_kwargs
 from normlab.conversion.config import CalibrateConfig, ConvertConfig
 from normlab.conversion.export.saving import apply_record, load_converted, save_converted
 from normlab.conversion.measure.fidelity import fidelity
-from normlab.conversion.record import ConversionRecord, Site
+from normlab.record import ConversionRecord, Site
 from normlab.registry import NormSpec, calibratable_norms, norm_spec
+from normlab.sites import (
+    EXCLUDED,
+    check_extra_classes,
+    find_norms,
+    fresh_like,
+    no_norms_error,
+    refuse_wrapped,
+    source_dim,
+    source_eps,
+    swap,
+)
 from normlab.typed import check_types
 
-__all__ = ["KNOWN_NORMS", "ConversionRecord", "convert_norms", "find_norms", "fresh_like", "source_dim", "source_eps",
-           "apply_record", "fidelity", "save_converted", "load_converted", "CALIBRATABLE",
-           "resolve_options"]  # fmt: skip
+__all__ = ["ConversionRecord", "convert_norms", "apply_record", "fidelity", "save_converted", "load_converted",
+           "CALIBRATABLE", "resolve_options"]  # fmt: skip
 
-# class name -> how it normalizes ("layer_norm", "rms_norm", or "rms_norm_offset": scale is 1 + weight)
-#: How a norm class of the caller's normalizes (``extra_classes=``'s values).
-SOURCE_KINDS = ("layer_norm", "rms_norm", "rms_norm_offset")
-
-KNOWN_NORMS: dict[str, str] = {
-    "LayerNorm": "layer_norm",  # torch.nn.LayerNorm (GPT-2, BERT, ...) and normlab's
-    "RMSNorm": "rms_norm",  # torch.nn.RMSNorm and normlab's
-    "LlamaRMSNorm": "rms_norm",
-    "Qwen2RMSNorm": "rms_norm",
-    "Qwen3RMSNorm": "rms_norm",
-    "MistralRMSNorm": "rms_norm",
-    "MixtralRMSNorm": "rms_norm",
-    "Phi3RMSNorm": "rms_norm",
-    "T5LayerNorm": "rms_norm",
-    "ConvNextLayerNorm": "layer_norm",  # channels_last or channels_first (data_format): the replacement follows
-    "GemmaRMSNorm": "rms_norm_offset",
-    "Gemma2RMSNorm": "rms_norm_offset",
-    "Gemma3RMSNorm": "rms_norm_offset",
-    "RmsNorm": "rms_norm",  # timm's
-    "LayerNorm2d": "layer_norm",  # timm's channels-first norms (ConvNeXt, EfficientFormer...): (N, C, H, W)
-    "RmsNorm2d": "rms_norm",
-}
-#: Known norm classes that normalize over axis 1 of an (N, C, H, W) map: their replacement gets ``channel_dim=1``.
-CHANNELS_FIRST = ("LayerNorm2d", "RmsNorm2d")
 CALIBRATABLE = tuple(calibratable_norms())  # the registry says what a fit sets
 
 
 # --------------------------------------------------------------------------
 # finding and building
 # --------------------------------------------------------------------------
-def _kind(module: nn.Module, extra: dict) -> str | None:
-    for cls, kind in extra.items():
-        if isinstance(module, cls):
-            return kind
-    name = type(module).__name__
-    if name in KNOWN_NORMS:
-        return KNOWN_NORMS[name]
-    if name.endswith("RMSNorm") and hasattr(module, "weight"):  # an RMSNorm of a model not in the table
-        return "rms_norm_offset" if name.startswith("Gemma") else "rms_norm"
-    return None
-
-
-def source_eps(module: nn.Module) -> float:
-    """A norm's eps (``eps`` or ``variance_epsilon``), else its weight dtype's machine epsilon (nn.RMSNorm(eps=None)).
-
-    Args:
-        module: The norm.
-    """
-    for attr in ("eps", "variance_epsilon"):
-        v = getattr(module, attr, None)
-        if isinstance(v, (int, float)):
-            return float(v)
-    w = getattr(module, "weight", None)
-    return float(torch.finfo(w.dtype if w is not None else torch.float32).eps)  # nn.RMSNorm(eps=None)
-
-
-def source_dim(module: nn.Module) -> int | None:
-    """A norm's channel count (its one-dimensional ``normalized_shape``, else its 1-d weight's size), else None.
-
-    Args:
-        module: The norm.
-    """
-    shape = getattr(module, "normalized_shape", None)
-    if shape is not None:
-        return int(shape[0]) if len(shape) == 1 else None
-    w = getattr(module, "weight", None)
-    return int(w.shape[-1]) if w is not None and w.dim() == 1 else None
-
-
-def find_norms(
-    model: nn.Module, extra: dict, include: Callable[[str, nn.Module], bool] | None
-) -> tuple[list[tuple[str, nn.Module, str]], list[dict]]:
-    """The norms of ``model`` a conversion replaces, as (name, module, kind), and the ones it leaves, each with why.
-
-    Args:
-        model: The model.
-        extra: {a norm class of the caller's: its kind}.
-        include: ``include(name, module)`` says whether a found norm is taken (None: every one).
-    """
-    found, skipped = [], []
-    for name, m in model.named_modules():
-        if not name:
-            continue
-        kind = _kind(m, extra)
-        if kind is None:
-            inside = any(_kind(c, extra) for _, c in m.named_modules() if c is not m)  # a head holding a norm
-            if "Norm" in type(m).__name__ and not inside and not any(name.startswith(f[0] + ".") for f in found):
-                skipped.append(
-                    {
-                        "name": name,
-                        "class": type(m).__name__,
-                        "reason": "not a known per-token norm (add it with extra_classes=)",
-                    }
-                )
-            continue
-        if include is not None and not include(name, m):
-            skipped.append({"name": name, "class": type(m).__name__, "reason": "excluded by include="})
-            continue
-        if source_dim(m) is None:
-            shape = getattr(m, "normalized_shape", None)
-            why = (
-                "normalizes over more than one dimension"
-                if shape is not None
-                else "its channel count is unknown: no normalized_shape and no 1-d weight"
-            )
-            if type(m) in extra:  # the user asked for this class: say so, do not skip it quietly
-                raise ValueError(f"extra_classes[{type(m).__name__}]: cannot convert {name}: {why}")
-            skipped.append({"name": name, "class": type(m).__name__, "reason": why})
-            continue
-        found.append((name, m, kind))
-    return found, skipped
-
-
 def _site_kwargs(name: str, init: dict, site_init: dict) -> dict:
     kw = dict(init)
     for pattern, extra in site_init.items():
         if fnmatch.fnmatch(name, pattern):
             kw.update(extra)
     return kw
-
-
-def site_tensor(model: nn.Module | None, name: str, m: nn.Module) -> torch.Tensor | None:
-    """The tensor whose device and dtype a replacement of the norm ``m`` (at ``name`` in ``model``) takes: its weight,
-    else any parameter of its own, else, for a norm without parameters (``elementwise_affine=False``), the first
-    floating parameter of its nearest enclosing module that has one (its block's, so that a bf16 or meta block gets a
-    bf16 or meta replacement, and FSDP2 finds one dtype in it); None where there is none.
-
-    Args:
-        model: The model that holds ``m`` (None: ``m``'s own parameters only).
-        name: Its name in ``model``.
-        m: The norm.
-    """
-    w = getattr(m, "weight", None)
-    if isinstance(w, torch.Tensor):
-        return w
-    own = next(iter(m.parameters()), None)
-    if own is not None or model is None:
-        return own
-    parts = name.split(".")
-    for cut in range(len(parts) - 1, -1, -1):  # the parent, its parent, ..., the model
-        outer = model.get_submodule(".".join(parts[:cut])) if cut else model
-        ref = next((p for p in outer.parameters() if p.is_floating_point()), None)
-        if ref is not None:
-            return ref
-    return None
-
-
-def fresh_like(
-    name: str,
-    m: nn.Module,
-    spec: NormSpec,
-    kwargs: dict,
-    catch: tuple[type, ...] = (TypeError,),
-    model: nn.Module | None = None,
-) -> tuple[nn.Module, dict]:
-    """A new ``spec`` layer in the place of the norm ``m``: its channels, its channel axis (ConvNeXt's channels_first),
-    its eps where the target has one, its device and dtype (`site_tensor`: a meta model gets a meta layer, which
-    ``to_empty`` plus ``reset_parameters`` fill), its train/eval mode, and frozen where every parameter of ``m`` was.
-    Returns the layer and the keywords it was built with; an error of a kind in ``catch`` from building it is a
-    ValueError naming the site.
-
-    Args:
-        name: The site's name, for errors.
-        m: The norm replaced.
-        spec: The target's registry entry.
-        kwargs: The target's keywords.
-        catch: The errors of building it that become a ValueError naming the site.
-        model: The model that holds ``m``, where a norm without parameters takes its device and dtype from.
-    """
-    if getattr(m, "data_format", None) == "channels_first" or type(m).__name__ in CHANNELS_FIRST:  # (N, C, H, W)
-        kwargs = {**kwargs, "channel_dim": 1}
-    if "eps" in spec.init_kwargs and "eps" not in kwargs:
-        kwargs = {**kwargs, "eps": source_eps(m)}  # keep the source's eps where the target has one
-    ref = site_tensor(model, name, m)
-    where = {} if ref is None else {"device": ref.device, "dtype": ref.dtype}
-    direct = {"device", "dtype"} <= set(spec.init_kwargs)  # built there (on meta: no memory), else moved there
-    try:
-        new = spec.create(source_dim(m), **kwargs, **(where if direct else {}))
-    except catch as e:  # an init argument the target does not take: say which site asked for it
-        raise ValueError(f"site {name}: {e}") from None
-    if where and not direct:
-        new = new.to(**where)
-    own = list(m.parameters())
-    if own and not any(p.requires_grad for p in own):
-        new.requires_grad_(False)  # a frozen norm stays frozen
-    new.train(m.training)
-    return new, kwargs
 
 
 def _build(
@@ -344,39 +174,6 @@ def _check_agree(base: ConvertConfig, overrides: dict, cal_fields: set) -> None:
         )
 
 
-def refuse_wrapped(model: nn.Module, who: str) -> None:
-    """A model already wrapped for data or model parallelism (DDP, DataParallel, FSDP, FSDP2's ``fully_shard``, a
-    DTensor parameter of tensor parallelism) is refused, with the fix: swap the norms first, then wrap. A wrapper
-    holds its own view of the parameters (DDP's buckets and replicas, FSDP's shards), so a module swapped inside it
-    trains on one rank only and the replicas drift.
-
-    Args:
-        model: The model.
-        who: The function named in the error.
-    """
-    wrapper = None
-    if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
-        wrapper = type(model).__name__
-    elif torch.distributed.is_available():
-        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
-        from torch.distributed.tensor import DTensor
-
-        for name, m in model.named_modules():
-            if isinstance(m, (FSDPModule, FullyShardedDataParallel)):
-                wrapper = f"FSDP ({name or 'the model'} is sharded by {type(m).__name__.split('.')[-1]})"
-                break
-        else:
-            shard = next((n for n, p in model.named_parameters() if isinstance(p, DTensor)), None)
-            if shard is not None:
-                wrapper = f"tensor or sequence parallelism ({shard} is a DTensor)"
-    if wrapper is not None:
-        raise ValueError(
-            f"{who}: the model is already wrapped by {wrapper}; swap its norms first, then wrap it: "
-            f"{who}(model, ...) before DistributedDataParallel(model), fully_shard(...) or parallelize_module(...) "
-            "(a wrapper keeps its own view of the parameters, so a module swapped inside it would train on one rank)"
-        )
-
-
 def _check_options(model, to, calibrate, extra_classes) -> None:
     """Every argument of convert_norms checked before the model is touched; a bad one is a clear error."""
     if not isinstance(model, nn.Module):
@@ -387,11 +184,7 @@ def _check_options(model, to, calibrate, extra_classes) -> None:
             f"calibration fits the parameter of {', '.join(CALIBRATABLE)}; {to!r} has none to fit "
             "(convert without calibrate=)"
         )
-    for cls, kind in (extra_classes or {}).items():
-        if not isinstance(cls, type):
-            raise TypeError(f"extra_classes is keyed by the norm class itself, not by {cls!r}: {{MyNorm: {kind!r}}}")
-        if kind not in SOURCE_KINDS:
-            raise ValueError(f"extra_classes[{cls.__name__}]: kind must be {', '.join(SOURCE_KINDS)}")
+    check_extra_classes(extra_classes, "convert_norms")
 
 
 def convert_norms(
@@ -436,25 +229,14 @@ def convert_norms(
     if cfg.exclude:  # the config's exclude, as normlab convert applies it, beside any include= of the caller's
         include = _excluding(cfg.exclude, include)
     found, skipped = find_norms(model, extra, include)
-    excluded = [s["name"] for s in skipped if s["reason"] == "excluded by include="]
+    excluded = [s["name"] for s in skipped if s["reason"] == EXCLUDED]
     if not found and excluded:
         raise ValueError(
             f"convert_norms: every one of the {len(excluded)} norms of {type(model).__name__} is excluded "
             f"(include= / --exclude; e.g. {excluded[0]}): nothing is left to convert; exclude fewer"
         )
     if not found:
-        from normlab.modules import NormModule
-
-        ours = [n for n, m in model.named_modules() if isinstance(m, NormModule)]
-        if ours:
-            raise ValueError(
-                f"convert_norms: {type(model).__name__} is already converted ({len(ours)} normlab norms, "
-                f"e.g. {ours[0]}); convert the original model instead"
-            )
-        raise ValueError(
-            f"convert_norms: found no normalization module to convert in {type(model).__name__} "
-            f"(known: {', '.join(sorted(KNOWN_NORMS))}; add yours with extra_classes=)"
-        )
+        raise no_norms_error(model, "convert_norms")
     init, site_init = cfg.init, cfg.site_init
     # a pattern names a norm of the model (a typo is an error), not one of this call's sites: a site excluded here,
     # or converted by an earlier call (a walk's refit of one site; the next walk of heal.steps), is not a typo

@@ -36,12 +36,13 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from normlab.conversion.batches import as_batches, autocast_dtype, model_device, sharing_copy, swap
+from normlab.conversion.batches import as_batches, autocast_dtype, model_device, sharing_copy
 from normlab.conversion.calibrate.stream import BlockReplay, find_blocks
 from normlab.conversion.config import BudgetConfig, CalibrateConfig
 from normlab.conversion.convert import convert_norms
 from normlab.conversion.measure.fidelity import ReferenceKL
-from normlab.conversion.record import ConversionRecord
+from normlab.record import ConversionRecord
+from normlab.sites import swap
 
 __all__ = ["FEW_SELECTION", "METRICS", "Frontier", "frontier", "site_costs", "measure_of"]
 

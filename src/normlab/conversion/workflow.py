@@ -25,7 +25,6 @@ from normlab.conversion.checks import (
     check_inputs_outside,
     check_next_token,
     check_out,
-    check_out_space,
     check_resume_identity,
 )
 from normlab.conversion.config import BudgetConfig, ConvertConfig, HealConfig
@@ -48,11 +47,26 @@ from normlab.conversion.measure.usage import usage_lines, usage_report
 from normlab.conversion.stages import Stages, count_every_process, earlier_stages, stages_file
 from normlab.corpus import fetch_shakespeare, sha256_file
 from normlab.errors import NormlabError
-from normlab.owner import beside, hold, restore_swapped, swap_in
+from normlab.owner import beside, check_out_space, hold, restore_swapped, swap_in
 
 __all__ = ["convert_model", "check_out", "CONFIG_FILE", "model_fingerprint"]
 
 CONFIG_FILE = "convert_config.json"  # the resolved ConvertConfig, beside the record in every output folder
+
+
+def _judge(fid: dict, inputs: tuple, stages: Stages, markdown: bool) -> None:
+    """The judgement as used (`usage_report`) into ``fid``; a failure inside it is said and recorded
+    (``usage_error``), and the conversion is saved without it: minutes of conversion are never lost to the judge,
+    and ``normlab evaluate`` judges the saved folder again."""
+    try:
+        with stages("judgement"):
+            fid["usage"] = usage_report(*inputs)
+    except Exception as e:  # noqa: BLE001  (whatever the judge raises: the conversion itself is done and good)
+        fid["usage_error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        said = f"the judgement failed ({fid['usage_error']}); the conversion is saved without it: judge it again"
+        print(f"\n{said} with normlab evaluate", file=sys.stderr)
+        return
+    print("\n" + usage_lines(fid["usage"], markdown))
 
 
 def second_text_line(second: dict) -> str:
@@ -231,10 +245,7 @@ def _convert(job: _Job, markdown: bool) -> dict:
     if record.calibration:
         fid["calibration"] = record.calibration
     if judging:
-        with stages("judgement"):
-            own = Path(text).read_text(errors="replace")
-            fid["usage"] = usage_report(original, net, tokenizer, tallies, own)
-        print("\n" + usage_lines(fid["usage"], markdown))
+        _judge(fid, (original, net, tokenizer, tallies, Path(text).read_text(errors="replace")), stages, markdown)
     fid["stages"], fid["stage_peak_gb"] = stages.seconds, stages.peak_gb
     fid["bos_every_sequence"] = leading_bos(tokenizer) is not None
     fid["parameters"] = sum(p.numel() for p in original.parameters())  # the float32 model: 4 bytes each

@@ -43,7 +43,7 @@ from torchtitan.models.common.nn_modules import LayerNorm, RMSNorm
 from torchtitan.protocols.model import ModelConfigConverter
 from torchtitan.protocols.module import Module
 
-import normlab
+from normlab.elementwise import Derf, DyISRU, DyT
 from normlab.recipes import MEASURED, RECIPES, recipe_kwargs, site_role
 from normlab.registry import norm_spec
 
@@ -93,9 +93,9 @@ def _titan_class(base: type[nn.Module], name: str) -> type:
     return cls
 
 
-TitanDyT = _titan_class(normlab.DyT, "TitanDyT")
-TitanDyISRU = _titan_class(normlab.DyISRU, "TitanDyISRU")
-TitanDerf = _titan_class(normlab.Derf, "TitanDerf")
+TitanDyT = _titan_class(DyT, "TitanDyT")
+TitanDyISRU = _titan_class(DyISRU, "TitanDyISRU")
+TitanDerf = _titan_class(Derf, "TitanDerf")
 #: normlab's registry name -> its torchtitan Module.
 TITAN_NORMS: dict[str, type] = {"dyt": TitanDyT, "dyisru": TitanDyISRU, "derf": TitanDerf}
 

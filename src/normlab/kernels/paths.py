@@ -4,8 +4,8 @@ saw them.
     from normlab.kernels.paths import ops_run
     ops = ops_run(lambda: model(x).sum().backward())   # Counter({'normlab_cpu::pointwise_fwd': 8, ...})
 
-`check` runs every registered norm that has a fused path once in inference and once in training and reports the
-path each took (``normlab build-kernels --check`` prints it). A dispatch mode (the mechanism of torch's own
+`normlab.features.kernel_paths` runs every registered norm that has a fused path through it (``normlab build-kernels
+--check`` prints it). A dispatch mode (the mechanism of torch's own
 ``FlopCounterMode``) sees every op that runs, forward and backward, so an answer here cannot be fooled by a flag: a
 norm that fell back to the reference math shows ATen's ops and no ``normlab_cpu``.
 """
@@ -15,15 +15,11 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 
-import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["ops_run", "fused_ops", "check", "PATH_NAMES", "TRAIN_ROWS"]
+__all__ = ["OWN_OPS", "ops_run", "fused_ops"]
 
 OWN_OPS = "normlab_cpu::"  # the namespace of the C++ library's ops (csrc/cpu_norms.cpp)
-# the path a norm took, by the ops seen; LayerNorm's fused path is PyTorch's own op
-PATH_NAMES = {"fused": "fused C++ (normlab_cpu)", "aten": "PyTorch's fused op", "reference": "reference math"}
-TRAIN_ROWS = 256  # 256 x 512 = 131,072 elements: past kernels.cpu.MIN_FUSED, so that "auto" fuses a training call
 
 
 class _Seen(TorchDispatchMode):
@@ -56,36 +52,3 @@ def fused_ops(fn: Callable[[], object]) -> Counter:
         fn: A call with no arguments.
     """
     return Counter({k: v for k, v in ops_run(fn).items() if k.startswith(OWN_OPS)})
-
-
-def _path(ops: Counter, name: str) -> str:
-    if any(k.startswith(OWN_OPS) for k in ops):
-        return "fused"
-    if name == "layer_norm" and any(k in ops for k in ("aten::native_layer_norm", "aten::layer_norm")):
-        return "aten"
-    return "reference"
-
-
-def check(dim: int = 512, dtype: torch.dtype = torch.float32) -> list[dict]:
-    """Each fused norm of the registry, run here on a CPU tensor: the path its inference call (no autograd) and its
-    training call (forward and backward, `TRAIN_ROWS` x ``dim``) took, as `PATH_NAMES` keys.
-
-    Args:
-        dim: The channel count.
-        dtype: The input's dtype (float32, bfloat16 or float16).
-    """
-    from normlab.registry import create_norm, list_norms, norm_spec
-
-    rows = []
-    for name in list_norms():
-        if "kernel" not in norm_spec(name).init_kwargs:
-            continue  # a norm with no fused path: always the reference
-        norm = create_norm(name, dim).to(dtype)
-        x = torch.randn(TRAIN_ROWS, dim, dtype=dtype)
-        with torch.no_grad():
-            norm(x)  # a first call: a library still loading takes the reference once
-            infer = ops_run(lambda n=norm, x=x: n(x))
-        xg = x.clone().requires_grad_(True)
-        train = ops_run(lambda n=norm, x=xg: n(x).float().sum().backward())
-        rows.append({"norm": name, "inference": _path(infer, name), "training": _path(train, name)})
-    return rows

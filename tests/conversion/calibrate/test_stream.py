@@ -157,9 +157,9 @@ def test_a_stream_too_big_for_the_machine_is_refused_with_its_size(monkeypatch):
 def test_a_replay_from_a_sites_block_measures_what_the_whole_model_measures():
     """BlockReplay: blocks before the changed site's block replay their kept outputs; the cross-entropy equals a
     pass of the whole model, for a site in a middle block and for the final norm, and commit keeps a change."""
-    from normlab.conversion.batches import swap
     from normlab.conversion.calibrate.stream import BlockReplay
     from normlab.conversion.measure.fidelity import cross_entropy
+    from normlab.sites import swap
 
     model = tiny_lm("Llama", layers=3)
     batches = id_batches(2, t=12)
@@ -180,9 +180,10 @@ def test_a_replay_from_a_sites_block_measures_what_the_whole_model_measures():
 def test_a_bf16_replay_replays_its_own_passes_exactly_and_reads_near_float32():
     """BlockReplay(dtype=bf16), the budget walk's default where bf16 runs natively: a replay from a block equals a
     whole bf16 pass, and the bf16 cross-entropy is within bf16's rounding of the float32 one."""
-    from normlab.conversion.batches import autocast_dtype, swap
+    from normlab.conversion.batches import autocast_dtype
     from normlab.conversion.calibrate.stream import BlockReplay
     from normlab.conversion.measure.fidelity import cross_entropy
+    from normlab.sites import swap
 
     model = tiny_lm("Llama", layers=3)
     if autocast_dtype("auto", model, "budget.precision")[0] is None:
@@ -218,9 +219,9 @@ def test_a_replay_stands_in_for_the_early_blocks_in_the_models_own_list(family):
     time, and reads the block's attributes (Qwen2's and Gemma's ``attention_type``) before calling it. A replay puts
     a stand-in (`Replayed`) in the list for each block before the changed one: those blocks do not run, the
     cross-entropy equals the whole model's, and the list holds the real blocks again after."""
-    from normlab.conversion.batches import swap
     from normlab.conversion.calibrate.stream import BlockReplay
     from normlab.conversion.measure.fidelity import cross_entropy
+    from normlab.sites import swap
 
     model = tiny_lm(family, layers=3)
     batches = id_batches(2, t=12)

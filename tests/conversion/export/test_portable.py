@@ -246,3 +246,21 @@ def test_an_edited_folder_is_refused_naming_the_file_and_the_fix(tmp_path):
     for name, (_, message) in EDITS.items():
         assert said[folders[name]].startswith("ValueError") and message in said[folders[name]], (name, said)
         assert "convert the original again" in said[folders[name]]
+
+
+def test_a_gpt_neox_folder_loads_its_own_head_without_normlab(tmp_path):
+    """issue 100: transformers 5 saves GPT-NeoX's lm_head as embed_out (its Hub checkpoints' name) and renames it back
+    on loading, but not for a class from a modeling file: the folder built NormlabGPTNeoXForCausalLM with a random
+    head (a 0.9 logit difference). The modeling file registers the base class's renames for its class too."""
+    torch.manual_seed(0)
+    cfg = transformers.GPTNeoXConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, max_position_embeddings=64)  # fmt: skip
+    model = transformers.GPTNeoXForCausalLM(cfg).eval()
+    record = normlab.convert_norms(model, "dyt", progress=False)
+    folder = normlab.save_converted(model, record, tmp_path / "neox")
+    x = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.save({"x": x, "y": model(x).logits}, folder / "case.pt")
+    seen = load_without_normlab([(str(folder), "AutoModelForCausalLM", "logits")], tmp_path)
+    assert seen["normlab_imported"] is False and seen[str(folder)]["class"] == "NormlabGPTNeoXForCausalLM"
+    assert seen[str(folder)]["diff"] <= 1e-5, seen

@@ -49,7 +49,7 @@ def _saved_conversion(tmp_path, seed: int = 0) -> Path:
 
 def test_fuzz_every_conversion_record_field(tmp_path):
     from normlab.conversion.export.saving import RECORD_FILE
-    from normlab.conversion.record import _RECORD_FIELDS, _SITE_FIELDS
+    from normlab.record import _RECORD_FIELDS, _SITE_FIELDS
 
     folder = _saved_conversion(tmp_path)
     good = json.loads((folder / RECORD_FILE).read_text())

@@ -14,7 +14,8 @@ from conftest import id_batches, tiny_lm
 from normlab.conversion.config import HealConfig
 from normlab.conversion.data.models import TokenStream
 from normlab.conversion.heal.report import heal_summary
-from normlab.conversion.heal.teacher import TeacherCache, teacher_top_k, top_k_kl
+from normlab.conversion.heal.teacher import TeacherCache, teacher_top_k
+from normlab.conversion.measure.judge import top_k_kl
 
 
 def _logps(seed: int, shape=(3, 5, 40), scale: float = 3.0) -> torch.Tensor:

@@ -44,7 +44,7 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from normlab.conversion.batches import Stop, as_batches, run_hooked, swap
+from normlab.conversion.batches import Stop, as_batches, run_hooked
 from normlab.conversion.calibrate.fit import FitOutcome, fit_replacement
 from normlab.conversion.calibrate.massive import (
     MassiveRows,
@@ -56,8 +56,9 @@ from normlab.conversion.calibrate.massive import (
 )
 from normlab.conversion.calibrate.stream import BlockStream, find_blocks
 from normlab.conversion.config import ConvertConfig
-from normlab.conversion.record import Site
+from normlab.record import Site
 from normlab.registry import NormSpec, norm_spec
+from normlab.sites import swap
 
 __all__ = ["FitOutcome", "fit_replacement", "calibrate_sites", "per_channel_kwargs"]
 

@@ -31,6 +31,7 @@ from torch import nn
 
 from normlab.corpus import cache_dir, checked_download
 from normlab.errors import NormlabError
+from normlab.record import RECORD_FILE
 
 __all__ = ["SMOLLM2", "QWEN_CODER", "quiet", "smollm2", "qwen_coder", "fixture_path", "load_model", "leading_bos",
            "usable_tokenizer", "token_chunks", "text_batches", "text_splits", "TextCut", "TextSplits",
@@ -167,8 +168,6 @@ def load_model(
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"model {str(path)!r} does not exist: expected a Hugging Face model folder or a .gguf")
-    from normlab.conversion.export.saving import RECORD_FILE
-
     if (p / RECORD_FILE).is_file():  # loaded as a plain model, its norms would be the original's class
         raise ValueError(
             f"{p} is a normlab conversion (it holds {RECORD_FILE}): load_model would build the original "

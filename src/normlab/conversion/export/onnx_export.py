@@ -412,7 +412,7 @@ def export_onnx(
     _check_model(model)
     _check_cache(model)
     path, opset = check_target(path, opset)
-    from normlab.conversion.checks import check_out_space
+    from normlab.owner import check_out_space
 
     check_out_space(str(path), model, "the ONNX file", "the export")  # the float32 weights, before any work
     if check is not None and check.probe is None:

@@ -255,7 +255,23 @@ def with_sites(base):
     name = f"Normlab{base.__name__}"
     made = type(name, (base,), {"__init__": __init__, "from_pretrained": from_pretrained, "__module__": __name__,
                                 "__qualname__": name, "__doc__": with_sites.__doc__})
+    share_weight_names(base, name)
     return made
+
+
+def share_weight_names(base, name):
+    """transformers 5 renames a checkpoint's weights by class or model type as it loads them (GPT-NeoX's saved
+    embed_out is its lm_head), but never for a class from a modeling file unless renames are registered under its
+    name: the base class's renames, registered for this class too."""
+    try:
+        from transformers import conversion_mapping as cm
+    except ImportError:  # transformers 4: no renames
+        return
+    renames = cm.get_checkpoint_conversion_mapping(base.__name__)
+    if renames is None:
+        renames = cm.get_checkpoint_conversion_mapping(getattr(base.config_class, "model_type", None))
+    if renames:
+        cm.register_checkpoint_conversion_mapping(name, renames, overwrite=True)
 '''
 
 

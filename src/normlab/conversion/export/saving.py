@@ -11,7 +11,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from normlab.conversion.batches import swap
 from normlab.conversion.calibrate.massive import MassiveTokens
 from normlab.conversion.calibrate.sites import per_channel_kwargs
 from normlab.conversion.export.portable import (
@@ -21,8 +20,9 @@ from normlab.conversion.export.portable import (
     site_spec,
     write_portable,
 )
-from normlab.conversion.record import ConversionRecord
 from normlab.corpus import sha256_file
+from normlab.record import RECORD_FILE, ConversionRecord
+from normlab.sites import swap
 from normlab.version import __version__
 
 __all__ = ["RECORD_FILE", "save_converted", "load_converted", "read_record", "apply_record", "module_names",
@@ -61,9 +61,6 @@ def apply_record(model: nn.Module, record: ConversionRecord) -> nn.Module:
             )
         scale_embeddings(model, record.embed_scale)
     return model
-
-
-RECORD_FILE = "normlab_conversion.json"
 
 
 def save_converted(

@@ -75,8 +75,8 @@ from normlab.conversion.heal.loop import (
 )
 from normlab.conversion.heal.lora import add_lora, merge_lora
 from normlab.conversion.heal.teacher import TeacherCache
-from normlab.conversion.record import ConversionRecord
 from normlab.errors import check_memory
+from normlab.record import ConversionRecord
 
 __all__ = [
     "heal",

@@ -7,7 +7,7 @@ three times in 30 minutes on two cores, and the original's forward pass is about
 
 What it stores and what the loss is. Per token, the k most probable next tokens of the original (their ids and
 log-probabilities, float32) and nothing else; the rest of the vocabulary is one "tail" outcome. The loss is the KL
-between the two distributions over those k + 1 outcomes (`top_k_kl`):
+between the two distributions over those k + 1 outcomes (`normlab.conversion.measure.judge.top_k_kl`):
 
     KL_k(p || q) = sum_{i in S} p_i (log p_i - log q_i) + p_tail (log p_tail - log q_tail),
     S = the original's top k,   p_tail = 1 - sum_{i in S} p_i,   q_tail = 1 - sum_{i in S} q_i.
@@ -23,8 +23,9 @@ import torch
 from torch import nn
 
 from normlab.conversion.batches import log_probs
+from normlab.conversion.measure.judge import top_k_kl
 
-__all__ = ["TeacherCache", "top_k_kl", "teacher_top_k"]
+__all__ = ["TeacherCache", "teacher_top_k"]
 
 
 def teacher_top_k(original: nn.Module, ids: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,31 +40,6 @@ def teacher_top_k(original: nn.Module, ids: torch.Tensor, k: int) -> tuple[torch
     with torch.no_grad():
         logp = log_probs(original, ids, stage="heal (the original, as teacher)")
     return logp.topk(min(k, logp.shape[-1]), dim=-1)
-
-
-def _log1mexp(x: torch.Tensor) -> torch.Tensor:
-    """log(1 - exp(x)) for x <= 0, accurate at both ends (Maechler 2012); x is clamped just below 0, so a
-    student that puts all its mass on the top k gives a finite (very negative) tail."""
-    x = x.clamp(max=-1e-7)
-    return torch.where(x > -0.6931471805599453, torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
-
-
-def top_k_kl(logq: torch.Tensor, values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """KL_k(p || q) of the module docstring, averaged over tokens: ``logq`` the student's log-probabilities
-    (B, T, V), ``values`` / ``index`` the teacher's top k (B, T, k) from `teacher_top_k`.
-
-    Args:
-        logq: The student's log-probabilities, (B, T, V).
-        values: The teacher's top k log-probabilities, (B, T, k).
-        index: Their token ids, (B, T, k).
-    """
-    lq = logq.gather(-1, index)
-    p = values.exp()
-    p_tail = (1.0 - p.sum(-1)).clamp_min(0.0)
-    lq_tail = _log1mexp(torch.logsumexp(lq, -1))
-    head = (p * (values - lq)).sum(-1)
-    tail = torch.xlogy(p_tail, p_tail) - p_tail * lq_tail
-    return (head + tail).sum() / head.numel()
 
 
 class TeacherCache:

@@ -10,7 +10,7 @@ from torch import nn
 
 from normlab.conversion.batches import as_batches, logit_rows, row_chunks, run_batch
 from normlab.conversion.measure.judge import TokenTally
-from normlab.conversion.record import ConversionRecord
+from normlab.record import ConversionRecord
 
 __all__ = ["fidelity", "cross_entropy", "predicts_next_token", "ReferenceKL", "REFERENCE_TOP_K"]
 
@@ -195,7 +195,7 @@ class ReferenceKL:
     call measures the model on the same batches against it. The budget walk's measure with ``budget.metric = "kl"``
     (a `normlab.conversion.calibrate.stream.BlockReplay` measure), what a quantizer judges by.
 
-    The KL is `normlab.conversion.heal.teacher.top_k_kl`'s: the rest of the vocabulary is one outcome, so it is at
+    The KL is `normlab.conversion.measure.judge.top_k_kl`'s: the rest of the vocabulary is one outcome, so it is at
     most the full KL, and equal to it when ``k`` covers the vocabulary. Positions an attention mask leaves out do not
     count. Memory: 8 bytes x ``k`` per position (32 sequences of 128 tokens at 1,024: 34 MB).
 
@@ -219,7 +219,7 @@ class ReferenceKL:
 
     @torch.no_grad()
     def __call__(self, model: nn.Module, batches: Iterable) -> float:
-        from normlab.conversion.heal.teacher import top_k_kl
+        from normlab.conversion.measure.judge import top_k_kl
 
         batches = list(as_batches(batches))
         first = self.reference is None

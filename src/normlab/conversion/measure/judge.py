@@ -26,7 +26,8 @@ from torch import Tensor, nn
 
 from normlab.conversion.batches import Stop, run_hooked
 
-__all__ = ["BINS", "TokenTally", "guard_items", "guard_prefixes", "heal_verdict", "judge_tokens", "kl_rows"]
+__all__ = ["BINS", "TokenTally", "guard_items", "guard_prefixes", "heal_verdict", "judge_tokens", "kl_rows",
+           "top_k_kl"]  # fmt: skip
 
 BINS = (0, 128, 256, 512, 1024, 2048, 4096)  # the position bins of the gap by position: [0, 128), [128, 256), ...
 _CHUNK = 256  # positions reduced at a time
@@ -244,3 +245,28 @@ def heal_verdict(before: dict, after: dict) -> dict:
         "before": {"worst": before["gap"]["worst"], "p99": before["kld"]["p99"], "mean": before["kld"]["mean"]},
         "after": {"worst": after["gap"]["worst"], "p99": after["kld"]["p99"], "mean": after["kld"]["mean"]},
     }
+
+
+def _log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """log(1 - exp(x)) for x <= 0, accurate at both ends (Maechler 2012); x is clamped just below 0, so a
+    student that puts all its mass on the top k gives a finite (very negative) tail."""
+    x = x.clamp(max=-1e-7)
+    return torch.where(x > -0.6931471805599453, torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+
+
+def top_k_kl(logq: torch.Tensor, values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """KL_k(p || q) of the module docstring, averaged over tokens: ``logq`` the student's log-probabilities
+    (B, T, V), ``values`` / ``index`` the teacher's top k (B, T, k) from `teacher_top_k`.
+
+    Args:
+        logq: The student's log-probabilities, (B, T, V).
+        values: The teacher's top k log-probabilities, (B, T, k).
+        index: Their token ids, (B, T, k).
+    """
+    lq = logq.gather(-1, index)
+    p = values.exp()
+    p_tail = (1.0 - p.sum(-1)).clamp_min(0.0)
+    lq_tail = _log1mexp(torch.logsumexp(lq, -1))
+    head = (p * (values - lq)).sum(-1)
+    tail = torch.xlogy(p_tail, p_tail) - p_tail * lq_tail
+    return (head + tail).sum() / head.numel()

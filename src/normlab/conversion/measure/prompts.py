@@ -1,10 +1,16 @@
 """The chat prompts a converted model is judged on (`normlab.conversion.measure.usage`): plain questions and requests
 a user of an instruct model asks, written here. The judgement answers the first ``UsageConfig.prompts`` (24) of them;
 ``normlab evaluate --prompts 96`` answers all, for a chat score whose 95% interval is about half as wide. The first 24
-are the ones every recorded chat score of the docs and bench/ was measured on: add new prompts after them.
+are the ones every recorded chat score of the docs and bench/ was measured on: add new prompts after them. Below:
+how they are put to a model (its chat template, greedy answers decoded together, within its positions).
 """
 
-__all__ = ["PROMPTS"]
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["PROMPTS", "chat_prompts", "greedy_answers", "answer_tokens"]
 
 PROMPTS = (
     "What is the capital of France?",
@@ -104,3 +110,74 @@ PROMPTS = (
     "Write a polite email asking for a meeting.",
     "What is climate change?",
 )
+
+
+def chat_prompts(tokenizer: object, prompts: tuple[str, ...]) -> tuple[list[Tensor], str] | None:
+    """The prompts through the chat template, and the text the template adds before the first user turn (its system
+    prompt); None when the tokenizer has no chat template.
+
+    Args:
+        tokenizer: A transformers tokenizer.
+        prompts: The user turns (`PROMPTS`).
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    ids, system = [], ""
+    for p in prompts:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
+        )
+        system = text[: text.find(p)]
+        ids.append(torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long))
+    return ids, system
+
+
+def greedy_answers(model: nn.Module, prompts: list[Tensor], new_tokens: int, eos: int | None) -> list[Tensor]:
+    """Each prompt's greedy continuation (at most ``new_tokens`` ids, up to and with ``eos``), the prompts decoded
+    together: left-padded to the longest, the padding masked. A decode step at batch 1 reads every weight for one
+    token, so one prompt at a time cost a 0.5B model about 24 times the batch's decode time.
+
+    Args:
+        model: A causal LM with ``generate``.
+        prompts: Token ids, each (T,).
+        new_tokens: The most new tokens.
+        eos: The end-of-sequence id, or None.
+    """
+    if not prompts:
+        return []
+    device = next(model.parameters()).device
+    pad = eos if eos is not None else 0
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :], mask[i, width - len(p) :] = p, 1
+    with torch.no_grad():
+        g = model.generate(
+            ids.to(device),
+            attention_mask=mask.to(device),
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            eos_token_id=eos,
+            pad_token_id=pad,
+        )[:, width:].cpu()
+    out = []
+    for row in g:
+        ends = (row == eos).nonzero() if eos is not None else []
+        out.append(row[: int(ends[0]) + 1] if len(ends) else row)  # the rows that ended early are padded after
+    return out
+
+
+def answer_tokens(prompts: list[Tensor], new_tokens: int, max_positions: int | None) -> int:
+    """How many tokens the answers to ``prompts`` may take: ``new_tokens``, fewer where the longest prompt plus them
+    would pass the model's ``max_positions`` (a GPT-2 of 128 positions: its position table ends there); 0 where the
+    longest prompt alone fills them.
+
+    Args:
+        prompts: The prompts' token ids, decoded together (left-padded to the longest).
+        new_tokens: The answers' length asked for.
+        max_positions: The model's positions (``config.max_position_embeddings``), or None where unbounded.
+    """
+    if not max_positions:
+        return new_tokens
+    return max(0, min(new_tokens, max_positions - max(len(p) for p in prompts)))

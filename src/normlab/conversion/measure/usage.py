@@ -31,10 +31,11 @@ from torch import Tensor, nn
 from normlab.conversion.batches import cache_kwarg
 from normlab.conversion.data.models import leading_bos, token_chunks
 from normlab.conversion.measure.judge import TokenTally, judge_tokens
-from normlab.conversion.measure.prompts import PROMPTS
+from normlab.conversion.measure.prompts import PROMPTS, answer_tokens, chat_prompts, greedy_answers
 from normlab.table import format_table
 
-__all__ = ["PROMPTS", "UsageConfig", "usage_report", "usage_lines", "stress_items", "greedy_answers", "parting",
+__all__ = ["PROMPTS", "UsageConfig", "usage_report", "usage_lines", "stress_items", "greedy_answers", "answer_tokens",
+           "parting",
            "chat_interval", "kept_answers", "paired_chat", "loops",
            "chat_prompts"]  # fmt: skip
 
@@ -61,62 +62,6 @@ class UsageConfig:
     """Nats above the held-out median gap that make a sequence a blow-up."""
     shown: int = 3
     """Answers shown side by side."""
-
-
-def greedy_answers(model: nn.Module, prompts: list[Tensor], new_tokens: int, eos: int | None) -> list[Tensor]:
-    """Each prompt's greedy continuation (at most ``new_tokens`` ids, up to and with ``eos``), the prompts decoded
-    together: left-padded to the longest, the padding masked. A decode step at batch 1 reads every weight for one
-    token, so one prompt at a time cost a 0.5B model about 24 times the batch's decode time.
-
-    Args:
-        model: A causal LM with ``generate``.
-        prompts: Token ids, each (T,).
-        new_tokens: The most new tokens.
-        eos: The end-of-sequence id, or None.
-    """
-    if not prompts:
-        return []
-    device = next(model.parameters()).device
-    pad = eos if eos is not None else 0
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p) :], mask[i, width - len(p) :] = p, 1
-    with torch.no_grad():
-        g = model.generate(
-            ids.to(device),
-            attention_mask=mask.to(device),
-            max_new_tokens=new_tokens,
-            do_sample=False,
-            eos_token_id=eos,
-            pad_token_id=pad,
-        )[:, width:].cpu()
-    out = []
-    for row in g:
-        ends = (row == eos).nonzero() if eos is not None else []
-        out.append(row[: int(ends[0]) + 1] if len(ends) else row)  # the rows that ended early are padded after
-    return out
-
-
-def chat_prompts(tokenizer: object, prompts: tuple[str, ...]) -> tuple[list[Tensor], str] | None:
-    """The prompts through the chat template, and the text the template adds before the first user turn (its system
-    prompt); None when the tokenizer has no chat template.
-
-    Args:
-        tokenizer: A transformers tokenizer.
-        prompts: The user turns (`PROMPTS`).
-    """
-    if not getattr(tokenizer, "chat_template", None):
-        return None
-    ids, system = [], ""
-    for p in prompts:
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
-        )
-        system = text[: text.find(p)]
-        ids.append(torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long))
-    return ids, system
 
 
 def parting(original: nn.Module, prompt: Tensor, a: Tensor, b: Tensor) -> dict | None:
@@ -222,22 +167,28 @@ def loops(ids: Tensor, span: int = 24, longest: int = 8) -> bool:
     return any(all(tail[i] == tail[i - p] for i in range(p, span)) for p in range(1, longest + 1))
 
 
-def _generation(original, converted, tokenizer: object, cfg: UsageConfig) -> tuple[dict, list] | None:
-    """Both models' answers to the chat prompts: the chat score, the system-prompt echoes, the shown answers; and the
-    chat set's items (prompt + the original's answer, scored on the answer)."""
+def _generation(original, converted, tokenizer: object, cfg: UsageConfig, max_positions: int | None = None):
+    """Both models' answers to the chat prompts, within the model's positions: the chat score, the system-prompt
+    echoes, the shown answers; and the chat set's items (prompt + the original's answer, scored on the answer). A
+    model whose positions the prompts fill gets a note instead of answers."""
     chat = chat_prompts(tokenizer, PROMPTS[: cfg.prompts])
     if chat is None:
         return None
     prompts, system = chat
+    new_tokens = answer_tokens(prompts, cfg.new_tokens, max_positions)
+    if new_tokens < 1:
+        longest = max(len(p) for p in prompts)
+        return {"skipped": f"the chat prompts take up to {longest} tokens, the model has {max_positions} positions"}, []
     eos = getattr(tokenizer, "eos_token_id", None)
-    ref = greedy_answers(original, prompts, cfg.new_tokens, eos)
-    got = greedy_answers(converted, prompts, cfg.new_tokens, eos)
+    ref = greedy_answers(original, prompts, new_tokens, eos)
+    got = greedy_answers(converted, prompts, new_tokens, eos)
     text = [[tokenizer.decode(a, skip_special_tokens=True).strip() for a in side] for side in (ref, got)]
     answers = [{"prompt": p, "original": a, "converted": b} for p, a, b in zip(PROMPTS, *text)]
     same = kept_answers(answers, cfg.words)
     parts = [m for m in (parting(original, p, a, b) for p, a, b in zip(prompts, ref, got)) if m is not None]
     result = {
         "prompts": len(prompts),
+        "new_tokens": new_tokens,
         "chat_score": sum(same) / len(same),
         "chat_interval": chat_interval(sum(same), len(same)),
         "system_echoes": sum(_echoes(b, system) for b in text[1]),
@@ -302,7 +253,11 @@ def stress_items(
     long = token_chunks(text[-16 * n :], tokenizer, vocab, n)
     if len(long):
         out[f"{n} tokens"] = long[-1]
-    return out
+    # within the model's positions (a GPT-2 of 128 has no 129th); a short or plain text can leave an input with
+    # fewer than 2 tokens (no words over 5 letters): nothing to judge there
+    cut = slice(0, max_positions)
+    out = {k: v[cut] if isinstance(v, Tensor) else [w[cut] for w in v if len(w) > 1] for k, v in out.items()}
+    return {k: v for k, v in out.items() if (len(v) > 1 if isinstance(v, Tensor) else v)}
 
 
 def _consistency(model: nn.Module, ids: Tensor, pad: int) -> dict:
@@ -360,8 +315,10 @@ def usage_report(
             report["texts"][name] = batches.result()
         else:
             report["texts"][name] = judge_tokens(original, converted, [(s, 0) for b in batches for s in b])
-    gen = _generation(original, converted, tokenizer, cfg)
-    if gen is not None:
+    gen = _generation(original, converted, tokenizer, cfg, max_positions)
+    if gen is not None and "skipped" in gen[0]:
+        report["generation_skipped"] = gen[0]["skipped"]
+    elif gen is not None:
         report["generation"], items = gen
         if items:
             report["texts"]["chat"] = judge_tokens(original, converted, items)
@@ -374,7 +331,8 @@ def usage_report(
         for k, v in stress.items()
     }
     pad = getattr(tokenizer, "pad_token_id", None) or 0
-    report["consistency"] = _consistency(converted, stress["leading newlines"], pad)
+    if "leading newlines" in stress:  # padded by 5 tokens: within the positions
+        report["consistency"] = _consistency(converted, stress["leading newlines"][: (max_positions or 10**9) - 5], pad)
     report["blowups"] = _blowups(report, cfg.blowup)
     return report
 
@@ -432,13 +390,13 @@ def usage_lines(report: dict, markdown: bool = False) -> str:
     if "long" in report:
         out.append("gap by position: " + ", ".join(f"{k} {_n(v)}" for k, v in report["long"]["by_position"].items()))
     stress = ", ".join(f"{k} {_n(t['gap']['worst'])}" for k, t in report["stress"].items())
-    c = report["consistency"]
-    out.append(
-        f"stress inputs (gap): {stress}; left-padded / KV-cache chunks vs alone: {c['padded']:.1e} / "
-        f"{c['kv_chunks']:.1e} of the logits' scale"
-    )
+    c = report.get("consistency")
+    both = f"; left-padded / KV-cache chunks vs alone: {c['padded']:.1e} / {c['kv_chunks']:.1e}" if c else ""
+    out.append(f"stress inputs (gap): {stress}{both}" + (" of the logits' scale" if c else ""))
     b = report["blowups"]
     out.append(f"blow-ups (a sequence > {_n(b['line'])} nats): " + (", ".join(b["over"]) if b["over"] else "none"))
+    if "generation_skipped" in report:
+        out.append(f"generation: not judged ({report['generation_skipped']})")
     g = report.get("generation")
     if g:
         out.append(
@@ -451,7 +409,8 @@ def usage_lines(report: dict, markdown: bool = False) -> str:
         if p["answers"]:
             out.append(
                 f"  {p['answers']} of {g['prompts']} answers part from the original's within "
-                f"{report['config']['new_tokens']} tokens, at a median token {p['token_median']:.0f}; there the "
+                f"{g.get('new_tokens', report['config']['new_tokens'])} tokens, at a median token "
+                f"{p['token_median']:.0f}; there the "
                 f"original preferred its token by a median {p['margin_median']:.2f} nats, by less than {NEAR_TIE} "
                 f"in {p['near_ties']} (near ties)"
             )

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from normlab.typed import describe, hints
+__all__ = ["Site", "ConversionRecord", "RECORD_FILE", "PER", "POOR_FIT", "CALIBRATION_PATHS", "fit_status"]
 
-__all__ = ["Site", "ConversionRecord", "POOR_FIT", "CALIBRATION_PATHS", "fit_status"]
+#: The record's file in a saved folder (`normlab.save_converted`, `normlab.load_converted`).
+RECORD_FILE = "normlab_conversion.json"
+#: How many fitted parameters a site has: one ("global") or one per channel; ConvertConfig.per takes these.
+PER = ("global", "channel")
 
 POOR_FIT = 0.2  # a calibrated site whose fit explains less than this fraction of its target's variance is "poor"
 
@@ -106,10 +109,8 @@ class ConversionRecord:
         if d.get("format") != "normlab-conversion-1":
             raise ValueError("not a normlab conversion record (format normlab-conversion-1)")
         _fields(d, _RECORD_FIELDS, "")
-        from normlab.conversion.config import ConvertConfig, choices
-
-        if d["per"] not in choices(ConvertConfig, "per"):
-            raise ValueError(f"per must be {describe(hints(ConvertConfig)['per'])}, got {d['per']!r}")
+        if d["per"] not in PER:
+            raise ValueError(f"per must be {' or '.join(map(repr, PER))}, got {d['per']!r}")
         from normlab.registry import norm_spec
 
         try:

@@ -1,0 +1,63 @@
+"""A model with few positions, judged as used (issue 99, the red team's CX1): `normlab convert` of a GPT-2 whose
+``n_positions`` is 128 converted, then raised a raw IndexError inside ``generate`` in the judge (the chat prompts plus
+the answers passed the position table) and saved no folder. The judge now stays within the model's positions, and a
+failure inside it never loses the conversion: the folder is saved without the judgement, which says why."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import normlab
+from conftest import CALIB, tiny_tokenizer
+from normlab.cli import main
+
+pytest.importorskip("transformers")
+
+
+def _gpt2_folder(tmp_path, positions: int = 128):
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=100, n_embd=32, n_layer=2, n_head=4, n_positions=positions,
+                                  bos_token_id=0, eos_token_id=1)  # fmt: skip
+    transformers.GPT2LMHeadModel(cfg).eval().save_pretrained(tmp_path / "m")
+    tiny_tokenizer().save_pretrained(tmp_path / "m")
+    (tmp_path / "calib.txt").write_text(CALIB)
+    return ["convert", "--model", str(tmp_path / "m"), "--calibrate", str(tmp_path / "calib.txt"), "--to", "dyt",
+            "--no-progress", "--out", str(tmp_path / "o")]  # fmt: skip
+
+
+def test_a_gpt2_of_128_positions_is_judged_within_them(tmp_path, capsys):
+    assert main(_gpt2_folder(tmp_path)) == 0, capsys.readouterr().err
+    usage = json.loads((tmp_path / "o" / "fidelity.json").read_text())["usage"]
+    gen = usage["generation"]
+    assert 1 <= gen["new_tokens"] < usage["config"]["new_tokens"]  # the answers shortened to fit 128 positions
+    assert usage["texts"]["chat"]["tokens"] > 0 and "consistency" in usage
+    assert all(k in usage["stress"] for k in ("leading newlines", "128 tokens"))
+    normlab.load_converted(tmp_path / "o")
+
+
+def test_a_failure_inside_the_judge_saves_the_conversion_and_says_so(tmp_path, capsys, monkeypatch):
+    import normlab.conversion.workflow as wf
+
+    def broken(*args, **kwargs):
+        raise IndexError("index out of range in self")
+
+    monkeypatch.setattr(wf, "usage_report", broken)
+    assert main(_gpt2_folder(tmp_path, positions=256)) == 0
+    err = capsys.readouterr().err
+    assert "the judgement failed (IndexError: index out of range in self); the conversion is saved" in err, err
+    fid = json.loads((tmp_path / "o" / "fidelity.json").read_text())
+    assert fid["usage_error"] == "IndexError: index out of range in self" and "usage" not in fid
+    normlab.load_converted(tmp_path / "o")
+
+
+def test_the_answers_fit_the_positions_left_after_the_longest_prompt():
+    from normlab.conversion.measure.usage import answer_tokens
+
+    prompts = [torch.zeros(40, dtype=torch.long), torch.zeros(119, dtype=torch.long)]
+    assert answer_tokens(prompts, 64, 128) == 9 and answer_tokens(prompts, 64, None) == 64
+    assert answer_tokens(prompts, 64, 119) == 0 and answer_tokens(prompts, 4, 4096) == 4
