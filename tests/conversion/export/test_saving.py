@@ -136,3 +136,31 @@ def test_every_file_of_a_converted_folder_is_readable_by_others_under_umask_022(
         os.umask(old)
     modes = {f.name: oct(stat.S_IMODE(f.stat().st_mode)) for f in folder.iterdir() if f.is_file()}
     assert "model.safetensors" in modes and set(modes.values()) == {"0o644"}, modes
+
+
+@pytest.mark.parametrize("family", ["Mixtral", "Qwen3Moe"])
+def test_a_mixture_of_experts_folder_loads_back_into_normlab_and_transformers(family, tmp_path):
+    """issue 100: transformers 5 saves a mixture of experts expert by expert and holds the experts stacked; normlab's
+    loader put the file's keys straight into the model and refused its own folder ("weights do not match", missing
+    mlp.experts.gate_up_proj). The stacked parameters are now gathered through transformers' own reverse conversion:
+    both loaders give the converted model's logits."""
+    import transformers
+
+    from conftest import load_without_normlab
+
+    torch.manual_seed(0)
+    experts = {"Mixtral": {"num_local_experts": 4}, "Qwen3Moe": {"num_experts": 4, "moe_intermediate_size": 16}}
+    cfg = getattr(transformers, f"{family}Config")(vocab_size=100, hidden_size=32, intermediate_size=64,
+                                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                                   num_experts_per_tok=2, **experts[family])  # fmt: skip
+    model = getattr(transformers, f"{family}ForCausalLM")(cfg).eval()
+    record = normlab.convert_norms(model, "dyisru", progress=False)
+    folder = normlab.save_converted(model, record, tmp_path / "moe")
+    x = torch.randint(0, 100, (2, 10), generator=torch.Generator().manual_seed(1))
+    loaded, _ = normlab.load_converted(folder)
+    with torch.no_grad():
+        want = model(x).logits
+        torch.testing.assert_close(loaded(x).logits, want, rtol=0, atol=0)
+        torch.save({"x": x, "y": want}, folder / "case.pt")
+    seen = load_without_normlab([(str(folder), "AutoModelForCausalLM", "logits")], tmp_path)
+    assert seen[str(folder)]["class"] == f"Normlab{family}ForCausalLM" and seen[str(folder)]["diff"] <= 1e-5, seen

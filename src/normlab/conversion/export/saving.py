@@ -6,6 +6,7 @@ import fnmatch
 import json
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -185,7 +186,33 @@ def module_names(model: nn.Module, state: dict) -> dict:
     saved = revert_weight_conversion(model, dict(own))
     name = {id(v): k for k, v in own.items()}  # renamings keep the tensor: a saved key maps to its parameter
     rename = {s: name[id(v)] for s, v in saved.items() if id(v) in name and s != name[id(v)]}
-    return {rename.get(k, k): v for k, v in state.items()}
+    out = {rename.get(k, k): v for k, v in state.items()}
+    built = {k: v for k, v in own.items() if k not in out}  # no saved key names them: built by a conversion
+    if built:
+        out.update(_gathered(model, built, out, revert_weight_conversion))
+    return out
+
+
+def _gathered(model: nn.Module, wanted: dict, state: dict, revert: Callable) -> dict:
+    """The parameters a transformers conversion builds from several saved tensors (a mixture of experts saves each
+    expert's matrices apart and holds them stacked): every element's index traced through the conversion's reverse,
+    and each saved value put where its index came from. The saved tensors used are taken out of ``state``; a
+    parameter not wholly filled is left out (the loader then names it missing)."""
+    probe, starts, total = {}, [], 0
+    for k, v in wanted.items():
+        probe[k] = torch.arange(total, total + v.numel()).view(v.shape)
+        starts.append((total, k))
+        total += v.numel()
+    traced = {s: ids for s, ids in revert(model, probe).items() if s in state and state[s].shape == ids.shape}
+    if not traced:
+        return {}
+    flat = torch.empty(total, dtype=next(iter(wanted.values())).dtype)
+    filled = torch.zeros(total, dtype=torch.bool)
+    for s, ids in traced.items():
+        flat[ids.flatten()] = state.pop(s).flatten().to(flat.dtype)
+        filled[ids.flatten()] = True
+    ends = [start for start, _ in starts[1:]] + [total]
+    return {k: flat[a:b].view(wanted[k].shape).clone() for (a, k), b in zip(starts, ends) if bool(filled[a:b].all())}
 
 
 def _weight_files(path: Path) -> list[Path]:
