@@ -19,7 +19,7 @@ from normlab.registry import NormSpec
 
 __all__ = ["SOURCE_KINDS", "KNOWN_NORMS", "CHANNELS_FIRST", "UNKNOWN", "EXCLUDED", "find_norms", "source_dim",
            "source_eps", "site_tensor", "fresh_like", "swap", "aliases", "refuse_wrapped", "check_extra_classes",
-           "no_norms_error"]  # fmt: skip
+           "no_norms_error", "guess_kind", "FIXED_EPS"]  # fmt: skip
 
 # class name -> how it normalizes ("layer_norm", "rms_norm", or "rms_norm_offset": scale is 1 + weight)
 #: How a norm class of the caller's normalizes (``extra_classes=``'s values).
@@ -39,10 +39,14 @@ KNOWN_NORMS: dict[str, str] = {
     "GemmaRMSNorm": "rms_norm_offset",
     "Gemma2RMSNorm": "rms_norm_offset",
     "Gemma3RMSNorm": "rms_norm_offset",
+    "OlmoLayerNorm": "layer_norm",  # no parameters; its eps is fixed in its forward (FIXED_EPS)
+    "CohereLayerNorm": "layer_norm",  # subtracts the mean; a weight, no bias
     "RmsNorm": "rms_norm",  # timm's
     "LayerNorm2d": "layer_norm",  # timm's channels-first norms (ConvNeXt, EfficientFormer...): (N, C, H, W)
     "RmsNorm2d": "rms_norm",
 }
+#: The eps of known classes that write it into their forward instead of keeping it as an attribute.
+FIXED_EPS = {"OlmoLayerNorm": 1e-5}
 #: Known norm classes that normalize over axis 1 of an (N, C, H, W) map: their replacement gets ``channel_dim=1``.
 CHANNELS_FIRST = ("LayerNorm2d", "RmsNorm2d")
 
@@ -74,6 +78,8 @@ def source_eps(module: nn.Module) -> float:
         v = getattr(module, attr, None)
         if isinstance(v, (int, float)):
             return float(v)
+    if type(module).__name__ in FIXED_EPS:
+        return FIXED_EPS[type(module).__name__]
     w = getattr(module, "weight", None)
     return float(torch.finfo(w.dtype if w is not None else torch.float32).eps)  # nn.RMSNorm(eps=None)
 
@@ -278,14 +284,26 @@ def check_extra_classes(extra_classes: object, who: str) -> None:
             raise ValueError(f"{who}: extra_classes[{cls.__name__}] = {kind!r}; how it normalizes is one of {kinds}")
 
 
-def no_norms_error(model: nn.Module, who: str, add: str = "add yours with extra_classes=") -> ValueError:
+def guess_kind(class_name: str) -> str:
+    """How a norm class normlab does not know most likely normalizes, by its name: "layer_norm" where the name says
+    LayerNorm (it subtracts the mean: OLMo's, Cohere's), else "rms_norm" (the common kind of today's models).
+
+    Args:
+        class_name: The class's name.
+    """
+    name = class_name.lower()
+    return "layer_norm" if "layernorm" in name.replace("_", "") and "rms" not in name else "rms_norm"
+
+
+def no_norms_error(model: nn.Module, who: str, skipped: list[dict] | None = None) -> ValueError:
     """The error for a model in which `find_norms` found nothing to replace: one that holds normlab norms already
-    (swapped or converted before) is told to start from the original; another is told the known classes and ``add``.
+    (swapped or converted before) is told to start from the original; one whose norms are of a class normlab does not
+    know is told how to register it (from Python; the command line converts the known classes only).
 
     Args:
         model: The model.
         who: The function named in the error.
-        add: How the caller's user adds a norm class normlab does not know.
+        skipped: `find_norms`' skipped modules, whose unknown classes the error names.
     """
     from normlab.modules import NormModule
 
@@ -295,6 +313,10 @@ def no_norms_error(model: nn.Module, who: str, add: str = "add yours with extra_
             f"{who}: {type(model).__name__} is already converted or swapped ({len(ours)} normlab norms, e.g. "
             f"{ours[0]}) and holds no other norm to replace; start from the original model"
         )
+    strangers = sorted({s["class"] for s in skipped or [] if s["reason"] == UNKNOWN})
+    add = (f"its {', '.join(strangers)} is not one: from Python, pass extra_classes={{{strangers[0]}: "
+           f"'{guess_kind(strangers[0])}'}} (the command line converts the known classes only)"
+           if strangers else "add yours with extra_classes=")  # fmt: skip
     return ValueError(
         f"{who}: {type(model).__name__} has no norm to replace (found no normalization module of a known class: "
         f"{', '.join(sorted(KNOWN_NORMS))}; {add})"

@@ -51,6 +51,7 @@ from normlab.sites import (
     check_extra_classes,
     find_norms,
     fresh_like,
+    guess_kind,
     no_norms_error,
     refuse_wrapped,
     source_dim,
@@ -315,11 +316,11 @@ def replace_norms(
         s = strangers[0]
         raise ValueError(
             f"replace_norms: {s['name']} is a {s['class']}, a norm class normlab does not know ({len(strangers)} "
-            f"such). Register it with extra_classes={{{s['class']}: 'rms_norm'}} (or 'layer_norm': how it "
+            f"such). Register it with extra_classes={{{s['class']}: '{guess_kind(s['class'])}'}} (or how else it "
             f"normalizes), or leave it with include=lambda name, m: not isinstance(m, {s['class']})"
         )
     if not found:
-        raise no_norms_error(model, "replace_norms")
+        raise no_norms_error(model, "replace_norms", skipped)
 
     _check_roles_used(roles, [n for n, _, _ in found])
     tables = embedding_tables(model) if base in PAPERS else []

@@ -236,7 +236,7 @@ def convert_norms(
             f"(include= / --exclude; e.g. {excluded[0]}): nothing is left to convert; exclude fewer"
         )
     if not found:
-        raise no_norms_error(model, "convert_norms")
+        raise no_norms_error(model, "convert_norms", skipped)
     init, site_init = cfg.init, cfg.site_init
     # a pattern names a norm of the model (a typo is an error), not one of this call's sites: a site excluded here,
     # or converted by an earlier call (a walk's refit of one site; the next walk of heal.steps), is not a typo
