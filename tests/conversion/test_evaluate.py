@@ -122,6 +122,9 @@ def test_a_read_only_folder_is_refused_before_minutes_of_judging(tmp_path, capsy
         said = capsys.readouterr()
         assert f"the report {mount / 'o' / 'evaluation.json'}" in said.err and "not writable" in said.err, said.err
         assert "load the converted model" not in said.err and "Traceback" not in said.err
+        # issue 99: a read-only conversion is judged with the report written elsewhere
+        assert main(["evaluate", str(mount / "o"), "--original", str(src), "--report", str(tmp_path / "r.json")]) == 0
+        assert json.loads((tmp_path / "r.json").read_text())["texts"]["held-out"]["tokens"] > 0
     finally:
         subprocess.run(["umount", str(mount)], check=False)
 
@@ -138,3 +141,46 @@ def test_a_damaged_record_or_config_is_named_with_its_file(tmp_path, capsys):
         assert main(["evaluate", str(built)]) == 2
         err = capsys.readouterr().err
         assert f"{path} is damaged (" in err and "convert the model again" in err and "Traceback" not in err, err
+
+
+def test_evaluate_judges_the_conversions_own_texts_or_says_why_not(tmp_path, capsys, monkeypatch):
+    """issue 99: evaluate judged other data than the conversion's without a word: the default texts when
+    convert_config.json was gone, an edited text as "held-out", and a relative --calibrate path failed from another
+    folder after both models were loaded; evaluation.json existing as a folder was found after the judgement. Each is
+    refused before any model is loaded, or judged under the name it was given (--text)."""
+    src = tmp_path / "llama"
+    tiny_lm(seed=4).save_pretrained(src)
+    tiny_tokenizer().save_pretrained(src)
+    (tmp_path / "text.txt").write_text(TEXT * 4)
+    monkeypatch.chdir(tmp_path)  # a relative --calibrate, as a user types it
+    argv = ["convert", "--model", str(src), "--calibrate", "text.txt", "--seq-len", "16", "--sequences", "4",
+            "--eval-text", "none", "--no-progress", "--out", "o"]  # fmt: skip
+    assert main(argv) == 0
+    built = tmp_path / "o"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    capsys.readouterr()
+    assert main(["evaluate", str(built)]) == 0  # the config names the text by its absolute path
+    assert "held-out" in json.loads((built / "evaluation.json").read_text())["texts"]
+
+    def refused(*args: str) -> str:
+        capsys.readouterr()
+        assert main(["evaluate", str(built), *args]) == 2
+        err = capsys.readouterr().err
+        assert "load the converted model" not in err and "Traceback" not in err, err
+        return err
+
+    (built / "evaluation.json").unlink()
+    (built / "evaluation.json").mkdir()
+    assert "is a folder: remove it, or pass --report" in refused()
+    (built / "evaluation.json").rmdir()
+    (tmp_path / "text.txt").write_text(TEXT * 4 + "edited since")
+    assert "is not the text" in refused() and "made_from.text_sha256" in refused()
+    other = tmp_path / "other.txt"
+    other.write_text(TEXT * 3)
+    capsys.readouterr()
+    assert main(["evaluate", str(built), "--text", str(other), "--report", "r.json"]) == 0
+    assert set(json.loads((elsewhere / "r.json").read_text())["texts"]) >= {"given: other.txt"}
+    (built / "convert_config.json").unlink()
+    assert "convert_config.json is missing" in refused() and "--text FILE" in refused()

@@ -12,7 +12,7 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     from normlab.conversion.measure.usage import UsageConfig
 
     cfg = UsageConfig(prompts=args.prompts, long_tokens=args.long_tokens)
-    evaluate_folder(args.folder, args.original, markdown=args.markdown, cfg=cfg)
+    evaluate_folder(args.folder, args.original, markdown=args.markdown, cfg=cfg, text=args.text, report=args.report)
     return 0
 
 
@@ -40,7 +40,7 @@ def add_evaluate(sub) -> None:
         "text and a chat set (prompts through the chat template, the original's answers as the reference), on long "
         "sequences and on stress inputs; prints per-token KL divergence (mean, median, p99, max), same top-1, the "
         "per-sequence gap (median, worst, count over +2 nats), the gap by position, blow-ups, and greedy answers "
-        "side by side. Writes DIR/evaluation.json.",
+        "side by side. Writes DIR/evaluation.json (or --report).",
     )
     e.add_argument("folder", help="a converted model's folder (the --out of normlab convert)")
     e.add_argument("--original", help="the original model (default: the one the folder records it was made from)")
@@ -56,5 +56,7 @@ def add_evaluate(sub) -> None:
         default=UsageConfig.long_tokens,
         help=f"tokens per long sequence (default {UsageConfig.long_tokens})",
     )
+    e.add_argument("--text", help="judge on this text file instead of the conversion's held-out split (named as given)")
+    e.add_argument("--report", help="write the report here (default: DIR/evaluation.json)")
     e.add_argument("--markdown", action="store_true", help="print the tables as Markdown")
     e.set_defaults(func=_cmd_evaluate)

@@ -1,11 +1,13 @@
 """``normlab evaluate DIR``: a converted folder judged as it will be used (`normlab.conversion.measure.usage`), against
-the
-original it was made from, on the texts its conversion measured. The result is printed and written to
-``DIR/evaluation.json``."""
+the original it was made from, on the texts its conversion measured (never other ones without a word: a missing
+config, a text changed since, or one not found is an error before any model is loaded; ``--text`` names another,
+judged under its own name). The result is printed and written to ``DIR/evaluation.json`` (``--report``: elsewhere,
+for a folder that cannot be written)."""
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from torch import nn
@@ -16,7 +18,7 @@ from normlab.conversion.export.saving import RECORD_FILE, load_converted, read_r
 from normlab.conversion.measure.fidelity import predicts_next_token
 from normlab.conversion.measure.usage import UsageConfig, usage_lines, usage_report
 from normlab.conversion.stages import Stages
-from normlab.conversion.workflow import CONFIG_FILE, model_fingerprint
+from normlab.conversion.workflow import CONFIG_FILE, model_fingerprint, text_fingerprint
 from normlab.corpus import DOCS, fetch_docs, fetch_shakespeare, sha256_file
 from normlab.errors import NormlabError
 from normlab.owner import check_writable, hold, replace_text
@@ -36,7 +38,7 @@ def original_of(folder: Path, original: str | None = None) -> str:
     return _source(Path(folder), original)[0]
 
 
-def _source(folder: Path, original: str | None) -> tuple[str, dict, ConvertConfig]:
+def _source(folder: Path, original: str | None, text: str | None = None) -> tuple[str, dict, ConvertConfig]:
     """The original's path (``original`` or the record's ``made_from.model``), the record and the folder's config;
     every file checked before a model is loaded."""
     where = folder / RECORD_FILE
@@ -47,6 +49,11 @@ def _source(folder: Path, original: str | None) -> tuple[str, dict, ConvertConfi
         )
     record = read_record(folder)
     cfg_file = folder / CONFIG_FILE
+    if not cfg_file.is_file() and text is None:
+        raise ValueError(
+            f"{cfg_file} is missing, so the texts this conversion held out are unknown (judged on others, they would "
+            "be called held-out): pass --text FILE, judged under its own name, or convert the model again"
+        )
     try:
         cfg = ConvertConfig.from_dict(json.loads(cfg_file.read_text())) if cfg_file.is_file() else ConvertConfig()
     except (ValueError, TypeError, UnicodeDecodeError) as e:
@@ -68,8 +75,42 @@ def _source(folder: Path, original: str | None) -> tuple[str, dict, ConvertConfi
             f"transformers would load its gammas as RMSNorm weights. Pass --original with the model {folder} was "
             f"converted from ({made})"
         )
-    check_writable(folder / EVALUATION_FILE, "the report")  # before minutes of judging, not after
     return path, record, cfg
+
+
+def _judged_text(folder: Path, cfg: ConvertConfig, record: dict, text: str | None) -> tuple[str, str]:
+    """The text judged and its name in the report: ``--text`` under its file's name, else the conversion's own
+    (``data.text``, else the default corpus) as "held-out", checked to exist and to be the text the conversion held
+    out (``made_from.text_sha256``)."""
+    if text is not None:
+        if not Path(text).is_file():
+            raise FileNotFoundError(f"--text {text} is not a file")
+        return text, f"given: {Path(text).name}"
+    own = cfg.data.text or str(fetch_shakespeare())
+    if not Path(own).is_file():
+        raise FileNotFoundError(
+            f"{folder / CONFIG_FILE}: data.text {own} is not a file here (a path relative to where the conversion "
+            "ran, or moved since): pass --text with that text"
+        )
+    want = record.get("made_from", {}).get("text_sha256")
+    if want is not None and text_fingerprint(own) != want:
+        raise ValueError(
+            f"{own} is not the text {folder} was converted on (its SHA-256 differs from {RECORD_FILE}'s "
+            "made_from.text_sha256: edited since), so its held-out split would not be held out: restore it, or pass "
+            "--text with it to judge on it under its own name"
+        )
+    return own, "held-out"
+
+
+def _report_path(folder: Path, report: str | None) -> Path:
+    """Where the report goes (``--report``, else the folder's evaluation.json), checked writable and not a folder."""
+    path = Path(report) if report is not None else folder / EVALUATION_FILE
+    if path.is_dir():
+        raise ValueError(f"the report {path} is a folder: remove it, or pass --report with a file's path")
+    check_writable(path, "the report")  # before minutes of judging, not after
+    if report is None and not os.access(folder, os.W_OK):
+        raise ValueError(f"the report {path}: the folder {folder} is not writable; pass --report with another path")
+    return path
 
 
 def provenance(path: str, source: nn.Module) -> dict:
@@ -87,7 +128,13 @@ def provenance(path: str, source: nn.Module) -> dict:
 
 
 def evaluate_folder(
-    folder: str | Path, original: str | None = None, *, markdown: bool = False, cfg: UsageConfig | None = None
+    folder: str | Path,
+    original: str | None = None,
+    *,
+    markdown: bool = False,
+    cfg: UsageConfig | None = None,
+    text: str | None = None,
+    report: str | None = None,
 ) -> dict:
     """Judge the converted model in ``folder`` against its original (module docstring); returns the report.
 
@@ -96,11 +143,15 @@ def evaluate_folder(
         original: The original model's path; None: the one the folder records.
         markdown: Print the tables as Markdown.
         cfg: What to measure.
+        text: A text to judge on instead of the conversion's own held-out split, named as given.
+        report: Where the report is written; None: ``folder/evaluation.json``.
     """
     folder = Path(folder)
-    path, record, conv_cfg = _source(folder, original)
+    path, record, conv_cfg = _source(folder, original, text)
+    text, label = _judged_text(folder, conv_cfg, record, text)
+    out = _report_path(folder, report)
     stage = Stages(progress=True, prefix="evaluate: ")
-    with hold(folder, "the folder"):
+    with hold(out, "the report"):
         with stage("load the converted model and its original"):
             net, _ = load_converted(folder)
             source, tokenizer = load_model(path, progress=False)
@@ -121,28 +172,27 @@ def evaluate_folder(
                 f"{folder} holds a {type(net).__name__}, which does not predict the next token: normlab evaluate "
                 "judges causal language models (next-token KL, generated answers)"
             )
-        text = conv_cfg.data.text or str(fetch_shakespeare())
-        texts = _texts(conv_cfg, text, tokenizer, source.get_input_embeddings().num_embeddings)
+        texts = _texts(conv_cfg, (text, label), tokenizer, source.get_input_embeddings().num_embeddings)
         with stage("judge: texts, chat answers, long sequences, stress inputs"):
-            report = usage_report(
+            result = usage_report(
                 source, net, tokenizer, texts, Path(text).read_text(errors="replace"), cfg or UsageConfig()
             )
-        print(usage_lines(report, markdown))
-        report["original"] = provenance(path, source)
+        print(usage_lines(result, markdown))
+        result["original"] = provenance(path, source)
         try:  # beside, then into place: a failed write leaves the previous report as it was
-            replace_text(folder / EVALUATION_FILE, json.dumps(report, indent=2) + "\n")
+            replace_text(out, json.dumps(result, indent=2) + "\n")
         except OSError as e:
             raise NormlabError(
-                f"the report {folder / EVALUATION_FILE} could not be written ({e.strerror or e}); the judgement is "
-                "printed above"
+                f"the report {out} could not be written ({e.strerror or e}); the judgement is printed above"
             ) from None
-    return report
+    return result
 
 
-def _texts(conv_cfg: ConvertConfig, text: str, tokenizer: object, vocab: int) -> dict:
-    """The held-out batches of the texts the conversion measured: its own text's, and its second text's."""
+def _texts(conv_cfg: ConvertConfig, text: tuple[str, str], tokenizer: object, vocab: int) -> dict:
+    """The held-out batches of the texts the conversion measured: its own text's (or the given one's, by its name),
+    and its second text's."""
     cut = TextCut(conv_cfg.seq_len, n_calib=1, n_held=conv_cfg.sequences)
-    texts = {"held-out": text_batches(text, tokenizer, vocab, cut)[1]}
+    texts = {text[1]: text_batches(text[0], tokenizer, vocab, cut)[1]}
     e = conv_cfg.data.judge
     if e is not None and e.strip().lower() != "none":
         second = str(fetch_docs()) if e == "docs" else e

@@ -49,7 +49,7 @@ from normlab.corpus import fetch_shakespeare, sha256_file
 from normlab.errors import NormlabError
 from normlab.owner import beside, check_out_space, hold, restore_swapped, swap_in
 
-__all__ = ["convert_model", "check_out", "CONFIG_FILE", "model_fingerprint"]
+__all__ = ["convert_model", "check_out", "CONFIG_FILE", "model_fingerprint", "text_fingerprint"]
 
 CONFIG_FILE = "convert_config.json"  # the resolved ConvertConfig, beside the record in every output folder
 
@@ -89,7 +89,22 @@ def _measure_second(original, net, texts: ConversionTexts, tally: TokenTally | N
     return {"name": texts.second_name, "sequences": sum(len(b) for b in texts.second), **kept}
 
 
-def _file_sha(path) -> str:
+def _absolute_texts(d: dict) -> dict:
+    """The config as saved: its text files as absolute paths, so that ``normlab evaluate`` run from another folder
+    reads the texts this conversion read (a relative ``--calibrate`` otherwise named nothing there)."""
+    data = dict(d["data"])
+    for key in ("text", "judge"):
+        if isinstance(data.get(key), str) and Path(data[key]).is_file():
+            data[key] = str(Path(data[key]).resolve())
+    return {**d, "data": data}
+
+
+def text_fingerprint(path: str | Path) -> str:
+    """The text's identity a conversion records (``made_from.text_sha256``): the first 16 hex digits of its SHA-256.
+
+    Args:
+        path: The text file.
+    """
     return sha256_file(Path(path))[:16]
 
 
@@ -189,7 +204,7 @@ def _convert(job: _Job, markdown: bool) -> dict:
     model_path = job.model_path
     stages = Stages()
     text = cfg.data.text or fetch_shakespeare()
-    job = job.knowing(text_sha256=_file_sha(text))
+    job = job.knowing(text_sha256=text_fingerprint(text))
     check_resume_identity(ckpt, cfg, job.identity())
     from normlab.kernels import auto_choice, cpu
 
@@ -455,7 +470,7 @@ def _save(job: _Job, net, record, tokenizer, fid: dict, rep) -> None:
     check_out_space(cfg.out, net)
     try:
         save_converted(net, record, partial, tokenizer=tokenizer, identity=identity)
-        (partial / CONFIG_FILE).write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+        (partial / CONFIG_FILE).write_text(json.dumps(_absolute_texts(cfg.to_dict()), indent=2) + "\n")
         (partial / "fidelity.json").write_text(json.dumps(fid, indent=2) + "\n")
         if rep is not None:
             write_curve(rep, partial, steps=fid.get("heal_steps"))
