@@ -90,13 +90,3 @@ def test_a_tokenizer_that_starts_every_text_with_bos_gets_it_in_every_sequence(t
     with_bos = token_chunks(TEXT * 20, first, 100, 16)
     assert torch.equal(with_bos[:, 1:].reshape(-1), ids[: with_bos.numel() - len(with_bos)])  # the text, in order
     assert not (token_chunks(TEXT * 20, plain, 100, 16)[:, 0] == 0).all()
-
-
-def test_the_old_module_path_still_names_the_same_functions():
-    """normlab.conversion.hf moved to normlab.conversion.data.models in 0.6; code written against the old path (the
-    fixtures' ``normlab.conversion.hf.smollm2()``) gets the same objects."""
-    import normlab.conversion.data.models as models
-    import normlab.conversion.hf as hf
-
-    assert hf.__all__ == models.__all__
-    assert all(getattr(hf, name) is getattr(models, name) for name in models.__all__)
