@@ -314,9 +314,11 @@ def no_norms_error(model: nn.Module, who: str, skipped: list[dict] | None = None
             f"{ours[0]}) and holds no other norm to replace; start from the original model"
         )
     strangers = sorted({s["class"] for s in skipped or [] if s["reason"] == UNKNOWN})
-    add = (f"its {', '.join(strangers)} is not one: from Python, pass extra_classes={{{strangers[0]}: "
-           f"'{guess_kind(strangers[0])}'}} (the command line converts the known classes only)"
-           if strangers else "add yours with extra_classes=")  # fmt: skip
+    add = "add yours with extra_classes="
+    if strangers:
+        entry = f"{{{strangers[0]}: '{guess_kind(strangers[0])}'}}"
+        add = f"its {', '.join(strangers)} is not one: from Python, pass extra_classes={entry} (the command line "
+        add += "converts the known classes only)"
     return ValueError(
         f"{who}: {type(model).__name__} has no norm to replace (found no normalization module of a known class: "
         f"{', '.join(sorted(KNOWN_NORMS))}; {add})"
