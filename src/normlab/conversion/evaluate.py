@@ -7,7 +7,6 @@ for a folder that cannot be written)."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from torch import nn
@@ -107,9 +106,10 @@ def _report_path(folder: Path, report: str | None) -> Path:
     path = Path(report) if report is not None else folder / EVALUATION_FILE
     if path.is_dir():
         raise ValueError(f"the report {path} is a folder: remove it, or pass --report with a file's path")
-    check_writable(path, "the report")  # before minutes of judging, not after
-    if report is None and not os.access(folder, os.W_OK):
-        raise ValueError(f"the report {path}: the folder {folder} is not writable; pass --report with another path")
+    try:
+        check_writable(path, "the report")  # before minutes of judging, not after
+    except ValueError as e:
+        raise ValueError(f"{e} (--report PATH writes it elsewhere)") from None
     return path
 
 
@@ -151,7 +151,8 @@ def evaluate_folder(
     text, label = _judged_text(folder, conv_cfg, record, text)
     out = _report_path(folder, report)
     stage = Stages(progress=True, prefix="evaluate: ")
-    with hold(out, "the report"):
+    # the folder is held (a convert to it waits) where the report goes into it; a report elsewhere is held itself
+    with hold(folder, "the folder") if report is None else hold(out, "the report"):
         with stage("load the converted model and its original"):
             net, _ = load_converted(folder)
             source, tokenizer = load_model(path, progress=False)
