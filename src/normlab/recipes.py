@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 
 __all__ = ["DYT_PAPER_ALPHA0", "DERF_PAPER_INIT", "RECIPES", "ROLES", "ROLE_NAMES", "MATCH_RMS_CAVEAT", "dyt_alpha0",
            "parse_recipe", "PAPERS", "LAB_RECIPES", "matmul_gain_std", "site_role", "recipe_kwargs", "match_rms_",
-           "token_sample", "input_embedding", "paper_assumption", "alpha0_kwargs"]  # fmt: skip
+           "token_sample", "input_embedding", "paper_assumption", "alpha0_kwargs", "RoleUnknown"]  # fmt: skip
 
 # width -> (alpha0 before attention, alpha0 before the FFN and at the final norm); DyT paper, Table 11
 DYT_PAPER_ALPHA0: dict[int, tuple[float, float]] = {1024: (1.0, 1.0), 2048: (1.0, 0.5), 4096: (0.8, 0.2),
@@ -169,6 +169,11 @@ def alpha0_kwargs(spec: NormSpec, alpha0: float) -> dict:
     return {}
 
 
+class RoleUnknown(ValueError):
+    """A recipe whose value depends on a site's role was given a site whose role is unknown: the caller, which knows
+    the site's name, says how to name its role."""
+
+
 def recipe_kwargs(recipe: str, spec: NormSpec, role: str | None, width: int, lm: bool = False) -> tuple[dict, str]:
     """The init keywords ``recipe`` gives a ``spec`` layer (a `normlab.registry.NormSpec`) at a site of ``role`` and
     ``width`` channels, and a note saying what it set. A recipe that does not apply to the target is a ValueError.
@@ -196,7 +201,7 @@ def recipe_kwargs(recipe: str, spec: NormSpec, role: str | None, width: int, lm:
         raise ValueError(f"unknown init recipe {recipe!r}; the recipes are {', '.join(RECIPES)}")
     table = dyt_alpha0(width)
     if role is None and len(set(table.values())) > 1:
-        raise ValueError("role")  # the caller names the site and the fix
+        raise RoleUnknown("init 'dyt_paper' sets alpha0 by where a norm sits, and the site's name does not say")
     alpha0 = table[role or "mlp"]
     row = min(DYT_PAPER_ALPHA0, key=lambda w: abs(math.log(w / width)))
     where = f"DyT paper, width {row}" + (f" row for {width}" if row != width else "")

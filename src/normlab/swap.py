@@ -37,6 +37,7 @@ from normlab.recipes import (
     PAPERS,
     RECIPES,
     ROLES,
+    RoleUnknown,
     match_rms_,
     paper_assumption,
     recipe_kwargs,
@@ -330,14 +331,14 @@ def replace_norms(
         role = site_role(name, roles)
         try:
             kw, note = recipe_kwargs(base, spec, role, dim, lm=bool(tables))
-        except ValueError as e:
-            if str(e) != "role":
-                raise ValueError(f"replace_norms: {e}") from None
+        except RoleUnknown:
             raise ValueError(
                 f"replace_norms: init 'dyt_paper' sets alpha0 by where a norm sits, and the name {name!r} does not "
                 f"say: pass roles={{'*{name.rsplit('.', 1)[-1]}': 'attn'}} ('attn': before attention, 'mlp': before "
                 "the MLP, 'final': before the head)"
             ) from None
+        except ValueError as e:
+            raise ValueError(f"replace_norms: {e}") from None
         clash = sorted(set(kw) & set(kwargs))
         if clash:
             raise ValueError(f"replace_norms: {clash[0]} is set by init {base!r} and by a keyword: give it once")
