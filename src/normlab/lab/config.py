@@ -15,7 +15,7 @@ from typing import Literal
 from normlab.kernels import auto_choice
 from normlab.lab.data import check_text_files
 from normlab.lab.model import GPTConfig
-from normlab.pairs import apply_overrides
+from normlab.pairs import apply_overrides, parse_pairs
 from normlab.typed import check_types, choices
 
 __all__ = ["TrainConfig", "PRESETS", "OPTIMIZERS", "RENAMED", "resolve_config", "apply_overrides"]
@@ -31,16 +31,15 @@ RENAMED = {
 }
 
 
-def check_renamed(keys: Iterable[str], where: str = "") -> None:
+def check_renamed(keys: Iterable[str]) -> None:
     """Refuse a renamed field among dotted ``keys``, naming its new spelling (`RENAMED`).
 
     Args:
         keys: Dotted field names (``model.width``).
-        where: The file the keys come from, for the message.
     """
     for key in keys:
         if key in RENAMED:
-            raise ValueError(f"{where}{': ' if where else ''}{RENAMED[key]}")
+            raise ValueError(RENAMED[key])
 
 
 @dataclass
@@ -210,10 +209,8 @@ def resolve_config(preset: str = "cpu", overrides: dict | list[str] | None = Non
     check_renamed(flat)
     base = apply_overrides(base, flat)
     if overrides:
-        if isinstance(overrides, list):
-            check_renamed(k.partition("=")[0].strip() for k in overrides)
-        else:
-            check_renamed(overrides)
+        pairs = overrides.items() if isinstance(overrides, dict) else parse_pairs(overrides, "--set", "lr=3e-4")
+        check_renamed(k for k, _ in pairs)
         base = apply_overrides(base, overrides)
     try:
         cfg = TrainConfig.from_dict(base)
