@@ -48,11 +48,6 @@ def _budget_heal(
             "heal.precision=auto", *more]  # fmt: skip
 
 
-# convert and heal in steps (heal.steps=4): budget_self_kl_0.05_heal_tokens's walk and samples, its heal in four
-# shares with the walk again after each (its budget still counted from the original), so that the steps are the change
-STEPS = ("0.05", "data.samples=2048", "budget.metric=kl", "data.walk=self", "heal.steps=4")
-
-
 def _self_walk(nats: str, *more: str) -> list[str]:
     """The budget walk by KL selecting on the original's own samples at ``nats``, no heal; ``more``: further
     ``--set`` pairs."""
@@ -119,10 +114,6 @@ JOBS = {  # name -> the model and the flags after --to dyisru
         "smollm2",
         _budget_heal(0, "0.02", "data.samples=2048", tokens=163_328, train="all"),
     ),
-    "steps_self_kl_0.05_heal_tokens": ("smollm2", _budget_heal(0, *STEPS, tokens=163_328)),
-    # the same steps with every weight trained (heal.train=all at its default rate 2e-5), not adapters: where LoRA
-    # caps, full rank is the other choice (issue 87, item 3)
-    "steps_self_kl_0.05_heal_all_tokens": ("smollm2", _budget_heal(0, *STEPS, tokens=163_328, train="all")),
     "budget_0.1_heal_4096": ("smollm2", _budget_heal(12, "0.1", "data.samples=4096")),  # twice the samples
     "budget_0.1_heal_t07": (  # samples nearer the answers a user reads: temperature 0.7
         "smollm2",

@@ -122,13 +122,12 @@ def tiny_causal_lm(family: str = "Llama", layers: int = 2, **config: object) -> 
 def family_features() -> dict[str, dict[str, str]]:
     """Each model family's row, read from what the code does with a tiny random model of it: the norms conversion
     finds (per block, and outside the blocks), whether calibration and the budget walk run on cached block inputs
-    (`find_blocks`), the heal objectives it takes, the Auto class a saved folder loads through without normlab,
-    and whether `export_onnx` takes it (else its reason, shortened)."""
+    (`find_blocks`), whether it heals (the heal needs the block list), the Auto class a saved folder loads through
+    without normlab, and whether `export_onnx` takes it (else its reason, shortened)."""
     from normlab.conversion.calibrate.stream import find_blocks
     from normlab.conversion.convert import convert_norms
     from normlab.conversion.export.onnx_export import export_refusal
     from normlab.conversion.export.portable import auto_classes
-    from normlab.conversion.heal.distill import OBJECTIVES
 
     rows = {}
     for family in FAMILIES:
@@ -140,7 +139,7 @@ def family_features() -> dict[str, dict[str, str]]:
         rows[family] = {
             "sites": f"{counts[1] - counts[0]} per block + {2 * counts[0] - counts[1]}",
             "calibration": "cached block inputs" if blocks else "whole passes",
-            "heal": ", ".join(k for k, o in OBJECTIVES.items() if o.whole_model or blocks),
+            "heal": "yes" if blocks else "no block list",
             "portable": "AutoModelForCausalLM" if "AutoModelForCausalLM" in autos else "",
             "onnx": "yes" if refusal is None else "refused: " + refusal.split(" (")[0].split("; ")[0],
         }
@@ -182,7 +181,7 @@ def measured(table: Path = USABLE) -> dict[str, str]:
 
 def family_markdown() -> str:
     """The family matrix as a Markdown table, between its markers; its last column is read from bench/ (`measured`)."""
-    head = ["family", "norms converted", "calibration", "heal objectives", "loads without normlab", "ONNX export",
+    head = ["family", "norms converted", "calibration", "heals", "loads without normlab", "ONNX export",
             "measured on a real checkpoint"]  # fmt: skip
     lines = [FAMILY_BEGIN, "| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     real = measured()

@@ -31,7 +31,6 @@ from normlab.conversion.config import (
     resolve_convert_config,
 )
 from normlab.conversion.convert import SITE_FIELDS, resolve_options
-from normlab.conversion.heal.distill import OBJECTIVES
 from normlab.conversion.workflow import CONFIG_FILE, convert_model
 
 transformers = pytest.importorskip("transformers")
@@ -192,10 +191,9 @@ def test_the_python_api_applies_the_configs_exclude_and_refuses_what_it_would_dr
     assert (cfg.per, cfg.calibrate.solver) == ("channel", "lbfgs")  # agreeing, or a field left at its default
 
 
-def test_choices_are_the_literal_types_and_the_objectives_table_follows_them():
+def test_choices_are_the_literal_types():
     assert choices(CalibrateConfig, "massive_tokens") == ("auto", "route", "shared")
     assert choices(ConvertConfig, "per") == ("global", "channel")
-    assert set(OBJECTIVES) == set(choices(HealConfig, "objective"))
     docs = field_docs(HealConfig)
     assert set(docs) == {f.name for f in dataclasses.fields(HealConfig)}  # every field says what it is
     assert set(field_docs(CalibrateConfig)) == {f.name for f in dataclasses.fields(CalibrateConfig)}
@@ -267,12 +265,11 @@ def test_convert_model_takes_a_config_and_nothing_else(tiny):
 
 def test_the_heal_rate_defaults_by_what_it_trains_and_an_explicit_rate_wins():
     """issue 48: the norms' default fell to 2.5e-4 when two orders of the 30-minute text heal ended +0.53 / +0.53 at
-    it against +0.78 / +1.14 at 1e-3; the blocks objective, never measured at it, keeps 1e-3."""
+    it against +0.78 / +1.14 at 1e-3."""
     assert HealConfig().rate() == 2.5e-4
     assert HealConfig(train="lora").rate() == 2.5e-4  # the norms' group; the adapters take HEAL_LEARNING_RATES["lora"]
-    assert HealConfig(objective="blocks").rate() == HealConfig(objective="blocks", train="lora").rate() == 1e-3
     assert HealConfig(train="all").rate() == 2e-5
-    assert HealConfig(objective="blocks", lr=3e-3).rate() == 3e-3
+    assert HealConfig(lr=3e-3).rate() == HealConfig(train="all", lr=3e-3).rate() == 3e-3
 
 
 def test_a_heal_checkpoint_records_the_rate_it_runs_at_not_the_absence_of_one():
@@ -291,21 +288,35 @@ def test_a_heal_checkpoint_records_the_rate_it_runs_at_not_the_absence_of_one():
     [
         (["heal.lora_rank=4"], "heal.lora_rank sizes heal.train=lora's adapters: it does nothing here"),
         (["heal.lora_lr=3e-4"], "heal.lora_lr is heal.train=lora's adapters' rate: it does nothing here"),
-        (["heal.objective=blocks", "heal.grad_clip=0.5"], "heal.grad_clip clips the distill objective's steps"),
-        (["heal.objective=blocks", "heal.rollback_nats=1"], "heal.rollback_nats rolls the distill objective back"),
-        (["heal.objective=blocks", "heal.teacher_top_k=64"], "heal.teacher_top_k caches the distill objective's"),
     ],
 )
 def test_a_knob_the_heal_would_ignore_is_refused(sets, says):
-    """issue 65: a setting that the chosen heal does not read (a LoRA rank without LoRA, the distill objective's
-    clip, rollback and teacher cache under blocks) is refused, naming it, rather than accepted and ignored; the same
-    knob where it applies, and any knob at its default, pass."""
+    """issue 65: a setting that the chosen heal does not read (a LoRA rank or rate without LoRA) is refused, naming
+    it, rather than accepted and ignored; the same knob where it applies, and any knob at its default, pass."""
     with pytest.raises(ValueError, match=says):
         resolve_convert_config(["heal.tokens=1000", *sets])
     resolve_convert_config(
         ["heal.tokens=1000", "heal.train=lora", "heal.lora_rank=4", "heal.lora_lr=3e-4", "heal.grad_clip=0.5"]
     )
-    resolve_convert_config(["heal.tokens=1000", "heal.objective=blocks", "heal.grad_clip=1.0"])  # the default
+    resolve_convert_config(["heal.tokens=1000", "heal.lora_rank=8"])  # the default
+
+
+@pytest.mark.parametrize("key, value", [("heal.objective", "blocks"), ("heal.steps", 2), ("heal.objective", "distill")])
+def test_a_retired_option_is_refused_in_one_line_and_a_saved_config_at_its_one_value_is_read(key, value, tmp_path):
+    """issue 98: heal.objective = "blocks" and heal.steps, which the project's own measurements rejected, were retired.
+    Given (--set, a keyword, a study's table) each is refused in one line saying what it was and what to use; a
+    convert_config.json saved before, at the value that is now the only behaviour, still reads."""
+    for given in ([f"{key}={value}"], {key: value}):
+        with pytest.raises(ValueError, match=r"retired in 0\.10\.0: .*drop it") as e:
+            resolve_convert_config(given, **({"heal.tokens": 1000} if isinstance(given, list) else {}))
+        assert "\n" not in str(e.value) and key in str(e.value)
+    section, name = key.split(".")
+    saved = {**ConvertConfig().to_dict(), "heal": {**ConvertConfig().to_dict()["heal"], name: value}}
+    if value in ("distill",):
+        assert ConvertConfig.from_dict(saved) == ConvertConfig()  # an older folder's config, at the kept value
+    else:
+        with pytest.raises(ValueError, match="retired"):
+            ConvertConfig.from_dict(saved)
 
 
 @pytest.mark.parametrize(

@@ -127,7 +127,8 @@ def test_an_existing_folder_normlab_did_not_write_is_never_cleared(models, tmp_p
     (["--budget-nats", "-1"], "--budget-nats must be a finite number >= 0"),
     (["--budget-nats", "0.5", "--no-calibrate"], "drop --no-calibrate"),
     (["--heal-minutes", "inf"], "finite number > 0"),
-    (["--heal-objective", "blocks"], "--heal-objective applies only to a heal"),
+    (["--set", "heal.objective=blocks"], "--set heal.objective: the heal's objective (block-wise reconstruction, "
+                                         "'blocks') was retired in 0.10.0"),
     (["--resume", "--heal-train", "all"], "--heal-train, --resume apply only to a heal"),
     (["--heal-tokens", "100", "--resume", "--checkpoint", "missing.pt"], "no heal checkpoint at"),
     (["--seq-len", "0"], "--seq-len must be >= 2"),

@@ -204,11 +204,7 @@ def _add_calibrate_flags(cv, d) -> None:
 def _add_heal_flags(cv, d) -> None:
     cv.add_argument("--heal-minutes", type=float, help="heal for this many minutes (--set heal.minutes)")
     cv.add_argument("--heal-tokens", type=count, help="heal on this many tokens instead (--set heal.tokens)")
-    for flag, key in (
-        ("--heal-objective", "heal.objective"),
-        ("--heal-train", "heal.train"),
-        ("--heal-text", "data.heal"),
-    ):
+    for flag, key in (("--heal-train", "heal.train"), ("--heal-text", "data.heal")):
         _shorthand(cv, flag, key)
     cv.add_argument("--checkpoint", help="heal checkpoint (default OUT.heal.pt when --out is given)")
     cv.add_argument("--resume", action="store_true", help="continue a heal from its checkpoint")

@@ -29,11 +29,11 @@ if TYPE_CHECKING:
 
 __all__ = ["DataConfig", "CalibrateConfig", "HealConfig", "BudgetConfig", "ConvertConfig", "resolve_convert_config",
            "flag", "identity_difference", "SHORTHANDS", "HEAL_LEARNING_RATES", "choices", "field_docs",
-           "check_types"]  # fmt: skip
+           "check_types", "RETIRED", "drop_retired"]  # fmt: skip
 
 FREE_TABLES = ("init", "site_init")  # tables whose keys are the user's (init.alpha_init=0.5)
 LORA_RANK = 8  # the adapters' default rank (heal.train=lora)
-HEAL_LEARNING_RATES = {"norms": 2.5e-4, "lora": 1e-3, "all": 2e-5, "blocks": 1e-3}  # Adam's; HealConfig.rate
+HEAL_LEARNING_RATES = {"norms": 2.5e-4, "lora": 1e-3, "all": 2e-5}  # Adam's; HealConfig.rate
 SECTIONS = ("data", "calibrate", "heal", "budget")
 # what a resumed heal may change (a heal may go on on another device, with another budget): not in its identity
 NOT_IDENTITY = tuple(
@@ -46,6 +46,34 @@ LEGACY_KEYS = {"budget_nats": "budget.nats", "budget_walk": "budget.walk", "budg
                "heal.self_fraction": "data.self_fraction", "heal.starts": "data.starts",
                "heal.temperature": "data.temperature", "heal.seed": "data.seed",
                "heal.sample_precision": "data.precision"}  # fmt: skip  # before 0.6: what each stage reads, in [data]
+# options the project's own measurements rejected, retired in 0.10.0: each with the value that is now the only
+# behaviour (a saved config holding it is read), and what a config giving another value is told
+RETIRED = {
+    "heal.objective": (
+        "distill",
+        "the heal's objective (block-wise reconstruction, 'blocks') was retired in 0.10.0: at equal minutes it ended "
+        "1.3-1.4 nats behind distilling the logits end to end, now the only heal (docs/heal-measurements.md); drop it",
+    ),
+    "heal.steps": (
+        1,
+        "converting in steps (walk, heal a share, walk again) was retired in 0.10.0: it converted more sites, not "
+        "better ones (docs/heal-measurements.md); drop it, and heal once with heal.minutes or heal.tokens",
+    ),
+}
+
+
+def drop_retired(flat: dict, given: str = "{key}") -> dict:
+    """``flat`` (dotted keys) without the `RETIRED` options at their one remaining value (an older saved config);
+    one at another value is refused with what it was and what to use.
+
+    Args:
+        flat: Dotted keys to values.
+        given: How the user gave a key, for the message (``"--set {key}"``; ``{name}``: the key's last part).
+    """
+    for key, (kept, why) in RETIRED.items():
+        if key in flat and flat.pop(key) != kept:
+            raise ValueError(f"{given.format(key=key, name=key.rsplit('.', 1)[-1])}: {why}")
+    return flat
 
 
 @dataclass
@@ -158,8 +186,6 @@ class HealConfig:
     """The budget in wall-clock minutes (or give ``tokens``)."""
     tokens: int | None = None
     """The budget in tokens through a trained forward and backward."""
-    objective: Literal["distill", "blocks"] = "distill"
-    """"distill": KL to the original's logits, end to end; "blocks": block-wise reconstruction."""
     train: Literal["norms", "lora", "all"] = "norms"
     """What is trained: the replacements' parameters ("norms"), those plus low-rank adapters merged at the end
     ("lora"), or every parameter ("all")."""
@@ -186,9 +212,6 @@ class HealConfig:
     """The heal's checkpoint file; None: OUT.heal.pt when there is an output folder."""
     resume: bool = False
     """Continue a heal from its checkpoint."""
-    steps: int = 1
-    """Convert and heal in steps: the walk, a heal of 1/steps of the budget, the walk again on the healed model (its
-    budget still counted from the original), and so on; 1: one walk, then one heal (`normlab.conversion.steps`)."""
     teacher_top_k: int | None = None
     """Distill: cache the original's top k logits per sequence (teacher.py); None: the teacher runs live."""
     precision: Literal["auto", "float32", "bf16"] = "float32"
@@ -199,8 +222,8 @@ class HealConfig:
     def budgeted(self) -> bool:
         return self.minutes is not None or self.tokens is not None
 
-    def rate(self) -> float:  # the norms' rate applies under "lora" too; "blocks" keeps 1e-3, measured at it
-        key = "all" if self.train == "all" else "blocks" if self.objective == "blocks" else "norms"
+    def rate(self) -> float:  # the norms' rate applies under "lora" too
+        key = "all" if self.train == "all" else "norms"
         return self.lr if self.lr is not None else HEAL_LEARNING_RATES[key]
 
     def lora_rate(self) -> float:
@@ -218,14 +241,7 @@ class HealConfig:
                 raise ValueError(f"{flag('heal.' + name)} must be a finite number > 0, got {v!r}")
         if self.tokens is not None and not float(self.tokens).is_integer():
             raise ValueError(f"{flag('heal.tokens')} must be a whole number of tokens, got {self.tokens!r}")
-        if self.precision != "float32" and self.objective != "distill":
-            raise ValueError(f"{flag('heal.precision')} {self.precision} applies to the distill objective's steps")
-        if self.schedule != "constant" and self.objective != "distill":
-            raise ValueError(
-                f"{flag('heal.schedule')} {self.schedule} applies to the distill objective; the blocks objective "
-                "splits its budget per block with a constant rate"
-            )
-        for name, least in (("batch_size", 1), ("lora_rank", 1), ("eval_every", 1), ("teacher_top_k", 1), ("steps", 1)):
+        for name, least in (("batch_size", 1), ("lora_rank", 1), ("eval_every", 1), ("teacher_top_k", 1)):
             v = getattr(self, name)
             if v is None and name in ("eval_every", "teacher_top_k"):
                 continue  # None: every 8 steps; the live teacher
@@ -239,19 +255,16 @@ class HealConfig:
             raise ValueError(f"{flag('heal.grad_clip')} must be a finite number >= 0 (0: none), got {self.grad_clip!r}")
         if self.checkpoint is not None and not str(self.checkpoint).strip():
             raise ValueError(f"{flag('heal.checkpoint')} must name a file, got {self.checkpoint!r}")
-        blocks, plain, lora = self.objective != "distill", HealConfig.__dataclass_fields__, self.train == "lora"
-        for name, idle, why in (("teacher_top_k", blocks, "caches the distill objective's teacher; blocks has none"),
-                                ("grad_clip", blocks, "clips the distill objective's steps; blocks does not clip"),
-                                ("rollback_nats", blocks, "rolls the distill objective back; blocks keeps its best"),
-                                ("lora_rank", not lora, "sizes heal.train=lora's adapters"),
-                                ("lora_lr", not lora, "is heal.train=lora's adapters' rate")):  # fmt: skip
-            if idle and getattr(self, name) != plain[name].default:
+        plain = HealConfig.__dataclass_fields__
+        lora_only = {"lora_rank": "sizes heal.train=lora's adapters", "lora_lr": "is heal.train=lora's adapters' rate"}
+        for name, why in lora_only.items():
+            if self.train != "lora" and getattr(self, name) != plain[name].default:
                 raise ValueError(f"{flag('heal.' + name)} {why}: it does nothing here; drop it")
         if not self.budgeted:
             default = HealConfig.__dataclass_fields__
             given = [
                 flag(f"heal.{n}")
-                for n in ("objective", "train", "lr", "resume", "checkpoint", "schedule", "steps")
+                for n in ("train", "lr", "resume", "checkpoint", "schedule")
                 if getattr(self, n) != default[n].default
             ]
             if given:
@@ -343,7 +356,7 @@ class ConvertConfig:
         are named."""
         if not isinstance(d, dict):
             raise ValueError(f"a convert config must be an object of fields, got {type(d).__name__}: {d!r:.80}")
-        flat = {LEGACY_KEYS.get(k, k): v for k, v in _flatten(d).items()}
+        flat = drop_retired({LEGACY_KEYS.get(k, k): v for k, v in _flatten(d).items()})
         d = apply_overrides(cls().to_dict(), flat, free=FREE_TABLES)
         sections = {"data": DataConfig, "calibrate": CalibrateConfig, "heal": HealConfig, "budget": BudgetConfig}
         for name, kind in sections.items():
@@ -379,9 +392,6 @@ class ConvertConfig:
         if not all(isinstance(v, dict) for v in self.site_init.values()):
             raise ValueError(f"site_init must map name patterns to init tables, got {self.site_init!r}")
         self.budget.validate(calibrated=self.calibrate.enabled)
-        if self.heal.steps > 1 and (self.budget.nats is None or self.heal.resume):
-            why = f"give {flag('budget.nats')}" if self.budget.nats is None else f"drop {flag('heal.resume')}"
-            raise ValueError(f"{flag('heal.steps')} {self.heal.steps} walks the budget afresh after each heal: {why}")
         c = self.calibrate
         if c.enabled and not spec.fits:
             raise ValueError(
@@ -420,11 +430,10 @@ class ConvertConfig:
             if idle and getattr(d, name) != plain[name].default:
                 raise ValueError(f"{flag('data.' + name)} does nothing here: only {needs} uses it; drop it")
         step = h.batch_size * self.seq_len
-        if h.tokens is not None and step > h.tokens // h.steps:
-            each = f" gives each of {flag('heal.steps')} {h.steps}" if h.steps > 1 else ""
+        if h.tokens is not None and step > h.tokens:
             raise ValueError(
                 f"{flag('heal.batch_size')} {h.batch_size} x {flag('seq_len')} {self.seq_len} = {step:,} tokens a "
-                f"step, more than the budget {flag('heal.tokens')} {h.tokens:,}{each}: lower the batch or raise it"
+                f"step, more than the budget {flag('heal.tokens')} {h.tokens:,}: lower the batch or raise it"
             )
 
     def identity(self, **facts) -> dict:
@@ -440,6 +449,7 @@ class ConvertConfig:
         """How a checkpoint's identity differs from this config's (the fields named), or None when it does not."""
         if isinstance(saved, dict):  # a checkpoint of before 0.6 names the data fields where they were
             saved = {LEGACY_KEYS.get(k, k): v for k, v in saved.items()}
+            saved = {k: v for k, v in saved.items() if k not in RETIRED or v != RETIRED[k][0]}
         return identity_difference(saved, self.identity(**facts))
 
 
@@ -471,6 +481,8 @@ def resolve_convert_config(overrides: dict | list[str] | None = None, **fields_:
         if key in LEGACY_KEYS:
             given = key if key in fields_ else f"--set {key}"  # a keyword of the Python API, or as --set took it
             raise ValueError(f"{given} is now {LEGACY_KEYS[key]} (the config's sections moved; CHANGELOG.md)")
+        if key in RETIRED:
+            raise ValueError(f"{key if key in fields_ else f'--set {key}'}: {RETIRED[key][1]}")
     for key, value in pairs:
         given = fields_.get(key)
         if given is not None and given != value:

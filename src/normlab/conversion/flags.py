@@ -19,7 +19,7 @@ SHORTHANDS: dict[str, str] = {
     "--init": "init", "--seq-len": "seq_len", "--sequences": "sequences", "--budget-nats": "budget.nats",
     "--out": "out", "--overwrite": "overwrite", "--no-calibrate": "calibrate.enabled",
     "--massive-tokens": "calibrate.massive_tokens", "--heal-minutes": "heal.minutes", "--heal-tokens": "heal.tokens",
-    "--heal-objective": "heal.objective", "--heal-train": "heal.train", "--checkpoint": "heal.checkpoint",
+    "--heal-train": "heal.train", "--checkpoint": "heal.checkpoint",
     "--resume": "heal.resume", "--heal-text": "data.heal", "--eval-text": "data.judge",
     "--calibrate-on": "data.calibrate", "--device": "device",
 }  # fmt: skip

@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from normlab.conversion.batches import as_batches, autocast_dtype, model_device, sharing_copy
+from normlab.conversion.batches import as_batches, autocast_dtype, sharing_copy
 from normlab.conversion.calibrate.stream import BlockReplay, find_blocks
 from normlab.conversion.config import BudgetConfig, CalibrateConfig
 from normlab.conversion.convert import convert_norms
@@ -277,9 +277,7 @@ def frontier(
             as converted so far (0 keeps the independent fits). ``refit_every=K`` fits every kept site again after
             every K, keeping the refit only where it lowers the cross-entropy on ``held``.
         progress: progress bars (None: only on a terminal).
-        **convert_kwargs: ``reference=``: the model the budget counts from (the KL's reference), for a model
-            already part-converted and healed (``heal.steps``); None: ``model`` as given, and ``ce_original`` then
-            the reference's. The rest go to `convert_norms` (``per``, ``init``, ``include``, ``massive_tokens``).
+        **convert_kwargs: for `convert_norms` (``per``, ``init``, ``include``, ``massive_tokens``).
 
     Returns:
         The `Frontier` (costs, order, curve, the sites kept and passed, seconds) and the conversion record of the
@@ -287,7 +285,6 @@ def frontier(
     """
     import time
 
-    reference = convert_kwargs.pop("reference", None)
     budget, calib, held, rank = _checked(calibrate, held, budget)
     dtype, precision = autocast_dtype(budget.precision, model, "budget.precision")
     start = time.monotonic()
@@ -301,13 +298,12 @@ def frontier(
     order = sorted(costs, key=lambda n: costs[n] if math.isfinite(costs[n]) else math.inf)
     # each step measured from its block on
     measure = measure_of(budget.metric)
-    floor = None if reference is None else _reference_measure(reference, held, measure, dtype)
     replay = BlockReplay(model, held, find_blocks(model, order), order, dtype, measure)
     skip = budget.walk == "skip"
     now = replay.measure()
     front = Frontier(
         to,
-        now if floor is None else floor,
+        now,
         costs,
         order,
         [],
@@ -334,18 +330,6 @@ def frontier(
         _note_budget(record, model, front, walk.originals)
     front.seconds = time.monotonic() - start
     return front, record
-
-
-def _reference_measure(reference: nn.Module, held: list, measure, dtype) -> float:
-    """The walk's measure of ``reference`` on ``held`` (its cross-entropy; for the KL, 0, and ``measure`` records
-    it as the reference every later measurement is compared with)."""
-    from normlab.conversion.measure.fidelity import cross_entropy
-
-    run = cross_entropy if measure is None else measure
-    if dtype is None:
-        return run(reference, held)
-    with torch.autocast((model_device(reference) or torch.device("cpu")).type, dtype=dtype):
-        return run(reference, held)
 
 
 def _walk(model: nn.Module, front: Frontier, budget: BudgetConfig, walk: _Walk, progress: bool | None) -> None:

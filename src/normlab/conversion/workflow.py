@@ -245,13 +245,13 @@ def _convert(job: _Job, markdown: bool) -> dict:
             splits = heal_splits(texts.splits, original, cfg.data, starts=starts, progress=progress)
         # a resumed heal: what the processes before this one spent
         earlier = earlier_stages(job.ckpt, job.cfg.heal.resume, stages)
-        rep, guard, steps = _heal_stage(job, _Models(original, net, tokenizer, stages), texts, splits, record, walk)
+        with stages("heal"):
+            rep, guard = _guarded_heal(job, original, net, splits, record, tokenizer)
         count_every_process(stages, earlier)
         before = fid
         with stages("measurement"):
             fid, tallies = _measure(original, net, texts, record, judging)
         fid["heal"] = {**rep.to_dict(), "guard": guard}
-        fid.update({"heal_steps": steps} if steps else {})  # "heal" is the last step's; here every step's
         fid["before_heal"] = {k: before[k] for k in ("ce_converted", "kl") if k in before}
         if "second_text" in before:
             fid["before_heal"]["second_text"] = before["second_text"]
@@ -306,12 +306,11 @@ def _measure(original, net, texts: ConversionTexts, record, judging: bool) -> tu
     return fid, tallies
 
 
-def _convert_sites(cfg: ConvertConfig, net, texts: ConversionTexts, progress: bool, reference=None):
+def _convert_sites(cfg: ConvertConfig, net, texts: ConversionTexts, progress: bool):
     """The conversion itself (every site, or the frontier's within ``budget.nats``); prints what it did. Returns
     the record and, for a budget, what the walk saw. The budget walk decides on the validation split (text the heal
     never trains on and the held-out measurement never reuses), so the held-out cross-entropy printed after it is
-    an honest estimate, not the number the walk was chosen to keep under the budget. ``reference``: the original,
-    for a walk on a model already part-converted and healed (``heal.steps``): the budget counts from it."""
+    an honest estimate, not the number the walk was chosen to keep under the budget."""
     c, b, calib = cfg.calibrate, cfg.budget, texts.calib
     select = texts.selection()
     sites_cfg = dataclasses.replace(cfg, heal=HealConfig(), budget=BudgetConfig())  # what convert_norms runs
@@ -326,7 +325,6 @@ def _convert_sites(cfg: ConvertConfig, net, texts: ConversionTexts, progress: bo
             config=sites_cfg,
             include=include,
             progress=progress,
-            reference=reference,
         )  # the frontier ranks on independent fits
         n_select = sum(len(b) for b in select)
         print(
@@ -360,67 +358,6 @@ def _convert_sites(cfg: ConvertConfig, net, texts: ConversionTexts, progress: bo
     how = f"calibrated on {n_calib} sequences {cfg.data.calibration_words()}" if c.enabled else "default init"
     print(f"converted {len(record.sites)} norms of {type(net).__name__} to {cfg.to} ({how})\n")
     return record, walk
-
-
-@dataclasses.dataclass(frozen=True)
-class _Models:
-    """What a heal in steps works with: the original (the teacher and the walk's reference), the model converted and
-    healed in place, the tokenizer (the guard's prefixes), the stages it counts in."""
-
-    original: object
-    net: object
-    tokenizer: object
-    stages: Stages
-
-
-def _heal_stage(job: _Job, models: _Models, texts: ConversionTexts, splits, record, walk):
-    """The heal: in ``heal.steps`` (`_heal_in_steps`), or one guarded heal (no steps to report: None)."""
-    if job.cfg.heal.steps > 1:
-        return _heal_in_steps(job, models, texts, splits, record, walk)
-    with models.stages("heal"):
-        rep, guard = _guarded_heal(job, models.original, models.net, splits, record, models.tokenizer)
-    return rep, guard, None
-
-
-def _heal_in_steps(job: _Job, models: _Models, texts: ConversionTexts, splits, record, walk: dict):
-    """``heal.steps`` > 1: heal a share of the budget, walk again from the healed model (its budget counted from the
-    original, so each walk adds what the heal made room for), and so on; the last step is a heal. Each heal is
-    guarded, and starts afresh (its checkpoint removed once it is done). ``record`` grows by each walk's sites
-    (``walk``: what the first walk saw).
-    Returns the last heal's report and guard, and every step's sites, walk and heal."""
-    cfg, n, net, h = job.cfg, job.cfg.heal.steps, models.net, job.cfg.heal
-    minutes, tokens = (None if h.minutes is None else h.minutes / n), (None if h.tokens is None else h.tokens // n)
-    one = dataclasses.replace(
-        job, cfg=dataclasses.replace(cfg, heal=dataclasses.replace(h, minutes=minutes, tokens=tokens, steps=1))
-    )
-    steps, left = [], walk["converted"] < walk["sites"]  # a walk that took every site it saw leaves none
-    for k in range(n):
-        walked = None
-        if k and left:
-            with models.stages("budget walk"):
-                more, walked = _convert_sites(cfg, net, texts, job.progress, reference=models.original)
-            left = walked["converted"] < walked["sites"]
-            order = {name: i for i, (name, _) in enumerate(net.named_modules())}
-            record.sites = sorted(record.sites + more.sites, key=lambda site: order[site.name])
-            record.skipped, record.notes = more.skipped, record.notes + more.notes
-        print(f"step {k + 1} of {n}: healing the {len(record.sites)} sites converted so far")
-        with models.stages("heal"):
-            rep, guard = _guarded_heal(one, models.original, net, splits, record, models.tokenizer)
-        if job.ckpt is not None:
-            Path(job.ckpt).unlink(missing_ok=True)  # the next step's heal is another heal
-        added = None if walked is None else {key: walked[key] for key in ("converted", "ce_original", "ce_converted")}
-        steps.append(
-            {
-                "sites": len(record.sites),
-                "walk": added,
-                "tokens": rep.tokens,
-                "seconds": round(rep.seconds, 1),
-                "kept": guard["kept"],
-                "rose": guard["rose"],  # why a heal was not kept: what it raised on the validation split
-                "curve": rep.curve,
-            }
-        )
-    return rep, guard, steps
 
 
 def _guarded_heal(job: _Job, original, net, splits, record, tokenizer):
@@ -473,7 +410,7 @@ def _save(job: _Job, net, record, tokenizer, fid: dict, rep) -> None:
         (partial / CONFIG_FILE).write_text(json.dumps(_absolute_texts(cfg.to_dict()), indent=2) + "\n")
         (partial / "fidelity.json").write_text(json.dumps(fid, indent=2) + "\n")
         if rep is not None:
-            write_curve(rep, partial, steps=fid.get("heal_steps"))
+            write_curve(rep, partial)
     except Exception as e:
         shutil.rmtree(partial, ignore_errors=True)
         kept = f"the previous {out} is as it was" if out.exists() else f"nothing was left at {out}"

@@ -6,8 +6,9 @@ Each op is an ``autograd.Function`` over two kernels written with ATen's vector 
 backward is one pass: it reads x and dy once, writes dx, and adds the parameter-gradient terms into
 per-task partial sums in the same sweep (each task owns a block of rows; the partials are added in task
 order, so a result is the same on every run with the same thread count). Only x is saved (RMSNorm also
-keeps its fp32 per-row rstd); tanh(alpha x) and the like are recomputed (`BACKWARD_SAVES`: measured better than
-saving f for DyT and Derf). Arithmetic is float32 for every input dtype (float32, bfloat16, float16).
+keeps its fp32 per-row rstd); tanh(alpha x) and the like are recomputed (measured better than
+saving f for DyT and Derf: slower in float32, 5x DyT's gradient error in bfloat16; the saving path was retired in
+0.10.0). Arithmetic is float32 for every input dtype (float32, bfloat16, float16).
 
 The mechanism was chosen by measurement (``scripts/bench_kernels.py --cpu``, docs/kernels.md): the
 TorchInductor paths it replaces ran at the same or lower speed, wrote the parameter-gradient column sums
@@ -56,11 +57,6 @@ MIN_FUSED = 1 << 16
 # decode step of SmolLM2, 1 x 576, inference: 32 against 48 and 64 us; Xeon, 2 threads, docs/kernels.md).
 MIN_FUSED_ISRU = 0
 _KIND = {"dyt": 0, "derf": 1, "dyisru": 2, "eln": 3}
-# What the backward of DyT and Derf reads: "x" (the default: only x is saved and tanh or erf is computed again) or
-# "x_and_f" (the forward also writes f = tanh(alpha x) or erf(alpha x + s) in x's dtype, and the backward reads it
-# instead). Chosen by measurement, `python scripts/bench_saves.py` (docs/kernels.md): saving was slower in fp32 and, in
-# bf16, barely faster for 5x the gradient error of DyT.
-BACKWARD_SAVES = {"dyt": "x", "derf": "x"}
 
 
 def ready(wait: bool = False) -> bool:
@@ -96,7 +92,7 @@ def _register_for_compile() -> None:
         return torch.empty_like(x)
 
     @torch.library.register_fake(lib + "pointwise_bwd")
-    def _bwd(g, x, f, p0, p1, w, b, scale, kind):
+    def _bwd(g, x, p0, p1, w, b, scale, kind):
         none = x.new_empty((0,), dtype=torch.float32)
         like = [torch.empty_like(t) if t is not None else none for t in (p0, p1, w, b)]
         return [torch.empty_like(x), *like]
@@ -110,7 +106,7 @@ def _register_for_compile() -> None:
 
     def backward(ctx, grad):
         x, p0, p1, w, b = ctx.saved_tensors
-        dx, dp0, dp1, dw, db = torch.ops.normlab_cpu.pointwise_bwd(grad, x, None, p0, p1, w, b, ctx.scale, ctx.kind)
+        dx, dp0, dp1, dw, db = torch.ops.normlab_cpu.pointwise_bwd(grad, x, p0, p1, w, b, ctx.scale, ctx.kind)
         return dx, dp0, None if p1 is None else dp1, dw, None if b is None else db, None, None, None
 
     torch.library.register_autograd(lib + "pointwise_fwd", backward, setup_context=setup)
@@ -186,19 +182,15 @@ class _PointwiseFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, scale: float, kind: str, p0, p1):
         ctx.scale, ctx.kind = scale, kind
-        if BACKWARD_SAVES.get(kind, "x") == "x_and_f":
-            y, f = torch.ops.normlab_cpu.pointwise_fwd_saving(x, p0, p1, weight, bias, scale, _KIND[kind])
-            ctx.save_for_backward(x, weight, bias, p0, p1, f)
-            return y
-        ctx.save_for_backward(x, weight, bias, p0, p1, None)  # only x is (N, C); the rest are (C,) or (1,)
+        ctx.save_for_backward(x, weight, bias, p0, p1)  # only x is (N, C); the rest are (C,) or (1,)
         return torch.ops.normlab_cpu.pointwise_fwd(x, p0, p1, weight, bias, scale, _KIND[kind])
 
     @staticmethod
     @first_order
     def backward(ctx, grad):
-        x, weight, bias, p0, p1, f = ctx.saved_tensors
+        x, weight, bias, p0, p1 = ctx.saved_tensors
         dx, dp0, dp1, dw, db = torch.ops.normlab_cpu.pointwise_bwd(
-            grad, x, f, p0, p1, weight, bias, ctx.scale, _KIND[ctx.kind]
+            grad, x, p0, p1, weight, bias, ctx.scale, _KIND[ctx.kind]
         )
         return dx, dw, None if bias is None else db, None, None, dp0, None if p1 is None else dp1
 

@@ -89,9 +89,9 @@ def test_a_site_init_pattern_that_matches_nothing_is_an_error():
 
 
 def test_a_site_init_pattern_for_sites_another_call_converts_is_not_an_error():
-    """A budget walk converts one site per call (its refits), and each walk of heal.steps the sites left: a
-    pattern that names a norm of the model, excluded from this call or converted before it, is not a typo. It was
-    refused as one, so a recipe with site_init failed at its second site or its second step."""
+    """A budget walk converts one site per call (its refits): a pattern that names a norm of the model, excluded from
+    this call or converted before it, is not a typo. It was refused as one, so a recipe with site_init failed at its
+    second site."""
     model = tiny_lm()
     table = {"*input_layernorm": {"alpha_init": 0.8}, "*post_attention_layernorm": {"alpha_init": 0.2}}
 

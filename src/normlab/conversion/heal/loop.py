@@ -1,5 +1,5 @@
-"""What both heal objectives share: the report, the run's state, the budget, the validation curve, the optimizer
-and the checkpoint. `normlab.conversion.heal.distill` is the entry point; this module is its parts."""
+"""What a heal is made of: the report, the run's state, the budget, the validation curve, the optimizer and the
+checkpoint. `normlab.conversion.heal.distill` is the entry point; this module is its parts."""
 
 from __future__ import annotations
 
@@ -25,9 +25,7 @@ __all__ = ["HealReport", "HealRun", "Budget", "Validation", "is_ours", "trainabl
 
 @dataclass
 class HealReport:
-    objective: str = "distill"
     train: str = "norms"
-    blocks: list[dict] = field(default_factory=list)  # per block (objective "blocks"): loss before / after, steps
     curve: list[dict] = field(default_factory=list)  # tokens, seconds, train_loss, val_ce, val_kl
     best: dict | None = None  # the curve point whose state was kept
     tokens: int = 0
@@ -44,6 +42,11 @@ class HealReport:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> HealReport:
+        """A report as `to_dict` wrote it; the fields of a retired objective (a checkpoint of before 0.10.0) left."""
+        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
 
 
 def is_ours(m: nn.Module) -> bool:
@@ -260,8 +263,8 @@ class Validation:
 
 @dataclass
 class HealRun:
-    """One heal in progress: the two models, the data, what is trained and how, and where it is saved. Both
-    objectives (`normlab.conversion.heal.distill.distill`, `normlab.conversion.heal.blocks.blocks`) read it."""
+    """One heal in progress: the two models, the data, what is trained and how, and where it is saved
+    (`normlab.conversion.heal.distill.distill` reads it)."""
 
     original: nn.Module
     converted: nn.Module
@@ -316,8 +319,7 @@ class HealRun:
             return
         self.report.seconds = round(self.budget.seconds(), 2)  # a resume goes on from here: its rate and its budget
         state = {"model": heal_state(self.converted, self.params), "report": self.report.to_dict(),
-                 "stream": self.stream.state(),
-                 "objective": self.report.objective, "identity": self.identity, "best": self.check.best_point,
+                 "stream": self.stream.state(), "identity": self.identity, "best": self.check.best_point,
                  "best_state": self.check.best_state, "optimizer": opt.state_dict() if opt is not None else None,
                  **extra}  # fmt: skip
         self.ckpt.parent.mkdir(parents=True, exist_ok=True)
@@ -347,15 +349,14 @@ def heal_state(converted: nn.Module, params: list[nn.Parameter]) -> dict[str, to
     return {k: v for k, v in converted.state_dict().items() if k in names}
 
 
-def load_checkpoint(ckpt: Path, converted: nn.Module, identity: dict | None, objective: str) -> dict:
-    """A heal checkpoint, checked (a heal of this normlab, of the same identity and objective) and loaded into
+def load_checkpoint(ckpt: Path, converted: nn.Module, identity: dict | None) -> dict:
+    """A heal checkpoint, checked (a heal of this normlab, of the same identity) and loaded into
     ``converted``; a bad one is a clear error.
 
     Args:
         ckpt: The checkpoint file.
         converted: The model its state is loaded into.
         identity: This heal's identity, compared with the checkpoint's; None skips the comparison.
-        objective: "distill" or "blocks", compared with the checkpoint's.
     """
     try:
         state = torch.load(ckpt, map_location="cpu", weights_only=False)
@@ -364,7 +365,7 @@ def load_checkpoint(ckpt: Path, converted: nn.Module, identity: dict | None, obj
             f"heal: checkpoint {ckpt} is corrupt or not a heal checkpoint ({type(e).__name__}); "
             "delete it or start without resume"
         ) from None
-    if not isinstance(state, dict) or not {"model", "report", "stream", "objective"} <= set(state):
+    if not isinstance(state, dict) or not {"model", "report", "stream"} <= set(state):
         raise ValueError(f"heal: {ckpt} is not a heal checkpoint of this normlab; delete it or start without resume")
     if identity is not None:
         diff = identity_difference(state.get("identity"), identity)
@@ -373,10 +374,8 @@ def load_checkpoint(ckpt: Path, converted: nn.Module, identity: dict | None, obj
                 f"heal: checkpoint {ckpt} was made from another model, text or settings ({diff}); "
                 "resume with the same ones, or start afresh with another --checkpoint"
             )
-    if state["objective"] != objective:
-        raise ValueError(
-            f"heal: checkpoint {ckpt} is of a heal with objective {state['objective']!r}, not {objective!r}"
-        )
+    if state.get("objective", "distill") != "distill":  # before 0.10.0
+        raise ValueError(f"heal: checkpoint {ckpt} is of the retired block-wise heal; start afresh without resume")
     try:
         unexpected = converted.load_state_dict(state["model"], strict=False).unexpected_keys
         if unexpected:

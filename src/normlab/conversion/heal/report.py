@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from normlab.conversion.heal.distill import OBJECTIVES
 from normlab.conversion.heal.loop import HealReport
 
 __all__ = ["heal_summary", "write_curve"]
@@ -18,7 +17,7 @@ def heal_summary(rep: HealReport) -> str:
         rep: The heal's `HealReport`.
     """
     line = (
-        f"healed ({rep.objective}, {rep.train}): {rep.tokens:,} tokens in {rep.seconds / 60:.1f} min "
+        f"healed ({rep.train}): {rep.tokens:,} tokens in {rep.seconds / 60:.1f} min "
         f"({rep.tokens / max(rep.seconds, 1e-9):.0f} tokens/s), {rep.sequences:,} stream sequences "
         f"({rep.stream_passes:.2f} passes)"
     )
@@ -39,32 +38,16 @@ def heal_summary(rep: HealReport) -> str:
     return line
 
 
-def stitched(steps: list[dict]) -> tuple[list[dict], int]:
-    """A heal in steps' curves as one: each point with its ``step`` (from 1) and its tokens counted from the first
-    step's start. Returns the curve and the tokens the steps before the last trained.
+def write_curve(rep: HealReport, folder: Path) -> None:
+    """The heal's validation curve as heal_curve.csv and heal_curve.png in ``folder``.
 
     Args:
-        steps: ``fidelity.json["heal_steps"]``: each step's ``curve`` and ``tokens``.
-    """
-    curve, done = [], 0
-    for k, step in enumerate(steps, 1):
-        curve += [{"step": k, **p, "tokens": done + p["tokens"]} for p in step["curve"]]
-        done += step["tokens"]
-    return curve, done - steps[-1]["tokens"]
-
-
-def write_curve(rep: HealReport, folder: Path, steps: list[dict] | None = None) -> None:
-    """The heal's validation curve as heal_curve.csv and heal_curve.png in ``folder``; a heal in steps
-    (``steps``), every step's curve, on one axis of tokens (`stitched`).
-
-    Args:
-        rep: The heal's `HealReport` (of the last step, for a heal in steps).
+        rep: The heal's `HealReport`.
         folder: Where the two files go.
-        steps: ``fidelity.json["heal_steps"]``, or None for a heal in one go.
     """
     import csv
 
-    curve, before = stitched(steps) if steps else (rep.curve, 0)
+    curve = rep.curve
     if not curve:
         return
     keys = list(dict.fromkeys(k for p in curve for k in p))
@@ -78,16 +61,9 @@ def write_curve(rep: HealReport, folder: Path, steps: list[dict] | None = None) 
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    walk = "a walk: more sites"  # the legend's label, on the first such line only
-    for k in sorted({p.get("step", 1) for p in curve}):
-        part = [p for p in curve if p.get("step", 1) == k]
-        label = "validation CE" if k == 1 else None
-        ax.plot([p["tokens"] for p in part], [p["val_ce"] for p in part], marker=".", color="C0", label=label)
-        if steps and steps[k - 1]["walk"] is not None:  # None: the first step, or no site left to walk
-            ax.axvline(part[0]["tokens"], color="grey", ls="--", lw=0.6, label=walk)
-            walk = None
+    ax.plot([p["tokens"] for p in curve], [p["val_ce"] for p in curve], marker=".", color="C0", label="validation CE")
     if rep.best is not None:
-        ax.axvline(before + rep.best["tokens"], color="green", ls=":", label="kept")
+        ax.axvline(rep.best["tokens"], color="green", ls=":", label="kept")
     back = [p for p in curve if p.get("rollback")]
     if back:
         ax.scatter(
@@ -102,14 +78,12 @@ def write_curve(rep: HealReport, folder: Path, steps: list[dict] | None = None) 
     tl = [(p["tokens"], p["train_loss"]) for p in curve if p["train_loss"] == p["train_loss"]]
     if tl:
         ax2 = ax.twinx()
-        what = OBJECTIVES[rep.objective].loss
-        ax2.plot(*zip(*tl), color="grey", lw=0.8, label=f"train loss ({what})")
-        ax2.set_ylabel(f"train loss ({what})")
+        ax2.plot(*zip(*tl), color="grey", lw=0.8, label="train loss (KL)")
+        ax2.set_ylabel("train loss (KL)")
         handles = [a + b for a, b in zip(handles, ax2.get_legend_handles_labels())]
     ax.set_xlabel("tokens trained")
     ax.set_ylabel("validation CE (nats/token)")
-    how = f" in {len(steps)} steps" if steps else ""
-    ax.set_title(f"heal{how}: {rep.objective}, {rep.train}; {rep.tokens / max(rep.seconds, 1e-9):.0f} tokens/s")
+    ax.set_title(f"heal: {rep.train}; {rep.tokens / max(rep.seconds, 1e-9):.0f} tokens/s")
     ax.legend(*handles, fontsize=8, loc="upper right")
     fig.tight_layout()
     fig.savefig(folder / "heal_curve.png", dpi=110)

@@ -340,10 +340,9 @@ Param param(const c10::optional<Tensor>& t, int64_t c) {
   return out;
 }
 
-// rows r0..r1 (arguments, not captures, as in the backward's blocks); fo: where f (before w and b) is kept for the
-// backward (SAVE), else nothing (the backward recomputes it from x)
-template <typename T, int64_t K, bool SAVE>
-void pointwise_fwd_block(const T* __restrict x, T* __restrict y, T* __restrict fo, const View v0, const View v1,
+// rows r0..r1 (arguments, not captures, as in the backward's blocks); the backward recomputes f from x
+template <typename T, int64_t K>
+void pointwise_fwd_block(const T* __restrict x, T* __restrict y, const View v0, const View v1,
                          const View vw, const View vb, const Vec vscale, int64_t r0, int64_t r1, int64_t c) {
   for (int64_t r = r0; r < r1; ++r) {
     const T* xr = x + r * c;
@@ -361,22 +360,17 @@ void pointwise_fwd_block(const T* __restrict x, T* __restrict y, T* __restrict f
         f = isru(K == ELN ? xv - mean : xv, a).f;
       }
       store(yr + j, at::vec::fmadd(wv, f, bv), m);
-      if constexpr (SAVE) store(fo + r * c + j, f, m);
     }
   }
 }
 
 template <typename T, int64_t K>
-void pointwise_fwd_impl(const T* x, T* y, T* fo, const Param& p0, const Param& p1, const Param& w, const Param& b,
+void pointwise_fwd_impl(const T* x, T* y, const Param& p0, const Param& p1, const Param& w, const Param& b,
                         float scale, int64_t n, int64_t c) {
   const View v0 = view(p0), v1 = view(p1), vw = view(w, scale), vb = view(b);
   const Vec vscale(vw.per ? scale : 1.0f);
   for_blocks(n, n_blocks(n, c), [&](int64_t, int64_t r0, int64_t r1) {
-    if (fo != nullptr) {
-      pointwise_fwd_block<T, K, true>(x, y, fo, v0, v1, vw, vb, vscale, r0, r1, c);
-    } else {
-      pointwise_fwd_block<T, K, false>(x, y, fo, v0, v1, vw, vb, vscale, r0, r1, c);
-    }
+    pointwise_fwd_block<T, K>(x, y, v0, v1, vw, vb, vscale, r0, r1, c);
   });
 }
 
@@ -385,10 +379,10 @@ void pointwise_fwd_impl(const T* x, T* y, T* fo, const Param& p0, const Param& p
 constexpr int64_t ROWS = 4;
 
 // One block of rows, rows r0..r1. Its pointers and parameters are the function's own arguments, so the compiler
-// keeps them in registers (captured by a lambda, they were read again for every vector). fs: f as the forward kept it
-// (DyT, Derf; SAVED), else recomputed from x.
-template <typename T, int64_t K, bool SAVED>
-void pointwise_bwd_block(const T* __restrict g, const T* __restrict x, const T* __restrict fs, T* __restrict dx,
+// keeps them in registers (captured by a lambda, they were read again for every vector). f is recomputed from x
+// (saving it in the forward was slower in float32 and gave 5x DyT's gradient error in bfloat16; retired in 0.10.0).
+template <typename T, int64_t K>
+void pointwise_bwd_block(const T* __restrict g, const T* __restrict x, T* __restrict dx,
                          const View v0, const View v1, const View vw, const Vec vscale, float* __restrict dp0,
                          int64_t r0, int64_t r1, int64_t c) {
   float *dp1 = dp0 + c, *dw = dp0 + 2 * c, *db = dp0 + 3 * c;
@@ -420,12 +414,12 @@ void pointwise_bwd_block(const T* __restrict g, const T* __restrict x, const T* 
         const Vec xv = load(x + off, m), gv = load(g + off, m);  // g is zero in the tail lanes
         Vec gu, f;
         if constexpr (K == DYT) {
-          f = SAVED ? load(fs + off, m) : tanh_<T>(a * xv);
+          f = tanh_<T>(a * xv);
           gu = gv * at::vec::fnmadd(f, f, Vec(1.0f));  // g (1 - f^2)
           acc0 = at::vec::fmadd(gu, xv, acc0);
         } else if constexpr (K == DERF) {
           const Vec z = at::vec::fmadd(a, xv, shift);
-          f = SAVED ? load(fs + off, m) : erf_<T>(z);
+          f = erf_<T>(z);
           gu = gv * exp_neg_sq(z);
           acc0 = at::vec::fmadd(gu, xv, acc0);
           acc1 = acc1 + gu;
@@ -473,17 +467,13 @@ void pointwise_bwd_block(const T* __restrict g, const T* __restrict x, const T* 
 }
 
 template <typename T, int64_t K>
-void pointwise_bwd_impl(const T* g, const T* x, const T* fs, T* dx, const Param& p0, const Param& p1, const Param& w,
+void pointwise_bwd_impl(const T* g, const T* x, T* dx, const Param& p0, const Param& p1, const Param& w,
                         float scale, float* partials, int64_t n, int64_t c, int64_t blocks) {
   const View v0 = view(p0), v1 = view(p1), vw = view(w, scale);
   const Vec vscale(vw.per ? scale : 1.0f);
   for_blocks(n, blocks, [&](int64_t blk, int64_t r0, int64_t r1) {
     float* part = partials + blk * 4 * c;
-    if (fs != nullptr) {
-      pointwise_bwd_block<T, K, true>(g, x, fs, dx, v0, v1, vw, vscale, part, r0, r1, c);
-    } else {
-      pointwise_bwd_block<T, K, false>(g, x, fs, dx, v0, v1, vw, vscale, part, r0, r1, c);
-    }
+    pointwise_bwd_block<T, K>(g, x, dx, v0, v1, vw, vscale, part, r0, r1, c);
   });
 }
 
@@ -508,20 +498,18 @@ void dispatch_dtype(at::ScalarType t, const F& f) {
   }
 }
 
-std::vector<Tensor> pointwise_fwd_rows(const Tensor& x, const Param& p0, const Param& p1, const Param& w,
-                                       const Param& b, float scale, int64_t kind, bool save) {
+Tensor pointwise_fwd_rows(const Tensor& x, const Param& p0, const Param& p1, const Param& w, const Param& b,
+                          float scale, int64_t kind) {
   check_rows(x, "x");
   const int64_t n = x.size(0), c = x.size(1);
   Tensor y = at::empty_like(x);
-  Tensor f = save ? at::empty_like(x) : Tensor();
   dispatch_dtype(x.scalar_type(), [&](auto t) {
     using T = decltype(t);
     dispatch_kind(kind, [&](auto k) {
-      pointwise_fwd_impl<T, decltype(k)::value>(x.data_ptr<T>(), y.data_ptr<T>(), save ? f.data_ptr<T>() : nullptr,
-                                                p0, p1, w, b, scale, n, c);
+      pointwise_fwd_impl<T, decltype(k)::value>(x.data_ptr<T>(), y.data_ptr<T>(), p0, p1, w, b, scale, n, c);
     });
   });
-  return {y, f};
+  return y;
 }
 
 std::vector<Tensor> sum_partials(const Tensor& partials) {
@@ -541,18 +529,12 @@ std::vector<Tensor> sum_partials(const Tensor& partials) {
   return out;
 }
 
-std::vector<Tensor> pointwise_bwd_rows(const Tensor& g, const Tensor& x, const Tensor& fs, const Param& p0,
-                                       const Param& p1, const Param& w, float scale, int64_t kind) {
+std::vector<Tensor> pointwise_bwd_rows(const Tensor& g, const Tensor& x, const Param& p0, const Param& p1,
+                                       const Param& w, float scale, int64_t kind) {
   check_rows(x, "x");
   check_rows(g, "the gradient");
   TORCH_CHECK(g.sizes() == x.sizes() && g.scalar_type() == x.scalar_type(),
               "normlab cpu kernel: the gradient must match x in shape and dtype");
-  const bool saved = fs.defined();
-  if (saved) {
-    check_rows(fs, "the saved f");
-    TORCH_CHECK(fs.sizes() == x.sizes() && fs.scalar_type() == x.scalar_type() && (kind == DYT || kind == DERF),
-                "normlab cpu kernel: a saved f must match x in shape and dtype, for DyT or Derf");
-  }
   const int64_t n = x.size(0), c = x.size(1);
   const int64_t blocks = n_blocks(n, c);
   Tensor dx = at::empty_like(x);
@@ -560,9 +542,8 @@ std::vector<Tensor> pointwise_bwd_rows(const Tensor& g, const Tensor& x, const T
   dispatch_dtype(x.scalar_type(), [&](auto t) {
     using T = decltype(t);
     dispatch_kind(kind, [&](auto k) {
-      pointwise_bwd_impl<T, decltype(k)::value>(g.data_ptr<T>(), x.data_ptr<T>(),
-                                                saved ? fs.data_ptr<T>() : nullptr, dx.data_ptr<T>(),
-                                                p0, p1, w, scale, partials.data_ptr<float>(), n, c, blocks);
+      pointwise_bwd_impl<T, decltype(k)::value>(g.data_ptr<T>(), x.data_ptr<T>(), dx.data_ptr<T>(), p0, p1, w, scale,
+                                                partials.data_ptr<float>(), n, c, blocks);
     });
   });
   std::vector<Tensor> out{dx};
@@ -660,28 +641,16 @@ Tensor pointwise_fwd(const Tensor& x, const Tensor& p0, const c10::optional<Tens
   TORCH_CHECK(!log_p0 || kind == DYISRU || kind == ELN, "normlab cpu kernel: log_p0 is for DyISRU and ELN's beta");
   const int64_t c = x.size(-1);
   return pointwise_fwd_rows(rows(x), param(log_p0 ? p0.exp() : p0, c), param(p1, c), param(w, c), param(b, c), scale,
-                            kind, false)[0]
+                            kind)
       .view(x.sizes());
 }
 
-// [y, f]: the output and f before the weight and the bias (DyT's tanh(alpha x), Derf's erf(alpha x + s)), kept for
-// a backward that reads it instead of recomputing it
-std::vector<Tensor> pointwise_fwd_saving(const Tensor& x, const Tensor& p0, const c10::optional<Tensor>& p1,
-                                         const Tensor& w, const c10::optional<Tensor>& b, double scale, int64_t kind) {
-  const int64_t c = x.size(-1);
-  std::vector<Tensor> r =
-      pointwise_fwd_rows(rows(x), param(p0, c), param(p1, c), param(w, c), param(b, c), scale, kind, true);
-  return {r[0].view(x.sizes()), r[1].view(x.sizes())};
-}
-
 // [dx, dp0, dp1 (empty without p1), dw, db (empty without b)], each in its input's shape and dtype
-std::vector<Tensor> pointwise_bwd(const Tensor& g, const Tensor& x, const c10::optional<Tensor>& f, const Tensor& p0,
-                                  const c10::optional<Tensor>& p1, const Tensor& w, const c10::optional<Tensor>& b,
-                                  double scale, int64_t kind) {
+std::vector<Tensor> pointwise_bwd(const Tensor& g, const Tensor& x, const Tensor& p0, const c10::optional<Tensor>& p1,
+                                  const Tensor& w, const c10::optional<Tensor>& b, double scale, int64_t kind) {
   const int64_t c = x.size(-1);
-  const Tensor fs = f.has_value() && f->defined() ? rows(*f) : Tensor();
   std::vector<Tensor> r =
-      pointwise_bwd_rows(rows(g.to(x.scalar_type())), rows(x), fs, param(p0, c), param(p1, c), param(w, c), scale, kind);
+      pointwise_bwd_rows(rows(g.to(x.scalar_type())), rows(x), param(p0, c), param(p1, c), param(w, c), scale, kind);
   const bool has_p1 = p1.has_value() && p1->defined(), has_b = b.has_value() && b->defined();
   return {r[0].view(x.sizes()), reduce_like(r[1], p0), has_p1 ? reduce_like(r[2], *p1) : at::empty({0}),
           reduce_like(r[3], w, scale), has_b ? reduce_like(r[4], *b) : at::empty({0})};
@@ -720,10 +689,8 @@ TORCH_LIBRARY(normlab_cpu, m) {
   m.def("approx(Tensor z, int fn, bool half) -> Tensor");
   m.def("pointwise_fwd(Tensor x, Tensor p0, Tensor? p1, Tensor w, Tensor? b, float scale, int kind, bool log_p0=False) "
         "-> Tensor");
-  m.def("pointwise_fwd_saving(Tensor x, Tensor p0, Tensor? p1, Tensor w, Tensor? b, float scale, int kind) -> "
+  m.def("pointwise_bwd(Tensor g, Tensor x, Tensor p0, Tensor? p1, Tensor w, Tensor? b, float scale, int kind) -> "
         "Tensor[]");
-  m.def("pointwise_bwd(Tensor g, Tensor x, Tensor? f, Tensor p0, Tensor? p1, Tensor w, Tensor? b, float scale, "
-        "int kind) -> Tensor[]");
   m.def("rms_fwd(Tensor x, Tensor w, float eps) -> Tensor[]");
   m.def("rms_bwd(Tensor g, Tensor x, Tensor rstd, Tensor w) -> Tensor[]");
 }
@@ -731,7 +698,6 @@ TORCH_LIBRARY(normlab_cpu, m) {
 TORCH_LIBRARY_IMPL(normlab_cpu, CPU, m) {
   m.impl("approx", &approx);
   m.impl("pointwise_fwd", &pointwise_fwd);
-  m.impl("pointwise_fwd_saving", &pointwise_fwd_saving);
   m.impl("pointwise_bwd", &pointwise_bwd);
   m.impl("rms_fwd", &rms_fwd);
   m.impl("rms_bwd", &rms_bwd);
