@@ -235,8 +235,11 @@ def match_rms_(model: nn.Module, sites: dict[str, nn.Module], run: Callable[[], 
     from normlab.registry import norm_spec
 
     named = {n: m for n, m in sites.items() if isinstance(getattr(m, "registry_name", None), str)}  # norms only
-    eligible = {n: m for n, m in named.items() if getattr(m, "weight", None) is not None
-                and norm_spec(m.registry_name).pointwise}  # fmt: skip
+    eligible = {
+        n: m
+        for n, m in named.items()
+        if getattr(m, "weight", None) is not None and norm_spec(m.registry_name).pointwise
+    }
     factors: dict[str, float] = {}
     was_training = model.training
     model.eval()

@@ -213,8 +213,12 @@ def swap(model: nn.Module, name: str, new: nn.Module) -> nn.Module:
         new: The module put in its place.
     """
     old = model.get_submodule(name)
-    holders = [(parent, child) for _, parent in model.named_modules(remove_duplicate=False)
-               for child, m in parent._modules.items() if m is old]  # fmt: skip
+    holders = [
+        (parent, child)
+        for _, parent in model.named_modules(remove_duplicate=False)
+        for child, m in parent._modules.items()
+        if m is old
+    ]
     for parent, child in holders:
         setattr(parent, child, new)
     return old

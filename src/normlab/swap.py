@@ -79,8 +79,16 @@ class SwapRecord(ConversionRecord):
     def table(self, markdown: bool = False) -> str:
         from normlab.table import format_table
 
-        rows = [[s.name, s.source, s.notes[0].removeprefix("role ") if s.notes else "-", self.target,
-                 "; ".join(s.notes[1:]) or "default init"] for s in self.sites]  # fmt: skip
+        rows = [
+            [
+                s.name,
+                s.source,
+                s.notes[0].removeprefix("role ") if s.notes else "-",
+                self.target,
+                "; ".join(s.notes[1:]) or "default init",
+            ]
+            for s in self.sites
+        ]
         return format_table(["site", "replaced", "role", "now", "init"], rows, markdown=markdown)
 
     def __len__(self) -> int:
@@ -311,8 +319,11 @@ def replace_norms(
     spec, recipes, run = _check_arguments(model, to, init, sample, kwargs)
     base = next((r for r in recipes if r != "match_rms"), "default")
     found, skipped = find_norms(model, dict(extra_classes or {}), include)
-    strangers = [s for s in skipped if s["reason"] == UNKNOWN
-                 and (include is None or include(s["name"], model.get_submodule(s["name"])))]  # fmt: skip
+    strangers = [
+        s
+        for s in skipped
+        if s["reason"] == UNKNOWN and (include is None or include(s["name"], model.get_submodule(s["name"])))
+    ]
     if strangers:
         s = strangers[0]
         raise ValueError(

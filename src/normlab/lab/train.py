@@ -30,6 +30,7 @@ from normlab.lab.data import get_batch, load_corpus
 from normlab.lab.metrics import Probe, init_telemetry, norm_parameters, projection_ranks
 from normlab.lab.model import GPT
 from normlab.lab.optim import build_optimizer, lr_at
+from normlab.lab.quant import outlier_stats, quant_gaps
 from normlab.lab.runs import CONFIG, METRICS, SUMMARY, VERSION, RunFolder, escape_step, read_jsonl
 from normlab.version import code_version
 
@@ -172,6 +173,34 @@ def _step(place: _Place, net: _Net, step: int, probing: bool):
     opt.step()
     opt.zero_grad(set_to_none=True)
     return loss, probe
+
+
+def _held_out_batch(place: _Place) -> torch.Tensor:
+    """The first validation batch's inputs (the evaluation's), on the device: what the outlier statistics read."""
+    x, _ = get_batch(
+        place.corpus.val, (place.cfg.batch_size, place.cfg.model.context), seed=place.cfg.seed, step=0, salt=1
+    )
+    return x.to(place.device)
+
+
+def _outliers(place: _Place, net: _Net) -> dict[str, float]:
+    """Outlier statistics of the residual stream and the linear layers' inputs on the held-out batch
+    (`normlab.lab.quant.outlier_stats`), logged at each evaluation."""
+    with net.autocast():
+        return outlier_stats(net.raw, _held_out_batch(place))
+
+
+def _quantized(place: _Place, net: _Net) -> dict[str, float]:
+    """At the end of a completed run: the last outlier statistics' means, and the held-out loss gap under each
+    fake-quantization scheme (`normlab.lab.quant.quant_gaps`; three more evaluations), for the summary."""
+    cfg, raw = place.cfg, net.raw
+    stats = {k: v for k, v in _outliers(place, net).items() if "/" not in k}
+    calib, _ = get_batch(place.corpus.train, (cfg.batch_size, cfg.model.context), seed=cfg.seed, step=0, salt=2)
+    with net.autocast():
+        gaps = quant_gaps(
+            raw, lambda: evaluate(raw, place.corpus.val, cfg, place.device, net.autocast), calib.to(place.device)
+        )
+    return {**stats, **gaps}
 
 
 def _model_and_optimizer(cfg: TrainConfig, folder: RunFolder, device, resume: bool, main: bool):
@@ -363,9 +392,8 @@ def _train(place: _Place, resume: bool, progress: bool, resume_command: str | No
     world, device = place.world, place.device
     out = folder.path
     entropy = corpus.unigram_entropy
-    model, opt, start = _model_and_optimizer(cfg, folder, device, resume, main)
-    raw_model = model
-    model, fwd, autocast = _wrap(model, cfg, device, world)
+    raw_model, opt, start = _model_and_optimizer(cfg, folder, device, resume, main)
+    model, fwd, autocast = _wrap(raw_model, cfg, device, world)
     net = _Net(model, fwd, raw_model, opt, autocast)
 
     summary = _open_run(folder, cfg, corpus, world, device, main)
@@ -404,7 +432,7 @@ def _train(place: _Place, resume: bool, progress: bool, resume_command: str | No
                 record.update(probe.results(), **projection_ranks(raw_model), **norm_parameters(raw_model))
             if step % cfg.eval_every == 0 or step == cfg.steps:
                 last_val = evaluate(fwd, corpus.val, cfg, device, autocast)
-                record["val_loss"] = last_val
+                record.update(val_loss=last_val, **(_outliers(place, net) if main else {}))
             if record:
                 log({"step": step, **record})
             stopping = interrupt.signum is not None
@@ -432,6 +460,7 @@ def _train(place: _Place, resume: bool, progress: bool, resume_command: str | No
         summary.update(status="completed", final_val_loss=last_val, steps_done=step)
     summary["gap_to_unigram_entropy"] = (last_val - entropy) if last_val is not None else None
     if main:
+        summary.update(_quantized(place, net) if summary["status"] == "completed" else {})
         _summarize(summary, folder, entropy)
         folder.write_json(SUMMARY, summary)
     log.close()

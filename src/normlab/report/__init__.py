@@ -15,7 +15,7 @@ from pathlib import Path
 
 from normlab.errors import NormlabError
 from normlab.owner import path_segment_error
-from normlab.report import phase, scaling  # noqa: F401  (register their checks and figures)
+from normlab.report import phase, quant, scaling  # noqa: F401  (register their checks and figures)
 from normlab.report.checks import CHECKS, Verdict, claims
 from normlab.report.figures import FIGURES, table
 from normlab.report.results import Results
