@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -77,8 +78,8 @@ def test_dyt_trains_in_torchtitan_on_two_processes(route, parallel, tmp_path):
 def test_a_resumed_dyt_run_repeats_the_uninterrupted_losses(tmp_path):
     """The model converter puts DyT at every site (the DyT paper's alpha0 by role); the trainer builds it on the meta
     device, initialises it through init_states, applies its selective activation checkpointing, trains and saves
-    distributed checkpoints holding the layers' alpha. Then: save at step 2, stop, resume from that checkpoint: steps
-    3 and 4 log the losses of the run that never stopped, to the digits logged."""
+    distributed checkpoints holding the layers' alpha. Then a run given only the step-2 checkpoint resumes from it:
+    steps 3 and 4 log the losses of the run that never stopped, to the digits logged."""
     ckpt = ["--checkpoint.enable", "--checkpoint.interval", "2"]
     whole, out = titan(tmp_path / "whole", "llama3_debug_cpu_dyt", *ckpt, steps=4)
     _learns(whole, 4)
@@ -93,10 +94,11 @@ def test_a_resumed_dyt_run_repeats_the_uninterrupted_losses(tmp_path):
     assert any(k.endswith("layers.0.attention_norm.alpha") for k in meta), meta[:20]
     assert not any(k.endswith("attention_norm.weight") and "alpha" in k for k in meta)
     assert not any(k.endswith("norm.bias") for k in meta)  # the DyT paper's LLaMA layer has no bias
-    first, _ = titan(tmp_path / "parts", "llama3_debug_cpu_dyt", *ckpt, steps=2)
+    # the step-2 checkpoint alone in a fresh folder, as a run stopped after step 2 leaves it (one launch fewer than
+    # running those two steps again: each torchrun start costs about 20 s here)
+    shutil.copytree(tmp_path / "whole" / "checkpoint" / "step-2", tmp_path / "parts" / "checkpoint" / "step-2")
     second, out = titan(tmp_path / "parts", "llama3_debug_cpu_dyt", *ckpt, steps=4)
     assert sorted(second) == [3, 4], out[-2000:]  # it resumed at step 2
-    assert first == {1: whole[1], 2: whole[2]}
     assert second == {3: whole[3], 4: whole[4]}
 
 

@@ -81,9 +81,9 @@ def _case(family: str, target: str, **config):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "family, target, config",
-    [("Llama", "dyisru", {}), ("Llama", "derf", {}), ("Qwen3", "eln", {}), ("Gemma", "dyt", {}),
+    [("Llama", "derf", {}), ("Qwen3", "eln", {}), ("Gemma", "dyt", {}),
      ("Mistral", "scaled_dyt", {"sliding_window": None}), ("Qwen2", "dyisru", {})],
-)  # fmt: skip
+)  # fmt: skip  # Llama with DyISRU: test_a_healed_model_with_biases_folds_them_into_its_exported_copy
 def test_a_converted_lm_exports_with_its_cache_and_runs_in_onnx_runtime(family, target, config, tmp_path):
     """Folded, exported, and in ONNX Runtime: the logits of held-out ids within float32 rounding of PyTorch's,
     and 32 greedy tokens decoded with the cache (massive-token copies included) identical to generate's."""
@@ -152,15 +152,24 @@ def test_normlab_export_writes_a_checked_file_from_a_converted_folder(tmp_path):
 def test_an_interrupted_export_leaves_nothing_under_the_final_names_and_a_retry_is_clean(tmp_path, monkeypatch):
     """The graph and its weights are written into .NAME.partial and moved only once checked: an interrupt during the
     check leaves no .onnx, .data or .json, and gives the partial folder's space back at once; what a SIGKILL leaves
-    there (a partial folder with a cut graph) the next export says it found, replaces and finishes."""
+    there (a partial folder with a cut graph) the next export says it found, replaces and finishes. The first
+    export's graph is stood in for by two written files (what the file handling sees of it; the retry exports for
+    real), sparing a second 30-second torch.export."""
     import normlab.conversion.export.onnx_export as ox
 
     model, _ = _case("Llama", "dyisru")
     out = tmp_path / "m.onnx"
 
+    def written(net, draft, opset):
+        for f in ox.output_files(draft)[:2]:
+            f.write_bytes(b"\x08\x07graph")
+        return 2
+
     def killed(*args, **kwargs):
+        assert (tmp_path / ".m.onnx.partial" / "m.onnx").is_file()  # interrupted with the files written
         raise KeyboardInterrupt
 
+    monkeypatch.setattr(ox, "_export", written)
     monkeypatch.setattr(ox, "_check", killed)
     with pytest.raises(KeyboardInterrupt):
         export_onnx(model, out)
@@ -178,21 +187,28 @@ def test_an_interrupted_export_leaves_nothing_under_the_final_names_and_a_retry_
     ]
 
 
-@pytest.mark.slow
-def test_normlab_export_says_what_is_wrong_in_one_line(tmp_path):
+def test_normlab_export_says_what_is_wrong_in_one_line(tmp_path, capsys, monkeypatch):
+    """Each refusal is one line on stderr, exit code 2, no traceback (the command's own main, in this process: the
+    subprocess run of the command is test_normlab_export_writes_a_checked_file_from_a_converted_folder's)."""
+    from normlab.cli import main
+
+    def run(*argv) -> str:
+        assert main(list(argv)) == 2
+        err = capsys.readouterr().err
+        assert "Traceback" not in err
+        return err
+
     (tmp_path / "plain").mkdir()
-    run = _cli("export", str(tmp_path / "plain"), "--onnx", str(tmp_path / "m.onnx"))
-    assert run.returncode == 2 and "is not a converted model's folder (no normlab_conversion.json)" in run.stderr
-    blocked = "import sys\nsys.modules['onnxruntime'] = None"  # as if the onnx extra were not installed
-    run = _cli("export", str(tmp_path / "plain"), "--onnx", str(tmp_path / "m.onnx"), env_code=blocked)
-    assert run.returncode == 2 and "ONNX export needs onnxruntime: pip install 'normlab[onnx]'" in run.stderr
-    assert "Traceback" not in run.stderr
+    plain = ["export", str(tmp_path / "plain"), "--onnx", str(tmp_path / "m.onnx")]
+    assert "is not a converted model's folder (no normlab_conversion.json)" in run(*plain)
+    with monkeypatch.context() as m:
+        m.setitem(sys.modules, "onnxruntime", None)  # as if the onnx extra were not installed
+        assert "ONNX export needs onnxruntime: pip install 'normlab[onnx]'" in run(*plain)
     folder = normlab.save_converted(*_case("Llama", "dyisru"), tmp_path / "c")
     (tmp_path / "dir.onnx").mkdir()
     bad_targets = ((tmp_path / "dir.onnx", "is a folder; name the .onnx file"), (tmp_path / "m.bin", "end in .onnx"))
     for bad, says in bad_targets:
-        run = _cli("export", str(folder), "--onnx", str(bad))
-        assert run.returncode == 2 and says in run.stderr and "Traceback" not in run.stderr, run.stderr
+        assert says in run("export", str(folder), "--onnx", str(bad))
 
 
 def test_normlab_export_refuses_a_folder_it_cannot_write(tmp_path):
