@@ -94,7 +94,8 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
 ]  # fmt: skip
 #: Inside the conversion wing, by stage, lowest first (the same rule).
 CONVERSION_FLOORS: list[tuple[str, tuple[str, ...]]] = [
-    ("settings", ("normlab.conversion.config", "normlab.conversion.flags", "normlab.conversion.limits",
+    ("settings", ("normlab.conversion.config", "normlab.conversion.sections", "normlab.conversion.flags",
+                  "normlab.conversion.limits",
                   "normlab.conversion.stages", "normlab.conversion.batches", "normlab.conversion.data.config")),
     ("data", ("normlab.conversion.data",)),
     ("measure", ("normlab.conversion.measure",)),
