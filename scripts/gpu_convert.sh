@@ -12,8 +12,8 @@
 #
 # The published removals of every norm of GPT-2 fine-tuned all weights on 150-500M tokens; the full-rank heal here
 # runs for FULL_MINUTES and prints how many tokens that bought, to set against them. DEVICE (default cuda), OUT
-# (default runs/gpu_convert), FULL_SAMPLES (the original's samples it distils on, default 16384) and EXTRA (more
-# convert flags) change the rest; the test suite runs it on the CPU with DEVICE=cpu on a tiny model.
+# (default runs/gpu_convert), FULL_SAMPLES (the original's samples it distils on, default 16384), FULL_BUDGET (its
+# heal budget's flags) and EXTRA (more convert flags) change the rest; the test suite runs it on the CPU with DEVICE=cpu on a tiny model.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 NORMLAB=${NORMLAB:-.venv/bin/normlab}
@@ -23,7 +23,8 @@ OUT=${OUT:-runs/gpu_convert}
 HEAL_MINUTES=${HEAL_MINUTES:-10}
 HEAL=${HEAL:-"--heal-minutes $HEAL_MINUTES"}
 FULL_MINUTES=${FULL_MINUTES:-10}
-FULL=${FULL:-"--heal-minutes $FULL_MINUTES --set heal.self_sequences=${FULL_SAMPLES:-16384}"}
+FULL_BUDGET=${FULL_BUDGET:-"--heal-minutes $FULL_MINUTES"}
+FULL=${FULL:-"$FULL_BUDGET --set data.samples=${FULL_SAMPLES:-16384}"}
 EXTRA=${EXTRA:-}
 
 run() {  # NAME FLAGS...: one conversion into $OUT/NAME

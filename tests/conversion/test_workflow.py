@@ -366,7 +366,7 @@ def test_the_gpu_convert_script_runs_on_the_cpu_on_a_tiny_model(tmp_path):
            "NORMLAB": str(Path(sys.executable).parent / "normlab"), "PYTHON": sys.executable,
            "EXTRA": f"--calibrate {text} --seq-len 16 --sequences 4 --eval-text none",
            "HEAL": "--heal-tokens 256 --set data.samples=32",
-           "FULL": "--heal-tokens 256 --set data.samples=32"}  # fmt: skip
+           "FULL_BUDGET": "--heal-tokens 256", "FULL_SAMPLES": "32"}  # fmt: skip  # the default FULL's own --set
     proc = subprocess.run(
         ["bash", str(repo / "scripts" / "gpu_convert.sh")], env=env, capture_output=True, text=True, timeout=600
     )
@@ -445,7 +445,7 @@ def test_a_resumed_heal_counts_every_process_s_minutes(models, tmp_path):
     said 7.4), so a `minutes <= 30` check passed wrongly. Now the heal's seconds are its checkpoint's over all
     processes, and the stages before it add up across processes."""
     ck, out = tmp_path / "heal.pt", tmp_path / "out"
-    argv = [sys.executable, "-m", "normlab.cli", *convert_argv(models["m"], models["text"], "--heal-minutes", 0.4,
+    argv = [sys.executable, "-m", "normlab.cli", *convert_argv(models["m"], models["text"], "--heal-minutes", 0.2,
                                                            "--checkpoint", ck, "--out", out)]  # fmt: skip
     first = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip

@@ -332,8 +332,9 @@ def test_gpu_study_script_runs_on_the_cpu_at_tiny_shapes(corpus_file, tmp_path):
         s = json.loads((tmp_path / "out" / run / "summary.json").read_text())
         c = json.loads((tmp_path / "out" / run / "config.json").read_text())
         assert s["status"] == "completed" and c["amp"] == "bf16" and c["model"]["block"] == run.split("-")[0]
-    table = proc.stdout.strip().splitlines()[-2:]
-    assert table[0].startswith("gpt2") and table[1].startswith("llama")
+    table = [line.split() for line in proc.stdout.strip().splitlines()[-4:]]
+    assert [r[:2] for r in table] == [["gpt2", "rms_norm"], ["gpt2", "dyt"], ["llama", "rms_norm"], ["llama", "dyt"]]
+    assert all(len(r) == 7 and r[3] != "nan" and r[5] != "nan" for r in table)  # the quantization columns filled
 
 
 def test_the_issue_command_runs_from_the_command_line(corpus_file, tmp_path):
