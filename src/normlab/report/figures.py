@@ -20,19 +20,20 @@ def table(res: Results) -> str:
     exp, h = res.exp, res.entropy()
     rms = res.baseline()
     metrics = exp.get("metrics", ["final_val_loss"])
-    if metrics != ["final_val_loss"]:
-        headers = (
-            ["run"] + [h for m in metrics for h in (f"{m} (the dissection)", f"{m} (ours)")] + ["escape step", "status"]
-        )
+    papered = any("paper" in runs[0]["meta"] for runs in res.groups.values())
+    if metrics != ["final_val_loss"]:  # a column of the dissection's beside each of ours, where a run has its number
+        names = [(f"{m} (the dissection)", f"{m} (ours)") if papered else (m,) for m in metrics]
+        headers = ["run"] + [h for pair in names for h in pair] + ["escape step", "status"]
         rows = []
         for n, runs in res.groups.items():
             paper = runs[0]["meta"].get("paper", {})
             cells = []
             for m in metrics:
-                cells += [fmt(paper.get(m), "{:g}"), res.cell(n, m, "{:.4g}")]
+                ours = res.cell(n, m, "{:.4g}")
+                cells += [fmt(paper.get(m), "{:g}"), ours] if papered else [ours]
             rows.append([runs[0]["label"], *cells, res.escape(n), res.status(n)])
         return format_table(headers, rows, markdown=True)
-    if not any("paper" in runs[0]["meta"] for runs in res.groups.values()):  # normlab's own question: no paper column
+    if not papered:  # normlab's own question: no paper column
         rows = [[runs[0]["label"], res.cell(n), res.escape(n), res.status(n)] for n, runs in res.groups.items()]
         return format_table(["run", "val loss", "escape step", "status"], rows, markdown=True)
     headers = ["run", "the dissection: loss", "the dissection: frac", "ours: val loss", "ours: frac", "escape step",

@@ -24,9 +24,9 @@ from normlab.report.results import Results  # noqa: E402
 __all__ = ["QUANT_METRICS", "cells", "compare"]
 
 #: what the study states per norm, and how each is written
-QUANT_METRICS = {"final_val_loss": "{:.3f}", "kurt_resid": "{:.1f}", "kurt_readers": "{:.2f}",
-                 "maxmed_readers": "{:.1f}", "qgap_w8": "{:+.4f}", "qgap_w4": "{:+.3f}",
-                 "qgap_w8a8": "{:+.4f}"}  # fmt: skip
+QUANT_METRICS = {"final_val_loss": "{:.3f}", "kurt_resid": "{:+.2f}", "kurt_readers": "{:+.2f}",
+                 "maxmed_readers": "{:.1f}", "qgap_w8": "{:+.1e}", "qgap_w4": "{:+.1e}",
+                 "qgap_w8a8": "{:+.1e}"}  # fmt: skip
 
 
 def cells(res: Results) -> dict[str, dict[str, str]]:
@@ -68,17 +68,17 @@ def _check_quant(res: Results, c: dict) -> list[Verdict]:
                 if (v := _stat(res, name, m)) is not None
             ]
             if not parts:
-                out.append(verdict(None, f"{cell}, {res.label(name)}: no finished run"))
+                out.append(verdict(None, f"{res.label(name)}: no finished run"))
                 continue
             edge = "; best rate at the grid's edge" if res.at_edge(name) else ""
-            out.append(Verdict(None, f"{cell}, {res.label(name)}: {', '.join(parts)}{edge}", finding=not edge))
+            out.append(Verdict(None, f"{res.label(name)}: {', '.join(parts)}{edge}", finding=not edge))
         ref = series.get("rms")
         for metric in c.get("compare", []):
             words = []
             for s, name in series.items():
                 d = None if ref is None or s == "rms" else compare(res, name, ref, metric)
                 if d is not None:
-                    words.append(f"{s} {d['word']} ({d['diff']:+.3g}, spread {d['spread']:.2g})")
+                    words.append(f"{s} {d['word']} ({d['diff']:+.2g}, spread over seeds {d['spread']:.2g})")
             if words:
                 out.append(Verdict(None, f"{cell}, {metric} against RMSNorm: {'; '.join(words)}", finding=True))
     return out
