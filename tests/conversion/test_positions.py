@@ -17,14 +17,14 @@ from normlab.cli import main
 pytest.importorskip("transformers")
 
 
-def _gpt2_folder(tmp_path, positions: int = 128):
+def _gpt2_folder(tmp_path, positions: int = 128, tokenizer=None):
     import transformers
 
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(vocab_size=100, n_embd=32, n_layer=2, n_head=4, n_positions=positions,
                                   bos_token_id=0, eos_token_id=1)  # fmt: skip
     transformers.GPT2LMHeadModel(cfg).eval().save_pretrained(tmp_path / "m")
-    tiny_tokenizer().save_pretrained(tmp_path / "m")
+    (tokenizer or tiny_tokenizer()).save_pretrained(tmp_path / "m")
     (tmp_path / "calib.txt").write_text(CALIB)
     return ["convert", "--model", str(tmp_path / "m"), "--calibrate", str(tmp_path / "calib.txt"), "--to", "dyt",
             "--no-progress", "--out", str(tmp_path / "o")]  # fmt: skip
@@ -38,6 +38,17 @@ def test_a_gpt2_of_128_positions_is_judged_within_them(tmp_path, capsys):
     assert usage["texts"]["chat"]["tokens"] > 0 and "consistency" in usage
     assert all(k in usage["stress"] for k in ("leading newlines", "128 tokens"))
     normlab.load_converted(tmp_path / "o")
+
+
+def test_a_pad_id_outside_the_vocabulary_is_no_token_of_the_model(tmp_path, capsys):
+    """issue 100: a tokenizer saved with a pad token the model has no row for (id 100 of a 100-token model) crashed
+    the judge's left-padding check with a raw IndexError; the check pads with a token of the model."""
+    tok = tiny_tokenizer()
+    tok.add_special_tokens({"pad_token": "<pad>"})
+    assert tok.pad_token_id == 100
+    assert main(_gpt2_folder(tmp_path, positions=256, tokenizer=tok)) == 0, capsys.readouterr().err
+    fid = json.loads((tmp_path / "o" / "fidelity.json").read_text())
+    assert "usage_error" not in fid and "consistency" in fid["usage"], fid.get("usage_error")
 
 
 def test_a_failure_inside_the_judge_saves_the_conversion_and_says_so(tmp_path, capsys, monkeypatch):

@@ -330,7 +330,8 @@ def usage_report(
         k: judge_tokens(original, converted, [(v, 0)] if isinstance(v, Tensor) else [(w, 0) for w in v])
         for k, v in stress.items()
     }
-    pad = getattr(tokenizer, "pad_token_id", None) or 0
+    pad = getattr(tokenizer, "pad_token_id", None)  # outside the model's vocabulary (a tokenizer saved with more ids
+    pad = pad if isinstance(pad, int) and 0 <= pad < vocab else 0  # than the model has) it is no token of the model
     if "leading newlines" in stress:  # padded by 5 tokens: within the positions
         report["consistency"] = _consistency(converted, stress["leading newlines"][: (max_positions or 10**9) - 5], pad)
     report["blowups"] = _blowups(report, cfg.blowup)
