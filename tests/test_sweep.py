@@ -69,7 +69,9 @@ def _final(root: Path) -> dict:
 def test_builtin_experiments_cover_every_table_and_resolve():
     names = builtin_experiments("default")  # what reproduce runs; the scaling study runs only at its own profile
     assert names == ["phase", "pointwise", "width", "denominator", "coupling", "coupling_sweep", "rank", "beyond"]
-    assert builtin_experiments() == [*names, "scaling"]
+    assert builtin_experiments() == [*names, "quantize", "scaling"]  # the two studies run at their own profile
+    quantize = expand(load_experiment("quantize"), "scaling", "/tmp/x")
+    assert len(quantize) == 132 and {s.seed for s in quantize} == {0, 1}  # every rate of every grid, two seeds
     for profile in ("quick", "default", "long", "full", "gpu"):
         for n in names:
             assert expand(load_experiment(n), profile, "/tmp/x")  # every config validates at every profile
