@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import datetime
 import json
 from pathlib import Path
 
@@ -34,11 +35,14 @@ def rows(root: Path) -> list[dict]:
                    "series": meta.get("series", ""), "lr_field": meta.get("lr_field", ""), "lr": meta.get("lr", ""),
                    "seed": run["seed"], "status": summary.get("status")}  # fmt: skip
             row |= {m: summary.get(m, "") for m in exp.get("metrics", ["final_val_loss"])}
+            done = folder / "summary.json"
             row |= {
+                "command": f"normlab sweep {exp['name']} --profile {index['profile']} --root {root}",
                 "commit": str(version.get("git_commit", ""))[:12],
                 "dirty": version.get("git_dirty", ""),
                 "machine": here,
                 "torch": version.get("torch", ""),
+                "date": datetime.date.fromtimestamp(done.stat().st_mtime).isoformat() if done.is_file() else "",
             }
             out.append(row)
     return out

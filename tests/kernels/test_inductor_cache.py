@@ -26,11 +26,21 @@ print(json.dumps({"err": err, "cache": dict(counters["inductor"])}))
 """
 
 
-def test_the_folder_is_named_by_the_cpu_and_a_chosen_one_is_kept(monkeypatch, tmp_path):
+def test_the_folder_is_named_by_the_cpu_and_the_kernels_source_and_a_chosen_one_is_kept(monkeypatch, tmp_path):
+    """The kernels' source names the folder too: with 0.10.0's pointwise_bwd (one argument fewer), a warm cache gave
+    every compiled point-wise norm the backward compiled against the old op, which raised."""
     monkeypatch.setenv(ENV, str(default_folder()))  # as Inductor leaves it once imported
     monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
     folder = use_cache_of_this_cpu()
-    assert folder == default_folder().with_name(f"{default_folder().name}-cpu-{cpu_build.cpu_key()}")
+    name = f"{default_folder().name}-cpu-{cpu_build.cpu_key()}-ops-{cpu_build.source_key()}"
+    assert folder == default_folder().with_name(name)
+    monkeypatch.setattr(cpu_build, "_source", lambda: b"// another source")
+    monkeypatch.setenv(ENV, str(default_folder()))
+    assert use_cache_of_this_cpu() != folder  # another source, another cache
+    monkeypatch.undo()
+    monkeypatch.setenv(ENV, str(default_folder()))
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    assert use_cache_of_this_cpu() == folder
     assert os.environ[ENV] == str(folder)
     native = cpu_build.cpu_key()
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")

@@ -63,6 +63,11 @@ def _source() -> bytes:
     return source_path().read_bytes()
 
 
+def source_key() -> str:
+    """The kernels' C++ source, hashed (16 hex digits): their ops and schemas change with it."""
+    return hashlib.sha256(_source()).hexdigest()[:16]
+
+
 def _compiler() -> str:
     return os.environ.get("CXX") or "c++"
 

@@ -8,7 +8,10 @@ with ``munmap_chunk(): invalid pointer``. A cache folder is moved between machin
 a copied ``/tmp``, a shared home folder, a container image.
 
 :func:`use_cache_of_this_cpu` points ``$TORCHINDUCTOR_CACHE_DIR`` at a folder named by the CPU's flags
-(:func:`normlab.kernels.cpu_build.cpu_key`), unless it names a folder of the user's choice, which is kept.
+(:func:`normlab.kernels.cpu_build.cpu_key`) and by the CPU kernels' source, unless it names a folder of the user's
+choice, which is kept. The source, because the AOTAutograd cache keys a compiled backward by the forward graph: a
+forward whose op kept its schema found the backward compiled against the previous ``pointwise_bwd`` (9 arguments
+where 0.10.0's takes 8) and raised in every compiled point-wise norm's backward.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from normlab.kernels.cpu_build import cpu_key
+from normlab.kernels.cpu_build import cpu_key, source_key
 
 ENV = "TORCHINDUCTOR_CACHE_DIR"
 
@@ -38,8 +41,8 @@ def default_folder() -> Path:
 
 
 def use_cache_of_this_cpu() -> Path | None:
-    """Point ``$TORCHINDUCTOR_CACHE_DIR`` at ``<Inductor's default folder>-cpu-<key>``, unless it names another
-    folder.
+    """Point ``$TORCHINDUCTOR_CACHE_DIR`` at ``<Inductor's default folder>-cpu-<key>-ops-<source key>``, unless it
+    names another folder.
 
     Inductor writes its default folder into the variable as soon as it is imported, so that value counts as unset.
     Call this before the first ``torch.compile`` of the process; the processes this one starts inherit the variable.
@@ -51,6 +54,6 @@ def use_cache_of_this_cpu() -> Path | None:
     chosen = os.environ.get(ENV)
     if chosen and Path(chosen).absolute() != default:
         return None
-    folder = default.with_name(f"{default.name}-cpu-{cpu_key()}")
+    folder = default.with_name(f"{default.name}-cpu-{cpu_key()}-ops-{source_key()}")
     os.environ[ENV] = str(folder)
     return folder
