@@ -107,3 +107,37 @@ def test_low_precision_matches_float64(norm_name, dtype, tol):
     # parameters were rounded to `dtype` too, so compare against the float64 math on the rounded values
     ref_rounded = torch.as_tensor(numpy_reference(norm_name, m, x.to(dtype).double().numpy()))
     torch.testing.assert_close(got, ref_rounded, rtol=tol, atol=tol * max(1.0, float(ref.detach().abs().max())))
+
+
+@pytest.mark.parametrize("kernel", ["reference", "cpu"])
+def test_dyt_with_a_scalar_gain_is_dyt_with_that_gain_on_every_channel(kernel):
+    """scalar_gain (OSP's single-scale norm): one learnable gamma, (1,); the output and every gradient are those of a
+    per-channel DyT whose gamma holds that value on every channel, its gradient summed over the channels."""
+    torch.manual_seed(0)
+    single = normlab.create_norm("dyt", 16, scalar_gain=True, kernel=kernel)
+    assert single.weight.shape == (1,) and "scalar_gain=True" in repr(single)
+    with torch.no_grad():
+        single.weight.fill_(1.7)
+        single.bias.normal_()
+    wide = normlab.create_norm("dyt", 16, kernel=kernel)
+    wide.load_state_dict({**single.state_dict(), "weight": single.weight.detach().expand(16).clone()})
+    x = torch.randn(3, 5, 16, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    y, y2 = single(x), wide(x2)
+    torch.testing.assert_close(y, y2)
+    y.square().sum().backward()
+    y2.square().sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad)
+    torch.testing.assert_close(single.weight.grad, wide.weight.grad.sum().reshape(1))
+    torch.testing.assert_close(single.alpha.grad, wide.alpha.grad)
+    with torch.no_grad():  # the inference path (kernels.direct on the CPU)
+        torch.testing.assert_close(single(x), y)
+    assert normlab.create_norm("dyt", 16, scalar_gain=True, device="meta").weight.shape == (1,)
+
+
+def test_a_conversion_refuses_a_scalar_gain_that_cannot_hold_the_model_s_gamma():
+    from normlab.conversion.convert import convert_norms
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+    with pytest.raises(ValueError, match=r"cannot hold the model's \(8,\) gamma.*leave scalar_gain out"):
+        convert_norms(model, "dyt", init={"scalar_gain": True})

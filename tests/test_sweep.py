@@ -71,7 +71,9 @@ def test_builtin_experiments_cover_every_table_and_resolve():
     assert names == ["phase", "pointwise", "width", "denominator", "coupling", "coupling_sweep", "rank", "beyond"]
     assert builtin_experiments() == [*names, "quantize", "scaling"]  # the two studies run at their own profile
     quantize = expand(load_experiment("quantize"), "scaling", "/tmp/x")
-    assert len(quantize) == 132 and {s.seed for s in quantize} == {0, 1}  # every rate of every grid, two seeds
+    assert len(quantize) == 144 and {s.seed for s in quantize} == {0, 1}  # every rate of every grid, two seeds
+    single = [s for s in quantize if s.config.model.norm_kwargs.get("scalar_gain")]
+    assert len(single) == 12  # DyT with one scalar gamma, AdamW and Muon at width 64
     for profile in ("quick", "default", "long", "full", "gpu"):
         for n in names:
             assert expand(load_experiment(n), profile, "/tmp/x")  # every config validates at every profile

@@ -79,6 +79,9 @@ class DyT(_DyTFamily):
         dim: The number of channels C: the size of the normalized axis.
         alpha_init: alpha at init (0.5, Zhu et al.).
         per_channel_alpha: One alpha per channel instead of one for all.
+        scalar_gain: gamma one learnable scalar for all channels instead of one per channel: the "single-scale" norm
+            of OSP (arXiv 2506.19697), which names per-channel gamma an outlier amplifier. The weight is then (1,);
+            a conversion, which copies a model's per-channel gamma into it, refuses it.
         bias: Learn beta, the channel shift (False: none).
         channel_dim: The axis of the channels: -1 (the last, as in a transformer) or another, e.g. 1 for NCHW.
         kernel: "auto" runs Triton on CUDA tensors and the fused C++ op on CPU tensors; "triton", "cpu" or
@@ -93,6 +96,7 @@ class DyT(_DyTFamily):
         *,
         alpha_init: float = ALPHA_INIT,
         per_channel_alpha: bool = False,
+        scalar_gain: bool = False,
         bias: bool = True,
         channel_dim: int = -1,
         kernel: str = "auto",
@@ -109,17 +113,26 @@ class DyT(_DyTFamily):
             device=device,
             dtype=dtype,
         )
+        self.scalar_gain = check_flag(scalar_gain, "scalar_gain", "DyT")
+        if scalar_gain:  # one gamma for every channel, given to the kernels as a (C,) view of it
+            self.weight = nn.Parameter(torch.ones(1, device=device, dtype=dtype))
 
     def forward(self, x: Tensor) -> Tensor:
         p = self._parameters  # not self.alpha: nn.Module's attribute lookup costs about 0.6 us a parameter
         a, w, b = p["alpha"], p["weight"], p.get("bias")
+        if self.scalar_gain:
+            w = w.expand(self.dim).contiguous()
         if K.direct(self, x, a, w, b):  # inference on the CPU: straight to the fused op (kernels.direct)
             return cpu.pointwise_forward(x, "dyt", a, None, w, b)
         return super().forward(x)
 
     def _forward(self, x: Tensor) -> Tensor:
         self._check(x)
-        return K.dyt(x, self.alpha, self.weight, self.bias, kernel=self.kernel)
+        w = self.weight.expand(self.dim).contiguous() if self.scalar_gain else self.weight
+        return K.dyt(x, self.alpha, w, self.bias, kernel=self.kernel)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, scalar_gain=True" if self.scalar_gain else super().extra_repr()
 
 
 class Derf(_DyTFamily):

@@ -83,3 +83,23 @@ def test_a_run_logs_outliers_at_each_evaluation_and_summarizes_its_quantization_
     assert summary["loss_float"] == pytest.approx(summary["final_val_loss"])
     for key in ("kurt_resid", "maxmed_resid", "kurt_readers", "kurt_others", "qgap_w8", "qgap_w4", "qgap_w8a8"):
         assert isinstance(summary[key], float), key
+
+
+def test_a_single_scale_dyt_model_has_one_gamma_per_site_and_match_rms_sets_it():
+    """The quantize study's single-scale cells: ``model.norm_kwargs = {scalar_gain = true}`` reaches every DyT site,
+    and match_rms scales that one gamma so each site's output has RMS 1, as it does a per-channel gamma."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(width=64, depth=2, heads=4, context=32, norm="dyt", norm_kwargs={"scalar_gain": True})
+    model = GPT(cfg)
+    ids = torch.randint(0, 256, (8, 32))
+    sites = model.norm_modules()
+    assert len(sites) == 5 and all(m.weight.shape == (1,) for m in sites.values())
+    factors = model.match_rms_(ids)
+    assert set(factors) == set(sites)
+    seen = {}
+    hooks = [m.register_forward_hook(lambda mod, a, y, n=n: seen.setdefault(n, y)) for n, m in sites.items()]
+    with torch.no_grad():
+        model(ids)
+    for h in hooks:
+        h.remove()
+    assert all(float(y.pow(2).mean().sqrt()) == pytest.approx(1.0, rel=1e-4) for y in seen.values())

@@ -72,6 +72,12 @@ def _build(
     b = getattr(m, "bias", None)
     with torch.no_grad():
         if getattr(new, "weight", None) is not None:
+            if w is not None and new.weight.shape != w.shape:
+                raise ValueError(
+                    f"convert: {name}: the replacement's gamma is {tuple(new.weight.shape)} (scalar_gain=True?) and "
+                    f"cannot hold the model's {tuple(w.shape)} gamma; a conversion keeps the per-channel gamma: "
+                    "leave scalar_gain out"
+                )
             if w is not None:
                 new.weight.copy_(w.detach() + 1.0 if kind == "rms_norm_offset" else w.detach())
                 site.copied.append("weight (1 + weight)" if kind == "rms_norm_offset" else "weight")
