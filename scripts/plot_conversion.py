@@ -1,4 +1,4 @@
-"""SmolLM2-135M converted to DyISRU by each recipe, judged as it will be used: the figures of bench/usable.csv.
+"""SmolLM2-135M converted to DyISRU by each recipe, judged as it will be used: the figures of the `usable` study.
 
     python scripts/plot_conversion.py                  # docs/figures/real_model.png and conversion_frontier.png
 
@@ -7,12 +7,13 @@ on held-out text, a point per recipe measured (the newest row of each job), the 
 same judge on the model with its weights rounded to 8, 6 and 4 bits (bench/reference_points.csv) as reference lines:
 a user picks a point.
 
-Each recipe is the newest row of its job in bench/usable.csv (`python scripts/bench_usable.py` appends them, each
-with its command, commit, machine and date). Left: the share of positions where the converted model's top-1 token
-is the original's, on held-out Shakespeare, docutils and the chat set, with the chat score (greedy answers whose
-first six words are the original's) as a dot. Right: the median and the worst 128-token sequence's rise over the
-original, log scale, with the blow-ups counted. The label says how many sites each converts and how long the
-command took on 2 cores (and on which machine, where it is not most rows').
+Each recipe is the newest row of its cell in bench/study_usable.csv (`normlab study usable --bench bench` appends
+them, each with its commit, machine and date), or in bench/usable.csv (the rows of the script that study replaced).
+Left: the share of positions where the converted model's top-1 token is the original's, on held-out Shakespeare,
+docutils and the chat set, with the chat score (greedy answers whose first six words are the original's) as a dot.
+Right: the median and the worst 128-token sequence's rise over the original, log scale, with the blow-ups counted.
+The label says how many sites each converts and how long the command took on 2 cores (and on which machine, where it
+is not most rows').
 """
 
 from __future__ import annotations
@@ -22,9 +23,8 @@ import csv
 from pathlib import Path
 
 from _study import ROOT, save
-from bench_usable import README  # the README table's jobs, in its order
 
-LABELS = {  # job -> its label
+LABELS = {  # the README table's recipes (the usable study's cells), in its order -> their labels
     "recommended": "walk on samples\n(recommended)",
     "budget_0.1_heal_2048": "walk 0.1\n+ heal",
     "budget_self_kl_0.05_heal_tokens": "walk on samples\n+ heal",
@@ -34,6 +34,18 @@ LABELS = {  # job -> its label
     "recipe": "per channel\n+ heal",
     "per_channel_route": "every site",
 }
+README = tuple(LABELS)
+
+
+def read(tables: list[Path]) -> list[dict]:
+    """The rows of the tables, oldest table first, each with its ``job`` (a study row's cell) and its target."""
+    rows = []
+    for table in tables:
+        for r in csv.DictReader(table.open()) if table.is_file() else []:
+            command = r.get("command") or ""
+            to = r.get("to") or ("dyisru" if "--to " not in command else command.split("--to ")[1].split()[0])
+            rows.append(r | {"job": r.get("job") or r["cell"], "to": to})
+    return rows
 
 
 def newest(rows: list[dict], model: str = "smollm2") -> list[tuple[str, dict]]:
@@ -62,9 +74,7 @@ def every_job(rows: list[dict], model: str = "smollm2") -> dict[str, dict]:
     """The newest row (by date, then file order) of every job bench/usable.csv has for ``model``."""
     out: dict[str, tuple] = {}
     for i, r in enumerate(rows):
-        command = r.get("command") or ""
-        dyisru = "--to " not in command or "--to dyisru" in command  # the figures are DyISRU's
-        if r.get("model", model) in (model, "") and r.get("sites") and r.get("held_kld_mean") and dyisru:
+        if r.get("model", model) in (model, "") and r.get("sites") and r.get("held_kld_mean") and r["to"] == "dyisru":
             if r["job"] not in out or (r["date"], i) >= out[r["job"]][0]:
                 out[r["job"]] = ((r["date"], i), r)
     return {job: r for job, (_, r) in out.items()}
@@ -117,12 +127,14 @@ def plot_frontier(rows: list[dict], points: list[dict], out: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--csv", type=Path, default=ROOT / "bench" / "usable.csv")
+    ap.add_argument(
+        "--csv", type=Path, nargs="+", default=[ROOT / "bench" / "usable.csv", ROOT / "bench" / "study_usable.csv"]
+    )
     ap.add_argument("--points", type=Path, default=ROOT / "bench" / "reference_points.csv", help="rounded weights")
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "figures" / "real_model.png")
     ap.add_argument("--frontier", type=Path, default=ROOT / "docs" / "figures" / "conversion_frontier.png")
     args = ap.parse_args()
-    rows = list(csv.DictReader(args.csv.open()))
+    rows = read(args.csv)
     picked = newest(rows)
     if not picked:
         raise SystemExit(f"{args.csv}: no row of any job in {sorted(README)}")

@@ -45,6 +45,10 @@ def test_a_family_is_measured_by_its_jobs_newest_rows(tmp_path):
     assert "82% same top-1" in measured(table)["Qwen2"]
     table.write_text(head + "\n".join([*rows, "lin,qwen-coder,normlab convert --to fixed_scale,4,0.95,0.1,9"]) + "\n")
     assert measured(table) == {"Qwen2": want}  # another target's row is not DyISRU's conversion
+    study = tmp_path / "study_usable.csv"  # the usable study's rows, read after the script's
+    rows = ["usable,walk,qwen-coder,dyisru,9,0.81,1.2,14.04", "usable,lin,qwen-coder,fixed_scale,4,0.99,0.1,9"]
+    study.write_text("study,cell,model,to,sites,held_same_top1,held_gap_worst,minutes\n" + "\n".join(rows) + "\n")
+    assert "81% same top-1, worst sequence +1.20 (`walk`, 14.0 min)" in measured((table, study))["Qwen2"]
 
 
 def test_the_conversion_guide_holds_the_current_family_matrix():

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import CALIB, tiny_hf
+from conftest import CALIB, tiny_hf, tiny_tokenizer
 from normlab.cli import main
 from normlab.study import METRICS, builtin_studies, load_study, run_study
 
@@ -130,6 +130,57 @@ def test_only_names_a_cell_of_the_study_and_builtin_studies_load(tmp_path):
         assert study.cells and all(c["cell"] in study.cells for c in study.checks)
     walk = load_study("budget_walk")
     assert walk.cells["walk"].budget.nats == 0.4 and walk.cells["walk-lbfgs"].calibrate.solver == "lbfgs"
+
+
+def test_the_usable_study_s_recipes_are_the_command_line_s():
+    """A cell's ``recipe`` and ``flags`` are `normlab convert`'s flags, read as the command line reads them: the
+    `usable` study's recommended cell is the config `normlab convert --model smollm2 --to dyisru` plus the printed
+    recipe resolves to, and a flag the command line does not have is refused naming the cell."""
+    from normlab.cli import build_parser
+    from normlab.cli.convert import convert_config
+    from normlab.conversion.flags import RECOMMENDED
+
+    usable = load_study("usable")
+    args = build_parser().parse_args(["convert", "--model", "smollm2", "--to", "dyisru", *RECOMMENDED])
+    assert usable.cells["recommended"].to_dict() == convert_config(args).to_dict()
+    args = build_parser().parse_args(["convert", "--model", "qwen-coder", "--to", "dyisru", "--per", "channel",
+                                      "--budget-nats", "0.4", "--heal-text", "self", "--heal-minutes", "15",
+                                      "--heal-train", "lora", "--set", "heal.schedule=cooldown",
+                                      "heal.teacher_top_k=1024", "heal.precision=auto"])  # fmt: skip
+    assert usable.cells["qwen_budget_heal"].to_dict() == convert_config(args).to_dict()
+    assert usable.cells["recommended_walk_float32"].budget.precision == "float32"
+
+
+@pytest.mark.parametrize(("cell", "says"), [
+    ('flags = ["--per", "channel", "--heal-speed", "2"]', r"\(a\): flags: '--heal-speed' is not one of --model"),
+    ('flags = ["--init", "alpha_init=1"]', r"flags: '--init' takes a list: give its field in set"),
+    ('recipe = "fast"', r"\(a\): recipe 'fast' is not one of recommended"),
+])  # fmt: skip
+def test_a_cell_s_unknown_flag_or_recipe_is_refused_before_any_work(tmp_path, cell, says):
+    path = _study(tmp_path, f'[[cells]]\nname = "a"\n{cell}\n')
+    with pytest.raises(ValueError, match=says):
+        run_study(path, tmp_path / "runs", progress=False)
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_judged_cell_s_row_holds_the_judge_s_statistics(tmp_path):
+    """What the README's table reads (same top-1, KL, the worst gap, the chat score, the blow-ups) is a study's row:
+    a tiny Llama with a chat template, converted by flags and judged as used."""
+    model = tiny_hf(tmp_path / "m")
+    tiny_tokenizer().save_pretrained(model)
+    (tmp_path / "calib.txt").write_text(CALIB)
+    path = tmp_path / "judged.toml"
+    flags = '["--to", "dyt", "--per", "channel", "--seq-len", "16", "--sequences", "4"]'
+    text = tmp_path / "calib.txt"
+    path.write_text(f'[base]\nmodel = "{model}"\n"data.text" = "{text}"\n[[cells]]\nname = "c"\nflags = {flags}\n')
+    result = run_study(path, tmp_path / "runs", progress=False, bench=tmp_path / "bench")["c"]
+    m = result["metrics"]
+    assert result["status"] == "done" and m["sites"] == 5, result.get("error")
+    for key in ("held_same_top1", "chat_same_top1", "held_kld_p99", "held_gap_worst", "chat_score"):
+        assert isinstance(m[key], float) and m[key] >= 0, key
+    assert 0 <= m["held_same_top1"] <= 1 and m["blowups"] >= 0 and m["stress_gap_worst"] is not None
+    row = next(csv.DictReader((tmp_path / "bench" / "study_judged.csv").open()))
+    assert float(row["held_same_top1"]) == pytest.approx(m["held_same_top1"])
 
 
 @pytest.mark.slow

@@ -148,25 +148,30 @@ def family_features() -> dict[str, dict[str, str]]:
 
 CHECKPOINTS = {"smollm2": ("Llama", "SmolLM2-135M-Instruct"), "qwen-coder": ("Qwen2", "Qwen2.5-Coder-0.5B-Instruct")}
 USABLE = Path(__file__).resolve().parents[2] / "bench" / "usable.csv"  # in a checkout; absent from a wheel
+#: The `usable` study's rows (`normlab study usable --bench bench`); USABLE holds those of the script it replaced.
+STUDY_USABLE = USABLE.with_name("study_usable.csv")
 
 
-def measured(table: Path = USABLE) -> dict[str, str]:
-    """Family -> its real checkpoint's best conversion judged as used, from bench/usable.csv (of each job's newest
-    row, the one with the highest same top-1 on held-out text, the newer on a tie): the checkpoint, the sites
-    converted, same top-1, the worst sequence, the job and its minutes. A family with no row, or a checkout without
-    the table, has none."""
+def measured(tables: Path | tuple[Path, ...] = (USABLE, STUDY_USABLE)) -> dict[str, str]:
+    """Family -> its real checkpoint's best conversion judged as used, from bench/usable.csv and the `usable` study's
+    rows after them (of each job's newest row, the one with the highest same top-1 on held-out text, the newer on a
+    tie): the checkpoint, the sites converted, same top-1, the worst sequence, the job and its minutes. A family
+    with no row, or a checkout without the tables, has none.
+
+    Args:
+        tables: The tables read, oldest first.
+    """
     import csv
 
-    if not table.is_file():
-        return {}
-    newest: dict[str, dict] = {}  # a job's later row replaces its earlier one (the table is appended to)
-    for row in csv.DictReader(table.open()):
-        model = row.get("model") or row["command"].split("--model ")[1].split()[0]
-        command = row.get("command") or ""
-        dyisru = "--to " not in command or "--to dyisru" in command  # the matrix reads DyISRU's conversions
-        if model in CHECKPOINTS and row.get("held_same_top1") and dyisru:
-            newest.pop(row["job"], None)
-            newest[row["job"]] = row | {"model": model}
+    newest: dict[str, dict] = {}  # a job's later row replaces its earlier one (the tables are appended to)
+    for table in [tables] if isinstance(tables, Path) else tables:
+        for row in csv.DictReader(table.open()) if table.is_file() else []:
+            model = row.get("model") or row["command"].split("--model ")[1].split()[0]
+            command, job = row.get("command") or "", row.get("job") or row["cell"]
+            to = row.get("to") or ("dyisru" if "--to " not in command else command.split("--to ")[1].split()[0])
+            if model in CHECKPOINTS and row.get("held_same_top1") and to == "dyisru":  # the matrix reads DyISRU's
+                newest.pop(job, None)
+                newest[job] = row | {"model": model, "job": job}
     best: dict[str, dict] = {}
     for row in newest.values():
         family = CHECKPOINTS[row["model"]][0]
@@ -174,7 +179,7 @@ def measured(table: Path = USABLE) -> dict[str, str]:
             best[family] = row
     return {
         f: f"{CHECKPOINTS[r['model']][1]}: {r['sites']} sites converted, {float(r['held_same_top1']):.0%} same "
-        f"top-1, worst sequence +{float(r['held_gap_worst']):.2f} (`{r['job']}`, {r['minutes']} min)"
+        f"top-1, worst sequence +{float(r['held_gap_worst']):.2f} (`{r['job']}`, {float(r['minutes']):.1f} min)"
         for f, r in best.items()
     }
 

@@ -70,9 +70,12 @@ class _StudyFile:
 
 
 class _Cell:
-    """A cell: its name and the config fields it sets."""
+    """A cell: its name and the config fields it sets: a named recipe's flags (``recipe``, one of
+    `normlab.conversion.flags.RECIPE_FLAGS`), ``normlab convert``'s flags (``flags``), then ``set``, in that order."""
 
     name: str
+    recipe: str
+    flags: list
     set: dict
 
 
@@ -90,13 +93,57 @@ def _rise(part: dict | None) -> float | None:
     return None if not part or "ce_converted" not in part else part["ce_converted"] - part["ce_original"]
 
 
-# The numbers a check can name, each read from a cell's fidelity (`normlab.conversion.workflow.convert_model`).
+def _usage(f: dict, part: str) -> dict | None:
+    """One text's judgement (`normlab.conversion.measure.usage`): 'held' (held-out), 'docs' (the second text) or
+    'chat' (the chat answers), None where the judge did not read it."""
+    texts = _judged(f, "texts")
+    if part == "docs":
+        return next((t for name, t in texts.items() if name not in ("held-out", "chat")), None)
+    return texts.get({"held": "held-out"}.get(part, part))
+
+
+def _stat(part: str, stat: str):
+    """A reader of one judge statistic ('same_top1', 'kld.mean', 'gap.worst', ...) on one text."""
+
+    def read(f: dict) -> float | None:
+        value = _usage(f, part)
+        for key in stat.split("."):
+            value = value.get(key) if isinstance(value, dict) else None
+        return value
+
+    return read
+
+
+def _judged(f: dict, part: str) -> dict:
+    """A part of the judge's report ('long', 'stress', 'blowups', 'generation'), {} where it has none."""
+    return (f.get("usage") or {}).get(part) or {}
+
+
+# The numbers a check can name and a results row holds, each read from a cell's fidelity
+# (`normlab.conversion.workflow.convert_model`); the judge's as `normlab.conversion.measure.usage` reports them.
 METRICS = {
     "sites": lambda f: len(f.get("sites", {})),  # sites converted
     "ce_rise": lambda f: _rise(f),  # held-out cross-entropy, converted minus original (nats/token)
     "ce_rise_docs": lambda f: _rise(f.get("second_text")),  # the same on the second text
     "minutes": lambda f: sum(f.get("stages", {}).values()) / 60,  # wall time of every stage
     "heal_tokens_per_s": lambda f: (f["heal"]["tokens"] / f["heal"]["seconds"]) if f.get("heal") else None,
+    **{  # per text: same top-1, KL divergence (mean, p99), the sequence gap (median, worst)
+        f"{part}_{name}": _stat(part, stat)
+        for part in ("held", "docs", "chat")
+        for name, stat in (
+            ("same_top1", "same_top1"),
+            ("kld_mean", "kld.mean"),
+            ("kld_p99", "kld.p99"),
+            ("gap_median", "gap.median"),
+            ("gap_worst", "gap.worst"),
+        )
+    },
+    "long_gap_512_1023": lambda f: _judged(f, "long").get("by_position", {}).get("512-1023"),  # a long text's end
+    "stress_gap_worst": lambda f: max((t["gap"]["worst"] for t in _judged(f, "stress").values()), default=None),
+    "blowups": lambda f: len(_judged(f, "blowups")["over"]) if _judged(f, "blowups") else None,
+    "chat_score": lambda f: _judged(f, "generation").get("chat_score"),  # answers that start as the original's
+    "system_echoes": lambda f: _judged(f, "generation").get("system_echoes"),
+    "heal_kept": lambda f: (f.get("heal") or {}).get("guard", {}).get("kept"),
 }
 
 
@@ -144,7 +191,7 @@ def load_study(source: str | Path) -> Study:
             raise ValueError(f"{where}: a second cell named {name!r}")
         check_table(cell, _Cell, where)
         try:
-            cfg = resolve_convert_config({**base, **cell.get("set", {})})
+            cfg = resolve_convert_config({**base, **_cell_fields(cell), **cell.get("set", {})})
         except (ValueError, TypeError) as e:
             raise ValueError(f"{where} ({name}): {e}") from None
         if cfg.out is not None or cfg.heal.checkpoint is not None:
@@ -165,6 +212,16 @@ def load_study(source: str | Path) -> Study:
                 f"({', '.join(METRICS)}) and a number at_least or at_most; got {checks[i]!r}"
             )
     return Study(path.stem, data.get("title", path.stem), data.get("claim", ""), cells, checks, str(path))
+
+
+def _cell_fields(cell: dict) -> dict:
+    """The fields a cell's ``recipe`` and ``flags`` set (`normlab.conversion.flags.flag_fields`)."""
+    from normlab.conversion.flags import RECIPE_FLAGS, flag_fields
+
+    recipe = cell.get("recipe")
+    if recipe is not None and recipe not in RECIPE_FLAGS:
+        raise ValueError(f"recipe {recipe!r} is not one of {', '.join(RECIPE_FLAGS)}")
+    return flag_fields([*RECIPE_FLAGS.get(recipe, ()), *cell.get("flags", [])])
 
 
 def _fingerprint(cfg: ConvertConfig) -> str:
@@ -204,7 +261,7 @@ def _run_cell(name: str, cfg: ConvertConfig, folder: Path, progress: bool) -> di
     return result
 
 
-ROW = ["study", "cell", *METRICS, "commit", "dirty", "machine", "command", "date"]  # a results table's columns
+ROW = ["study", "cell", "model", "to", *METRICS, "commit", "dirty", "machine", "command", "date"]  # a table's columns
 
 
 def _check_table(table: Path | None) -> None:
@@ -220,12 +277,13 @@ def _check_table(table: Path | None) -> None:
         raise ValueError(f"{table} holds another table (columns {', '.join(header[:4])}, ...); give another --bench")
 
 
-def _append_row(table: Path, study: str, result: dict) -> None:
-    """One row per finished cell: the study, the cell, its metrics, the commit and the machine."""
+def _append_row(table: Path, study: str, result: dict, cfg: ConvertConfig) -> None:
+    """One row per finished cell: the study, the cell, its model and target, its metrics, the commit and the
+    machine."""
     command = shlex.join(["normlab", *sys.argv[1:]]) if sys.argv[1:2] == ["study"] else f"run_study({study!r})"
-    row = {"study": study, "cell": result["cell"], **result["metrics"], "commit": result.get("git_commit", "")[:12],
-           "dirty": result.get("git_dirty", ""), "machine": result["machine"], "command": command,
-           "date": datetime.date.today().isoformat()}  # fmt: skip
+    row = {"study": study, "cell": result["cell"], "model": cfg.model, "to": cfg.to, **result["metrics"],
+           "commit": result.get("git_commit", "")[:12], "dirty": result.get("git_dirty", ""),
+           "machine": result["machine"], "command": command, "date": datetime.date.today().isoformat()}  # fmt: skip
     assert list(row) == ROW
     table.parent.mkdir(parents=True, exist_ok=True)
     with hold(table, "the study table", wait=True):
@@ -271,7 +329,7 @@ def run_study(
         results[name], ran = _cell(study.name, name, cfg, home / name, progress)
         for table in (home / "results.csv", Path(bench) / f"study_{study.name}.csv" if bench else None):
             if ran and table is not None:
-                _append_row(table, study.name, results[name])
+                _append_row(table, study.name, results[name], cfg)
     verdicts = check_results(study, results)
     replace_text(home / "checks.json", json.dumps(verdicts, indent=2) + "\n")
     for v in verdicts:

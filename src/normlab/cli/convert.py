@@ -9,12 +9,16 @@ import warnings
 
 from normlab.cli.args import count, parse_init
 
-__all__ = ["add_build_kernels", "add_convert", "add_study"]
+__all__ = ["add_build_kernels", "add_convert", "add_study", "convert_config"]
 
 
-def _cmd_convert(args: argparse.Namespace) -> int:
+def convert_config(args: argparse.Namespace):
+    """The `normlab.conversion.config.ConvertConfig` that ``normlab convert``'s parsed ``args`` stand for.
+
+    Args:
+        args: The parsed command line of ``normlab convert``.
+    """
     from normlab.conversion.config import SHORTHANDS, resolve_convert_config
-    from normlab.conversion.workflow import convert_model
 
     given = {key: getattr(args, flag[2:].replace("-", "_")) for flag, key in SHORTHANDS.items()}
     given["init"] = parse_init(given["init"]) or None
@@ -22,8 +26,13 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     given["calibrate.enabled"] = False if given["calibrate.enabled"] else None  # --no-calibrate
     for key in ("overwrite", "heal.resume"):  # store_true flags: only a given one sets its field
         given[key] = given[key] or None
-    cfg = resolve_convert_config(args.set, **given)
-    convert_model(cfg, progress=not args.no_progress, markdown=args.markdown)
+    return resolve_convert_config(args.set, **given)
+
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    from normlab.conversion.workflow import convert_model
+
+    convert_model(convert_config(args), progress=not args.no_progress, markdown=args.markdown)
     return 0
 
 

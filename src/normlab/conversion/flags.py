@@ -10,7 +10,8 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
-__all__ = ["SHORTHANDS", "RECOMMENDED", "flag", "finite", "int_at_least", "identity_difference"]
+__all__ = ["SHORTHANDS", "RECOMMENDED", "RECIPE_FLAGS", "flag", "flag_fields", "finite", "int_at_least",
+           "identity_difference"]  # fmt: skip
 
 # The command line's flags that stand for a field (``normlab convert --heal-minutes 5`` is
 # ``--set heal.minutes=5``). Every other field is reached with --set.
@@ -27,8 +28,46 @@ _FLAG_OF = {v: k for k, v in SHORTHANDS.items()}
 
 # The recommended recipe, after ``--model M --to dyisru``: the budget walk by KL on the original's own samples at
 # 0.02 nats, no training (10 of SmolLM2's 61 norms, 92% same top-1; docs/conversion.md). Every page that shows a
-# conversion leads with it (tests/test_docs.py), and scripts/bench_usable.py's "recommended" job runs it.
+# conversion leads with it (tests/test_docs.py), and the `usable` study's "recommended" cell runs it.
 RECOMMENDED = ("--per", "channel", "--budget-nats", "0.02", "--set", "budget.metric=kl", "data.walk=self")
+#: The recipes a study cell names by ``recipe = NAME`` (the command line's flags, as the docs print them).
+RECIPE_FLAGS = {"recommended": RECOMMENDED}
+# flags without a value: the field each sets, and to what
+_SWITCHES = {"--overwrite": ("overwrite", True), "--resume": ("heal.resume", True),
+             "--no-calibrate": ("calibrate.enabled", False)}  # fmt: skip
+_LISTS = ("--init", "--exclude")  # flags whose value is a list: a study gives them in its cell's set
+
+
+def flag_fields(flags: Iterable[str]) -> dict[str, object]:
+    """The fields ``normlab convert``'s flags set, by dotted key (``["--per", "channel", "--set", "heal.lr=3e-3"]``
+    -> ``{"per": "channel", "heal.lr": 0.003}``), each value parsed as ``--set`` parses one: what a study cell's
+    ``flags`` stand for, so a recipe the docs print as flags is run as printed.
+
+    Args:
+        flags: The flags after ``normlab convert``, as the command line splits them.
+    """
+    from normlab.pairs import parse_pairs, parse_value
+
+    flags, out, i = list(flags), {}, 0
+    while i < len(flags):
+        f = flags[i]
+        if f == "--set":
+            j = i + 1
+            while j < len(flags) and not flags[j].startswith("--"):
+                j += 1
+            out.update(parse_pairs(flags[i + 1 : j], "--set", "heal.lr=3e-3"))
+            i = j
+        elif f in _SWITCHES:
+            out[_SWITCHES[f][0]] = _SWITCHES[f][1]
+            i += 1
+        elif f in SHORTHANDS and f not in _LISTS and i + 1 < len(flags) and not flags[i + 1].startswith("--"):
+            out[SHORTHANDS[f]] = parse_value(flags[i + 1])
+            i += 2
+        else:
+            known = ", ".join([*(k for k in SHORTHANDS if k not in (*_LISTS, *_SWITCHES)), *_SWITCHES, "--set"])
+            why = "takes a list: give its field in set" if f in _LISTS else f"is not one of {known}, with its value"
+            raise ValueError(f"flags: {f!r} {why}")
+    return out
 
 
 def flag(key: str) -> str:
