@@ -184,3 +184,39 @@ def test_evaluate_judges_the_conversions_own_texts_or_says_why_not(tmp_path, cap
     assert set(json.loads((elsewhere / "r.json").read_text())["texts"]) >= {"given: other.txt"}
     (built / "convert_config.json").unlink()
     assert "convert_config.json is missing" in refused() and "--text FILE" in refused()
+
+
+def test_several_conversions_are_judged_then_compared_answer_by_answer(tmp_path, capsys):
+    """`normlab evaluate A B` (what scripts/chat_scores.py and answers_side_by_side.py did): each folder judged into
+    its own evaluation.json, then their answers side by side and B's chat score against A's, prompt by prompt; folders
+    of two originals are refused before any model loads."""
+    src, other = tmp_path / "llama", tmp_path / "other"
+    for path, seed in ((src, 4), (other, 5)):
+        tiny_lm(seed=seed).save_pretrained(path)
+        tiny_tokenizer().save_pretrained(path)
+    (tmp_path / "text.txt").write_text(TEXT * 4)
+
+    def convert(model, out, *flags):
+        argv = ["convert", "--model", str(model), "--calibrate", str(tmp_path / "text.txt"), "--seq-len", "16",
+                "--sequences", "4", "--eval-text", "none", "--no-progress", "--out", str(out), *flags]  # fmt: skip
+        assert main(argv) == 0
+
+    convert(src, tmp_path / "a")
+    convert(src, tmp_path / "b", "--per", "channel", "--to", "dyt")
+    convert(other, tmp_path / "c")
+    capsys.readouterr()
+    assert main(["evaluate", str(tmp_path / "a"), str(tmp_path / "b"), "--names", "dyisru", "dyt", "--prompts", "4",
+                 "--side-by-side", "2"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    table = [line for line in out.splitlines() if line.startswith("| ")]
+    assert table[-3] == "| prompt | original | dyisru | dyt |" and table[-1].count(" | ") == 3
+    assert table[-2].startswith("| What is the capital of France? | ")  # the first two prompts, answered
+    assert "chat score: dyisru " in out and "chat score: dyt " in out and "dyt against dyisru: " in out
+    assert "McNemar's exact p = " in out
+    for f in ("a", "b"):
+        assert json.loads((tmp_path / f / "evaluation.json").read_text())["generation"]["prompts"] == 4
+    assert main(["evaluate", str(tmp_path / "a"), str(tmp_path / "c")]) == 2
+    err = capsys.readouterr().err
+    assert "converted from different originals" in err and "load the converted model" not in err
+    assert main(["evaluate", str(tmp_path / "a"), str(tmp_path / "b"), "--report", str(tmp_path / "r.json")]) == 2
+    assert "--report names one report" in capsys.readouterr().err

@@ -8,11 +8,17 @@ __all__ = ["add_evaluate"]
 
 
 def _cmd_evaluate(args: argparse.Namespace) -> int:
-    from normlab.conversion.evaluate import evaluate_folder
+    from normlab.conversion.evaluate import evaluate_folder, evaluate_folders
     from normlab.conversion.measure.usage import UsageConfig
 
     cfg = UsageConfig(prompts=args.prompts, long_tokens=args.long_tokens)
-    evaluate_folder(args.folder, args.original, markdown=args.markdown, cfg=cfg, text=args.text, report=args.report)
+    common = {"original": args.original, "markdown": args.markdown, "cfg": cfg, "text": args.text}
+    if len(args.folder) == 1 and not args.names:
+        evaluate_folder(args.folder[0], report=args.report, **common)
+        return 0
+    if args.report:
+        raise ValueError("--report names one report; with several folders, each report goes in its folder")
+    evaluate_folders(args.folder, args.names, shown=args.side_by_side, **common)
     return 0
 
 
@@ -42,7 +48,21 @@ def add_evaluate(sub) -> None:
         "per-sequence gap (median, worst, count over +2 nats), the gap by position, blow-ups, and greedy answers "
         "side by side. Writes DIR/evaluation.json (or --report).",
     )
-    e.add_argument("folder", help="a converted model's folder (the --out of normlab convert)")
+    e.add_argument(
+        "folder",
+        nargs="+",
+        help="a converted model's folder (the --out of normlab convert); several "
+        "conversions of one original are each judged, then compared: answers side by side, chat scores "
+        "prompt by prompt against the first",
+    )
+    e.add_argument("--names", nargs="+", help="a name per folder in the comparison (default: the folders' names)")
+    e.add_argument(
+        "--side-by-side",
+        type=_count(0, len(PROMPTS)),
+        default=3,
+        metavar="N",
+        help="with several folders, the prompts whose answers are shown side by side (default 3)",
+    )
     e.add_argument("--original", help="the original model (default: the one the folder records it was made from)")
     e.add_argument(
         "--prompts",

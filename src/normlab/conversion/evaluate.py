@@ -15,14 +15,21 @@ from normlab.conversion.config import ConvertConfig
 from normlab.conversion.data.models import TextCut, fixture_path, load_model, text_batches, usable_tokenizer
 from normlab.conversion.export.saving import RECORD_FILE, load_converted, read_record
 from normlab.conversion.measure.fidelity import predicts_next_token
-from normlab.conversion.measure.usage import UsageConfig, usage_lines, usage_report
+from normlab.conversion.measure.usage import (
+    UsageConfig,
+    chat_interval,
+    kept_answers,
+    paired_chat,
+    usage_lines,
+    usage_report,
+)
 from normlab.conversion.stages import Stages
 from normlab.conversion.workflow import CONFIG_FILE, model_fingerprint, text_fingerprint
 from normlab.corpus import DOCS, fetch_docs, fetch_shakespeare, sha256_file
 from normlab.errors import NormlabError
 from normlab.owner import check_writable, hold, replace_text
 
-__all__ = ["EVALUATION_FILE", "evaluate_folder", "original_of", "provenance"]
+__all__ = ["EVALUATION_FILE", "evaluate_folder", "evaluate_folders", "compare_lines", "original_of", "provenance"]
 
 EVALUATION_FILE = "evaluation.json"
 
@@ -199,3 +206,72 @@ def _texts(conv_cfg: ConvertConfig, text: tuple[str, str], tokenizer: object, vo
         second = str(fetch_docs()) if e == "docs" else e
         texts[f"{DOCS} documentation" if e == "docs" else Path(e).name] = text_batches(second, tokenizer, vocab, cut)[1]
     return texts
+
+
+def evaluate_folders(
+    folders: list[str | Path], names: list[str] | None = None, *, shown: int = 3, **kwargs: object
+) -> dict[str, dict]:
+    """Several conversions of one original, each judged by `evaluate_folder` (its report in its own folder), then
+    compared (`compare_lines`): their greedy answers side by side and each one's chat score against the first's,
+    prompt by prompt. Every folder is checked, and their originals' fingerprints compared, before any model loads.
+
+    Args:
+        folders: Converted folders of one original.
+        names: A name per folder; None: the folders' names.
+        shown: The prompts whose answers are shown side by side.
+        **kwargs: `evaluate_folder`'s keywords (``original``, ``cfg``, ``text``, ``markdown``), but ``report``.
+    """
+    folders = [Path(f) for f in folders]
+    names = names or [f.name for f in folders]
+    if len(names) != len(folders) or len(set(names)) != len(names):
+        raise ValueError(f"--names: give {len(folders)} distinct names, one per folder; got {names}")
+    made = {}
+    for f in folders:
+        _source(f, kwargs.get("original"), kwargs.get("text"))  # every folder's files, before a model loads
+        _report_path(f, None)
+        made[f] = read_record(f).get("made_from", {}).get("model_fingerprint")
+    if len(set(made.values())) > 1:
+        raise ValueError(f"the folders were converted from different originals: {made}; compare conversions of one")
+    reports = {n: evaluate_folder(f, **kwargs) for n, f in zip(names, folders)}
+    if len(reports) > 1:
+        print(compare_lines(reports, shown))
+    return reports
+
+
+def _cell(text: str, n: int = 60) -> str:
+    one = " ".join(text.split()).replace("|", "\\|")
+    return f'"{one}"' if len(one) <= n else f'"{one[: n - 3]}..."'
+
+
+def compare_lines(reports: dict[str, dict], shown: int = 3) -> str:
+    """Judged conversions of one original compared: the first ``shown`` prompts' greedy answers side by side (a
+    Markdown table), each one's chat score with its 95% interval, and each against the first prompt by prompt
+    (`normlab.conversion.measure.usage.paired_chat`: McNemar's exact test).
+
+    Args:
+        reports: Name -> its `usage_report` (an ``evaluation.json``), judged on the same prompts.
+        shown: How many prompts' answers to show.
+    """
+    gens = {n: r.get("generation") for n, r in reports.items()}
+    if any(g is None for g in gens.values()):
+        return "no comparison of answers: " + ", ".join(n for n, g in gens.items() if g is None) + " answered none"
+    first = next(iter(gens.values()))["answers"]
+    if any([a["prompt"] for a in g["answers"]] != [a["prompt"] for a in first] for g in gens.values()):
+        return "no comparison of answers: the folders were asked different prompts"
+    lines = ["| prompt | original | " + " | ".join(gens) + " |", "|---" * (len(gens) + 2) + "|"]
+    for i, a in enumerate(first[:shown]):
+        row = [a["prompt"], _cell(a["original"]), *(_cell(g["answers"][i]["converted"]) for g in gens.values())]
+        lines.append("| " + " | ".join(row) + " |")
+    words = next(iter(reports.values()))["config"]["words"]
+    kept = {n: kept_answers(g["answers"], words) for n, g in gens.items()}
+    for n, k in kept.items():
+        lo, hi = chat_interval(sum(k), len(k))
+        lines.append(f"chat score: {n} {sum(k)} of {len(k)} ({sum(k) / len(k):.0%}; 95% interval {lo:.0%}-{hi:.0%})")
+    base, *rest = kept
+    for n in rest:
+        d = paired_chat(kept[base], kept[n])
+        lines.append(
+            f"{n} against {base}: {d['only_second']} answers kept by {n} alone, {d['only_first']} by {base} alone; "
+            f"McNemar's exact p = {d['p']:.2g}"
+        )
+    return "\n".join(lines)
