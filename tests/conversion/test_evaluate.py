@@ -187,9 +187,9 @@ def test_evaluate_judges_the_conversions_own_texts_or_says_why_not(tmp_path, cap
 
 
 def test_several_conversions_are_judged_then_compared_answer_by_answer(tmp_path, capsys):
-    """`normlab evaluate A B` (what scripts/chat_scores.py and answers_side_by_side.py did): each folder judged into
-    its own evaluation.json, then their answers side by side and B's chat score against A's, prompt by prompt; folders
-    of two originals are refused before any model loads."""
+    """`normlab evaluate A B` (what scripts/chat_scores.py, answers_side_by_side.py and heal_guard.py did): each
+    folder judged into its own evaluation.json, then their answers side by side, B's chat score against A's prompt by
+    prompt, and the heal guard's rule between them; folders of two originals are refused before any model loads."""
     src, other = tmp_path / "llama", tmp_path / "other"
     for path, seed in ((src, 4), (other, 5)):
         tiny_lm(seed=seed).save_pretrained(path)
@@ -212,7 +212,7 @@ def test_several_conversions_are_judged_then_compared_answer_by_answer(tmp_path,
     assert table[-3] == "| prompt | original | dyisru | dyt |" and table[-1].count(" | ") == 3
     assert table[-2].startswith("| What is the capital of France? | ")  # the first two prompts, answered
     assert "chat score: dyisru " in out and "chat score: dyt " in out and "dyt against dyisru: " in out
-    assert "McNemar's exact p = " in out
+    assert "McNemar's exact p = " in out and "dyt against dyisru on held-out, the heal guard's rule: " in out
     for f in ("a", "b"):
         assert json.loads((tmp_path / f / "evaluation.json").read_text())["generation"]["prompts"] == 4
     assert main(["evaluate", str(tmp_path / "a"), str(tmp_path / "c")]) == 2

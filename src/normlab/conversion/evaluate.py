@@ -246,7 +246,8 @@ def _cell(text: str, n: int = 60) -> str:
 def compare_lines(reports: dict[str, dict], shown: int = 3) -> str:
     """Judged conversions of one original compared: the first ``shown`` prompts' greedy answers side by side (a
     Markdown table), each one's chat score with its 95% interval, and each against the first prompt by prompt
-    (`normlab.conversion.measure.usage.paired_chat`: McNemar's exact test).
+    (`normlab.conversion.measure.usage.paired_chat`: McNemar's exact test) and by the heal guard's rule on the first
+    text (its worst sequence and p99 KL divergence must not rise: a heal's folder against the one before it).
 
     Args:
         reports: Name -> its `usage_report` (an ``evaluation.json``), judged on the same prompts.
@@ -274,4 +275,19 @@ def compare_lines(reports: dict[str, dict], shown: int = 3) -> str:
             f"{n} against {base}: {d['only_second']} answers kept by {n} alone, {d['only_first']} by {base} alone; "
             f"McNemar's exact p = {d['p']:.2g}"
         )
+        lines.append(_tails(n, base, reports))
     return "\n".join(lines)
+
+
+def _tails(name: str, base: str, reports: dict[str, dict]) -> str:
+    """The heal guard's rule (`normlab.conversion.measure.judge.heal_verdict`) between two judged folders on their
+    first text: whether ``name`` raised the worst sequence or the p99 KL divergence over ``base``."""
+    from normlab.conversion.measure.judge import heal_verdict
+
+    text = next(iter(reports[base]["texts"]))
+    after = reports[name]["texts"].get(text)
+    if after is None:
+        return f"{name} against {base}: not judged on {text}"
+    v = heal_verdict(reports[base]["texts"][text], after)
+    said = "neither tail rose" if v["kept"] else "; ".join(v["rose"])
+    return f"{name} against {base} on {text}, the heal guard's rule: {said}"
