@@ -13,6 +13,7 @@ import torch
 import normlab
 from conftest import CALIB, tiny_tokenizer
 from normlab.cli import main
+from normlab.conversion.measure.fidelity import check_result
 
 pytest.importorskip("transformers")
 
@@ -32,7 +33,11 @@ def _gpt2_folder(tmp_path, positions: int = 128, tokenizer=None):
 
 def test_a_gpt2_of_128_positions_is_judged_within_them(tmp_path, capsys):
     assert main(_gpt2_folder(tmp_path)) == 0, capsys.readouterr().err
-    usage = json.loads((tmp_path / "o" / "fidelity.json").read_text())["usage"]
+    fid = json.loads((tmp_path / "o" / "fidelity.json").read_text())
+    check_result(fid)  # the declared shape of a conversion's result (ConversionResult), judged
+    with pytest.raises(ValueError, match="fidelity.json: unknown key 'same_top1'; it takes output_cosine"):
+        check_result({**fid, "same_top1": 0.9})
+    usage = fid["usage"]
     gen = usage["generation"]
     assert 1 <= gen["new_tokens"] < usage["config"]["new_tokens"]  # the answers shortened to fit 128 positions
     assert usage["texts"]["chat"]["tokens"] > 0 and "consistency" in usage

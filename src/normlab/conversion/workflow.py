@@ -41,7 +41,7 @@ from normlab.conversion.export.saving import read_record
 from normlab.conversion.frontier import FEW_SELECTION, METRICS, frontier
 from normlab.conversion.heal.distill import check_heal_resources, heal
 from normlab.conversion.heal.report import heal_summary, write_curve
-from normlab.conversion.measure.fidelity import predicts_next_token
+from normlab.conversion.measure.fidelity import ConversionResult, check_result, predicts_next_token
 from normlab.conversion.measure.judge import TokenTally
 from normlab.conversion.measure.usage import usage_lines, usage_report
 from normlab.conversion.stages import Stages, count_every_process, earlier_stages, stages_file
@@ -397,7 +397,7 @@ def _heal(job: _Job, original, net, splits, record):
     return rep
 
 
-def _save(job: _Job, net, record, tokenizer, fid: dict, rep) -> None:
+def _save(job: _Job, net, record, tokenizer, fid: ConversionResult, rep) -> None:
     """Write the conversion into a folder beside ``--out`` and move it into place (`normlab.owner.swap_in`): a
     failure at any point (a full disk, a kill) leaves the previous output as it was, and what a kill left beside it
     is put right by the next run (`restore_swapped`; this process owns ``--out`` and so these names)."""
@@ -405,6 +405,7 @@ def _save(job: _Job, net, record, tokenizer, fid: dict, rep) -> None:
     out = Path(cfg.out)
     partial = beside(out, "partial")
     check_out_space(cfg.out, net)
+    check_result(fid)  # every key declared (a normlab defect otherwise, found by the tests of each path)
     try:
         save_converted(net, record, partial, tokenizer=tokenizer, identity=identity)
         (partial / CONFIG_FILE).write_text(json.dumps(_absolute_texts(cfg.to_dict()), indent=2) + "\n")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import TypedDict
 
 import torch
 from torch import nn
@@ -12,7 +13,45 @@ from normlab.conversion.batches import as_batches, logit_rows, row_chunks, run_b
 from normlab.conversion.measure.judge import TokenTally
 from normlab.record import ConversionRecord
 
-__all__ = ["fidelity", "cross_entropy", "predicts_next_token", "ReferenceKL", "REFERENCE_TOP_K"]
+__all__ = ["fidelity", "cross_entropy", "predicts_next_token", "ReferenceKL", "REFERENCE_TOP_K", "ConversionResult",
+           "check_result"]  # fmt: skip
+
+
+class ConversionResult(TypedDict, total=False):
+    """What a conversion's ``fidelity.json`` holds (`normlab.conversion.workflow.convert_model` fills it; `fidelity`
+    gives the first six keys): the one declaration its readers (`normlab.study.METRICS`, ``normlab evaluate``, the
+    heal report, the scripts) read by. A key not declared here is refused by `check_result`."""
+
+    output_cosine: float  # the mean per-token cosine of the final outputs, held-out
+    sites: dict  # site -> the relative error of its output, ||y_conv - y_orig|| / ||y_orig||
+    mean_site_error: float  # their mean
+    kl: float  # KL(original || converted) of the next-token distributions, nats/token
+    ce_original: float  # next-token cross-entropy, nats/token
+    ce_converted: float
+    second_text: dict  # the same on the second text: its name, sequences, ce_original, ce_converted, kl
+    budget_walk: dict  # the walk: its budget, metric, text, the sites it converted and each step
+    calibration: dict  # how the sites were calibrated: the path, why, seconds
+    heal: dict  # the heal's report (`normlab.conversion.heal.report.HealReport`) and its guard's verdict
+    before_heal: dict  # ce_converted and kl (and second_text) before the heal
+    usage: dict  # the judgement as used (`normlab.conversion.measure.usage.usage_report`)
+    usage_error: str  # why the judgement failed, when it did (the conversion is saved without it)
+    stages: dict  # stage -> seconds
+    stage_peak_gb: dict  # stage -> peak resident memory, GB
+    bos_every_sequence: bool  # the tokenizer starts every sequence with BOS
+    parameters: int  # the original's parameter count
+
+
+def check_result(result: dict, where: str = "fidelity.json") -> None:
+    """Refuse a result with a key `ConversionResult` does not declare, or a value of another kind, naming it.
+
+    Args:
+        result: A conversion's result.
+        where: What the error begins with.
+    """
+    from normlab.typed import check_table
+
+    check_table(result, ConversionResult, where)
+
 
 REFERENCE_TOP_K = 1024  # the original's log-probabilities `ReferenceKL` keeps per position (the heal's teacher_top_k)
 
@@ -36,7 +75,7 @@ def fidelity(
     *,
     lm: bool | None = None,
     tally: TokenTally | None = None,
-) -> dict:
+) -> ConversionResult:
     """How close ``converted`` is to ``original`` on held-out ``inputs``.
 
     Args:
@@ -110,8 +149,8 @@ def fidelity(
     if n_tok == 0:
         raise ValueError("fidelity: the held-out inputs are empty")
     per_site = {n: math.sqrt(d) / max(math.sqrt(o), 1e-30) for n, (d, o) in sq.items()}
-    result = {"output_cosine": cos / n_tok, "sites": per_site,
-              "mean_site_error": sum(per_site.values()) / len(per_site) if per_site else math.nan}  # fmt: skip
+    mean = sum(per_site.values()) / len(per_site) if per_site else math.nan
+    result = ConversionResult(output_cosine=cos / n_tok, sites=per_site, mean_site_error=mean)
     if has_logits:
         result["kl"] = kl / n_tok
     if n_ce:
