@@ -35,7 +35,8 @@ from normlab.conversion.data.models import (
     quiet,
     usable_tokenizer,
 )
-from normlab.conversion.data.samples import heal_splits, own_samples, sample_starts
+from normlab.conversion.data.samples import sample_starts
+from normlab.conversion.data.streams import heal_splits, own_samples
 from normlab.conversion.data.texts import ConversionTexts, conversion_texts
 from normlab.conversion.export.saving import read_record
 from normlab.conversion.frontier import FEW_SELECTION, METRICS, frontier

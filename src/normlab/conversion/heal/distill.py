@@ -53,7 +53,7 @@ from normlab.conversion.batches import (
 from normlab.conversion.calibrate.stream import block_index, find_blocks
 from normlab.conversion.config import HealConfig, drop_retired, flag
 from normlab.conversion.data.models import TextSplits, TokenStream
-from normlab.conversion.data.samples import MixedStream
+from normlab.conversion.data.streams import MixedStream
 from normlab.conversion.heal.loop import (
     Budget,
     HealReport,
