@@ -45,7 +45,8 @@ import torch
 import normlab
 from _study import stamp
 from bench_kernels import cpu_name  # scripts/ is on the path when a script runs
-from normlab.conversion.data.models import load_model, smollm2
+from normlab.conversion.data.fixtures import smollm2
+from normlab.conversion.data.models import load_model
 from normlab.conversion.export.saving import load_converted
 from normlab.table import append_csv, format_table
 from normlab.version import code_version

@@ -59,7 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--csv", default="bench/heal_step.csv")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    from normlab.conversion.data.models import load_model, smollm2, text_splits
+    from normlab.conversion.data.fixtures import smollm2
+    from normlab.conversion.data.models import load_model
+    from normlab.conversion.data.texts import text_splits
     from normlab.corpus import fetch_shakespeare
     from normlab.kernels import cpu
 

@@ -27,7 +27,9 @@ import normlab
 from _study import commit, stamp
 from bench_kernels import cpu_name  # scripts/ is on the path when a script runs
 from normlab.conversion.batches import cache_kwarg
-from normlab.conversion.data.models import TextCut, load_model, quiet, smollm2, text_batches
+from normlab.conversion.data.fixtures import smollm2
+from normlab.conversion.data.models import load_model, quiet
+from normlab.conversion.data.texts import TextCut, text_batches
 from normlab.conversion.export.onnx_export import OnnxCheck, OnnxLM
 from normlab.corpus import fetch_shakespeare
 from normlab.table import append_csv, format_table

@@ -26,7 +26,9 @@ import torch
 
 import normlab
 from _study import stamp  # scripts/ is on the path when a script runs
-from normlab.conversion.data.models import TextCut, load_model, smollm2, text_batches
+from normlab.conversion.data.fixtures import smollm2
+from normlab.conversion.data.models import load_model
+from normlab.conversion.data.texts import TextCut, text_batches
 from normlab.conversion.measure.judge import judge_tokens
 from normlab.corpus import fetch_shakespeare
 from normlab.quantize import input_ranges, quantized

@@ -31,7 +31,8 @@ from torch import nn
 from _study import judgement_row, stamp  # scripts/ is on the path when a script runs
 from normlab.conversion.batches import cache_kwarg
 from normlab.conversion.config import ConvertConfig
-from normlab.conversion.data.models import load_model, smollm2
+from normlab.conversion.data.fixtures import smollm2
+from normlab.conversion.data.models import load_model
 from normlab.conversion.data.texts import conversion_texts
 from normlab.conversion.export.saving import load_converted
 from normlab.conversion.measure.usage import usage_lines, usage_report

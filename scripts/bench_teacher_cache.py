@@ -41,7 +41,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5, help="every provider is timed once per round")
     ap.add_argument("--csv", default="bench/teacher_cache.csv")
     args = ap.parse_args()
-    from normlab.conversion.data.models import load_model, smollm2, text_splits
+    from normlab.conversion.data.fixtures import smollm2
+    from normlab.conversion.data.models import load_model
+    from normlab.conversion.data.texts import text_splits
     from normlab.corpus import fetch_shakespeare
     from normlab.kernels import cpu
 

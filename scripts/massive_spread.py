@@ -18,7 +18,8 @@ import torch
 
 from normlab.conversion.batches import run_hooked
 from normlab.conversion.calibrate.massive import MassiveTokens, early_rows
-from normlab.conversion.data.models import fixture_path, load_model
+from normlab.conversion.data.fixtures import fixture_path
+from normlab.conversion.data.models import load_model
 from normlab.table import format_table
 
 

@@ -86,7 +86,7 @@ def peaked_lm(seed: int):
 
 def token_stream(n: int = 64, seed: int = 5, t: int = 16):
     """A heal's training stream of ``n`` random sequences of ``t`` token ids below 100."""
-    from normlab.conversion.data.models import TokenStream
+    from normlab.conversion.data.texts import TokenStream
 
     return TokenStream(torch.randint(0, 100, (n, t), generator=torch.Generator().manual_seed(seed)))
 

@@ -213,7 +213,8 @@ def test_convert_help_shows_each_fields_docstring_and_choices(capsys):
 def test_the_python_api_and_the_cli_give_the_same_record(tiny, tmp_path):
     """convert_norms(model, "dyisru", calibrate=data, per="channel") and normlab convert with the same settings
     fit the same sites to the same values."""
-    from normlab.conversion.data.models import TextCut, load_model, text_batches
+    from normlab.conversion.data.models import load_model
+    from normlab.conversion.data.texts import TextCut, text_batches
 
     out = tmp_path / "out"
     argv = ["convert", "--model", tiny["model"], "--calibrate", tiny["text"], "--seq-len", "16", "--sequences", "4",

@@ -13,7 +13,7 @@ import normlab
 from conftest import tiny_lm
 from normlab.cli import main
 from normlab.conversion.config import BudgetConfig
-from normlab.conversion.data.models import TextCut
+from normlab.conversion.data.texts import TextCut
 
 transformers = pytest.importorskip("transformers")
 
@@ -86,7 +86,7 @@ def test_budget_nats_never_ends_above_its_budget(folder, tmp_path, capsys, refit
     """On a small model, for budgets from zero to above the whole walk: the held-out cross-entropy of the model
     left (saved, through the CLI) is within the budget, and the sites converted are the walk's prefix up to its
     first step over the budget (the study's ``within``), so partial conversions are exercised."""
-    from normlab.conversion.data.models import text_splits
+    from normlab.conversion.data.texts import text_splits
     from normlab.conversion.frontier import frontier
     from normlab.conversion.measure.fidelity import cross_entropy
 
@@ -152,7 +152,7 @@ def test_the_skip_walk_never_ends_above_its_budget_and_tries_every_site(folder, 
     """``skip=True`` goes past a site that breaks the budget instead of stopping: for budgets from zero to above
     the whole walk, the model left is within its budget, every site was tried (kept or passed), the kept sites
     are at least the stopping walk's, and each passed site was over the budget when its turn came."""
-    from normlab.conversion.data.models import text_batches
+    from normlab.conversion.data.texts import text_batches
     from normlab.conversion.frontier import frontier
     from normlab.conversion.measure.fidelity import cross_entropy
 
@@ -196,7 +196,7 @@ def test_the_skip_walk_never_ends_above_its_budget_and_tries_every_site(folder, 
         "precision": "auto",
     }
     assert cfg["data"]["walk"] == "text"  # the walk selects on the text (data.walk)
-    splits = normlab.conversion.data.models.text_splits(folder / "text.txt", None, 100, TextCut(16, 16, 16, n_val=16))
+    splits = normlab.conversion.data.texts.text_splits(folder / "text.txt", None, 100, TextCut(16, 16, 16, n_val=16))
     assert sel["selection_sequences"] == sum(len(b) for b in splits.val) == 16  # as many as it reports on
     assert len(splits.calib) == 2  # both calibration batches rank the sites
     m = copy.deepcopy(model)
@@ -380,7 +380,7 @@ def test_the_command_walks_by_kl_when_asked_and_says_so(folder, tmp_path, capsys
     """``--set budget.metric=kl`` through the CLI: the printed walk and ``fidelity.json`` name the KL, which starts at
     0 and ends within the budget, and the saved model's KL to the original on the validation split is the one
     recorded; budget.metric without a budget is refused before any work, naming the field."""
-    from normlab.conversion.data.models import text_splits
+    from normlab.conversion.data.texts import text_splits
     from normlab.conversion.measure.fidelity import ReferenceKL
 
     args = ["convert", "--model", str(folder / "m"), "--calibrate", str(folder / "text.txt"), "--seq-len", "16",

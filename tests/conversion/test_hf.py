@@ -16,7 +16,8 @@ CALIB = "The quick brown fox jumps over the lazy dog. " * 200
 def test_defect_6_a_folder_without_tokenizer_files_falls_back_to_byte_ids(tmp_path, family):
     """transformers builds an empty tokenizer (no ids for any text) for Qwen2, Qwen3 and Gemma folders saved without
     tokenizer files, where Llama raises; the text then became 0-1 tokens and the error blamed the text."""
-    from normlab.conversion.data.models import load_model, token_chunks
+    from normlab.conversion.data.models import load_model
+    from normlab.conversion.data.texts import token_chunks
 
     model, tokenizer = load_model(tiny_hf(tmp_path / "m", family))
     assert tokenizer is None
@@ -24,7 +25,7 @@ def test_defect_6_a_folder_without_tokenizer_files_falls_back_to_byte_ids(tmp_pa
 
 
 def test_random_bytes_as_calibration_text_warn():
-    from normlab.conversion.data.models import check_text
+    from normlab.conversion.data.texts import check_text
 
     with pytest.warns(UserWarning, match="are not text"):
         check_text(bytes(range(256)).decode("latin-1") * 50, "noise.bin")
@@ -42,7 +43,7 @@ def test_the_qwen_fixture_refuses_parts_that_do_not_join_to_its_checksum(tmp_pat
     import zipfile
     from pathlib import Path
 
-    from normlab.conversion.data import models as hf
+    from normlab.conversion.data import fixtures as hf
     from normlab.errors import NormlabError
 
     failing = {"part": None}
@@ -74,7 +75,8 @@ def test_a_tokenizer_that_starts_every_text_with_bos_gets_it_in_every_sequence(t
     from tokenizers.processors import TemplateProcessing
 
     from conftest import TEXT, tiny_tokenizer
-    from normlab.conversion.data.models import TextCut, leading_bos, text_splits, token_chunks
+    from normlab.conversion.data.models import leading_bos
+    from normlab.conversion.data.texts import TextCut, text_splits, token_chunks
 
     plain = tiny_tokenizer()
     assert leading_bos(plain) is None and leading_bos(None) is None

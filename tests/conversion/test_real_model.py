@@ -1,6 +1,6 @@
 """Conversion on a real pretrained model that nobody here trained: SmolLM2-135M-Instruct (61 RMSNorms).
 
-The fixture comes from PyPI (normlab.conversion.data.models.smollm2, cached under $NORMLAB_CACHE). Its activations
+The fixture comes from PyPI (normlab.conversion.data.fixtures.smollm2, cached under $NORMLAB_CACHE). Its activations
 have what test models lack: first-token massive activations with an RMS two orders of magnitude above the median
 token's.
 """
@@ -23,7 +23,9 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from normlab.conversion.data.models import TextCut, load_model, smollm2, text_batches
+    from normlab.conversion.data.fixtures import smollm2
+    from normlab.conversion.data.models import load_model
+    from normlab.conversion.data.texts import TextCut, text_batches
     from normlab.corpus import fetch_shakespeare
 
     model, tok = load_model(smollm2())
@@ -125,7 +127,7 @@ def test_smollm2_heal_on_the_stream_keeps_its_best_state(smollm2):
     """A short heal of the real model from the stream: fresh sequences only, a validation curve, the best point's
     state kept (the model's validation CE after the heal is the curve's minimum), LoRA merged away. On the first 14
     of 30 blocks."""
-    from normlab.conversion.data.models import TextCut, text_splits
+    from normlab.conversion.data.texts import TextCut, text_splits
     from normlab.conversion.measure.fidelity import cross_entropy
     from normlab.corpus import fetch_shakespeare
 

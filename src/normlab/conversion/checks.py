@@ -11,7 +11,7 @@ from pathlib import Path
 from torch import nn
 
 from normlab.conversion.config import ConvertConfig, flag, identity_difference
-from normlab.conversion.data.models import FIXTURES, fixture_path
+from normlab.conversion.data.fixtures import FIXTURES, fixture_path
 from normlab.conversion.data.texts import eval_file
 from normlab.conversion.export.saving import RECORD_FILE, read_record
 from normlab.conversion.measure.fidelity import predicts_next_token

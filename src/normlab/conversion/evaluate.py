@@ -12,7 +12,9 @@ from pathlib import Path
 from torch import nn
 
 from normlab.conversion.config import ConvertConfig
-from normlab.conversion.data.models import TextCut, fixture_path, load_model, text_batches, usable_tokenizer
+from normlab.conversion.data.fixtures import fixture_path
+from normlab.conversion.data.models import load_model, usable_tokenizer
+from normlab.conversion.data.texts import TextCut, text_batches
 from normlab.conversion.export.saving import RECORD_FILE, load_converted, read_record
 from normlab.conversion.measure.fidelity import predicts_next_token
 from normlab.conversion.measure.usage import (

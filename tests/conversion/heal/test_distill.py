@@ -241,7 +241,7 @@ def test_the_stream_never_repeats_before_it_has_used_every_sequence_and_never_to
     """A text whose held-out end is marked with a byte found nowhere else: no stream or validation sequence ever
     holds it, every held-out sequence does, and the stream goes through all its sequences once before any
     comes back, in a new order each pass."""
-    from normlab.conversion.data.models import TextCut, text_splits
+    from normlab.conversion.data.texts import TextCut, text_splits
 
     g = torch.Generator().manual_seed(0)
     body = "".join(chr(97 + int(c)) for c in torch.randint(0, 26, (40_000,), generator=g))  # no two sequences alike
@@ -332,7 +332,8 @@ print(json.dumps(out))
 
 # ------------------------------------------------------------------ real-model loading: bad input
 def test_model_folder_without_weights_gguf_without_tokenizer_and_short_text(tmp_path):
-    from normlab.conversion.data.models import TextCut, load_model, text_batches
+    from normlab.conversion.data.models import load_model
+    from normlab.conversion.data.texts import TextCut, text_batches
 
     tiny_lm().config.save_pretrained(tmp_path / "noweights")
     with pytest.raises(ValueError, match="no weights"):

@@ -13,9 +13,9 @@ import torch
 from conftest import tiny_hf, tiny_tokenizer
 from normlab.cli import main
 from normlab.conversion.config import DataConfig, resolve_convert_config
-from normlab.conversion.data.models import TextSplits, TokenStream
 from normlab.conversion.data.samples import SampleSet, Starts, sample_starts, self_samples
 from normlab.conversion.data.streams import MixedStream, calibration_samples, heal_splits, own_samples
+from normlab.conversion.data.texts import TextSplits, TokenStream
 
 transformers = pytest.importorskip("transformers")
 

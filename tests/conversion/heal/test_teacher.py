@@ -12,7 +12,7 @@ import torch
 import normlab
 from conftest import id_batches, tiny_lm
 from normlab.conversion.config import HealConfig
-from normlab.conversion.data.models import TokenStream
+from normlab.conversion.data.texts import TokenStream
 from normlab.conversion.heal.report import heal_summary
 from normlab.conversion.heal.teacher import TeacherCache, teacher_top_k
 from normlab.conversion.measure.judge import top_k_kl

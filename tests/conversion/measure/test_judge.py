@@ -92,7 +92,7 @@ def lm():
 
     import normlab
     from conftest import TEXT, sink_batches, tiny_lm, tiny_tokenizer, with_sinks
-    from normlab.conversion.data.models import token_chunks
+    from normlab.conversion.data.texts import token_chunks
 
     tok = tiny_tokenizer()
     model = with_sinks(tiny_lm(seed=2, max_position_embeddings=4096))

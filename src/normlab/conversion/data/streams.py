@@ -10,8 +10,8 @@ from torch import nn
 
 from normlab.conversion.batches import autocast_dtype
 from normlab.conversion.data.config import HEAL_SAMPLES, DataConfig
-from normlab.conversion.data.models import TextSplits, TokenStream
 from normlab.conversion.data.samples import SampleSet, Starts, self_samples, weights_fingerprint
+from normlab.conversion.data.texts import TextSplits, TokenStream
 
 __all__ = ["MixedStream", "own_samples", "calibration_samples", "heal_splits"]
 

@@ -1,10 +1,10 @@
 """Healing a converted model on a CPU budget, from a stream of text, with a held-out curve.
 
-    splits = normlab.conversion.data.models.text_splits("text.txt", tokenizer, vocab)     # calib / held / val / stream
+    splits = normlab.conversion.data.texts.text_splits("text.txt", tokenizer, vocab)     # calib / held / val / stream
     record = normlab.convert_norms(model, "dyisru", calibrate=splits.calib)
     report = normlab.heal(original, model, splits, record, HealConfig(minutes=20))
 
-Data. The heal trains on a `normlab.conversion.data.models.TokenStream`: fresh sequences of the text, in a random
+Data. The heal trains on a `normlab.conversion.data.texts.TokenStream`: fresh sequences of the text, in a random
 order, none repeated before all have been used, and never the held-out part nor the validation split. (A list
 of token batches is accepted too and becomes such a stream: the old heal on the calibration batches, which
 memorized them; keep it for tests and tiny texts.)
@@ -52,8 +52,8 @@ from normlab.conversion.batches import (
 )
 from normlab.conversion.calibrate.stream import block_index, find_blocks
 from normlab.conversion.config import HealConfig, drop_retired, flag
-from normlab.conversion.data.models import TextSplits, TokenStream
 from normlab.conversion.data.streams import MixedStream
+from normlab.conversion.data.texts import TextSplits, TokenStream
 from normlab.conversion.heal.loop import (
     Budget,
     HealReport,
@@ -184,8 +184,8 @@ def heal(
     Args:
         original: the model before conversion (the teacher; frozen).
         converted: the converted model, updated in place (LoRA, if trained, is merged back).
-        data: a `normlab.conversion.data.models.TextSplits` (its stream, and its validation split for the curve and the
-            best state), a `normlab.conversion.data.models.TokenStream`, or token batches.
+        data: a `normlab.conversion.data.texts.TextSplits` (its stream, and its validation split for the curve and the
+            best state), a `normlab.conversion.data.texts.TokenStream`, or token batches.
         record: the conversion's record (`convert_norms`), which names the converted sites; without it every
             normlab module counts.
         cfg: a `normlab.conversion.config.HealConfig` (default: its defaults); its fields say the objective, what

@@ -15,8 +15,8 @@ from torch import nn
 
 from normlab.conversion.batches import as_batches, input_ids, log_probs, logit_rows, row_chunks
 from normlab.conversion.config import HEAL_LEARNING_RATES, HealConfig, identity_difference
-from normlab.conversion.data.models import TokenStream
 from normlab.conversion.data.streams import MixedStream
+from normlab.conversion.data.texts import TokenStream
 from normlab.conversion.heal.lora import LoRALinear
 
 __all__ = ["HealReport", "HealRun", "Budget", "Validation", "is_ours", "trainable", "frozen", "make_optimizer",

@@ -29,7 +29,8 @@ import torch
 from torch import Tensor, nn
 
 from normlab.conversion.batches import cache_kwarg
-from normlab.conversion.data.models import leading_bos, token_chunks
+from normlab.conversion.data.models import leading_bos
+from normlab.conversion.data.texts import token_chunks
 from normlab.conversion.measure.judge import TokenTally, judge_tokens
 from normlab.conversion.measure.prompts import PROMPTS, answer_tokens, chat_prompts, greedy_answers
 from normlab.table import format_table
