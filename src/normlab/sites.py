@@ -41,6 +41,7 @@ KNOWN_NORMS: dict[str, str] = {
     "Gemma3RMSNorm": "rms_norm_offset",
     "OlmoLayerNorm": "layer_norm",  # no parameters; its eps is fixed in its forward (FIXED_EPS)
     "CohereLayerNorm": "layer_norm",  # subtracts the mean; a weight, no bias
+    "Llama4TextWeightlessRMSNorm": "rms_norm",  # Llama 4's q/k norm: no weight, so no width; both doors skip it
     "RmsNorm": "rms_norm",  # timm's
     "LayerNorm2d": "layer_norm",  # timm's channels-first norms (ConvNeXt, EfficientFormer...): (N, C, H, W)
     "RmsNorm2d": "rms_norm",

@@ -55,3 +55,22 @@ def test_an_unknown_norm_class_is_named_with_the_kind_its_name_suggests():
 
     assert guess_kind("FooRMSNorm") == "rms_norm" and guess_kind("OlmoLayerNorm") == "layer_norm"
     assert guess_kind("RMSLayerNorm") == "rms_norm" and guess_kind("MyNorm") == "rms_norm"
+
+
+def test_llama4_s_weightless_qk_norm_gets_one_answer_from_both_doors():
+    """issue 100: `replace_norms` raised on Llama 4's weightless q/k norm (a class it did not know) while
+    `convert_norms` skipped it as unknown; it is a known RMSNorm now, and both doors leave it, saying why (no weight,
+    so no width), and convert every other norm."""
+    sizes = {"vocab_size": 100, "hidden_size": 64, "intermediate_size": 128, "intermediate_size_mlp": 128}
+    cfg = transformers.Llama4TextConfig(**sizes, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                        head_dim=16, num_local_experts=1, use_qk_norm=True)  # fmt: skip
+    answers = []
+    for door in (lambda m: normlab.replace_norms(m, "dyt"), lambda m: normlab.convert_norms(m, "dyt", progress=False)):
+        torch.manual_seed(0)
+        model = transformers.Llama4ForCausalLM(cfg).eval()
+        record = door(model)
+        assert len(record.sites) == 5  # 2 blocks x 2 norms + the final one
+        answers.append(record.skipped)
+        assert torch.isfinite(model(torch.randint(0, 100, (1, 8))).logits).all()
+    assert answers[0] == answers[1] and [s["class"] for s in answers[0]] == ["Llama4TextWeightlessRMSNorm"] * 2
+    assert answers[0][0]["reason"] == "its channel count is unknown: no normalized_shape and no 1-d weight"
