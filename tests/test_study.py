@@ -155,6 +155,7 @@ def test_the_usable_study_s_recipes_are_the_command_line_s():
     ('flags = ["--per", "channel", "--heal-speed", "2"]', r"\(a\): flags: '--heal-speed' is not one of --model"),
     ('flags = ["--init", "alpha_init=1"]', r"flags: '--init' takes a list: give its field in set"),
     ('recipe = "fast"', r"\(a\): recipe 'fast' is not one of recommended"),
+    ('flags = ["--budget-nats", 0.1]', r"\(a\): flags: each flag and value is a string"),
 ])  # fmt: skip
 def test_a_cell_s_unknown_flag_or_recipe_is_refused_before_any_work(tmp_path, cell, says):
     path = _study(tmp_path, f'[[cells]]\nname = "a"\n{cell}\n')

@@ -49,6 +49,8 @@ def flag_fields(flags: Iterable[str]) -> dict[str, object]:
     from normlab.pairs import parse_pairs, parse_value
 
     flags, out, i = list(flags), {}, 0
+    if not all(isinstance(f, str) for f in flags):
+        raise ValueError(f"flags: each flag and value is a string, as the command line takes it; got {flags!r}")
     while i < len(flags):
         f = flags[i]
         if f == "--set":
