@@ -4,6 +4,7 @@ data, a mixed stream that resumes exactly, a second text that never touches the 
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 
@@ -296,7 +297,7 @@ def test_the_decode_steps_attention_gives_sdpas_logits_and_is_put_back(family):
     assert not torch.equal(fast[1:6], plain[1:6])  # the matmuls ran: equal up to rounding, not bit for bit
 
 
-def test_the_inverse_cdf_draw_follows_the_softmax_and_never_draws_a_masked_token():
+def test_the_gumbel_max_draw_follows_the_softmax_and_never_draws_a_masked_token():
     """`_draw_tokens`: 40,000 draws from one row's softmax(logits / T) land on each token at its probability (within
     five standard errors), and a -inf token (a masked end-of-sequence) is never drawn."""
     from normlab.conversion.data.samples import _draw_tokens
@@ -308,6 +309,27 @@ def test_the_inverse_cdf_draw_follows_the_softmax_and_never_draws_a_masked_token
     freq = torch.bincount(got[:, 0], minlength=5).double() / n
     p = torch.softmax(logits.double() / temperature, -1)
     assert freq[2] == 0 and (freq - p).abs().max() < 5 * (p * (1 - p) / n).sqrt().max()
+
+
+def test_a_near_tie_is_decided_by_the_model_in_float64(model, monkeypatch):
+    """issue 99: a draw whose two best tokens are within `TIE` is decided again by a float64 copy of the model over
+    the whole prefix, with the same uniforms. With every draw called a tie, the float32 model's samples are the
+    float64 model's own (drawn with no tie-break) token for token; the model itself stays float32."""
+    from normlab.conversion.data import samples
+
+    which = SampleSet("f", 6, 12, Starts(1, varied=False), seed=0, batch_size=4)
+    wide = samples._draw(copy.deepcopy(model).double(), which, False)
+    monkeypatch.setattr(samples, "TIE", float("inf"))
+    decided, exact = [], samples._Decoder._exact
+
+    def spy(self, prefix, u, masked):
+        decided.append(len(prefix))
+        return exact(self, prefix, u, masked)
+
+    monkeypatch.setattr(samples._Decoder, "_exact", spy)
+    assert torch.equal(samples._draw(model, which, False), wide)
+    assert sum(decided) == 6 * 11  # every draw after BOS went to float64
+    assert next(model.parameters()).dtype == torch.float32
 
 
 def test_the_sample_precision_names_the_set_and_bad_values_are_refused(model, tmp_path):

@@ -49,8 +49,10 @@ class DataConfig:
     seed: int = 0
     """Of the sampling, and of the order the text's stream is drawn in."""
     precision: Literal["auto", "float32", "bf16"] = "auto"
-    """The sampling's arithmetic: "bf16" autocasts its forward passes, "auto" where the device runs bf16 matmuls
-    natively (as budget.precision), else float32 (SmolLM2, 2 cores: 1,024 samples in 2.6 min bf16, 5.2 float32)."""
+    """The sampling's arithmetic: "bf16" autocasts its forward passes; "auto" takes float32 on a CPU, where its
+    samples are the same on every instruction set (`normlab.conversion.data.samples.TIE`), and bf16 on a GPU that
+    runs it. bf16 on a CPU draws other tokens on other CPUs (SmolLM2, 2 cores: 1,024 samples in 2.6 min bf16, 5.2
+    float32)."""
 
     @property
     def calibrates_on_samples(self) -> bool:

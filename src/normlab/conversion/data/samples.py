@@ -3,8 +3,9 @@
 Distilling on a user's text teaches the converted model to behave like the original *on that text*; distilling on
 the original's own samples teaches it to behave like the original wherever the original puts its probability.
 `self_samples` draws them (ancestral sampling at temperature 1 by default, no top-k, no top-p, by a decode loop
-over the model's forward with its KV cache, `SAMPLE_BATCH` sequences at a time, in bf16 where the device runs it
-natively: ``data.precision``). How they begin is `Starts`: by default (``data.starts = "varied"``) half are
+over the model's forward with its KV cache, `SAMPLE_BATCH` sequences at a time: ``data.precision``). Each token is
+a Gumbel-max draw, and a draw whose two best tokens are within `TIE` is decided again in float64, so a CPU's
+rounding chooses no token: float32 samples are the same on every CPU (AVX2, AVX-512, none). How they begin is `Starts`: by default (``data.starts = "varied"``) half are
 conversations through the model's chat template, a quarter start at BOS and a quarter at a token drawn uniformly
 from the vocabulary, so the heal sees the model as a user meets it and not only after BOS. They are cached on disk
 under their identity (the model's fingerprint, the count, the length, the seed, the temperature, the starts, the
@@ -16,6 +17,7 @@ batch, the precision), so a second heal of the same model reads them back, and a
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import json
 import os
@@ -35,11 +37,12 @@ from normlab.owner import hold
 
 __all__ = ["self_samples", "SampleSet", "Starts", "sample_starts", "weights_fingerprint", "SAMPLES_VERSION"]
 
-SAMPLES_VERSION = 6  # bump when the sampling procedure changes, so old caches are not read as new (2: own decode loop,
+SAMPLES_VERSION = 7  # bump when the sampling procedure changes, so old caches are not read as new (2: own decode loop,
 # batches of SAMPLE_BATCH, one generator for the whole set; 3: inverse-CDF draws, the decode step's attention as two
 # matmuls, the precision in the identity; 4: `Starts`, the kinds drawn apart and shuffled together; 5: a chat
 # row's header follows only a drawn end of turn: 4 wrote headers back to back once the first one ended; 6: a free
-# row's first token is never an end-of-sequence token)
+# row's first token is never an end-of-sequence token; 7: Gumbel-max draws, a near tie decided in float64, so the
+# tokens are the same on every CPU)
 SAMPLE_BATCH = 256  # sequences decoded together (SmolLM2, bf16, 2 cores: 850 tokens/s at 256, 785 at 128)
 
 
@@ -178,7 +181,8 @@ def _decode_attention(module, query, key, value, attention_mask, **kwargs):
     ):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     scale = d**-0.5 if kwargs.get("scaling") is None else kwargs["scaling"]
-    w = torch.softmax((query.reshape(b, kv, h // kv, d) @ key.transpose(-1, -2)).float() * scale, -1)
+    wide = torch.promote_types(query.dtype, torch.float32)  # bf16 scores in float32, float64 ones as they are
+    w = torch.softmax((query.reshape(b, kv, h // kv, d) @ key.transpose(-1, -2)).to(wide) * scale, -1)
     out = (w.to(value.dtype) @ value).reshape(b, h, 1, value.shape[-1])
     return out.transpose(1, 2).contiguous(), None
 
@@ -207,13 +211,37 @@ def _fast_decode(model: nn.Module):
             model.set_attn_implementation(was)
 
 
+TIE = 1e-3  # nats: a draw whose winner leads the runner-up by less is decided again in float64 (`_Decoder._exact`).
+# SmolLM2's float32 logits differ between instruction sets (AVX2, AVX-512, none) by at most 1.9e-4 nats at a token
+# of probability > 1e-5 (24 x 128 positions; median 1.7e-5), its float64 ones by at most 4.1e-6 (docs/healing.md)
+
+
+def _gumbel(shape: tuple[int, int], gen: torch.Generator) -> torch.Tensor:
+    """Uniforms for one Gumbel-max draw per row, (rows, vocabulary), float32 from ``gen``: the same numbers on every
+    CPU (the generator's stream is serial)."""
+    return torch.rand(shape, generator=gen)
+
+
+def _pick(logits: torch.Tensor, u: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The token of each row by Gumbel-max, argmax(logits / temperature - log(-log u)), in ``logits``' dtype, and
+    how far the winner leads the runner-up (nats; (rows,)). A draw from softmax(logits / temperature); unlike an
+    inverse CDF, whose boundaries sum every earlier token's rounding, a token changes only where two tokens' own
+    scores are within their rounding of each other, so the lead says which draws a last-bit difference can change."""
+    scores = logits / temperature - u.to(logits.dtype).log().neg_().log_()
+    top = scores.topk(2, -1)
+    return top.indices[:, :1], top.values[:, 0] - top.values[:, 1]
+
+
 def _draw_tokens(logits: torch.Tensor, temperature: float, gen: torch.Generator) -> torch.Tensor:
-    """One token per row from softmax(logits / temperature), by inverse CDF: one uniform per row against the
-    cumulative probabilities in float64 (a zero-probability token is never drawn). ``torch.multinomial`` draws from
-    the same distribution but took 100 ms a step for 128 x 49,152 logits; this takes about 25."""
-    cdf = torch.softmax(logits.double() / temperature, -1).cumsum(-1)
-    u = torch.rand(len(cdf), 1, generator=gen, dtype=torch.float64) * cdf[:, -1:]
-    return torch.searchsorted(cdf, u, right=True).clamp_max(cdf.shape[-1] - 1)
+    """One token per row from softmax(logits / temperature) (`_pick` on fresh uniforms); a -inf token (a masked
+    end-of-sequence) is never drawn.
+
+    Args:
+        logits: (rows, vocabulary).
+        temperature: Of the softmax.
+        gen: The generator the uniforms come from.
+    """
+    return _pick(logits, _gumbel(tuple(logits.shape), gen), temperature)[0]
 
 
 class _Decoder:
@@ -229,6 +257,8 @@ class _Decoder:
         eos = eos if isinstance(eos, (list, tuple)) else [eos]
         self.eos = [e for e in eos if isinstance(e, int) and 0 <= e < self.vocab]
         self.device, self.key = model_device(model), cache_kwarg(model)
+        self.exact: nn.Module | None = None  # the float64 copy that decides near ties (`_exact`), made at the first
+        self.exact_draws = 0
 
     def _opening(self, kind: str, b: int) -> torch.Tensor:
         starts = self.which.starts
@@ -247,6 +277,22 @@ class _Decoder:
         ids = allowed.nonzero()[:, 0]
         return ids[torch.randint(0, len(ids), (b, 1), generator=self.gen)]
 
+    def _exact(self, prefix: torch.Tensor, u: torch.Tensor, masked: list[int]) -> torch.Tensor:
+        """The tokens of the rows whose draw was within `TIE`: the same uniforms against the last logits of a
+        float64 copy of the model over each row's whole prefix (no cache, no autocast), so that the rounding of
+        one CPU's float32 arithmetic cannot choose them."""
+        if self.exact is None:
+            self.exact = copy.deepcopy(self.model)._apply(lambda t: t.double() if t.is_floating_point() else t)
+        kind = self.device.type if self.device is not None else "cpu"
+        with torch.autocast(kind, enabled=False):
+            o = self.exact(input_ids=prefix.to(self.device), use_cache=False)
+        logits = o.logits[:, -1, : self.vocab].double().cpu()
+        if masked:
+            logits[:, masked] = -torch.inf
+        self.exact_draws += len(prefix)
+        self.bar.set_postfix(float64=self.exact_draws, refresh=False)
+        return _pick(logits, u, self.which.temperature)[0]
+
     def batch(self, kind: str, b: int) -> torch.Tensor:
         """``b`` sequences of ``kind``, (b, seq_len)."""
         turns = self.which.starts.turns if kind == "chat" else ()
@@ -260,7 +306,10 @@ class _Decoder:
             cache, logits = o[self.key], o.logits[:, -1, : self.vocab].float().cpu()  # drawn on the CPU: one generator
             if masked:
                 logits[:, masked] = -torch.inf
-            step = _draw_tokens(logits, self.which.temperature, self.gen)
+            u = _gumbel(tuple(logits.shape), self.gen)
+            step, lead = _pick(logits, u, self.which.temperature)
+            if len(near := (lead < TIE).nonzero()[:, 0]):
+                step[near] = self._exact(torch.cat(rows, 1)[near], u[near], masked)
             if end is not None:
                 for r in sorted(set(pending) | set((step[:, 0] == end).nonzero()[:, 0].tolist())):
                     if r in pending:  # the template's header after a turn's end, token by token

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from normlab.conversion.batches import autocast_dtype
+from normlab.conversion.batches import autocast_dtype, model_device
 from normlab.conversion.data.config import HEAL_SAMPLES, DataConfig
 from normlab.conversion.data.samples import SampleSet, Starts, self_samples, weights_fingerprint
 from normlab.conversion.data.texts import TextSplits, TokenStream
@@ -79,7 +79,9 @@ def own_samples(
         starts: How the samples begin (`sample_starts` of the model's tokenizer).
         progress: Show a progress bar while it samples.
     """
-    dtype, _ = autocast_dtype(cfg.precision, original, "data.precision")
+    on_cpu = (model_device(original) or torch.device("cpu")).type == "cpu"
+    precision = "float32" if cfg.precision == "auto" and on_cpu else cfg.precision  # the same samples on every CPU
+    dtype, _ = autocast_dtype(precision, original, "data.precision")
     which = SampleSet(
         weights_fingerprint(original),
         cfg.samples if cfg.samples is not None else HEAL_SAMPLES,  # a ConvertConfig resolves it
