@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 __all__ = [
     "SAVE_MARGIN",
     "saved_bytes",
+    "tokenizer_bytes",
     "check_out_space",
     "Locked",
     "hold",
@@ -226,15 +227,34 @@ def path_segment_error(name: object) -> str | None:
     return None
 
 
-SAVE_MARGIN = 1.10  # the weights' bytes, plus the config, the tokenizer and the records (measured: under 5% on SmolLM2)
+SAVE_MARGIN = 1.10  # the weights' bytes, plus the records (measured: under 5% on SmolLM2)
+SMALL_FILES = 64 << 10  # the configs, the reports and the modeling file (a tiny Llama's conversion: 31 kB of them)
 
 
-def saved_bytes(net: nn.Module) -> int:
+def tokenizer_bytes(tokenizer: object | None) -> int:
+    """About what saving ``tokenizer`` writes: its ``tokenizer.json`` serialised in memory (a fast tokenizer), or
+    64 bytes a vocabulary entry otherwise, plus 64 kB for its small files; 0 without one (an ONNX export).
+
+    Args:
+        tokenizer: A Hugging Face tokenizer, or None.
+    """
+    if tokenizer is None:
+        return 0
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    try:
+        size = len(backend.to_str()) if backend is not None else 64 * len(tokenizer)
+    except Exception:  # noqa: BLE001  (a tokenizer that cannot say: counted by its vocabulary)
+        size = 64 * int(getattr(tokenizer, "vocab_size", 0) or 0)
+    return size + (64 << 10)
+
+
+def saved_bytes(net: nn.Module, tokenizer: object | None = None) -> int:
     """About what `normlab.save_converted` writes for ``net``: its unique tensors' bytes at their own dtype (tied
-    weights once), times `SAVE_MARGIN`, plus 16 MB for a tokenizer.
+    weights once), times `SAVE_MARGIN`, plus the tokenizer's files (`tokenizer_bytes`) and `SMALL_FILES`.
 
     Args:
         net: The model to be saved.
+        tokenizer: The tokenizer saved with it, or None.
     """
     seen, total = set(), 0
     for t in list(net.parameters()) + list(net.buffers()):
@@ -242,10 +262,12 @@ def saved_bytes(net: nn.Module) -> int:
             continue
         seen.add(t.data_ptr())
         total += t.numel() * t.element_size()
-    return int(total * SAVE_MARGIN) + (16 << 20)
+    return int(total * SAVE_MARGIN) + tokenizer_bytes(tokenizer) + SMALL_FILES
 
 
-def check_out_space(out: str | None, net: nn.Module, what: str = "--out", kind: str = "the conversion") -> None:
+def check_out_space(
+    out: str | None, net: nn.Module, what: str = "--out", kind: str = "the conversion", tokenizer: object | None = None
+) -> None:
     """Refuse, before the work and again before the write, an output whose disk cannot hold the conversion: the
     save writes a new folder beside the old one and swaps them, so the old one's space is not counted.
 
@@ -254,13 +276,14 @@ def check_out_space(out: str | None, net: nn.Module, what: str = "--out", kind: 
         net: The model that will be saved.
         what: How errors name the folder.
         kind: How errors name what is written.
+        tokenizer: The tokenizer saved with it, or None (nothing written for it).
     """
     if out is None:
         return
     parent = Path(out).resolve().parent
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent
-    need, free = saved_bytes(net), shutil.disk_usage(parent).free
+    need, free = saved_bytes(net, tokenizer), shutil.disk_usage(parent).free
     if free < need:
         raise NormlabError(
             f"{what} {out}: its disk has {free / 1e6:.1f} MB free, and {kind} needs about {need / 1e6:.1f} MB "

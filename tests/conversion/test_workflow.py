@@ -124,8 +124,11 @@ def test_an_existing_folder_normlab_did_not_write_is_never_cleared(models, tmp_p
 
 @pytest.mark.parametrize("extra,message", [
     (["--exclude", "no.such.module"], "matches no module"),
-    (["--budget-nats", "-1"], "--budget-nats must be a finite number >= 0"),
+    (["--budget-nats", "-1"], "--budget-nats must be a finite number >= 0 (nats of held-out cross-entropy rise)"),
+    (["--budget-nats", "-1", "--set", "budget.metric=kl"], "(nats of KL divergence to the original), got -1.0"),
     (["--budget-nats", "0.5", "--no-calibrate"], "drop --no-calibrate"),
+    (["--budget-nats", "0.02", "--set", "data.walk=self", "data.samples=10000000"],
+     "--set data.samples 10,000,000: without a heal on them the conversion reads 16"),
     (["--heal-minutes", "inf"], "finite number > 0"),
     (["--set", "heal.objective=blocks"], "--set heal.objective: the heal's objective (block-wise reconstruction, "
                                          "'blocks') was retired in 0.10.0"),

@@ -272,3 +272,34 @@ def test_a_failed_build_warns_once_in_library_use(tmp_path):
     assert proc.returncode == 0 and "GRAD True" in proc.stdout, proc.stderr[-2000:]
     assert proc.stderr.count("RuntimeWarning") == 1, proc.stderr
     assert "the injected failure" in proc.stderr and "reference math" in proc.stderr
+
+
+def test_what_a_killed_build_left_is_removed_at_the_next_load(tmp_path):
+    """issue 99: a background build killed while it compiled left its 400 kB ``normlab_cpu.<pid>.<tid>.tmp.so`` in
+    the cache for good (the next load found the library whole and looked no further). A load removes a temporary
+    file whose process is gone and leaves a running one's."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from normlab.kernels import cpu_build
+
+    if not cpu_build.load(wait=True):
+        pytest.skip("no CPU kernel library on this machine")
+    built = cpu_build.library_folder()
+    folder = tmp_path / "kernels" / built.name
+    folder.mkdir(parents=True)
+    for name in ("normlab_cpu.so", "build.json"):
+        shutil.copy2(built / name, folder / name)
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = int(gone.stdout)
+    stale = [folder / f"normlab_cpu.{dead}.1.tmp.so", folder / f"build.json.{dead}.tmp"]
+    live = folder / f"normlab_cpu.{os.getpid()}.1.tmp.so"
+    for f in [*stale, live]:
+        f.write_bytes(b"\0" * 1000)
+    code = "from normlab.kernels import cpu_build\nassert cpu_build.load(wait=True)"
+    env = {**os.environ, "NORMLAB_CACHE": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert not any(f.exists() for f in stale) and live.exists(), (sorted(p.name for p in folder.iterdir()), proc.stderr[-2000:])

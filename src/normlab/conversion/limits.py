@@ -30,6 +30,10 @@ def check_idle_calibration(c, plain) -> None:
         )
 
 
+UNREAD = 64  # a set over this many times what a conversion without a heal reads is refused (a study's 2,048 are
+# drawn to be shared with its heals' cells)
+
+
 def check_sample_memory(n: int, seq_len: int, read: int) -> None:
     """Refuse a sample count whose token ids alone (int64) would not fit in this machine's memory, before any
     sampling starts (``data.samples=100000000`` began drawing 3.2 billion tokens).
@@ -54,4 +58,11 @@ def check_limits(cfg) -> None:
     """
     check_idle_calibration(cfg.calibrate, type(cfg.calibrate)())
     if cfg.samples_original:
-        check_sample_memory(cfg.sample_count(), cfg.seq_len, 2 * cfg.sequences + 8)
+        n, read = cfg.sample_count(), 2 * cfg.sequences + 8
+        check_sample_memory(n, cfg.seq_len, read)
+        if not cfg.heal_on_samples and n > UNREAD * read:
+            raise ValueError(
+                f"{flag('data.samples')} {n:,}: without a heal on them the conversion reads {read} of the original's "
+                f"samples, and drawing {n * cfg.seq_len:,} tokens (SmolLM2 draws about 75 a second on one core) is "
+                f"time spent for nothing; lower {flag('data.samples')} to {read}, or heal on them"
+            )

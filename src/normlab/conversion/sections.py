@@ -108,10 +108,8 @@ class BudgetConfig:
         """Each field alone: the frontier's own check (without a budget it walks the whole curve)."""
         check_types(self, "budget.")
         if self.nats is not None and not (self.nats >= 0 and math.isfinite(self.nats)):
-            raise ValueError(
-                f"{flag('budget.nats')} must be a finite number >= 0 (nats of held-out cross-entropy), got "
-                f"{self.nats!r}"
-            )
+            what = "KL divergence to the original" if self.metric == "kl" else "held-out cross-entropy rise"
+            raise ValueError(f"{flag('budget.nats')} must be a finite number >= 0 (nats of {what}), got {self.nats!r}")
         int_at_least("budget.refit_every", self.refit_every, 0, " (sites between refits; 0: never)")
         int_at_least("budget.rank_batches", self.rank_batches, 1, " (calibration batches)")
         int_at_least("budget.rank_every", self.rank_every, 1, " (every n-th position)")

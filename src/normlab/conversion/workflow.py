@@ -217,7 +217,7 @@ def _convert(job: _Job, markdown: bool) -> dict:
     check_exclude(cfg, net)
     check_next_token(cfg, net)
     check_conversion_memory(net)
-    check_out_space(cfg.out, net)  # before the work: the save is its last step
+    check_out_space(cfg.out, net, tokenizer=tokenizer)  # before the work: the save is its last step
     job = job.knowing(model_fingerprint=model_fingerprint(net))
     check_resume_identity(ckpt, cfg, {"model_fingerprint": job.facts["model_fingerprint"]})
     vocab = net.get_input_embeddings().num_embeddings
@@ -405,7 +405,7 @@ def _save(job: _Job, net, record, tokenizer, fid: ConversionResult, rep) -> None
     cfg, identity = job.cfg, job.identity()
     out = Path(cfg.out)
     partial = beside(out, "partial")
-    check_out_space(cfg.out, net)
+    check_out_space(cfg.out, net, tokenizer=tokenizer)
     check_result(fid)  # every key declared (a normlab defect otherwise, found by the tests of each path)
     try:
         save_converted(net, record, partial, tokenizer=tokenizer, identity=identity)

@@ -307,6 +307,7 @@ def _build_and_load(retry: bool = False) -> None:
         return
     ident = _identity(cxx)
     folder = build_dir(ident)
+    _sweep(folder)
     if _intact(folder, ident) is not None:
         _writable_folder(folder)
         with open(folder / "build.lock", "w") as lock:
@@ -320,6 +321,21 @@ def _build_and_load(retry: bool = False) -> None:
                 _compile(folder, ident)
     torch.ops.load_library(str(folder / "normlab_cpu.so"))
     _STATE["folder"] = folder
+
+
+def _sweep(folder: Path) -> None:
+    """Remove what a killed build left in ``folder``: a ``.tmp`` library or record whose name's process id is no
+    longer running (a live build's are left to it)."""
+    for tmp in folder.glob("*.tmp*"):
+        pid = next((int(part) for part in tmp.name.split(".") if part.isdigit()), None)
+        if pid is None:
+            continue  # not one of ours
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            tmp.unlink(missing_ok=True)
+        except PermissionError:
+            pass  # another user's running process
 
 
 def _wait_for(lock, folder: Path) -> None:
