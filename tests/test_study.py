@@ -101,6 +101,8 @@ def test_a_changed_cell_runs_again_and_a_failed_cell_does_not_stop_the_study(tmp
     ('[[cells]]\nname = "a"\nset = { "heal.rate" = 1 }\n', r"cells\[0\] \(a\): unknown config field 'heal.rate'"),
     ('[[cells]]\nname = "a"\nset = { per = "token" }\n', r"cells\[0\] \(a\): --set per must be 'global' or 'channel'"),
     ('[[cells]]\nname = "a"\n[[cells]]\nname = "a"\n', "a second cell named 'a'"),
+    ('"heal.text" = "self"\n[[cells]]\nname = "a"\n', r"tiny.toml: \[base\]: heal.text is now data.heal"),
+    ('[[cells]]\nname = "a"\nset = { "heal.text" = "self" }\n', r"cells\[0\] \(a\): set.heal.text is now data.heal"),
     ('[[cells]]\nname = "../up"\n', "name must be one path segment"),
     ('[[cells]]\nname = "a"\nset = { out = "x" }\n', "out and heal.checkpoint are the cell's folder's"),
     ('[[cells]]\nname = "a"\n[[checks]]\ncell = "a"\nmetric = "speed"\nat_most = 1\n', r"checks\[0\] needs"),
@@ -284,3 +286,34 @@ def test_a_cell_records_the_commit_it_started_at(tmp_path, monkeypatch):
     path = _study(tmp_path, '[[cells]]\nname = "global"\n')
     results = run_study(path, tmp_path / "runs", progress=False)
     assert results["global"]["git_commit"] == "at-start"
+
+
+def test_a_file_given_to_bench_is_refused_before_the_first_cell(tmp_path):
+    """issue 99 (STN4): `normlab study --bench FILE` ran the cell, then raised a raw FileExistsError making the
+    folder. The folder is checked before any work."""
+    path = _study(tmp_path, '[[cells]]\nname = "a"\n')
+    (tmp_path / "table.csv").write_text("x\n")
+    with pytest.raises(ValueError, match=r"--bench .*table.csv is a file; give a folder"):
+        run_study(path, tmp_path / "runs", bench=tmp_path / "table.csv", progress=False)
+    assert not (tmp_path / "runs" / "tiny" / "a").exists()
+
+
+def test_a_study_moved_with_its_folder_keeps_its_finished_cells(tmp_path, monkeypatch, capsys):
+    """issue 99 (STN1): a study file and its --root moved together (a project folder renamed) was refused as
+    another study of the same name, and its finished cells were lost. Where the file lies from the study's folder
+    names it too, so the moved study reads its cells back."""
+    a = tmp_path / "a"
+    a.mkdir()
+    tiny_hf(a / "m")
+    (a / "calib.txt").write_text(CALIB)
+    body = 'model = "m"\n"data.text" = "calib.txt"\nseq_len = 16\nsequences = 4\n"data.judge" = "none"\n'
+    (a / "s.toml").write_text(f'title = "t"\n[base]\n{body}[[cells]]\nname = "one"\n')
+    monkeypatch.chdir(a)
+    run_study("s.toml", "runs", progress=False)
+    result = (a / "runs" / "s" / "one" / "result.json").read_bytes()
+    (a).rename(tmp_path / "b")
+    monkeypatch.chdir(tmp_path / "b")
+    capsys.readouterr()
+    run_study("s.toml", "runs", progress=False)
+    assert "s/one: done before, skipped" in capsys.readouterr().out
+    assert (tmp_path / "b" / "runs" / "s" / "one" / "result.json").read_bytes() == result

@@ -37,6 +37,7 @@ import dataclasses
 import datetime
 import hashlib
 import json
+import os
 import platform
 import shlex
 import sys
@@ -44,7 +45,7 @@ import traceback
 from importlib import resources
 from pathlib import Path
 
-from normlab.conversion.config import ConvertConfig, resolve_convert_config
+from normlab.conversion.config import ConvertConfig, check_known_keys, resolve_convert_config, table_keys
 from normlab.owner import Locked, check_folder, hold, path_segment_error, replace_text
 from normlab.typed import check_table
 from normlab.version import code_version
@@ -182,6 +183,7 @@ def load_study(source: str | Path) -> Study:
         raise ValueError(f"{path}: not valid TOML: {e}") from None
     check_table(data, _StudyFile, str(path))
     cells, base = {}, data.get("base", {})
+    check_known_keys(table_keys(base), lambda key: f"{path}: [base]: {key}")  # named where it is written
     for i, cell in enumerate(data.get("cells") or []):
         where = f"{path}: cells[{i}]"
         name = cell.get("name") if isinstance(cell, dict) else None
@@ -190,6 +192,7 @@ def load_study(source: str | Path) -> Study:
         if name in cells:
             raise ValueError(f"{where}: a second cell named {name!r}")
         check_table(cell, _Cell, where)
+        check_known_keys(table_keys(cell.get("set", {})), lambda key, w=where: f"{w} ({name}): set.{key}")
         try:
             cfg = resolve_convert_config({**base, **_cell_fields(cell), **cell.get("set", {})})
         except (ValueError, TypeError) as e:
@@ -319,6 +322,8 @@ def run_study(
         raise ValueError(f"--only {missing[0]!r}: {study.path} has the cells {', '.join(study.cells)}")
     home = Path(root) / study.name
     check_folder(home, "--root")
+    if bench is not None:
+        check_folder(bench, "--bench")  # a file given for the folder: refused before the first cell runs
     _claim(home, study)
     for table in (home / "results.csv", Path(bench) / f"study_{study.name}.csv" if bench else None):
         _check_table(table)
@@ -348,17 +353,19 @@ def _claim(home: Path, study: Study) -> None:
     """The study's folder names the study it holds (``study.json``): a second study of the same file name under the
     same ``--root`` is refused before it runs a cell, rather than running over the first's results (issue 65, G5)."""
     mark, source = home / "study.json", _source(study)
+    # where the file lies from the folder: a study moved or copied with its folder is still the same study
+    near = os.path.relpath(source, home.resolve()) if not source.startswith("builtin:") else source
     with hold(mark, "the study's mark", wait=True):  # two processes may share a study: one writes its mark
         if mark.is_file():
-            held = json.loads(mark.read_text()).get("source")
-            if held != source:
+            held, held_near = (json.loads(mark.read_text()).get(k) for k in ("source", "from_folder"))
+            if held != source and held_near != near:
                 raise ValueError(
                     f"{home} holds the study {held}, not {source}: two studies named {study.name!r} cannot share "
                     "a --root; give this one another --root (or rename its file)"
                 )
             return
         home.mkdir(parents=True, exist_ok=True)
-        mark.write_text(json.dumps({"source": source}) + "\n")
+        mark.write_text(json.dumps({"source": source, "from_folder": near}) + "\n")
 
 
 def _cell(study: str, name: str, cfg: ConvertConfig, folder: Path, progress: bool) -> tuple[dict, bool]:

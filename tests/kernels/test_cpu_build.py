@@ -303,3 +303,20 @@ def test_what_a_killed_build_left_is_removed_at_the_next_load(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert not any(f.exists() for f in stale) and live.exists(), (sorted(p.name for p in folder.iterdir()), proc.stderr[-2000:])
+
+
+def test_build_kernels_check_says_when_normlab_kernel_chose_the_paths(monkeypatch, capsys):
+    """issue 99: under NORMLAB_KERNEL=reference, `normlab build-kernels --check` showed the reference math for
+    every norm as if the kernels had not taken; it now says the variable chose it, and how to see the kernels'."""
+    from normlab.cli import main
+    from normlab.kernels import cpu_build
+
+    if not cpu_build.load(wait=True):
+        pytest.skip("no CPU kernel library on this machine")
+    monkeypatch.setenv("NORMLAB_KERNEL", "reference")
+    assert main(["build-kernels", "--check"]) == 0
+    out = capsys.readouterr().out
+    assert "dyt             reference math" in out and "NORMLAB_KERNEL=reference is set" in out, out
+    monkeypatch.delenv("NORMLAB_KERNEL")
+    assert main(["build-kernels", "--check"]) == 0
+    assert "NORMLAB_KERNEL" not in capsys.readouterr().out

@@ -74,6 +74,13 @@ def _print_paths() -> None:
     print(f"\nthe path each norm took on a CPU float32 tensor ({TRAIN_ROWS} x 512), as the dispatcher saw it:")
     print(format_table(["norm", "inference", "training (forward + backward)"], rows))
     print("(under torch.compile every norm is the reference math, which the compiler fuses; on CUDA, Triton)")
+    from normlab.kernels import auto_choice
+
+    if auto_choice() == "reference":
+        print(
+            "NORMLAB_KERNEL=reference is set in this environment: it chose the reference math above for every "
+            "kernel='auto'; unset it to see the paths the fused kernels take"
+        )
 
 
 def add_build_kernels(sub) -> None:

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 __all__ = ["DataConfig", "CalibrateConfig", "HealConfig", "BudgetConfig", "ConvertConfig", "resolve_convert_config",
            "flag", "identity_difference", "SHORTHANDS", "HEAL_LEARNING_RATES", "choices", "field_docs",
-           "check_types", "RETIRED", "drop_retired", "LORA_RANK"]  # fmt: skip
+           "check_types", "RETIRED", "drop_retired", "LORA_RANK", "check_known_keys", "table_keys"]  # fmt: skip
 
 FREE_TABLES = ("init", "site_init")  # tables whose keys are the user's (init.alpha_init=0.5)
 SECTIONS = ("data", "calibrate", "heal", "budget")
@@ -264,6 +264,29 @@ def _flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
+def table_keys(table: dict) -> list[str]:
+    """The dotted keys of a config table (``{"heal": {"lr": 1}}`` -> ``["heal.lr"]``), as a config reads them.
+
+    Args:
+        table: A table of fields, flat or by section.
+    """
+    return list(_flatten(table))
+
+
+def check_known_keys(keys, said=lambda key: key) -> None:
+    """Refuse a key whose field moved (`LEGACY_KEYS`) or was retired (`RETIRED`), named as ``said(key)`` says it.
+
+    Args:
+        keys: Dotted keys.
+        said: How the error names a key where the user wrote it (``--set heal.text``, ``study.toml: [base]: ...``).
+    """
+    for key in keys:
+        if key in LEGACY_KEYS:
+            raise ValueError(f"{said(key)} is now {LEGACY_KEYS[key]} (the config's sections moved; CHANGELOG.md)")
+        if key in RETIRED:
+            raise ValueError(f"{said(key)}: {RETIRED[key][1]}")
+
+
 def resolve_convert_config(overrides: dict | list[str] | None = None, **fields_: object) -> ConvertConfig:
     """The defaults, then ``fields_`` (dotted or top-level names: ``model="smollm2"``, ``**{"heal.minutes": 5}``),
     then ``overrides`` (``["heal.lr=3e-3"]``, as ``--set`` gives them); validated. A field given both ways with two
@@ -277,12 +300,8 @@ def resolve_convert_config(overrides: dict | list[str] | None = None, **fields_:
         parse_pairs(overrides, "--set", "heal.lr=3e-3") if isinstance(overrides, list) else (overrides or {}).items()
     )
     pairs = list(pairs)
-    for key in (*fields_, *_flatten(dict(pairs))):  # a nested table ({"heal": {"text": ...}}) by its dotted keys
-        if key in LEGACY_KEYS:
-            given = key if key in fields_ else f"--set {key}"  # a keyword of the Python API, or as --set took it
-            raise ValueError(f"{given} is now {LEGACY_KEYS[key]} (the config's sections moved; CHANGELOG.md)")
-        if key in RETIRED:
-            raise ValueError(f"{key if key in fields_ else f'--set {key}'}: {RETIRED[key][1]}")
+    # a nested table ({"heal": {"text": ...}}) by its dotted keys; a keyword of the Python API, or as --set took it
+    check_known_keys((*fields_, *_flatten(dict(pairs))), lambda key: key if key in fields_ else f"--set {key}")
     for key, value in pairs:
         given = fields_.get(key)
         if given is not None and given != value:
