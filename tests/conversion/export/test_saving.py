@@ -107,6 +107,26 @@ def test_load_converted_refuses_edited_and_foreign_folders(tmp_path):
         normlab.load_converted(folder)
 
 
+def test_an_edited_record_s_sites_are_named_with_the_fix(tmp_path):
+    """issue 99: a record whose sites were edited gave "weights do not match the converted model" with the keys
+    alone, or a raw TypeError from the norm. Each names the record, the site and the fix."""
+    from normlab.conversion.export.saving import RECORD_FILE
+
+    folder = _saved_conversion(tmp_path)
+    good = json.loads((folder / RECORD_FILE).read_text())
+    first, site0 = good["sites"][0]["name"], good["sites"][0]
+    for sites, says in (
+        (good["sites"][1:], f"the weights hold a converted norm at {first}, which the record does not list"),
+        ([{**site0, "name": first.rsplit(".", 1)[0] + ".self_attn"}, *good["sites"][1:]], "its site"),
+        ([{**site0, "kwargs": {"no_such_keyword": 1}}, *good["sites"][1:]], "a site of the record cannot be built"),
+    ):
+        (folder / RECORD_FILE).write_text(json.dumps({**good, "sites": sites}))
+        with pytest.raises(ValueError) as e:
+            normlab.load_converted(folder)
+        msg = str(e.value)
+        assert RECORD_FILE in msg and says in msg and "restore" in msg and "convert the model again" in msg, msg
+
+
 def test_a_folder_whose_config_names_another_family_is_a_clear_error(tmp_path):
     """issue 50: load_converted on a folder whose config.json is another family's raised a raw AttributeError
     ('LlamaConfig' object has no attribute 'layer_types'), naming no folder."""

@@ -333,7 +333,13 @@ def load_converted(path: str | Path, model: nn.Module | None = None) -> tuple[nn
         dtypes = {v.dtype for v in saved.values() if v.is_floating_point()}
         if len(dtypes) == 1:  # a bf16 model comes back bf16, as from_pretrained gives it (its config's dtype)
             model = model.to(dtypes.pop())
-    apply_record(model, record)
+    try:
+        apply_record(model, record)
+    except (TypeError, ValueError, KeyError, AttributeError) as e:  # a site the model or the norm cannot take
+        raise ValueError(
+            f"{where}: a site of the record cannot be built ({type(e).__name__}: {e}): the record was edited or "
+            "comes from another model; restore the one this folder was saved with, or convert the model again"
+        ) from None
     state = module_names(model, saved)
     own = model.state_dict()
     wrong = [(k, tuple(v.shape), tuple(own[k].shape)) for k, v in state.items() if k in own and v.shape != own[k].shape]
@@ -349,7 +355,29 @@ def load_converted(path: str | Path, model: nn.Module | None = None) -> tuple[nn
     if hasattr(model, "tie_weights"):
         model.tie_weights()
     if unexpected or missing:
-        raise ValueError(
-            f"{path}: weights do not match the converted model (missing {missing[:3]}, unexpected {unexpected[:3]})"
-        )
+        raise ValueError(_mismatch(path, record, model, missing, unexpected))
     return model.eval(), record
+
+
+def _mismatch(path: Path, record: ConversionRecord, model: nn.Module, missing: list[str], unexpected: list[str]) -> str:
+    """Why a folder's weights and the model its record builds disagree, and the fix: at a norm site, the record's
+    sites (edited, or another conversion's) against the weights; elsewhere, the weights."""
+    keys = [*missing, *unexpected]
+    owner = {s.name: s for s in record.sites}
+    at = next((k.rsplit(".", 1)[0] for k in keys if k.rsplit(".", 1)[0] in owner), None)
+    said = f"missing {missing[:3]}, unexpected {unexpected[:3]}"
+    if at is not None:
+        site = owner[at]
+        return (
+            f"{path / RECORD_FILE}: its site {at} ({site.kind} to {record.target}, per {record.per}) builds a norm "
+            f"whose weights the folder does not hold ({said}): the record's sites were edited or come from another "
+            "conversion; restore the record this folder was saved with, or convert the model again"
+        )
+    modules = dict(model.named_modules())
+    unlisted = next((k.rsplit(".", 1)[0] for k in unexpected if k.rsplit(".", 1)[0] in modules), None)
+    if unlisted is not None:
+        return (
+            f"{path / RECORD_FILE}: the weights hold a converted norm at {unlisted}, which the record does not list "
+            f"among its sites ({said}): the record was edited; restore it, or convert the model again"
+        )
+    return f"{path}: weights do not match the converted model ({said}); the folder was edited: convert the model again"
