@@ -266,7 +266,12 @@ def saved_bytes(net: nn.Module, tokenizer: object | None = None) -> int:
 
 
 def check_out_space(
-    out: str | None, net: nn.Module, what: str = "--out", kind: str = "the conversion", tokenizer: object | None = None
+    out: str | None,
+    net: nn.Module,
+    what: str = "--out",
+    kind: str = "the conversion",
+    tokenizer: object | None = None,
+    extra: int = 0,
 ) -> None:
     """Refuse, before the work and again before the write, an output whose disk cannot hold the conversion: the
     save writes a new folder beside the old one and swaps them, so the old one's space is not counted.
@@ -277,13 +282,14 @@ def check_out_space(
         what: How errors name the folder.
         kind: How errors name what is written.
         tokenizer: The tokenizer saved with it, or None (nothing written for it).
+        extra: Bytes written beside the weights (an ONNX graph).
     """
     if out is None:
         return
     parent = Path(out).resolve().parent
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent
-    need, free = saved_bytes(net, tokenizer), shutil.disk_usage(parent).free
+    need, free = saved_bytes(net, tokenizer) + extra, shutil.disk_usage(parent).free
     if free < need:
         raise NormlabError(
             f"{what} {out}: its disk has {free / 1e6:.1f} MB free, and {kind} needs about {need / 1e6:.1f} MB "

@@ -467,3 +467,17 @@ def test_a_resumed_heal_counts_every_process_s_minutes(models, tmp_path):
     assert fid["stages"]["heal"] >= fid["heal"]["seconds"]  # every process's heal, plus this one's guard
     assert all(fid["stages"][k] > v for k, v in earlier.items())  # the first process's load, samples, ... added
     assert not (tmp_path / "heal.pt.stages.json").exists()
+
+
+def test_the_resume_command_names_a_checkpoint_only_where_it_is_not_the_default(monkeypatch):
+    """issue 99 (N41): the command printed after an interrupted heal added ``--checkpoint OUT.heal.pt``, the path
+    ``--out`` gives by default. It is added only for a checkpoint the command line did not name and --out does not
+    give."""
+    from normlab.conversion.workflow import _resume_command
+
+    argv = ["normlab", "convert", "--model", "m", "--heal-minutes", "2", "--out", "o"]
+    monkeypatch.setattr(sys, "argv", argv)
+    assert _resume_command("o.heal.pt", "o") == "normlab convert --model m --heal-minutes 2 --out o --resume"
+    assert _resume_command("/elsewhere.pt", "o").endswith("--out o --checkpoint /elsewhere.pt --resume")
+    monkeypatch.setattr(sys, "argv", [*argv, "--checkpoint", "c.pt"])
+    assert _resume_command("c.pt", "o").endswith("--out o --checkpoint c.pt --resume")

@@ -119,11 +119,13 @@ def model_fingerprint(net: object) -> str:
     return hashlib.sha256(w.numpy().tobytes()).hexdigest()[:16]
 
 
-def _resume_command(ckpt: str) -> str:
+def _resume_command(ckpt: str, out: str | None) -> str:
+    """The command that continues an interrupted heal: this one with ``--resume``, and ``--checkpoint`` only where
+    the checkpoint is not the one ``--out`` gives by default (OUT.heal.pt)."""
     argv = [a for a in sys.argv[1:] if a != "--resume"] if sys.argv[1:2] == ["convert"] else []
     if not argv:
         return f"the same call with resume=True and checkpoint={ckpt!r}"
-    if "--checkpoint" not in argv:
+    if "--checkpoint" not in argv and (out is None or ckpt != f"{Path(out)}.heal.pt"):
         argv += ["--checkpoint", ckpt]
     return shlex.join(["normlab", *argv, "--resume"])
 
@@ -391,7 +393,7 @@ def _heal(job: _Job, original, net, splits, record):
     except KeyboardInterrupt:
         if ckpt is not None and Path(ckpt).is_file():
             print(
-                f"\nheal interrupted; its checkpoint is {ckpt}. Continue with: {_resume_command(ckpt)}", file=sys.stderr
+                f"\nheal interrupted; its checkpoint is {ckpt}. Continue with: {_resume_command(ckpt, job.cfg.out)}", file=sys.stderr
             )
         raise
     print(f"\n{heal_summary(rep)}")

@@ -123,6 +123,27 @@ def test_the_folder_records_how_it_loads_and_the_modeling_file_is_normlabs_own_t
     assert "def dyt(" not in text  # only the formulas this conversion uses
 
 
+def test_every_head_class_loads_the_converted_body(tmp_path):
+    """issue 99 (PN1): AutoModelForQuestionAnswering on a converted Llama was refused as if a site had been edited:
+    Llama's QA head keeps its base model as ``transformer``, the folder's weights are saved under ``model``, so no
+    norm was placed and no weight found. Each head class the folder lists loads the converted base model's every
+    weight and site (its own head alone new), computing the causal LM's hidden states exactly."""
+    import transformers
+
+    model = tiny_lm()
+    rec = normlab.convert_norms(model, "dyisru", progress=False)
+    folder = normlab.save_converted(model, rec, tmp_path / "m")
+    lm = transformers.AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
+    x = torch.randint(0, 100, (2, 8))
+    want = lm.model(x).last_hidden_state
+    for auto in json.loads((folder / "normlab_conversion.json").read_text())["portable"]["auto_classes"][1:]:
+        net, info = getattr(transformers, auto).from_pretrained(folder, trust_remote_code=True, output_loading_info=True)
+        body = net.base_model
+        assert all(k.split(".")[0] in ("qa_outputs", "score") for k in info["missing_keys"]), (auto, info)
+        assert sum(type(m).__name__ == "ElementwiseNorm" for m in body.modules()) == len(rec.sites), auto
+        torch.testing.assert_close(body(x).last_hidden_state, want, rtol=0, atol=0, msg=auto)
+
+
 def test_a_model_no_auto_class_builds_saves_for_normlab_and_says_why(tmp_path):
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
     rec = normlab.convert_norms(model, "dyt", progress=False)

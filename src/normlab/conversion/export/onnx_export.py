@@ -62,6 +62,7 @@ __all__ = [
 
 MIN_OPSET = 18  # the oldest opset torch.onnx's exporter writes without a version conversion that may fail
 _EXTRA = "pip install 'normlab[onnx]' (onnx, onnxscript, onnxruntime)"
+GRAPH_BYTES = 1 << 20  # the graph an export writes beside the weights, a decoder block (a tiny 2-block Llama: 1.8 MB)
 
 
 def output_files(path: str | Path) -> list[Path]:
@@ -414,7 +415,9 @@ def export_onnx(
     path, opset = check_target(path, opset)
     from normlab.owner import check_out_space
 
-    check_out_space(str(path), model, "the ONNX file", "the export")  # the float32 weights, before any work
+    blocks = getattr(getattr(model, "config", None), "num_hidden_layers", None) or 1
+    graph = GRAPH_BYTES * (1 + blocks)  # beside the float32 weights, before any work
+    check_out_space(str(path), model, "the ONNX file", "the export", extra=graph)
     if check is not None and check.probe is None:
         random_ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
         check = OnnxCheck(random_ids, check.new_tokens)

@@ -186,10 +186,8 @@ def place_sites(model, config):
     sites = getattr(config, "normlab_sites", None)
     if not isinstance(sites, dict) or not sites:
         raise ValueError(f"config.json has no normlab_sites, which {FILE} reads: {RECONVERT}")
-    prefix = model.base_model_prefix + "."
     for name, spec in sites.items():
-        short = name[len(prefix):] if name.startswith(prefix) else None
-        target = next((t for t in (name, short) if t and _has(model, t)), None)
+        short, target = _target(model, config, name)
         if target is not None:
             model.set_submodule(target, build_site(spec, name))
         elif short is not None:
@@ -197,10 +195,21 @@ def place_sites(model, config):
                 f"config.json normlab_sites names {name!r}, which {type(model).__name__} does not have: {RECONVERT}"
             )
     for name in getattr(config, "normlab_embed_scale", None) or []:  # the papers' learnable embedding scalar
-        short = name[len(prefix):] if name.startswith(prefix) else None
-        target = next((t for t in (name, short) if t and _has(model, t)), None)
+        _, target = _target(model, config, name)
         if target is not None:
             model.set_submodule(target, ScaledEmbedding.around(model.get_submodule(target), float("nan")))
+
+
+def _target(model, config, name):
+    """Where a site named in the converted class sits in ``model``: (its name without the base model's prefix, or
+    None; the module's name in ``model``, or None). A head whose base model has another attribute (Llama's QA head:
+    transformer, not model) finds it under its own."""
+    own = model.base_model_prefix
+    converted = getattr(transformers, (getattr(config, "architectures", None) or [""])[0], None)
+    saved = getattr(converted, "base_model_prefix", None) or own
+    short = name[len(saved) + 1:] if name.startswith(saved + ".") else None
+    moved = f"{own}.{short}" if short is not None and own != saved else None
+    return short, next((t for t in (name, moved, short) if t and _has(model, t)), None)
 
 
 def _has(model, name):
@@ -248,6 +257,9 @@ def with_sites(base):
     @classmethod
     def from_pretrained(cls, folder, *args, **kwargs):
         asked = kwargs.pop("output_loading_info", False)
+        saved = saved_prefix(folder)
+        if saved and base.base_model_prefix and saved != base.base_model_prefix and "key_mapping" not in kwargs:
+            kwargs["key_mapping"] = {f"^{saved}[.]": f"{base.base_model_prefix}."}  # Llama's QA head: transformer.
         model, info = super(made, cls).from_pretrained(folder, *args, output_loading_info=True, **kwargs)
         check_loaded(model, info, folder)
         return (model, info) if asked else model
@@ -257,6 +269,20 @@ def with_sites(base):
                                 "__qualname__": name, "__doc__": with_sites.__doc__})
     share_weight_names(base, name)
     return made
+
+
+def saved_prefix(folder):
+    """The base model's attribute in the class the folder was converted from (config.json's architectures):
+    its weights are saved under it ("model" for LlamaForCausalLM), whatever head loads them."""
+    import json
+    import os
+
+    try:
+        with open(os.path.join(str(folder), "config.json")) as f:
+            saved = getattr(transformers, (json.load(f).get("architectures") or [""])[0], None)
+    except (OSError, ValueError, TypeError):  # a hub name, not a folder: transformers resolves it
+        return None
+    return getattr(saved, "base_model_prefix", None)
 
 
 def share_weight_names(base, name):
