@@ -144,6 +144,23 @@ def test_every_head_class_loads_the_converted_body(tmp_path):
         torch.testing.assert_close(body(x).last_hidden_state, want, rtol=0, atol=0, msg=auto)
 
 
+@pytest.mark.parametrize("family", ["gemma", "gpt2"])
+def test_a_portable_folder_given_another_family_s_config_is_refused_naming_it(tmp_path, family):
+    """issue 99 (P20): a converted Llama's config.json replaced by another family's (its auto_map and sites kept)
+    built the Llama class from it and raised a raw AttributeError (a GemmaConfig has no mlp_bias, a GPT2Config no
+    num_key_value_heads). The modeling file refuses a config of another class, naming it and the fix."""
+    import transformers
+
+    model = tiny_lm()
+    folder = normlab.save_converted(model, normlab.convert_norms(model, "dyt", progress=False), tmp_path / "m")
+    own = json.loads((folder / "config.json").read_text())
+    other = transformers.AutoConfig.for_model(family).to_dict()
+    (folder / "config.json").write_text(json.dumps({**other, **{k: own[k] for k in ("auto_map", "normlab_sites")}}))
+    with pytest.raises(ValueError, match=r"config.json is a \w+Config, but this folder's modeling_normlab.py builds "
+                                         r"LlamaForCausalLM from a LlamaConfig.*convert the original again"):
+        transformers.AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
+
+
 def test_a_model_no_auto_class_builds_saves_for_normlab_and_says_why(tmp_path):
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
     rec = normlab.convert_norms(model, "dyt", progress=False)

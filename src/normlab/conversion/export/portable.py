@@ -251,6 +251,11 @@ def with_sites(base):
     loaded and checked."""
 
     def __init__(self, config, *args, **kwargs):
+        if not isinstance(config, base.config_class):  # config.json replaced by another family's
+            raise ValueError(
+                f"config.json is a {type(config).__name__}, but this folder's {FILE} builds {base.__name__} from a "
+                f"{base.config_class.__name__}: the config is another model's; {RECONVERT}"
+            )
         base.__init__(self, config, *args, **kwargs)
         place_sites(self, config)
 
