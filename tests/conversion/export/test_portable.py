@@ -161,6 +161,28 @@ def test_a_portable_folder_given_another_family_s_config_is_refused_naming_it(tm
         transformers.AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
 
 
+def test_a_routed_site_s_channel_out_of_range_is_refused_at_load_both_ways(tmp_path):
+    """issue 99 (PN3): a massive-token channel edited past the norm's width loaded, then raised a raw IndexError at
+    the first forward. Both loaders refuse it, naming the file, the site and the channel."""
+    import transformers
+
+    model = with_sinks(tiny_lm())
+    rec = normlab.convert_norms(model, "dyisru", calibrate=sink_batches(1), progress=False)
+    folder = normlab.save_converted(model, rec, tmp_path / "m")
+    site = next(s.name for s in rec.sites if s.massive)
+    record = json.loads((folder / "normlab_conversion.json").read_text())
+    for s in record["sites"]:
+        s["massive"] = {**s["massive"], "channels": [0, 999]} if s["name"] == site else s["massive"]
+    (folder / "normlab_conversion.json").write_text(json.dumps(record))
+    config = json.loads((folder / "config.json").read_text())
+    config["normlab_sites"][site]["massive_tokens"]["channels"] = [0, 999]
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=rf"normlab_conversion.json: .*site {site}: its massive-token channels \[999\]"):
+        normlab.load_converted(folder)
+    with pytest.raises(ValueError, match=rf"normlab_sites\['{site}'\]: its massive-token channels \[999\] lie outside"):
+        transformers.AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
+
+
 def test_a_model_no_auto_class_builds_saves_for_normlab_and_says_why(tmp_path):
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
     rec = normlab.convert_norms(model, "dyt", progress=False)

@@ -188,6 +188,14 @@ def place_sites(model, config):
         raise ValueError(f"config.json has no normlab_sites, which {FILE} reads: {RECONVERT}")
     for name, spec in sites.items():
         short, target = _target(model, config, name)
+        width = getattr(getattr(model.get_submodule(target), "weight", None), "shape", [None])[-1] if target else None
+        routed = spec.get("massive_tokens") if isinstance(spec, dict) else None
+        outside = [c for c in (routed or {}).get("channels", []) if width and not 0 <= c < width]
+        if outside:
+            raise ValueError(
+                f"config.json normlab_sites[{name!r}]: its massive-token channels {outside} lie outside the norm's "
+                f"{width} channels: the folder was edited; {RECONVERT}"
+            )
         if target is not None:
             model.set_submodule(target, build_site(spec, name))
         elif short is not None:

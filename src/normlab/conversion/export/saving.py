@@ -45,6 +45,12 @@ def apply_record(model: nn.Module, record: ConversionRecord) -> nn.Module:
     for s in record.sites:
         new = spec.create(s.dim, **s.kwargs)
         if s.massive:
+            outside = [c for c in s.massive["channels"] if not 0 <= int(c) < s.dim]
+            if outside:
+                raise ValueError(
+                    f"site {s.name}: its massive-token channels {outside} lie outside its {s.dim} channels (the "
+                    "record was edited)"
+                )
             twin = spec.create(s.dim, **{**s.kwargs, **per_channel_kwargs(spec)})
             new = MassiveTokens(new, twin, s.massive["channels"], s.massive["threshold"], s.massive.get("reference"))
         old = model.get_submodule(s.name)
