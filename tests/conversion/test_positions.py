@@ -77,3 +77,21 @@ def test_the_answers_fit_the_positions_left_after_the_longest_prompt():
     prompts = [torch.zeros(40, dtype=torch.long), torch.zeros(119, dtype=torch.long)]
     assert answer_tokens(prompts, 64, 128) == 9 and answer_tokens(prompts, 64, None) == 64
     assert answer_tokens(prompts, 64, 119) == 0 and answer_tokens(prompts, 4, 4096) == 4
+
+
+def test_the_left_padded_check_counts_positions_from_the_first_token(tmp_path):
+    """issue 99 (EV12): the judge's left-padded check fed GPT-2 (absolute positions) the padded row's positions
+    from 0, so its tokens sat 5 places later than alone and even the original read 0.69 of the logits' scale.
+    Counted from the first real token, as generate does, an unconverted GPT-2 and a Llama agree to rounding."""
+    import transformers
+
+    from conftest import tiny_hf
+    from normlab.conversion.measure.usage import _consistency
+
+    ids = torch.randint(3, 100, (40,), generator=torch.Generator().manual_seed(0))
+    _gpt2_folder(tmp_path)
+    gpt2 = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "m").eval()
+    llama = transformers.LlamaForCausalLM.from_pretrained(tiny_hf(tmp_path / "llama")).eval()
+    for model in (gpt2, llama):
+        c = _consistency(model, ids, pad=0)
+        assert c["padded"] < 1e-5 and c["kv_chunks"] < 1e-5, (type(model).__name__, c)

@@ -263,7 +263,8 @@ def stress_items(
 
 def _consistency(model: nn.Module, ids: Tensor, pad: int) -> dict:
     """The largest logit difference, relative to the logits' scale, of ``ids`` (T,) left-padded by 5 tokens in a
-    batch with an attention mask, and split across calls with a KV cache (a chunk of 16, then one token per call for
+    batch with an attention mask (and positions counted from the first real token, as ``generate`` counts them), and
+    split across calls with a KV cache (a chunk of 16, then one token per call for
     4 tokens, then the rest), against the sequence alone."""
     device = next(model.parameters()).device
     x = ids.reshape(1, -1).to(device)
@@ -273,7 +274,11 @@ def _consistency(model: nn.Module, ids: Tensor, pad: int) -> dict:
         batch = torch.cat([padded_ids, x[:, :1].repeat(1, padded_ids.shape[1])])
         mask = torch.ones_like(batch)
         mask[0, :5] = 0
-        padded = model(batch, attention_mask=mask).logits[:1, 5:]
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # as generate gives them: GPT-2's table is absolute
+        try:
+            padded = model(batch, attention_mask=mask, position_ids=positions).logits[:1, 5:]
+        except TypeError:  # a forward without position_ids
+            padded = model(batch, attention_mask=mask).logits[:1, 5:]
         cuts, parts, past, start, key = [16, 17, 18, 19, 20], [], None, 0, cache_kwarg(model)
         for end in [c for c in cuts if c < x.shape[1]] + [x.shape[1]]:
             o = model(x[:, start:end], use_cache=True, **{key: past})
