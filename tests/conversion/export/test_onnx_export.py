@@ -188,6 +188,38 @@ def test_an_interrupted_export_leaves_nothing_under_the_final_names_and_a_retry_
     ]
 
 
+def test_an_export_whose_last_write_fails_leaves_no_file_under_the_final_names(tmp_path, monkeypatch):
+    """issue 99: the .onnx.json was written after the graph and its weights had taken their final names, so a full
+    disk at that write left .onnx and .onnx.data without it, and the empty partial folder. Every write happens in
+    the partial folder; a failed one leaves nothing under the final names and no partial folder. The graph is stood
+    in for by two written files, as in the interrupted export's test."""
+    import errno
+
+    import normlab.conversion.export.onnx_export as ox
+
+    model, _ = _case("Llama", "dyisru")
+
+    def written(net, draft, opset):
+        for f in ox.output_files(draft)[:2]:
+            f.write_bytes(b"\x08\x07graph")
+        return 2
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ox, "_export", written)
+    monkeypatch.setattr(ox, "_identity", full)
+    with pytest.raises(OSError, match="No space left"):
+        export_onnx(model, tmp_path / "m.onnx", check=None)
+    left = sorted(p.name for p in tmp_path.iterdir() if p.name != ".m.onnx.lock")  # the lock file stays, unheld
+    assert left == [], left
+    monkeypatch.setattr(ox, "_identity", lambda report, net: {"what": "stand-in"})
+    export_onnx(model, tmp_path / "m.onnx", check=None)
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == [
+        "m.onnx", "m.onnx.data", "m.onnx.json"]  # fmt: skip
+    assert not (tmp_path / ".m.onnx.partial").exists()
+
+
 def test_normlab_export_says_what_is_wrong_in_one_line(tmp_path, capsys, monkeypatch):
     """Each refusal is one line on stderr, exit code 2, no traceback (the command's own main, in this process: the
     subprocess run of the command is test_normlab_export_writes_a_checked_file_from_a_converted_folder's)."""

@@ -439,16 +439,31 @@ def export_onnx(
             if check is not None:
                 with stage("check in ONNX Runtime"):
                     _check(model, draft, check, report)
+            report.seconds = time.perf_counter() - start
+            output_files(draft)[2].write_text(json.dumps(_identity(report, net), indent=2) + "\n")  # every write
+            # here, before any file takes its final name
         except BaseException:  # a failed or interrupted export gives its disk space back at once
             shutil.rmtree(partial, ignore_errors=True)
             raise
-        for done, final in zip(output_files(draft)[:2], output_files(path)[:2]):
+        _publish(partial, draft, path)
+    return report
+
+
+def _publish(partial: Path, draft: Path, path: Path) -> None:
+    """Move the checked export's files to their final names, what it is (the .json) last; a move that fails takes
+    back the ones already moved, so the final names hold the whole export or none of it."""
+    moved = []
+    try:
+        for done, final in zip(output_files(draft), output_files(path)):
             if done.exists():
                 os.replace(done, final)
-        report.seconds = time.perf_counter() - start
-        Path(f"{path}.json").write_text(json.dumps(_identity(report, net), indent=2) + "\n")
-        shutil.rmtree(partial)
-    return report
+                moved.append(final)
+    except BaseException:
+        for final in moved:
+            final.unlink(missing_ok=True)
+        raise
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
 
 
 def check_target(path: str | Path, opset: int) -> tuple[Path, int]:
