@@ -19,6 +19,7 @@ from normlab.registry import NormSpec
 
 __all__ = ["SOURCE_KINDS", "KNOWN_NORMS", "CHANNELS_FIRST", "UNKNOWN", "EXCLUDED", "find_norms", "source_dim",
            "source_eps", "site_tensor", "fresh_like", "swap", "aliases", "refuse_wrapped", "check_extra_classes",
+           "class_entries",
            "no_norms_error", "guess_kind", "FIXED_EPS"]  # fmt: skip
 
 # class name -> how it normalizes ("layer_norm", "rms_norm", or "rms_norm_offset": scale is 1 + weight)
@@ -269,6 +270,35 @@ def refuse_wrapped(model: nn.Module, who: str) -> None:
         )
 
 
+def class_entries(entries: list[str], flag: str = "--extra-class") -> dict[type, str]:
+    """``extra_classes`` from the command line's entries ``module:Class=kind`` (``kind`` one of `SOURCE_KINDS`),
+    each class imported; a malformed entry, a module or class that is not there, or another kind is one error
+    naming the entry and the flag.
+
+    Args:
+        entries: ``"package.module:Class=layer_norm"`` strings.
+        flag: How errors name the option.
+    """
+    import importlib
+
+    out = {}
+    for entry in entries:
+        where, _, kind = str(entry).partition("=")
+        module, _, name = where.partition(":")
+        if not (module and name and kind):
+            raise ValueError(f"{flag} {entry!r}: give module:Class=kind, e.g. my_pkg.norms:MyNorm=layer_norm")
+        if kind not in SOURCE_KINDS:
+            raise ValueError(f"{flag} {entry!r}: the kind must be one of {', '.join(SOURCE_KINDS)}, got {kind!r}")
+        try:
+            cls = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"{flag} {entry!r}: cannot import {name} from {module} ({type(e).__name__}: {e})") from None
+        if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+            raise ValueError(f"{flag} {entry!r}: {module}.{name} is not a torch.nn.Module class")
+        out[cls] = kind
+    return out
+
+
 def check_extra_classes(extra_classes: object, who: str) -> None:
     """``extra_classes`` is {a norm class: one of `SOURCE_KINDS`}; anything else is an error saying the form.
 
@@ -303,7 +333,7 @@ def guess_kind(class_name: str) -> str:
 def no_norms_error(model: nn.Module, who: str, skipped: list[dict] | None = None) -> ValueError:
     """The error for a model in which `find_norms` found nothing to replace: one that holds normlab norms already
     (swapped or converted before) is told to start from the original; one whose norms are of a class normlab does not
-    know is told how to register it (from Python; the command line converts the known classes only).
+    know is told how to register it (from Python, or ``--extra-class`` on the command line).
 
     Args:
         model: The model.
@@ -322,8 +352,8 @@ def no_norms_error(model: nn.Module, who: str, skipped: list[dict] | None = None
     add = "add yours with extra_classes="
     if strangers:
         entry = f"{{{strangers[0]}: '{guess_kind(strangers[0])}'}}"
-        add = f"its {', '.join(strangers)} is not one: from Python, pass extra_classes={entry} (the command line "
-        add += "converts the known classes only)"
+        add = f"its {', '.join(strangers)} is not one: from Python, pass extra_classes={entry}; on the command "
+        add += f"line, --extra-class MODULE:{strangers[0]}={guess_kind(strangers[0])}"
     return ValueError(
         f"{who}: {type(model).__name__} has no norm to replace (found no normalization module of a known class: "
         f"{', '.join(sorted(KNOWN_NORMS))}; {add})"

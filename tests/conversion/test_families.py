@@ -4,6 +4,8 @@ offered 'rms_norm' first for norms that subtract the mean."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from torch import nn
@@ -48,7 +50,7 @@ def test_an_unknown_norm_class_is_named_with_the_kind_its_name_suggests():
     with pytest.raises(
         ValueError,
         match=r"its MyLayerNorm is not one: from Python, pass extra_classes=\{MyLayerNorm: "
-        r"'layer_norm'\} \(the command line converts the known classes only\)",
+        r"'layer_norm'\}; on the command line, --extra-class MODULE:MyLayerNorm=layer_norm",
     ):
         normlab.convert_norms(model, "dyt")
     from normlab.sites import guess_kind
@@ -74,3 +76,37 @@ def test_llama4_s_weightless_qk_norm_gets_one_answer_from_both_doors():
         assert torch.isfinite(model(torch.randint(0, 100, (1, 8))).logits).all()
     assert answers[0] == answers[1] and [s["class"] for s in answers[0]] == ["Llama4TextWeightlessRMSNorm"] * 2
     assert answers[0][0]["reason"] == "its channel count is unknown: no normalized_shape and no 1-d weight"
+
+
+def test_the_command_line_converts_a_norm_class_normlab_does_not_know(models, tmp_path, capsys):
+    """issue 100: a model whose norms are of a class normlab does not know (here Llama's, renamed LlamaScaleNorm for
+    the test) was told of `extra_classes=`, an option the command line did not have. `--extra-class
+    MODULE:CLASS=KIND` converts it, the budget walk's path included; a bad entry is one line before any work."""
+    from transformers.models.llama import modeling_llama
+
+    cls = modeling_llama.LlamaRMSNorm
+    cls.__name__ = "LlamaScaleNorm"  # neither a known class nor an *RMSNorm
+    try:
+        _convert_unknown_class(models, tmp_path, capsys)
+    finally:
+        cls.__name__ = "LlamaRMSNorm"
+
+
+def _convert_unknown_class(models, tmp_path, capsys):
+    from conftest import convert_argv
+
+    entry = "transformers.models.llama.modeling_llama:LlamaRMSNorm=rms_norm"
+    assert main(convert_argv(models["m"], models["text"], "--out", tmp_path / "no")) == 2
+    assert "--extra-class MODULE:LlamaScaleNorm=rms_norm" in capsys.readouterr().err
+    for extra, out in (([], "all"), (["--budget-nats", "1"], "walk")):
+        argv = convert_argv(models["m"], models["text"], "--extra-class", entry, *extra, "--out", tmp_path / out)
+        assert main(argv) == 0, capsys.readouterr().err
+        record = json.loads((tmp_path / out / "normlab_conversion.json").read_text())
+        assert record["sites"] and all(s["source"] == "LlamaScaleNorm" for s in record["sites"])
+        assert json.loads((tmp_path / out / "convert_config.json").read_text())["extra_classes"] == [entry]
+    for bad, says in (("no_colon=rms_norm", "give module:Class=kind"),
+                      ("transformers.models.llama.modeling_llama:LlamaRMSNorm=batch_norm", "the kind must be one of"),
+                      ("no.such.module:X=rms_norm", "cannot import X from no.such.module")):  # fmt: skip
+        assert main(convert_argv(models["m"], models["text"], "--extra-class", bad, "--out", tmp_path / "x")) == 2
+        assert f"--extra-class {bad!r}: {says}" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()

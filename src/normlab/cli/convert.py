@@ -23,6 +23,7 @@ def convert_config(args: argparse.Namespace):
     given = {key: getattr(args, flag[2:].replace("-", "_")) for flag, key in SHORTHANDS.items()}
     given["init"] = parse_init(given["init"]) or None
     given["exclude"] = given["exclude"] or None
+    given["extra_classes"] = given["extra_classes"] or None
     given["calibrate.enabled"] = False if given["calibrate.enabled"] else None  # --no-calibrate
     for key in ("overwrite", "heal.resume"):  # store_true flags: only a given one sets its field
         given[key] = given[key] or None
@@ -166,6 +167,15 @@ def add_convert(sub) -> None:
         default=[],
         metavar="PATTERN",
         help="keep the norms whose names match (fnmatch), e.g. 'model.norm' for the final norm",
+    )
+    cv.add_argument(
+        "--extra-class",
+        nargs="*",
+        action="extend",
+        default=[],
+        metavar="MODULE:CLASS=KIND",
+        help="convert a norm class normlab does not know, e.g. my_pkg.norms:MyNorm=layer_norm (KIND: layer_norm, "
+        "rms_norm, rms_norm_offset)",
     )
     cv.add_argument(
         "--init", nargs="*", action="extend", default=[], metavar="KEY=VALUE", help="init values of every replacement"

@@ -87,6 +87,8 @@ class ConvertConfig:
     """One fitted parameter per site, or "channel": one per channel."""
     exclude: list[str] = field(default_factory=list)
     """fnmatch patterns of norms to keep as they are."""
+    extra_classes: list[str] = field(default_factory=list)
+    """Norm classes normlab does not know, as ``module:Class=kind`` (kind: layer_norm, rms_norm, rms_norm_offset)."""
     init: dict = field(default_factory=dict)
     """Init kwargs of every replacement ({"alpha_init": 0.5})."""
     site_init: dict = field(default_factory=dict)
@@ -189,6 +191,9 @@ class ConvertConfig:
                 raise ValueError(f"{flag(name)} must be >= {least}, got {getattr(self, name)!r}")
         if not all(isinstance(p, str) for p in self.exclude):
             raise ValueError(f"{flag('exclude')} must be a list of name patterns, got {self.exclude!r}")
+        from normlab.sites import class_entries
+
+        class_entries(self.extra_classes)  # each class imported, before any work
         if not all(isinstance(v, dict) for v in self.site_init.values()):
             raise ValueError(f"site_init must map name patterns to init tables, got {self.site_init!r}")
         self.budget.validate(calibrated=self.calibrate.enabled)

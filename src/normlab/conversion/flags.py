@@ -17,6 +17,7 @@ __all__ = ["SHORTHANDS", "RECOMMENDED", "RECIPE_FLAGS", "flag", "flag_fields", "
 # ``--set heal.minutes=5``). Every other field is reached with --set.
 SHORTHANDS: dict[str, str] = {
     "--model": "model", "--to": "to", "--calibrate": "data.text", "--per": "per", "--exclude": "exclude",
+    "--extra-class": "extra_classes",
     "--init": "init", "--seq-len": "seq_len", "--sequences": "sequences", "--budget-nats": "budget.nats",
     "--out": "out", "--overwrite": "overwrite", "--no-calibrate": "calibrate.enabled",
     "--massive-tokens": "calibrate.massive_tokens", "--heal-minutes": "heal.minutes", "--heal-tokens": "heal.tokens",
@@ -35,7 +36,7 @@ RECIPE_FLAGS = {"recommended": RECOMMENDED}
 # flags without a value: the field each sets, and to what
 _SWITCHES = {"--overwrite": ("overwrite", True), "--resume": ("heal.resume", True),
              "--no-calibrate": ("calibrate.enabled", False)}  # fmt: skip
-_LISTS = ("--init", "--exclude")  # flags whose value is a list: a study gives them in its cell's set
+_LISTS = ("--init", "--exclude", "--extra-class")  # flags whose value is a list: a study gives them in its cell's set
 
 
 def flag_fields(flags: Iterable[str]) -> dict[str, object]:

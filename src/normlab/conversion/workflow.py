@@ -49,6 +49,7 @@ from normlab.conversion.stages import Stages, count_every_process, earlier_stage
 from normlab.corpus import fetch_shakespeare, sha256_file
 from normlab.errors import NormlabError
 from normlab.owner import beside, check_out_space, hold, restore_swapped, swap_in
+from normlab.sites import class_entries
 
 __all__ = ["convert_model", "check_out", "CONFIG_FILE", "model_fingerprint", "text_fingerprint"]
 
@@ -318,6 +319,7 @@ def _convert_sites(cfg: ConvertConfig, net, texts: ConversionTexts, progress: bo
     select = texts.selection()
     sites_cfg = dataclasses.replace(cfg, heal=HealConfig(), budget=BudgetConfig())  # what convert_norms runs
     include = (lambda name, m: not any(fnmatch.fnmatch(name, pat) for pat in cfg.exclude)) if cfg.exclude else None
+    extra = {"extra_classes": class_entries(cfg.extra_classes)} if cfg.extra_classes else {}
     if b.nats is not None:
         front, record = frontier(
             net,
@@ -328,6 +330,7 @@ def _convert_sites(cfg: ConvertConfig, net, texts: ConversionTexts, progress: bo
             config=sites_cfg,
             include=include,
             progress=progress,
+            **extra,
         )  # the frontier ranks on independent fits
         n_select = sum(len(b) for b in select)
         print(
@@ -354,7 +357,7 @@ def _convert_sites(cfg: ConvertConfig, net, texts: ConversionTexts, progress: bo
                          "seconds": round(front.seconds, 1)}}  # fmt: skip
     else:
         record = convert_norms(
-            net, calibrate=calib if c.enabled else None, config=sites_cfg, include=include, progress=progress
+            net, calibrate=calib if c.enabled else None, config=sites_cfg, include=include, progress=progress, **extra
         )
         walk = None
     n_calib = sum(len(b) for b in calib)
