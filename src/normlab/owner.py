@@ -64,8 +64,12 @@ def take_lock(lock: Path, wait: bool = False) -> int | str:
         holder = os.read(fd, 4096).decode(errors="replace").strip() or "another process"
         os.close(fd)
         return holder
-    os.ftruncate(fd, 0)
-    os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}: {' '.join(sys.argv) or 'python'}".encode())
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}: {' '.join(sys.argv) or 'python'}".encode())
+    except BaseException:  # a full disk: the caller's error, and no lock held by a descriptor nobody closes
+        os.close(fd)
+        raise
     return fd
 
 

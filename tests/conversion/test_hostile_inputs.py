@@ -42,6 +42,11 @@ def test_a_disk_that_fills_mid_command_is_one_line_naming_the_fix(models, tmpfs,
     said = capsys.readouterr()
     assert "normlab study: error: writing" in said.err and "No space left on device" in said.err, said.err
     assert "free some space" in said.err and "Traceback" not in said.err
+    import os
+
+    fds = [f"/proc/self/fd/{fd}" for fd in os.listdir("/proc/self/fd")]
+    held = [os.readlink(fd) for fd in fds if os.path.exists(fd)]
+    assert not [f for f in held if f.startswith(str(mount))], held  # the lock's descriptor was left open before
 
 
 def test_a_warning_is_one_line_of_the_command_s(models, tmp_path, capsys):
