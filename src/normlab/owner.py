@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 __all__ = [
     "SAVE_MARGIN",
     "saved_bytes",
+    "publish",
     "tokenizer_bytes",
     "check_out_space",
     "Locked",
@@ -117,6 +118,29 @@ def replace_text(path: str | Path, text: str) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def publish(moves: list[tuple[Path, Path]], partial: Path) -> None:
+    """Move finished files (``(done, final)`` pairs, in order, the last the one that says the set is whole) to their
+    final names, then remove the ``partial`` folder they were written in; a move that fails takes back the ones
+    already moved, so the final names hold the whole set or none of it.
+
+    Args:
+        moves: (written file, its final name) pairs; a written file that is absent is skipped.
+        partial: The folder they were written in.
+    """
+    moved = []
+    try:
+        for done, final in moves:
+            if done.exists():
+                os.replace(done, final)
+                moved.append(final)
+    except BaseException:
+        for final in moved:
+            final.unlink(missing_ok=True)
+        raise
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
 
 
 def beside(folder: str | Path, role: str) -> Path:

@@ -292,7 +292,9 @@ def class_entries(entries: list[str], flag: str = "--extra-class") -> dict[type,
         try:
             cls = getattr(importlib.import_module(module), name)
         except (ImportError, AttributeError) as e:
-            raise ValueError(f"{flag} {entry!r}: cannot import {name} from {module} ({type(e).__name__}: {e})") from None
+            raise ValueError(
+                f"{flag} {entry!r}: cannot import {name} from {module} ({type(e).__name__}: {e})"
+            ) from None
         if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
             raise ValueError(f"{flag} {entry!r}: {module}.{name} is not a torch.nn.Module class")
         out[cls] = kind

@@ -192,7 +192,7 @@ def load_study(source: str | Path) -> Study:
         if name in cells:
             raise ValueError(f"{where}: a second cell named {name!r}")
         check_table(cell, _Cell, where)
-        check_known_keys(table_keys(cell.get("set", {})), lambda key, w=where: f"{w} ({name}): set.{key}")
+        check_known_keys(table_keys(cell.get("set", {})), lambda key, w=f"{where} ({name})": f"{w}: set.{key}")
         try:
             cfg = resolve_convert_config({**base, **_cell_fields(cell), **cell.get("set", {})})
         except (ValueError, TypeError) as e:

@@ -302,7 +302,10 @@ def test_what_a_killed_build_left_is_removed_at_the_next_load(tmp_path):
     env = {**os.environ, "NORMLAB_CACHE": str(tmp_path)}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert not any(f.exists() for f in stale) and live.exists(), (sorted(p.name for p in folder.iterdir()), proc.stderr[-2000:])
+    assert not any(f.exists() for f in stale) and live.exists(), (
+        sorted(p.name for p in folder.iterdir()),
+        proc.stderr[-2000:],
+    )
 
 
 def test_build_kernels_check_says_when_normlab_kernel_chose_the_paths(monkeypatch, capsys):

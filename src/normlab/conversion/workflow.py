@@ -396,7 +396,8 @@ def _heal(job: _Job, original, net, splits, record):
     except KeyboardInterrupt:
         if ckpt is not None and Path(ckpt).is_file():
             print(
-                f"\nheal interrupted; its checkpoint is {ckpt}. Continue with: {_resume_command(ckpt, job.cfg.out)}", file=sys.stderr
+                f"\nheal interrupted; its checkpoint is {ckpt}. Continue with: {_resume_command(ckpt, job.cfg.out)}",
+                file=sys.stderr,
             )
         raise
     print(f"\n{heal_summary(rep)}")

@@ -137,7 +137,9 @@ def test_every_head_class_loads_the_converted_body(tmp_path):
     x = torch.randint(0, 100, (2, 8))
     want = lm.model(x).last_hidden_state
     for auto in json.loads((folder / "normlab_conversion.json").read_text())["portable"]["auto_classes"][1:]:
-        net, info = getattr(transformers, auto).from_pretrained(folder, trust_remote_code=True, output_loading_info=True)
+        net, info = getattr(transformers, auto).from_pretrained(
+            folder, trust_remote_code=True, output_loading_info=True
+        )
         body = net.base_model
         assert all(k.split(".")[0] in ("qa_outputs", "score") for k in info["missing_keys"]), (auto, info)
         assert sum(type(m).__name__ == "ElementwiseNorm" for m in body.modules()) == len(rec.sites), auto
@@ -156,8 +158,11 @@ def test_a_portable_folder_given_another_family_s_config_is_refused_naming_it(tm
     own = json.loads((folder / "config.json").read_text())
     other = transformers.AutoConfig.for_model(family).to_dict()
     (folder / "config.json").write_text(json.dumps({**other, **{k: own[k] for k in ("auto_map", "normlab_sites")}}))
-    with pytest.raises(ValueError, match=r"config.json is a \w+Config, but this folder's modeling_normlab.py builds "
-                                         r"LlamaForCausalLM from a LlamaConfig.*convert the original again"):
+    with pytest.raises(
+        ValueError,
+        match=r"config.json is a \w+Config, but this folder's modeling_normlab.py builds "
+        r"LlamaForCausalLM from a LlamaConfig.*convert the original again",
+    ):
         transformers.AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
 
 
@@ -177,7 +182,9 @@ def test_a_routed_site_s_channel_out_of_range_is_refused_at_load_both_ways(tmp_p
     config = json.loads((folder / "config.json").read_text())
     config["normlab_sites"][site]["massive_tokens"]["channels"] = [0, 999]
     (folder / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=rf"normlab_conversion.json: .*site {site}: its massive-token channels \[999\]"):
+    with pytest.raises(
+        ValueError, match=rf"normlab_conversion.json: .*site {site}: its massive-token channels \[999\]"
+    ):
         normlab.load_converted(folder)
     with pytest.raises(ValueError, match=rf"normlab_sites\['{site}'\]: its massive-token channels \[999\] lie outside"):
         transformers.AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)

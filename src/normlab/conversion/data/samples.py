@@ -5,10 +5,10 @@ the original's own samples teaches it to behave like the original wherever the o
 `self_samples` draws them (ancestral sampling at temperature 1 by default, no top-k, no top-p, by a decode loop
 over the model's forward with its KV cache, `SAMPLE_BATCH` sequences at a time: ``data.precision``). Each token is
 a Gumbel-max draw, and a draw whose two best tokens are within `TIE` is decided again in float64, so a CPU's
-rounding chooses no token: float32 samples are the same on every CPU (AVX2, AVX-512, none). How they begin is `Starts`: by default (``data.starts = "varied"``) half are
-conversations through the model's chat template, a quarter start at BOS and a quarter at a token drawn uniformly
-from the vocabulary, so the heal sees the model as a user meets it and not only after BOS. They are cached on disk
-under their identity (the model's fingerprint, the count, the length, the seed, the temperature, the starts, the
+rounding chooses no token: float32 samples are the same on every CPU (AVX2, AVX-512, none). How they begin is
+`Starts`: by default (``data.starts = "varied"``) half are conversations through the model's chat template, a
+quarter start at BOS and a quarter at a token drawn uniformly from the vocabulary, so the heal sees the model as a
+user meets it and not only after BOS. They are cached on disk under their identity (the model's fingerprint, the count, the length, the seed, the temperature, the starts, the
 batch, the precision), so a second heal of the same model reads them back, and a changed setting samples afresh.
 
 `normlab.conversion.data.streams` makes them the heal's, the walk's and the calibration's data.

@@ -30,7 +30,6 @@ import copy
 import importlib
 import json
 import math
-import os
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
@@ -44,7 +43,7 @@ from normlab.conversion.batches import cache_kwarg
 from normlab.conversion.calibrate.massive import MassiveTokens
 from normlab.conversion.export.fold import fold
 from normlab.conversion.stages import Stages, library_noise
-from normlab.owner import beside, check_writable, hold
+from normlab.owner import beside, check_writable, hold, publish
 
 __all__ = [
     "MIN_OPSET",
@@ -445,25 +444,8 @@ def export_onnx(
         except BaseException:  # a failed or interrupted export gives its disk space back at once
             shutil.rmtree(partial, ignore_errors=True)
             raise
-        _publish(partial, draft, path)
+        publish(list(zip(output_files(draft), output_files(path))), partial)
     return report
-
-
-def _publish(partial: Path, draft: Path, path: Path) -> None:
-    """Move the checked export's files to their final names, what it is (the .json) last; a move that fails takes
-    back the ones already moved, so the final names hold the whole export or none of it."""
-    moved = []
-    try:
-        for done, final in zip(output_files(draft), output_files(path)):
-            if done.exists():
-                os.replace(done, final)
-                moved.append(final)
-    except BaseException:
-        for final in moved:
-            final.unlink(missing_ok=True)
-        raise
-    finally:
-        shutil.rmtree(partial, ignore_errors=True)
 
 
 def check_target(path: str | Path, opset: int) -> tuple[Path, int]:
