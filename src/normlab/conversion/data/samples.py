@@ -8,8 +8,9 @@ a Gumbel-max draw, and a draw whose two best tokens are within `TIE` is decided 
 rounding chooses no token: float32 samples are the same on every CPU (AVX2, AVX-512, none). How they begin is
 `Starts`: by default (``data.starts = "varied"``) half are conversations through the model's chat template, a
 quarter start at BOS and a quarter at a token drawn uniformly from the vocabulary, so the heal sees the model as a
-user meets it and not only after BOS. They are cached on disk under their identity (the model's fingerprint, the count, the length, the seed, the temperature, the starts, the
-batch, the precision), so a second heal of the same model reads them back, and a changed setting samples afresh.
+user meets it and not only after BOS. They are cached on disk under their identity (the model's fingerprint, the
+count, the length, the seed, the temperature, the starts, the batch, the precision), so a second heal of the same
+model reads them back, and a changed setting samples afresh.
 
 `normlab.conversion.data.streams` makes them the heal's, the walk's and the calibration's data.
 """
