@@ -14,6 +14,7 @@ differs is refused, naming the fields (`ConvertConfig.difference`).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Literal
 
@@ -278,7 +279,7 @@ def table_keys(table: dict) -> list[str]:
     return list(_flatten(table))
 
 
-def check_known_keys(keys, said=lambda key: key) -> None:
+def check_known_keys(keys: Iterable[str], said: Callable[[str], str] = str) -> None:
     """Refuse a key whose field moved (`LEGACY_KEYS`) or was retired (`RETIRED`), named as ``said(key)`` says it.
 
     Args:
