@@ -28,7 +28,7 @@ SHORTHANDS: dict[str, str] = {
 _FLAG_OF = {v: k for k, v in SHORTHANDS.items()}
 
 # The recommended recipe, after ``--model M --to dyisru``: the budget walk by KL on the original's own samples at
-# 0.02 nats, no training (10 of SmolLM2's 61 norms, 92% same top-1; docs/conversion.md). Every page that shows a
+# 0.02 nats, no training (9 of SmolLM2's 61 norms, 93% same top-1; docs/conversion.md). Every page that shows a
 # conversion leads with it (tests/test_docs.py), and the `usable` study's "recommended" cell runs it.
 RECOMMENDED = ("--per", "channel", "--budget-nats", "0.02", "--set", "budget.metric=kl", "data.walk=self")
 #: The recipes a study cell names by ``recipe = NAME`` (the command line's flags, as the docs print them).
