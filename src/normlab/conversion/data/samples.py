@@ -213,7 +213,7 @@ def _fast_decode(model: nn.Module):
 
 
 TIE = 1e-3  # nats: a draw whose winner leads the runner-up by less is decided again in float64 (`_Decoder._exact`).
-# SmolLM2's float32 logits differ between instruction sets (AVX2, AVX-512, none) by at most 1.9e-4 nats at a token
+# SmolLM2's float32 logits differ between instruction sets (AVX2 and none, measured) by at most 1.9e-4 nats at a token
 # of probability > 1e-5 (24 x 128 positions; median 1.7e-5), its float64 ones by at most 4.1e-6 (docs/healing.md)
 
 
