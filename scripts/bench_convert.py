@@ -4,6 +4,7 @@
     python scripts/bench_convert.py --against 012416b --jobs per_channel budget
     python scripts/bench_convert.py --jobs samples                         # this commit only
     python scripts/bench_convert.py --model qwen-coder --jobs per_channel budget   # the 0.5B second family
+    python scripts/bench_convert.py --model standin-262k --jobs recommended        # a 262k vocabulary, per stage
 
 Each job is a real `normlab convert` of SmolLM2-135M-Instruct (``--model smollm2``, or another fixture with
 ``--model``) in a fresh process, its output in a temporary folder; the earlier commit runs from a git worktree of it
@@ -30,6 +31,7 @@ from pathlib import Path
 
 from _study import stamp
 from bench_kernels import cpu_name  # scripts/ is on the path when a script runs
+from normlab.conversion.flags import RECOMMENDED
 from normlab.table import append_csv, format_table
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,7 +39,10 @@ JOBS = {
     "per_channel": ["--to", "dyisru", "--per", "channel"],
     "budget": ["--to", "dyisru", "--per", "channel", "--budget-nats", "0.4"],
     "samples": ["--to", "dyisru", "--per", "channel", "--calibrate-on", "self"],
+    "recommended": ["--to", "dyisru", *RECOMMENDED],  # the README's command (its samples drawn afresh)
 }
+# the walk's parts (fidelity.json's budget_walk.stage_seconds), as the rows name them
+WALK_PARTS = {"fits": "walk: independent fits", "costs": "walk: cost of each site alone", "steps": "walk: steps"}
 
 
 def _commit(ref: str) -> str:
@@ -59,7 +64,8 @@ def _run(src: Path, job: str, out: Path, threads: int, cache: Path | None = None
     if proc.returncode != 0:
         raise SystemExit(f"{job} at {src} failed:\n{proc.stderr[-2000:]}")
     fid = json.loads((out / "fidelity.json").read_text())
-    return {"wall": wall, "fid": fid, "command": " ".join(["normlab", *argv[3:-2]])}
+    cfg = json.loads((out / "convert_config.json").read_text())
+    return {"wall": wall, "fid": fid, "cfg": cfg, "command": " ".join(["normlab", *argv[3:-2]])}
 
 
 def _rows(job: str, commit: str, res: dict) -> list[dict]:
@@ -77,6 +83,24 @@ def _rows(job: str, commit: str, res: dict) -> list[dict]:
     rows = [
         {**common, "stage": st, "seconds": s, "peak_gb": peaks.get(st, "")} for st, s in fid.get("stages", {}).items()
     ]
+    data, walk = res["cfg"].get("data", {}), fid.get("budget_walk") or {}
+    tokens = (data.get("samples") or 0) * res["cfg"].get("seq_len", 0)
+    for row in rows:  # each stage's seconds per unit of its work, where it has one
+        if row["stage"] == "samples" and tokens and data.get("walk") == "self":
+            row.update(per=round(row["seconds"] / tokens, 5), unit="token")
+    for key, name in WALK_PARTS.items():
+        if key in walk.get("stage_seconds", {}):
+            secs, n = walk["stage_seconds"][key], max(walk.get("sites", 0), 1)
+            rows.append(
+                {
+                    **common,
+                    "stage": name,
+                    "seconds": secs,
+                    "per": round(secs / n, 3),
+                    "unit": "site",
+                    "every": walk.get("every", ""),
+                }
+            )
     return [*rows, {**common, "stage": "wall (process)", "seconds": round(res["wall"], 1)}]
 
 
@@ -98,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--against", help="an earlier commit to time beside this one (a git worktree of it)")
     ap.add_argument("--jobs", nargs="+", choices=list(JOBS), default=["per_channel"])
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    ap.add_argument("--model", default="smollm2", help="a fixture (smollm2, qwen-coder) or a model path")
+    ap.add_argument("--model", default="smollm2", help="a fixture (smollm2, qwen-coder, standin-262k, ...) or a path")
     ap.add_argument("--csv", default=str(ROOT / "bench" / "convert_stages.csv"))
     args = ap.parse_args(argv)
     here = _commit("HEAD")
@@ -114,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
             rows = []
             for job in args.jobs:
                 for commit, src in sides:
-                    cache = _fresh_samples_cache(Path(tmp) / f"cache-{commit}") if job == "samples" else None
+                    fresh = job in ("samples", "recommended")
+                    cache = _fresh_samples_cache(Path(tmp) / f"cache-{commit}") if fresh else None
                     res = _run(src, job, Path(tmp) / f"{job}-{commit}", args.threads, cache, args.model)
                     rows += _rows(job, commit, res)
                     print(f"{job} at {commit}: {res['wall'] / 60:.1f} min", flush=True)
@@ -124,8 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     machine = f"{cpu_name()}, {args.threads} threads"
     measured = {"date": datetime.date.today().isoformat(), "machine": machine, "bench_commit": here}
     append_csv(args.csv, [{**measured, **r} for r in rows], stamp=stamp())
-    cols = ["job", "commit", "stage", "seconds", "peak_gb", "ce_held_out", "ce_docs"]
-    print(format_table(cols, [[r[k] for k in cols] for r in rows]))
+    cols = ["job", "commit", "stage", "seconds", "per", "unit", "peak_gb", "ce_held_out", "ce_docs"]
+    print(format_table(cols, [[r.get(k, "") for k in cols] for r in rows]))
     print(f"\n{machine}; rows appended to {args.csv}")
     return 0
 

@@ -190,7 +190,8 @@ def test_the_skip_walk_never_ends_above_its_budget_and_tries_every_site(folder, 
         "walk": "skip",
         "refit_every": 4,
         "rank_batches": 4,
-        "rank_every": 1,
+        "rank_every": None,
+        "step_every": None,
         "refit_batches": 1,
         "defer": 3.0,
         "precision": "auto",
@@ -416,3 +417,38 @@ def test_a_walk_with_a_site_init_table_refits_its_sites():
     assert len(front.converted) == len(front.order) == 7  # every site of 3 blocks and the final norm, each refitted
     with pytest.raises(ValueError, match="matches no norm of the model"):  # a typo is still one
         frontier(_peaked(), "dyt", _batches(2, 1), _batches(2, 2), budget=_plain(nats=100.0), site_init={"*x": {}})
+
+
+def test_the_kl_reads_fewer_positions_where_the_output_layer_outweighs_the_blocks():
+    """`kl_every` from the shape alone (models built on the meta device): the 270M stand-in's 262,144-token output
+    layer (1.7x its blocks) reads every 4th position, the same shape with 49,152 tokens and SmolLM2's shape every one.
+    A tiny Llama whose vocabulary outweighs its blocks walks on every n-th position by default: its last step's KL is
+    the KL on those positions of held-out text, by hand; ``step_every=1`` reads them all again."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
+
+    from normlab.conversion.data.standin import STANDIN_SHAPE
+    from normlab.conversion.frontier import frontier
+    from normlab.conversion.measure.fidelity import kl_every
+
+    smol = {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+            "num_key_value_heads": 3, "tie_word_embeddings": True, "vocab_size": 49152}  # fmt: skip
+    with torch.device("meta"):
+        shapes = [Gemma3ForCausalLM(Gemma3TextConfig(vocab_size=v, **STANDIN_SHAPE)) for v in (262_144, 49_152)]
+        shapes.append(LlamaForCausalLM(LlamaConfig(**smol)))
+    assert [kl_every(m) for m in shapes] == [4, 1, 1]
+
+    model = tiny_lm(seed=0, layers=2, initializer_range=0.3, vocab_size=1000)
+    n = kl_every(model)
+    assert n > 1
+    calib, held = _batches(2, 1), _batches(2, 2)
+    front, _ = frontier(model, "dyisru", calib, held, budget=_plain(nats=1.0, metric="kl"), progress=False)
+    assert front.every == (n, n) and front.converted
+    with torch.no_grad():
+        p = torch.cat([model(x).logits.log_softmax(-1)[:, ::n].flatten(0, 1) for x in held])
+    original = tiny_lm(seed=0, layers=2, initializer_range=0.3, vocab_size=1000)
+    with torch.no_grad():
+        q = torch.cat([original(x).logits.log_softmax(-1)[:, ::n].flatten(0, 1) for x in held])
+    assert front.curve[-1] == pytest.approx(float((q.exp() * (q - p)).sum(-1).mean()), rel=1e-4, abs=1e-7)
+    every, _ = frontier(original, "dyisru", calib, held, budget=_plain(nats=1.0, metric="kl", step_every=1),
+                        progress=False)  # fmt: skip
+    assert every.every == (n, 1)

@@ -11,8 +11,9 @@ config, so the function and the command walk alike by construction.
    for that site converted alone, and one pass fits them all.
 2. Its cost is the rise in next-token cross-entropy it causes alone, measured on the first ``rank_batches``
    calibration batches (the held-out text decides nothing about the order); with ``budget.metric="kl"``, the mean
-   KL divergence to the original it causes alone (`ReferenceKL`; ``budget.rank_every=4`` reads every 4th
-   position, 1.5x faster on SmolLM2), and every later measurement is that KL.
+   KL divergence to the original it causes alone (`ReferenceKL`), and every later measurement is that KL. The KL
+   reads every n-th position (``budget.rank_every``, ``step_every``), by default as the model's shape says
+   (`kl_every`): every one, unless the output layer outweighs the blocks (a 262,144-token vocabulary).
 3. The sites are converted cheapest first, and the held-out cross-entropy is measured after each. With
    ``nats`` the walk never keeps a site that would take the held-out cross-entropy above the original's plus the
    budget, so the model it leaves never ends above its budget on ``held`` as the walk measures it (in bf16 where
@@ -40,7 +41,7 @@ from normlab.conversion.batches import as_batches, autocast_dtype, sharing_copy
 from normlab.conversion.calibrate.stream import BlockReplay, find_blocks
 from normlab.conversion.config import BudgetConfig, CalibrateConfig
 from normlab.conversion.convert import convert_norms
-from normlab.conversion.measure.fidelity import ReferenceKL
+from normlab.conversion.measure.fidelity import ReferenceKL, kl_every
 from normlab.record import ConversionRecord
 from normlab.sites import swap
 
@@ -71,6 +72,8 @@ class Frontier:
     precision: str = "float32"  # the arithmetic of the walk's measurements, and why (batches.autocast_dtype)
     metric: str = "ce"  # what the walk measures (BudgetConfig.metric): "ce", or "kl" to the original, whose
     # ``ce_original`` is then 0 and whose ``curve`` and ``costs`` are KLs
+    every: tuple[int, int] = (1, 1)  # the KL's every n-th position: the ranking's, the steps' (`kl_every`)
+    stage_seconds: dict[str, float] = field(default_factory=dict)  # "fits", "costs" (each site alone), "steps"
 
     def within(self, nats: float) -> int:
         """How many sites the greedy walk converts before the held-out cross-entropy first rises above
@@ -131,7 +134,7 @@ def measure_of(metric: str, every: int = 1) -> Callable[[nn.Module, list], float
 
     Args:
         metric: "ce" or "kl" (`BudgetConfig.metric`).
-        every: The KL's every n-th position (`BudgetConfig.rank_every` for the ranking; the walk's steps read all).
+        every: The KL's every n-th position (`BudgetConfig.rank_every` for the ranking, ``step_every`` for the steps).
     """
     if metric not in METRICS:
         raise ValueError(f"metric must be one of {sorted(METRICS)}, got {metric!r}")
@@ -293,11 +296,15 @@ def frontier(
         fitted_model, to, calibrate=calib, progress=progress, **_setting(convert_kwargs, sequential=False)
     )
     fitted = {s.name: fitted_model.get_submodule(s.name) for s in record.sites}
-    ranking = measure_of(budget.metric, budget.rank_every) or budget.metric  # the KL on every n-th position (the
-    costs = site_costs(model, fitted, rank, progress=progress, dtype=dtype, metric=ranking)  # output layer: a third)
+    fits = time.monotonic()
+    every = (budget.rank_every, budget.step_every)
+    every = tuple(e or kl_every(model) for e in every) if budget.metric == "kl" else (1, 1)  # the output layer's
+    ranking = measure_of(budget.metric, every[0]) or budget.metric  # share bounded: every n-th position
+    costs = site_costs(model, fitted, rank, progress=progress, dtype=dtype, metric=ranking)
     order = sorted(costs, key=lambda n: costs[n] if math.isfinite(costs[n]) else math.inf)
+    ranked = time.monotonic()
     # each step measured from its block on
-    measure = measure_of(budget.metric)
+    measure = measure_of(budget.metric, every[1])
     replay = BlockReplay(model, held, find_blocks(model, order), order, dtype, measure)
     skip = budget.walk == "skip"
     now = replay.measure()
@@ -311,6 +318,7 @@ def frontier(
         skip=skip,
         precision=precision,
         metric=budget.metric,
+        every=every,
     )
     front.curve.append(now)
     by_name = {s.name: s for s in record.sites}
@@ -329,6 +337,7 @@ def frontier(
     if budget.nats is not None:
         _note_budget(record, model, front, walk.originals)
     front.seconds = time.monotonic() - start
+    front.stage_seconds = {"fits": fits - start, "costs": ranked - fits, "steps": start + front.seconds - ranked}
     return front, record
 
 

@@ -84,8 +84,11 @@ class BudgetConfig:
     """Refit every converted site after each K kept, where it lowers the cross-entropy (0: never)."""
     rank_batches: int = 4
     """Calibration batches (8 sequences each) each site's cost alone is ranked on."""
-    rank_every: int = 1
-    """With ``metric="kl"``, the ranking reads every n-th position of those (`ReferenceKL` ``every``; 4: faster)."""
+    rank_every: int | None = None
+    """With ``metric="kl"``, the ranking reads every n-th position of those (`ReferenceKL` ``every``); None: from the
+    model's shape (`normlab.conversion.measure.fidelity.kl_every`: 1 unless the output layer outweighs the blocks)."""
+    step_every: int | None = None
+    """With ``metric="kl"``, each step of the walk reads every n-th position; None: as ``rank_every``'s None."""
     refit_batches: int = 1
     """Calibration batches each site is fitted again on, in the model converted so far, at its turn (0: never)."""
     defer: float = 3.0
@@ -112,7 +115,9 @@ class BudgetConfig:
             raise ValueError(f"{flag('budget.nats')} must be a finite number >= 0 (nats of {what}), got {self.nats!r}")
         int_at_least("budget.refit_every", self.refit_every, 0, " (sites between refits; 0: never)")
         int_at_least("budget.rank_batches", self.rank_batches, 1, " (calibration batches)")
-        int_at_least("budget.rank_every", self.rank_every, 1, " (every n-th position)")
+        for key in ("rank_every", "step_every"):
+            if getattr(self, key) is not None:
+                int_at_least(f"budget.{key}", getattr(self, key), 1, " (every n-th position), or none")
         int_at_least("budget.refit_batches", self.refit_batches, 0, " (calibration batches; 0: no refit)")
         if not (finite(self.defer) and (self.defer == 0 or self.defer >= 1)):
             raise ValueError(

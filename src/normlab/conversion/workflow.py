@@ -337,7 +337,9 @@ def _convert_sites(cfg: ConvertConfig, net, texts: ConversionTexts, progress: bo
             f"--budget-nats {b.nats:g}: {len(front.converted)} of {len(front.order)} norms fit "
             f"({METRICS[front.metric]} on the {n_select} {cfg.data.selection_words()} that select them "
             f"{front.ce_original:.3f} -> "
-            f"{front.curve[-1]:.3f} in {front.precision.split(' (')[0]}; the held-out sequences below decide nothing); "
+            f"{front.curve[-1]:.3f} in {front.precision.split(' (')[0]}"
+            + (f", on one position in {front.every[1]}" if front.every[1] > 1 else "")
+            + "; the held-out sequences below decide nothing); "
             "converted, cheapest "
             f"first: {', '.join(front.converted) or 'none'}"
             + (f"; went past {len(front.passed)} over the budget" if front.passed else "")
@@ -352,6 +354,7 @@ def _convert_sites(cfg: ConvertConfig, net, texts: ConversionTexts, progress: bo
         walk = {"budget_nats": b.nats, "metric": b.metric, "text": cfg.data.walk, "selection_sequences": n_select,
                 "ce_original": front.ce_original, "ce_converted": front.curve[-1],
                 "converted": len(front.converted), "sites": len(front.order), "precision": front.precision,
+                "every": list(front.every), "stage_seconds": {k: round(v, 1) for k, v in front.stage_seconds.items()},
                 "walk": {"kept": front.converted, "curve": front.curve, "passed": front.passed,
                          "deferred": front.deferred, "costs": front.costs,
                          "seconds": round(front.seconds, 1)}}  # fmt: skip

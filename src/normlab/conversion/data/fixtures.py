@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 from normlab.corpus import cache_dir, checked_download
@@ -115,7 +116,23 @@ def _join_qwen_coder(part: Path) -> None:
         )
 
 
-FIXTURES = {"smollm2": smollm2, "qwen-coder": qwen_coder}  # the real models --model names, fetched on first use
+def _standin(vocab: int) -> Callable[[], Path]:
+    def build() -> Path:
+        from normlab.conversion.data.standin import standin
+
+        return standin(vocab)
+
+    return build
+
+
+# the models --model names: the real ones, fetched on first use; the stand-ins of a 270M model (random weights, for
+# timing only: `normlab.conversion.data.standin`), built from a config on first use
+FIXTURES = {
+    "smollm2": smollm2,
+    "qwen-coder": qwen_coder,
+    "standin-262k": _standin(262_144),
+    "standin-49k": _standin(49_152),
+}
 
 
 def fixture_path(model: str) -> str:

@@ -54,6 +54,28 @@ def check_result(result: dict, where: str = "fidelity.json") -> None:
 
 
 REFERENCE_TOP_K = 1024  # the original's log-probabilities `ReferenceKL` keeps per position (the heal's teacher_top_k)
+# The output layer's share of the work a site's cost replays (on average half the blocks) that `kl_every` allows:
+# a 262,144-token vocabulary at width 640 over 18 blocks (the stand-in, bench/convert_stages.csv) reads every 4th
+# position; SmolLM2 (0.27 of its blocks) and Qwen2.5-0.5B (0.38) read every one.
+HEAD_SHARE = 0.5
+
+
+def kl_every(model: nn.Module) -> int:
+    """Which positions the budget walk's KL reads by default, from the model's shape: every n-th, the smallest n
+    with the output layer's multiply-adds per position over n at most `HEAD_SHARE` of the blocks' (parameters stand
+    for multiply-adds per token), so the walk's cost does not grow with the vocabulary. 1 where the model names no
+    output layer.
+
+    Args:
+        model: The original model.
+    """
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    inp = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if head is None or getattr(head, "weight", None) is None:
+        return 1
+    seen = {id(p) for m in (head, inp) if m is not None for p in m.parameters()}
+    body = sum(p.numel() for p in model.parameters() if id(p) not in seen)
+    return max(1, math.ceil(head.weight.numel() / (HEAD_SHARE * max(body, 1)) - 1e-9))
 
 
 def _logits(out, lm: bool | None):
