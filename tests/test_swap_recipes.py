@@ -172,3 +172,31 @@ def test_a_lab_model_and_a_library_swap_with_the_same_recipe_start_the_same(to, 
     key = "beta" if to == "dyisru" else "alpha"
     first, second = (float(getattr(lab.blocks[0].get_submodule(s), key).detach()) for s in ("norm_attn", "norm_mlp"))
     assert first != second or to == "derf"  # the row's two values reached the sites (Derf's LM recipe: 1.0 at all)
+
+
+def test_q_and_k_norms_have_their_role_and_keep_their_own_init_under_the_paper_recipe():
+    """Qwen3's q/k norms (per head, inside attention) are role "qk": "dyt_paper" gives them DyT's own alpha0 and
+    says the paper has no value for them (it raised before, asking for roles=), while the block norms get the
+    paper's; ``roles=`` still chooses another role for them."""
+    from conftest import tiny_lm
+
+    from normlab.recipes import QK_NOTE, dyt_alpha0, site_role
+
+    assert site_role("model.layers.0.self_attn.q_norm") == "qk" == site_role("blocks.3.attn.k_layernorm")
+    model = tiny_lm("Qwen3")
+    with pytest.warns(RuntimeWarning):  # a std-0.02 model embeds far below the paper's RMS: said, as for Llama
+        record = normlab.replace_norms(model, "dyt", init="dyt_paper")
+    by_role = {}
+    for s in record.sites:
+        by_role.setdefault(s.notes[0], []).append(s)
+    assert sorted(by_role) == ["role attn", "role final", "role mlp", "role qk"] and len(by_role["role qk"]) == 4
+    table = dyt_alpha0(32)
+    for s in by_role["role qk"]:
+        assert float(model.get_submodule(s.name).alpha.detach()) == 0.5 and QK_NOTE in s.notes[1]
+    for s in by_role["role attn"]:
+        assert float(model.get_submodule(s.name).alpha.detach()) == pytest.approx(table["attn"])
+    again = tiny_lm("Qwen3")
+    with pytest.warns(RuntimeWarning):
+        record = normlab.replace_norms(again, "dyt", init="dyt_paper", roles={"*_norm": "attn", "*q_norm": "attn"})
+    q = next(s for s in record.sites if s.name.endswith("q_norm"))
+    assert q.notes[0] == "role attn" and float(again.get_submodule(q.name).alpha.detach()) == pytest.approx(table["attn"])

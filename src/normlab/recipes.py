@@ -126,7 +126,10 @@ MATCH_RMS_CAVEAT = (
 
 # A site's place in a block, which the DyT paper's alpha0 depends on: before attention, before the FFN (MLP), or the
 # final norm before the head. By the module's own name (its last component), as the common codebases write it.
-ROLES = ("attn", "mlp", "final")
+# A q/k norm ("qk") normalizes each head's queries or keys inside attention (Qwen3, Gemma 3, OLMo 2): the DyT paper
+# tabulates no alpha0 for it, so "dyt_paper" leaves it at the layer's own init and says so (`QK_NOTE`).
+ROLES = ("attn", "mlp", "final", "qk")
+QK_NOTE = "the layer's own init: the DyT paper gives no alpha0 for a q/k norm"
 ROLE_NAMES: dict[str, tuple[str, ...]] = {
     "attn": ("input_layernorm", "ln_1", "norm1", "norm_1", "norm_attn", "attention_norm", "attn_norm", "ln_attn",
              "layernorm_before", "self_attn_layer_norm"),
@@ -134,11 +137,12 @@ ROLE_NAMES: dict[str, tuple[str, ...]] = {
             "layernorm_after", "final_layer_norm_ffn"),
     "final": ("norm", "ln_f", "norm_final", "final_layernorm", "final_layer_norm", "ln_final", "norm_out",
               "final_norm"),
+    "qk": ("q_norm", "k_norm", "q_layernorm", "k_layernorm", "query_norm", "key_norm", "q_ln", "k_ln"),
 }  # fmt: skip
 
 
 def site_role(name: str, roles: dict[str, str] | None = None) -> str | None:
-    """The role of the norm named ``name`` ('attn', 'mlp' or 'final'): the first of ``roles`` ({fnmatch pattern:
+    """The role of the norm named ``name`` ('attn', 'mlp', 'final' or 'qk'): the first of ``roles`` ({fnmatch pattern:
     role}) that matches the whole name, else `ROLE_NAMES` by its last component; None when neither tells.
 
     Args:
@@ -181,7 +185,8 @@ def recipe_kwargs(recipe: str, spec: NormSpec, role: str | None, width: int, lm:
     Args:
         recipe: One of `RECIPES` except "match_rms" (applied after the swap, by `match_rms_`).
         spec: The target norm's registry entry.
-        role: 'attn', 'mlp', 'final', or None where unknown (refused where the recipe's value depends on it).
+        role: 'attn', 'mlp', 'final', 'qk' (a q/k norm), or None where unknown (refused where the recipe's value
+            depends on it).
         width: The site's channel count.
         lm: The model is a language model (it has a token embedding): the papers' language-model code then
             differs from their vision code (`LM_CHANGES`).
@@ -199,6 +204,8 @@ def recipe_kwargs(recipe: str, spec: NormSpec, role: str | None, width: int, lm:
         return dict(DERF_PAPER_INIT), "Derf's init: alpha0 = 0.5, shift0 = 0"
     if recipe != "dyt_paper":
         raise ValueError(f"unknown init recipe {recipe!r}; the recipes are {', '.join(RECIPES)}")
+    if role == "qk":
+        return {}, QK_NOTE
     table = dyt_alpha0(width)
     if role is None and len(set(table.values())) > 1:
         raise RoleUnknown("init 'dyt_paper' sets alpha0 by where a norm sits, and the site's name does not say")
