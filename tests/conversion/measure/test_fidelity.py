@@ -118,6 +118,29 @@ def test_reference_kl_on_every_nth_position_runs_the_output_layer_on_those_alone
         fid_mod.ReferenceKL(every=0)
 
 
+def test_reference_kl_in_parts_of_the_positions_reads_what_it_reads_whole(monkeypatch):
+    """A vocabulary whose log-probabilities at every position would not fit `LOGITS_PART_BYTES` is read a part of the
+    positions at a time (here 7 rows per part, masked and not): the same reference and the same KL as whole."""
+    import torch
+
+    model = tiny_lm("Llama", layers=2, initializer_range=0.3)
+    changed = copy.deepcopy(model)
+    normlab.convert_norms(changed, "dyt", include=lambda n, m: n == "model.layers.0.input_layernorm")
+    batches = id_batches(2, t=12)
+    mask = torch.ones_like(batches[0])
+    mask[0, :5] = 0
+    runs = [{"input_ids": batches[0], "attention_mask": mask}, batches[1]]
+    whole = fid_mod.ReferenceKL(k=20)
+    whole(model, runs)
+    want = whole(changed, runs)
+    monkeypatch.setattr(fid_mod, "LOGITS_PART_BYTES", 7 * 4 * model.config.vocab_size)
+    parts = fid_mod.ReferenceKL(k=20)
+    parts(model, runs)
+    for (v, i), (w, j) in zip(parts.reference, whole.reference):
+        assert torch.equal(v, w) and torch.equal(i, j)
+    assert parts(changed, runs) == pytest.approx(want, rel=1e-6) and want > 1e-3
+
+
 def test_a_batch_that_fails_is_named_by_its_stage():
     """issue 85: a held-out batch (or a heal's) that the model could not run was reported as "calibration batch 0",
     whatever the stage. Each error now names the stage that ran it and the batch, with the cause."""
