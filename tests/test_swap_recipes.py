@@ -199,4 +199,6 @@ def test_q_and_k_norms_have_their_role_and_keep_their_own_init_under_the_paper_r
     with pytest.warns(RuntimeWarning):
         record = normlab.replace_norms(again, "dyt", init="dyt_paper", roles={"*_norm": "attn", "*q_norm": "attn"})
     q = next(s for s in record.sites if s.name.endswith("q_norm"))
-    assert q.notes[0] == "role attn" and float(again.get_submodule(q.name).alpha.detach()) == pytest.approx(table["attn"])
+    assert q.notes[0] == "role attn" and float(again.get_submodule(q.name).alpha.detach()) == pytest.approx(
+        table["attn"]
+    )
