@@ -179,7 +179,6 @@ def test_q_and_k_norms_have_their_role_and_keep_their_own_init_under_the_paper_r
     says the paper has no value for them (it raised before, asking for roles=), while the block norms get the
     paper's; ``roles=`` still chooses another role for them."""
     from conftest import tiny_lm
-
     from normlab.recipes import QK_NOTE, dyt_alpha0, site_role
 
     assert site_role("model.layers.0.self_attn.q_norm") == "qk" == site_role("blocks.3.attn.k_layernorm")

@@ -37,7 +37,15 @@ from normlab.conversion.data.models import leading_bos
 from normlab.corpus import cache_dir
 from normlab.owner import hold
 
-__all__ = ["self_samples", "SampleSet", "Starts", "sample_starts", "weights_fingerprint", "SAMPLES_VERSION"]
+__all__ = [
+    "self_samples",
+    "sample_path",
+    "SampleSet",
+    "Starts",
+    "sample_starts",
+    "weights_fingerprint",
+    "SAMPLES_VERSION",
+]
 
 SAMPLES_VERSION = 7  # bump when the sampling procedure changes, so old caches are not read as new (2: own decode loop,
 # batches of SAMPLE_BATCH, one generator for the whole set; 3: inverse-CDF draws, the decode step's attention as two
@@ -377,6 +385,17 @@ def _draw(model: nn.Module, which: SampleSet, progress: bool) -> torch.Tensor:
     return tokens[torch.randperm(len(tokens), generator=gen)]
 
 
+def sample_path(which: SampleSet, cache: Path | None = None) -> Path:
+    """The cache file of a sample set (present once drawn).
+
+    Args:
+        which: The set.
+        cache: The cache folder (default ``<normlab cache>/samples``).
+    """
+    key = hashlib.sha256(json.dumps(which.identity(), sort_keys=True).encode()).hexdigest()[:16]
+    return (Path(cache) if cache is not None else cache_dir() / "samples") / f"samples-{key}.pt"
+
+
 def self_samples(
     model: nn.Module, which: SampleSet, *, cache: Path | None = None, progress: bool = False
 ) -> torch.Tensor:
@@ -398,10 +417,8 @@ def self_samples(
     """
     ident = which.identity()
     n, seq_len = which.n, which.seq_len
-    key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
-    folder = Path(cache) if cache is not None else cache_dir() / "samples"
-    path = folder / f"samples-{key}.pt"
-    folder.mkdir(parents=True, exist_ok=True)
+    path = sample_path(which, cache)
+    path.parent.mkdir(parents=True, exist_ok=True)
     with hold(path, "the sample cache", wait=True):  # another process drawing this set: wait, then read it
         if path.is_file():
             try:

@@ -13,7 +13,7 @@ from normlab.conversion.data.config import HEAL_SAMPLES, DataConfig
 from normlab.conversion.data.samples import SampleSet, Starts, self_samples, weights_fingerprint
 from normlab.conversion.data.texts import TextSplits, TokenStream
 
-__all__ = ["MixedStream", "own_samples", "calibration_samples", "heal_splits"]
+__all__ = ["MixedStream", "own_samples", "sample_set", "calibration_samples", "heal_splits"]
 
 
 class MixedStream:
@@ -79,10 +79,22 @@ def own_samples(
         starts: How the samples begin (`sample_starts` of the model's tokenizer).
         progress: Show a progress bar while it samples.
     """
+    return self_samples(original, sample_set(original, cfg, seq_len, starts), progress=progress)
+
+
+def sample_set(original: nn.Module, cfg: DataConfig, seq_len: int, starts: Starts) -> SampleSet:
+    """Which sample set `own_samples` reads or draws for ``cfg`` (its cache file: `sample_path`).
+
+    Args:
+        original: The unconverted model, which samples.
+        cfg: The data section, a `normlab.conversion.data.config.DataConfig`.
+        seq_len: Tokens per sample.
+        starts: How the samples begin (`sample_starts` of the model's tokenizer).
+    """
     on_cpu = (model_device(original) or torch.device("cpu")).type == "cpu"
     precision = "float32" if cfg.precision == "auto" and on_cpu else cfg.precision  # the same samples on every CPU
     dtype, _ = autocast_dtype(precision, original, "data.precision")
-    which = SampleSet(
+    return SampleSet(
         weights_fingerprint(original),
         cfg.samples if cfg.samples is not None else HEAL_SAMPLES,  # a ConvertConfig resolves it
         seq_len,
@@ -91,7 +103,6 @@ def own_samples(
         cfg.temperature,
         precision="bf16" if dtype is not None else "float32",
     )
-    return self_samples(original, which, progress=progress)
 
 
 def calibration_samples(
